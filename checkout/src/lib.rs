@@ -1,0 +1,1 @@
+//! The demo checkout. (Being built: see issue 4.)

@@ -1,0 +1,134 @@
+//! RFC 9457 problem documents: every answer the filter or the state API makes itself.
+
+use serde::{Deserialize, Serialize};
+
+pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
+
+/// Every kind of problem this project answers with. The `type` URI is relative
+/// (`/problems/<slug>`); `docs/problems.md` describes each one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProblemKind {
+    /// A protected route requires a key and none was sent.
+    MissingKey,
+    /// The Idempotency-Key header is malformed (empty, too long, a list, sent twice, ...).
+    InvalidKey,
+    /// A JSON object in the body has the same member twice: two parsers could read it differently.
+    DuplicateJsonMember,
+    /// Any other malformed request (state API: bad field values).
+    BadRequest,
+    /// No authenticated subject (filter), or a wrong bearer token (state API).
+    Unauthenticated,
+    /// Request body or stored response body over the configured limit.
+    PayloadTooLarge,
+    /// The key is held by a request that is still running.
+    InProgress,
+    /// The key was used before with a different request.
+    KeyReuseMismatch,
+    /// The first request completed but its response was too large to keep: it will not run again.
+    OutcomeNotReplayable,
+    /// A write by an owner whose lease was taken over by a newer claim.
+    FencedOut,
+    /// The record asked for does not exist.
+    NotFound,
+    /// The state API (or its database) cannot be reached: nothing was forwarded.
+    StateUnavailable,
+    /// An unexpected failure inside the state API.
+    Internal,
+}
+
+impl ProblemKind {
+    pub const fn status(self) -> u16 {
+        match self {
+            Self::MissingKey | Self::InvalidKey | Self::DuplicateJsonMember | Self::BadRequest => 400,
+            Self::Unauthenticated => 401,
+            Self::NotFound => 404,
+            Self::InProgress | Self::FencedOut | Self::OutcomeNotReplayable => 409,
+            Self::PayloadTooLarge => 413,
+            Self::KeyReuseMismatch => 422,
+            Self::Internal => 500,
+            Self::StateUnavailable => 503,
+        }
+    }
+
+    pub const fn slug(self) -> &'static str {
+        match self {
+            Self::MissingKey => "missing-idempotency-key",
+            Self::InvalidKey => "invalid-idempotency-key",
+            Self::DuplicateJsonMember => "duplicate-json-member",
+            Self::BadRequest => "bad-request",
+            Self::Unauthenticated => "unauthenticated",
+            Self::PayloadTooLarge => "payload-too-large",
+            Self::InProgress => "request-in-progress",
+            Self::KeyReuseMismatch => "idempotency-key-reused",
+            Self::OutcomeNotReplayable => "outcome-not-replayable",
+            Self::FencedOut => "fenced-out",
+            Self::NotFound => "not-found",
+            Self::StateUnavailable => "idempotency-state-unavailable",
+            Self::Internal => "internal-error",
+        }
+    }
+
+    pub const fn title(self) -> &'static str {
+        match self {
+            Self::MissingKey => "An Idempotency-Key header is required",
+            Self::InvalidKey => "The Idempotency-Key header is invalid",
+            Self::DuplicateJsonMember => "The JSON body has a duplicate member",
+            Self::BadRequest => "The request is invalid",
+            Self::Unauthenticated => "Authentication is required",
+            Self::PayloadTooLarge => "The payload is too large",
+            Self::InProgress => "A request with this key is still being processed",
+            Self::KeyReuseMismatch => "The key was already used for a different request",
+            Self::OutcomeNotReplayable => "The request completed but its response cannot be replayed",
+            Self::FencedOut => "The claim was taken over by a newer owner",
+            Self::NotFound => "No such record",
+            Self::StateUnavailable => "Idempotency state is unavailable",
+            Self::Internal => "Internal error",
+        }
+    }
+
+    pub fn type_uri(self) -> String {
+        format!("/problems/{}", self.slug())
+    }
+}
+
+/// The problem document itself (RFC 9457 members; no extension members).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub type_uri: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+}
+
+impl Problem {
+    pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        Self {
+            type_uri: kind.type_uri(),
+            title: kind.title().to_owned(),
+            status: kind.status(),
+            detail: detail.into(),
+        }
+    }
+
+    /// Serialized document. Serializing four strings and a number cannot fail; the fallback
+    /// keeps the filter free of `unwrap`.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problem_document_has_rfc9457_members() {
+        let p = Problem::new(ProblemKind::InProgress, "retry later");
+        let v: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap_or_default();
+        assert_eq!(v["type"], "/problems/request-in-progress");
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["title"], ProblemKind::InProgress.title());
+        assert_eq!(v["detail"], "retry later");
+    }
+}

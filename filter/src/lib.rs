@@ -1,0 +1,1 @@
+//! The proxy-wasm filter. (Being built: see issue 3.)

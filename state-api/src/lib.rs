@@ -1,0 +1,1 @@
+//! The state API. (Being built: see issue 2.)

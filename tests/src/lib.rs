@@ -1,0 +1,10 @@
+//! The real stack, started on free loopback ports: a throwaway Postgres cluster, the state API,
+//! the demo checkout and Envoy with the built filter. Used by the end-to-end tests, the state
+//! API's tests and `make demo`.
+//!
+//! Nothing here is a mock: a part that cannot be found makes the caller fail with a message
+//! that says how to get it.
+
+pub mod net;
+pub mod postgres;
+pub mod process;

@@ -1,0 +1,86 @@
+//! Child processes that die with their owner.
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+
+/// A spawned process, killed (SIGKILL) and reaped when dropped.
+#[derive(Debug)]
+pub struct ChildGuard {
+    pub name: String,
+    child: Option<Child>,
+}
+
+impl ChildGuard {
+    pub fn spawn(name: &str, cmd: &mut Command) -> Result<Self, String> {
+        let child = cmd.spawn().map_err(|e| format!("cannot start {name} ({cmd:?}): {e}"))?;
+        Ok(Self { name: name.to_owned(), child: Some(child) })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait up to `grace` for a clean exit, then SIGKILL.
+    pub fn terminate(&mut self, grace: std::time::Duration) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+            let deadline = std::time::Instant::now() + grace;
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    self.child = None;
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+        self.kill();
+    }
+
+    /// True while the process runs.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The workspace root (the parent of this crate's folder).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A built binary of this workspace (`target/<profile>/<name>`), honouring CARGO_TARGET_DIR
+/// and an explicit override in `<NAME>_BIN` (e.g. `STATE_API_BIN`).
+pub fn workspace_binary(name: &str) -> Result<PathBuf, String> {
+    let env_name = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
+    if let Ok(p) = std::env::var(&env_name) {
+        return Ok(PathBuf::from(p));
+    }
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join("target"));
+    for profile in ["debug", "release"] {
+        let p = target.join(profile).join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    Err(format!(
+        "the `{name}` binary is not built: run `make build` (or `cargo build -p {name}`), or set {env_name}"
+    ))
+}
