@@ -1,0 +1,32 @@
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use clap::Parser;
+
+/// The demo checkout upstream: records every charge and refund it executes.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "CHECKOUT_LISTEN", default_value = "127.0.0.1:8082")]
+    listen: SocketAddr,
+}
+
+#[tokio::main]
+async fn main() -> std::io::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
+    let args = Args::parse();
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    tracing::info!(listen = %args.listen, "checkout ready");
+    axum::serve(listener, checkout::app(Arc::new(checkout::Ledger::default())))
+        .with_graceful_shutdown(async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
+            }
+        })
+        .await
+}
