@@ -5,6 +5,10 @@
 //! Nothing here is a mock: a part that cannot be found makes the caller fail with a message
 //! that says how to get it.
 
+pub mod client;
+pub mod envoy;
 pub mod net;
 pub mod postgres;
 pub mod process;
+pub mod services;
+pub mod stack;

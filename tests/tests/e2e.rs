@@ -1,0 +1,466 @@
+//! End-to-end tests through the real Envoy with the real filter, state API, Postgres and checkout.
+//!
+//! Most tests share one stack (started on first use, stopped at the end) and stay apart by using
+//! unique keys. Tests that kill a part start a stack of their own.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use stack::client::{unique_key, Answer, Client, Request};
+use stack::stack::{token, Stack, StackOptions};
+
+static SHARED: Mutex<Option<Arc<Stack>>> = Mutex::new(None);
+
+fn shared_stack() -> Result<Arc<Stack>, Failed> {
+    let mut guard = SHARED.lock().map_err(|_| Failed::from("shared stack lock poisoned"))?;
+    if let Some(stack) = guard.as_ref() {
+        return Ok(stack.clone());
+    }
+    let stack = Arc::new(Stack::start(StackOptions::default()).map_err(Failed::from)?);
+    *guard = Some(stack.clone());
+    Ok(stack)
+}
+
+/// Runs an async test body on its own runtime.
+fn block_on<F: Future<Output = ()>>(f: F) -> Result<(), Failed> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Failed::from(e.to_string()))?
+        .block_on(f);
+    Ok(())
+}
+
+fn shared<F, Fut>(name: &'static str, body: F) -> Trial
+where
+    F: FnOnce(Arc<Stack>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    Trial::test(name, move || {
+        let stack = shared_stack()?;
+        block_on(body(stack))
+    })
+}
+
+fn own<F, Fut>(name: &'static str, options: StackOptions, body: F) -> Trial
+where
+    F: FnOnce(Stack) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    Trial::test(name, move || {
+        let stack = Stack::start(options).map_err(Failed::from)?;
+        block_on(body(stack))
+    })
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let trials = vec![
+        shared("first_request_executes_and_retry_replays", first_request_executes_and_retry_replays),
+        shared("duplicates_during_a_slow_request_get_409_at_once", duplicates_during_a_slow_request_get_409_at_once),
+        shared("key_order_and_whitespace_do_not_matter_nested_change_is_422", key_order_and_whitespace_do_not_matter_nested_change_is_422),
+        shared("subjects_and_endpoints_are_isolated", subjects_and_endpoints_are_isolated),
+        shared("forged_subject_header_changes_nothing", forged_subject_header_changes_nothing),
+        shared("bad_keys_get_400_problems", bad_keys_get_400_problems),
+        shared("missing_or_bad_tokens_get_401", missing_or_bad_tokens_get_401),
+        shared("bodies_over_the_limit_get_413_and_at_the_limit_pass", bodies_over_the_limit_get_413_and_at_the_limit_pass),
+        shared("declined_card_is_replayed_not_rerun", declined_card_is_replayed_not_rerun),
+        shared("multi_chunk_bodies_reach_the_upstream_whole_http1", |s| multi_chunk_bodies_arrive_whole(s, false)),
+        shared("multi_chunk_bodies_reach_the_upstream_whole_http2", |s| multi_chunk_bodies_arrive_whole(s, true)),
+        shared("hostile_bodies_do_not_kill_the_filter", hostile_bodies_do_not_kill_the_filter),
+        shared("unprotected_routes_pass_through", unprotected_routes_pass_through),
+        own("dead_state_api_gives_503_and_no_upstream_call", StackOptions::default(), dead_state_api_gives_503_and_no_upstream_call),
+        own(
+            "key_of_a_killed_envoy_is_409_until_its_lease_ends_then_reclaimable",
+            StackOptions { lease_ms: 3_000, heartbeat_ms: 1_000, ..StackOptions::default() },
+            key_of_a_killed_envoy_is_409_until_its_lease_ends,
+        ),
+        own(
+            "heartbeats_keep_a_slow_request_from_being_reclaimed",
+            StackOptions { lease_ms: 2_000, heartbeat_ms: 500, ..StackOptions::default() },
+            heartbeats_keep_a_slow_request_from_being_reclaimed,
+        ),
+    ];
+    let conclusion = libtest_mimic::run(&args, trials);
+    // Stop the shared stack's processes before exiting (statics are never dropped).
+    if let Ok(mut guard) = SHARED.lock() {
+        guard.take();
+    }
+    conclusion.exit();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+fn client(stack: &Stack) -> Client {
+    Client::new(&stack.envoy.url(""))
+}
+
+fn charge_body(amount: u64) -> serde_json::Value {
+    json!({"amount": amount, "currency": "BRL", "card": {"number": "4242424242424242", "exp": "12/30"}})
+}
+
+fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
+    Request::post("/checkout").token(&token(who)).key(key).json(body)
+}
+
+async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
+    client(stack).charges_for_key(&stack.checkout.url(""), key).await
+}
+
+fn assert_problem(answer: &Answer, status: u16, type_suffix: &str, stack: &Stack) {
+    assert_eq!(answer.status, status, "expected {status}, got {}\n{}", answer.describe(), stack.logs());
+    let t = answer.problem_type().unwrap_or_default();
+    assert!(t.ends_with(type_suffix), "expected a problem of type …{type_suffix}, got {}", answer.describe());
+    let doc = answer.json();
+    for member in ["type", "title", "detail"] {
+        assert!(doc.get(member).and_then(|v| v.as_str()).is_some_and(|s| !s.is_empty()), "problem without {member}: {doc}");
+    }
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared-stack tests
+
+async fn first_request_executes_and_retry_replays(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("replay");
+    let body = charge_body(4990);
+    let first = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(first.status, 201, "{}\n{}", first.describe(), stack.logs());
+    assert!(first.header("location").is_some_and(|l| l.starts_with("/charges/")));
+    assert!(first.header("set-cookie").is_some(), "the checkout sets a cookie on the first answer");
+    assert_eq!(first.header("idempotent-replayed"), None);
+
+    for _ in 0..2 {
+        let retry = c.send(checkout(&key, "alice", &body)).await;
+        assert_eq!(retry.status, first.status);
+        assert_eq!(retry.body, first.body, "replayed body must be byte-identical");
+        for h in ["content-type", "location", "etag"] {
+            assert_eq!(retry.header(h), first.header(h), "header {h} must be replayed");
+        }
+        assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
+        // Never replayed: another caller's cookie, a per-request id.
+        assert_eq!(retry.header("set-cookie"), None, "{}", retry.describe());
+        assert_eq!(retry.header("x-request-id"), None, "{}", retry.describe());
+    }
+    let ran = executions(&stack, &key).await;
+    assert_eq!(ran.len(), 1, "one execution for one key: {ran:?}");
+    assert_eq!(ran[0]["subject"], "alice");
+    assert_eq!(ran[0]["idempotency_key"], key.as_str(), "the key is forwarded upstream");
+    assert!(ran[0]["fencing_token"].as_str().is_some_and(|t| t.parse::<i64>().is_ok_and(|n| n > 0)), "{ran:?}");
+}
+
+async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("slow");
+    let body = charge_body(12_000);
+    let slow = {
+        let c = c.clone();
+        let req = checkout(&key, "alice", &body).delay_ms(4_000);
+        tokio::spawn(async move { c.send(req).await })
+    };
+    // Let the first request claim the key (it is then upstream for 4 s).
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let duplicates = futures::future::join_all((0..20).map(|_| c.send(checkout(&key, "alice", &body)))).await;
+    let mut slowest = Duration::ZERO;
+    for d in &duplicates {
+        assert_problem(d, 409, "request-in-progress", &stack);
+        let retry_after: u64 = d.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
+        assert!((1..=30).contains(&retry_after), "Retry-After must be a few seconds: {}", d.describe());
+        slowest = slowest.max(d.elapsed);
+    }
+    // They are answered while the first is still running, not after it (4 s).
+    assert!(slowest < Duration::from_millis(1_500), "a 409 took {slowest:?}: duplicates must not wait for the first request");
+    eprintln!("20 concurrent duplicates answered 409, slowest in {slowest:?}");
+    let first = slow.await.unwrap_or_else(|e| panic!("slow request task: {e}"));
+    assert_eq!(first.status, 201, "{}", first.describe());
+    assert_eq!(executions(&stack, &key).await.len(), 1, "twenty-one requests, one charge");
+    let after = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(after.status, 201);
+    assert_eq!(after.header("idempotent-replayed").as_deref(), Some("true"));
+}
+
+async fn key_order_and_whitespace_do_not_matter_nested_change_is_422(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("canon");
+    let original = br#"{"amount":100,"currency":"BRL","card":{"number":"4242424242424242","exp":"12/30"},"items":[{"sku":"a","qty":1,"meta":{"gift":false}}]}"#;
+    let reordered = b"{ \"items\" : [ { \"meta\": {\"gift\" : false}, \"qty\":1, \"sku\":\"a\" } ],\n  \"card\": {\"exp\":\"12/30\", \"number\":\"4242424242424242\"}, \"currency\":\"BRL\", \"amount\": 100 }";
+    // Differs only in a nested member that is not a top-level key: the seed's fingerprint missed this.
+    let nested_change = br#"{"amount":100,"currency":"BRL","card":{"number":"4242424242424242","exp":"12/30"},"items":[{"sku":"a","qty":1,"meta":{"gift":true}}]}"#;
+    let send = |b: &'static [u8]| {
+        c.send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(b.to_vec()))
+    };
+    let first = send(original).await;
+    assert_eq!(first.status, 201, "{}", first.describe());
+    let same = send(reordered).await;
+    assert_eq!(same.status, 201, "{}", same.describe());
+    assert_eq!(same.header("idempotent-replayed").as_deref(), Some("true"), "key order and whitespace must not matter");
+    let changed = send(nested_change).await;
+    assert_problem(&changed, 422, "idempotency-key-reused", &stack);
+    assert_eq!(executions(&stack, &key).await.len(), 1);
+}
+
+async fn subjects_and_endpoints_are_isolated(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("scope");
+    let body = charge_body(700);
+    let alice = c.send(checkout(&key, "alice", &body)).await;
+    let bob = c.send(checkout(&key, "bob", &body)).await;
+    let refund = c.send(Request::post("/refunds").token(&token("alice")).key(&key).json(&body)).await;
+    for a in [&alice, &bob, &refund] {
+        assert_eq!(a.status, 201, "{}", a.describe());
+        assert_eq!(a.header("idempotent-replayed"), None, "no replay may cross subjects or endpoints");
+    }
+    assert_ne!(alice.body, bob.body);
+    let ran = executions(&stack, &key).await;
+    assert_eq!(ran.len(), 3, "{ran:?}");
+    let mut who: Vec<(String, String)> = ran.iter().map(|e| (e["subject"].to_string(), e["kind"].to_string())).collect();
+    who.sort();
+    assert_eq!(who, vec![("\"alice\"".into(), "\"charge\"".into()), ("\"alice\"".into(), "\"refund\"".into()), ("\"bob\"".into(), "\"charge\"".into())]);
+}
+
+async fn forged_subject_header_changes_nothing(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("forged");
+    let body = charge_body(500);
+    // bob executes first; alice then sends the same key claiming to be bob.
+    assert_eq!(c.send(checkout(&key, "bob", &body)).await.status, 201);
+    let forged = c.send(checkout(&key, "alice", &body).header("x-jwt-sub", "bob").header("x-jwt-sub", "bob")).await;
+    assert_eq!(forged.status, 201, "{}", forged.describe());
+    assert_eq!(forged.header("idempotent-replayed"), None, "alice must not see bob's stored response");
+    let ran = executions(&stack, &key).await;
+    assert_eq!(ran.len(), 2);
+    assert!(ran.iter().any(|e| e["subject"] == "alice"), "the upstream sees the verified subject: {ran:?}");
+    // No token at all, only a forged subject header: refused before the filter.
+    let anonymous = c.send(Request::post("/checkout").key(&key).header("x-jwt-sub", "bob").json(&body)).await;
+    assert_eq!(anonymous.status, 401);
+}
+
+async fn bad_keys_get_400_problems(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let body = charge_body(1);
+    let alice = token("alice");
+    let base = || Request::post("/checkout").token(&alice).json(&body);
+    let cases: Vec<(&str, Request, &str)> = vec![
+        ("missing", base(), "missing-idempotency-key"),
+        ("empty", base().key(""), "invalid-idempotency-key"),
+        ("too long", base().key(&"k".repeat(256)), "invalid-idempotency-key"),
+        ("a list", base().key("a, b"), "invalid-idempotency-key"),
+        ("sent twice", base().key("twice-a").key("twice-b"), "invalid-idempotency-key"),
+        ("quote inside quotes", base().key("\"ab\"c\""), "invalid-idempotency-key"),
+        ("space", base().key("a b"), "invalid-idempotency-key"),
+        ("empty sf-string", base().key("\"\""), "invalid-idempotency-key"),
+    ];
+    for (what, req, problem) in cases {
+        let answer = c.send(req).await;
+        assert_eq!(answer.status, 400, "{what}: {}", answer.describe());
+        assert_problem(&answer, 400, problem, &stack);
+    }
+    // An sf-string and the same bare token are the same key.
+    let key = unique_key("sf");
+    let quoted = c.send(base().key(&format!("\"{key}\""))).await;
+    assert_eq!(quoted.status, 201, "{}", quoted.describe());
+    let bare = c.send(base().key(&key)).await;
+    assert_eq!(bare.header("idempotent-replayed").as_deref(), Some("true"), "{}", bare.describe());
+}
+
+async fn missing_or_bad_tokens_get_401(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("authn");
+    let body = charge_body(1);
+    for name in ["expired", "wrong_key", "wrong_issuer", "wrong_audience", "tampered"] {
+        let answer = c.send(checkout(&key, name, &body)).await;
+        assert_eq!(answer.status, 401, "token {name}: {}", answer.describe());
+    }
+    assert_eq!(c.send(Request::post("/checkout").key(&key).json(&body)).await.status, 401);
+    assert!(executions(&stack, &key).await.is_empty());
+}
+
+async fn bodies_over_the_limit_get_413_and_at_the_limit_pass(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let limit = 1_048_576usize;
+    let exactly = |n: usize| {
+        let head = br#"{"amount":1,"pad":""#;
+        let tail = br#""}"#;
+        let mut b = head.to_vec();
+        b.resize(n - tail.len(), b'x');
+        b.extend_from_slice(tail);
+        b
+    };
+    let key = unique_key("limit");
+    let at_limit = c
+        .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(exactly(limit)))
+        .await;
+    assert_eq!(at_limit.status, 201, "a body of exactly the limit passes: {}", at_limit.describe());
+    let ran = executions(&stack, &key).await;
+    assert_eq!(ran[0]["body_len"], limit);
+
+    let key = unique_key("over");
+    let over = c
+        .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(exactly(limit + 1)))
+        .await;
+    assert_problem(&over, 413, "payload-too-large", &stack);
+    // Chunked (no Content-Length): the filter counts while buffering.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = exactly(limit + 1).chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
+    let chunked = c
+        .send(Request::post("/checkout").token(&token("alice")).key(&key).body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))))
+        .await;
+    assert_problem(&chunked, 413, "payload-too-large", &stack);
+    assert!(executions(&stack, &key).await.is_empty());
+}
+
+async fn declined_card_is_replayed_not_rerun(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("declined");
+    // The demo checkout always declines this card.
+    let body = json!({"amount": 990, "card": {"number": "4000000000000002"}});
+    let first = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(first.status, 402, "{}", first.describe());
+    assert_eq!(first.json(), json!({"error": "card_declined"}));
+    let retry = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(retry.status, 402);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
+    assert_eq!(executions(&stack, &key).await.len(), 1, "a declined card is a result, not a reason to run again");
+}
+
+async fn multi_chunk_bodies_arrive_whole(stack: Arc<Stack>, http2: bool) {
+    let c = if http2 { Client::http2(&stack.envoy.url("")) } else { client(&stack) };
+    for size in [64 * 1024 + 17, 700 * 1024] {
+        let key = unique_key(if http2 { "h2-chunks" } else { "h1-chunks" });
+        // Valid JSON with varied bytes, sent in uneven chunks without a Content-Length.
+        let mut body = br#"{"amount":1,"pad":""#.to_vec();
+        body.extend((0..size).map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[(i * 7 + i / 13) % 36]));
+        body.extend_from_slice(br#""}"#);
+        let expected = sha256_hex(&body);
+        let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(16 * 1024 + 3).map(|c| Ok(c.to_vec())).collect();
+        let answer = c
+            .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))))
+            .await;
+        assert_eq!(answer.status, 201, "{}\n{}", answer.describe(), stack.logs());
+        let ran = executions(&stack, &key).await;
+        assert_eq!(ran.len(), 1);
+        assert_eq!(ran[0]["body_len"], body.len(), "bytes lost between the client and the upstream");
+        assert_eq!(ran[0]["body_sha256"], expected.as_str(), "the upstream must receive the exact body");
+        assert_eq!(ran[0]["idempotency_key"], key.as_str());
+    }
+}
+
+async fn hostile_bodies_do_not_kill_the_filter(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let deep_array = "[".repeat(100_000) + &"]".repeat(100_000);
+    let deep_object = "{\"a\":".repeat(100_000) + "1" + &"}".repeat(100_000);
+    let hostile: Vec<(&str, Vec<u8>, &[u16])> = vec![
+        ("duplicate member", br#"{"amount":1,"amount":2}"#.to_vec(), &[400]),
+        ("nested duplicate member", br#"{"a":{"b":1,"b":1}}"#.to_vec(), &[400]),
+        ("100,000-deep array", deep_array.into_bytes(), &[201, 400]),
+        ("100,000-deep object", deep_object.into_bytes(), &[201, 400]),
+        ("invalid JSON", b"{\"amount\": 1,".to_vec(), &[400]),
+        ("invalid UTF-8", b"{\"amount\": \"\xff\xfe\"}".to_vec(), &[400]),
+        ("lone surrogate", br#"{"amount": "\ud800"}"#.to_vec(), &[201, 400]),
+        ("huge number", format!("{{\"amount\": 1{}}}", "0".repeat(5000)).into_bytes(), &[201, 400]),
+        ("huge exponent", br#"{"amount": 1e999999999999999999}"#.to_vec(), &[201, 400]),
+        ("NUL bytes", b"\0\0\0\0".to_vec(), &[400]),
+        ("empty", Vec::new(), &[400]),
+    ];
+    for (what, body, allowed) in hostile {
+        let key = unique_key("hostile");
+        let answer = c
+            .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(body))
+            .await;
+        assert!(allowed.contains(&answer.status), "{what}: {}", answer.describe());
+        // A normal request still works after each one: the Wasm VM is alive.
+        let ok = c.send(checkout(&unique_key("after-hostile"), "alice", &charge_body(1))).await;
+        assert_eq!(ok.status, 201, "after {what}: {}\n{}", ok.describe(), stack.envoy.log_tail());
+    }
+}
+
+async fn unprotected_routes_pass_through(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let list = c.send(Request::get("/charges").token(&token("alice"))).await;
+    assert_eq!(list.status, 200, "{}", list.describe());
+    assert!(list.json().is_array());
+    assert_eq!(c.send(Request::get("/charges")).await.status, 401, "GET /charges still needs a token");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests with a stack of their own
+
+async fn dead_state_api_gives_503_and_no_upstream_call(mut stack: Stack) {
+    let c = client(&stack);
+    let key = unique_key("dead-api");
+    let body = charge_body(300);
+    stack.state_api.kill();
+    let answer = c.send(checkout(&key, "alice", &body)).await;
+    assert_problem(&answer, 503, "idempotency-state-unavailable", &stack);
+    assert!(answer.header("retry-after").is_some(), "{}", answer.describe());
+    assert!(executions(&stack, &key).await.is_empty(), "fail closed: nothing may reach the upstream");
+    stack.restart_state_api().unwrap_or_else(|e| panic!("{e}"));
+    let after = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(after.status, 201, "a 503 must not burn the key: {}", after.describe());
+    assert_eq!(executions(&stack, &key).await.len(), 1);
+}
+
+async fn key_of_a_killed_envoy_is_409_until_its_lease_ends(mut stack: Stack) {
+    let key = unique_key("orphan");
+    let body = charge_body(800);
+    let orphan = {
+        let c = client(&stack);
+        let req = checkout(&key, "alice", &body).delay_ms(2_000);
+        tokio::spawn(async move { c.try_send(req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stack.envoy.kill();
+    let _ = orphan.await;
+    stack.restart_envoy().unwrap_or_else(|e| panic!("{e}"));
+    let c = client(&stack);
+    let killed_at = std::time::Instant::now();
+    let during = c.send(checkout(&key, "alice", &body)).await;
+    assert_problem(&during, 409, "request-in-progress", &stack);
+    // No heartbeat extends the dead Envoy's lease (3 s): poll until the key is reclaimed.
+    let mut reclaimed = None;
+    while killed_at.elapsed() < Duration::from_secs(15) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let a = c.send(checkout(&key, "alice", &body)).await;
+        if a.status != 409 {
+            reclaimed = Some(a);
+            break;
+        }
+    }
+    let reclaimed = reclaimed.unwrap_or_else(|| panic!("the key was never reclaimed\n{}", stack.logs()));
+    assert!(killed_at.elapsed() >= Duration::from_millis(1_500), "reclaimed before the lease could have run out");
+    // The orphaned upstream call may have run; the reclaim then replays nothing, but runs with a newer token.
+    let ran = executions(&stack, &key).await;
+    let tokens: Vec<i64> = ran.iter().filter_map(|e| e["fencing_token"].as_str().and_then(|t| t.parse().ok())).collect();
+    assert_eq!(reclaimed.status, 201, "{}", reclaimed.describe());
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "each claim carries a larger fencing token: {tokens:?}");
+}
+
+async fn heartbeats_keep_a_slow_request_from_being_reclaimed(stack: Stack) {
+    let c = client(&stack);
+    let key = unique_key("heartbeat");
+    let body = charge_body(900);
+    // The request stays upstream for 3x the lease; heartbeats must keep the claim alive.
+    let slow = {
+        let c = c.clone();
+        let req = checkout(&key, "alice", &body).delay_ms(6_000);
+        tokio::spawn(async move { c.send(req).await })
+    };
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let dup = c.send(checkout(&key, "alice", &body)).await;
+        assert_problem(&dup, 409, "request-in-progress", &stack);
+    }
+    let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.status, 201, "{}", first.describe());
+    assert_eq!(executions(&stack, &key).await.len(), 1, "a live owner must never be reclaimed");
+}
