@@ -1,1 +1,18 @@
-//! The proxy-wasm filter. (Being built: see issue 3.)
+//! The idempotency filter: a proxy-wasm HTTP filter for Envoy that answers duplicate requests
+//! at the edge (see `docs/filter.md`).
+//!
+//! Everything that decides is plain Rust without host calls, tested natively and in wasm:
+//! [`config`], [`key`], [`headers`], [`outcome`], [`heartbeat`], [`metrics`] and the
+//! per-request state machine [`flow`]. The proxy-wasm glue in `glue/` only performs what the
+//! flow asks for; it is compiled for `wasm32-wasip1` (the module Envoy loads) only.
+
+pub mod config;
+pub mod flow;
+pub mod headers;
+pub mod heartbeat;
+pub mod key;
+pub mod metrics;
+pub mod outcome;
+
+#[cfg(all(target_arch = "wasm32", target_os = "wasi"))]
+mod glue;

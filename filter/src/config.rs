@@ -1,0 +1,387 @@
+//! The plugin configuration (JSON in the Envoy Wasm filter's `configuration`), parsed and
+//! checked once per worker in `on_configure`. An error here makes Envoy refuse the plugin; the
+//! message names the field at fault.
+
+use crate::headers;
+use serde::Deserialize;
+use std::fmt;
+use std::time::Duration;
+
+pub const DEFAULT_MAX_BODY: u64 = 1024 * 1024;
+pub const DEFAULT_LEASE_MS: u64 = 30_000;
+pub const DEFAULT_HEARTBEAT_MS: u64 = 10_000;
+pub const DEFAULT_TIMEOUT_MS: u64 = 1_000;
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub state_api: StateApi,
+    pub subject: SubjectSource,
+    pub routes: Vec<Route>,
+    #[serde(default = "default_max_body")]
+    pub max_request_body_bytes: u64,
+    #[serde(default = "default_max_body")]
+    pub max_stored_body_bytes: u64,
+    #[serde(default = "default_lease_ms")]
+    pub lease_ms: u64,
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// Response headers replayed in addition to the built-in allowlist (lower-cased on load).
+    #[serde(default)]
+    pub replay_extra_headers: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateApi {
+    /// An Envoy cluster name (not a URL).
+    pub cluster: String,
+    /// The `:authority` of the calls.
+    pub authority: String,
+    /// Sent as `Authorization: Bearer <token>`.
+    pub token: String,
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+/// Where the authenticated subject comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum SubjectSource {
+    /// A request header set by an earlier filter from a verified token (e.g. jwt_authn
+    /// `claim_to_headers`). Protected routes must require that filter's provider.
+    Header(String),
+    /// A path into the stream's dynamic metadata: filter namespace, then keys, e.g.
+    /// `["envoy.filters.http.jwt_authn", "jwt_payload", "sub"]` (jwt_authn `payload_in_metadata`).
+    Metadata(Vec<String>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyPolicy {
+    /// No key: 400.
+    Required,
+    /// No key: passed through untouched.
+    Optional,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum On5xx {
+    /// Keep the 5xx as the outcome (replayed to retries), like Stripe.
+    #[default]
+    Store,
+    /// Give the key back: only where the upstream itself dedupes on the forwarded key.
+    Release,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStateUnavailable {
+    /// 503 + Retry-After, nothing forwarded.
+    #[default]
+    FailClosed,
+    /// Forward without protection (counted as `failed_open`).
+    FailOpen,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    pub method: String,
+    /// Exact path match (the query is ignored).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Prefix match, instead of `path`.
+    #[serde(default)]
+    pub prefix: Option<String>,
+    pub key: KeyPolicy,
+    #[serde(default)]
+    pub on_5xx: On5xx,
+    #[serde(default)]
+    pub on_state_unavailable: OnStateUnavailable,
+}
+
+fn default_max_body() -> u64 {
+    DEFAULT_MAX_BODY
+}
+fn default_lease_ms() -> u64 {
+    DEFAULT_LEASE_MS
+}
+fn default_heartbeat_ms() -> u64 {
+    DEFAULT_HEARTBEAT_MS
+}
+fn default_timeout_ms() -> u64 {
+    DEFAULT_TIMEOUT_MS
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid idempotency filter configuration: {}", self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+impl Config {
+    /// Parse and check a plugin configuration.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let mut cfg: Config =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&mut self) -> Result<(), ConfigError> {
+        let s = &self.state_api;
+        if s.cluster.is_empty() {
+            return err("state_api.cluster must not be empty");
+        }
+        if s.authority.is_empty() || s.authority.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
+            return err("state_api.authority must be a non-empty host[:port]");
+        }
+        if s.token.is_empty() || s.token.bytes().any(|b| !(0x20..=0x7e).contains(&b)) {
+            return err("state_api.token must be non-empty visible ASCII");
+        }
+        if s.timeout_ms == 0 {
+            return err("state_api.timeout_ms must be > 0 (0 would mean no timeout)");
+        }
+        if s.timeout_ms > u64::from(u32::MAX) {
+            return err("state_api.timeout_ms is too large");
+        }
+        match &mut self.subject {
+            SubjectSource::Header(h) => {
+                *h = h.to_ascii_lowercase();
+                if !is_token(h) {
+                    return err("subject.header must be a header name");
+                }
+            }
+            SubjectSource::Metadata(path) => {
+                if path.len() < 2 || path.iter().any(String::is_empty) {
+                    return err("subject.metadata must be [filter namespace, key, ...] with at least two non-empty parts");
+                }
+            }
+        }
+        if self.routes.is_empty() {
+            return err("routes must not be empty");
+        }
+        for (i, r) in self.routes.iter_mut().enumerate() {
+            if !is_token(&r.method) {
+                return err(format!("routes[{i}].method must be an HTTP method"));
+            }
+            r.method = r.method.to_ascii_uppercase();
+            match (&r.path, &r.prefix) {
+                (Some(p), None) | (None, Some(p)) => {
+                    if !p.starts_with('/') || p.contains('?') || p.contains('#') {
+                        return err(format!(
+                            "routes[{i}]: the path or prefix must start with '/' and have no query"
+                        ));
+                    }
+                }
+                _ => return err(format!("routes[{i}] needs exactly one of path or prefix")),
+            }
+        }
+        if self.max_request_body_bytes == 0 {
+            return err("max_request_body_bytes must be > 0");
+        }
+        if self.max_stored_body_bytes == 0 {
+            return err("max_stored_body_bytes must be > 0");
+        }
+        if self.lease_ms == 0 {
+            return err("lease_ms must be > 0");
+        }
+        if self.heartbeat_ms == 0 || self.heartbeat_ms >= self.lease_ms {
+            return err("heartbeat_ms must be > 0 and < lease_ms");
+        }
+        for (i, h) in self.replay_extra_headers.iter_mut().enumerate() {
+            *h = h.to_ascii_lowercase();
+            if !is_token(h) {
+                return err(format!("replay_extra_headers[{i}] must be a header name"));
+            }
+            if headers::never_replayed(h) {
+                return err(format!("replay_extra_headers[{i}]: {h} is never replayed"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The first route matching this method and path (query already removed).
+    pub fn route(&self, method: &str, path: &str) -> Option<&Route> {
+        self.route_index(method, path)
+            .and_then(|i| self.routes.get(i))
+    }
+
+    pub fn route_index(&self, method: &str, path: &str) -> Option<usize> {
+        self.routes.iter().position(|r| {
+            r.method == method
+                && match (&r.path, &r.prefix) {
+                    (Some(p), _) => p == path,
+                    (None, Some(p)) => path.starts_with(p.as_str()),
+                    (None, None) => false,
+                }
+        })
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.state_api.timeout_ms)
+    }
+
+    /// How often the root context looks for leases to extend.
+    pub fn tick_period(&self) -> Duration {
+        Duration::from_millis((self.heartbeat_ms / 4).max(50))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    pub const EXAMPLE: &str = r#"{
+      "state_api": {"cluster": "state_api", "authority": "state-api", "token": "secret", "timeout_ms": 1000},
+      "subject": {"header": "x-jwt-sub"},
+      "routes": [
+        {"method": "POST", "path": "/checkout", "key": "required"},
+        {"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "store", "on_state_unavailable": "fail_closed"}
+      ],
+      "max_request_body_bytes": 1048576,
+      "max_stored_body_bytes": 1048576,
+      "lease_ms": 30000,
+      "heartbeat_ms": 10000,
+      "replay_extra_headers": []
+    }"#;
+
+    fn with(patch: impl FnOnce(&mut serde_json::Value)) -> Result<Config, ConfigError> {
+        let mut v: serde_json::Value = serde_json::from_str(EXAMPLE).unwrap();
+        patch(&mut v);
+        Config::parse(v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let c = Config::parse(EXAMPLE.as_bytes()).unwrap();
+        assert_eq!(c.routes.len(), 2);
+        assert_eq!(c.subject, SubjectSource::Header("x-jwt-sub".into()));
+        assert_eq!(c.timeout(), Duration::from_millis(1000));
+        assert_eq!(
+            c.route("POST", "/checkout").map(|r| r.key),
+            Some(KeyPolicy::Required)
+        );
+        assert!(c.route("GET", "/checkout").is_none());
+        assert!(c.route("POST", "/checkout/x").is_none());
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let c = Config::parse(
+            br#"{"state_api":{"cluster":"c","authority":"a","token":"t"},"subject":{"metadata":["envoy.filters.http.jwt_authn","jwt_payload","sub"]},"routes":[{"method":"post","prefix":"/pay/","key":"optional"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.max_request_body_bytes, 1 << 20);
+        assert_eq!(c.max_stored_body_bytes, 1 << 20);
+        assert_eq!(
+            (c.lease_ms, c.heartbeat_ms, c.state_api.timeout_ms),
+            (30_000, 10_000, 1_000)
+        );
+        let r = c.route("POST", "/pay/x").unwrap();
+        assert_eq!(
+            (r.on_5xx, r.on_state_unavailable),
+            (On5xx::Store, OnStateUnavailable::FailClosed)
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_with_their_name() {
+        let e = with(|v| v["lease"] = 5.into()).unwrap_err();
+        assert!(e.to_string().contains("unknown field `lease`"), "{e}");
+        let e = with(|v| v["routes"][0]["methods"] = "GET".into()).unwrap_err();
+        assert!(e.to_string().contains("unknown field `methods`"), "{e}");
+        let e = with(|v| v["routes"][0]["key"] = "sometimes".into()).unwrap_err();
+        assert!(e.to_string().contains("unknown variant `sometimes`"), "{e}");
+        assert!(Config::parse(b"not json").is_err());
+    }
+
+    #[test]
+    fn invalid_values_are_refused() {
+        type Patch = Box<dyn FnOnce(&mut serde_json::Value)>;
+        let cases: Vec<(Patch, &str)> = vec![
+            (
+                Box::new(|v| v["state_api"]["timeout_ms"] = 0.into()),
+                "timeout_ms",
+            ),
+            (
+                Box::new(|v| v["heartbeat_ms"] = 30_000.into()),
+                "heartbeat_ms",
+            ),
+            (Box::new(|v| v["lease_ms"] = 0.into()), "lease_ms"),
+            (
+                Box::new(|v| v["max_request_body_bytes"] = 0.into()),
+                "max_request_body_bytes",
+            ),
+            (
+                Box::new(|v| v["max_stored_body_bytes"] = 0.into()),
+                "max_stored_body_bytes",
+            ),
+            (Box::new(|v| v["routes"] = serde_json::json!([])), "routes"),
+            (
+                Box::new(|v| v["routes"][0]["path"] = "checkout".into()),
+                "routes[0]",
+            ),
+            (
+                Box::new(|v| v["routes"][1]["prefix"] = "/r".into()),
+                "routes[1]",
+            ),
+            (
+                Box::new(|v| v["state_api"]["cluster"] = "".into()),
+                "cluster",
+            ),
+            (Box::new(|v| v["state_api"]["token"] = "".into()), "token"),
+            (
+                Box::new(|v| v["subject"] = serde_json::json!({"header": "x y"})),
+                "subject",
+            ),
+            (
+                Box::new(|v| {
+                    v["subject"] = serde_json::json!({"header": "a", "metadata": ["a", "b"]})
+                }),
+                "",
+            ),
+            (
+                Box::new(|v| v["replay_extra_headers"] = serde_json::json!(["Set-Cookie"])),
+                "set-cookie",
+            ),
+            (
+                Box::new(|v| v["replay_extra_headers"] = serde_json::json!(["connection"])),
+                "connection",
+            ),
+        ];
+        for (patch, needle) in cases {
+            let e = with(patch).unwrap_err();
+            assert!(
+                e.to_string().contains(needle),
+                "{e} should mention {needle}"
+            );
+        }
+    }
+
+    #[test]
+    fn extra_replay_headers_are_lower_cased() {
+        let c = with(|v| v["replay_extra_headers"] = serde_json::json!(["X-Charge-Id"])).unwrap();
+        assert_eq!(c.replay_extra_headers, vec!["x-charge-id".to_owned()]);
+    }
+}

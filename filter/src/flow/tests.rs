@@ -1,0 +1,761 @@
+//! Scenario tests of the per-request state machine (natively and in wasm).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use super::*;
+use contract::wire::{HeartbeatRequest, StoredResponse};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const CONFIG: &str = r#"{
+  "state_api": {"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": 1000},
+  "subject": {"header": "x-jwt-sub"},
+  "routes": [
+    {"method": "POST", "path": "/checkout", "key": "required"},
+    {"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release", "on_state_unavailable": "fail_open"},
+    {"method": "POST", "prefix": "/carts/", "key": "optional"}
+  ],
+  "max_request_body_bytes": 100,
+  "max_stored_body_bytes": 10,
+  "replay_extra_headers": ["x-charge-id"]
+}"#;
+
+fn flow() -> Flow {
+    Flow::new(Rc::new(Config::parse(CONFIG.as_bytes()).unwrap()))
+}
+
+fn h(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+        .collect()
+}
+
+fn req_headers(path: &str, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v = h(&[
+        (":method", "POST"),
+        (":path", path),
+        (":authority", "shop"),
+        ("x-jwt-sub", "user-1"),
+    ]);
+    v.extend(h(extra));
+    v
+}
+
+fn head(headers: &[(String, String)]) -> RequestHead<'_> {
+    RequestHead {
+        headers,
+        metadata_subject: None,
+    }
+}
+
+fn reply_of(step: &Step) -> &LocalReply {
+    step.effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Reply(r) => Some(r),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no reply in {step:?}"))
+}
+
+fn problem_type(r: &LocalReply) -> String {
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["type"].as_str().unwrap().to_owned()
+}
+
+fn header<'a>(r: &'a LocalReply, name: &str) -> Option<&'a str> {
+    r.headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn counts(step: &Step) -> Vec<Metric> {
+    step.effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Count(m) => Some(*m),
+            _ => None,
+        })
+        .collect()
+}
+
+fn claim_payload(step: &Step) -> ClaimRequest {
+    let body = step
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::DispatchClaim(b) => Some(b.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no claim in {step:?}"));
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn answer<T: serde::Serialize>(v: &T) -> Callout {
+    Callout::Answer {
+        status: 200,
+        body: serde_json::to_vec(v).unwrap(),
+    }
+}
+
+/// Drives a flow to the point where the request was claimed and resumed.
+fn claimed_flow(path: &str, body: &[u8]) -> (Flow, ClaimRequest) {
+    let mut f = flow();
+    let hs = req_headers(
+        path,
+        &[
+            ("idempotency-key", "k1"),
+            ("content-type", "application/json"),
+        ],
+    );
+    assert_eq!(
+        f.on_request_headers(head(&hs), false).verdict,
+        Verdict::Pause
+    );
+    let step = f.on_request_body(body.len(), true, |n| Some(body[..n].to_vec()));
+    assert_eq!(step.verdict, Verdict::Pause);
+    let claim = claim_payload(&step);
+    let step = f.on_claim_answer(answer(&ClaimResponse::Claimed {
+        token: 42,
+        lease_ms: 30_000,
+        reclaimed: false,
+    }));
+    assert!(step.effects.contains(&Effect::ResumeRequest));
+    assert!(f.awaits_response());
+    (f, claim)
+}
+
+#[test]
+fn unprotected_routes_and_methods_pass_untouched() {
+    let mut f = flow();
+    let hs = h(&[(":method", "GET"), (":path", "/checkout")]);
+    assert_eq!(f.on_request_headers(head(&hs), true), Step::cont());
+    assert!(f.is_passthrough());
+    assert_eq!(
+        f.on_request_body(10, true, |_| panic!("no read")),
+        Step::cont()
+    );
+    assert_eq!(
+        f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, false),
+        Step::cont()
+    );
+
+    let mut f = flow();
+    let hs = req_headers("/other", &[("idempotency-key", "k")]);
+    assert_eq!(f.on_request_headers(head(&hs), false), Step::cont());
+    // Exact path match ignores the query but not a longer path.
+    let mut f = flow();
+    let hs = req_headers("/checkout/1", &[]);
+    assert_eq!(f.on_request_headers(head(&hs), false), Step::cont());
+}
+
+#[test]
+fn optional_route_without_key_passes_but_loses_a_forged_fencing_token() {
+    let mut f = flow();
+    let hs = req_headers("/carts/9?x=1", &[("idempotency-fencing-token", "999")]);
+    let step = f.on_request_headers(head(&hs), false);
+    assert_eq!(step.verdict, Verdict::Continue);
+    assert_eq!(
+        step.effects,
+        vec![Effect::RemoveRequestHeader(FENCING_TOKEN_HEADER)]
+    );
+    // With a key the optional route is protected.
+    let mut f = flow();
+    let hs = req_headers("/carts/9", &[("idempotency-key", "k")]);
+    assert_eq!(
+        f.on_request_headers(head(&hs), false).verdict,
+        Verdict::Pause
+    );
+}
+
+#[test]
+fn missing_or_bad_key_is_400() {
+    let mut f = flow();
+    let step = f.on_request_headers(head(&req_headers("/checkout", &[])), false);
+    let r = reply_of(&step);
+    assert_eq!(r.status, 400);
+    assert_eq!(problem_type(r), "/problems/missing-idempotency-key");
+    assert_eq!(header(r, "content-type"), Some("application/problem+json"));
+    assert_eq!(header(r, "cache-control"), Some("no-store"));
+    assert_eq!(counts(&step), vec![Metric::BadKey400]);
+    assert!(f.replied());
+    // Response callbacks after our own reply leave it alone (C-6).
+    assert_eq!(
+        f.on_response_headers(&h(&[(":status", "400")]), "", 0, false),
+        Step::cont()
+    );
+    assert_eq!(
+        f.on_response_body(10, true, |_| panic!("must not read our own reply")),
+        Step::cont()
+    );
+
+    for bad in [
+        vec![("idempotency-key", "a,b")],
+        vec![("idempotency-key", "a"), ("idempotency-key", "a")],
+        vec![("idempotency-key", "")],
+    ] {
+        let mut f = flow();
+        let step = f.on_request_headers(head(&req_headers("/checkout", &bad)), false);
+        let r = reply_of(&step);
+        assert_eq!(
+            (r.status, problem_type(r).as_str()),
+            (400, "/problems/invalid-idempotency-key"),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
+fn no_subject_is_401() {
+    for hs in [
+        h(&[
+            (":method", "POST"),
+            (":path", "/checkout"),
+            ("idempotency-key", "k"),
+        ]),
+        h(&[
+            (":method", "POST"),
+            (":path", "/checkout"),
+            ("idempotency-key", "k"),
+            ("x-jwt-sub", ""),
+        ]),
+        h(&[
+            (":method", "POST"),
+            (":path", "/checkout"),
+            ("idempotency-key", "k"),
+            ("x-jwt-sub", "a"),
+            ("x-jwt-sub", "b"),
+        ]),
+    ] {
+        let mut f = flow();
+        let step = f.on_request_headers(head(&hs), false);
+        assert_eq!(reply_of(&step).status, 401);
+        assert_eq!(counts(&step), vec![Metric::Unauthenticated401]);
+    }
+}
+
+#[test]
+fn subject_from_metadata() {
+    let cfg = CONFIG.replace(
+        r#""subject": {"header": "x-jwt-sub"}"#,
+        r#""subject": {"metadata": ["envoy.filters.http.jwt_authn", "jwt_payload", "sub"]}"#,
+    );
+    let cfg = Rc::new(Config::parse(cfg.as_bytes()).unwrap());
+    let hs = req_headers("/checkout", &[("idempotency-key", "k")]);
+    // The header is ignored: only the metadata counts.
+    let mut f = Flow::new(Rc::clone(&cfg));
+    assert_eq!(reply_of(&f.on_request_headers(head(&hs), true)).status, 401);
+    let mut f = Flow::new(cfg);
+    let step = f.on_request_headers(
+        RequestHead {
+            headers: &hs,
+            metadata_subject: Some("meta-user"),
+        },
+        true,
+    );
+    assert_eq!(claim_payload(&step).subject, "meta-user");
+}
+
+#[test]
+fn too_large_is_413_from_content_length_or_while_buffering() {
+    let mut f = flow();
+    let step = f.on_request_headers(
+        head(&req_headers(
+            "/checkout",
+            &[("idempotency-key", "k"), ("content-length", "101")],
+        )),
+        false,
+    );
+    assert_eq!(reply_of(&step).status, 413);
+    assert_eq!(counts(&step), vec![Metric::TooLarge413]);
+
+    let mut f = flow();
+    let step = f.on_request_headers(
+        head(&req_headers("/checkout", &[("idempotency-key", "k")])),
+        false,
+    );
+    assert_eq!(step, Step::pause());
+    assert_eq!(
+        f.on_request_body(60, false, |_| panic!("not yet")),
+        Step::pause()
+    );
+    let step = f.on_request_body(101, false, |_| panic!("never"));
+    assert_eq!(reply_of(&step).status, 413);
+    assert!(f.replied());
+}
+
+#[test]
+fn claim_carries_key_subject_endpoint_and_canonical_fingerprint() {
+    let (_, a) = claimed_flow("/checkout?b=2", br#"{"amount":1,"card":{"n":"4111"}}"#);
+    assert_eq!(a.key, "k1");
+    assert_eq!(a.subject, "user-1");
+    assert_eq!(a.endpoint, "POST /checkout");
+    assert_eq!(a.fingerprint_alg, "sha256-jcs-v1");
+    assert_eq!(a.lease_ms, Some(30_000));
+    let (_, b) = claimed_flow(
+        "/checkout?b=2",
+        b"{ \"card\": {\"n\": \"4111\"}, \"amount\": 1.0 }",
+    );
+    assert_eq!(a.fingerprint, b.fingerprint);
+    let (_, c) = claimed_flow("/checkout?b=3", br#"{"amount":1,"card":{"n":"4111"}}"#);
+    assert_ne!(a.fingerprint, c.fingerprint);
+    // A quoted key is the same key, and it is forwarded in bare form with the fencing token.
+    let mut f = flow();
+    let hs = req_headers("/checkout", &[("idempotency-key", "\"k1\"")]);
+    let step = f.on_request_headers(head(&hs), true);
+    assert_eq!(claim_payload(&step).key, "k1");
+    let step = f.on_claim_answer(answer(&ClaimResponse::Claimed {
+        token: 7,
+        lease_ms: 30_000,
+        reclaimed: true,
+    }));
+    assert!(step
+        .effects
+        .contains(&Effect::SetRequestHeader("idempotency-key", "k1".into())));
+    assert!(step
+        .effects
+        .contains(&Effect::SetRequestHeader(FENCING_TOKEN_HEADER, "7".into())));
+    assert!(step.effects.contains(&Effect::Register(InFlight {
+        key: "k1".into(),
+        subject: "user-1".into(),
+        endpoint: "POST /checkout".into(),
+        token: 7
+    })));
+    assert_eq!(counts(&step), vec![Metric::Claimed]);
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeRequest));
+}
+
+#[test]
+fn duplicate_json_members_are_400() {
+    let mut f = flow();
+    let hs = req_headers(
+        "/checkout",
+        &[
+            ("idempotency-key", "k"),
+            ("content-type", "application/json"),
+        ],
+    );
+    f.on_request_headers(head(&hs), false);
+    let body = br#"{"amount":1,"amount":1000}"#;
+    let step = f.on_request_body(body.len(), true, |_| Some(body.to_vec()));
+    let r = reply_of(&step);
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (400, "/problems/duplicate-json-member")
+    );
+    assert_eq!(counts(&step), vec![Metric::BadBody400]);
+}
+
+#[test]
+fn trailers_end_the_body() {
+    let mut f = flow();
+    let hs = req_headers("/checkout", &[("idempotency-key", "k")]);
+    f.on_request_headers(head(&hs), false);
+    assert_eq!(
+        f.on_request_body(3, false, |_| panic!("not yet")),
+        Step::pause()
+    );
+    let step = f.on_request_trailers(|n| {
+        assert_eq!(n, 3);
+        Some(b"abc".to_vec())
+    });
+    assert_eq!(claim_payload(&step).fingerprint_alg, "sha256-raw-v1");
+}
+
+#[test]
+fn unreadable_body_is_answered() {
+    let mut f = flow();
+    let hs = req_headers("/checkout", &[("idempotency-key", "k")]);
+    f.on_request_headers(head(&hs), false);
+    let step = f.on_request_body(3, true, |_| None);
+    assert_eq!(reply_of(&step).status, 500);
+}
+
+#[test]
+fn in_progress_is_409_with_retry_after() {
+    let mut f = flow();
+    f.on_request_headers(
+        head(&req_headers("/checkout", &[("idempotency-key", "k")])),
+        true,
+    );
+    let step = f.on_claim_answer(answer(&ClaimResponse::InProgress {
+        retry_after_s: 0,
+        lease_remaining_ms: 10,
+    }));
+    let r = reply_of(&step);
+    assert_eq!((r.status, header(r, "retry-after")), (409, Some("1")));
+    assert_eq!(problem_type(r), "/problems/request-in-progress");
+    assert_eq!(counts(&step), vec![Metric::InProgress409]);
+}
+
+#[test]
+fn mismatch_is_422() {
+    let mut f = flow();
+    f.on_request_headers(
+        head(&req_headers("/checkout", &[("idempotency-key", "k")])),
+        true,
+    );
+    let step = f.on_claim_answer(answer(&ClaimResponse::Mismatch));
+    let r = reply_of(&step);
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (422, "/problems/idempotency-key-reused")
+    );
+    assert_eq!(counts(&step), vec![Metric::Mismatch422]);
+}
+
+#[test]
+fn completed_is_replayed_with_allowlisted_headers() {
+    let mut f = flow();
+    f.on_request_headers(
+        head(&req_headers("/checkout", &[("idempotency-key", "k")])),
+        true,
+    );
+    let stored = StoredResponse::new(
+        201,
+        h(&[
+            ("content-type", "application/json"),
+            ("location", "/c/1"),
+            ("set-cookie", "s=1"),
+            ("x-charge-id", "ch_1"),
+        ]),
+        b"{\"id\":1}",
+        true,
+    );
+    let step = f.on_claim_answer(answer(&ClaimResponse::Completed { response: stored }));
+    let r = reply_of(&step);
+    assert_eq!(r.status, 201);
+    assert_eq!(r.body, b"{\"id\":1}");
+    assert_eq!(
+        r.headers,
+        h(&[
+            ("content-type", "application/json"),
+            ("location", "/c/1"),
+            ("x-charge-id", "ch_1"),
+            ("idempotent-replayed", "true")
+        ])
+    );
+    assert_eq!(counts(&step), vec![Metric::Replayed]);
+    assert!(f.replied());
+}
+
+#[test]
+fn completed_but_not_replayable_is_409_with_location() {
+    let mut f = flow();
+    f.on_request_headers(
+        head(&req_headers("/checkout", &[("idempotency-key", "k")])),
+        true,
+    );
+    let stored = StoredResponse::new(201, h(&[("location", "/c/1")]), b"", false);
+    let step = f.on_claim_answer(answer(&ClaimResponse::Completed { response: stored }));
+    let r = reply_of(&step);
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (409, "/problems/outcome-not-replayable")
+    );
+    assert_eq!(header(r, "location"), Some("/c/1"));
+    assert_eq!(header(r, "retry-after"), None);
+    assert_eq!(counts(&step), vec![Metric::NotReplayable]);
+}
+
+#[test]
+fn state_api_trouble_fails_closed_with_503() {
+    for bad in [
+        Callout::Failed("reset".into()),
+        Callout::Answer {
+            status: 500,
+            body: b"oops".to_vec(),
+        },
+        Callout::Answer {
+            status: 401,
+            body: b"{}".to_vec(),
+        },
+        Callout::Answer {
+            status: 200,
+            body: b"{\"outcome\":\"maybe\"}".to_vec(),
+        },
+        Callout::Answer {
+            status: 200,
+            body: serde_json::to_vec(&ClaimResponse::Completed {
+                response: StoredResponse {
+                    status: 200,
+                    headers: vec![],
+                    body_base64: "!!".into(),
+                    replayable: true,
+                },
+            })
+            .unwrap(),
+        },
+    ] {
+        let mut f = flow();
+        f.on_request_headers(
+            head(&req_headers("/checkout", &[("idempotency-key", "k")])),
+            true,
+        );
+        let step = f.on_claim_answer(bad.clone());
+        let r = reply_of(&step);
+        assert_eq!(
+            (r.status, header(r, "retry-after")),
+            (503, Some("1")),
+            "{bad:?}"
+        );
+        assert_eq!(problem_type(r), "/problems/idempotency-state-unavailable");
+        assert_eq!(counts(&step), vec![Metric::StateApiErrors]);
+        assert!(!step.effects.contains(&Effect::ResumeRequest));
+    }
+}
+
+#[test]
+fn fail_open_route_forwards_and_counts() {
+    let mut f = flow();
+    let hs = req_headers(
+        "/refunds",
+        &[("idempotency-key", "k"), ("idempotency-fencing-token", "1")],
+    );
+    f.on_request_headers(head(&hs), true);
+    let step = f.on_claim_answer(Callout::Failed("unreachable".into()));
+    assert_eq!(
+        counts(&step),
+        vec![Metric::StateApiErrors, Metric::FailedOpen]
+    );
+    assert!(step
+        .effects
+        .contains(&Effect::RemoveRequestHeader(FENCING_TOKEN_HEADER)));
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeRequest));
+    assert!(!step.effects.iter().any(|e| matches!(e, Effect::Reply(_))));
+    // The response is not captured.
+    assert_eq!(
+        f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true),
+        Step::cont()
+    );
+}
+
+fn complete_payload(step: &Step) -> CompleteRequest {
+    let body = step
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::DispatchComplete(b) => Some(b.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no complete in {step:?}"));
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn written() -> Callout {
+    answer(&WriteResponse {
+        state: "completed".into(),
+    })
+}
+
+#[test]
+fn upstream_response_is_captured_and_completed_holding_the_last_chunk() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let resp = h(&[
+        (":status", "201"),
+        ("content-type", "application/json"),
+        ("set-cookie", "a"),
+        ("location", "/c/1"),
+    ]);
+    assert_eq!(
+        f.on_response_headers(&resp, "via_upstream", 0, false),
+        Step::cont()
+    );
+    assert_eq!(
+        f.on_response_body(5, false, |n| Some(b"{\"id\"".get(..n).unwrap().to_vec())),
+        Step::cont()
+    );
+    let step = f.on_response_body(3, true, |_| Some(b":1}".to_vec()));
+    assert_eq!(
+        step.verdict,
+        Verdict::Pause,
+        "the last chunk is held until the store answers"
+    );
+    let c = complete_payload(&step);
+    assert_eq!(
+        (
+            c.key.as_str(),
+            c.subject.as_str(),
+            c.endpoint.as_str(),
+            c.token
+        ),
+        ("k1", "user-1", "POST /checkout", 42)
+    );
+    assert_eq!(c.response.status, 201);
+    assert!(c.response.replayable);
+    assert_eq!(c.response.body().unwrap(), b"{\"id\":1}");
+    assert_eq!(
+        c.response.headers,
+        h(&[("content-type", "application/json"), ("location", "/c/1")])
+    );
+    // Anything arriving meanwhile is held too.
+    assert_eq!(f.on_response_trailers(), Step::pause());
+    let step = f.on_write_answer(written());
+    assert_eq!(counts(&step), vec![Metric::Completed]);
+    assert_eq!(
+        step.effects[step.effects.len() - 2..],
+        [Effect::Unregister, Effect::ResumeResponse]
+    );
+}
+
+#[test]
+fn headers_only_response_completes_at_once() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "204")]), "via_upstream", 0, true);
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(complete_payload(&step).response.status, 204);
+}
+
+#[test]
+fn response_trailers_end_the_capture() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, false);
+    f.on_response_body(2, false, |_| Some(b"ok".to_vec()));
+    let step = f.on_response_trailers();
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(complete_payload(&step).response.body().unwrap(), b"ok");
+}
+
+#[test]
+fn too_large_response_is_stored_without_body_and_not_replayable() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(
+        &h(&[(":status", "201"), ("location", "/c/9")]),
+        "via_upstream",
+        0,
+        false,
+    );
+    assert_eq!(
+        f.on_response_body(8, false, |_| Some(vec![b'a'; 8])),
+        Step::cont()
+    );
+    assert_eq!(
+        f.on_response_body(8, false, |_| panic!("no need to read past the limit")),
+        Step::cont()
+    );
+    let step = f.on_response_body(0, true, |_| panic!("empty"));
+    let c = complete_payload(&step);
+    assert!(!c.response.replayable);
+    assert_eq!(c.response.body_base64, "");
+    assert_eq!(c.response.headers, h(&[("location", "/c/9")]));
+    assert_eq!(counts(&step), vec![Metric::StoredWithoutBody]);
+}
+
+#[test]
+fn never_reached_upstream_releases_the_key() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "503")]), "no_healthy_upstream", 0x2, false);
+    assert_eq!(step.verdict, Verdict::Pause);
+    let payload = step
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::DispatchRelease(b) => Some(b.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let r: ReleaseRequest = serde_json::from_slice(&payload).unwrap();
+    assert_eq!((r.key.as_str(), r.token), ("k1", 42));
+    assert_eq!(
+        f.on_response_body(19, true, |_| panic!("not captured")),
+        Step::pause()
+    );
+    let step = f.on_write_answer(answer(&WriteResponse {
+        state: "released".into(),
+    }));
+    assert_eq!(counts(&step), vec![Metric::Released]);
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
+}
+
+#[test]
+fn five_hundreds_are_stored_or_released_per_route() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "502")]), "via_upstream", 0, true);
+    assert_eq!(complete_payload(&step).response.status, 502);
+
+    let (mut f, _) = claimed_flow("/refunds", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "502")]), "via_upstream", 0, true);
+    assert!(step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::DispatchRelease(_))));
+}
+
+#[test]
+fn failed_write_is_retried_once_then_the_response_goes_on() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    let first = complete_payload(&step);
+    let step = f.on_write_answer(Callout::Failed("timeout".into()));
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(complete_payload(&step), first);
+    assert_eq!(counts(&step), vec![Metric::StateApiErrors]);
+    assert!(!step.effects.contains(&Effect::ResumeResponse));
+    let step = f.on_write_answer(Callout::Answer {
+        status: 503,
+        body: vec![],
+    });
+    assert_eq!(counts(&step), vec![Metric::StateApiErrors]);
+    assert_eq!(
+        step.effects[step.effects.len() - 2..],
+        [Effect::Unregister, Effect::ResumeResponse]
+    );
+}
+
+#[test]
+fn fenced_out_write_is_counted_and_the_response_goes_on() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    let step = f.on_write_answer(Callout::Answer {
+        status: 409,
+        body: b"{\"type\":\"/problems/fenced-out\"}".to_vec(),
+    });
+    assert_eq!(counts(&step), vec![Metric::FencedOut]);
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
+}
+
+#[test]
+fn client_gone_stops_the_heartbeat_and_leaves_the_lease() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let step = f.on_stream_done();
+    assert!(step.effects.contains(&Effect::Unregister));
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::DispatchRelease(_) | Effect::DispatchComplete(_))));
+    assert_eq!(f.state_name(), "finished");
+    // Late answers are ignored.
+    assert_eq!(f.on_write_answer(written()).effects.len(), 1);
+}
+
+#[test]
+fn heartbeat_payload_shape() {
+    // The registry builds heartbeat requests from what the flow registers.
+    let mut reg = crate::heartbeat::Registry::default();
+    reg.register(
+        3,
+        InFlight {
+            key: "k".into(),
+            subject: "s".into(),
+            endpoint: "POST /checkout".into(),
+            token: 5,
+        },
+        0,
+    );
+    let due = reg.due(10_000, 10_000, 2_500, 30_000);
+    assert_eq!(
+        due,
+        vec![(
+            3,
+            HeartbeatRequest {
+                key: "k".into(),
+                subject: "s".into(),
+                endpoint: "POST /checkout".into(),
+                token: 5,
+                lease_ms: Some(30_000)
+            }
+        )]
+    );
+}

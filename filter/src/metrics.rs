@@ -1,0 +1,104 @@
+//! The filter's Envoy counters. Defined once per worker VM in `on_configure`
+//! (`proxy_define_metric`); Envoy exports them under `wasmcustom.` (see docs/filter.md for the
+//! names as they appear in `/stats/prometheus`).
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// A key was claimed and the request forwarded.
+    Claimed,
+    /// A stored response was replayed.
+    Replayed,
+    /// 409: the key is held by a running request.
+    InProgress409,
+    /// 422: the key was used for a different request.
+    Mismatch422,
+    /// 400: missing or malformed Idempotency-Key header.
+    BadKey400,
+    /// 400: duplicate member in a JSON body.
+    BadBody400,
+    /// 413: request body over `max_request_body_bytes`.
+    TooLarge413,
+    /// 401: no authenticated subject on a protected route.
+    Unauthenticated401,
+    /// Any failed call to the state API (unreachable, non-2xx, unreadable answer).
+    StateApiErrors,
+    /// A key was given back (upstream never reached, or 5xx on a `release` route).
+    Released,
+    /// An upstream response was stored.
+    Completed,
+    /// A write or heartbeat was refused because a newer claim took the key over.
+    FencedOut,
+    /// The state API was unavailable and the route forwarded anyway.
+    FailedOpen,
+    /// A retry hit a completed key whose response was too large to keep (409).
+    NotReplayable,
+    /// A stored response had no body because it was over `max_stored_body_bytes`.
+    StoredWithoutBody,
+    /// A lease was extended by the heartbeat.
+    Heartbeats,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 16] = [
+        Metric::Claimed,
+        Metric::Replayed,
+        Metric::InProgress409,
+        Metric::Mismatch422,
+        Metric::BadKey400,
+        Metric::BadBody400,
+        Metric::TooLarge413,
+        Metric::Unauthenticated401,
+        Metric::StateApiErrors,
+        Metric::Released,
+        Metric::Completed,
+        Metric::FencedOut,
+        Metric::FailedOpen,
+        Metric::NotReplayable,
+        Metric::StoredWithoutBody,
+        Metric::Heartbeats,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Metric::Claimed => "idempotency.claimed",
+            Metric::Replayed => "idempotency.replayed",
+            Metric::InProgress409 => "idempotency.in_progress_409",
+            Metric::Mismatch422 => "idempotency.mismatch_422",
+            Metric::BadKey400 => "idempotency.bad_key_400",
+            Metric::BadBody400 => "idempotency.bad_body_400",
+            Metric::TooLarge413 => "idempotency.too_large_413",
+            Metric::Unauthenticated401 => "idempotency.unauthenticated_401",
+            Metric::StateApiErrors => "idempotency.state_api_errors",
+            Metric::Released => "idempotency.released",
+            Metric::Completed => "idempotency.completed",
+            Metric::FencedOut => "idempotency.fenced_out",
+            Metric::FailedOpen => "idempotency.failed_open",
+            Metric::NotReplayable => "idempotency.not_replayable",
+            Metric::StoredWithoutBody => "idempotency.stored_without_body",
+            Metric::Heartbeats => "idempotency.heartbeats",
+        }
+    }
+
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn all_is_in_index_order_and_names_are_unique() {
+        for (i, m) in Metric::ALL.iter().enumerate() {
+            assert_eq!(m.index(), i);
+            assert!(m.name().starts_with("idempotency."));
+        }
+        let mut names: Vec<_> = Metric::ALL.iter().map(|m| m.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Metric::ALL.len());
+    }
+}
