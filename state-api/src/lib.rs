@@ -1,1 +1,212 @@
-//! The state API. (Being built: see issue 2.)
+//! The idempotency state API: the single source of truth for every Idempotency-Key.
+//!
+//! One record per (key, subject, endpoint) in Postgres, addressed by an HMAC of the three.
+//! A claim is committed before it is answered; a duplicate is answered at once from the
+//! committed row (never by waiting on the first request); writes of an owner are fenced by a
+//! token from one sequence. See `docs/state-api.md` and `GET /openapi.json`.
+
+pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod scope;
+pub mod store;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use config::Config;
+pub use http::app;
+
+use crate::metrics::Metrics;
+use crate::scope::Scoper;
+use crate::store::{PoolSettings, Store};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("configuration: {0}")]
+    Config(#[from] config::ConfigError),
+    #[error("DATABASE_URL: {0}")]
+    DatabaseUrl(sqlx::Error),
+    #[error("key secret: {0}")]
+    KeySecret(String),
+    #[error("store: {0}")]
+    Store(#[from] store::StoreError),
+    #[error("listen: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+struct Inner {
+    config: Config,
+    store: Store,
+    scoper: Scoper,
+    metrics: Metrics,
+    token_digest: [u8; 32],
+}
+
+/// Everything a request needs, cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+impl AppState {
+    /// Validates the configuration and builds a lazily connecting pool: nothing touches the
+    /// database yet.
+    pub fn new(config: Config) -> Result<Self, StartError> {
+        let secret = config.validate()?;
+        let scoper = Scoper::new(secret.expose().as_bytes())
+            .map_err(|e| StartError::KeySecret(e.to_string()))?;
+        let pool = store::pool(
+            config.database_url.expose(),
+            &PoolSettings {
+                max_connections: config.pool_size,
+                acquire_timeout: config.acquire_timeout(),
+                statement_timeout_ms: config.statement_timeout_ms,
+            },
+        )
+        .map_err(StartError::DatabaseUrl)?;
+        let token_digest = token_digest(config.api_token.expose());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                store: Store::new(pool),
+                scoper,
+                metrics: Metrics::default(),
+                token_digest,
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+    pub fn scoper(&self) -> &Scoper {
+        &self.inner.scoper
+    }
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+    fn token_digest(&self) -> &[u8; 32] {
+        &self.inner.token_digest
+    }
+}
+
+pub(crate) fn token_digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// Applies the migrations, retrying for up to `wait` while the database is not reachable
+/// yet (it may be starting next to us).
+pub async fn migrate(state: &AppState, wait: Duration) -> Result<(), StartError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match state.store().migrate().await {
+            Ok(()) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() < deadline && is_connect_error(&e) => {
+                tracing::warn!(error = %e, "database not reachable yet, retrying the migrations");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn is_connect_error(e: &store::StoreError) -> bool {
+    let inner = match e {
+        store::StoreError::Migrate(sqlx::migrate::MigrateError::Execute(inner)) => inner,
+        store::StoreError::Db(inner) => inner,
+        _ => return false,
+    };
+    match inner {
+        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => true,
+        // 57P03: the database system is starting up.
+        sqlx::Error::Database(db) => db.code().as_deref() == Some("57P03"),
+        _ => false,
+    }
+}
+
+/// Deletes expired records every `--purge-interval-s`, until `shutdown` turns true.
+pub fn spawn_purge(
+    state: AppState,
+    mut shutdown: watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let every = state.config().purge_interval_s;
+    if every == 0 {
+        return None;
+    }
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(every));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            match state
+                .store()
+                .purge_expired(state.config().purge_batch, 100)
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => {
+                    state.metrics().purged(n);
+                    tracing::info!(rows = n, "purged expired records");
+                }
+                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
+            }
+        }
+    }))
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests,
+/// stops the purge and closes the pool.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let purge = spawn_purge(state.clone(), stop_rx);
+    let result = axum::serve(listener, app(state.clone()))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    let _ = stop_tx.send(true);
+    if let Some(p) = purge {
+        let _ = p.await;
+    }
+    state.store().pool().close().await;
+    result.map_err(StartError::Io)
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+    tracing::info!("shutdown signal received, draining");
+}

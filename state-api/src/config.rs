@@ -1,0 +1,235 @@
+//! Configuration from flags and environment variables.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// Shortest and longest lease a caller may ask for: a shorter one would be reclaimed while the
+/// owner is still sending its first byte upstream, a longer one would hold a dead owner's key
+/// for too long.
+pub const MIN_LEASE_MS: u64 = 1_000;
+pub const MAX_LEASE_MS: u64 = 600_000;
+
+/// The shortest accepted key secret, in bytes.
+pub const MIN_KEY_SECRET_LEN: usize = 16;
+
+/// A secret string: never printed by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// The idempotency state API.
+///
+/// Two processes that share one database must be given the same `--key-secret`: records are
+/// addressed by an HMAC of (key, subject, endpoint) under that secret.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "state-api", version, about)]
+pub struct Config {
+    /// Postgres URL, e.g. postgres://user@127.0.0.1:5432/idem
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Secret,
+
+    /// Address to listen on.
+    #[arg(long = "listen", env = "LISTEN_ADDR", default_value = "127.0.0.1:8081")]
+    pub listen: SocketAddr,
+
+    /// Bearer token every /v1 call must present.
+    #[arg(long, env = "STATE_API_TOKEN", hide_env_values = true)]
+    pub api_token: Secret,
+
+    /// Secret for the HMAC that addresses records (at least 16 bytes).
+    #[arg(long, env = "IDEM_KEY_SECRET", hide_env_values = true)]
+    pub key_secret: Option<Secret>,
+
+    /// Maximum database connections in the pool.
+    #[arg(long, env = "STATE_API_POOL_SIZE", default_value_t = 16)]
+    pub pool_size: u32,
+
+    /// How long a request waits for a pool connection before answering 503.
+    #[arg(long, env = "STATE_API_ACQUIRE_TIMEOUT_MS", default_value_t = 2_000)]
+    pub acquire_timeout_ms: u64,
+
+    /// Server-side statement timeout on every connection.
+    #[arg(long, env = "STATE_API_STATEMENT_TIMEOUT_MS", default_value_t = 5_000)]
+    pub statement_timeout_ms: u64,
+
+    /// Lease of a claim when the caller does not ask for one (clamped to 1 s .. 10 min).
+    #[arg(long, env = "STATE_API_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+
+    /// How long a record is kept (completed: from completion; in progress: from the claim).
+    #[arg(long, env = "STATE_API_RETENTION_S", default_value_t = 86_400)]
+    pub retention_s: u64,
+
+    /// Upper bound of the Retry-After hint given with `in_progress`.
+    #[arg(long, env = "STATE_API_RETRY_AFTER_CAP_S", default_value_t = 2)]
+    pub retry_after_cap_s: u32,
+
+    /// Largest stored response body, in bytes (larger: 413, the filter stores it as not replayable).
+    #[arg(long, env = "STATE_API_MAX_BODY_BYTES", default_value_t = 1_048_576)]
+    pub max_body_bytes: usize,
+
+    /// Seconds between purges of expired records (0 disables the purge).
+    #[arg(long, env = "STATE_API_PURGE_INTERVAL_S", default_value_t = 60)]
+    pub purge_interval_s: u64,
+
+    /// Rows deleted per purge statement.
+    #[arg(long, env = "STATE_API_PURGE_BATCH", default_value_t = 500)]
+    pub purge_batch: u32,
+
+    /// Apply the migrations and exit.
+    #[arg(long)]
+    pub migrate_only: bool,
+
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "STATE_API_LOG_JSON")]
+    pub log_json: bool,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error(
+        "no key secret: pass --key-secret or set IDEM_KEY_SECRET (at least {MIN_KEY_SECRET_LEN} bytes; \
+         every state API process sharing the database must use the same one)"
+    )]
+    MissingKeySecret,
+    #[error("the key secret must be at least {MIN_KEY_SECRET_LEN} bytes long")]
+    ShortKeySecret,
+    #[error("the API token must not be empty")]
+    EmptyApiToken,
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+}
+
+impl Config {
+    /// Checks what clap cannot and returns the key secret.
+    pub fn validate(&self) -> Result<&Secret, ConfigError> {
+        let secret = self
+            .key_secret
+            .as_ref()
+            .ok_or(ConfigError::MissingKeySecret)?;
+        if secret.expose().len() < MIN_KEY_SECRET_LEN {
+            return Err(ConfigError::ShortKeySecret);
+        }
+        if self.api_token.expose().is_empty() {
+            return Err(ConfigError::EmptyApiToken);
+        }
+        for (name, v) in [
+            ("--pool-size", u64::from(self.pool_size)),
+            ("--acquire-timeout-ms", self.acquire_timeout_ms),
+            ("--retention-s", self.retention_s),
+            ("--retry-after-cap-s", u64::from(self.retry_after_cap_s)),
+            ("--purge-batch", u64::from(self.purge_batch)),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        Ok(secret)
+    }
+
+    /// The lease to grant: the caller's wish or the default, clamped.
+    pub fn lease_for(&self, requested_ms: Option<u64>) -> u64 {
+        requested_ms
+            .unwrap_or(self.lease_ms)
+            .clamp(MIN_LEASE_MS, MAX_LEASE_MS)
+    }
+
+    pub fn retention_ms(&self) -> i64 {
+        i64::try_from(self.retention_s.saturating_mul(1000)).unwrap_or(i64::MAX)
+    }
+
+    pub fn acquire_timeout(&self) -> Duration {
+        Duration::from_millis(self.acquire_timeout_ms)
+    }
+
+    /// The HTTP body limit: a maximal stored body in base64 plus room for the JSON around it.
+    pub fn http_body_limit(&self) -> usize {
+        self.max_body_bytes
+            .div_ceil(3)
+            .saturating_mul(4)
+            .saturating_add(64 * 1024)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Config {
+        let mut all = vec![
+            "state-api",
+            "--database-url",
+            "postgres://x@127.0.0.1/x",
+            "--api-token",
+            "t",
+        ];
+        all.extend_from_slice(args);
+        Config::try_parse_from(all).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn refuses_to_start_without_a_key_secret() {
+        let c = parse(&[]);
+        // The environment of the test runner might carry one.
+        if std::env::var_os("IDEM_KEY_SECRET").is_none() {
+            assert_eq!(c.validate().err(), Some(ConfigError::MissingKeySecret));
+        }
+        assert_eq!(
+            parse(&["--key-secret", "short"]).validate().err(),
+            Some(ConfigError::ShortKeySecret)
+        );
+        assert!(parse(&["--key-secret", "0123456789abcdef"])
+            .validate()
+            .is_ok());
+    }
+
+    #[test]
+    fn leases_are_clamped() {
+        let c = parse(&[]);
+        assert_eq!(c.lease_for(None), 30_000);
+        assert_eq!(c.lease_for(Some(1)), MIN_LEASE_MS);
+        assert_eq!(c.lease_for(Some(u64::MAX)), MAX_LEASE_MS);
+    }
+
+    #[test]
+    fn secrets_are_not_printed() {
+        let c = parse(&["--key-secret", "0123456789abcdef"]);
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("0123456789abcdef") && !dbg.contains("postgres://"));
+    }
+
+    #[test]
+    fn body_limit_fits_base64_of_the_max_body() {
+        let c = parse(&[]);
+        assert!(c.http_body_limit() > c.max_body_bytes * 4 / 3 + 1000);
+    }
+}

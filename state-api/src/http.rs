@@ -1,0 +1,528 @@
+//! Routes, bearer authentication, input validation and the mapping of every error to an
+//! `application/problem+json` document.
+
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{DefaultBodyLimit, FromRequest, Query, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use contract::wire::{
+    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, RecordView,
+    ReleaseRequest, StoredResponse, WriteResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
+    RECORDS_PATH, RELEASE_PATH,
+};
+use contract::{validate_key, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use subtle::ConstantTimeEq as _;
+
+use crate::metrics::{self, Route, WriteOp};
+use crate::scope::{log_label, ScopeHash};
+use crate::store::{self, NewClaim, StoreError, StoredRow, WriteResult};
+use crate::AppState;
+
+/// The hand-written OpenAPI document of this API.
+pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
+
+/// Limits on what a stored response and the identity fields may hold.
+const MAX_FIELD_LEN: usize = 1024;
+const MAX_ALG_LEN: usize = 64;
+const MAX_HEADERS: usize = 100;
+const MAX_HEADER_NAME_LEN: usize = 256;
+const MAX_HEADER_VALUE_LEN: usize = 8192;
+
+/// The router: `/v1/*` behind the bearer token; health, readiness, metrics and the OpenAPI
+/// document open (the API listens on loopback or a private network).
+pub fn app(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route(CLAIM_PATH, post(claim))
+        .route(HEARTBEAT_PATH, post(heartbeat))
+        .route(COMPLETE_PATH, post(complete))
+        .route(RELEASE_PATH, post(release))
+        .route(RECORDS_PATH, get(record))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+    let limit = state.config().http_body_limit();
+    Router::new()
+        .merge(v1)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), observe))
+        .with_state(state)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/// An error answer: a problem document, plus Retry-After for 503.
+#[derive(Debug)]
+pub struct ApiError {
+    problem: Problem,
+}
+
+impl ApiError {
+    pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        Self {
+            problem: Problem::new(kind, detail),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.problem.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = (status, self.problem.to_json()).into_response();
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(PROBLEM_CONTENT_TYPE),
+        );
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if status == StatusCode::UNAUTHORIZED {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// Maps a store failure to 503 (database unreachable, overloaded) or 500, counts and logs it.
+/// The detail never carries the database's message.
+fn store_error(state: &AppState, op: &'static str, e: StoreError) -> ApiError {
+    if e.is_unavailable() {
+        state.metrics().db_unavailable();
+        tracing::warn!(op, error = %e, "database unavailable");
+        ApiError::new(
+            ProblemKind::StateUnavailable,
+            "the idempotency store cannot be reached; nothing was recorded",
+        )
+    } else {
+        state.metrics().internal_error();
+        tracing::error!(op, error = %e, "store failure");
+        ApiError::new(
+            ProblemKind::Internal,
+            "unexpected failure in the idempotency store",
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extractors and middleware
+
+/// JSON body whose rejections are problem documents, not axum's plain-text ones.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|rej| {
+            if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(
+                    ProblemKind::PayloadTooLarge,
+                    "the request body is over the limit",
+                )
+            } else {
+                ApiError::new(
+                    ProblemKind::BadRequest,
+                    "the request body could not be read",
+                )
+            }
+        })?;
+        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
+            ApiError::new(ProblemKind::BadRequest, format!("malformed JSON body: {e}"))
+        })
+    }
+}
+
+/// Every `/v1` call must carry `Authorization: Bearer <token>`. Both sides are hashed first so
+/// the constant-time comparison does not reveal the token's length either.
+async fn require_token(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let ok =
+        presented.is_some_and(|t| bool::from(crate::token_digest(t).ct_eq(state.token_digest())));
+    if !ok {
+        return ApiError::new(
+            ProblemKind::Unauthenticated,
+            "a valid bearer token is required",
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Latency histogram and one log line per request: route and status only, never the query
+/// string (it carries the key on the operator read) or a body.
+async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let route = Route::from_path(req.uri().path());
+    let method = req.method().clone();
+    let resp = next.run(req).await;
+    let elapsed = start.elapsed();
+    state.metrics().observe(route, elapsed);
+    tracing::debug!(%method, route = ?route, status = resp.status().as_u16(), micros = elapsed.as_micros() as u64, "request");
+    resp
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+fn bad(detail: impl Into<String>) -> ApiError {
+    ApiError::new(ProblemKind::BadRequest, detail)
+}
+
+fn check_text(name: &str, v: &str) -> Result<(), ApiError> {
+    if v.is_empty() {
+        return Err(bad(format!("`{name}` must not be empty")));
+    }
+    if v.len() > MAX_FIELD_LEN {
+        return Err(bad(format!(
+            "`{name}` is longer than {MAX_FIELD_LEN} bytes"
+        )));
+    }
+    if v.chars().any(char::is_control) {
+        return Err(bad(format!("`{name}` must not contain control characters")));
+    }
+    Ok(())
+}
+
+/// Validates (key, subject, endpoint) and returns the record's address.
+fn scope_of(
+    state: &AppState,
+    key: &str,
+    subject: &str,
+    endpoint: &str,
+) -> Result<ScopeHash, ApiError> {
+    validate_key(key).map_err(|e| ApiError::new(ProblemKind::InvalidKey, e.to_string()))?;
+    check_text("subject", subject)?;
+    check_text("endpoint", endpoint)?;
+    Ok(state.scoper().hash(key, subject, endpoint))
+}
+
+fn check_fingerprint(fingerprint: &str, alg: &str) -> Result<(), ApiError> {
+    if fingerprint.len() != 64
+        || !fingerprint
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Err(bad("`fingerprint` must be 64 lower-case hex characters"));
+    }
+    if alg.is_empty() || alg.len() > MAX_ALG_LEN || !alg.bytes().all(|b| (0x21..=0x7e).contains(&b))
+    {
+        return Err(bad(format!(
+            "`fingerprint_alg` must be 1 to {MAX_ALG_LEN} visible ASCII characters"
+        )));
+    }
+    Ok(())
+}
+
+fn check_token(token: i64) -> Result<(), ApiError> {
+    if token <= 0 {
+        return Err(bad("`token` must be a positive fencing token"));
+    }
+    Ok(())
+}
+
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// Checks and decodes the response to store. Over the body limit: 413, nothing written.
+fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError> {
+    if !(100..=599).contains(&r.status) {
+        return Err(bad("`response.status` must be 100 to 599"));
+    }
+    if r.headers.len() > MAX_HEADERS {
+        return Err(bad(format!(
+            "at most {MAX_HEADERS} response headers are stored"
+        )));
+    }
+    for (name, value) in &r.headers {
+        if name.is_empty() || name.len() > MAX_HEADER_NAME_LEN || !name.bytes().all(is_tchar) {
+            return Err(bad("a response header name is not a valid HTTP token"));
+        }
+        if value.len() > MAX_HEADER_VALUE_LEN
+            || value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0)
+        {
+            return Err(bad(
+                "a response header value is too long or holds CR, LF or NUL",
+            ));
+        }
+    }
+    let max = state.config().max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            ProblemKind::PayloadTooLarge,
+            format!("the stored response body is over {max} bytes: complete it with replayable=false and no body"),
+        )
+    };
+    // Reject before decoding what cannot fit.
+    if r.body_base64.len() > max.div_ceil(3).saturating_mul(4) {
+        return Err(too_large());
+    }
+    let body = base64::engine::general_purpose::STANDARD
+        .decode(&r.body_base64)
+        .map_err(|_| bad("`response.body_base64` is not standard base64"))?;
+    if body.len() > max {
+        return Err(too_large());
+    }
+    if !r.replayable && !body.is_empty() {
+        return Err(bad("a response with replayable=false has no body"));
+    }
+    Ok(StoredRow {
+        status: r.status,
+        headers: r.headers,
+        body,
+        replayable: r.replayable,
+    })
+}
+
+fn ms(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers
+
+async fn claim(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<ClaimRequest>,
+) -> Result<Json<ClaimResponse>, ApiError> {
+    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
+    let config = state.config();
+    let lease_ms = config.lease_for(req.lease_ms);
+    let new = NewClaim {
+        scope,
+        subject: &req.subject,
+        endpoint: &req.endpoint,
+        fingerprint_alg: &req.fingerprint_alg,
+        fingerprint: &req.fingerprint,
+        lease_ms,
+        retention_ms: config.retention_ms(),
+    };
+    let outcome = state
+        .store()
+        .claim(&new)
+        .await
+        .map_err(|e| store_error(&state, "claim", e))?;
+    let (answer, label) = match outcome {
+        store::ClaimOutcome::Claimed {
+            token,
+            lease_ms,
+            reclaimed,
+        } => (
+            ClaimResponse::Claimed {
+                token,
+                lease_ms,
+                reclaimed,
+            },
+            if reclaimed {
+                metrics::ClaimOutcome::Reclaimed
+            } else {
+                metrics::ClaimOutcome::Claimed
+            },
+        ),
+        store::ClaimOutcome::InProgress { lease_remaining_ms } => {
+            // Never past the lease (then the key can be reclaimed), never long for a poller.
+            let secs = lease_remaining_ms.div_ceil(1000);
+            let cap = u64::from(config.retry_after_cap_s.max(1));
+            let retry_after_s = u32::try_from(secs.clamp(1, cap)).unwrap_or(1);
+            (
+                ClaimResponse::InProgress {
+                    retry_after_s,
+                    lease_remaining_ms,
+                },
+                metrics::ClaimOutcome::InProgress,
+            )
+        }
+        store::ClaimOutcome::Completed(row) => (
+            ClaimResponse::Completed {
+                response: StoredResponse::new(row.status, row.headers, &row.body, row.replayable),
+            },
+            metrics::ClaimOutcome::Completed,
+        ),
+        store::ClaimOutcome::Mismatch => (ClaimResponse::Mismatch, metrics::ClaimOutcome::Mismatch),
+    };
+    state.metrics().claim(label);
+    tracing::debug!(scope = %log_label(&scope), outcome = ?label, "claim");
+    Ok(Json(answer))
+}
+
+async fn heartbeat(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<HeartbeatRequest>,
+) -> Result<Json<HeartbeatResponse>, ApiError> {
+    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    check_token(req.token)?;
+    let lease_ms = state.config().lease_for(req.lease_ms);
+    let ok = state
+        .store()
+        .heartbeat(&scope, req.token, lease_ms)
+        .await
+        .map_err(|e| store_error(&state, "heartbeat", e))?;
+    if !ok {
+        return Err(fenced_out(&state, WriteOp::Heartbeat, &scope));
+    }
+    state.metrics().write_ok(WriteOp::Heartbeat);
+    Ok(Json(HeartbeatResponse { lease_ms }))
+}
+
+async fn complete(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<CompleteRequest>,
+) -> Result<Json<WriteResponse>, ApiError> {
+    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    check_token(req.token)?;
+    let row = stored_row(&state, req.response)?;
+    let result = state
+        .store()
+        .complete(&scope, req.token, &row, state.config().retention_ms())
+        .await
+        .map_err(|e| store_error(&state, "complete", e))?;
+    match result {
+        WriteResult::Done | WriteResult::AlreadyDone => {
+            if result == WriteResult::Done {
+                state.metrics().write_ok(WriteOp::Complete);
+            }
+            Ok(Json(WriteResponse {
+                state: "completed".into(),
+            }))
+        }
+        WriteResult::FencedOut => Err(fenced_out(&state, WriteOp::Complete, &scope)),
+    }
+}
+
+async fn release(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<ReleaseRequest>,
+) -> Result<Json<WriteResponse>, ApiError> {
+    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    check_token(req.token)?;
+    let ok = state
+        .store()
+        .release(&scope, req.token)
+        .await
+        .map_err(|e| store_error(&state, "release", e))?;
+    if !ok {
+        return Err(fenced_out(&state, WriteOp::Release, &scope));
+    }
+    state.metrics().write_ok(WriteOp::Release);
+    Ok(Json(WriteResponse {
+        state: "released".into(),
+    }))
+}
+
+fn fenced_out(state: &AppState, op: WriteOp, scope: &ScopeHash) -> ApiError {
+    state.metrics().fenced_out(op);
+    tracing::warn!(scope = %log_label(scope), op = op.label(), "fenced out: a newer claim owns the record, or it is gone");
+    ApiError::new(
+        ProblemKind::FencedOut,
+        format!(
+            "{}: this token no longer owns an in-progress record for the key; nothing was written",
+            op.label()
+        ),
+    )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordQuery {
+    key: String,
+    subject: String,
+    endpoint: String,
+}
+
+async fn record(
+    State(state): State<AppState>,
+    query: Result<Query<RecordQuery>, QueryRejection>,
+) -> Result<Json<RecordView>, ApiError> {
+    let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
+    let scope = scope_of(&state, &q.key, &q.subject, &q.endpoint)?;
+    let row = state
+        .store()
+        .record(&scope)
+        .await
+        .map_err(|e| store_error(&state, "record", e))?;
+    let Some(r) = row else {
+        return Err(ApiError::new(
+            ProblemKind::NotFound,
+            "no record for this key, subject and endpoint",
+        ));
+    };
+    Ok(Json(RecordView {
+        state: r.state,
+        subject: r.subject,
+        endpoint: r.endpoint,
+        fingerprint_alg: r.fingerprint_alg,
+        token: r.fencing_token,
+        lease_remaining_ms: ms(r.lease_remaining_ms),
+        age_ms: ms(r.age_ms),
+        completed_age_ms: r.completed_age_ms.map(ms),
+        response_status: r.response_status.and_then(|s| u16::try_from(s).ok()),
+        replayable: r.response_replayable,
+        expires_in_ms: ms(r.expires_in_ms),
+    }))
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    state
+        .store()
+        .ping()
+        .await
+        .map_err(|e| store_error(&state, "readyz", e))?;
+    Ok("ready\n")
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Response {
+    let pool = state.store().pool();
+    let gauges = metrics::PoolGauges {
+        size: pool.size(),
+        idle: u32::try_from(pool.num_idle()).unwrap_or(u32::MAX),
+        max: state.config().pool_size,
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        state.metrics().render(gauges),
+    )
+        .into_response()
+}
+
+async fn openapi() -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        OPENAPI_JSON,
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(ProblemKind::NotFound, "no such route")
+}

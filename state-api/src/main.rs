@@ -1,0 +1,51 @@
+//! `state-api`: see the library for what it does.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use state_api::{AppState, Config};
+use tracing_subscriber::EnvFilter;
+
+fn init_tracing(json: bool) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let config = Config::parse();
+    init_tracing(config.log_json);
+    match run(config).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("state-api: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: Config) -> Result<(), state_api::StartError> {
+    let listen = config.listen;
+    let migrate_only = config.migrate_only;
+    let state = AppState::new(config)?;
+    state_api::migrate(&state, Duration::from_secs(15)).await?;
+    tracing::info!("migrations applied");
+    if migrate_only {
+        state.store().pool().close().await;
+        return Ok(());
+    }
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    tracing::info!(addr = %listener.local_addr()?, "state API listening");
+    state_api::serve(listener, state, state_api::shutdown_signal()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}

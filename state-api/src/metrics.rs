@@ -1,0 +1,347 @@
+//! A small Prometheus registry on atomics: a fixed set of counters and one histogram.
+//!
+//! Every label value is known at compile time, so nothing here allocates per request and no
+//! label can carry a key or a subject.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Outcomes of `POST /v1/claim`, as labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    Claimed,
+    Reclaimed,
+    InProgress,
+    Completed,
+    Mismatch,
+}
+
+impl ClaimOutcome {
+    const ALL: [Self; 5] = [
+        Self::Claimed,
+        Self::Reclaimed,
+        Self::InProgress,
+        Self::Completed,
+        Self::Mismatch,
+    ];
+    fn label(self) -> &'static str {
+        match self {
+            Self::Claimed => "claimed",
+            Self::Reclaimed => "reclaimed",
+            Self::InProgress => "in_progress",
+            Self::Completed => "completed",
+            Self::Mismatch => "mismatch",
+        }
+    }
+}
+
+/// The fenced writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOp {
+    Heartbeat,
+    Complete,
+    Release,
+}
+
+impl WriteOp {
+    const ALL: [Self; 3] = [Self::Heartbeat, Self::Complete, Self::Release];
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Heartbeat => "heartbeat",
+            Self::Complete => "complete",
+            Self::Release => "release",
+        }
+    }
+}
+
+/// Routes measured by the latency histogram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Claim,
+    Heartbeat,
+    Complete,
+    Release,
+    Records,
+    Other,
+}
+
+impl Route {
+    const ALL: [Self; 6] = [
+        Self::Claim,
+        Self::Heartbeat,
+        Self::Complete,
+        Self::Release,
+        Self::Records,
+        Self::Other,
+    ];
+    fn label(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Heartbeat => "heartbeat",
+            Self::Complete => "complete",
+            Self::Release => "release",
+            Self::Records => "records",
+            Self::Other => "other",
+        }
+    }
+    pub fn from_path(path: &str) -> Self {
+        match path {
+            contract::wire::CLAIM_PATH => Self::Claim,
+            contract::wire::HEARTBEAT_PATH => Self::Heartbeat,
+            contract::wire::COMPLETE_PATH => Self::Complete,
+            contract::wire::RELEASE_PATH => Self::Release,
+            contract::wire::RECORDS_PATH => Self::Records,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// Upper bounds in seconds: the interesting range is 0.2 ms .. 100 ms.
+const BUCKETS: [f64; 12] = [
+    0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
+];
+
+#[derive(Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (i, le) in BUCKETS.iter().enumerate() {
+            if secs <= *le {
+                self.buckets[i].fetch_add(1, Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Relaxed);
+        self.sum_micros
+            .fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Relaxed);
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    claims: [AtomicU64; ClaimOutcome::ALL.len()],
+    fenced_out: [AtomicU64; WriteOp::ALL.len()],
+    completes: AtomicU64,
+    releases: AtomicU64,
+    heartbeats: AtomicU64,
+    purged_rows: AtomicU64,
+    db_unavailable: AtomicU64,
+    internal_errors: AtomicU64,
+    latency: [Histogram; Route::ALL.len()],
+}
+
+/// The pool's state at scrape time.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolGauges {
+    pub size: u32,
+    pub idle: u32,
+    pub max: u32,
+}
+
+impl Metrics {
+    pub fn claim(&self, o: ClaimOutcome) {
+        self.claims[o as usize].fetch_add(1, Relaxed);
+    }
+    pub fn fenced_out(&self, op: WriteOp) {
+        self.fenced_out[op as usize].fetch_add(1, Relaxed);
+    }
+    pub fn write_ok(&self, op: WriteOp) {
+        match op {
+            WriteOp::Heartbeat => &self.heartbeats,
+            WriteOp::Complete => &self.completes,
+            WriteOp::Release => &self.releases,
+        }
+        .fetch_add(1, Relaxed);
+    }
+    pub fn purged(&self, rows: u64) {
+        self.purged_rows.fetch_add(rows, Relaxed);
+    }
+    pub fn db_unavailable(&self) {
+        self.db_unavailable.fetch_add(1, Relaxed);
+    }
+    pub fn internal_error(&self) {
+        self.internal_errors.fetch_add(1, Relaxed);
+    }
+    pub fn observe(&self, route: Route, d: Duration) {
+        self.latency[route as usize].observe(d);
+    }
+
+    pub fn claims_total(&self, o: ClaimOutcome) -> u64 {
+        self.claims[o as usize].load(Relaxed)
+    }
+    pub fn fenced_out_total(&self, op: WriteOp) -> u64 {
+        self.fenced_out[op as usize].load(Relaxed)
+    }
+    pub fn purged_total(&self) -> u64 {
+        self.purged_rows.load(Relaxed)
+    }
+
+    /// The Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self, pool: PoolGauges) -> String {
+        let mut out = String::with_capacity(4096);
+        // Writing to a String cannot fail.
+        let _ = self.render_into(&mut out, pool);
+        out
+    }
+
+    fn render_into(&self, out: &mut String, pool: PoolGauges) -> std::fmt::Result {
+        writeln!(out, "# HELP state_api_claims_total Claims answered, by outcome (reclaimed: took over an expired lease).")?;
+        writeln!(out, "# TYPE state_api_claims_total counter")?;
+        for o in ClaimOutcome::ALL {
+            writeln!(
+                out,
+                "state_api_claims_total{{outcome=\"{}\"}} {}",
+                o.label(),
+                self.claims_total(o)
+            )?;
+        }
+        writeln!(out, "# HELP state_api_reclaims_total Claims that took over an in-progress record whose lease had run out.")?;
+        writeln!(out, "# TYPE state_api_reclaims_total counter")?;
+        writeln!(
+            out,
+            "state_api_reclaims_total {}",
+            self.claims_total(ClaimOutcome::Reclaimed)
+        )?;
+        writeln!(out, "# HELP state_api_fenced_out_total Writes refused because a newer claim owns the record.")?;
+        writeln!(out, "# TYPE state_api_fenced_out_total counter")?;
+        for op in WriteOp::ALL {
+            writeln!(
+                out,
+                "state_api_fenced_out_total{{op=\"{}\"}} {}",
+                op.label(),
+                self.fenced_out_total(op)
+            )?;
+        }
+        writeln!(
+            out,
+            "# HELP state_api_writes_total Fenced writes that succeeded."
+        )?;
+        writeln!(out, "# TYPE state_api_writes_total counter")?;
+        for (op, c) in [
+            (WriteOp::Heartbeat, &self.heartbeats),
+            (WriteOp::Complete, &self.completes),
+            (WriteOp::Release, &self.releases),
+        ] {
+            writeln!(
+                out,
+                "state_api_writes_total{{op=\"{}\"}} {}",
+                op.label(),
+                c.load(Relaxed)
+            )?;
+        }
+        writeln!(
+            out,
+            "# HELP state_api_purged_rows_total Expired records deleted by the purge."
+        )?;
+        writeln!(out, "# TYPE state_api_purged_rows_total counter")?;
+        writeln!(out, "state_api_purged_rows_total {}", self.purged_total())?;
+        writeln!(out, "# HELP state_api_errors_total Requests answered with 503 (database unavailable) or 500.")?;
+        writeln!(out, "# TYPE state_api_errors_total counter")?;
+        writeln!(
+            out,
+            "state_api_errors_total{{kind=\"unavailable\"}} {}",
+            self.db_unavailable.load(Relaxed)
+        )?;
+        writeln!(
+            out,
+            "state_api_errors_total{{kind=\"internal\"}} {}",
+            self.internal_errors.load(Relaxed)
+        )?;
+
+        writeln!(
+            out,
+            "# HELP state_api_request_duration_seconds Time to answer a request, by route."
+        )?;
+        writeln!(out, "# TYPE state_api_request_duration_seconds histogram")?;
+        for r in Route::ALL {
+            let h = &self.latency[r as usize];
+            for (i, le) in BUCKETS.iter().enumerate() {
+                writeln!(
+                    out,
+                    "state_api_request_duration_seconds_bucket{{route=\"{}\",le=\"{}\"}} {}",
+                    r.label(),
+                    le,
+                    h.buckets[i].load(Relaxed)
+                )?;
+            }
+            let count = h.count.load(Relaxed);
+            writeln!(
+                out,
+                "state_api_request_duration_seconds_bucket{{route=\"{}\",le=\"+Inf\"}} {count}",
+                r.label()
+            )?;
+            let sum = h.sum_micros.load(Relaxed) as f64 / 1e6;
+            writeln!(
+                out,
+                "state_api_request_duration_seconds_sum{{route=\"{}\"}} {sum}",
+                r.label()
+            )?;
+            writeln!(
+                out,
+                "state_api_request_duration_seconds_count{{route=\"{}\"}} {count}",
+                r.label()
+            )?;
+        }
+
+        writeln!(
+            out,
+            "# HELP state_api_db_pool_connections Database connections, by state."
+        )?;
+        writeln!(out, "# TYPE state_api_db_pool_connections gauge")?;
+        writeln!(
+            out,
+            "state_api_db_pool_connections{{state=\"idle\"}} {}",
+            pool.idle
+        )?;
+        writeln!(
+            out,
+            "state_api_db_pool_connections{{state=\"in_use\"}} {}",
+            pool.size.saturating_sub(pool.idle)
+        )?;
+        writeln!(
+            out,
+            "# HELP state_api_db_pool_max_connections The pool's maximum size."
+        )?;
+        writeln!(out, "# TYPE state_api_db_pool_max_connections gauge")?;
+        writeln!(out, "state_api_db_pool_max_connections {}", pool.max)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_cumulative_buckets() {
+        let m = Metrics::default();
+        m.claim(ClaimOutcome::Claimed);
+        m.claim(ClaimOutcome::Claimed);
+        m.fenced_out(WriteOp::Complete);
+        m.observe(Route::Claim, Duration::from_micros(700));
+        let text = m.render(PoolGauges {
+            size: 3,
+            idle: 1,
+            max: 16,
+        });
+        assert!(text.contains("state_api_claims_total{outcome=\"claimed\"} 2\n"));
+        assert!(text.contains("state_api_fenced_out_total{op=\"complete\"} 1\n"));
+        assert!(text.contains(
+            "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"0.0005\"} 0\n"
+        ));
+        assert!(text.contains(
+            "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"0.001\"} 1\n"
+        ));
+        assert!(text.contains(
+            "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"+Inf\"} 1\n"
+        ));
+        assert!(text.contains("state_api_db_pool_connections{state=\"in_use\"} 2\n"));
+    }
+}

@@ -1,0 +1,651 @@
+//! Every SQL statement of the state API. Each call is one short autocommit transaction, so a
+//! claim is committed (durably: `synchronous_commit=on`) before it is answered and no lock is
+//! held between two requests. All times come from the database clock.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::types::Json;
+
+use crate::scope::ScopeHash;
+
+/// The embedded migrations (`state-api/migrations`).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// How often a claim re-decides after losing a race (a concurrent reclaim, purge or
+/// take-over changed the row between our read and our write).
+const CLAIM_ATTEMPTS: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("the record kept changing under the claim")]
+    Contention,
+    #[error("stored record is inconsistent: {0}")]
+    Corrupt(&'static str),
+}
+
+impl StoreError {
+    /// True when the database cannot be reached or is shutting down or overloaded: the
+    /// caller answers 503 and the filter fails closed.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Self::Db(e) => match e {
+                sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(db) => {
+                    let code = db.code().unwrap_or_default();
+                    // 08: connection exception; 57P0x: shutdown / cannot connect now;
+                    // 53: insufficient resources; 57014: statement timeout; 55P03: lock timeout;
+                    // 40001/40P01: serialization failure / deadlock (retryable).
+                    code.starts_with("08")
+                        || code.starts_with("53")
+                        || code.starts_with("57P")
+                        || matches!(code.as_ref(), "57014" | "55P03" | "40001" | "40P01")
+                }
+                _ => false,
+            },
+            Self::Contention => true,
+            Self::Migrate(_) | Self::Corrupt(_) => false,
+        }
+    }
+}
+
+/// Pool settings taken from the configuration.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+    pub statement_timeout_ms: u64,
+}
+
+/// A lazily connecting pool: it (re)connects on demand, so the API starts answering 503 when
+/// Postgres is down and recovers by itself when it comes back.
+pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
+    let statement_timeout = s.statement_timeout_ms.to_string();
+    let opts = PgConnectOptions::from_str(url)?
+        .application_name("state-api")
+        // Explicit, whatever the server's default: a claim is acknowledged only after a
+        // durable commit.
+        .options([
+            ("synchronous_commit", "on"),
+            ("statement_timeout", statement_timeout.as_str()),
+            // A claim never waits long on another request's lock (only on the few
+            // microseconds of a concurrent single-row statement).
+            ("lock_timeout", "2000"),
+            ("idle_in_transaction_session_timeout", "10000"),
+        ]);
+    Ok(PgPoolOptions::new()
+        .max_connections(s.max_connections)
+        .acquire_timeout(s.acquire_timeout)
+        .connect_lazy_with(opts))
+}
+
+/// A stored upstream response, as in the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredRow {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub replayable: bool,
+}
+
+/// What a claim found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    Claimed {
+        token: i64,
+        lease_ms: u64,
+        reclaimed: bool,
+    },
+    InProgress {
+        lease_remaining_ms: u64,
+    },
+    Completed(StoredRow),
+    Mismatch,
+}
+
+/// The request of a claim, already validated.
+#[derive(Debug, Clone)]
+pub struct NewClaim<'a> {
+    pub scope: ScopeHash,
+    pub subject: &'a str,
+    pub endpoint: &'a str,
+    pub fingerprint_alg: &'a str,
+    pub fingerprint: &'a str,
+    pub lease_ms: u64,
+    pub retention_ms: i64,
+}
+
+/// One row as the claim sees it, with durations computed by the database at read time.
+#[derive(Debug, sqlx::FromRow)]
+struct ClaimRow {
+    inserted: bool,
+    state: String,
+    fencing_token: i64,
+    fingerprint_alg: String,
+    fingerprint: String,
+    lease_remaining_ms: i64,
+    lease_expired: bool,
+    /// Past retention (and, for in_progress, past its lease): the key counts as new.
+    retention_expired: bool,
+    response_status: Option<i32>,
+    response_headers: Option<Json<Vec<(String, String)>>>,
+    response_body: Option<Vec<u8>>,
+    response_replayable: Option<bool>,
+}
+
+/// The columns of `ClaimRow`, for a row `r` read at time `c.now`.
+macro_rules! claim_cols {
+    () => {
+        "r.state, r.fencing_token, r.fingerprint_alg, r.fingerprint, \
+         GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint AS lease_remaining_ms, \
+         (r.lease_expires_at <= c.now) AS lease_expired, \
+         (r.expires_at <= c.now AND (r.state = 'completed' OR r.lease_expires_at <= c.now)) AS retention_expired, \
+         r.response_status, r.response_headers, r.response_body, r.response_replayable"
+    };
+}
+
+/// Insert-or-read in one round trip. The INSERT is committed before the answer; the second
+/// branch reads the existing row when the INSERT did nothing.
+const CLAIM_SQL: &str = concat!(
+    "WITH ins AS (
+        INSERT INTO idempotency_records
+            (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
+             lease_expires_at, created_at, expires_at)
+        VALUES ($1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'),
+                clock_timestamp() + $6::bigint * interval '1 millisecond',
+                clock_timestamp(),
+                clock_timestamp() + $7::bigint * interval '1 millisecond')
+        ON CONFLICT (scope_hash) DO NOTHING
+        RETURNING *
+    )
+    SELECT true AS inserted, ",
+    claim_cols!(),
+    " FROM ins r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    UNION ALL
+    SELECT false AS inserted, ",
+    claim_cols!(),
+    " FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    WHERE r.scope_hash = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
+);
+
+/// A plain read with a fresh snapshot: under READ COMMITTED the claim's second branch uses
+/// the statement's snapshot and can miss a row committed by a concurrent inserter that the
+/// INSERT waited for.
+const READ_SQL: &str = concat!(
+    "SELECT false AS inserted, ",
+    claim_cols!(),
+    " FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    WHERE r.scope_hash = $1"
+);
+
+/// Take over an in_progress record whose lease ran out: compare-and-set on the observed
+/// token, with the database clock, so of N concurrent reclaimers exactly one matches.
+const RECLAIM_SQL: &str = "
+    UPDATE idempotency_records
+    SET fencing_token = nextval('idempotency_fencing_token_seq'),
+        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+      AND lease_expires_at <= clock_timestamp()
+    RETURNING fencing_token";
+
+/// Reuse a record past its retention as if it were new (compare-and-set on the observed token).
+const TAKE_OVER_SQL: &str = "
+    UPDATE idempotency_records
+    SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6,
+        state = 'in_progress',
+        fencing_token = nextval('idempotency_fencing_token_seq'),
+        lease_expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond',
+        created_at = clock_timestamp(),
+        completed_at = NULL,
+        expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond',
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        response_replayable = NULL
+    WHERE scope_hash = $1 AND fencing_token = $2
+      AND expires_at <= clock_timestamp()
+      AND (state = 'completed' OR lease_expires_at <= clock_timestamp())
+    RETURNING fencing_token";
+
+const HEARTBEAT_SQL: &str = "
+    UPDATE idempotency_records
+    SET lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+    RETURNING fencing_token";
+
+const COMPLETE_SQL: &str = "
+    UPDATE idempotency_records
+    SET state = 'completed',
+        response_status = $3, response_headers = $4, response_body = $5, response_replayable = $6,
+        completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+    RETURNING fencing_token";
+
+const RELEASE_SQL: &str = "
+    DELETE FROM idempotency_records
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+    RETURNING fencing_token";
+
+/// Expired rows, a batch at a time. `FOR UPDATE SKIP LOCKED` re-checks the condition on a row
+/// a concurrent claim just renewed, and skips rows being written right now.
+const PURGE_SQL: &str = "
+    DELETE FROM idempotency_records
+    WHERE scope_hash IN (
+        SELECT scope_hash FROM idempotency_records
+        WHERE expires_at < clock_timestamp()
+          AND (state = 'completed' OR lease_expires_at < clock_timestamp())
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED)";
+
+const VIEW_SQL: &str = "
+    SELECT r.state, r.subject, r.endpoint, r.fingerprint_alg, r.fencing_token,
+        CASE WHEN r.state = 'in_progress'
+             THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
+             ELSE 0 END AS lease_remaining_ms,
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.created_at)) * 1000))::bigint AS age_ms,
+        -- GREATEST ignores NULLs: keep NULL for records not completed.
+        CASE WHEN r.completed_at IS NOT NULL
+             THEN GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.completed_at)) * 1000))::bigint
+             END AS completed_age_ms,
+        r.response_status, r.response_replayable,
+        GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms
+    FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    WHERE r.scope_hash = $1";
+
+/// The operator's view of one record (no body).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct RecordRow {
+    pub state: String,
+    pub subject: String,
+    pub endpoint: String,
+    pub fingerprint_alg: String,
+    pub fencing_token: i64,
+    pub lease_remaining_ms: i64,
+    pub age_ms: i64,
+    pub completed_age_ms: Option<i64>,
+    pub response_status: Option<i32>,
+    pub response_replayable: Option<bool>,
+    pub expires_in_ms: i64,
+}
+
+/// What a complete did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteResult {
+    Done,
+    /// The same owner completed before (a retried complete): nothing changed.
+    AlreadyDone,
+    /// No record with this token in progress: a newer owner took over, or it is gone.
+    FencedOut,
+}
+
+/// What the claim does next after reading a row.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    Answer(ClaimOutcome),
+    Reclaim {
+        observed: i64,
+    },
+    TakeOver {
+        observed: i64,
+        was_in_progress: bool,
+    },
+}
+
+/// The decision on an existing (or just inserted) row. Order matters: an expired key is new;
+/// otherwise the fingerprint is compared first, for in_progress and completed alike.
+fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
+    if row.inserted {
+        return Ok(Step::Answer(ClaimOutcome::Claimed {
+            token: row.fencing_token,
+            lease_ms: claim.lease_ms,
+            reclaimed: false,
+        }));
+    }
+    if row.retention_expired {
+        return Ok(Step::TakeOver {
+            observed: row.fencing_token,
+            was_in_progress: row.state == "in_progress",
+        });
+    }
+    if row.fingerprint_alg != claim.fingerprint_alg || row.fingerprint != claim.fingerprint {
+        return Ok(Step::Answer(ClaimOutcome::Mismatch));
+    }
+    match row.state.as_str() {
+        "completed" => {
+            let (Some(status), Some(Json(headers)), Some(body), Some(replayable)) = (
+                row.response_status,
+                row.response_headers,
+                row.response_body,
+                row.response_replayable,
+            ) else {
+                return Err(StoreError::Corrupt("completed record without a response"));
+            };
+            let status =
+                u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
+            Ok(Step::Answer(ClaimOutcome::Completed(StoredRow {
+                status,
+                headers,
+                body,
+                replayable,
+            })))
+        }
+        "in_progress" if !row.lease_expired => Ok(Step::Answer(ClaimOutcome::InProgress {
+            lease_remaining_ms: u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1),
+        })),
+        "in_progress" => Ok(Step::Reclaim {
+            observed: row.fencing_token,
+        }),
+        _ => Err(StoreError::Corrupt("unknown state")),
+    }
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: PgPool,
+}
+
+impl Store {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Claims the key, or tells why not. One round trip when the key is new, in progress,
+    /// completed or mismatched; a reclaim or take-over adds one compare-and-set UPDATE.
+    pub async fn claim(&self, c: &NewClaim<'_>) -> Result<ClaimOutcome, StoreError> {
+        let lease = i64::try_from(c.lease_ms).unwrap_or(i64::MAX);
+        // A row read after losing a race, to decide on without inserting again.
+        let mut pending: Option<ClaimRow> = None;
+        for _ in 0..CLAIM_ATTEMPTS {
+            let row = match pending.take() {
+                Some(r) => Some(r),
+                None => {
+                    let inserted_or_found = sqlx::query_as::<_, ClaimRow>(CLAIM_SQL)
+                        .bind(&c.scope[..])
+                        .bind(c.subject)
+                        .bind(c.endpoint)
+                        .bind(c.fingerprint_alg)
+                        .bind(c.fingerprint)
+                        .bind(lease)
+                        .bind(c.retention_ms)
+                        .fetch_optional(&self.pool)
+                        .await?;
+                    match inserted_or_found {
+                        Some(r) => Some(r),
+                        // Committed by a concurrent inserter after our snapshot: read anew.
+                        None => self.read(&c.scope).await?,
+                    }
+                }
+            };
+            // Still nothing: purged or released meanwhile, so insert again.
+            let Some(row) = row else { continue };
+            let won = match decide(row, c)? {
+                Step::Answer(outcome) => return Ok(outcome),
+                Step::Reclaim { observed } => sqlx::query_scalar::<_, i64>(RECLAIM_SQL)
+                    .bind(&c.scope[..])
+                    .bind(observed)
+                    .bind(lease)
+                    .fetch_optional(&self.pool)
+                    .await?
+                    .map(|token| (token, true)),
+                Step::TakeOver {
+                    observed,
+                    was_in_progress,
+                } => sqlx::query_scalar::<_, i64>(TAKE_OVER_SQL)
+                    .bind(&c.scope[..])
+                    .bind(observed)
+                    .bind(c.subject)
+                    .bind(c.endpoint)
+                    .bind(c.fingerprint_alg)
+                    .bind(c.fingerprint)
+                    .bind(lease)
+                    .bind(c.retention_ms)
+                    .fetch_optional(&self.pool)
+                    .await?
+                    .map(|token| (token, was_in_progress)),
+            };
+            if let Some((token, reclaimed)) = won {
+                return Ok(ClaimOutcome::Claimed {
+                    token,
+                    lease_ms: c.lease_ms,
+                    reclaimed,
+                });
+            }
+            // Lost the compare-and-set: decide again on the row as it is now (the winner's).
+            pending = self.read(&c.scope).await?;
+        }
+        Err(StoreError::Contention)
+    }
+
+    async fn read(&self, scope: &ScopeHash) -> Result<Option<ClaimRow>, StoreError> {
+        Ok(sqlx::query_as::<_, ClaimRow>(READ_SQL)
+            .bind(&scope[..])
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Extends the lease of the owner holding `token`. `false`: fenced out.
+    pub async fn heartbeat(
+        &self,
+        scope: &ScopeHash,
+        token: i64,
+        lease_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
+        let row = sqlx::query_scalar::<_, i64>(HEARTBEAT_SQL)
+            .bind(&scope[..])
+            .bind(token)
+            .bind(lease)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    /// Stores the response of the owner holding `token`.
+    pub async fn complete(
+        &self,
+        scope: &ScopeHash,
+        token: i64,
+        response: &StoredRow,
+        retention_ms: i64,
+    ) -> Result<WriteResult, StoreError> {
+        let row = sqlx::query_scalar::<_, i64>(COMPLETE_SQL)
+            .bind(&scope[..])
+            .bind(token)
+            .bind(i32::from(response.status))
+            .bind(Json(&response.headers))
+            .bind(&response.body[..])
+            .bind(response.replayable)
+            .bind(retention_ms)
+            .fetch_optional(&self.pool)
+            .await?;
+        if row.is_some() {
+            return Ok(WriteResult::Done);
+        }
+        // A retried complete of the same owner (its first answer was lost) is not a conflict.
+        let same_owner_done = sqlx::query_scalar::<_, bool>(
+            "SELECT true FROM idempotency_records WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'",
+        )
+        .bind(&scope[..])
+        .bind(token)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(if same_owner_done.is_some() {
+            WriteResult::AlreadyDone
+        } else {
+            WriteResult::FencedOut
+        })
+    }
+
+    /// Deletes the in-progress record of the owner holding `token`. `false`: fenced out.
+    pub async fn release(&self, scope: &ScopeHash, token: i64) -> Result<bool, StoreError> {
+        let row = sqlx::query_scalar::<_, i64>(RELEASE_SQL)
+            .bind(&scope[..])
+            .bind(token)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    pub async fn record(&self, scope: &ScopeHash) -> Result<Option<RecordRow>, StoreError> {
+        Ok(sqlx::query_as::<_, RecordRow>(VIEW_SQL)
+            .bind(&scope[..])
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Deletes one batch of expired records; returns how many.
+    pub async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(PURGE_SQL)
+            .bind(i64::from(batch))
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Deletes expired records in batches until a batch comes back short (at most
+    /// `max_batches`, so one tick never runs for long).
+    pub async fn purge_expired(&self, batch: u32, max_batches: u32) -> Result<u64, StoreError> {
+        let mut total = 0;
+        for _ in 0..max_batches {
+            let n = self.purge_batch(batch).await?;
+            total += n;
+            if n < u64::from(batch) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        Ok(total)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn claim() -> NewClaim<'static> {
+        NewClaim {
+            scope: [0; 32],
+            subject: "alice",
+            endpoint: "POST /checkout",
+            fingerprint_alg: "sha256-jcs-v1",
+            fingerprint: "aa",
+            lease_ms: 30_000,
+            retention_ms: 1000,
+        }
+    }
+
+    fn row(state: &str) -> ClaimRow {
+        ClaimRow {
+            inserted: false,
+            state: state.into(),
+            fencing_token: 7,
+            fingerprint_alg: "sha256-jcs-v1".into(),
+            fingerprint: "aa".into(),
+            lease_remaining_ms: 500,
+            lease_expired: false,
+            retention_expired: false,
+            response_status: (state == "completed").then_some(201),
+            response_headers: (state == "completed").then(|| Json(vec![("a".into(), "b".into())])),
+            response_body: (state == "completed").then(|| vec![1, 2]),
+            response_replayable: (state == "completed").then_some(true),
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        let c = claim();
+        assert_eq!(
+            decide(
+                ClaimRow {
+                    inserted: true,
+                    ..row("in_progress")
+                },
+                &c
+            )
+            .unwrap(),
+            Step::Answer(ClaimOutcome::Claimed {
+                token: 7,
+                lease_ms: 30_000,
+                reclaimed: false
+            })
+        );
+        assert_eq!(
+            decide(row("in_progress"), &c).unwrap(),
+            Step::Answer(ClaimOutcome::InProgress {
+                lease_remaining_ms: 500
+            })
+        );
+        assert_eq!(
+            decide(
+                ClaimRow {
+                    lease_expired: true,
+                    ..row("in_progress")
+                },
+                &c
+            )
+            .unwrap(),
+            Step::Reclaim { observed: 7 }
+        );
+        for state in ["in_progress", "completed"] {
+            let mismatch = ClaimRow {
+                fingerprint: "bb".into(),
+                ..row(state)
+            };
+            assert_eq!(
+                decide(mismatch, &c).unwrap(),
+                Step::Answer(ClaimOutcome::Mismatch)
+            );
+            let other_alg = ClaimRow {
+                fingerprint_alg: "sha256-raw-v1".into(),
+                ..row(state)
+            };
+            assert_eq!(
+                decide(other_alg, &c).unwrap(),
+                Step::Answer(ClaimOutcome::Mismatch)
+            );
+        }
+        assert!(matches!(
+            decide(row("completed"), &c).unwrap(),
+            Step::Answer(ClaimOutcome::Completed(_))
+        ));
+        // An expired key is new, whatever its fingerprint.
+        let expired = ClaimRow {
+            retention_expired: true,
+            fingerprint: "bb".into(),
+            ..row("completed")
+        };
+        assert_eq!(
+            decide(expired, &c).unwrap(),
+            Step::TakeOver {
+                observed: 7,
+                was_in_progress: false
+            }
+        );
+        assert!(decide(row("weird"), &c).is_err());
+    }
+}

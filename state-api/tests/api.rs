@@ -1,0 +1,804 @@
+//! The state API's HTTP surface against a real Postgres: claims, races, fencing, replay,
+//! retention, auth and bad input.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use contract::wire::{
+    ClaimResponse, StoredResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH,
+    RELEASE_PATH,
+};
+use serde_json::{json, Value};
+use sqlx::Connection as _;
+
+fn complete_body(key: &str, token: i64, response: &StoredResponse) -> Value {
+    json!({"key": key, "subject": "alice", "endpoint": ENDPOINT, "token": token, "response": response})
+}
+
+fn fenced_body(key: &str, token: i64) -> Value {
+    json!({"key": key, "subject": "alice", "endpoint": ENDPOINT, "token": token})
+}
+
+fn ok_response() -> StoredResponse {
+    StoredResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        br#"{"id":"ch_1"}"#,
+        true,
+    )
+}
+
+fn assert_problem(status: u16, body: &Value, want_status: u16, slug: &str) {
+    assert_eq!(status, want_status, "body: {body}");
+    assert_eq!(body["type"], format!("/problems/{slug}"), "body: {body}");
+    assert_eq!(body["status"], want_status);
+    assert!(
+        body["title"].is_string() && body["detail"].is_string(),
+        "body: {body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers() {
+    let api = Api::start(&[]).await;
+    let key = "race-100";
+    // Warm the connection pool and the HTTP clients so the measurement is about the claim.
+    // (concurrently, so that all 16 pooled connections exist and have prepared the statements)
+    for round in 0..3 {
+        let warm: Vec<_> = (0..32)
+            .map(|i| {
+                let (client, url) = (api.client.clone(), api.url(CLAIM_PATH));
+                let body = serde_json::to_value(claim_req(
+                    &format!("warm-{round}-{i}"),
+                    "alice",
+                    &fp(1),
+                    None,
+                ))
+                .unwrap();
+                tokio::spawn(async move {
+                    client
+                        .post(url)
+                        .bearer_auth(TOKEN)
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        for w in warm {
+            assert_eq!(w.await.unwrap().status(), 200);
+        }
+    }
+    // ... and open the 100 HTTP connections beforehand.
+    let warm: Vec<_> = (0..100)
+        .map(|_| {
+            let (client, url) = (api.client.clone(), api.url("/healthz"));
+            tokio::spawn(
+                async move { client.get(url).send().await.unwrap().bytes().await.unwrap() },
+            )
+        })
+        .collect();
+    for w in warm {
+        w.await.unwrap();
+    }
+
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let client = api.client.clone();
+        let url = api.url(CLAIM_PATH);
+        let body = serde_json::to_value(claim_req(key, "alice", &fp(1), Some(60_000))).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let start = Instant::now();
+            let r = client
+                .post(url)
+                .bearer_auth(TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let answer: ClaimResponse = r.json().await.unwrap();
+            (answer, start.elapsed())
+        }));
+    }
+    let mut claimed = Vec::new();
+    let mut in_progress = Vec::new();
+    for t in tasks {
+        let (answer, took) = t.await.unwrap();
+        match answer {
+            ClaimResponse::Claimed {
+                token, reclaimed, ..
+            } => {
+                assert!(!reclaimed);
+                claimed.push(token);
+            }
+            ClaimResponse::InProgress {
+                retry_after_s,
+                lease_remaining_ms,
+            } => {
+                // The winner never completes in this test: these answers did not wait for it.
+                assert!(
+                    (1..=2).contains(&retry_after_s),
+                    "retry_after_s {retry_after_s}"
+                );
+                assert!(lease_remaining_ms > 50_000 && lease_remaining_ms <= 60_000);
+                in_progress.push(took);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(claimed.len(), 1, "exactly one owner");
+    assert_eq!(in_progress.len(), 99);
+    in_progress.sort();
+    let p50 = in_progress[49];
+    let p99 = in_progress[98];
+    eprintln!("100 concurrent claims: duplicates answered p50 {p50:?}, p99 {p99:?}");
+    assert!(
+        p99 < Duration::from_millis(100),
+        "duplicates must not wait: p99 {p99:?}"
+    );
+
+    // The claim is committed: a second connection sees it while the owner has not completed.
+    let mut conn = sqlx::PgConnection::connect(&api.db_url).await.unwrap();
+    let scope = api.state.scoper().hash(key, "alice", ENDPOINT);
+    let (state, token): (String, i64) = sqlx::query_as(
+        "SELECT state, fencing_token FROM idempotency_records WHERE scope_hash = $1",
+    )
+    .bind(&scope[..])
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), token), ("in_progress", claimed[0]));
+    // The raw key is nowhere in the row.
+    let raw: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_records WHERE position($1::bytea in convert_to(row(idempotency_records.*)::text, 'UTF8')) > 0",
+    )
+    .bind(key.as_bytes())
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(raw, 0);
+
+    // After completion every duplicate gets the stored response.
+    let (status, body, _) = api
+        .post(
+            COMPLETE_PATH,
+            &complete_body(key, claimed[0], &ok_response()),
+        )
+        .await;
+    assert_eq!((status, body), (200, json!({"state": "completed"})));
+    assert_eq!(
+        api.claim(key, &fp(1), None).await,
+        ClaimResponse::Completed {
+            response: ok_response()
+        }
+    );
+
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"in_progress\"}"),
+        99.0
+    );
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"completed\"}"),
+        1.0
+    );
+    assert!(
+        metric(
+            &m,
+            "state_api_request_duration_seconds_count{route=\"claim\"}"
+        ) >= 117.0
+    );
+    api.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_changed_fingerprint_is_a_mismatch_in_progress_and_completed() {
+    let api = Api::start(&[]).await;
+    let token = token_of(&api.claim("fp-key", &fp(1), None).await);
+    assert_eq!(
+        api.claim("fp-key", &fp(2), None).await,
+        ClaimResponse::Mismatch
+    );
+    // Same fingerprint made by another algorithm: also a mismatch.
+    let mut other_alg = claim_req("fp-key", "alice", &fp(1), None);
+    other_alg.fingerprint_alg = "sha256-raw-v1".into();
+    assert_eq!(api.claim_with(&other_alg).await, ClaimResponse::Mismatch);
+
+    api.post(
+        COMPLETE_PATH,
+        &complete_body("fp-key", token, &ok_response()),
+    )
+    .await;
+    assert_eq!(
+        api.claim("fp-key", &fp(2), None).await,
+        ClaimResponse::Mismatch
+    );
+    assert!(matches!(
+        api.claim("fp-key", &fp(1), None).await,
+        ClaimResponse::Completed { .. }
+    ));
+
+    // The same key for another subject is another record.
+    let bob = api
+        .claim_with(&claim_req("fp-key", "bob", &fp(2), None))
+        .await;
+    assert!(matches!(bob, ClaimResponse::Claimed { .. }), "{bob:?}");
+    assert!(token_of(&bob) > token, "tokens grow across keys");
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"mismatch\"}"),
+        3.0
+    );
+}
+
+#[tokio::test]
+async fn completed_claims_replay_the_stored_bytes_and_headers_exactly() {
+    let api = Api::start(&[]).await;
+    let body: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let headers = vec![
+        (
+            "content-type".to_owned(),
+            "application/octet-stream".to_owned(),
+        ),
+        ("x-multi".to_owned(), "a".to_owned()),
+        ("location".to_owned(), "/charges/ch_1".to_owned()),
+        ("x-multi".to_owned(), "b, c".to_owned()),
+        ("etag".to_owned(), "\"v1\"".to_owned()),
+    ];
+    let stored = StoredResponse::new(200, headers, &body, true);
+    let token = token_of(&api.claim("bytes", &fp(3), None).await);
+    let (status, _, _) = api
+        .post(COMPLETE_PATH, &complete_body("bytes", token, &stored))
+        .await;
+    assert_eq!(status, 200);
+    match api.claim("bytes", &fp(3), None).await {
+        ClaimResponse::Completed { response } => {
+            assert_eq!(response, stored);
+            assert_eq!(response.body().unwrap(), body);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A retried complete of the same owner is accepted and changes nothing.
+    let other = StoredResponse::new(500, vec![], b"late", true);
+    let (status, body2, _) = api
+        .post(COMPLETE_PATH, &complete_body("bytes", token, &other))
+        .await;
+    assert_eq!((status, body2), (200, json!({"state": "completed"})));
+    assert_eq!(
+        api.claim("bytes", &fp(3), None).await,
+        ClaimResponse::Completed { response: stored }
+    );
+
+    // Not replayable: status and headers kept, no body.
+    let t = token_of(&api.claim("big", &fp(3), None).await);
+    let tomb = StoredResponse::new(
+        201,
+        vec![("location".into(), "/charges/2".into())],
+        &[],
+        false,
+    );
+    assert_eq!(
+        api.post(COMPLETE_PATH, &complete_body("big", t, &tomb))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        api.claim("big", &fp(3), None).await,
+        ClaimResponse::Completed { response: tomb }
+    );
+    // An empty replayable body is not the same thing as a tombstone.
+    let t = token_of(&api.claim("empty", &fp(3), None).await);
+    let empty = StoredResponse::new(204, vec![], &[], true);
+    assert_eq!(
+        api.post(COMPLETE_PATH, &complete_body("empty", t, &empty))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        api.claim("empty", &fp(3), None).await,
+        ClaimResponse::Completed { response: empty }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reclaim_race_among_twenty_has_one_winner() {
+    let api = Api::start(&[]).await;
+    let first = token_of(&api.claim("reclaim", &fp(4), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let client = api.client.clone();
+        let url = api.url(CLAIM_PATH);
+        let body =
+            serde_json::to_value(claim_req("reclaim", "alice", &fp(4), Some(30_000))).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .bearer_auth(TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            r.json::<ClaimResponse>().await.unwrap()
+        }));
+    }
+    let mut winners = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            ClaimResponse::Claimed {
+                token,
+                reclaimed,
+                lease_ms,
+            } => {
+                assert!(reclaimed);
+                assert_eq!(lease_ms, 30_000);
+                winners.push(token);
+            }
+            ClaimResponse::InProgress { .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "one reclaimer wins");
+    assert!(winners[0] > first, "the new owner has a larger token");
+    let (status, view) = api.record("reclaim", "alice").await;
+    assert_eq!(status, 200);
+    assert_eq!(view["token"], winners[0]);
+    let m = api.metrics().await;
+    assert_eq!(metric(&m, "state_api_reclaims_total"), 1.0);
+}
+
+#[tokio::test]
+async fn a_fenced_out_owner_cannot_write_and_changes_nothing() {
+    let api = Api::start(&[]).await;
+    let old = token_of(&api.claim("fence", &fp(5), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let new = match api.claim("fence", &fp(5), Some(60_000)).await {
+        ClaimResponse::Claimed {
+            token,
+            reclaimed: true,
+            ..
+        } => token,
+        other => panic!("{other:?}"),
+    };
+    assert!(new > old);
+    let (_, before) = api.record("fence", "alice").await;
+
+    let (s, b, _) = api.post(HEARTBEAT_PATH, &fenced_body("fence", old)).await;
+    assert_problem(s, &b, 409, "fenced-out");
+    let (s, b, _) = api
+        .post(COMPLETE_PATH, &complete_body("fence", old, &ok_response()))
+        .await;
+    assert_problem(s, &b, 409, "fenced-out");
+    let (s, b, _) = api.post(RELEASE_PATH, &fenced_body("fence", old)).await;
+    assert_problem(s, &b, 409, "fenced-out");
+
+    let (_, after) = api.record("fence", "alice").await;
+    assert_eq!(after["state"], "in_progress");
+    assert_eq!(after["token"], new);
+    assert_eq!(after["token"], before["token"]);
+    assert!(after["lease_remaining_ms"].as_u64().unwrap() > 50_000);
+
+    // The new owner completes; the old one still cannot overwrite it.
+    let mine = StoredResponse::new(201, vec![], b"new owner", true);
+    assert_eq!(
+        api.post(COMPLETE_PATH, &complete_body("fence", new, &mine))
+            .await
+            .0,
+        200
+    );
+    let (s, b, _) = api
+        .post(COMPLETE_PATH, &complete_body("fence", old, &ok_response()))
+        .await;
+    assert_problem(s, &b, 409, "fenced-out");
+    assert_eq!(
+        api.claim("fence", &fp(5), None).await,
+        ClaimResponse::Completed { response: mine }
+    );
+    // A heartbeat or release on a completed record is refused too.
+    let (s, _, _) = api.post(HEARTBEAT_PATH, &fenced_body("fence", new)).await;
+    assert_eq!(s, 409);
+    let (s, _, _) = api.post(RELEASE_PATH, &fenced_body("fence", new)).await;
+    assert_eq!(s, 409);
+
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_fenced_out_total{op=\"complete\"}"),
+        2.0
+    );
+    assert_eq!(
+        metric(&m, "state_api_fenced_out_total{op=\"heartbeat\"}"),
+        2.0
+    );
+    assert_eq!(
+        metric(&m, "state_api_fenced_out_total{op=\"release\"}"),
+        2.0
+    );
+}
+
+#[tokio::test]
+async fn heartbeats_extend_the_lease_even_after_it_ran_out_if_not_reclaimed() {
+    let api = Api::start(&[]).await;
+    let token = token_of(&api.claim("hb", &fp(6), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (s, b, _) = api.post(HEARTBEAT_PATH, &json!({"key": "hb", "subject": "alice", "endpoint": ENDPOINT, "token": token, "lease_ms": 20_000})).await;
+    assert_eq!((s, b), (200, json!({"lease_ms": 20_000})));
+    match api.claim("hb", &fp(6), None).await {
+        ClaimResponse::InProgress {
+            lease_remaining_ms,
+            retry_after_s,
+        } => {
+            assert!(lease_remaining_ms > 15_000);
+            assert_eq!(retry_after_s, 2, "capped by --retry-after-cap-s");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn release_frees_the_key_once() {
+    let api = Api::start(&[]).await;
+    let first = token_of(&api.claim("rel", &fp(7), None).await);
+    let (s, b, _) = api.post(RELEASE_PATH, &fenced_body("rel", first)).await;
+    assert_eq!((s, b), (200, json!({"state": "released"})));
+    let (s, b, _) = api.post(RELEASE_PATH, &fenced_body("rel", first)).await;
+    assert_problem(s, &b, 409, "fenced-out");
+    let (s, b) = api.record("rel", "alice").await;
+    assert_problem(s, &b, 404, "not-found");
+    // Free again, even for another body.
+    let second = token_of(&api.claim("rel", &fp(8), None).await);
+    assert!(second > first);
+}
+
+#[tokio::test]
+async fn expired_records_are_new_keys_and_the_purge_deletes_them() {
+    let api = Api::start(&["--retention-s", "1"]).await;
+    let t = token_of(&api.claim("ret", &fp(1), None).await);
+    api.post(COMPLETE_PATH, &complete_body("ret", t, &ok_response()))
+        .await;
+    let t2 = token_of(&api.claim("gone", &fp(1), None).await);
+    api.post(COMPLETE_PATH, &complete_body("gone", t2, &ok_response()))
+        .await;
+    // In progress past its retention but with a live lease: kept.
+    api.claim("running", &fp(1), Some(60_000)).await;
+    // In progress past both: purged.
+    api.claim("dead", &fp(1), Some(1_000)).await;
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+
+    // Expired: treated as new, whatever the fingerprint.
+    match api.claim("ret", &fp(2), None).await {
+        ClaimResponse::Claimed {
+            token,
+            reclaimed: false,
+            ..
+        } => assert!(token > t),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        api.claim("running", &fp(1), None).await,
+        ClaimResponse::InProgress { .. }
+    ));
+
+    let purged = api.state.store().purge_expired(1, 100).await.unwrap();
+    assert_eq!(purged, 2, "`gone` and `dead`, one row per batch");
+    assert_eq!(api.record("gone", "alice").await.0, 404);
+    assert_eq!(api.record("dead", "alice").await.0, 404);
+    assert_eq!(api.record("running", "alice").await.0, 200);
+    assert_eq!(api.record("ret", "alice").await.1["state"], "in_progress");
+}
+
+#[tokio::test]
+async fn the_background_purge_runs_on_its_interval() {
+    let api = Api::start(&[
+        "--retention-s",
+        "1",
+        "--purge-interval-s",
+        "1",
+        "--purge-batch",
+        "2",
+    ])
+    .await;
+    for i in 0..5 {
+        let key = format!("p{i}");
+        let t = token_of(&api.claim(&key, &fp(1), None).await);
+        api.post(COMPLETE_PATH, &complete_body(&key, t, &ok_response()))
+            .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = api.metrics().await;
+        if metric(&m, "state_api_purged_rows_total") >= 5.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "purge did not run:\n{m}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(api.record("p4", "alice").await.0, 404);
+    api.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_operator_read_shows_state_token_lease_and_ages() {
+    let api = Api::start(&[]).await;
+    let t = token_of(&api.claim("op/1", &fp(9), Some(10_000)).await);
+    let (s, v) = api.record("op/1", "alice").await;
+    assert_eq!(s, 200);
+    assert_eq!(v["state"], "in_progress");
+    assert_eq!(v["subject"], "alice");
+    assert_eq!(v["endpoint"], ENDPOINT);
+    assert_eq!(v["fingerprint_alg"], ALG);
+    assert_eq!(v["token"], t);
+    assert!(v["lease_remaining_ms"].as_u64().unwrap() <= 10_000);
+    assert!(v["lease_remaining_ms"].as_u64().unwrap() > 5_000);
+    assert!(v["age_ms"].as_u64().unwrap() < 5_000);
+    assert_eq!(v["completed_age_ms"], Value::Null);
+    assert!(v["expires_in_ms"].as_u64().unwrap() > 86_000_000);
+
+    api.post(COMPLETE_PATH, &complete_body("op/1", t, &ok_response()))
+        .await;
+    let (_, v) = api.record("op/1", "alice").await;
+    assert_eq!(v["state"], "completed");
+    assert_eq!(v["response_status"], 201);
+    assert_eq!(v["replayable"], true);
+    assert_eq!(v["lease_remaining_ms"], 0);
+    assert!(v["completed_age_ms"].as_u64().is_some());
+    assert!(v.get("body_base64").is_none() && v.get("response").is_none());
+    // A view is not a claim: the other subject has nothing.
+    assert_eq!(api.record("op/1", "bob").await.0, 404);
+}
+
+#[tokio::test]
+async fn every_v1_call_needs_the_bearer_token() {
+    let api = Api::start(&[]).await;
+    let claim = serde_json::to_value(claim_req("auth", "alice", &fp(1), None)).unwrap();
+    for path in [CLAIM_PATH, HEARTBEAT_PATH, COMPLETE_PATH, RELEASE_PATH] {
+        for auth in [
+            None,
+            Some("Bearer wrong"),
+            Some("Bearer "),
+            Some(TOKEN),
+            Some("Basic dGVzdA=="),
+        ] {
+            let mut req = api.client.post(api.url(path)).json(&claim);
+            if let Some(a) = auth {
+                req = req.header("authorization", a);
+            }
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 401, "{path} with {auth:?}");
+            assert_eq!(r.headers()["content-type"], "application/problem+json");
+            assert_eq!(r.headers()["www-authenticate"], "Bearer");
+            let b: Value = r.json().await.unwrap();
+            assert_problem(401, &b, 401, "unauthenticated");
+        }
+    }
+    let r = api
+        .client
+        .get(api.url(&format!("{RECORDS_PATH}?key=auth&subject=alice&endpoint=x")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // Nothing was claimed by the refused calls.
+    assert_eq!(api.record("auth", "alice").await.0, 404);
+    // Health, readiness, metrics and the contract are open.
+    for path in ["/healthz", "/readyz", "/metrics", "/openapi.json"] {
+        assert_eq!(
+            api.client.get(api.url(path)).send().await.unwrap().status(),
+            200,
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn bad_input_is_a_problem_and_writes_nothing() {
+    let api = Api::start(&["--max-body-bytes", "1024"]).await;
+    let good = serde_json::to_value(claim_req("bad", "alice", &fp(1), None)).unwrap();
+    let with = |field: &str, v: Value| {
+        let mut b = good.clone();
+        b[field] = v;
+        b
+    };
+    let cases: Vec<(Value, u16, &str)> = vec![
+        (
+            with("key", json!("k".repeat(256))),
+            400,
+            "invalid-idempotency-key",
+        ),
+        (
+            with("key", json!("a\u{7}b")),
+            400,
+            "invalid-idempotency-key",
+        ),
+        (with("key", json!("")), 400, "invalid-idempotency-key"),
+        (
+            with("key", json!("caf\u{e9}")),
+            400,
+            "invalid-idempotency-key",
+        ),
+        (
+            with("fingerprint", json!(fp(1).to_uppercase().replace('1', "A"))),
+            400,
+            "bad-request",
+        ),
+        (with("fingerprint", json!(&fp(1)[..63])), 400, "bad-request"),
+        (
+            with("fingerprint", json!(format!("{}g", &fp(1)[..63]))),
+            400,
+            "bad-request",
+        ),
+        (with("fingerprint_alg", json!("")), 400, "bad-request"),
+        (with("subject", json!("")), 400, "bad-request"),
+        (with("endpoint", json!("")), 400, "bad-request"),
+        (with("subject", json!("a\nb")), 400, "bad-request"),
+        (with("subject", json!(7)), 400, "bad-request"),
+        (with("extra", json!(true)), 400, "bad-request"),
+        (with("lease_ms", json!(-1)), 400, "bad-request"),
+    ];
+    for (body, status, slug) in cases {
+        let (s, b, h) = api.post(CLAIM_PATH, &body).await;
+        assert_problem(s, &b, status, slug);
+        assert_eq!(h["content-type"], "application/problem+json");
+    }
+    // Not JSON at all, and a body without the outcome fields.
+    for raw in ["{", "not json", "", "[]"] {
+        let r = api
+            .client
+            .post(api.url(CLAIM_PATH))
+            .bearer_auth(TOKEN)
+            .body(raw)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{raw:?}");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+    }
+    assert_eq!(
+        api.record("bad", "alice").await.0,
+        404,
+        "nothing was written"
+    );
+
+    // Writes: a bad token, status or header, and a body over the limit.
+    let t = token_of(&api.claim("bad", &fp(1), None).await);
+    let resp = |status: u16, headers: Vec<(String, String)>, body: &[u8], replayable: bool| {
+        StoredResponse::new(status, headers, body, replayable)
+    };
+    let write_cases: Vec<(Value, u16, &str)> = vec![
+        (complete_body("bad", 0, &ok_response()), 400, "bad-request"),
+        (
+            complete_body("bad", t, &resp(99, vec![], b"", true)),
+            400,
+            "bad-request",
+        ),
+        (
+            complete_body("bad", t, &resp(600, vec![], b"", true)),
+            400,
+            "bad-request",
+        ),
+        (
+            complete_body(
+                "bad",
+                t,
+                &resp(200, vec![("bad name".into(), "v".into())], b"", true),
+            ),
+            400,
+            "bad-request",
+        ),
+        (
+            complete_body(
+                "bad",
+                t,
+                &resp(200, vec![("x".into(), "a\r\nb".into())], b"", true),
+            ),
+            400,
+            "bad-request",
+        ),
+        (
+            complete_body("bad", t, &resp(200, vec![], &[7u8; 1025], true)),
+            413,
+            "payload-too-large",
+        ),
+        (
+            json!({"key": "bad", "subject": "alice", "endpoint": ENDPOINT, "token": t,
+                   "response": {"status": 200, "headers": [], "body_base64": "!!!", "replayable": true}}),
+            400,
+            "bad-request",
+        ),
+        (
+            json!({"key": "bad", "subject": "alice", "endpoint": ENDPOINT, "token": t,
+                   "response": {"status": 200, "headers": [], "body_base64": "aGk=", "replayable": false}}),
+            400,
+            "bad-request",
+        ),
+    ];
+    for (body, status, slug) in write_cases {
+        let (s, b, _) = api.post(COMPLETE_PATH, &body).await;
+        assert_problem(s, &b, status, slug);
+    }
+    // Over the HTTP body limit itself.
+    let huge = "A".repeat(200_000);
+    let body = json!({"key": "bad", "subject": "alice", "endpoint": ENDPOINT, "token": t,
+                      "response": {"status": 200, "headers": [], "body_base64": huge, "replayable": true}});
+    let (s, b, _) = api.post(COMPLETE_PATH, &body).await;
+    assert_problem(s, &b, 413, "payload-too-large");
+    let (s, b, _) = api.post(HEARTBEAT_PATH, &fenced_body("bad", -5)).await;
+    assert_problem(s, &b, 400, "bad-request");
+    let (s, b) = api.get(&format!("{RECORDS_PATH}?key=bad")).await;
+    assert_problem(s, &b, 400, "bad-request");
+
+    // The record is untouched by all of it; exactly the limit is fine.
+    let (_, v) = api.record("bad", "alice").await;
+    assert_eq!(
+        (v["state"].as_str(), v["token"].as_i64()),
+        (Some("in_progress"), Some(t))
+    );
+    let max = resp(200, vec![], &[7u8; 1024], true);
+    assert_eq!(
+        api.post(COMPLETE_PATH, &complete_body("bad", t, &max))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        api.claim("bad", &fp(1), None).await,
+        ClaimResponse::Completed { response: max }
+    );
+
+    let (s, b) = api.get("/nope").await;
+    assert_problem(s, &b, 404, "not-found");
+}
+
+#[tokio::test]
+async fn leases_are_clamped_and_metrics_and_openapi_are_served() {
+    let api = Api::start(&[]).await;
+    match api.claim("clamp-lo", &fp(1), Some(1)).await {
+        ClaimResponse::Claimed { lease_ms, .. } => assert_eq!(lease_ms, 1_000),
+        other => panic!("{other:?}"),
+    }
+    match api.claim("clamp-hi", &fp(1), Some(86_400_000)).await {
+        ClaimResponse::Claimed { lease_ms, .. } => assert_eq!(lease_ms, 600_000),
+        other => panic!("{other:?}"),
+    }
+    match api.claim("default", &fp(1), None).await {
+        ClaimResponse::Claimed { lease_ms, .. } => assert_eq!(lease_ms, 30_000),
+        other => panic!("{other:?}"),
+    }
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"claimed\"}"),
+        3.0
+    );
+    assert!(metric(&m, "state_api_db_pool_max_connections") >= 1.0);
+    assert!(m.contains("# TYPE state_api_request_duration_seconds histogram"));
+
+    let doc: Value = api
+        .client
+        .get(api.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    for path in [
+        CLAIM_PATH,
+        HEARTBEAT_PATH,
+        COMPLETE_PATH,
+        RELEASE_PATH,
+        RECORDS_PATH,
+    ] {
+        assert!(
+            doc["paths"][path].is_object(),
+            "{path} missing from openapi.json"
+        );
+    }
+}

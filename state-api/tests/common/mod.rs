@@ -1,0 +1,231 @@
+//! The state API served in-process on a free port, on its own database of a real Postgres
+//! (one throwaway cluster per test binary, see `stack::postgres`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
+
+use std::time::Duration;
+
+use clap::Parser as _;
+use contract::wire::{ClaimRequest, ClaimResponse, CLAIM_PATH};
+use serde_json::Value;
+use state_api::{AppState, Config};
+use tokio::sync::oneshot;
+
+pub const TOKEN: &str = "test-token-0123456789";
+pub const SECRET: &str = "test-key-secret-0123456789";
+pub const ENDPOINT: &str = "POST /checkout";
+pub const ALG: &str = "sha256-jcs-v1";
+
+pub fn fp(n: u8) -> String {
+    format!("{n:02x}").repeat(32)
+}
+
+pub struct Api {
+    pub base: String,
+    pub client: reqwest::Client,
+    pub state: AppState,
+    pub db_url: String,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A config for `db_url` with the test token and secret, the purge off, and `args` on top.
+pub fn config(db_url: &str, args: &[&str]) -> Config {
+    let mut all = vec![
+        "state-api",
+        "--database-url",
+        db_url,
+        "--api-token",
+        TOKEN,
+        "--key-secret",
+        SECRET,
+    ];
+    if !args.contains(&"--purge-interval-s") {
+        all.extend_from_slice(&["--purge-interval-s", "0"]);
+    }
+    all.extend_from_slice(args);
+    Config::try_parse_from(all).unwrap_or_else(|e| panic!("{e}"))
+}
+
+impl Api {
+    /// A fresh database on the shared cluster, migrated, and the API serving it.
+    pub async fn start(args: &[&str]) -> Self {
+        let cluster =
+            stack::postgres::shared().unwrap_or_else(|e| panic!("no Postgres for the tests: {e}"));
+        let db_url = cluster
+            .fresh_database("state_api")
+            .unwrap_or_else(|e| panic!("{e}"));
+        Self::start_on(&db_url, args).await
+    }
+
+    pub async fn start_on(db_url: &str, args: &[&str]) -> Self {
+        let state = AppState::new(config(db_url, args)).unwrap_or_else(|e| panic!("{e}"));
+        state_api::migrate(&state, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, rx) = oneshot::channel::<()>();
+        let s = state.clone();
+        let server = tokio::spawn(async move {
+            state_api::serve(listener, s, async move {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        });
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .build()
+            .unwrap();
+        Self {
+            base,
+            client,
+            state,
+            db_url: db_url.to_owned(),
+            stop: Some(tx),
+            server: Some(server),
+        }
+    }
+
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(s) = self.server.take() {
+            let _ = s.await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POST with the right token; status and JSON body (Null when not JSON).
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value, reqwest::header::HeaderMap) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .bearer_auth(TOKEN)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let bytes = r.bytes().await.unwrap();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            headers,
+        )
+    }
+
+    pub async fn get(&self, path_and_query: &str) -> (u16, Value) {
+        let r = self
+            .client
+            .get(self.url(path_and_query))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let bytes = r.bytes().await.unwrap();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+
+    pub async fn claim_with(&self, req: &ClaimRequest) -> ClaimResponse {
+        let (status, body, _) = self
+            .post(CLAIM_PATH, &serde_json::to_value(req).unwrap())
+            .await;
+        assert_eq!(status, 200, "claim answered {status}: {body}");
+        serde_json::from_value(body).unwrap()
+    }
+
+    pub async fn claim(
+        &self,
+        key: &str,
+        fingerprint: &str,
+        lease_ms: Option<u64>,
+    ) -> ClaimResponse {
+        self.claim_with(&claim_req(key, "alice", fingerprint, lease_ms))
+            .await
+    }
+
+    pub async fn record(&self, key: &str, subject: &str) -> (u16, Value) {
+        self.get(&format!(
+            "/v1/records?key={}&subject={}&endpoint={}",
+            enc(key),
+            enc(subject),
+            enc(ENDPOINT)
+        ))
+        .await
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+pub fn claim_req(
+    key: &str,
+    subject: &str,
+    fingerprint: &str,
+    lease_ms: Option<u64>,
+) -> ClaimRequest {
+    ClaimRequest {
+        key: key.into(),
+        subject: subject.into(),
+        endpoint: ENDPOINT.into(),
+        fingerprint: fingerprint.into(),
+        fingerprint_alg: ALG.into(),
+        lease_ms,
+    }
+}
+
+/// Minimal percent-encoding for query values.
+pub fn enc(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Value of the metric line starting with `prefix` (e.g. `state_api_claims_total{outcome="claimed"}`).
+pub fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(prefix)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or_else(|| panic!("metric {prefix} missing in:\n{text}"))
+}
+
+pub fn token_of(c: &ClaimResponse) -> i64 {
+    match c {
+        ClaimResponse::Claimed { token, .. } => *token,
+        other => panic!("expected claimed, got {other:?}"),
+    }
+}
