@@ -10,6 +10,7 @@ pub mod config;
 pub mod flow;
 pub mod headers;
 pub mod heartbeat;
+pub mod hostmap;
 pub mod key;
 pub mod metrics;
 pub mod outcome;
