@@ -76,6 +76,11 @@ pub struct Config {
     #[arg(long, env = "STATE_API_ACQUIRE_TIMEOUT_MS", default_value_t = 2_000)]
     pub acquire_timeout_ms: u64,
 
+    /// Check a pooled connection before each use (`false`: ~15% more throughput, but after a
+    /// Postgres restart each stale connection fails one request with 503).
+    #[arg(long, env = "STATE_API_POOL_PING", default_value_t = true, action = clap::ArgAction::Set)]
+    pub pool_ping: bool,
+
     /// Server-side statement timeout on every connection.
     #[arg(long, env = "STATE_API_STATEMENT_TIMEOUT_MS", default_value_t = 5_000)]
     pub statement_timeout_ms: u64,

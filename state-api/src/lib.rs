@@ -67,6 +67,7 @@ impl AppState {
                 max_connections: config.pool_size,
                 acquire_timeout: config.acquire_timeout(),
                 statement_timeout_ms: config.statement_timeout_ms,
+                ping_before_use: config.pool_ping,
             },
         )
         .map_err(StartError::DatabaseUrl)?;

@@ -65,6 +65,9 @@ pub struct PoolSettings {
     pub max_connections: u32,
     pub acquire_timeout: Duration,
     pub statement_timeout_ms: u64,
+    /// Ping a pooled connection before each use: one extra round trip (~40 µs here), but no
+    /// request fails on a connection that died with a restarted Postgres.
+    pub ping_before_use: bool,
 }
 
 /// A lazily connecting pool: it (re)connects on demand, so the API starts answering 503 when
@@ -86,6 +89,7 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
     Ok(PgPoolOptions::new()
         .max_connections(s.max_connections)
         .acquire_timeout(s.acquire_timeout)
+        .test_before_acquire(s.ping_before_use)
         .connect_lazy_with(opts))
 }
 

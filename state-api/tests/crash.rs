@@ -12,12 +12,24 @@ use stack::postgres::TempCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_503_while_postgres_is_down_and_recovers_by_itself() {
+    crash_and_recover(&[]).await;
+}
+
+/// Without the ping before use, stale connections fail once each, then the pool heals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovers_without_the_pool_ping_too() {
+    crash_and_recover(&["--pool-ping", "false"]).await;
+}
+
+async fn crash_and_recover(extra: &[&str]) {
     // Its own cluster, whatever DATABASE_URL says: this test kills it.
     let mut cluster = TempCluster::start_private().unwrap_or_else(|e| panic!("{e}"));
     let db = cluster
         .create_database("crash")
         .unwrap_or_else(|e| panic!("{e}"));
-    let api = Api::start_on(&db, &["--acquire-timeout-ms", "500"]).await;
+    let mut args = vec!["--acquire-timeout-ms", "500"];
+    args.extend_from_slice(extra);
+    let api = Api::start_on(&db, &args).await;
 
     let token = token_of(&api.claim("survivor", &fp(1), Some(600_000)).await);
 
