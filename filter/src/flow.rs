@@ -153,9 +153,8 @@ struct Claimed {
 struct Capture {
     status: u16,
     headers: Vec<(String, String)>,
-    body: Vec<u8>,
-    /// Over `max_stored_body_bytes`: stored without a body, not replayable.
-    overflow: bool,
+    /// Response body bytes buffered so far (cumulative: the filter pauses every chunk).
+    size: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -619,11 +618,10 @@ impl Flow {
                 let capture = Capture {
                     status,
                     headers: headers::stored(headers, &self.cfg.replay_extra_headers),
-                    body: Vec::new(),
-                    overflow: false,
+                    size: 0,
                 };
                 if end_of_stream {
-                    return self.complete(claimed, capture);
+                    return self.complete(claimed, capture, Some(Vec::new()));
                 }
                 self.state = State::Capturing(claimed, capture);
                 Step::cont()
@@ -631,8 +629,16 @@ impl Flow {
         }
     }
 
-    /// A response body chunk. The filter does not pause the response until its end, so
-    /// `body_size` is this chunk's size; `read(n)` reads it.
+    /// A response body callback. While capturing, every chunk is held (`Pause`), so
+    /// `body_size` is cumulative and nothing reaches the client before the outcome is stored:
+    /// holding only the last chunk is not enough, because a response with a Content-Length
+    /// is complete for the client as soon as its last data byte arrives, which Envoy may
+    /// deliver before an empty end-of-stream frame (seen with Envoy 1.40 and HTTP/1
+    /// upstreams). `read(n)` reads the first `n` buffered bytes.
+    ///
+    /// Once the body outgrows `max_stored_body_bytes` the outcome is known not to be
+    /// replayable: it is stored at once (status and headers, no body) while the response is
+    /// held, and then the response streams on untouched.
     pub fn on_response_body(
         &mut self,
         body_size: usize,
@@ -641,30 +647,22 @@ impl Flow {
     ) -> Step {
         match &mut self.state {
             State::Capturing(_, cap) => {
-                if !cap.overflow && body_size > 0 {
-                    let max = usize::try_from(self.cfg.max_stored_body_bytes).unwrap_or(usize::MAX);
-                    if cap.body.len().saturating_add(body_size) > max {
-                        cap.overflow = true;
-                        cap.body = Vec::new();
-                    } else {
-                        match read(body_size) {
-                            Some(chunk) => cap.body.extend_from_slice(&chunk),
-                            None => {
-                                cap.overflow = true;
-                                cap.body = Vec::new();
-                            }
-                        }
-                    }
-                }
-                if !end_of_stream {
-                    return Step::cont();
+                cap.size = body_size;
+                let max = usize::try_from(self.cfg.max_stored_body_bytes).unwrap_or(usize::MAX);
+                if body_size <= max && !end_of_stream {
+                    return Step::pause();
                 }
                 let State::Capturing(claimed, cap) =
                     std::mem::replace(&mut self.state, State::Start)
                 else {
                     return Step::cont();
                 };
-                self.complete(claimed, cap)
+                let body = if body_size > max {
+                    None
+                } else {
+                    read(body_size)
+                };
+                self.complete(claimed, cap, body)
             }
             // Hold everything while a write is on its way.
             State::Writing(..) => Step::pause(),
@@ -672,10 +670,17 @@ impl Flow {
         }
     }
 
-    /// Response trailers: the response ended.
-    pub fn on_response_trailers(&mut self) -> Step {
+    /// Response trailers: the response ended (`read` reads the buffered body).
+    pub fn on_response_trailers(&mut self, read: impl FnOnce(usize) -> Option<Vec<u8>>) -> Step {
         match std::mem::replace(&mut self.state, State::Start) {
-            State::Capturing(claimed, cap) => self.complete(claimed, cap),
+            State::Capturing(claimed, cap) => {
+                let body = if cap.size == 0 {
+                    Some(Vec::new())
+                } else {
+                    read(cap.size)
+                };
+                self.complete(claimed, cap, body)
+            }
             s @ State::Writing(..) => {
                 self.state = s;
                 Step::pause()
@@ -687,12 +692,19 @@ impl Flow {
         }
     }
 
-    fn complete(&mut self, claimed: Claimed, cap: Capture) -> Step {
+    /// Store the outcome; `body` is `None` when it is not kept (too large or unreadable).
+    fn complete(&mut self, claimed: Claimed, cap: Capture, body: Option<Vec<u8>>) -> Step {
         let mut step = Step::pause();
-        if cap.overflow {
+        if body.is_none() {
             step.effects.push(Effect::Count(Metric::StoredWithoutBody));
         }
-        let response = StoredResponse::new(cap.status, cap.headers, &cap.body, !cap.overflow);
+        let replayable = body.is_some();
+        let response = StoredResponse::new(
+            cap.status,
+            cap.headers,
+            &body.unwrap_or_default(),
+            replayable,
+        );
         let payload = to_json(&CompleteRequest {
             key: claimed.req.key.clone(),
             subject: claimed.req.subject.clone(),

@@ -563,15 +563,23 @@ fn upstream_response_is_captured_and_completed_holding_the_last_chunk() {
         f.on_response_headers(&resp, "via_upstream", 0, false),
         Step::cont()
     );
+    // Every chunk is held (cumulative sizes), the whole body is read once at the end.
     assert_eq!(
-        f.on_response_body(5, false, |n| Some(b"{\"id\"".get(..n).unwrap().to_vec())),
-        Step::cont()
+        f.on_response_body(5, false, |_| panic!("not before the end")),
+        Step::pause()
     );
-    let step = f.on_response_body(3, true, |_| Some(b":1}".to_vec()));
+    assert_eq!(
+        f.on_response_body(8, false, |_| panic!("not before the end")),
+        Step::pause()
+    );
+    let step = f.on_response_body(8, true, |n| {
+        assert_eq!(n, 8);
+        Some(b"{\"id\":1}".to_vec())
+    });
     assert_eq!(
         step.verdict,
         Verdict::Pause,
-        "the last chunk is held until the store answers"
+        "the response is held until the store answers"
     );
     let c = complete_payload(&step);
     assert_eq!(
@@ -591,7 +599,7 @@ fn upstream_response_is_captured_and_completed_holding_the_last_chunk() {
         h(&[("content-type", "application/json"), ("location", "/c/1")])
     );
     // Anything arriving meanwhile is held too.
-    assert_eq!(f.on_response_trailers(), Step::pause());
+    assert_eq!(f.on_response_trailers(|_| panic!("no read")), Step::pause());
     let step = f.on_write_answer(written());
     assert_eq!(counts(&step), vec![Metric::Completed]);
     assert_eq!(
@@ -612,8 +620,11 @@ fn headers_only_response_completes_at_once() {
 fn response_trailers_end_the_capture() {
     let (mut f, _) = claimed_flow("/checkout", b"{}");
     f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, false);
-    f.on_response_body(2, false, |_| Some(b"ok".to_vec()));
-    let step = f.on_response_trailers();
+    assert_eq!(
+        f.on_response_body(2, false, |_| panic!("later")),
+        Step::pause()
+    );
+    let step = f.on_response_trailers(|n| Some(b"ok".get(..n).unwrap().to_vec()));
     assert_eq!(step.verdict, Verdict::Pause);
     assert_eq!(complete_payload(&step).response.body().unwrap(), b"ok");
 }
@@ -628,19 +639,37 @@ fn too_large_response_is_stored_without_body_and_not_replayable() {
         false,
     );
     assert_eq!(
-        f.on_response_body(8, false, |_| Some(vec![b'a'; 8])),
-        Step::cont()
+        f.on_response_body(8, false, |_| panic!("not yet")),
+        Step::pause()
     );
-    assert_eq!(
-        f.on_response_body(8, false, |_| panic!("no need to read past the limit")),
-        Step::cont()
-    );
-    let step = f.on_response_body(0, true, |_| panic!("empty"));
+    // Over the limit (10): stored at once without a body while the response is held...
+    let step = f.on_response_body(16, false, |_| panic!("no need to read past the limit"));
+    assert_eq!(step.verdict, Verdict::Pause);
     let c = complete_payload(&step);
     assert!(!c.response.replayable);
+    assert_eq!(c.response.status, 201);
     assert_eq!(c.response.body_base64, "");
     assert_eq!(c.response.headers, h(&[("location", "/c/9")]));
     assert_eq!(counts(&step), vec![Metric::StoredWithoutBody]);
+    let step = f.on_write_answer(written());
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
+    // ...then the rest streams on untouched.
+    assert_eq!(
+        f.on_response_body(4096, false, |_| panic!("no read")),
+        Step::cont()
+    );
+    assert_eq!(
+        f.on_response_body(0, true, |_| panic!("no read")),
+        Step::cont()
+    );
+}
+
+#[test]
+fn unreadable_response_body_is_stored_as_not_replayable() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, false);
+    let step = f.on_response_body(3, true, |_| None);
+    assert!(!complete_payload(&step).response.replayable);
 }
 
 #[test]

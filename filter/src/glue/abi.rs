@@ -67,11 +67,32 @@ extern "C" {
     fn proxy_log(level: u32, message_data: *const u8, message_size: usize) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
-    fn proxy_get_buffer_bytes(buffer_type: u32, start: usize, max_size: usize, return_data: *mut *mut u8, return_size: *mut usize) -> u32;
-    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
-    fn proxy_replace_header_map_value(map_type: u32, key_data: *const u8, key_size: usize, value_data: *const u8, value_size: usize) -> u32;
+    fn proxy_get_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        max_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: u32,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
+    fn proxy_replace_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
-    fn proxy_get_property(path_data: *const u8, path_size: usize, return_value_data: *mut *mut u8, return_value_size: *mut usize) -> u32;
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_send_local_response(
         status_code: u32,
@@ -83,7 +104,12 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
-    fn proxy_define_metric(metric_type: u32, name_data: *const u8, name_size: usize, return_id: *mut u32) -> u32;
+    fn proxy_define_metric(
+        metric_type: u32,
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
 }
 
@@ -144,7 +170,15 @@ pub fn get_headers(map_type: u32) -> R<Vec<(String, String)>> {
 
 pub fn replace_header(map_type: u32, name: &str, value: &str) -> R<()> {
     // SAFETY: pointers and lengths of live strs.
-    ok(unsafe { proxy_replace_header_map_value(map_type, name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
+    ok(unsafe {
+        proxy_replace_header_map_value(
+            map_type,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
 }
 
 pub fn remove_header(map_type: u32, name: &str) -> R<()> {
@@ -162,7 +196,8 @@ pub fn get_property(path: &[&str]) -> R<Option<Vec<u8>>> {
     let mut data: *mut u8 = null_mut();
     let mut size: usize = 0;
     // SAFETY: valid pointers.
-    let status = unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) };
+    let status =
+        unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) };
     match status {
         0 => Ok(take(data, size)),
         1 => Ok(None),
@@ -181,7 +216,12 @@ pub fn resume_response() -> R<()> {
 }
 
 /// `details` becomes the stream's response code details (no spaces).
-pub fn send_response(status: u32, details: &str, headers: &[(String, String)], body: &[u8]) -> R<()> {
+pub fn send_response(
+    status: u32,
+    details: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> R<()> {
     let serialized = serialize_map(headers);
     // SAFETY: pointers and lengths of live buffers.
     ok(unsafe {
@@ -189,7 +229,11 @@ pub fn send_response(status: u32, details: &str, headers: &[(String, String)], b
             status,
             details.as_ptr(),
             details.len(),
-            if body.is_empty() { null() } else { body.as_ptr() },
+            if body.is_empty() {
+                null()
+            } else {
+                body.as_ptr()
+            },
             body.len(),
             serialized.as_ptr(),
             serialized.len(),

@@ -50,11 +50,17 @@ fn read(buffer: u32, n: usize, what: &str) -> Option<Vec<u8>> {
     match abi::get_buffer(buffer, 0, n) {
         Ok(Some(b)) if b.len() == n => Some(b),
         Ok(Some(b)) => {
-            abi::log(Level::Error, &format!("idempotency: {what}: asked for {n} bytes, got {}", b.len()));
+            abi::log(
+                Level::Error,
+                &format!("idempotency: {what}: asked for {n} bytes, got {}", b.len()),
+            );
             None
         }
         Ok(None) => {
-            abi::log(Level::Error, &format!("idempotency: {what}: no buffer ({n} bytes expected)"));
+            abi::log(
+                Level::Error,
+                &format!("idempotency: {what}: no buffer ({n} bytes expected)"),
+            );
             None
         }
         Err(e) => {
@@ -69,9 +75,21 @@ fn text(bytes: Option<Vec<u8>>) -> Option<String> {
 }
 
 impl Http {
-    pub(crate) fn new(id: u32, cfg: Option<Rc<Config>>, counters: Rc<Counters>, registry: Rc<RefCell<Registry>>) -> Self {
+    pub(crate) fn new(
+        id: u32,
+        cfg: Option<Rc<Config>>,
+        counters: Rc<Counters>,
+        registry: Rc<RefCell<Registry>>,
+    ) -> Self {
         let flow = cfg.clone().map(Flow::new);
-        Self { id, cfg, flow, counters, registry, pending: None }
+        Self {
+            id,
+            cfg,
+            flow,
+            counters,
+            registry,
+            pending: None,
+        }
     }
 
     fn host_failed(&self, what: &str, e: HostError) {
@@ -87,9 +105,15 @@ impl Http {
                     self.reply(&r);
                     verdict = Verdict::Pause;
                 }
-                Effect::DispatchClaim(body) => verdict = self.dispatch(CLAIM_PATH, &body, Pending::Claim, phase, verdict),
-                Effect::DispatchComplete(body) => verdict = self.dispatch(COMPLETE_PATH, &body, Pending::Write, phase, verdict),
-                Effect::DispatchRelease(body) => verdict = self.dispatch(RELEASE_PATH, &body, Pending::Write, phase, verdict),
+                Effect::DispatchClaim(body) => {
+                    verdict = self.dispatch(CLAIM_PATH, &body, Pending::Claim, phase, verdict)
+                }
+                Effect::DispatchComplete(body) => {
+                    verdict = self.dispatch(COMPLETE_PATH, &body, Pending::Write, phase, verdict)
+                }
+                Effect::DispatchRelease(body) => {
+                    verdict = self.dispatch(RELEASE_PATH, &body, Pending::Write, phase, verdict)
+                }
                 Effect::SetRequestHeader(name, value) => {
                     if let Err(e) = abi::replace_header(abi::MAP_REQUEST_HEADERS, name, &value) {
                         self.host_failed("setting a request header", e);
@@ -147,7 +171,14 @@ impl Http {
     }
 
     /// Dispatch a callout; a failure to dispatch is the callout's answer, at once.
-    fn dispatch(&mut self, path: &str, body: &[u8], kind: Pending, phase: Phase, verdict: Verdict) -> Verdict {
+    fn dispatch(
+        &mut self,
+        path: &str,
+        body: &[u8],
+        kind: Pending,
+        phase: Phase,
+        verdict: Verdict,
+    ) -> Verdict {
         let Some(cfg) = self.cfg.clone() else {
             return verdict;
         };
@@ -178,7 +209,10 @@ impl Http {
         match abi::get_property(&full) {
             Ok(v) => text(v),
             Err(e) => {
-                abi::log(Level::Warn, &format!("idempotency: reading the subject from metadata: {e}"));
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: reading the subject from metadata: {e}"),
+                );
                 None
             }
         }
@@ -186,13 +220,25 @@ impl Http {
 }
 
 impl Context for Http {
-    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
         let Some((expected, kind)) = self.pending.take() else {
-            abi::log(Level::Warn, &format!("idempotency: unexpected callout answer {token_id}"));
+            abi::log(
+                Level::Warn,
+                &format!("idempotency: unexpected callout answer {token_id}"),
+            );
             return;
         };
         if expected != token_id {
-            abi::log(Level::Warn, &format!("idempotency: callout answer {token_id}, expected {expected}"));
+            abi::log(
+                Level::Warn,
+                &format!("idempotency: callout answer {token_id}, expected {expected}"),
+            );
             self.pending = Some((expected, kind));
             return;
         }
@@ -225,7 +271,10 @@ impl HttpContext for Http {
             Ok(h) => h,
             Err(e) => {
                 self.host_failed("reading the request headers", e);
-                self.reply(&LocalReply::problem(ProblemKind::Internal, "the request headers could not be read"));
+                self.reply(&LocalReply::problem(
+                    ProblemKind::Internal,
+                    "the request headers could not be read",
+                ));
                 return Action::Pause;
             }
         };
@@ -233,7 +282,13 @@ impl HttpContext for Http {
         let Some(flow) = self.flow.as_mut() else {
             return Action::Continue;
         };
-        let step = flow.on_request_headers(RequestHead { headers: &headers, metadata_subject: subject.as_deref() }, end_of_stream);
+        let step = flow.on_request_headers(
+            RequestHead {
+                headers: &headers,
+                metadata_subject: subject.as_deref(),
+            },
+            end_of_stream,
+        );
         action(self.perform(step, Phase::Request))
     }
 
@@ -241,7 +296,9 @@ impl HttpContext for Http {
         let Some(flow) = self.flow.as_mut() else {
             return Action::Continue;
         };
-        let step = flow.on_request_body(body_size, end_of_stream, |n| read(abi::BUFFER_REQUEST_BODY, n, "reading the request body"));
+        let step = flow.on_request_body(body_size, end_of_stream, |n| {
+            read(abi::BUFFER_REQUEST_BODY, n, "reading the request body")
+        });
         action(self.perform(step, Phase::Request))
     }
 
@@ -249,7 +306,8 @@ impl HttpContext for Http {
         let Some(flow) = self.flow.as_mut() else {
             return Action::Continue;
         };
-        let step = flow.on_request_trailers(|n| read(abi::BUFFER_REQUEST_BODY, n, "reading the request body"));
+        let step = flow
+            .on_request_trailers(|n| read(abi::BUFFER_REQUEST_BODY, n, "reading the request body"));
         action(self.perform(step, Phase::Request))
     }
 
@@ -264,7 +322,10 @@ impl HttpContext for Http {
         let headers = match abi::get_headers(abi::MAP_RESPONSE_HEADERS) {
             Ok(h) => h,
             Err(e) => {
-                abi::log(Level::Error, &format!("idempotency: reading the response headers failed: {e}"));
+                abi::log(
+                    Level::Error,
+                    &format!("idempotency: reading the response headers failed: {e}"),
+                );
                 Vec::new()
             }
         };
@@ -273,7 +334,10 @@ impl HttpContext for Http {
             Err(_) => String::new(),
         };
         let flags = match abi::get_property(&["response", "flags"]) {
-            Ok(Some(b)) => b.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes),
+            Ok(Some(b)) => b
+                .get(..8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_le_bytes),
             _ => 0,
         };
         let step = flow.on_response_headers(&headers, &details, flags, end_of_stream);
@@ -284,7 +348,9 @@ impl HttpContext for Http {
         let Some(flow) = self.flow.as_mut() else {
             return Action::Continue;
         };
-        let step = flow.on_response_body(body_size, end_of_stream, |n| read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body"));
+        let step = flow.on_response_body(body_size, end_of_stream, |n| {
+            read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body")
+        });
         action(self.perform(step, Phase::Response))
     }
 
@@ -292,7 +358,9 @@ impl HttpContext for Http {
         let Some(flow) = self.flow.as_mut() else {
             return Action::Continue;
         };
-        let step = flow.on_response_trailers();
+        let step = flow.on_response_trailers(|n| {
+            read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body")
+        });
         action(self.perform(step, Phase::Response))
     }
 }

@@ -29,7 +29,10 @@ impl Counters {
             .map(|m| match abi::define_counter(m.name()) {
                 Ok(id) => Some(id),
                 Err(e) => {
-                    abi::log(Level::Error, &format!("idempotency: cannot define counter {}: {e}", m.name()));
+                    abi::log(
+                        Level::Error,
+                        &format!("idempotency: cannot define counter {}: {e}", m.name()),
+                    );
                     None
                 }
             })
@@ -40,14 +43,21 @@ impl Counters {
     pub(crate) fn count(&self, m: crate::metrics::Metric) {
         if let Some(Some(id)) = self.ids.get(m.index()) {
             if let Err(e) = abi::increment(*id) {
-                abi::log(Level::Warn, &format!("idempotency: cannot increment {}: {e}", m.name()));
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: cannot increment {}: {e}", m.name()),
+                );
             }
         }
     }
 }
 
 /// POST a JSON body to the state API; the token of the callout.
-pub(crate) fn dispatch(cfg: &crate::config::Config, path: &str, body: &[u8]) -> Result<u32, String> {
+pub(crate) fn dispatch(
+    cfg: &crate::config::Config,
+    path: &str,
+    body: &[u8],
+) -> Result<u32, String> {
     let auth = format!("Bearer {}", cfg.state_api.token);
     let headers = vec![
         (":method", "POST"),
@@ -57,8 +67,19 @@ pub(crate) fn dispatch(cfg: &crate::config::Config, path: &str, body: &[u8]) -> 
         ("content-type", "application/json"),
         ("accept", "application/json"),
     ];
-    proxy_wasm::hostcalls::dispatch_http_call(&cfg.state_api.cluster, headers, Some(body), vec![], cfg.timeout())
-        .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", cfg.state_api.cluster))
+    proxy_wasm::hostcalls::dispatch_http_call(
+        &cfg.state_api.cluster,
+        headers,
+        Some(body),
+        vec![],
+        cfg.timeout(),
+    )
+    .map_err(|s| {
+        format!(
+            "dispatch to cluster {:?} failed: {s:?}",
+            cfg.state_api.cluster
+        )
+    })
 }
 
 /// The state API's answer to the callout being delivered (`on_http_call_response`).
@@ -68,10 +89,15 @@ pub(crate) fn callout_result(num_headers: usize, body_size: usize) -> crate::flo
         Ok(h) => h,
         Err(e) => return Callout::Failed(format!("cannot read the answer's headers: {e}")),
     };
-    let status = headers.iter().find(|(n, _)| n == ":status").and_then(|(_, v)| v.parse::<u16>().ok());
+    let status = headers
+        .iter()
+        .find(|(n, _)| n == ":status")
+        .and_then(|(_, v)| v.parse::<u16>().ok());
     let Some(status) = status else {
         // Envoy reports a reset or an oversized answer as a callback without headers (C-4).
-        return Callout::Failed(format!("no response (reset or failure; {num_headers} headers)"));
+        return Callout::Failed(format!(
+            "no response (reset or failure; {num_headers} headers)"
+        ));
     };
     let body = if body_size == 0 {
         Vec::new()

@@ -37,9 +37,18 @@ impl Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
         let Some(http_id) = self.heartbeats.remove(&token_id) else {
-            abi::log(Level::Warn, &format!("idempotency: unexpected callout answer {token_id} on the root context"));
+            abi::log(
+                Level::Warn,
+                &format!("idempotency: unexpected callout answer {token_id} on the root context"),
+            );
             return;
         };
         let Ok(mut registry) = self.registry.try_borrow_mut() else {
@@ -59,15 +68,24 @@ impl Context for Root {
                 // A newer claim owns the key: stop extending this one.
                 registry.remove(http_id);
                 self.counters.count(Metric::FencedOut);
-                abi::log(Level::Warn, "idempotency: heartbeat fenced out; a newer claim owns the key");
+                abi::log(
+                    Level::Warn,
+                    "idempotency: heartbeat fenced out; a newer claim owns the key",
+                );
             }
             Callout::Answer { status, .. } => {
                 self.counters.count(Metric::StateApiErrors);
-                abi::log(Level::Warn, &format!("idempotency: heartbeat answered HTTP {status}"));
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: heartbeat answered HTTP {status}"),
+                );
             }
             Callout::Failed(why) => {
                 self.counters.count(Metric::StateApiErrors);
-                abi::log(Level::Warn, &format!("idempotency: heartbeat failed: {why}"));
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: heartbeat failed: {why}"),
+                );
             }
         }
     }
@@ -79,7 +97,10 @@ impl RootContext for Root {
             Ok(Some(b)) => b,
             Ok(None) => Vec::new(),
             Err(e) => {
-                abi::log(Level::Critical, &format!("idempotency filter: cannot read the plugin configuration: {e}"));
+                abi::log(
+                    Level::Critical,
+                    &format!("idempotency filter: cannot read the plugin configuration: {e}"),
+                );
                 return false;
             }
         };
@@ -92,7 +113,10 @@ impl RootContext for Root {
         };
         let tick = u32::try_from(cfg.tick_period().as_millis()).unwrap_or(u32::MAX);
         if let Err(e) = abi::set_tick_period_ms(tick) {
-            abi::log(Level::Critical, &format!("idempotency filter: cannot set the tick period: {e}"));
+            abi::log(
+                Level::Critical,
+                &format!("idempotency filter: cannot set the tick period: {e}"),
+            );
             return false;
         }
         self.counters = Rc::new(Counters::define());
@@ -125,7 +149,10 @@ impl RootContext for Root {
             let now = match abi::now_ms() {
                 Ok(t) => t,
                 Err(e) => {
-                    abi::log(Level::Warn, &format!("idempotency: no clock for heartbeats: {e}"));
+                    abi::log(
+                        Level::Warn,
+                        &format!("idempotency: no clock for heartbeats: {e}"),
+                    );
                     return;
                 }
             };
@@ -143,7 +170,10 @@ impl RootContext for Root {
                         registry.answered(http_id);
                     }
                     self.counters.count(Metric::StateApiErrors);
-                    abi::log(Level::Warn, &format!("idempotency: heartbeat not sent: {why}"));
+                    abi::log(
+                        Level::Warn,
+                        &format!("idempotency: heartbeat not sent: {why}"),
+                    );
                 }
             }
         }
