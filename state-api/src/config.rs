@@ -13,6 +13,9 @@ use clap::Parser;
 pub const MIN_LEASE_MS: u64 = 1_000;
 pub const MAX_LEASE_MS: u64 = 600_000;
 
+/// Longest retention: keeps `now + retention` inside Postgres' timestamp range.
+pub const MAX_RETENTION_S: u64 = 10 * 365 * 86_400;
+
 /// The shortest accepted key secret, in bytes.
 pub const MIN_KEY_SECRET_LEN: usize = 16;
 
@@ -131,6 +134,8 @@ pub enum ConfigError {
     EmptyApiToken,
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
+    #[error("--retention-s must be at most {MAX_RETENTION_S} (ten years)")]
+    RetentionTooLong,
 }
 
 impl Config {
@@ -156,6 +161,9 @@ impl Config {
             if v == 0 {
                 return Err(ConfigError::Zero(name));
             }
+        }
+        if self.retention_s > MAX_RETENTION_S {
+            return Err(ConfigError::RetentionTooLong);
         }
         Ok(secret)
     }

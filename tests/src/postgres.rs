@@ -432,8 +432,12 @@ fn spawn_watchdog(root: &Path, remove: bool) -> Result<ChildGuard, String> {
 
 /// The directory with `initdb`, `postgres`, `pg_isready` and `psql`.
 pub fn find_bin_dir() -> Result<PathBuf, String> {
+    find_bin_dir_from(std::env::var("PG_BIN").ok())
+}
+
+fn find_bin_dir_from(pg_bin: Option<String>) -> Result<PathBuf, String> {
     let has_server = |d: &Path| d.join("initdb").is_file() && d.join("postgres").is_file();
-    if let Ok(p) = std::env::var("PG_BIN") {
+    if let Some(p) = pg_bin {
         let p = PathBuf::from(p);
         return if has_server(&p) {
             Ok(p)
@@ -567,6 +571,43 @@ fn external_port(url: &str) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn missing_binaries_say_how_to_get_them() {
+        let e = find_bin_dir_from(Some("/nonexistent".into())).unwrap_err();
+        assert!(
+            e.contains("apt-get install postgresql-15") && e.contains("DATABASE_URL"),
+            "{e}"
+        );
+    }
+
+    /// The demo's cluster: data survives a stop and a new start on the same directory, and a
+    /// SIGKILLed postmaster comes back with its committed data.
+    #[test]
+    fn start_at_keeps_data_and_survives_a_kill() {
+        let dir = unique_temp_dir().unwrap();
+        let port = free_port();
+        {
+            let mut c = TempCluster::start_at(&dir, port).unwrap_or_else(|e| panic!("{e}"));
+            let url = c.create_database("keep").unwrap();
+            assert_eq!(url, format!("postgres://postgres@127.0.0.1:{port}/keep"));
+            c.psql("keep", "CREATE TABLE t (v int); INSERT INTO t VALUES (42)")
+                .unwrap();
+            c.kill_postmaster().unwrap();
+            assert!(c.psql("keep", "SELECT 1").is_err());
+            c.restart().unwrap();
+            assert_eq!(c.psql("keep", "SELECT v FROM t").unwrap(), "42");
+        }
+        let c = TempCluster::start_at(&dir, port).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.psql("keep", "SELECT v FROM t").unwrap(), "42");
+        assert_eq!(c.psql("postgres", "SHOW fsync").unwrap(), "on");
+        drop(c);
+        assert!(
+            dir.join("data/PG_VERSION").is_file(),
+            "start_at keeps its directory"
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn urls() {
