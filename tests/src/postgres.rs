@@ -159,6 +159,18 @@ impl TempCluster {
         Ok(self.url_for(name))
     }
 
+    /// Drops database `name`, disconnecting its sessions (Postgres 13+).
+    pub fn drop_database(&self, name: &str) -> Result<(), String> {
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            return Err(format!("invalid database name {name:?}"));
+        }
+        self.psql(
+            "postgres",
+            &format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"),
+        )
+        .map(drop)
+    }
+
     /// Creates a database with a unique name starting with `prefix` and returns its URL.
     pub fn fresh_database(&self, prefix: &str) -> Result<String, String> {
         let clean: String = prefix

@@ -24,6 +24,9 @@ pub struct Api {
     pub client: reqwest::Client,
     pub state: AppState,
     pub db_url: String,
+    /// A database of the shared cluster to drop afterwards when that is a DATABASE_URL server
+    /// (a throwaway cluster is removed whole).
+    drop_db: Option<String>,
     stop: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
 }
@@ -54,7 +57,11 @@ impl Api {
         let db_url = cluster
             .fresh_database("state_api")
             .unwrap_or_else(|e| panic!("{e}"));
-        Self::start_on(&db_url, args).await
+        let mut api = Self::start_on(&db_url, args).await;
+        if cluster.is_external() {
+            api.drop_db = db_url.rsplit('/').next().map(str::to_owned);
+        }
+        api
     }
 
     pub async fn start_on(db_url: &str, args: &[&str]) -> Self {
@@ -82,6 +89,7 @@ impl Api {
             client,
             state,
             db_url: db_url.to_owned(),
+            drop_db: None,
             stop: Some(tx),
             server: Some(server),
         }
@@ -180,6 +188,9 @@ impl Drop for Api {
     fn drop(&mut self) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
+        }
+        if let (Some(db), Ok(cluster)) = (self.drop_db.take(), stack::postgres::shared()) {
+            let _ = cluster.drop_database(&db);
         }
     }
 }
