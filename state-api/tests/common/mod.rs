@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use clap::Parser as _;
-use contract::wire::{ClaimRequest, ClaimResponse, CLAIM_PATH};
-use serde_json::Value;
+use contract::wire::{ClaimRequest, ClaimResponse, StoredResponse, CLAIM_PATH};
+use serde_json::{json, Value};
 use state_api::{AppState, Config};
 use tokio::sync::oneshot;
 
@@ -239,4 +239,31 @@ pub fn token_of(c: &ClaimResponse) -> i64 {
         ClaimResponse::Claimed { token, .. } => *token,
         other => panic!("expected claimed, got {other:?}"),
     }
+}
+
+pub fn complete_body(key: &str, token: i64, response: &StoredResponse) -> Value {
+    json!({"key": key, "subject": "alice", "endpoint": ENDPOINT, "token": token, "response": response})
+}
+
+pub fn fenced_body(key: &str, token: i64) -> Value {
+    json!({"key": key, "subject": "alice", "endpoint": ENDPOINT, "token": token})
+}
+
+pub fn ok_response() -> StoredResponse {
+    StoredResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        br#"{"id":"ch_1"}"#,
+        true,
+    )
+}
+
+pub fn assert_problem(status: u16, body: &Value, want_status: u16, slug: &str) {
+    assert_eq!(status, want_status, "body: {body}");
+    assert_eq!(body["type"], format!("/problems/{slug}"), "body: {body}");
+    assert_eq!(body["status"], want_status);
+    assert!(
+        body["title"].is_string() && body["detail"].is_string(),
+        "body: {body}"
+    );
 }

@@ -1,0 +1,198 @@
+//! Races: many claims of one key at once. In its own test binary so that the timing it
+//! observes is not disturbed by the other API tests running in parallel.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use contract::wire::{ClaimResponse, CLAIM_PATH, COMPLETE_PATH};
+use serde_json::json;
+use sqlx::Connection as _;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers() {
+    let api = Api::start(&[]).await;
+    let key = "race-100";
+    // Warm the connection pool and the HTTP clients so the measurement is about the claim.
+    // (concurrently, so that all 16 pooled connections exist and have prepared the statements)
+    for round in 0..3 {
+        let warm: Vec<_> = (0..32)
+            .map(|i| {
+                let (client, url) = (api.client.clone(), api.url(CLAIM_PATH));
+                let body = serde_json::to_value(claim_req(
+                    &format!("warm-{round}-{i}"),
+                    "alice",
+                    &fp(1),
+                    None,
+                ))
+                .unwrap();
+                tokio::spawn(async move {
+                    client
+                        .post(url)
+                        .bearer_auth(TOKEN)
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        for w in warm {
+            assert_eq!(w.await.unwrap().status(), 200);
+        }
+    }
+    // ... and open the 100 HTTP connections beforehand.
+    let warm: Vec<_> = (0..100)
+        .map(|_| {
+            let (client, url) = (api.client.clone(), api.url("/healthz"));
+            tokio::spawn(
+                async move { client.get(url).send().await.unwrap().bytes().await.unwrap() },
+            )
+        })
+        .collect();
+    for w in warm {
+        w.await.unwrap();
+    }
+
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let client = api.client.clone();
+        let url = api.url(CLAIM_PATH);
+        let body = serde_json::to_value(claim_req(key, "alice", &fp(1), Some(60_000))).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let start = Instant::now();
+            let r = client
+                .post(url)
+                .bearer_auth(TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let answer: ClaimResponse = r.json().await.unwrap();
+            (answer, start.elapsed())
+        }));
+    }
+    let mut claimed = Vec::new();
+    let mut in_progress = Vec::new();
+    for t in tasks {
+        let (answer, took) = t.await.unwrap();
+        match answer {
+            ClaimResponse::Claimed {
+                token, reclaimed, ..
+            } => {
+                assert!(!reclaimed);
+                claimed.push(token);
+            }
+            ClaimResponse::InProgress {
+                retry_after_s,
+                lease_remaining_ms,
+            } => {
+                // The winner never completes in this test: these answers did not wait for it.
+                assert!(
+                    (1..=2).contains(&retry_after_s),
+                    "retry_after_s {retry_after_s}"
+                );
+                assert!(lease_remaining_ms > 50_000 && lease_remaining_ms <= 60_000);
+                in_progress.push(took);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(claimed.len(), 1, "exactly one owner");
+    assert_eq!(in_progress.len(), 99);
+    in_progress.sort();
+    let p50 = in_progress[49];
+    let p99 = in_progress[98];
+    eprintln!("100 concurrent claims: duplicates answered p50 {p50:?}, p99 {p99:?}");
+    assert!(
+        p99 < Duration::from_millis(100),
+        "duplicates must not wait: p99 {p99:?}"
+    );
+
+    // The claim is committed: a second connection sees it while the owner has not completed.
+    let mut conn = sqlx::PgConnection::connect(&api.db_url).await.unwrap();
+    let scope = api.state.scoper().hash(key, "alice", ENDPOINT);
+    let (state, token): (String, i64) = sqlx::query_as(
+        "SELECT state, fencing_token FROM idempotency_records WHERE scope_hash = $1",
+    )
+    .bind(&scope[..])
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), token), ("in_progress", claimed[0]));
+    // The raw key is nowhere in the row.
+    let raw: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_records WHERE position($1::bytea in convert_to(row(idempotency_records.*)::text, 'UTF8')) > 0",
+    )
+    .bind(key.as_bytes())
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(raw, 0);
+
+    // After completion every duplicate gets the stored response.
+    let (status, body, _) = api
+        .post(
+            COMPLETE_PATH,
+            &complete_body(key, claimed[0], &ok_response()),
+        )
+        .await;
+    assert_eq!((status, body), (200, json!({"state": "completed"})));
+    assert_eq!(
+        api.claim(key, &fp(1), None).await,
+        ClaimResponse::Completed {
+            response: ok_response()
+        }
+    );
+
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"in_progress\"}"),
+        99.0
+    );
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"completed\"}"),
+        1.0
+    );
+    assert!(
+        metric(
+            &m,
+            "state_api_request_duration_seconds_count{route=\"claim\"}"
+        ) >= 117.0
+    );
+
+    // For comparison, the same burst on the completed key (replays: no lock could be involved).
+    let mut replays = Vec::new();
+    let tasks: Vec<_> = (0..99)
+        .map(|_| {
+            let client = api.client.clone();
+            let url = api.url(CLAIM_PATH);
+            let body = serde_json::to_value(claim_req(key, "alice", &fp(1), None)).unwrap();
+            tokio::spawn(async move {
+                let start = Instant::now();
+                let r = client
+                    .post(url)
+                    .bearer_auth(TOKEN)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                let answer: ClaimResponse = r.json().await.unwrap();
+                assert!(matches!(answer, ClaimResponse::Completed { .. }));
+                start.elapsed()
+            })
+        })
+        .collect();
+    for t in tasks {
+        replays.push(t.await.unwrap());
+    }
+    replays.sort();
+    eprintln!(
+        "for comparison, 99 concurrent replays of the completed key: p50 {:?}, p99 {:?}",
+        replays[49], replays[98]
+    );
+    api.shutdown().await;
+}
