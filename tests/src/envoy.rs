@@ -190,10 +190,7 @@ impl Envoy {
 
     /// Last lines of Envoy's log, for failure messages.
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let from = lines.len().saturating_sub(40);
-        format!("--- last lines of {} ---\n{}", self.log_path.display(), lines[from..].join("\n"))
+        crate::process::log_tail(&self.log_path)
     }
 
     pub fn log(&self) -> String {
@@ -229,11 +226,28 @@ pub fn http_get_blocking(port: u16, path: &str) -> Result<String, String> {
     s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&buf).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed HTTP answer")?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(head.lines().next().unwrap_or_default().to_owned());
+    let status_line = head.lines().next().unwrap_or_default();
+    if status_line.split_whitespace().nth(1) != Some("200") {
+        return Err(status_line.to_owned());
     }
-    // The admin server answers with Content-Length; chunked answers are not expected here.
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return Ok(dechunk(body));
+    }
     Ok(body.to_owned())
+}
+
+/// Decodes a chunked HTTP/1.1 body (the admin server streams some answers).
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size_line, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16).unwrap_or(0);
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
 }
 
 #[cfg(test)]

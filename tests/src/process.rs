@@ -84,3 +84,11 @@ pub fn workspace_binary(name: &str) -> Result<PathBuf, String> {
         p.display()
     ))
 }
+
+/// The last lines of a log file (each cut to 300 characters), for failure messages.
+pub fn log_tail(path: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<String> = text.lines().map(|l| l.chars().take(300).collect()).collect();
+    let from = lines.len().saturating_sub(30);
+    format!("--- last lines of {} ---\n{}", path.display(), lines[from..].join("\n"))
+}

@@ -53,10 +53,7 @@ impl Service {
     }
 
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let from = lines.len().saturating_sub(40);
-        format!("--- last lines of {} ---\n{}", self.log_path.display(), lines[from..].join("\n"))
+        crate::process::log_tail(&self.log_path)
     }
 
     pub fn log(&self) -> String {
