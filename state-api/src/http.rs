@@ -154,8 +154,10 @@ async fn require_token(State(state): State<AppState>, req: Request, next: Next) 
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        // The scheme is case-insensitive (RFC 9110).
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     let ok =
         presented.is_some_and(|t| bool::from(crate::token_digest(t).ct_eq(state.token_digest())));
     if !ok {

@@ -374,6 +374,8 @@ async fn the_operator_read_shows_state_token_lease_and_ages() {
 
 #[tokio::test]
 async fn every_v1_call_needs_the_bearer_token() {
+    let basic_with_token = format!("Basic {TOKEN}");
+    let token_with_prefix = format!("Bearer x{TOKEN}");
     let api = Api::start(&[]).await;
     let claim = serde_json::to_value(claim_req("auth", "alice", &fp(1), None)).unwrap();
     for path in [CLAIM_PATH, HEARTBEAT_PATH, COMPLETE_PATH, RELEASE_PATH] {
@@ -383,6 +385,8 @@ async fn every_v1_call_needs_the_bearer_token() {
             Some("Bearer "),
             Some(TOKEN),
             Some("Basic dGVzdA=="),
+            Some(&basic_with_token),
+            Some(&token_with_prefix),
         ] {
             let mut req = api.client.post(api.url(path)).json(&claim);
             if let Some(a) = auth {
@@ -403,6 +407,16 @@ async fn every_v1_call_needs_the_bearer_token() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
+    // The scheme is case-insensitive.
+    let r = api
+        .client
+        .post(api.url(CLAIM_PATH))
+        .header("authorization", format!("bearer {TOKEN}"))
+        .json(&serde_json::to_value(claim_req("auth-lower", "alice", &fp(1), None)).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
     // Nothing was claimed by the refused calls.
     assert_eq!(api.record("auth", "alice").await.0, 404);
     // Health, readiness, metrics and the contract are open.
