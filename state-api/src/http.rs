@@ -55,6 +55,7 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state.clone(), observe))
         .with_state(state)
@@ -523,6 +524,12 @@ async fn openapi() -> Response {
         OPENAPI_JSON,
     )
         .into_response()
+}
+
+async fn method_not_allowed() -> ApiError {
+    let mut e = ApiError::new(ProblemKind::BadRequest, "method not allowed on this route");
+    e.problem.status = StatusCode::METHOD_NOT_ALLOWED.as_u16();
+    e
 }
 
 async fn not_found() -> ApiError {

@@ -586,6 +586,8 @@ async fn bad_input_is_a_problem_and_writes_nothing() {
 
     let (s, b) = api.get("/nope").await;
     assert_problem(s, &b, 404, "not-found");
+    let (s, b) = api.get(CLAIM_PATH).await;
+    assert_problem(s, &b, 405, "bad-request");
 }
 
 #[tokio::test]
@@ -631,5 +633,31 @@ async fn leases_are_clamped_and_metrics_and_openapi_are_served() {
             doc["paths"][path].is_object(),
             "{path} missing from openapi.json"
         );
+    }
+}
+
+#[tokio::test]
+async fn pooled_connections_commit_durably_whatever_the_database_default() {
+    let cluster = stack::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let url = cluster.fresh_database("durable").unwrap();
+    let db = url.rsplit('/').next().unwrap();
+    cluster
+        .psql(
+            "postgres",
+            &format!("ALTER DATABASE \"{db}\" SET synchronous_commit = off"),
+        )
+        .unwrap();
+    let api = Api::start_on(&url, &[]).await;
+    let pool = api.state.store().pool();
+    let (sync, timeout): (String, String) = sqlx::query_as(
+        "SELECT current_setting('synchronous_commit'), current_setting('statement_timeout')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((sync.as_str(), timeout.as_str()), ("on", "5s"));
+    api.shutdown().await;
+    if cluster.is_external() {
+        let _ = cluster.drop_database(db);
     }
 }
