@@ -35,7 +35,10 @@ pub fn deserialize_map(bytes: &[u8]) -> Option<Vec<(String, String)>> {
         at += ks + 1;
         let v = bytes.get(at..at.checked_add(vs)?)?;
         at += vs + 1;
-        out.push((String::from_utf8_lossy(k).into_owned(), String::from_utf8_lossy(v).into_owned()));
+        out.push((
+            String::from_utf8_lossy(k).into_owned(),
+            String::from_utf8_lossy(v).into_owned(),
+        ));
     }
     Some(out)
 }
@@ -49,7 +52,11 @@ mod tests {
 
     #[test]
     fn round_trips_and_rejects_truncation() {
-        let pairs = vec![(":status".to_owned(), "200".to_owned()), ("a".to_owned(), String::new()), ("a".to_owned(), "x y".to_owned())];
+        let pairs = vec![
+            (":status".to_owned(), "200".to_owned()),
+            ("a".to_owned(), String::new()),
+            ("a".to_owned(), "x y".to_owned()),
+        ];
         let bytes = serialize_map(&pairs);
         assert_eq!(deserialize_map(&bytes), Some(pairs));
         for cut in 0..bytes.len() - 1 {
