@@ -286,7 +286,7 @@ pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, CanonError> {
                             p.pos += 1;
                             let mut members = std::mem::take(members);
                             stack.pop();
-                            members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
+                            members.sort_unstable_by(|a, b| utf16_cmp(&a.0, &b.0));
                             if duplicate.is_none() {
                                 if let Some(w) = members.windows(2).find(|w| w[0].0 == w[1].0) {
                                     duplicate = Some(w[0].0.clone());
