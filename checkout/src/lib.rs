@@ -26,7 +26,8 @@ pub struct LedgerEntry {
     pub id: u64,
     /// `charge` or `refund`.
     pub kind: String,
-    /// `succeeded`, `declined`, `failed` (asked to fail with x-demo-fail) or `invalid` (unparseable body).
+    /// `succeeded`, `declined`, `failed` (asked to fail with x-demo-fail), `invalid` (unparseable body)
+    /// or `reset` (asked to drop the connection with x-demo-reset; status 0: nothing was sent).
     pub outcome: String,
     pub status: u16,
     pub amount: Option<serde_json::Value>,
@@ -70,11 +71,37 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
 }
 
 async fn checkout(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    execute(&ledger, "charge", &headers, &body).await
+    run(ledger, "charge", headers, body).await
 }
 
 async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    execute(&ledger, "refund", &headers, &body).await
+    run(ledger, "refund", headers, body).await
+}
+
+/// Test hooks for the fault suite, on top of `execute`:
+/// * `x-demo-detach: 1` runs the execution in its own task, so it finishes (and is recorded)
+///   even when the caller's connection goes away meanwhile (an orphaned upstream call, as when
+///   the Envoy in front dies). Without it, a dropped connection cancels a delayed execution.
+/// * `x-demo-reset: 1` executes (recorded with outcome `reset`), then drops the connection
+///   without answering: the charge ran, but no response ever leaves.
+async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
+    let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
+    let response = if detach {
+        let task = tokio::spawn(async move { execute(&ledger, kind, &headers, &body, reset).await });
+        match task.await {
+            Ok(r) => r,
+            Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        }
+    } else {
+        execute(&ledger, kind, &headers, &body, reset).await
+    };
+    if reset {
+        // Unwinding out of the handler ends the connection's task: hyper drops the socket
+        // without writing a response. `resume_unwind` skips the panic hook (no log noise).
+        std::panic::resume_unwind(Box::new("x-demo-reset: connection dropped on purpose"));
+    }
+    response
 }
 
 #[derive(Deserialize)]
@@ -106,7 +133,7 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
     }
 }
 
-async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8]) -> Response {
+async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8], reset: bool) -> Response {
     let delay_ms = header(headers, "x-demo-delay-ms").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     if delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(delay_ms.min(MAX_DELAY_MS))).await;
@@ -114,6 +141,7 @@ async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8]) 
     let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
     let forced_failure = header(headers, "x-demo-fail").and_then(|v| v.parse::<u16>().ok());
     let (status, outcome) = match (&parsed, forced_failure) {
+        _ if reset => (0, "reset"),
         (_, Some(code)) if (500..600).contains(&code) => (code, "failed"),
         (None, _) => (400, "invalid"),
         (Some(v), _) if card_number(v) == Some(DECLINED_CARD) => (402, "declined"),
