@@ -88,7 +88,8 @@ async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: 
     let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
     let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
     let response = if detach {
-        let task = tokio::spawn(async move { execute(&ledger, kind, &headers, &body, reset).await });
+        let task =
+            tokio::spawn(async move { execute(&ledger, kind, &headers, &body, reset).await });
         match task.await {
             Ok(r) => r,
             Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
@@ -110,18 +111,32 @@ struct ChargesQuery {
     subject: Option<String>,
 }
 
-async fn list_charges(State(ledger): State<Arc<Ledger>>, Query(q): Query<ChargesQuery>) -> Json<Vec<LedgerEntry>> {
+async fn list_charges(
+    State(ledger): State<Arc<Ledger>>,
+    Query(q): Query<ChargesQuery>,
+) -> Json<Vec<LedgerEntry>> {
     let entries = ledger
         .entries()
         .into_iter()
-        .filter(|e| q.key.as_deref().is_none_or(|k| e.idempotency_key.as_deref() == Some(k)))
-        .filter(|e| q.subject.as_deref().is_none_or(|s| e.subject.as_deref() == Some(s)))
+        .filter(|e| {
+            q.key
+                .as_deref()
+                .is_none_or(|k| e.idempotency_key.as_deref() == Some(k))
+        })
+        .filter(|e| {
+            q.subject
+                .as_deref()
+                .is_none_or(|s| e.subject.as_deref() == Some(s))
+        })
         .collect();
     Json(entries)
 }
 
 fn header(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
 }
 
 /// Finds the card number in `{"card": "..."}` or `{"card": {"number": "..."}}`.
@@ -133,8 +148,16 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
     }
 }
 
-async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8], reset: bool) -> Response {
-    let delay_ms = header(headers, "x-demo-delay-ms").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+async fn execute(
+    ledger: &Ledger,
+    kind: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+    reset: bool,
+) -> Response {
+    let delay_ms = header(headers, "x-demo-delay-ms")
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
     if delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(delay_ms.min(MAX_DELAY_MS))).await;
     }
@@ -163,7 +186,9 @@ async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8], 
 
     let status_code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = match outcome {
-        "succeeded" => serde_json::json!({ "id": entry.id, "kind": kind, "status": "succeeded", "amount": entry.amount }),
+        "succeeded" => {
+            serde_json::json!({ "id": entry.id, "kind": kind, "status": "succeeded", "amount": entry.amount })
+        }
         "declined" => serde_json::json!({ "error": "card_declined" }),
         "invalid" => serde_json::json!({ "error": "invalid_json" }),
         _ => serde_json::json!({ "error": "internal_error" }),
@@ -171,7 +196,11 @@ async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8], 
     let mut response = (status_code, Json(body)).into_response();
     let h = response.headers_mut();
     if outcome == "succeeded" {
-        let path = if kind == "refund" { "refunds" } else { "charges" };
+        let path = if kind == "refund" {
+            "refunds"
+        } else {
+            "charges"
+        };
         if let Ok(v) = HeaderValue::from_str(&format!("/{path}/{}", entry.id)) {
             h.insert("location", v);
         }
@@ -192,5 +221,8 @@ async fn execute(ledger: &Ledger, kind: &str, headers: &HeaderMap, body: &[u8], 
 /// Hex SHA-256 of the body as received.
 fn sha256_hex(data: &[u8]) -> String {
     use sha2::{Digest, Sha256};
-    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
