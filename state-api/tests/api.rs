@@ -661,3 +661,44 @@ async fn pooled_connections_commit_durably_whatever_the_database_default() {
         let _ = cluster.drop_database(db);
     }
 }
+
+#[tokio::test]
+async fn two_processes_on_one_database_share_records_when_they_share_the_secret() {
+    let a = Api::start(&[]).await;
+    let b = Api::start_on(&a.db_url, &[]).await;
+    let token = token_of(&a.claim("shared", &fp(1), None).await);
+    assert!(matches!(
+        b.claim("shared", &fp(1), None).await,
+        ClaimResponse::InProgress { .. }
+    ));
+    assert_eq!(
+        b.claim("shared", &fp(2), None).await,
+        ClaimResponse::Mismatch
+    );
+    // The owner's complete may reach either process.
+    let (s, _, _) = b
+        .post(
+            COMPLETE_PATH,
+            &complete_body("shared", token, &ok_response()),
+        )
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        a.claim("shared", &fp(1), None).await,
+        ClaimResponse::Completed {
+            response: ok_response()
+        }
+    );
+    // Another secret addresses other records: the key would run twice. Hence one secret.
+    let c = Api::start_on(
+        &a.db_url,
+        &["--key-secret", "a-different-secret-0123456789"],
+    )
+    .await;
+    assert!(matches!(
+        c.claim("shared", &fp(1), None).await,
+        ClaimResponse::Claimed { .. }
+    ));
+    c.shutdown().await;
+    b.shutdown().await;
+}

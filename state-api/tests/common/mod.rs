@@ -33,15 +33,10 @@ pub struct Api {
 
 /// A config for `db_url` with the test token and secret, the purge off, and `args` on top.
 pub fn config(db_url: &str, args: &[&str]) -> Config {
-    let mut all = vec![
-        "state-api",
-        "--database-url",
-        db_url,
-        "--api-token",
-        TOKEN,
-        "--key-secret",
-        SECRET,
-    ];
+    let mut all = vec!["state-api", "--database-url", db_url, "--api-token", TOKEN];
+    if !args.contains(&"--key-secret") {
+        all.extend_from_slice(&["--key-secret", SECRET]);
+    }
     if !args.contains(&"--purge-interval-s") {
         all.extend_from_slice(&["--purge-interval-s", "0"]);
     }
