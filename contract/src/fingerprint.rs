@@ -29,6 +29,7 @@
 //! The parser is iterative: no input, however deep, grows the call stack.
 
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::fmt;
 
@@ -150,22 +151,23 @@ const HEX: &[u8; 16] = b"0123456789abcdef";
 // Canonical JSON
 // ---------------------------------------------------------------------------------------------
 
-enum Node {
+/// Strings and numbers borrow from the input when their canonical text is the text as written.
+enum Node<'a> {
     Literal(&'static str),
     /// Canonical number text.
-    Number(String),
+    Number(Cow<'a, str>),
     /// Decoded string value.
-    Str(String),
+    Str(Cow<'a, str>),
     Array(Vec<usize>),
     /// Members sorted by UTF-16 code units of the name.
-    Object(Vec<(String, usize)>),
+    Object(Vec<(Cow<'a, str>, usize)>),
 }
 
-enum Frame {
+enum Frame<'a> {
     Array(Vec<usize>),
     Object {
-        members: Vec<(String, usize)>,
-        pending_key: String,
+        members: Vec<(Cow<'a, str>, usize)>,
+        pending_key: Cow<'a, str>,
     },
 }
 
@@ -289,7 +291,7 @@ pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, CanonError> {
                             members.sort_unstable_by(|a, b| utf16_cmp(&a.0, &b.0));
                             if duplicate.is_none() {
                                 if let Some(w) = members.windows(2).find(|w| w[0].0 == w[1].0) {
-                                    duplicate = Some(w[0].0.clone());
+                                    duplicate = Some(w[0].0.to_string());
                                 }
                             }
                             done = push(&mut nodes, Node::Object(members));
@@ -307,13 +309,38 @@ pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, CanonError> {
     Ok(serialize(&nodes, root, input.len()))
 }
 
-fn push(nodes: &mut Vec<Node>, node: Node) -> usize {
+fn push<'a>(nodes: &mut Vec<Node<'a>>, node: Node<'a>) -> usize {
     nodes.push(node);
     nodes.len() - 1
 }
 
+/// Compares as sequences of UTF-16 code units (JCS member order), without transcoding: byte
+/// order is code point order, and the two orders differ only where a supplementary character
+/// (a surrogate pair in UTF-16) meets U+E000..U+FFFF, so only the first differing character is
+/// looked at.
 fn utf16_cmp(a: &str, b: &str) -> Ordering {
-    a.encode_utf16().cmp(b.encode_utf16())
+    let (ab, bb) = (a.as_bytes(), b.as_bytes());
+    let Some(mut i) = ab.iter().zip(bb).position(|(x, y)| x != y) else {
+        return ab.len().cmp(&bb.len());
+    };
+    // Equal bytes before `i`: both strings have their char boundaries at the same places.
+    while i > 0 && !a.is_char_boundary(i) {
+        i -= 1;
+    }
+    let first_unit = |c: Option<char>| {
+        c.map(|c| {
+            let cp = u32::from(c);
+            let unit = if cp >= 0x10000 {
+                0xD800 + ((cp - 0x10000) >> 10)
+            } else {
+                cp
+            };
+            (unit, cp)
+        })
+    };
+    let ca = a.get(i..).and_then(|r| r.chars().next());
+    let cb = b.get(i..).and_then(|r| r.chars().next());
+    first_unit(ca).cmp(&first_unit(cb))
 }
 
 enum Work<'a> {
@@ -322,7 +349,7 @@ enum Work<'a> {
     Name(&'a str),
 }
 
-fn serialize(nodes: &[Node], root: usize, hint: usize) -> Vec<u8> {
+fn serialize(nodes: &[Node<'_>], root: usize, hint: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(hint);
     let mut work = vec![Work::Node(root)];
     while let Some(w) = work.pop() {
@@ -391,7 +418,7 @@ struct Parser<'a> {
     pos: usize,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn peek(&self) -> Option<u8> {
         self.s.get(self.pos).copied()
     }
@@ -416,7 +443,7 @@ impl Parser<'_> {
     }
 
     /// `"name"` followed by `:` (whitespace allowed around the colon).
-    fn member_name(&mut self) -> Result<String, CanonError> {
+    fn member_name(&mut self) -> Result<Cow<'a, str>, CanonError> {
         if self.peek() != Some(b'"') {
             return Err(self.err());
         }
@@ -445,8 +472,25 @@ impl Parser<'_> {
     }
 
     /// A string starting at the opening quote; returns the decoded value.
-    fn string(&mut self) -> Result<String, CanonError> {
+    fn string(&mut self) -> Result<Cow<'a, str>, CanonError> {
         self.pos += 1;
+        // Fast path: no escape before the closing quote, the value is the text as written.
+        let start = self.pos;
+        while let Some(c) = self.peek() {
+            if c == b'"' || c == b'\\' || c < 0x20 {
+                break;
+            }
+            self.pos += 1;
+        }
+        if self.peek() == Some(b'"') {
+            let value = self
+                .text
+                .get(start..self.pos)
+                .ok_or(CanonError::Syntax { offset: start })?;
+            self.pos += 1;
+            return Ok(Cow::Borrowed(value));
+        }
+        self.pos = start;
         let mut out = String::new();
         loop {
             // Copy a run of plain characters at once.
@@ -466,7 +510,7 @@ impl Parser<'_> {
             match self.peek() {
                 Some(b'"') => {
                     self.pos += 1;
-                    return Ok(out);
+                    return Ok(Cow::Owned(out));
                 }
                 Some(b'\\') => {
                     self.pos += 1;
@@ -532,7 +576,7 @@ impl Parser<'_> {
     }
 
     /// A number per RFC 8259, returned in canonical form.
-    fn number(&mut self) -> Result<String, CanonError> {
+    fn number(&mut self) -> Result<Cow<'a, str>, CanonError> {
         let start = self.pos;
         let negative = self.peek() == Some(b'-');
         if negative {
@@ -582,6 +626,10 @@ impl Parser<'_> {
             }
         }
         let written = self.text.get(start..self.pos).unwrap_or("");
+        // Fast path: an integer below 10^21 (and not -0) is its own canonical form.
+        if frac.0 == frac.1 && self.pos == int_start + int_len && int_len <= 21 && written != "-0" {
+            return Ok(Cow::Borrowed(written));
+        }
         if written.parse::<f64>().map_or(true, |v| v.is_infinite()) {
             return Err(CanonError::NumberOutOfRange);
         }
@@ -593,13 +641,13 @@ impl Parser<'_> {
         all.extend_from_slice(int_digits);
         all.extend_from_slice(frac_digits);
         let Some(first) = all.iter().position(|&d| d != b'0') else {
-            return Ok("0".to_owned()); // any zero, including -0 (as JCS)
+            return Ok(Cow::Borrowed("0")); // any zero, including -0 (as JCS)
         };
         let last = all.iter().rposition(|&d| d != b'0').unwrap_or(first);
         let digits = all.get(first..=last).unwrap_or(b"1");
         // Position of the decimal point relative to the first significant digit.
         let point = int_len as i64 - first as i64 + exp;
-        Ok(format_es(negative, digits, point))
+        Ok(Cow::Owned(format_es(negative, digits, point)))
     }
 }
 

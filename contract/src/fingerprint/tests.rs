@@ -315,6 +315,19 @@ fn known_answer() {
 }
 
 #[test]
+fn members_sort_by_utf16_code_units_not_code_points() {
+    // U+10000 is D800 DC00 in UTF-16: before U+E000 there, after it by code point.
+    assert_eq!(utf16_cmp("\u{10000}", "\u{e000}"), Ordering::Less);
+    assert_eq!(utf16_cmp("a\u{ffff}", "a\u{1f600}"), Ordering::Greater);
+    assert_eq!(utf16_cmp("ab", "a"), Ordering::Greater);
+    assert_eq!(utf16_cmp("\u{e9}", "\u{e9}"), Ordering::Equal);
+    assert_eq!(
+        canon("{\"\u{e000}\":1,\"\u{10000}\":2,\"a\":3}"),
+        "{\"a\":3,\"\u{10000}\":2,\"\u{e000}\":1}"
+    );
+}
+
+#[test]
 fn strings_are_reescaped_the_jcs_way() {
     assert_eq!(
         canon(r#""\u0041\/\u001f\u007f\u2028""#),
@@ -502,6 +515,11 @@ mod props {
             let a = serde_json::to_string(&v).unwrap();
             let b = serde_json::to_string(&changed).unwrap();
             prop_assert_ne!(fp_json(&a), fp_json(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn member_order_is_utf16_code_unit_order(a in "[a\u{7f}\u{80}\u{ff}\u{d7ff}\u{e000}\u{ffff}\u{10000}\u{1f600}\u{10ffff}]{0,4}", b in "[a\u{7f}\u{80}\u{ff}\u{d7ff}\u{e000}\u{ffff}\u{10000}\u{1f600}\u{10ffff}]{0,4}") {
+            prop_assert_eq!(utf16_cmp(&a, &b), a.encode_utf16().cmp(b.encode_utf16()));
         }
 
         #[test]
