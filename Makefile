@@ -80,8 +80,8 @@ test: tools build test-native test-wasm test-e2e
 	@echo "make test: every suite passed"
 
 .PHONY: test-native
-test-native:
-	$(CARGO) test --locked --workspace --exclude stack
+test-native: build-filter
+	FILTER_WASM_REQUIRED=1 $(CARGO) test --locked --workspace --exclude stack
 
 .PHONY: test-wasm
 test-wasm: tools-wasm-bindgen
