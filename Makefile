@@ -8,7 +8,8 @@ SHELL := /bin/bash
 ENVOY_VERSION := 1.40.0
 VENV := $(CURDIR)/.venv
 TOOLS := $(CURDIR)/.tools
-# wasm-bindgen-cli must be exactly the wasm-bindgen version in Cargo.lock.
+# wasm-bindgen-cli must be exactly the wasm-bindgen version in Cargo.lock. It is installed without
+# --locked: its own lock file pins a webpki-roots release that crates.io no longer serves.
 WASM_BINDGEN_VERSION = $(shell awk '/^name = "wasm-bindgen"$$/ {getline; gsub(/"/, "", $$3); print $$3}' Cargo.lock)
 export PATH := $(TOOLS)/bin:$(PATH)
 export ENVOY_BIN ?= $(VENV)/bin/envoy
@@ -43,7 +44,7 @@ $(VENV)/bin/envoy:
 tools-wasm-bindgen: Cargo.lock
 	@if [ "$$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $$2}')" != "$(WASM_BINDGEN_VERSION)" ]; then \
 	  echo "installing wasm-bindgen-cli $(WASM_BINDGEN_VERSION) into .tools (takes a few minutes once)"; \
-	  $(CARGO) install --quiet wasm-bindgen-cli --version =$(WASM_BINDGEN_VERSION) --locked --root $(TOOLS); \
+	  $(CARGO) install --quiet wasm-bindgen-cli --version =$(WASM_BINDGEN_VERSION) --root $(TOOLS); \
 	fi
 
 .PHONY: tools-postgres
