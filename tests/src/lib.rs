@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod envoy;
+pub mod faults;
 pub mod net;
 pub mod postgres;
 pub mod process;
