@@ -109,3 +109,14 @@ demo: tools build-release
 .PHONY: clean-demo
 clean-demo:
 	rm -rf .demo
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark
+
+# One run (about 3 minutes once built): the stack against a plain Envoy and pgbench, one load
+# tool throughout. Writes docs/bench.json, docs/BENCH.md and docs/bench.png.
+.PHONY: bench
+bench: tools build-release
+	@$(VENV)/bin/python -c 'import matplotlib' 2>/dev/null || \
+	  $(VENV)/bin/pip install --quiet --disable-pip-version-check matplotlib
+	$(CARGO) run --locked --release -q -p bench

@@ -113,6 +113,12 @@ pub fn template_path() -> PathBuf {
     workspace_root().join("envoy/envoy.yaml.tmpl")
 }
 
+/// The same listener and checkout cluster with the router only (no jwt_authn, no filter): the
+/// benchmark's baseline.
+pub fn plain_template_path() -> PathBuf {
+    workspace_root().join("envoy/envoy-plain.yaml.tmpl")
+}
+
 /// Fills every `{{NAME}}`; an unknown or unfilled placeholder is an error, never left in.
 pub fn render(template: &str, params: &EnvoyParams) -> Result<String, String> {
     let values = params.values();
@@ -142,8 +148,14 @@ pub struct Envoy {
 impl Envoy {
     /// Renders the config into `dir`, starts Envoy with one worker and waits until it is ready.
     pub fn start(params: EnvoyParams, dir: &Path, name: &str) -> Result<Self, String> {
+        Self::start_with_template(&template_path(), params, dir, name)
+    }
+
+    /// The same with another template (e.g. [`plain_template_path`]).
+    pub fn start_with_template(template: &Path, params: EnvoyParams, dir: &Path, name: &str) -> Result<Self, String> {
         let bin = envoy_binary()?;
-        let template = std::fs::read_to_string(template_path()).map_err(|e| format!("cannot read the Envoy template: {e}"))?;
+        let template = std::fs::read_to_string(template)
+            .map_err(|e| format!("cannot read the Envoy template {}: {e}", template.display()))?;
         let config = render(&template, &params)?;
         let config_path = dir.join(format!("{name}.yaml"));
         std::fs::write(&config_path, config).map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
@@ -295,6 +307,16 @@ mod tests {
         }
         let committed = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(committed == expected, "envoy/envoy-docker.yaml is out of step with the template: run UPDATE_ENVOY_DOCKER=1 cargo test -p stack --lib");
+    }
+
+    #[test]
+    fn plain_template_renders_without_leftover_placeholders() {
+        let template = std::fs::read_to_string(plain_template_path()).unwrap_or_default();
+        let rendered = render(&template, &params());
+        assert!(
+            rendered.as_ref().is_ok_and(|r| !r.contains("{{") && r.contains("port_value: 10000") && !r.contains("wasm")),
+            "{rendered:?}"
+        );
     }
 
     #[test]

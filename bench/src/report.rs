@@ -1,0 +1,497 @@
+//! The figures, the ratios against the baselines, the goals, as a table, JSON and markdown.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::pgbench::PgbenchResult;
+use crate::ScenarioResult;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Memory {
+    /// VmHWM: the resident-set high-water mark since the process started.
+    pub hwm_kib: u64,
+    pub rss_kib: u64,
+}
+
+pub struct Inputs {
+    pub results: Vec<ScenarioResult>,
+    pub pgbench: Vec<PgbenchResult>,
+    pub memory: BTreeMap<String, Memory>,
+    pub wasm_bytes: u64,
+    pub slow_statuses: Vec<String>,
+    pub load_before: (f64, f64, f64),
+    pub load_after: (f64, f64, f64),
+    pub warmup_s: u64,
+    pub measure_s: u64,
+    pub envoy_version: String,
+    pub total_s: f64,
+    pub stack_dir: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Goal {
+    pub goal: String,
+    pub target: String,
+    pub measured: String,
+    pub pass: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Ratio {
+    pub scenario: String,
+    pub connections: usize,
+    /// Requests/s relative to the baseline (plain Envoy; pgbench for the state API).
+    pub rate_ratio: f64,
+    /// p50 minus the baseline's p50, ms.
+    pub added_p50_ms: f64,
+    pub added_p99_ms: f64,
+    pub baseline: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub generated_unix_s: u64,
+    pub method: BTreeMap<&'static str, String>,
+    pub machine: BTreeMap<&'static str, String>,
+    pub scenarios: Vec<ScenarioResult>,
+    pub pgbench: Vec<PgbenchResult>,
+    pub ratios: Vec<Ratio>,
+    pub memory_kib: BTreeMap<String, Memory>,
+    pub wasm_bytes: u64,
+    pub slow_request_statuses: Vec<String>,
+    pub goals: Vec<Goal>,
+    pub all_goals_pass: bool,
+    pub total_errors: u64,
+    pub total_s: f64,
+}
+
+fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a ScenarioResult> {
+    rs.iter()
+        .find(|r| r.scenario == scenario && r.connections == c)
+}
+
+fn f(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "n/a".into()
+    }
+}
+
+impl Report {
+    pub fn build(i: Inputs) -> Self {
+        let mut ratios = Vec::new();
+        for r in &i.results {
+            if r.scenario == "plain" {
+                continue;
+            }
+            if r.scenario == "state_api" {
+                if let Some(pg) = i.pgbench.iter().find(|p| p.clients == r.connections) {
+                    ratios.push(Ratio {
+                        scenario: r.scenario.clone(),
+                        connections: r.connections,
+                        rate_ratio: r.rate / pg.tps,
+                        added_p50_ms: r.p50_ms - pg.p50_ms,
+                        added_p99_ms: r.p99_ms - pg.p99_ms,
+                        baseline: "pgbench INSERT ON CONFLICT".into(),
+                    });
+                }
+                continue;
+            }
+            if let Some(p) = find(&i.results, "plain", r.connections) {
+                ratios.push(Ratio {
+                    scenario: r.scenario.clone(),
+                    connections: r.connections,
+                    rate_ratio: r.rate / p.rate,
+                    added_p50_ms: r.p50_ms - p.p50_ms,
+                    added_p99_ms: r.p99_ms - p.p99_ms,
+                    baseline: "plain Envoy".into(),
+                });
+            }
+        }
+        let ratio = |s: &str, c: usize| {
+            ratios
+                .iter()
+                .find(|r| r.scenario == s && r.connections == c)
+        };
+        let mut goals = Vec::new();
+        let mut goal =
+            |g: &str, target: &str, measured: Option<f64>, unit: &str, pass: fn(f64) -> bool| {
+                goals.push(Goal {
+                    goal: g.into(),
+                    target: target.into(),
+                    measured: measured
+                        .map(|m| format!("{}{unit}", f(m, if unit.is_empty() { 2 } else { 3 })))
+                        .unwrap_or_else(|| "not measured".into()),
+                    pass: measured.is_some_and(pass),
+                });
+            };
+        goal(
+            "new-key throughput at 16 connections vs plain Envoy",
+            ">= 0.40",
+            ratio("new", 16).map(|r| r.rate_ratio),
+            "",
+            |v| v >= 0.40,
+        );
+        goal(
+            "added p50 latency of a new key at 1 connection",
+            "<= 1.0 ms",
+            ratio("new", 1).map(|r| r.added_p50_ms),
+            " ms",
+            |v| v <= 1.0,
+        );
+        goal(
+            "in-flight duplicate 409 p99 at 16 connections",
+            "<= 3 ms",
+            find(&i.results, "inflight", 16).map(|r| r.p99_ms),
+            " ms",
+            |v| v <= 3.0,
+        );
+        goal(
+            "replay throughput at 16 connections vs plain Envoy",
+            ">= 0.80",
+            ratio("replay", 16).map(|r| r.rate_ratio),
+            "",
+            |v| v >= 0.80,
+        );
+        goal(
+            "state API claim+complete/s vs pgbench INSERT/s at 16 clients",
+            ">= 0.60",
+            ratio("state_api", 16).map(|r| r.rate_ratio),
+            "",
+            |v| v >= 0.60,
+        );
+        goal(
+            "state API memory under load (VmHWM)",
+            "<= 50 MiB",
+            i.memory.get("state-api").map(|m| m.hwm_kib as f64 / 1024.0),
+            " MiB",
+            |v| v <= 50.0,
+        );
+        goal(
+            "filter .wasm size",
+            "<= 300 KiB",
+            Some(i.wasm_bytes as f64 / 1024.0),
+            " KiB",
+            |v| v <= 300.0,
+        );
+        let total_errors: u64 = i.results.iter().map(|r| r.error_count).sum::<u64>()
+            + i.pgbench.iter().map(|p| p.failed).sum::<u64>();
+        let slow_ok = i.slow_statuses.iter().all(|s| s == "201");
+        goals.push(Goal {
+            goal: "every answer as expected (no errors; the slow holders got 201)".into(),
+            target: "0 errors".into(),
+            measured: format!(
+                "{total_errors} errors; slow holders: {}",
+                i.slow_statuses.join(", ")
+            ),
+            pass: total_errors == 0 && slow_ok,
+        });
+        let all_goals_pass = goals.iter().all(|g| g.pass);
+
+        let max_other = i
+            .results
+            .iter()
+            .map(|r| r.cpu.other_cores)
+            .fold(0.0, f64::max);
+        let machine = BTreeMap::from([
+            ("cpus", crate::procfs::cpu_count().to_string()),
+            (
+                "load_before",
+                format!(
+                    "{:.2} {:.2} {:.2}",
+                    i.load_before.0, i.load_before.1, i.load_before.2
+                ),
+            ),
+            (
+                "load_after",
+                format!(
+                    "{:.2} {:.2} {:.2}",
+                    i.load_after.0, i.load_after.1, i.load_after.2
+                ),
+            ),
+            ("max_other_work_cores_in_a_run", format!("{max_other:.2}")),
+            (
+                "kernel",
+                std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                    .unwrap_or_default()
+                    .trim()
+                    .to_owned(),
+            ),
+        ]);
+        let method = BTreeMap::from([
+            ("load_tool", "bench/src/load.rs: closed loop, one hyper HTTP/1.1 keep-alive connection per client, single-threaded tokio runtime; every answer checked".to_owned()),
+            ("warmup_s", i.warmup_s.to_string()),
+            ("measure_s", i.measure_s.to_string()),
+            ("envoy", format!("{} --concurrency 1", i.envoy_version)),
+            ("builds", "release (STACK_PROFILE=release), filter wasm32-wasip1 release".to_owned()),
+            ("postgres", "private cluster, fsync=on, synchronous_commit=on".to_owned()),
+            ("percentiles", "nearest rank over every correct answer in the window".to_owned()),
+            ("stack_dir", i.stack_dir.clone()),
+        ]);
+        Self {
+            generated_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            method,
+            machine,
+            scenarios: i.results,
+            pgbench: i.pgbench,
+            ratios,
+            memory_kib: i.memory,
+            wasm_bytes: i.wasm_bytes,
+            slow_request_statuses: i.slow_statuses,
+            goals,
+            all_goals_pass,
+            total_errors,
+            total_s: i.total_s,
+        }
+    }
+
+    fn rows(&self) -> Vec<[String; 8]> {
+        let mut rows = Vec::new();
+        let mut conns: Vec<usize> = self.scenarios.iter().map(|r| r.connections).collect();
+        conns.dedup();
+        conns.sort_unstable();
+        conns.dedup();
+        for c in conns {
+            for r in self.scenarios.iter().filter(|r| r.connections == c) {
+                let ratio = self
+                    .ratios
+                    .iter()
+                    .find(|x| x.scenario == r.scenario && x.connections == c);
+                rows.push([
+                    r.label.clone(),
+                    c.to_string(),
+                    f(r.rate, 0),
+                    f(r.p50_ms, 3),
+                    f(r.p99_ms, 3),
+                    ratio
+                        .map(|x| f(x.rate_ratio, 2))
+                        .unwrap_or_else(|| "1.00".into()),
+                    ratio
+                        .map(|x| format!("{:+.3}", x.added_p50_ms))
+                        .unwrap_or_else(|| "0".into()),
+                    r.error_count.to_string(),
+                ]);
+            }
+            if let Some(p) = self.pgbench.iter().find(|p| p.clients == c) {
+                rows.push([
+                    "pgbench INSERT ON CONFLICT".into(),
+                    c.to_string(),
+                    f(p.tps, 0),
+                    f(p.p50_ms, 3),
+                    f(p.p99_ms, 3),
+                    "(base of state API)".into(),
+                    "".into(),
+                    p.failed.to_string(),
+                ]);
+            }
+        }
+        rows
+    }
+
+    const HEADER: [&'static str; 8] = [
+        "scenario", "conns", "req/s", "p50 ms", "p99 ms", "x plain", "+p50 ms", "errors",
+    ];
+
+    pub fn text_table(&self) -> String {
+        let rows = self.rows();
+        let mut widths: Vec<usize> = Self::HEADER.iter().map(|h| h.len()).collect();
+        for r in &rows {
+            for (w, c) in widths.iter_mut().zip(r.iter()) {
+                *w = (*w).max(c.len());
+            }
+        }
+        let mut out = String::new();
+        let line = |cells: Vec<&str>, out: &mut String| {
+            let parts: Vec<String> = cells
+                .iter()
+                .zip(&widths)
+                .enumerate()
+                .map(|(i, (c, w))| {
+                    if i == 0 {
+                        format!("{c:<w$}")
+                    } else {
+                        format!("{c:>w$}")
+                    }
+                })
+                .collect();
+            let _ = writeln!(out, "{}", parts.join("  "));
+        };
+        line(Self::HEADER.to_vec(), &mut out);
+        for r in &rows {
+            line(r.iter().map(String::as_str).collect(), &mut out);
+        }
+        let _ = writeln!(out);
+        for g in &self.goals {
+            let _ = writeln!(
+                out,
+                "[{}] {}: {} (target {})",
+                if g.pass { "PASS" } else { "FAIL" },
+                g.goal,
+                g.measured,
+                g.target
+            );
+        }
+        let _ = writeln!(out);
+        for (name, m) in &self.memory_kib {
+            let _ = writeln!(
+                out,
+                "memory {name}: VmHWM {:.1} MiB, VmRSS {:.1} MiB",
+                m.hwm_kib as f64 / 1024.0,
+                m.rss_kib as f64 / 1024.0
+            );
+        }
+        let _ = writeln!(
+            out,
+            "filter.wasm: {} bytes ({:.1} KiB)",
+            self.wasm_bytes,
+            self.wasm_bytes as f64 / 1024.0
+        );
+        let _ = writeln!(out, "machine: {:?}", self.machine);
+        out
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "# Benchmark\n");
+        let _ = writeln!(
+            out,
+            "Generated by `make bench` (bench/src/main.rs); raw figures in [bench.json](bench.json), \
+             latency percentiles in [bench.png](bench.png). One run of {} s (plus {} s warm-up) per row, on loopback, \
+             {} CPUs shared by the load generator, Envoy, the checkout, the state API and Postgres.\n",
+            self.method.get("measure_s").cloned().unwrap_or_default(),
+            self.method.get("warmup_s").cloned().unwrap_or_default(),
+            self.machine.get("cpus").cloned().unwrap_or_default(),
+        );
+        let _ = writeln!(out, "| {} |", Self::HEADER.join(" | "));
+        let _ = writeln!(
+            out,
+            "|{}|",
+            Self::HEADER
+                .iter()
+                .enumerate()
+                .map(|(i, _)| if i == 0 { "---" } else { "---:" })
+                .collect::<Vec<_>>()
+                .join("|")
+        );
+        for r in self.rows() {
+            let _ = writeln!(out, "| {} |", r.join(" | "));
+        }
+        let _ = writeln!(
+            out,
+            "\n`x plain`: requests/s relative to the plain Envoy (router only) at the same number of connections; \
+             for the state API, relative to pgbench's raw INSERT. `+p50 ms`: the same, for the median.\n"
+        );
+        let _ = writeln!(out, "## Goals\n");
+        let _ = writeln!(out, "| goal | target | measured | |");
+        let _ = writeln!(out, "|---|---|---|---|");
+        for g in &self.goals {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} |",
+                g.goal,
+                g.target,
+                g.measured,
+                if g.pass { "pass" } else { "**FAIL**" }
+            );
+        }
+        let _ = writeln!(out, "\n## Memory and size\n");
+        let _ = writeln!(out, "| process | VmHWM MiB | VmRSS MiB (end) |");
+        let _ = writeln!(out, "|---|---:|---:|");
+        for (name, m) in &self.memory_kib {
+            let _ = writeln!(
+                out,
+                "| {name} | {:.1} | {:.1} |",
+                m.hwm_kib as f64 / 1024.0,
+                m.rss_kib as f64 / 1024.0
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\nfilter.wasm: {} bytes ({:.1} KiB).\n",
+            self.wasm_bytes,
+            self.wasm_bytes as f64 / 1024.0
+        );
+        let _ = writeln!(out, "## Where the CPU went (cores busy during each run)\n");
+        let _ = writeln!(out, "| scenario | conns | Envoy worker | Envoy (all threads) | state API | checkout | Postgres | load gen | irq | other work | state API ms/claim | ms/complete |");
+        let _ = writeln!(
+            out,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.scenarios {
+            let envoy_name = match r.scenario.as_str() {
+                "plain" => "envoy-plain",
+                "jwt" => "envoy-jwt",
+                _ => "envoy",
+            };
+            let p = |k: &str| {
+                r.cpu
+                    .processes
+                    .get(k)
+                    .copied()
+                    .map(|v| f(v, 2))
+                    .unwrap_or_default()
+            };
+            let m = |k: &str| {
+                r.cpu
+                    .state_api_mean_ms
+                    .get(k)
+                    .copied()
+                    .map(|v| f(v, 3))
+                    .unwrap_or_else(|| "-".into())
+            };
+            let worker = if r.scenario == "state_api" {
+                "-".into()
+            } else {
+                r.cpu
+                    .envoy_worker_cores
+                    .get(envoy_name)
+                    .copied()
+                    .map(|v| f(v, 2))
+                    .unwrap_or_default()
+            };
+            let envoy_all = if r.scenario == "state_api" {
+                "-".into()
+            } else {
+                p(envoy_name)
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.label,
+                r.connections,
+                worker,
+                envoy_all,
+                p("state-api"),
+                p("checkout"),
+                p("postgres"),
+                p("bench"),
+                f(r.cpu.irq_cores, 2),
+                f(r.cpu.other_cores, 2),
+                m("claim"),
+                m("complete"),
+            );
+        }
+        let _ = writeln!(out, "\n## How quiet the machine was\n");
+        let _ = writeln!(
+            out,
+            "Load average before: {}; after: {}. Largest share of the machine taken by other work during a run: {} cores \
+             (a run with more than 0.25 is measured again once, the quieter kept).\n",
+            self.machine.get("load_before").cloned().unwrap_or_default(),
+            self.machine.get("load_after").cloned().unwrap_or_default(),
+            self.machine.get("max_other_work_cores_in_a_run").cloned().unwrap_or_default(),
+        );
+        let _ = writeln!(out, "## Method\n");
+        for (k, v) in &self.method {
+            if *k != "stack_dir" {
+                let _ = writeln!(out, "- {k}: {v}");
+            }
+        }
+        out
+    }
+}
