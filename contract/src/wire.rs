@@ -38,8 +38,10 @@ pub struct ClaimRequest {
     pub lease_ms: Option<u64>,
 }
 
+/// Answers are read tolerantly (no `deny_unknown_fields`): a reader ignores members added
+/// later, so the state API can gain answer fields without breaking filters built earlier.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ClaimResponse {
     /// This caller owns the key: run the effect, then complete or release with `token`.
     Claimed {
@@ -55,7 +57,14 @@ pub enum ClaimResponse {
         lease_remaining_ms: u64,
     },
     /// The first request finished: replay this.
-    Completed { response: StoredResponse },
+    Completed {
+        response: StoredResponse,
+        /// Milliseconds until the record's retention expiry, by the database clock. A completed
+        /// record never changes before then, so the filter may answer replays from memory until
+        /// then. Absent from state APIs older than this field (the filter then does not cache).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expires_in_ms: Option<u64>,
+    },
     /// The key was used with a different request fingerprint: answer 422.
     Mismatch,
 }
@@ -101,7 +110,6 @@ pub struct HeartbeatRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct HeartbeatResponse {
     pub lease_ms: u64,
 }
@@ -127,10 +135,23 @@ pub struct ReleaseRequest {
 
 /// Answer to complete and release: what the record is now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct WriteResponse {
     /// `completed` or `released`.
     pub state: String,
+    /// For `completed`: milliseconds until the record's retention expiry, by the database
+    /// clock (absent for `released`, and from state APIs older than this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_in_ms: Option<u64>,
+}
+
+impl WriteResponse {
+    pub fn completed(expires_in_ms: u64) -> Self {
+        Self { state: "completed".into(), expires_in_ms: Some(expires_in_ms) }
+    }
+
+    pub fn released() -> Self {
+        Self { state: "released".into(), expires_in_ms: None }
+    }
 }
 
 /// Operator view of one record: never the stored body.
@@ -176,6 +197,41 @@ mod tests {
         let back: StoredResponse = serde_json::from_slice(&json).unwrap_or(StoredResponse::new(0, vec![], &[], false));
         assert_eq!(back.body().ok(), Some(body.to_vec()));
         assert_eq!(back, stored);
+    }
+
+    #[test]
+    fn expiry_is_optional_both_ways() {
+        // An older state API's answers still parse (no expiry), and a newer one's carry it.
+        let old: ClaimResponse = serde_json::from_str(
+            r#"{"outcome":"completed","response":{"status":200,"headers":[],"body_base64":"","replayable":true}}"#,
+        )
+        .unwrap_or(ClaimResponse::Mismatch);
+        assert!(matches!(old, ClaimResponse::Completed { expires_in_ms: None, .. }), "{old:?}");
+        let new = ClaimResponse::Completed {
+            response: StoredResponse::new(200, vec![], b"", true),
+            expires_in_ms: Some(86_399_000),
+        };
+        let json = serde_json::to_string(&new).unwrap_or_default();
+        assert!(json.ends_with(r#","expires_in_ms":86399000}"#), "{json}");
+        assert_eq!(serde_json::from_str::<ClaimResponse>(&json).ok(), Some(new));
+        let w: Option<WriteResponse> = serde_json::from_str(r#"{"state":"completed"}"#).ok();
+        assert_eq!(w.and_then(|w| w.expires_in_ms), None);
+        assert_eq!(
+            serde_json::to_string(&WriteResponse::released()).unwrap_or_default(),
+            r#"{"state":"released"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<WriteResponse>(r#"{"state":"completed","expires_in_ms":5}"#).ok(),
+            Some(WriteResponse::completed(5))
+        );
+    }
+
+    #[test]
+    fn answers_tolerate_members_added_later() {
+        let r: Result<HeartbeatResponse, _> = serde_json::from_str(r#"{"lease_ms":1,"future":[1]}"#);
+        assert_eq!(r.ok(), Some(HeartbeatResponse { lease_ms: 1 }));
+        let r: Result<ClaimResponse, _> = serde_json::from_str(r#"{"outcome":"mismatch","why":"x"}"#);
+        assert_eq!(r.ok(), Some(ClaimResponse::Mismatch));
     }
 
     #[test]

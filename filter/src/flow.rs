@@ -499,7 +499,7 @@ impl Flow {
                     ),
                 ),
             ),
-            Ok(ClaimResponse::Completed { response }) if !response.replayable => {
+            Ok(ClaimResponse::Completed { response, .. }) if !response.replayable => {
                 let mut r = LocalReply::problem(
                     ProblemKind::OutcomeNotReplayable,
                     format!("the request completed with status {} but its response was too large to keep; it will not run again", response.status),
@@ -513,7 +513,7 @@ impl Flow {
                 }
                 self.answer(Some(Metric::NotReplayable), r)
             }
-            Ok(ClaimResponse::Completed { response }) => match response.body() {
+            Ok(ClaimResponse::Completed { response, .. }) => match response.body() {
                 Ok(body) if (100..=999).contains(&response.status) => {
                     let r = LocalReply::replay(response.status, &response.headers, extra, body);
                     self.answer(Some(Metric::Replayed), r)

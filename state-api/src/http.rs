@@ -356,9 +356,10 @@ async fn claim(
                 metrics::ClaimOutcome::InProgress,
             )
         }
-        store::ClaimOutcome::Completed(row) => (
+        store::ClaimOutcome::Completed { row, expires_in_ms } => (
             ClaimResponse::Completed {
                 response: StoredResponse::new(row.status, row.headers, &row.body, row.replayable),
+                expires_in_ms: Some(expires_in_ms),
             },
             metrics::ClaimOutcome::Completed,
         ),
@@ -401,13 +402,12 @@ async fn complete(
         .await
         .map_err(|e| store_error(&state, "complete", e))?;
     match result {
-        WriteResult::Done | WriteResult::AlreadyDone => {
-            if result == WriteResult::Done {
-                state.metrics().write_ok(WriteOp::Complete);
-            }
-            Ok(Json(WriteResponse {
-                state: "completed".into(),
-            }))
+        WriteResult::Done { expires_in_ms } => {
+            state.metrics().write_ok(WriteOp::Complete);
+            Ok(Json(WriteResponse::completed(expires_in_ms)))
+        }
+        WriteResult::AlreadyDone { expires_in_ms } => {
+            Ok(Json(WriteResponse::completed(expires_in_ms)))
         }
         WriteResult::FencedOut => Err(fenced_out(&state, WriteOp::Complete, &scope)),
     }
@@ -428,9 +428,7 @@ async fn release(
         return Err(fenced_out(&state, WriteOp::Release, &scope));
     }
     state.metrics().write_ok(WriteOp::Release);
-    Ok(Json(WriteResponse {
-        state: "released".into(),
-    }))
+    Ok(Json(WriteResponse::released()))
 }
 
 fn fenced_out(state: &AppState, op: WriteOp, scope: &ScopeHash) -> ApiError {

@@ -113,7 +113,11 @@ pub enum ClaimOutcome {
     InProgress {
         lease_remaining_ms: u64,
     },
-    Completed(StoredRow),
+    Completed {
+        row: StoredRow,
+        /// Until the retention expiry (database clock, rounded down).
+        expires_in_ms: u64,
+    },
     Mismatch,
 }
 
@@ -141,6 +145,8 @@ struct ClaimRow {
     lease_expired: bool,
     /// Past retention (and, for in_progress, past its lease): the key counts as new.
     retention_expired: bool,
+    /// Until the retention expiry, rounded down (0 once past it).
+    expires_in_ms: i64,
     response_status: Option<i32>,
     response_headers: Option<Json<Vec<(String, String)>>>,
     response_body: Option<Vec<u8>>,
@@ -154,6 +160,7 @@ macro_rules! claim_cols {
          GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint AS lease_remaining_ms, \
          (r.lease_expires_at <= c.now) AS lease_expired, \
          (r.expires_at <= c.now AND (r.state = 'completed' OR r.lease_expires_at <= c.now)) AS retention_expired, \
+         GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms, \
          r.response_status, r.response_headers, r.response_body, r.response_replayable"
     };
 }
@@ -225,14 +232,32 @@ const HEARTBEAT_SQL: &str = "
     WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
     RETURNING fencing_token";
 
-const COMPLETE_SQL: &str = "
+/// Until the retention expiry of the row (database clock, rounded down so that a cache that
+/// trusts it never outlives the record).
+macro_rules! expires_in_ms {
+    () => {
+        "GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::bigint"
+    };
+}
+
+const COMPLETE_SQL: &str = concat!(
+    "
     UPDATE idempotency_records
     SET state = 'completed',
         response_status = $3, response_headers = $4, response_body = $5, response_replayable = $6,
         completed_at = clock_timestamp(),
         expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
     WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
-    RETURNING fencing_token";
+    RETURNING ",
+    expires_in_ms!()
+);
+
+/// A retried complete of the same owner (its first answer was lost): the record as stored.
+const COMPLETED_BY_SQL: &str = concat!(
+    "SELECT ",
+    expires_in_ms!(),
+    " FROM idempotency_records WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'"
+);
 
 const RELEASE_SQL: &str = "
     DELETE FROM idempotency_records
@@ -282,12 +307,16 @@ pub struct RecordRow {
     pub expires_in_ms: i64,
 }
 
-/// What a complete did.
+/// What a complete did. `expires_in_ms`: until the record's retention expiry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteResult {
-    Done,
+    Done {
+        expires_in_ms: u64,
+    },
     /// The same owner completed before (a retried complete): nothing changed.
-    AlreadyDone,
+    AlreadyDone {
+        expires_in_ms: u64,
+    },
     /// No record with this token in progress: a newer owner took over, or it is gone.
     FencedOut,
 }
@@ -336,12 +365,15 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
             };
             let status =
                 u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
-            Ok(Step::Answer(ClaimOutcome::Completed(StoredRow {
-                status,
-                headers,
-                body,
-                replayable,
-            })))
+            Ok(Step::Answer(ClaimOutcome::Completed {
+                row: StoredRow {
+                    status,
+                    headers,
+                    body,
+                    replayable,
+                },
+                expires_in_ms: u64::try_from(row.expires_in_ms).unwrap_or(0),
+            }))
         }
         "in_progress" if !row.lease_expired => Ok(Step::Answer(ClaimOutcome::InProgress {
             lease_remaining_ms: u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1),
@@ -476,7 +508,7 @@ impl Store {
         response: &StoredRow,
         retention_ms: i64,
     ) -> Result<WriteResult, StoreError> {
-        let row = sqlx::query_scalar::<_, i64>(COMPLETE_SQL)
+        let done = sqlx::query_scalar::<_, i64>(COMPLETE_SQL)
             .bind(&scope[..])
             .bind(token)
             .bind(i32::from(response.status))
@@ -486,21 +518,23 @@ impl Store {
             .bind(retention_ms)
             .fetch_optional(&self.pool)
             .await?;
-        if row.is_some() {
-            return Ok(WriteResult::Done);
+        let ms = |v: i64| u64::try_from(v).unwrap_or(0);
+        if let Some(expires_in_ms) = done {
+            return Ok(WriteResult::Done {
+                expires_in_ms: ms(expires_in_ms),
+            });
         }
         // A retried complete of the same owner (its first answer was lost) is not a conflict.
-        let same_owner_done = sqlx::query_scalar::<_, bool>(
-            "SELECT true FROM idempotency_records WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'",
-        )
-        .bind(&scope[..])
-        .bind(token)
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(if same_owner_done.is_some() {
-            WriteResult::AlreadyDone
-        } else {
-            WriteResult::FencedOut
+        let same_owner_done = sqlx::query_scalar::<_, i64>(COMPLETED_BY_SQL)
+            .bind(&scope[..])
+            .bind(token)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match same_owner_done {
+            Some(expires_in_ms) => WriteResult::AlreadyDone {
+                expires_in_ms: ms(expires_in_ms),
+            },
+            None => WriteResult::FencedOut,
         })
     }
 
@@ -573,6 +607,7 @@ mod tests {
             lease_remaining_ms: 500,
             lease_expired: false,
             retention_expired: false,
+            expires_in_ms: 86_400_000,
             response_status: (state == "completed").then_some(201),
             response_headers: (state == "completed").then(|| Json(vec![("a".into(), "b".into())])),
             response_body: (state == "completed").then(|| vec![1, 2]),
@@ -635,7 +670,10 @@ mod tests {
         }
         assert!(matches!(
             decide(row("completed"), &c).unwrap(),
-            Step::Answer(ClaimOutcome::Completed(_))
+            Step::Answer(ClaimOutcome::Completed {
+                expires_in_ms: 86_400_000,
+                ..
+            })
         ));
         // An expired key is new, whatever its fingerprint.
         let expired = ClaimRow {

@@ -13,6 +13,17 @@ use contract::wire::{
 };
 use serde_json::{json, Value};
 
+/// The stored response of a `completed` answer, which carries the record's expiry.
+fn replay_of(answer: ClaimResponse) -> StoredResponse {
+    match answer {
+        ClaimResponse::Completed {
+            response,
+            expires_in_ms: Some(_),
+        } => response,
+        other => panic!("a completed answer with its expiry, not {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn a_changed_fingerprint_is_a_mismatch_in_progress_and_completed() {
     let api = Api::start(&[]).await;
@@ -74,7 +85,7 @@ async fn completed_claims_replay_the_stored_bytes_and_headers_exactly() {
         .await;
     assert_eq!(status, 200);
     match api.claim("bytes", &fp(3), None).await {
-        ClaimResponse::Completed { response } => {
+        ClaimResponse::Completed { response, .. } => {
             assert_eq!(response, stored);
             assert_eq!(response.body().unwrap(), body);
         }
@@ -86,11 +97,8 @@ async fn completed_claims_replay_the_stored_bytes_and_headers_exactly() {
     let (status, body2, _) = api
         .post(COMPLETE_PATH, &complete_body("bytes", token, &other))
         .await;
-    assert_eq!((status, body2), (200, json!({"state": "completed"})));
-    assert_eq!(
-        api.claim("bytes", &fp(3), None).await,
-        ClaimResponse::Completed { response: stored }
-    );
+    assert_eq!((status, &body2["state"]), (200, &json!("completed")));
+    assert_eq!(replay_of(api.claim("bytes", &fp(3), None).await), stored);
 
     // Not replayable: status and headers kept, no body.
     let t = token_of(&api.claim("big", &fp(3), None).await);
@@ -106,10 +114,7 @@ async fn completed_claims_replay_the_stored_bytes_and_headers_exactly() {
             .0,
         200
     );
-    assert_eq!(
-        api.claim("big", &fp(3), None).await,
-        ClaimResponse::Completed { response: tomb }
-    );
+    assert_eq!(replay_of(api.claim("big", &fp(3), None).await), tomb);
     // An empty replayable body is not the same thing as a tombstone.
     let t = token_of(&api.claim("empty", &fp(3), None).await);
     let empty = StoredResponse::new(204, vec![], &[], true);
@@ -119,10 +124,7 @@ async fn completed_claims_replay_the_stored_bytes_and_headers_exactly() {
             .0,
         200
     );
-    assert_eq!(
-        api.claim("empty", &fp(3), None).await,
-        ClaimResponse::Completed { response: empty }
-    );
+    assert_eq!(replay_of(api.claim("empty", &fp(3), None).await), empty);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -216,10 +218,7 @@ async fn a_fenced_out_owner_cannot_write_and_changes_nothing() {
         .post(COMPLETE_PATH, &complete_body("fence", old, &ok_response()))
         .await;
     assert_problem(s, &b, 409, "fenced-out");
-    assert_eq!(
-        api.claim("fence", &fp(5), None).await,
-        ClaimResponse::Completed { response: mine }
-    );
+    assert_eq!(replay_of(api.claim("fence", &fp(5), None).await), mine);
     // A heartbeat or release on a completed record is refused too.
     let (s, _, _) = api.post(HEARTBEAT_PATH, &fenced_body("fence", new)).await;
     assert_eq!(s, 409);
@@ -579,10 +578,7 @@ async fn bad_input_is_a_problem_and_writes_nothing() {
             .0,
         200
     );
-    assert_eq!(
-        api.claim("bad", &fp(1), None).await,
-        ClaimResponse::Completed { response: max }
-    );
+    assert_eq!(replay_of(api.claim("bad", &fp(1), None).await), max);
 
     let (s, b) = api.get("/nope").await;
     assert_problem(s, &b, 404, "not-found");
@@ -684,10 +680,8 @@ async fn two_processes_on_one_database_share_records_when_they_share_the_secret(
         .await;
     assert_eq!(s, 200);
     assert_eq!(
-        a.claim("shared", &fp(1), None).await,
-        ClaimResponse::Completed {
-            response: ok_response()
-        }
+        replay_of(a.claim("shared", &fp(1), None).await),
+        ok_response()
     );
     // Another secret addresses other records: the key would run twice. Hence one secret.
     let c = Api::start_on(
@@ -701,4 +695,90 @@ async fn two_processes_on_one_database_share_records_when_they_share_the_secret(
     ));
     c.shutdown().await;
     b.shutdown().await;
+}
+
+#[tokio::test]
+async fn completed_answers_carry_the_expiry_by_the_database_clock() {
+    let api = Api::start(&["--retention-s", "60"]).await;
+    // Not completed: no expiry in the claim answers.
+    let first = api
+        .post(
+            CLAIM_PATH,
+            &serde_json::to_value(claim_req("exp", "alice", &fp(8), None)).unwrap(),
+        )
+        .await
+        .1;
+    assert_eq!(first["outcome"], "claimed");
+    assert!(first.get("expires_in_ms").is_none(), "{first}");
+    let token = first["token"].as_i64().unwrap();
+    let (_, busy, _) = api
+        .post(
+            CLAIM_PATH,
+            &serde_json::to_value(claim_req("exp", "alice", &fp(8), None)).unwrap(),
+        )
+        .await;
+    assert_eq!(busy["outcome"], "in_progress");
+    assert!(busy.get("expires_in_ms").is_none(), "{busy}");
+
+    // complete answers how long the record is kept: the retention, from now.
+    let (s, done, _) = api
+        .post(COMPLETE_PATH, &complete_body("exp", token, &ok_response()))
+        .await;
+    assert_eq!((s, &done["state"]), (200, &json!("completed")));
+    let at_complete = done["expires_in_ms"].as_u64().unwrap();
+    assert!((55_000..=60_000).contains(&at_complete), "{done}");
+
+    // A claim of the completed record: the same expiry, counted down by the database clock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let replay = api.claim("exp", &fp(8), None).await;
+    let ClaimResponse::Completed {
+        expires_in_ms: Some(later),
+        ..
+    } = replay
+    else {
+        panic!("{replay:?}");
+    };
+    assert!(later < at_complete, "{later} !< {at_complete}");
+    assert!(at_complete - later >= 250, "{at_complete} - {later}");
+
+    // A retried complete of the same owner answers the record's expiry too (not a new one).
+    let (s, again, _) = api
+        .post(COMPLETE_PATH, &complete_body("exp", token, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+    let again = again["expires_in_ms"].as_u64().unwrap();
+    assert!(again <= later, "{again} > {later}");
+
+    // release: no expiry (the record is gone); a mismatch has none either.
+    let t = token_of(&api.claim("exp-rel", &fp(8), None).await);
+    let (s, b, _) = api.post(RELEASE_PATH, &fenced_body("exp-rel", t)).await;
+    assert_eq!((s, b), (200, json!({"state": "released"})));
+    let (_, mismatch, _) = api
+        .post(
+            CLAIM_PATH,
+            &serde_json::to_value(claim_req("exp", "alice", &fp(9), None)).unwrap(),
+        )
+        .await;
+    assert_eq!(mismatch, json!({"outcome": "mismatch"}));
+}
+
+#[tokio::test]
+async fn the_expiry_is_zero_not_negative_once_past_retention() {
+    let api = Api::start(&["--retention-s", "1", "--purge-interval-s", "0"]).await;
+    let t = token_of(&api.claim("exp-past", &fp(8), None).await);
+    let (s, done, _) = api
+        .post(COMPLETE_PATH, &complete_body("exp-past", t, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+    assert!(done["expires_in_ms"].as_u64().unwrap() <= 1_000, "{done}");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    // Past retention, not yet purged: a retried complete says 0; a claim treats the key as new.
+    let (s, again, _) = api
+        .post(COMPLETE_PATH, &complete_body("exp-past", t, &ok_response()))
+        .await;
+    assert_eq!((s, &again["expires_in_ms"]), (200, &json!(0)));
+    assert!(matches!(
+        api.claim("exp-past", &fp(8), None).await,
+        ClaimResponse::Claimed { .. }
+    ));
 }

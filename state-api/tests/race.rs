@@ -140,12 +140,9 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
             &complete_body(key, claimed[0], &ok_response()),
         )
         .await;
-    assert_eq!((status, body), (200, json!({"state": "completed"})));
-    assert_eq!(
-        api.claim(key, &fp(1), None).await,
-        ClaimResponse::Completed {
-            response: ok_response()
-        }
+    assert_eq!((status, &body["state"]), (200, &json!("completed")));
+    assert!(
+        matches!(api.claim(key, &fp(1), None).await, ClaimResponse::Completed { response, expires_in_ms: Some(_) } if response == ok_response())
     );
 
     let m = api.metrics().await;

@@ -424,7 +424,10 @@ fn completed_is_replayed_with_allowlisted_headers() {
         b"{\"id\":1}",
         true,
     );
-    let step = f.on_claim_answer(answer(&ClaimResponse::Completed { response: stored }));
+    let step = f.on_claim_answer(answer(&ClaimResponse::Completed {
+        response: stored,
+        expires_in_ms: None,
+    }));
     let r = reply_of(&step);
     assert_eq!(r.status, 201);
     assert_eq!(r.body, b"{\"id\":1}");
@@ -449,7 +452,10 @@ fn completed_but_not_replayable_is_409_with_location() {
         true,
     );
     let stored = StoredResponse::new(201, h(&[("location", "/c/1")]), b"", false);
-    let step = f.on_claim_answer(answer(&ClaimResponse::Completed { response: stored }));
+    let step = f.on_claim_answer(answer(&ClaimResponse::Completed {
+        response: stored,
+        expires_in_ms: None,
+    }));
     let r = reply_of(&step);
     assert_eq!(
         (r.status, problem_type(r).as_str()),
@@ -485,6 +491,7 @@ fn state_api_trouble_fails_closed_with_503() {
                     body_base64: "!!".into(),
                     replayable: true,
                 },
+                expires_in_ms: None,
             })
             .unwrap(),
         },
@@ -545,9 +552,7 @@ fn complete_payload(step: &Step) -> CompleteRequest {
 }
 
 fn written() -> Callout {
-    answer(&WriteResponse {
-        state: "completed".into(),
-    })
+    answer(&WriteResponse::completed(86_400_000))
 }
 
 #[test]
@@ -691,9 +696,7 @@ fn never_reached_upstream_releases_the_key() {
         f.on_response_body(19, true, |_| panic!("not captured")),
         Step::pause()
     );
-    let step = f.on_write_answer(answer(&WriteResponse {
-        state: "released".into(),
-    }));
+    let step = f.on_write_answer(answer(&WriteResponse::released()));
     assert_eq!(counts(&step), vec![Metric::Released]);
     assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
 }
