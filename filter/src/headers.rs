@@ -60,14 +60,17 @@ pub fn never_replayed(name: &str) -> bool {
 }
 
 /// The headers kept from an upstream response: allowlisted (built-in + `extra`), names
-/// lower-case, order and repeats kept.
+/// lower-case, order and repeats kept. A value with CR, LF or NUL is dropped: Envoy writes a
+/// local reply's header values as they are, so a stored `location: /x\r\nset-cookie: a=1`
+/// would otherwise reach the client as two headers.
 pub fn stored(headers: &[(String, String)], extra: &[String]) -> Vec<(String, String)> {
     headers
         .iter()
         .filter_map(|(name, value)| {
             let name = name.to_ascii_lowercase();
             let allowed = REPLAYED.contains(&name.as_str()) || extra.contains(&name);
-            (allowed && !never_replayed(&name)).then(|| (name, value.clone()))
+            let safe = !value.bytes().any(|b| matches!(b, b'\r' | b'\n' | 0));
+            (allowed && safe && !never_replayed(&name)).then(|| (name, value.clone()))
         })
         .collect()
 }
@@ -183,6 +186,28 @@ mod tests {
             h(&[("location", "/c/1"), ("idempotent-replayed", "true")])
         );
         assert_eq!(r.body, b"{}");
+    }
+
+    #[test]
+    fn values_with_cr_lf_or_nul_are_never_replayed() {
+        let r = LocalReply::replay(
+            201,
+            &h(&[
+                ("location", "/x\r\nset-cookie: injected=1"),
+                ("etag", "\"a\nb\""),
+                ("link", "</a>\0"),
+                ("content-type", "application/json"),
+            ]),
+            &[],
+            b"{}".to_vec(),
+        );
+        assert_eq!(
+            r.headers,
+            h(&[
+                ("content-type", "application/json"),
+                ("idempotent-replayed", "true")
+            ])
+        );
     }
 
     #[test]
