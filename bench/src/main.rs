@@ -491,6 +491,7 @@ fn real_main() -> Result<(), String> {
         .map(PathBuf::from)
         .unwrap_or_else(|_| stack::process::workspace_root().join("docs"));
 
+    wait_for_quiet(Duration::from_secs(env_u64("BENCH_QUIET_WAIT_SECONDS", 90)));
     let load_before = procfs::loadavg();
     eprintln!(
         "bench: load average before start {:.2} {:.2} {:.2} on {} cores",
@@ -500,7 +501,17 @@ fn real_main() -> Result<(), String> {
         procfs::cpu_count()
     );
     eprintln!("bench: starting the stack (release builds, Envoy --concurrency 1) ...");
-    let stack = Stack::start(StackOptions::default())?;
+    // Extra state API settings for experiments, e.g. BENCH_STATE_API_ENV="STATE_API_POOL_PING=false".
+    let state_api_env: Vec<(String, String)> = std::env::var("BENCH_STATE_API_ENV")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let stack = Stack::start(StackOptions {
+        state_api_env: state_api_env.clone(),
+        ..StackOptions::default()
+    })?;
     let plain = Envoy::start_with_template(
         &plain_template_path(),
         plain_params(&stack),
@@ -728,6 +739,27 @@ fn real_main() -> Result<(), String> {
             )
         })
         .collect();
+    // What a record costs on disk (table, TOAST and indexes), for docs/SCALING.md.
+    let db_name = stack
+        .database_url
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let storage = stack
+        .postgres
+        .psql(
+            &db_name,
+            "SELECT count(*) || ' ' || pg_total_relation_size('idempotency_records') || ' ' || pg_indexes_size('idempotency_records') FROM idempotency_records",
+        )
+        .ok()
+        .and_then(|s| {
+            let v: Vec<u64> = s.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+            (v.len() == 3).then(|| report::Storage { rows: v[0], total_bytes: v[1], index_bytes: v[2] })
+        });
     let load_after = procfs::loadavg();
     let envoy_version = std::process::Command::new(stack::envoy::envoy_binary()?)
         .arg("--version")
@@ -748,6 +780,8 @@ fn real_main() -> Result<(), String> {
         envoy_version,
         total_s: bench.started.elapsed().as_secs_f64(),
         stack_dir: stack.dir.display().to_string(),
+        state_api_env,
+        storage,
     });
     println!("{}", rep.text_table());
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;
@@ -771,6 +805,27 @@ fn real_main() -> Result<(), String> {
     drop(plain);
     drop(stack);
     Ok(())
+}
+
+/// Waits (at most `limit`) for a 2-second window in which other work keeps less than half a
+/// core busy: figures taken while someone compiles are noise.
+fn wait_for_quiet(limit: Duration) {
+    let until = Instant::now() + limit;
+    loop {
+        let (b0, t0) = procfs::machine_ticks();
+        std::thread::sleep(Duration::from_secs(2));
+        let (b1, t1) = procfs::machine_ticks();
+        let busy = (b1 - b0) as f64 / (t1 - t0).max(1) as f64 * procfs::cpu_count() as f64;
+        if busy < 0.5 {
+            eprintln!("bench: machine quiet ({busy:.2} cores busy)");
+            return;
+        }
+        if Instant::now() > until {
+            eprintln!("bench: the machine is still busy ({busy:.2} cores used by other work); measuring anyway, see \"other work\" in the report");
+            return;
+        }
+        eprintln!("bench: waiting for a quieter machine ({busy:.2} cores busy) ...");
+    }
 }
 
 fn hold_secs(warmup_s: u64, measure_s: u64) -> u64 {

@@ -28,6 +28,16 @@ pub struct Inputs {
     pub envoy_version: String,
     pub total_s: f64,
     pub stack_dir: String,
+    pub state_api_env: Vec<(String, String)>,
+    pub storage: Option<Storage>,
+}
+
+/// Size of the state API's table after the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Storage {
+    pub rows: u64,
+    pub total_bytes: u64,
+    pub index_bytes: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -65,6 +75,7 @@ pub struct Report {
     pub all_goals_pass: bool,
     pub total_errors: u64,
     pub total_s: f64,
+    pub storage: Option<Storage>,
 }
 
 fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a ScenarioResult> {
@@ -230,6 +241,14 @@ impl Report {
             ("postgres", "private cluster, fsync=on, synchronous_commit=on".to_owned()),
             ("percentiles", "nearest rank over every correct answer in the window".to_owned()),
             ("stack_dir", i.stack_dir.clone()),
+            (
+                "state_api_settings",
+                if i.state_api_env.is_empty() {
+                    "defaults (pool 16, pool ping on)".to_owned()
+                } else {
+                    i.state_api_env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+                },
+            ),
         ]);
         Self {
             generated_unix_s: std::time::SystemTime::now()
@@ -248,6 +267,7 @@ impl Report {
             all_goals_pass,
             total_errors,
             total_s: i.total_s,
+            storage: i.storage,
         }
     }
 
