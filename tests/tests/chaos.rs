@@ -934,6 +934,8 @@ async fn gap_complete_lost_postgres_down(mut stack: Stack) {
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // One heartbeat period for a pending complete to be sent again before the client retries.
+    tokio::time::sleep(Duration::from_millis(stack.options.heartbeat_ms)).await;
     let (retry, n409) = retry_until_not_409(
         &c,
         || checkout(&key, "alice", &body),
