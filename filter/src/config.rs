@@ -11,6 +11,10 @@ pub const DEFAULT_MAX_BODY: u64 = 1024 * 1024;
 pub const DEFAULT_LEASE_MS: u64 = 30_000;
 pub const DEFAULT_HEARTBEAT_MS: u64 = 10_000;
 pub const DEFAULT_TIMEOUT_MS: u64 = 1_000;
+pub const DEFAULT_REPLAY_CACHE_BYTES: u64 = 8 * 1024 * 1024;
+pub const DEFAULT_REPLAY_CACHE_TTL_MS: u64 = 60_000;
+pub const DEFAULT_COMPLETE_RETRY_MS: u64 = 600_000;
+pub const DEFAULT_COMPLETE_RETRY_BYTES: u64 = 16 * 1024 * 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -29,6 +33,20 @@ pub struct Config {
     /// Response headers replayed in addition to the built-in allowlist (lower-cased on load).
     #[serde(default)]
     pub replay_extra_headers: Vec<String>,
+    /// Bytes of completed records each worker keeps to answer replays without a callout
+    /// (0: no cache).
+    #[serde(default = "default_replay_cache_bytes")]
+    pub replay_cache_bytes: u64,
+    /// Longest a cached record is answered from memory, whatever its expiry (0: no cache).
+    #[serde(default = "default_replay_cache_ttl_ms")]
+    pub replay_cache_ttl_ms: u64,
+    /// How long a worker keeps retrying a complete that failed while the response was held
+    /// (0: give up after the in-stream retry, as before).
+    #[serde(default = "default_complete_retry_ms")]
+    pub complete_retry_ms: u64,
+    /// Bytes of complete payloads each worker keeps for those retries (0: none).
+    #[serde(default = "default_complete_retry_bytes")]
+    pub complete_retry_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -113,6 +131,18 @@ fn default_heartbeat_ms() -> u64 {
 }
 fn default_timeout_ms() -> u64 {
     DEFAULT_TIMEOUT_MS
+}
+fn default_replay_cache_bytes() -> u64 {
+    DEFAULT_REPLAY_CACHE_BYTES
+}
+fn default_replay_cache_ttl_ms() -> u64 {
+    DEFAULT_REPLAY_CACHE_TTL_MS
+}
+fn default_complete_retry_ms() -> u64 {
+    DEFAULT_COMPLETE_RETRY_MS
+}
+fn default_complete_retry_bytes() -> u64 {
+    DEFAULT_COMPLETE_RETRY_BYTES
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,6 +269,11 @@ impl Config {
         Duration::from_millis(self.state_api.timeout_ms)
     }
 
+    /// Whether a complete that failed in-stream is handed over to the worker.
+    pub fn retries_completes(&self) -> bool {
+        self.complete_retry_ms > 0 && self.complete_retry_bytes > 0
+    }
+
     /// How often the root context looks for leases to extend.
     pub fn tick_period(&self) -> Duration {
         Duration::from_millis((self.heartbeat_ms / 4).max(50))
@@ -263,7 +298,11 @@ mod tests {
       "max_stored_body_bytes": 1048576,
       "lease_ms": 30000,
       "heartbeat_ms": 10000,
-      "replay_extra_headers": []
+      "replay_extra_headers": [],
+      "replay_cache_bytes": 8388608,
+      "replay_cache_ttl_ms": 60000,
+      "complete_retry_ms": 600000,
+      "complete_retry_bytes": 16777216
     }"#;
 
     fn with(patch: impl FnOnce(&mut serde_json::Value)) -> Result<Config, ConfigError> {
@@ -298,6 +337,15 @@ mod tests {
             (c.lease_ms, c.heartbeat_ms, c.state_api.timeout_ms),
             (30_000, 10_000, 1_000)
         );
+        assert_eq!(
+            (c.replay_cache_bytes, c.replay_cache_ttl_ms),
+            (8 << 20, 60_000)
+        );
+        assert_eq!(
+            (c.complete_retry_ms, c.complete_retry_bytes),
+            (600_000, 16 << 20)
+        );
+        assert!(c.retries_completes());
         let r = c.route("POST", "/pay/x").unwrap();
         assert_eq!(
             (r.on_5xx, r.on_state_unavailable),
@@ -377,6 +425,22 @@ mod tests {
                 "{e} should mention {needle}"
             );
         }
+    }
+
+    #[test]
+    fn cache_and_retries_can_be_turned_off() {
+        let c = with(|v| {
+            v["replay_cache_bytes"] = 0.into();
+            v["complete_retry_ms"] = 0.into();
+        })
+        .unwrap();
+        assert_eq!(c.replay_cache_bytes, 0);
+        assert!(!c.retries_completes());
+        let e = with(|v| v["replay_cache_bytes"] = (-1).into()).unwrap_err();
+        assert!(
+            e.to_string().contains("replay_cache_bytes") || e.to_string().contains("invalid value"),
+            "{e}"
+        );
     }
 
     #[test]

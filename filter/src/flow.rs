@@ -13,20 +13,31 @@
 //!                              │                                        Writing (complete/release,
 //!                              │                                        last chunk held) ──▶ Finished
 //! ```
+//!
+//! With the worker's replay cache ([`crate::cache`]), a request whose (key, subject, endpoint)
+//! is cached as completed is answered at the end of its body, without a claim: replay, 409
+//! not replayable, or 422 for another fingerprint. A complete that keeps failing is handed over
+//! to the worker ([`crate::retry`]) when the response goes on, or when the stream ends first.
 
+use crate::cache::{self, ReplayCache};
 use crate::config::{Config, KeyPolicy, OnStateUnavailable, SubjectSource};
 use crate::headers::{self, LocalReply};
 use crate::heartbeat::InFlight;
 use crate::key::{self, parse_key_header};
 use crate::metrics::Metric;
 use crate::outcome::{classify, Outcome};
+use crate::retry::{self, PendingComplete};
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, ReleaseRequest, StoredResponse, WriteResponse,
     FENCING_TOKEN_HEADER,
 };
 use contract::ProblemKind;
+use std::cell::RefCell;
 use std::rc::Rc;
+
+/// Milliseconds since the epoch (the glue reads the host's clock).
+pub type Clock = Rc<dyn Fn() -> u64>;
 
 /// Longest accepted subject (bytes).
 pub const MAX_SUBJECT_LEN: usize = 1024;
@@ -51,8 +62,10 @@ pub enum Effect {
     ResumeResponse,
     /// Add to the worker's heartbeat registry.
     Register(InFlight),
-    /// Remove from the worker's heartbeat registry.
-    Unregister,
+    /// Remove this token from the worker's heartbeat registry.
+    Unregister(i64),
+    /// Give a failed complete to the worker to retry (the claim stays registered).
+    Handoff(PendingComplete),
     Count(Metric),
     Log(Level, String),
 }
@@ -141,12 +154,34 @@ struct Req {
     content_type: Option<String>,
     /// Body bytes seen so far (cumulative while paused).
     body_size: usize,
+    /// Set once the body is read.
+    fingerprint: String,
+    fingerprint_alg: &'static str,
+    /// When the claim was sent (only read with a replay cache).
+    sent_ms: u64,
+}
+
+impl Req {
+    fn cache_id(&self) -> cache::Id {
+        cache::id(&self.key, &self.subject, &self.endpoint)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Claimed {
     req: Req,
     token: i64,
+}
+
+impl Claimed {
+    fn in_flight(&self) -> InFlight {
+        InFlight {
+            key: self.req.key.clone(),
+            subject: self.req.subject.clone(),
+            endpoint: self.req.endpoint.clone(),
+            token: self.token,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,8 +194,18 @@ struct Capture {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Write {
-    Complete { payload: Vec<u8>, attempts: u8 },
-    Release { payload: Vec<u8>, attempts: u8 },
+    Complete {
+        payload: Vec<u8>,
+        attempts: u8,
+        /// The record to cache once stored (with a replay cache).
+        fill: Option<Box<cache::Completed>>,
+        /// When the current attempt was sent (only read with a replay cache).
+        sent_ms: u64,
+    },
+    Release {
+        payload: Vec<u8>,
+        attempts: u8,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -183,6 +228,9 @@ const WRITE_ATTEMPTS: u8 = 2;
 pub struct Flow {
     cfg: Rc<Config>,
     state: State,
+    /// The worker's replay cache, if any.
+    cache: Option<Rc<RefCell<ReplayCache>>>,
+    clock: Clock,
 }
 
 fn reply(metric: Option<Metric>, r: LocalReply) -> Step {
@@ -198,12 +246,98 @@ fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).unwrap_or_default()
 }
 
+/// The answer to a completed record (from the state API or the cache): the metric and reply,
+/// or why it cannot be used.
+fn completed_reply(
+    rec: &cache::Completed,
+    extra: &[String],
+) -> Result<(Metric, LocalReply), String> {
+    if !rec.replayable {
+        let mut r = LocalReply::problem(
+            ProblemKind::OutcomeNotReplayable,
+            format!("the request completed with status {} but its response was too large to keep; it will not run again", rec.status),
+        );
+        if let Some((_, loc)) = rec
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("location"))
+        {
+            r = r.with_header("location", loc.clone());
+        }
+        return Ok((Metric::NotReplayable, r));
+    }
+    if !(100..=999).contains(&rec.status) {
+        return Err(format!(
+            "stored status {} is not an HTTP status",
+            rec.status
+        ));
+    }
+    Ok((
+        Metric::Replayed,
+        LocalReply::replay(rec.status, &rec.headers, extra, rec.body.clone()),
+    ))
+}
+
+fn mismatch_reply(endpoint: &str) -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::KeyReuseMismatch,
+        format!("this Idempotency-Key was used with a different request to {endpoint}"),
+    )
+}
+
 impl Flow {
+    /// A flow without a replay cache.
     pub fn new(cfg: Rc<Config>) -> Self {
         Self {
             cfg,
             state: State::Start,
+            cache: None,
+            clock: Rc::new(|| 0),
         }
+    }
+
+    /// A flow that answers from, and fills, the worker's replay cache.
+    pub fn with_cache(cfg: Rc<Config>, cache: Rc<RefCell<ReplayCache>>, clock: Clock) -> Self {
+        Self {
+            cfg,
+            state: State::Start,
+            cache: Some(cache),
+            clock,
+        }
+    }
+
+    fn caching(&self) -> bool {
+        self.cache
+            .as_ref()
+            .is_some_and(|c| c.try_borrow().is_ok_and(|c| c.enabled()))
+    }
+
+    fn fill(&self, id: cache::Id, rec: cache::Completed, since_ms: u64, expires_in_ms: u64) {
+        if let Some(Ok(mut c)) = self.cache.as_ref().map(|c| c.try_borrow_mut()) {
+            c.insert(id, rec, since_ms, expires_in_ms);
+        }
+    }
+
+    /// The answer from the replay cache, if the record is there.
+    fn answer_from_cache(&mut self, req: &Req) -> Option<Step> {
+        let cache = Rc::clone(self.cache.as_ref()?);
+        let answer = {
+            let mut cache = cache.try_borrow_mut().ok()?;
+            if !cache.enabled() {
+                return None;
+            }
+            let rec = cache.get(&req.cache_id(), (self.clock)())?;
+            if rec.fingerprint_alg != req.fingerprint_alg || rec.fingerprint != req.fingerprint {
+                (Metric::Mismatch422, mismatch_reply(&req.endpoint))
+            } else {
+                completed_reply(rec, &self.cfg.replay_extra_headers).ok()?
+            }
+        };
+        let (metric, reply) = answer;
+        Some(
+            self.answer(Some(metric), reply)
+                .with(Effect::Count(Metric::ReplayCacheHits)),
+        )
     }
 
     /// The upstream response is wanted (read `response.code_details`/`flags` for it).
@@ -326,6 +460,9 @@ impl Flow {
             query,
             content_type: head.first("content-type").map(str::to_owned),
             body_size: 0,
+            fingerprint: String::new(),
+            fingerprint_alg: "",
+            sent_ms: 0,
         };
         if end_of_stream {
             return self.finish_request(req, &[]);
@@ -400,7 +537,7 @@ impl Flow {
         }
     }
 
-    fn finish_request(&mut self, req: Req, body: &[u8]) -> Step {
+    fn finish_request(&mut self, mut req: Req, body: &[u8]) -> Step {
         let fp = match fingerprint::fingerprint(
             &req.method,
             &req.path,
@@ -416,14 +553,22 @@ impl Flow {
                 )
             }
         };
+        req.fingerprint = fp.hex;
+        req.fingerprint_alg = fp.alg;
+        if let Some(step) = self.answer_from_cache(&req) {
+            return step;
+        }
         let claim = ClaimRequest {
             key: req.key.clone(),
             subject: req.subject.clone(),
             endpoint: req.endpoint.clone(),
-            fingerprint: fp.hex,
+            fingerprint: req.fingerprint.clone(),
             fingerprint_alg: fp.alg.to_owned(),
             lease_ms: Some(self.cfg.lease_ms),
         };
+        if self.caching() {
+            req.sent_ms = (self.clock)();
+        }
         self.state = State::Claiming(req);
         Step::pause().with(Effect::DispatchClaim(to_json(&claim)))
     }
@@ -489,41 +634,42 @@ impl Flow {
                 )
                 .with_header("retry-after", retry_after_s.max(1).to_string()),
             ),
-            Ok(ClaimResponse::Mismatch) => self.answer(
-                Some(Metric::Mismatch422),
-                LocalReply::problem(
-                    ProblemKind::KeyReuseMismatch,
-                    format!(
-                        "this Idempotency-Key was used with a different request to {}",
-                        req.endpoint
-                    ),
-                ),
-            ),
-            Ok(ClaimResponse::Completed { response, .. }) if !response.replayable => {
-                let mut r = LocalReply::problem(
-                    ProblemKind::OutcomeNotReplayable,
-                    format!("the request completed with status {} but its response was too large to keep; it will not run again", response.status),
-                );
-                if let Some((_, loc)) = response
-                    .headers
-                    .iter()
-                    .find(|(n, _)| n.eq_ignore_ascii_case("location"))
-                {
-                    r = r.with_header("location", loc.clone());
-                }
-                self.answer(Some(Metric::NotReplayable), r)
+            Ok(ClaimResponse::Mismatch) => {
+                self.answer(Some(Metric::Mismatch422), mismatch_reply(&req.endpoint))
             }
-            Ok(ClaimResponse::Completed { response, .. }) => match response.body() {
-                Ok(body) if (100..=999).contains(&response.status) => {
-                    let r = LocalReply::replay(response.status, &response.headers, extra, body);
-                    self.answer(Some(Metric::Replayed), r)
+            Ok(ClaimResponse::Completed {
+                response,
+                expires_in_ms,
+            }) => {
+                let body = if response.replayable {
+                    match response.body() {
+                        Ok(b) => b,
+                        Err(e) => {
+                            return self.unavailable(req, format!("stored body is not base64: {e}"))
+                        }
+                    }
+                } else {
+                    Vec::new()
+                };
+                let rec = cache::Completed {
+                    fingerprint: req.fingerprint.clone(),
+                    fingerprint_alg: req.fingerprint_alg,
+                    status: response.status,
+                    headers: response.headers,
+                    body,
+                    replayable: response.replayable,
+                };
+                match completed_reply(&rec, extra) {
+                    Ok((metric, reply)) => {
+                        // No expiry (an older state API): nothing to bound the entry by.
+                        if let Some(expires_in_ms) = expires_in_ms {
+                            self.fill(req.cache_id(), rec, req.sent_ms, expires_in_ms);
+                        }
+                        self.answer(Some(metric), reply)
+                    }
+                    Err(why) => self.unavailable(req, why),
                 }
-                Ok(_) => self.unavailable(
-                    req,
-                    format!("stored status {} is not an HTTP status", response.status),
-                ),
-                Err(e) => self.unavailable(req, format!("stored body is not base64: {e}")),
-            },
+            }
         }
     }
 
@@ -699,12 +845,21 @@ impl Flow {
             step.effects.push(Effect::Count(Metric::StoredWithoutBody));
         }
         let replayable = body.is_some();
-        let response = StoredResponse::new(
-            cap.status,
-            cap.headers,
-            &body.unwrap_or_default(),
-            replayable,
-        );
+        let body = body.unwrap_or_default();
+        let (fill, sent_ms) = if self.caching() {
+            let rec = cache::Completed {
+                fingerprint: claimed.req.fingerprint.clone(),
+                fingerprint_alg: claimed.req.fingerprint_alg,
+                status: cap.status,
+                headers: cap.headers.clone(),
+                body: body.clone(),
+                replayable,
+            };
+            (Some(Box::new(rec)), (self.clock)())
+        } else {
+            (None, 0)
+        };
+        let response = StoredResponse::new(cap.status, cap.headers, &body, replayable);
         let payload = to_json(&CompleteRequest {
             key: claimed.req.key.clone(),
             subject: claimed.req.subject.clone(),
@@ -718,6 +873,8 @@ impl Flow {
             Write::Complete {
                 payload,
                 attempts: 1,
+                fill,
+                sent_ms,
             },
         );
         step
@@ -739,26 +896,48 @@ impl Flow {
             Write::Complete { .. } => ("complete", Metric::Completed),
             Write::Release { .. } => ("release", Metric::Released),
         };
+        let token = claimed.token;
         let done = |mut step: Step| {
-            step.effects.push(Effect::Unregister);
+            step.effects.push(Effect::Unregister(token));
             step.effects.push(Effect::ResumeResponse);
             step
         };
-        match &answer {
-            Callout::Answer { status, body }
-                if (200..300).contains(status)
-                    && serde_json::from_slice::<WriteResponse>(body).is_ok() =>
-            {
+        let (status, written) = match &answer {
+            Callout::Answer { status, body } if (200..300).contains(status) => (
+                Some(*status),
+                serde_json::from_slice::<WriteResponse>(body).ok(),
+            ),
+            Callout::Answer { status, .. } => (Some(*status), None),
+            Callout::Failed(_) => (None, None),
+        };
+        let verdict = retry::classify(status, written.is_some());
+        match verdict {
+            retry::Answer::Stored => {
+                let expires_in_ms = written.and_then(|w| w.expires_in_ms);
+                if let (
+                    Write::Complete {
+                        fill: Some(rec),
+                        sent_ms,
+                        ..
+                    },
+                    Some(expires_in_ms),
+                ) = (write, expires_in_ms)
+                {
+                    self.fill(claimed.req.cache_id(), *rec, sent_ms, expires_in_ms);
+                }
                 return done(Step::cont().with(Effect::Count(ok_metric)));
             }
-            Callout::Answer { status: 409, body } => {
+            retry::Answer::FencedOut => {
+                let body = match &answer {
+                    Callout::Answer { body, .. } => body.as_slice(),
+                    Callout::Failed(_) => &[],
+                };
                 return done(Step::cont().with(Effect::Count(Metric::FencedOut)).with(
                     Effect::Log(
                         Level::Warn,
                         format!(
-                            "{what} for {} refused, a newer claim owns the key (token {}): {}",
+                            "{what} for {} refused, a newer claim owns the key (token {token}): {}",
                             claimed.req.endpoint,
-                            claimed.token,
                             String::from_utf8_lossy(
                                 body.get(..body.len().min(200)).unwrap_or_default()
                             )
@@ -766,45 +945,57 @@ impl Flow {
                     ),
                 ));
             }
-            _ => {}
+            retry::Answer::Refused(_) | retry::Answer::Failed => {}
         }
         let why = match &answer {
             Callout::Answer { status, .. } => format!("HTTP {status}"),
             Callout::Failed(why) => why.clone(),
         };
         let mut step = Step::pause().with(Effect::Count(Metric::StateApiErrors));
-        match write {
-            Write::Complete { payload, attempts } | Write::Release { payload, attempts }
-                if attempts < WRITE_ATTEMPTS =>
-            {
+        let retryable = verdict == retry::Answer::Failed;
+        let write = match write {
+            Write::Complete {
+                payload,
+                attempts,
+                fill,
+                ..
+            } if retryable && attempts < WRITE_ATTEMPTS => {
+                let sent_ms = if fill.is_some() { (self.clock)() } else { 0 };
+                step.effects.push(Effect::DispatchComplete(payload.clone()));
+                Write::Complete {
+                    payload,
+                    attempts: attempts + 1,
+                    fill,
+                    sent_ms,
+                }
+            }
+            Write::Release { payload, attempts } if retryable && attempts < WRITE_ATTEMPTS => {
+                step.effects.push(Effect::DispatchRelease(payload.clone()));
+                Write::Release {
+                    payload,
+                    attempts: attempts + 1,
+                }
+            }
+            Write::Complete { payload, fill, .. } if retryable && self.cfg.retries_completes() => {
                 step.effects.push(Effect::Log(
                     Level::Warn,
                     format!(
-                        "{what} for {} failed ({why}); retrying",
+                        "complete for {} failed ({why}); the response goes on and this worker keeps retrying it (token {token})",
                         claimed.req.endpoint
                     ),
                 ));
-                let (effect, write) = match what {
-                    "complete" => (
-                        Effect::DispatchComplete(payload.clone()),
-                        Write::Complete {
-                            payload,
-                            attempts: attempts + 1,
-                        },
-                    ),
-                    _ => (
-                        Effect::DispatchRelease(payload.clone()),
-                        Write::Release {
-                            payload,
-                            attempts: attempts + 1,
-                        },
-                    ),
-                };
-                step.effects.push(effect);
-                self.state = State::Writing(claimed, write);
-                step
+                step.effects.push(Effect::Handoff(PendingComplete {
+                    claim: claimed.in_flight(),
+                    payload,
+                    fill,
+                }));
+                step.effects.push(Effect::ResumeResponse);
+                return step;
             }
-            _ => {
+            write => {
+                if matches!(write, Write::Complete { .. }) {
+                    step.effects.push(Effect::Count(Metric::CompleteGaveUp));
+                }
                 step.effects.push(Effect::Log(
                     Level::Error,
                     format!(
@@ -812,20 +1003,48 @@ impl Flow {
                         claimed.req.endpoint
                     ),
                 ));
-                done(step)
+                return done(step);
             }
-        }
+        };
+        step.effects.insert(
+            1,
+            Effect::Log(
+                Level::Warn,
+                format!(
+                    "{what} for {} failed ({why}); retrying",
+                    claimed.req.endpoint
+                ),
+            ),
+        );
+        self.state = State::Writing(claimed, write);
+        step
     }
 
     /// The stream is over (`on_done`/`on_log`). With a claim still open the heartbeat stops and
     /// the key stays `in_progress` until its lease runs out: the upstream may have executed.
+    /// A complete still on its way is handed over to the worker instead (Envoy cancels the
+    /// stream's callouts when it ends), so the outcome is stored all the same.
     pub fn on_stream_done(&mut self) -> Step {
-        let step = match &self.state {
+        let state = std::mem::replace(&mut self.state, State::Finished);
+        match state {
             State::Claiming(req) => Step::cont().with(Effect::Log(
                 Level::Info,
                 format!("stream of {} ended while claiming; any claim made runs out with its lease", req.endpoint),
             )),
-            State::Upstream(c) | State::Capturing(c, _) | State::Writing(c, _) => Step::cont().with(Effect::Unregister).with(Effect::Log(
+            State::Writing(c, Write::Complete { payload, fill, .. }) if self.cfg.retries_completes() => Step::cont()
+                .with(Effect::Log(
+                    Level::Info,
+                    format!(
+                        "stream of {} ended while its outcome was being stored (token {}); this worker completes it",
+                        c.req.endpoint, c.token
+                    ),
+                ))
+                .with(Effect::Handoff(PendingComplete {
+                    claim: c.in_flight(),
+                    payload,
+                    fill,
+                })),
+            State::Upstream(c) | State::Capturing(c, _) | State::Writing(c, _) => Step::cont().with(Effect::Unregister(c.token)).with(Effect::Log(
                 Level::Warn,
                 format!(
                     "stream of {} ended before its outcome was stored (token {}); the key stays in progress until its lease runs out",
@@ -833,9 +1052,7 @@ impl Flow {
                 ),
             )),
             _ => Step::cont(),
-        };
-        self.state = State::Finished;
-        step
+        }
     }
 }
 

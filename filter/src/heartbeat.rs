@@ -1,6 +1,9 @@
 //! In-flight claims of one worker, shared by its root context (which extends their leases on
 //! each tick) and its HTTP contexts (which register a claim when it is made and remove it when
-//! the response is stored, the key released, or the stream ends).
+//! the response is stored, the key released, or the stream ends). A claim whose complete was
+//! handed over to the worker ([`crate::retry`]) stays registered until the complete is done.
+//!
+//! Claims are addressed by their fencing token: unique per claim, whichever context holds it.
 //!
 //! Root and HTTP contexts of a worker run in the same single-threaded VM, so the registry is a
 //! plain `Rc<RefCell<Registry>>`.
@@ -27,14 +30,14 @@ struct Entry {
 
 #[derive(Debug, Default)]
 pub struct Registry {
-    /// By HTTP context id.
-    entries: BTreeMap<u32, Entry>,
+    /// By fencing token.
+    entries: BTreeMap<i64, Entry>,
 }
 
 impl Registry {
-    pub fn register(&mut self, context_id: u32, claim: InFlight, now_ms: u64) {
+    pub fn register(&mut self, token: i64, claim: InFlight, now_ms: u64) {
         self.entries.insert(
-            context_id,
+            token,
             Entry {
                 claim,
                 last_ms: now_ms,
@@ -43,8 +46,8 @@ impl Registry {
         );
     }
 
-    pub fn remove(&mut self, context_id: u32) {
-        self.entries.remove(&context_id);
+    pub fn remove(&mut self, token: i64) {
+        self.entries.remove(&token);
     }
 
     pub fn len(&self) -> usize {
@@ -55,8 +58,8 @@ impl Registry {
         self.entries.is_empty()
     }
 
-    pub fn contains(&self, context_id: u32) -> bool {
-        self.entries.contains_key(&context_id)
+    pub fn contains(&self, token: i64) -> bool {
+        self.entries.contains_key(&token)
     }
 
     /// Heartbeats to send now: every claim whose lease was last set `heartbeat_ms - tick_ms` ago
@@ -68,31 +71,28 @@ impl Registry {
         heartbeat_ms: u64,
         tick_ms: u64,
         lease_ms: u64,
-    ) -> Vec<(u32, HeartbeatRequest)> {
+    ) -> Vec<HeartbeatRequest> {
         let threshold = heartbeat_ms.saturating_sub(tick_ms);
         let mut out = Vec::new();
-        for (id, e) in self.entries.iter_mut() {
+        for e in self.entries.values_mut() {
             if !e.pending && now_ms.saturating_sub(e.last_ms) >= threshold {
                 e.pending = true;
                 e.last_ms = now_ms;
-                out.push((
-                    *id,
-                    HeartbeatRequest {
-                        key: e.claim.key.clone(),
-                        subject: e.claim.subject.clone(),
-                        endpoint: e.claim.endpoint.clone(),
-                        token: e.claim.token,
-                        lease_ms: Some(lease_ms),
-                    },
-                ));
+                out.push(HeartbeatRequest {
+                    key: e.claim.key.clone(),
+                    subject: e.claim.subject.clone(),
+                    endpoint: e.claim.endpoint.clone(),
+                    token: e.claim.token,
+                    lease_ms: Some(lease_ms),
+                });
             }
         }
         out
     }
 
-    /// The heartbeat for `context_id` was answered (or failed): it may be sent again.
-    pub fn answered(&mut self, context_id: u32) {
-        if let Some(e) = self.entries.get_mut(&context_id) {
+    /// The heartbeat for `token` was answered (or failed): it may be sent again.
+    pub fn answered(&mut self, token: i64) {
+        if let Some(e) = self.entries.get_mut(&token) {
             e.pending = false;
         }
     }
@@ -117,25 +117,24 @@ mod tests {
     #[test]
     fn heartbeats_come_due_and_are_not_doubled() {
         let mut r = Registry::default();
-        r.register(7, claim(1), 1_000);
-        r.register(8, claim(2), 5_000);
+        r.register(1, claim(1), 1_000);
+        r.register(2, claim(2), 5_000);
         // heartbeat 10s, tick 2.5s: due once 7.5s have passed.
         assert!(r.due(8_000, 10_000, 2_500, 30_000).is_empty());
         let due = r.due(8_500, 10_000, 2_500, 30_000);
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].0, 7);
-        assert_eq!(due[0].1.token, 1);
-        assert_eq!(due[0].1.lease_ms, Some(30_000));
+        assert_eq!(due[0].token, 1);
+        assert_eq!(due[0].lease_ms, Some(30_000));
         // Still pending: not sent again, even much later.
         assert!(r
             .due(20_000, 10_000, 2_500, 30_000)
             .iter()
-            .all(|(id, _)| *id != 7));
-        r.answered(7);
-        assert_eq!(r.due(28_500, 10_000, 2_500, 30_000).len(), 1); // 8 was already sent at 20s: pending
-        r.remove(7);
-        r.remove(8);
+            .all(|hb| hb.token != 1));
+        r.answered(1);
+        assert_eq!(r.due(28_500, 10_000, 2_500, 30_000).len(), 1); // 2 was already sent at 20s: pending
+        r.remove(1);
+        r.remove(2);
         assert!(r.is_empty());
-        r.answered(8); // no-op
+        r.answered(2); // no-op
     }
 }

@@ -2,10 +2,11 @@
 //! at the edge (see `docs/filter.md`).
 //!
 //! Everything that decides is plain Rust without host calls, tested natively and in wasm:
-//! [`config`], [`key`], [`headers`], [`outcome`], [`heartbeat`], [`metrics`] and the
+//! [`config`], [`key`], [`headers`], [`outcome`], [`heartbeat`], [`retry`], [`cache`], [`metrics`] and the
 //! per-request state machine [`flow`]. The proxy-wasm glue in `glue/` only performs what the
 //! flow asks for; it is compiled for `wasm32-wasip1` (the module Envoy loads) only.
 
+pub mod cache;
 pub mod config;
 pub mod flow;
 pub mod headers;
@@ -14,6 +15,7 @@ pub mod hostmap;
 pub mod key;
 pub mod metrics;
 pub mod outcome;
+pub mod retry;
 
 #[cfg(all(target_arch = "wasm32", target_os = "wasi"))]
 mod glue;

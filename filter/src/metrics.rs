@@ -36,10 +36,18 @@ pub enum Metric {
     StoredWithoutBody,
     /// A lease was extended by the heartbeat.
     Heartbeats,
+    /// Requests answered from the worker's replay cache without a callout (replays, and the
+    /// 422 / 409 not replayable answers it can give too; each also counts in its own counter).
+    ReplayCacheHits,
+    /// Completes retried by the worker after the response went on.
+    CompleteRetries,
+    /// Completes given up (retry bound, memory bound, or refused): the key stays in progress
+    /// until its lease runs out.
+    CompleteGaveUp,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 16] = [
+    pub const ALL: [Metric; 19] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -56,6 +64,9 @@ impl Metric {
         Metric::NotReplayable,
         Metric::StoredWithoutBody,
         Metric::Heartbeats,
+        Metric::ReplayCacheHits,
+        Metric::CompleteRetries,
+        Metric::CompleteGaveUp,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -76,6 +87,9 @@ impl Metric {
             Metric::NotReplayable => "idempotency.not_replayable",
             Metric::StoredWithoutBody => "idempotency.stored_without_body",
             Metric::Heartbeats => "idempotency.heartbeats",
+            Metric::ReplayCacheHits => "idempotency.replay_cache_hits",
+            Metric::CompleteRetries => "idempotency.complete_retries",
+            Metric::CompleteGaveUp => "idempotency.complete_gave_up",
         }
     }
 

@@ -102,7 +102,10 @@ fn answer<T: serde::Serialize>(v: &T) -> Callout {
 
 /// Drives a flow to the point where the request was claimed and resumed.
 fn claimed_flow(path: &str, body: &[u8]) -> (Flow, ClaimRequest) {
-    let mut f = flow();
+    claim_in(flow(), path, body)
+}
+
+fn claim_in(mut f: Flow, path: &str, body: &[u8]) -> (Flow, ClaimRequest) {
     let hs = req_headers(
         path,
         &[
@@ -609,7 +612,7 @@ fn upstream_response_is_captured_and_completed_holding_the_last_chunk() {
     assert_eq!(counts(&step), vec![Metric::Completed]);
     assert_eq!(
         step.effects[step.effects.len() - 2..],
-        [Effect::Unregister, Effect::ResumeResponse]
+        [Effect::Unregister(42), Effect::ResumeResponse]
     );
 }
 
@@ -715,8 +718,18 @@ fn five_hundreds_are_stored_or_released_per_route() {
         .any(|e| matches!(e, Effect::DispatchRelease(_))));
 }
 
+fn handoff_of(step: &Step) -> &PendingComplete {
+    step.effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Handoff(p) => Some(p),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no handoff in {step:?}"))
+}
+
 #[test]
-fn failed_write_is_retried_once_then_the_response_goes_on() {
+fn failed_complete_is_retried_once_then_handed_to_the_worker_and_the_response_goes_on() {
     let (mut f, _) = claimed_flow("/checkout", b"{}");
     let step = f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
     let first = complete_payload(&step);
@@ -730,10 +743,113 @@ fn failed_write_is_retried_once_then_the_response_goes_on() {
         body: vec![],
     });
     assert_eq!(counts(&step), vec![Metric::StateApiErrors]);
+    // The claim stays registered (its lease is kept alive) and the worker gets the payload.
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::Unregister(_))));
+    let p = handoff_of(&step);
+    assert_eq!(
+        (
+            p.claim.token,
+            p.claim.key.as_str(),
+            p.claim.endpoint.as_str()
+        ),
+        (42, "k1", "POST /checkout")
+    );
+    let handed: CompleteRequest = serde_json::from_slice(&p.payload).unwrap();
+    assert_eq!(handed, first);
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
+    assert_eq!(f.state_name(), "finished");
+}
+
+#[test]
+fn without_retries_a_failed_complete_is_given_up_after_one_retry() {
+    let cfg = CONFIG.replace(
+        r#""max_request_body_bytes": 100,"#,
+        r#""max_request_body_bytes": 100, "complete_retry_ms": 0,"#,
+    );
+    let cfg = Rc::new(Config::parse(cfg.as_bytes()).unwrap());
+    let (mut f, _) = claim_in(Flow::new(Rc::clone(&cfg)), "/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    f.on_write_answer(Callout::Failed("timeout".into()));
+    let step = f.on_write_answer(Callout::Failed("timeout".into()));
+    assert_eq!(
+        counts(&step),
+        vec![Metric::StateApiErrors, Metric::CompleteGaveUp]
+    );
+    assert!(!step.effects.iter().any(|e| matches!(e, Effect::Handoff(_))));
     assert_eq!(
         step.effects[step.effects.len() - 2..],
-        [Effect::Unregister, Effect::ResumeResponse]
+        [Effect::Unregister(42), Effect::ResumeResponse]
     );
+    // The stream ending during a complete: the heartbeat stops, nothing is handed over.
+    let (mut f, _) = claim_in(Flow::new(cfg), "/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    let step = f.on_stream_done();
+    assert!(step.effects.contains(&Effect::Unregister(42)));
+    assert!(!step.effects.iter().any(|e| matches!(e, Effect::Handoff(_))));
+}
+
+#[test]
+fn a_refused_complete_is_not_retried() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    let step = f.on_write_answer(Callout::Answer {
+        status: 413,
+        body: b"{}".to_vec(),
+    });
+    assert_eq!(
+        counts(&step),
+        vec![Metric::StateApiErrors, Metric::CompleteGaveUp]
+    );
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::Handoff(_) | Effect::DispatchComplete(_))));
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
+}
+
+#[test]
+fn failed_release_is_retried_once_then_given_up() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "503")]), "no_healthy_upstream", 0x2, true);
+    let step = f.on_write_answer(Callout::Failed("reset".into()));
+    assert!(step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::DispatchRelease(_))));
+    let step = f.on_write_answer(Callout::Failed("reset".into()));
+    assert_eq!(counts(&step), vec![Metric::StateApiErrors]);
+    assert!(!step.effects.iter().any(|e| matches!(e, Effect::Handoff(_))));
+    assert_eq!(
+        step.effects[step.effects.len() - 2..],
+        [Effect::Unregister(42), Effect::ResumeResponse]
+    );
+}
+
+#[test]
+fn stream_ending_while_completing_hands_the_complete_to_the_worker() {
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "201")]), "via_upstream", 0, true);
+    let payload = complete_payload(&step);
+    let step = f.on_stream_done();
+    let p = handoff_of(&step);
+    assert_eq!(p.claim.token, 42);
+    assert_eq!(
+        serde_json::from_slice::<CompleteRequest>(&p.payload).unwrap(),
+        payload
+    );
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::Unregister(_))));
+    // Before the response was complete there is nothing to store: the heartbeat stops.
+    let (mut f, _) = claimed_flow("/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "201")]), "via_upstream", 0, false);
+    let step = f.on_stream_done();
+    assert!(step.effects.contains(&Effect::Unregister(42)));
+    assert!(!step.effects.iter().any(|e| matches!(e, Effect::Handoff(_))));
 }
 
 #[test]
@@ -752,7 +868,7 @@ fn fenced_out_write_is_counted_and_the_response_goes_on() {
 fn client_gone_stops_the_heartbeat_and_leaves_the_lease() {
     let (mut f, _) = claimed_flow("/checkout", b"{}");
     let step = f.on_stream_done();
-    assert!(step.effects.contains(&Effect::Unregister));
+    assert!(step.effects.contains(&Effect::Unregister(42)));
     assert!(!step
         .effects
         .iter()
@@ -767,7 +883,7 @@ fn heartbeat_payload_shape() {
     // The registry builds heartbeat requests from what the flow registers.
     let mut reg = crate::heartbeat::Registry::default();
     reg.register(
-        3,
+        5,
         InFlight {
             key: "k".into(),
             subject: "s".into(),
@@ -779,15 +895,351 @@ fn heartbeat_payload_shape() {
     let due = reg.due(10_000, 10_000, 2_500, 30_000);
     assert_eq!(
         due,
-        vec![(
-            3,
-            HeartbeatRequest {
-                key: "k".into(),
-                subject: "s".into(),
-                endpoint: "POST /checkout".into(),
-                token: 5,
-                lease_ms: Some(30_000)
-            }
-        )]
+        vec![HeartbeatRequest {
+            key: "k".into(),
+            subject: "s".into(),
+            endpoint: "POST /checkout".into(),
+            token: 5,
+            lease_ms: Some(30_000)
+        }]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The worker's replay cache
+
+struct Worker {
+    cfg: Rc<Config>,
+    cache: Rc<RefCell<ReplayCache>>,
+    now: Rc<std::cell::Cell<u64>>,
+}
+
+impl Worker {
+    fn new(config: &str) -> Self {
+        let cfg = Rc::new(Config::parse(config.as_bytes()).unwrap());
+        let cache = ReplayCache::new(cfg.replay_cache_bytes, cfg.replay_cache_ttl_ms);
+        Self {
+            cfg,
+            cache: Rc::new(RefCell::new(cache)),
+            now: Rc::new(std::cell::Cell::new(1_000_000)),
+        }
+    }
+
+    fn flow(&self) -> Flow {
+        let now = Rc::clone(&self.now);
+        Flow::with_cache(
+            Rc::clone(&self.cfg),
+            Rc::clone(&self.cache),
+            Rc::new(move || now.get()),
+        )
+    }
+
+    fn advance(&self, ms: u64) {
+        self.now.set(self.now.get() + ms);
+    }
+
+    /// A request through headers and body: the step that ends the body.
+    fn send(&self, f: &mut Flow, path: &str, who: &str, body: &[u8]) -> Step {
+        let hs = h(&[
+            (":method", "POST"),
+            (":path", path),
+            ("x-jwt-sub", who),
+            ("idempotency-key", "k1"),
+            ("content-type", "application/json"),
+        ]);
+        assert_eq!(
+            f.on_request_headers(head(&hs), false).verdict,
+            Verdict::Pause
+        );
+        f.on_request_body(body.len(), true, |n| Some(body[..n].to_vec()))
+    }
+}
+
+fn claims(step: &Step) -> bool {
+    step.effects
+        .iter()
+        .any(|e| matches!(e, Effect::DispatchClaim(_)))
+}
+
+fn stored_201() -> StoredResponse {
+    StoredResponse::new(
+        201,
+        h(&[
+            ("content-type", "application/json"),
+            ("location", "/c/1"),
+            ("x-charge-id", "ch_1"),
+        ]),
+        b"{\"id\":1}",
+        true,
+    )
+}
+
+#[test]
+fn a_completed_claim_fills_the_cache_and_replays_need_no_callout() {
+    let w = Worker::new(CONFIG);
+    let body = br#"{"amount":1}"#;
+    let mut f = w.flow();
+    let step = w.send(&mut f, "/checkout", "user-1", body);
+    assert!(claims(&step), "nothing cached yet: {step:?}");
+    w.advance(5);
+    let step = f.on_claim_answer(answer(&ClaimResponse::Completed {
+        response: stored_201(),
+        expires_in_ms: Some(86_400_000),
+    }));
+    assert_eq!(counts(&step), vec![Metric::Replayed]);
+    let from_api = reply_of(&step).clone();
+    assert_eq!(w.cache.borrow().len(), 1);
+
+    // The same request again: the same answer, from memory, at the end of the body.
+    let mut f = w.flow();
+    let step = w.send(&mut f, "/checkout", "user-1", br#"{ "amount" : 1.0 }"#);
+    assert!(!claims(&step));
+    assert_eq!(reply_of(&step), &from_api);
+    assert_eq!(
+        counts(&step),
+        vec![Metric::Replayed, Metric::ReplayCacheHits]
+    );
+    assert!(f.replied());
+    assert_eq!(
+        f.on_response_headers(&h(&[(":status", "201")]), "", 0, false),
+        Step::cont(),
+        "our own replay is never captured"
+    );
+
+    // Another body under the same key: 422, still without a callout.
+    let mut f = w.flow();
+    let step = w.send(&mut f, "/checkout", "user-1", br#"{"amount":2}"#);
+    assert!(!claims(&step));
+    let r = reply_of(&step);
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (422, "/problems/idempotency-key-reused")
+    );
+    assert_eq!(
+        counts(&step),
+        vec![Metric::Mismatch422, Metric::ReplayCacheHits]
+    );
+
+    // Another subject or another endpoint is another record: claimed at the state API.
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-2", body)));
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/refunds", "user-1", body)));
+
+    // The TTL (60 s by default) bounds a long retention: after it, the state API is asked.
+    w.advance(59_990);
+    let mut f = w.flow();
+    assert!(!claims(&w.send(&mut f, "/checkout", "user-1", body)));
+    w.advance(10);
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-1", body)));
+    assert!(w.cache.borrow().is_empty(), "the expired entry was dropped");
+}
+
+#[test]
+fn the_cache_never_outlives_the_record() {
+    let w = Worker::new(CONFIG);
+    let mut f = w.flow();
+    w.send(&mut f, "/checkout", "user-1", b"{}");
+    let claimed_at = w.now.get();
+    // The answer takes 300 ms; the expiry counts from when the claim was sent.
+    w.advance(300);
+    f.on_claim_answer(answer(&ClaimResponse::Completed {
+        response: stored_201(),
+        expires_in_ms: Some(2_000),
+    }));
+    w.now.set(claimed_at + 1_999);
+    let mut f = w.flow();
+    assert!(!claims(&w.send(&mut f, "/checkout", "user-1", b"{}")));
+    w.now.set(claimed_at + 2_000);
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-1", b"{}")));
+}
+
+#[test]
+fn without_an_expiry_nothing_is_cached() {
+    // An older state API: replays work, each one asks the state API.
+    let w = Worker::new(CONFIG);
+    for _ in 0..2 {
+        let mut f = w.flow();
+        assert!(claims(&w.send(&mut f, "/checkout", "user-1", b"{}")));
+        let step = f.on_claim_answer(answer(&ClaimResponse::Completed {
+            response: stored_201(),
+            expires_in_ms: None,
+        }));
+        assert_eq!(counts(&step), vec![Metric::Replayed]);
+    }
+    assert!(w.cache.borrow().is_empty());
+    // Turned off in the configuration: the same.
+    let off = CONFIG.replace(
+        r#""max_request_body_bytes": 100,"#,
+        r#""max_request_body_bytes": 100, "replay_cache_bytes": 0,"#,
+    );
+    let w = Worker::new(&off);
+    for _ in 0..2 {
+        let mut f = w.flow();
+        assert!(claims(&w.send(&mut f, "/checkout", "user-1", b"{}")));
+        f.on_claim_answer(answer(&ClaimResponse::Completed {
+            response: stored_201(),
+            expires_in_ms: Some(86_400_000),
+        }));
+    }
+    assert!(w.cache.borrow().is_empty());
+}
+
+#[test]
+fn an_own_complete_fills_the_cache_with_what_a_state_api_replay_would_give() {
+    let w = Worker::new(CONFIG);
+    let (mut f, _) = claim_in(w.flow(), "/checkout", b"{}");
+    let upstream = h(&[
+        (":status", "201"),
+        ("content-type", "application/json"),
+        ("location", "/c/1"),
+        ("set-cookie", "s=1"),
+        ("x-charge-id", "ch_1"),
+    ]);
+    f.on_response_headers(&upstream, "via_upstream", 0, false);
+    let step = f.on_response_body(8, true, |_| Some(b"{\"id\":1}".to_vec()));
+    let stored = complete_payload(&step).response;
+    assert!(
+        w.cache.borrow().is_empty(),
+        "not before the state API stored it"
+    );
+    let step = f.on_write_answer(answer(&WriteResponse::completed(30_000)));
+    assert_eq!(counts(&step), vec![Metric::Completed]);
+    assert_eq!(w.cache.borrow().len(), 1);
+
+    // The retry of the same request (same key, subject, endpoint and body)...
+    let mut f = w.flow();
+    let hs = req_headers(
+        "/checkout",
+        &[
+            ("idempotency-key", "k1"),
+            ("content-type", "application/json"),
+        ],
+    );
+    f.on_request_headers(head(&hs), false);
+    let cached = f.on_request_body(2, true, |_| Some(b"{}".to_vec()));
+    assert!(!claims(&cached));
+    assert_eq!(
+        counts(&cached),
+        vec![Metric::Replayed, Metric::ReplayCacheHits]
+    );
+    // ...gets exactly what a replay through the state API gives.
+    let mut g = flow();
+    g.on_request_headers(head(&hs), false);
+    g.on_request_body(2, true, |_| Some(b"{}".to_vec()));
+    let via_api = g.on_claim_answer(answer(&ClaimResponse::Completed {
+        response: stored,
+        expires_in_ms: Some(30_000),
+    }));
+    assert_eq!(reply_of(&cached), reply_of(&via_api));
+    assert_eq!(header(reply_of(&cached), "set-cookie"), None);
+
+    // The record's expiry (30 s) is shorter than the TTL: it is the bound.
+    w.advance(30_000);
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-1", b"{}")));
+}
+
+#[test]
+fn not_replayable_outcomes_are_cached_as_409() {
+    let w = Worker::new(CONFIG);
+    let (mut f, _) = claim_in(w.flow(), "/checkout", b"{}");
+    f.on_response_headers(
+        &h(&[(":status", "201"), ("location", "/c/9")]),
+        "via_upstream",
+        0,
+        false,
+    );
+    let step = f.on_response_body(16, false, |_| panic!("over the limit"));
+    assert!(!complete_payload(&step).response.replayable);
+    f.on_write_answer(answer(&WriteResponse::completed(86_400_000)));
+    let mut f = w.flow();
+    let hs = req_headers(
+        "/checkout",
+        &[
+            ("idempotency-key", "k1"),
+            ("content-type", "application/json"),
+        ],
+    );
+    f.on_request_headers(head(&hs), false);
+    let step = f.on_request_body(2, true, |_| Some(b"{}".to_vec()));
+    assert!(!claims(&step));
+    let r = reply_of(&step);
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (409, "/problems/outcome-not-replayable")
+    );
+    assert_eq!(header(r, "location"), Some("/c/9"));
+    assert_eq!(
+        counts(&step),
+        vec![Metric::NotReplayable, Metric::ReplayCacheHits]
+    );
+}
+
+#[test]
+fn a_complete_answer_without_expiry_or_a_failed_one_caches_nothing() {
+    let w = Worker::new(CONFIG);
+    let (mut f, _) = claim_in(w.flow(), "/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    f.on_write_answer(written_without_expiry());
+    assert!(w.cache.borrow().is_empty());
+    let (mut f, _) = claim_in(w.flow(), "/checkout", b"{}");
+    f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    f.on_write_answer(Callout::Failed("reset".into()));
+    f.on_write_answer(Callout::Failed("reset".into()));
+    assert!(
+        w.cache.borrow().is_empty(),
+        "a handed-over complete is not cached"
+    );
+}
+
+fn written_without_expiry() -> Callout {
+    Callout::Answer {
+        status: 200,
+        body: br#"{"state":"completed"}"#.to_vec(),
+    }
+}
+
+#[test]
+fn a_handed_over_complete_answers_retries_on_this_worker_while_it_waits() {
+    let w = Worker::new(CONFIG);
+    let (mut f, _) = claim_in(w.flow(), "/checkout", b"{}");
+    f.on_response_headers(
+        &h(&[(":status", "201"), ("location", "/c/1")]),
+        "via_upstream",
+        0,
+        false,
+    );
+    f.on_response_body(2, true, |_| Some(b"ok".to_vec()));
+    f.on_write_answer(Callout::Failed("reset".into()));
+    let step = f.on_write_answer(Callout::Failed("reset".into()));
+    let p = handoff_of(&step).clone();
+    assert!(p.fill.is_some(), "the response goes with the complete");
+    // What the glue does with it.
+    let mut registry = crate::heartbeat::Registry::default();
+    let mut retries = retry::Retries::new(1 << 20, 600_000);
+    retry::hand_over(
+        &mut registry,
+        &mut retries,
+        &mut w.cache.borrow_mut(),
+        p,
+        w.now.get(),
+    )
+    .unwrap();
+    // The state API is still down: a retry of the request is answered from memory, a changed
+    // one gets 422; either would otherwise be a claim that fails (503).
+    w.advance(3_600_000);
+    let mut f = w.flow();
+    let step = w.send(&mut f, "/checkout", "user-1", b"{}");
+    assert!(!claims(&step));
+    let r = reply_of(&step);
+    assert_eq!((r.status, r.body.as_slice()), (201, b"ok".as_slice()));
+    assert_eq!(header(r, "idempotent-replayed"), Some("true"));
+    let mut f = w.flow();
+    assert_eq!(
+        reply_of(&w.send(&mut f, "/checkout", "user-1", b"[]")).status,
+        422
     );
 }

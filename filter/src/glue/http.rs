@@ -1,16 +1,16 @@
 //! The HTTP context: reads what the flow needs from the host and performs its effects.
 
 use super::abi::{self, HostError, Level};
-use super::{callout_result, dispatch, Counters};
+use super::{callout_result, dispatch, Worker};
 use crate::config::{Config, SubjectSource};
 use crate::flow::{self, Callout, Effect, Flow, RequestHead, Step, Verdict};
 use crate::headers::LocalReply;
-use crate::heartbeat::Registry;
+use crate::metrics::Metric;
+use crate::retry;
 use contract::wire::{CLAIM_PATH, COMPLETE_PATH, RELEASE_PATH};
 use contract::ProblemKind;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
-use std::cell::RefCell;
 use std::rc::Rc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,11 +30,9 @@ enum Pending {
 }
 
 pub(crate) struct Http {
-    id: u32,
     cfg: Option<Rc<Config>>,
     flow: Option<Flow>,
-    counters: Rc<Counters>,
-    registry: Rc<RefCell<Registry>>,
+    worker: Rc<Worker>,
     pending: Option<(u32, Pending)>,
 }
 
@@ -75,19 +73,18 @@ fn text(bytes: Option<Vec<u8>>) -> Option<String> {
 }
 
 impl Http {
-    pub(crate) fn new(
-        id: u32,
-        cfg: Option<Rc<Config>>,
-        counters: Rc<Counters>,
-        registry: Rc<RefCell<Registry>>,
-    ) -> Self {
-        let flow = cfg.clone().map(Flow::new);
+    pub(crate) fn new(cfg: Option<Rc<Config>>, worker: Rc<Worker>) -> Self {
+        let flow = cfg.clone().map(|cfg| {
+            Flow::with_cache(
+                cfg,
+                Rc::clone(&worker.cache),
+                Rc::new(|| abi::now_ms().unwrap_or(0)),
+            )
+        });
         Self {
-            id,
             cfg,
             flow,
-            counters,
-            registry,
+            worker,
             pending: None,
         }
     }
@@ -140,16 +137,17 @@ impl Http {
                 }
                 Effect::Register(claim) => {
                     let now = abi::now_ms().unwrap_or(0);
-                    if let Ok(mut r) = self.registry.try_borrow_mut() {
-                        r.register(self.id, claim, now);
+                    if let Ok(mut r) = self.worker.registry.try_borrow_mut() {
+                        r.register(claim.token, claim, now);
                     }
                 }
-                Effect::Unregister => {
-                    if let Ok(mut r) = self.registry.try_borrow_mut() {
-                        r.remove(self.id);
+                Effect::Unregister(token) => {
+                    if let Ok(mut r) = self.worker.registry.try_borrow_mut() {
+                        r.remove(token);
                     }
                 }
-                Effect::Count(m) => self.counters.count(m),
+                Effect::Handoff(pending) => self.hand_over(pending),
+                Effect::Count(m) => self.worker.counters.count(m),
                 Effect::Log(level, msg) => {
                     let level = match level {
                         flow::Level::Debug => Level::Debug,
@@ -162,6 +160,26 @@ impl Http {
             }
         }
         verdict
+    }
+
+    /// The worker retries this complete from its tick (see [`crate::retry`]).
+    fn hand_over(&self, pending: retry::PendingComplete) {
+        let now = abi::now_ms().unwrap_or(0);
+        let endpoint = pending.claim.endpoint.clone();
+        let (Ok(mut registry), Ok(mut retries), Ok(mut cache)) = (
+            self.worker.registry.try_borrow_mut(),
+            self.worker.retries.try_borrow_mut(),
+            self.worker.cache.try_borrow_mut(),
+        ) else {
+            return;
+        };
+        if let Err(why) = retry::hand_over(&mut registry, &mut retries, &mut cache, pending, now) {
+            self.worker.counters.count(Metric::CompleteGaveUp);
+            abi::log(
+                Level::Error,
+                &format!("idempotency: complete for {endpoint} given up ({why}); the key stays in progress until its lease runs out"),
+            );
+        }
     }
 
     fn reply(&self, r: &LocalReply) {

@@ -16,6 +16,43 @@ proxy_wasm::main! {{
     });
 }}
 
+/// What the root context and the HTTP contexts of one worker VM share. The VM is single
+/// threaded: plain `Rc`/`RefCell`, borrowed only for the length of one call.
+pub(crate) struct Worker {
+    pub(crate) counters: Counters,
+    /// Claims whose lease the root context extends.
+    pub(crate) registry: std::cell::RefCell<crate::heartbeat::Registry>,
+    /// Completes the root context retries.
+    pub(crate) retries: std::cell::RefCell<crate::retry::Retries>,
+    /// Completed records answered without a callout.
+    pub(crate) cache: std::rc::Rc<std::cell::RefCell<crate::cache::ReplayCache>>,
+}
+
+impl Worker {
+    /// Before the configuration: nothing counted, kept, nor retried.
+    pub(crate) fn unconfigured() -> Self {
+        Self::new(Counters::default(), 0, 0, 0, 0)
+    }
+
+    pub(crate) fn new(
+        counters: Counters,
+        cache_bytes: u64,
+        cache_ttl_ms: u64,
+        retry_bytes: u64,
+        retry_ms: u64,
+    ) -> Self {
+        Self {
+            counters,
+            registry: Default::default(),
+            retries: std::cell::RefCell::new(crate::retry::Retries::new(retry_bytes, retry_ms)),
+            cache: std::rc::Rc::new(std::cell::RefCell::new(crate::cache::ReplayCache::new(
+                cache_bytes,
+                cache_ttl_ms,
+            ))),
+        }
+    }
+}
+
 /// Counter ids of one worker VM, by [`crate::metrics::Metric::index`].
 #[derive(Debug, Default)]
 pub(crate) struct Counters {

@@ -1,27 +1,33 @@
 //! The root context: one per worker. It parses the configuration, defines the counters, and
-//! on each tick extends the leases of the worker's in-flight claims.
+//! on each tick extends the leases of the worker's in-flight claims, retries the completes
+//! handed over to it and drops expired entries of the replay cache.
 
 use super::abi::{self, Level};
 use super::http::Http;
-use super::{callout_result, dispatch, Counters};
+use super::{callout_result, dispatch, Counters, Worker};
 use crate::config::Config;
 use crate::flow::Callout;
-use crate::heartbeat::Registry;
 use crate::metrics::Metric;
-use contract::wire::{HeartbeatResponse, HEARTBEAT_PATH};
+use crate::retry::{self, Done};
+use contract::wire::{HeartbeatResponse, WriteResponse, COMPLETE_PATH, HEARTBEAT_PATH};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
+
+/// What a callout of the root context was for (by fencing token of the claim).
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    Heartbeat(i64),
+    Complete(i64),
+}
 
 pub(crate) struct Root {
     context_id: u32,
     cfg: Option<Rc<Config>>,
-    counters: Rc<Counters>,
-    registry: Rc<RefCell<Registry>>,
-    /// Heartbeat callout token → HTTP context id.
-    heartbeats: BTreeMap<u32, u32>,
+    worker: Rc<Worker>,
+    /// Callout token → what it was for.
+    calls: BTreeMap<u32, Call>,
 }
 
 impl Root {
@@ -29,9 +35,138 @@ impl Root {
         Self {
             context_id,
             cfg: None,
-            counters: Rc::new(Counters::default()),
-            registry: Rc::new(RefCell::new(Registry::default())),
-            heartbeats: BTreeMap::new(),
+            worker: Rc::new(Worker::unconfigured()),
+            calls: BTreeMap::new(),
+        }
+    }
+
+    fn count(&self, m: Metric) {
+        self.worker.counters.count(m);
+    }
+
+    fn heartbeat_answered(&self, token: i64, answer: Callout) {
+        let Ok(mut registry) = self.worker.registry.try_borrow_mut() else {
+            return;
+        };
+        registry.answered(token);
+        match answer {
+            Callout::Answer { status, body } if (200..300).contains(&status) => {
+                if serde_json::from_slice::<HeartbeatResponse>(&body).is_ok() {
+                    self.count(Metric::Heartbeats);
+                } else {
+                    self.count(Metric::StateApiErrors);
+                    abi::log(Level::Warn, "idempotency: unreadable heartbeat answer");
+                }
+            }
+            Callout::Answer { status: 409, .. } => {
+                // A newer claim owns the key: stop extending this one, and stop completing it.
+                registry.remove(token);
+                self.count(Metric::FencedOut);
+                let pending = match self.worker.retries.try_borrow_mut() {
+                    Ok(mut r) => r.remove(token),
+                    Err(_) => None,
+                };
+                let pending = match (pending, self.worker.cache.try_borrow_mut()) {
+                    (Some(claim), Ok(mut cache)) => {
+                        cache.remove(&retry::cache_id(&claim));
+                        true
+                    }
+                    (pending, _) => pending.is_some(),
+                };
+                abi::log(
+                    Level::Warn,
+                    if pending {
+                        "idempotency: heartbeat fenced out; a newer claim owns the key (its pending complete is dropped)"
+                    } else {
+                        "idempotency: heartbeat fenced out; a newer claim owns the key"
+                    },
+                );
+            }
+            Callout::Answer { status, .. } => {
+                self.count(Metric::StateApiErrors);
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: heartbeat answered HTTP {status}"),
+                );
+            }
+            Callout::Failed(why) => {
+                self.count(Metric::StateApiErrors);
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: heartbeat failed: {why}"),
+                );
+            }
+        }
+    }
+
+    fn retry_answered(&self, token: i64, answer: Callout, now: u64) {
+        let (status, written) = match &answer {
+            Callout::Answer { status, body } if (200..300).contains(status) => (
+                Some(*status),
+                serde_json::from_slice::<WriteResponse>(body).ok(),
+            ),
+            Callout::Answer { status, .. } => (Some(*status), None),
+            Callout::Failed(_) => (None, None),
+        };
+        let verdict = retry::classify(status, written.is_some());
+        let done = match self.worker.retries.try_borrow_mut() {
+            Ok(mut r) => r.answered(token, verdict, now),
+            Err(_) => return,
+        };
+        match done {
+            None if verdict == retry::Answer::Failed => {
+                self.count(Metric::StateApiErrors);
+                if let Callout::Failed(why) = answer {
+                    abi::log(
+                        Level::Debug,
+                        &format!("idempotency: complete retry failed: {why}"),
+                    );
+                }
+            }
+            None => {}
+            Some(done) => self.finish(done, written.and_then(|w| w.expires_in_ms), now),
+        }
+    }
+
+    /// A handed-over complete is over: its heartbeat stops, its pending cache entry settles.
+    fn finish(&self, done: Done, expires_in_ms: Option<u64>, now: u64) {
+        if let (Ok(mut registry), Ok(mut cache)) = (
+            self.worker.registry.try_borrow_mut(),
+            self.worker.cache.try_borrow_mut(),
+        ) {
+            retry::finish(&mut registry, &mut cache, &done, expires_in_ms, now);
+        }
+        let token = done.claim().token;
+        match done {
+            Done::Stored { claim, attempts } => {
+                let endpoint = claim.endpoint;
+                self.count(Metric::Completed);
+                abi::log(
+                    Level::Info,
+                    &format!("idempotency: complete for {endpoint} stored after {attempts} retries (token {token})"),
+                );
+            }
+            Done::FencedOut { claim } => {
+                let endpoint = claim.endpoint;
+                self.count(Metric::FencedOut);
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: complete for {endpoint} refused, a newer claim owns the key (token {token})"),
+                );
+            }
+            Done::GaveUp {
+                claim,
+                attempts,
+                why,
+            } => {
+                let endpoint = claim.endpoint;
+                self.count(Metric::StateApiErrors);
+                self.count(Metric::CompleteGaveUp);
+                abi::log(
+                    Level::Error,
+                    &format!("idempotency: complete for {endpoint} given up after {attempts} retries ({why}; token {token}); the key stays in progress until its lease runs out"),
+                );
+            }
         }
     }
 }
@@ -44,49 +179,17 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some(http_id) = self.heartbeats.remove(&token_id) else {
+        let Some(call) = self.calls.remove(&token_id) else {
             abi::log(
                 Level::Warn,
                 &format!("idempotency: unexpected callout answer {token_id} on the root context"),
             );
             return;
         };
-        let Ok(mut registry) = self.registry.try_borrow_mut() else {
-            return;
-        };
-        registry.answered(http_id);
-        match callout_result(num_headers, body_size) {
-            Callout::Answer { status, body } if (200..300).contains(&status) => {
-                if serde_json::from_slice::<HeartbeatResponse>(&body).is_ok() {
-                    self.counters.count(Metric::Heartbeats);
-                } else {
-                    self.counters.count(Metric::StateApiErrors);
-                    abi::log(Level::Warn, "idempotency: unreadable heartbeat answer");
-                }
-            }
-            Callout::Answer { status: 409, .. } => {
-                // A newer claim owns the key: stop extending this one.
-                registry.remove(http_id);
-                self.counters.count(Metric::FencedOut);
-                abi::log(
-                    Level::Warn,
-                    "idempotency: heartbeat fenced out; a newer claim owns the key",
-                );
-            }
-            Callout::Answer { status, .. } => {
-                self.counters.count(Metric::StateApiErrors);
-                abi::log(
-                    Level::Warn,
-                    &format!("idempotency: heartbeat answered HTTP {status}"),
-                );
-            }
-            Callout::Failed(why) => {
-                self.counters.count(Metric::StateApiErrors);
-                abi::log(
-                    Level::Warn,
-                    &format!("idempotency: heartbeat failed: {why}"),
-                );
-            }
+        let answer = callout_result(num_headers, body_size);
+        match call {
+            Call::Heartbeat(token) => self.heartbeat_answered(token, answer),
+            Call::Complete(token) => self.retry_answered(token, answer, abi::now_ms().unwrap_or(0)),
         }
     }
 }
@@ -119,16 +222,23 @@ impl RootContext for Root {
             );
             return false;
         }
-        self.counters = Rc::new(Counters::define());
+        self.worker = Rc::new(Worker::new(
+            Counters::define(),
+            cfg.replay_cache_bytes,
+            cfg.replay_cache_ttl_ms,
+            cfg.complete_retry_bytes,
+            cfg.complete_retry_ms,
+        ));
         abi::log(
             Level::Info,
             &format!(
-                "idempotency filter configured (root context {}): {} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms",
+                "idempotency filter configured (root context {}): {} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms, replay cache {} bytes",
                 self.context_id,
                 cfg.routes.len(),
                 cfg.state_api.cluster,
                 cfg.lease_ms,
-                cfg.heartbeat_ms
+                cfg.heartbeat_ms,
+                cfg.replay_cache_bytes,
             ),
         );
         self.cfg = Some(Rc::new(cfg));
@@ -139,37 +249,45 @@ impl RootContext for Root {
         let Some(cfg) = self.cfg.clone() else {
             return;
         };
-        let due = {
-            let Ok(mut registry) = self.registry.try_borrow_mut() else {
-                return;
-            };
-            if registry.is_empty() {
+        let now = match abi::now_ms() {
+            Ok(t) => t,
+            Err(e) => {
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: no clock for heartbeats: {e}"),
+                );
                 return;
             }
-            let now = match abi::now_ms() {
-                Ok(t) => t,
-                Err(e) => {
-                    abi::log(
-                        Level::Warn,
-                        &format!("idempotency: no clock for heartbeats: {e}"),
-                    );
-                    return;
-                }
-            };
-            let tick = u64::try_from(cfg.tick_period().as_millis()).unwrap_or(u64::MAX);
-            registry.due(now, cfg.heartbeat_ms, tick, cfg.lease_ms)
         };
-        for (http_id, req) in due {
+        if let Ok(mut cache) = self.worker.cache.try_borrow_mut() {
+            cache.purge_expired(now);
+        }
+        let heartbeats = match self.worker.registry.try_borrow_mut() {
+            Ok(mut registry) if !registry.is_empty() => {
+                let tick = u64::try_from(cfg.tick_period().as_millis()).unwrap_or(u64::MAX);
+                registry.due(now, cfg.heartbeat_ms, tick, cfg.lease_ms)
+            }
+            _ => Vec::new(),
+        };
+        let due = match self.worker.retries.try_borrow_mut() {
+            Ok(mut retries) if !retries.is_empty() => retries.due(now),
+            _ => retry::Due::default(),
+        };
+        for done in due.gave_up {
+            self.finish(done, None, now);
+        }
+        for req in heartbeats {
+            let token = req.token;
             let body = serde_json::to_vec(&req).unwrap_or_default();
             match dispatch(&cfg, HEARTBEAT_PATH, &body) {
-                Ok(token) => {
-                    self.heartbeats.insert(token, http_id);
+                Ok(id) => {
+                    self.calls.insert(id, Call::Heartbeat(token));
                 }
                 Err(why) => {
-                    if let Ok(mut registry) = self.registry.try_borrow_mut() {
-                        registry.answered(http_id);
+                    if let Ok(mut registry) = self.worker.registry.try_borrow_mut() {
+                        registry.answered(token);
                     }
-                    self.counters.count(Metric::StateApiErrors);
+                    self.count(Metric::StateApiErrors);
                     abi::log(
                         Level::Warn,
                         &format!("idempotency: heartbeat not sent: {why}"),
@@ -177,14 +295,21 @@ impl RootContext for Root {
                 }
             }
         }
+        for (token, payload) in due.send {
+            self.count(Metric::CompleteRetries);
+            match dispatch(&cfg, COMPLETE_PATH, &payload) {
+                Ok(id) => {
+                    self.calls.insert(id, Call::Complete(token));
+                }
+                Err(why) => self.retry_answered(token, Callout::Failed(why), now),
+            }
+        }
     }
 
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Http::new(
-            context_id,
             self.cfg.clone(),
-            Rc::clone(&self.counters),
-            Rc::clone(&self.registry),
+            Rc::clone(&self.worker),
         )))
     }
 

@@ -1,0 +1,380 @@
+//! The replay cache: completed records this worker has seen, answered without a callout.
+//!
+//! A completed record never changes until its retention expiry (the state API only ever
+//! deletes it then, or an operator does by hand), so once the state API has told this worker
+//! the stored response — in a `completed` claim answer, or by accepting this worker's own
+//! `complete` — a replay can be answered from memory: same fingerprint → the stored response,
+//! another fingerprint → 422, not replayable → 409. The entry lives until the record's expiry
+//! as the state API computed it with the database clock (`expires_in_ms`), and never longer
+//! than `replay_cache_ttl_ms`, so that an operator's manual change is seen within that time.
+//!
+//! One cache per worker VM (an `Rc<RefCell<ReplayCache>>` shared by the root context and the
+//! HTTP contexts, like the heartbeat registry), bounded by the total bytes it holds, least
+//! recently used entries evicted first. Proxy-wasm shared data would be seen by every worker,
+//! but it has no delete nor size bound (keys live as long as the VM), every read copies the
+//! value out of the host, and keeping LRU order in it would need compare-and-set loops across
+//! workers; a per-worker cache is bounded exactly and costs a map lookup. The price: each worker
+//! learns a key once (its first replay on a worker is a callout).
+//!
+//! Entries are addressed by SHA-256 of (key, subject, endpoint), each preceded by its length,
+//! so two scopes never share an entry (isolation does not rest on a non-cryptographic hash).
+//!
+//! A response whose complete this worker is still retrying ([`crate::retry`]) is kept as a
+//! *pending* entry: the upstream has answered and the client has that answer, so a retry on this
+//! worker gets the same answer (or 422) instead of a claim that could, once the lease has run
+//! out during an outage, run the operation again. It gets the record's expiry once the complete
+//! is stored, and goes when the complete is given up or fenced out.
+
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+
+/// The address of a record: SHA-256 of its scope.
+pub type Id = [u8; 32];
+
+/// Memory an entry costs besides its strings and body (map nodes, `Vec` headers, bookkeeping).
+pub const ENTRY_OVERHEAD: usize = 160;
+
+/// The address of (key, subject, endpoint).
+pub fn id(key: &str, subject: &str, endpoint: &str) -> Id {
+    let mut h = Sha256::new();
+    for part in [key, subject, endpoint] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    h.finalize().into()
+}
+
+/// A completed record as replayed: the fingerprint it was made with and the stored response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    /// Lower-case hex.
+    pub fingerprint: String,
+    pub fingerprint_alg: &'static str,
+    pub status: u16,
+    /// As stored (allowlisted, lower-case names).
+    pub headers: Vec<(String, String)>,
+    /// Empty when not replayable.
+    pub body: Vec<u8>,
+    pub replayable: bool,
+}
+
+impl Completed {
+    /// What the entry holds in memory, roughly (the budget counts this).
+    pub fn size(&self) -> usize {
+        ENTRY_OVERHEAD
+            + self.fingerprint.len()
+            + self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len() + 48)
+                .sum::<usize>()
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    value: Completed,
+    /// When the entry was filled (ms, the filter's clock); a clock seen going back drops it.
+    since_ms: u64,
+    /// Answered from memory until then (exclusive).
+    until_ms: u64,
+    /// Position in the use order.
+    used: u64,
+    size: usize,
+    /// Not stored yet: no expiry until [`ReplayCache::settle`].
+    pending: bool,
+}
+
+/// A bounded LRU of completed records with per-entry expiry. Time is passed in (ms); nothing
+/// here reads a clock.
+#[derive(Debug)]
+pub struct ReplayCache {
+    max_bytes: usize,
+    ttl_ms: u64,
+    bytes: usize,
+    uses: u64,
+    entries: BTreeMap<Id, Entry>,
+    /// Use order: `used` → id, least recent first.
+    order: BTreeMap<u64, Id>,
+}
+
+impl Default for ReplayCache {
+    /// Disabled.
+    fn default() -> Self {
+        Self::new(0, 0)
+    }
+}
+
+impl ReplayCache {
+    /// `max_bytes` or `ttl_ms` 0: disabled (nothing is kept).
+    pub fn new(max_bytes: u64, ttl_ms: u64) -> Self {
+        Self {
+            max_bytes: usize::try_from(max_bytes).unwrap_or(usize::MAX),
+            ttl_ms,
+            bytes: 0,
+            uses: 0,
+            entries: BTreeMap::new(),
+            order: BTreeMap::new(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.max_bytes > 0 && self.ttl_ms > 0
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes held, as counted against `max_bytes`.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn touch(&mut self) -> u64 {
+        self.uses += 1;
+        self.uses
+    }
+
+    pub fn remove(&mut self, id: &Id) -> bool {
+        match self.entries.remove(id) {
+            Some(e) => {
+                self.order.remove(&e.used);
+                self.bytes -= e.size;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Keeps a completed record. `since_ms`: when the state API was asked (the expiry it
+    /// answered counts from no earlier than that); `expires_in_ms`: its answer. An entry larger
+    /// than the whole budget is not kept; others make room by evicting the least recently used.
+    pub fn insert(&mut self, id: Id, value: Completed, since_ms: u64, expires_in_ms: u64) {
+        let ttl = expires_in_ms.min(self.ttl_ms);
+        self.put(id, value, since_ms, since_ms.saturating_add(ttl), false);
+    }
+
+    /// Keeps a response whose complete is still being retried, until [`Self::settle`] or
+    /// [`Self::remove`]. `false`: not kept (disabled, or larger than the budget).
+    pub fn insert_pending(&mut self, id: Id, value: Completed) -> bool {
+        self.put(id, value, 0, u64::MAX, true)
+    }
+
+    /// The complete of a pending entry was stored: from now on it lives like any other entry.
+    pub fn settle(&mut self, id: &Id, now_ms: u64, expires_in_ms: u64) {
+        let ttl = expires_in_ms.min(self.ttl_ms);
+        match self.entries.get_mut(id) {
+            Some(e) if e.pending && ttl > 0 => {
+                e.pending = false;
+                e.since_ms = now_ms;
+                e.until_ms = now_ms.saturating_add(ttl);
+            }
+            Some(e) if e.pending => {
+                self.remove(id);
+            }
+            _ => {}
+        }
+    }
+
+    fn put(
+        &mut self,
+        id: Id,
+        value: Completed,
+        since_ms: u64,
+        until_ms: u64,
+        pending: bool,
+    ) -> bool {
+        self.remove(&id);
+        let size = value.size();
+        if !self.enabled() || until_ms <= since_ms || size > self.max_bytes {
+            return false;
+        }
+        while self.bytes + size > self.max_bytes {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some(e) = self.entries.remove(&oldest) {
+                self.bytes -= e.size;
+            }
+        }
+        let used = self.touch();
+        self.order.insert(used, id);
+        self.bytes += size;
+        self.entries.insert(
+            id,
+            Entry {
+                value,
+                since_ms,
+                until_ms,
+                used,
+                size,
+                pending,
+            },
+        );
+        true
+    }
+
+    /// The record, if known and not expired at `now_ms`; an expired one is dropped.
+    pub fn get(&mut self, id: &Id, now_ms: u64) -> Option<&Completed> {
+        let (since, until, used) = {
+            let e = self.entries.get(id)?;
+            (e.since_ms, e.until_ms, e.used)
+        };
+        if now_ms >= until || now_ms < since {
+            self.remove(id);
+            return None;
+        }
+        let now_used = self.touch();
+        self.order.remove(&used);
+        self.order.insert(now_used, *id);
+        let e = self.entries.get_mut(id)?;
+        e.used = now_used;
+        Some(&e.value)
+    }
+
+    /// Drops every entry expired at `now_ms`; how many.
+    pub fn purge_expired(&mut self, now_ms: u64) -> usize {
+        let expired: Vec<Id> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| now_ms >= e.until_ms || now_ms < e.since_ms)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &expired {
+            self.remove(id);
+        }
+        expired.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn rec(body_len: usize) -> Completed {
+        Completed {
+            fingerprint: "ab".repeat(32),
+            fingerprint_alg: "sha256-jcs-v1",
+            status: 201,
+            headers: vec![("location".into(), "/c/1".into())],
+            body: vec![7; body_len],
+            replayable: true,
+        }
+    }
+
+    #[test]
+    fn scopes_never_share_an_address() {
+        assert_eq!(id("k", "alice", "POST /a"), id("k", "alice", "POST /a"));
+        assert_ne!(id("k", "alice", "POST /a"), id("k", "bob", "POST /a"));
+        assert_ne!(id("k", "alice", "POST /a"), id("k", "alice", "POST /b"));
+        // Length prefixes: moving a boundary is another scope.
+        assert_ne!(id("ka", "lice", "e"), id("k", "alice", "e"));
+    }
+
+    #[test]
+    fn hits_until_the_earlier_of_expiry_and_ttl() {
+        let mut c = ReplayCache::new(1 << 20, 60_000);
+        let a = id("a", "s", "e");
+        c.insert(a, rec(10), 1_000, 5_000);
+        assert_eq!(c.get(&a, 1_000).map(|r| r.status), Some(201));
+        assert!(c.get(&a, 5_999).is_some());
+        assert!(
+            c.get(&a, 6_000).is_none(),
+            "the record's expiry is never passed"
+        );
+        assert!(c.is_empty(), "an expired entry is dropped on lookup");
+        // A long expiry is capped by the TTL.
+        c.insert(a, rec(10), 1_000, 86_400_000);
+        assert!(c.get(&a, 60_999).is_some());
+        assert!(c.get(&a, 61_000).is_none());
+        // The clock going back drops the entry rather than extending it.
+        c.insert(a, rec(10), 10_000, 86_400_000);
+        assert!(c.get(&a, 9_999).is_none());
+        // Expired at once: not kept.
+        c.insert(a, rec(10), 1_000, 0);
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn bounded_by_bytes_least_recently_used_first() {
+        let one = rec(1_000).size();
+        let mut c = ReplayCache::new(3 * one as u64, 60_000);
+        let (a, b, d, e) = (
+            id("a", "s", "e"),
+            id("b", "s", "e"),
+            id("d", "s", "e"),
+            id("e", "s", "e"),
+        );
+        c.insert(a, rec(1_000), 0, 60_000);
+        c.insert(b, rec(1_000), 0, 60_000);
+        c.insert(d, rec(1_000), 0, 60_000);
+        assert_eq!((c.len(), c.bytes()), (3, 3 * one));
+        assert!(c.get(&a, 1).is_some()); // a is now the most recent; b the least
+        c.insert(e, rec(1_000), 0, 60_000);
+        assert_eq!(c.len(), 3);
+        assert!(c.get(&b, 2).is_none(), "the least recently used goes first");
+        assert!(c.get(&a, 2).is_some() && c.get(&d, 2).is_some() && c.get(&e, 2).is_some());
+        // Larger than the whole budget: not kept, nothing evicted for it.
+        c.insert(b, rec(4 * one), 0, 60_000);
+        assert_eq!(c.len(), 3);
+        assert!(c.get(&b, 3).is_none());
+        // Replacing an entry does not count it twice.
+        c.insert(a, rec(1_000), 0, 60_000);
+        assert_eq!((c.len(), c.bytes()), (3, 3 * one));
+        assert!(c.bytes() <= 3 * one);
+    }
+
+    #[test]
+    fn pending_entries_wait_for_their_complete() {
+        let mut c = ReplayCache::new(1 << 20, 60_000);
+        let a = id("a", "s", "e");
+        assert!(c.insert_pending(a, rec(10)));
+        // No expiry while the complete is retried, and no purge.
+        assert!(c.get(&a, 10_000_000).is_some());
+        assert_eq!(c.purge_expired(u64::MAX - 1), 0);
+        // Stored: the record's expiry (capped by the TTL) from then on.
+        c.settle(&a, 20_000_000, 5_000);
+        assert!(c.get(&a, 20_004_999).is_some());
+        assert!(c.get(&a, 20_005_000).is_none());
+        // Settling a normal entry changes nothing; an expiry of 0 drops a pending one.
+        c.insert(a, rec(10), 0, 1_000);
+        c.settle(&a, 0, 60_000);
+        assert!(c.get(&a, 1_000).is_none());
+        assert!(c.insert_pending(a, rec(10)));
+        c.settle(&a, 5, 0);
+        assert!(c.is_empty());
+        // Disabled or too large: not kept.
+        assert!(!ReplayCache::default().insert_pending(a, rec(10)));
+        assert!(!ReplayCache::new(100, 60_000).insert_pending(a, rec(10)));
+    }
+
+    #[test]
+    fn disabled_keeps_nothing_and_purge_drops_expired() {
+        for mut off in [
+            ReplayCache::new(0, 60_000),
+            ReplayCache::new(1 << 20, 0),
+            ReplayCache::default(),
+        ] {
+            assert!(!off.enabled());
+            off.insert(id("a", "s", "e"), rec(1), 0, 60_000);
+            assert!(off.is_empty());
+        }
+        let mut c = ReplayCache::new(1 << 20, 60_000);
+        c.insert(id("a", "s", "e"), rec(1), 0, 1_000);
+        c.insert(id("b", "s", "e"), rec(1), 0, 9_000);
+        assert_eq!(c.purge_expired(5_000), 1);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.bytes(), rec(1).size());
+        assert_eq!(c.purge_expired(9_000), 1);
+        assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+}
