@@ -82,6 +82,7 @@ fn main() {
             StackOptions { lease_ms: 2_000, heartbeat_ms: 500, ..StackOptions::default() },
             heartbeats_keep_a_slow_request_from_being_reclaimed,
         ),
+        own("replay_cache_keeps_422_and_isolation_and_answers_while_the_state_api_is_down", StackOptions::default(), replay_cache_answers_cached_keys_only),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
     // Stop the shared stack's processes before exiting (statics are never dropped).
@@ -463,4 +464,56 @@ async fn heartbeats_keep_a_slow_request_from_being_reclaimed(stack: Stack) {
     let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(first.status, 201, "{}", first.describe());
     assert_eq!(executions(&stack, &key).await.len(), 1, "a live owner must never be reclaimed");
+}
+
+/// The filter answers replays of completed records from its worker's cache (a completed record
+/// never changes until its retention expiry). A cached replay still checks the fingerprint (422)
+/// and the scope (subject, endpoint); while the state API is down, exactly the cached keys are
+/// still answered (intended: their answer cannot change), every other key gets 503.
+async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
+    let c = client(&stack);
+    let hits = |s: &Stack| s.envoy.counter("wasmcustom.idempotency.replay_cache_hits");
+    let key = unique_key("cache");
+    let body = charge_body(4321);
+    let first = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(first.status, 201, "{}\n{}", first.describe(), stack.logs());
+    assert_eq!(hits(&stack), 0);
+    // The filter's own complete filled the cache: the retry needs no callout.
+    let retry = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!((retry.status, &retry.body), (201, &first.body), "{}", retry.describe());
+    assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
+    assert_eq!(hits(&stack), 1, "the replay came from the cache");
+    let changed = c.send(checkout(&key, "alice", &charge_body(4322))).await;
+    assert_problem(&changed, 422, "idempotency-key-reused", &stack);
+    assert_eq!(hits(&stack), 2, "the 422 came from the cache too");
+    // The same key for another subject or another endpoint is another record.
+    let bob = c.send(checkout(&key, "bob", &body)).await;
+    let refund = c.send(Request::post("/refunds").token(&token("alice")).key(&key).json(&body)).await;
+    for a in [&bob, &refund] {
+        assert_eq!(a.status, 201, "{}", a.describe());
+        assert_eq!(a.header("idempotent-replayed"), None, "a cached record must not answer another scope");
+    }
+    assert_eq!(executions(&stack, &key).await.len(), 3);
+
+    // A key completed through another Envoy is in that Envoy's cache only.
+    let other = stack.start_extra_envoy(stack.state_api.port, "envoy-other").unwrap_or_else(|e| panic!("{e}"));
+    let c2 = Client::new(&other.url(""));
+    let elsewhere = unique_key("cache-elsewhere");
+    assert_eq!(c2.send(checkout(&elsewhere, "alice", &body)).await.status, 201);
+
+    stack.state_api.kill();
+    let cached = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!((cached.status, &cached.body), (201, &first.body), "cached keys replay without the state API: {}", cached.describe());
+    assert_eq!(cached.header("idempotent-replayed").as_deref(), Some("true"));
+    assert_problem(&c.send(checkout(&key, "alice", &charge_body(4322))).await, 422, "idempotency-key-reused", &stack);
+    let bob_again = c.send(checkout(&key, "bob", &body)).await;
+    assert_eq!((bob_again.status, &bob_again.body), (201, &bob.body), "bob gets his own record, never alice's");
+    let not_cached = c.send(checkout(&elsewhere, "alice", &body)).await;
+    assert_problem(&not_cached, 503, "idempotency-state-unavailable", &stack);
+    let new_key = c.send(checkout(&unique_key("cache-new"), "alice", &body)).await;
+    assert_problem(&new_key, 503, "idempotency-state-unavailable", &stack);
+    let there = c2.send(checkout(&elsewhere, "alice", &body)).await;
+    assert_eq!(there.header("idempotent-replayed").as_deref(), Some("true"), "{}", there.describe());
+    assert_eq!(executions(&stack, &key).await.len(), 3, "nothing ran again");
+    assert_eq!(executions(&stack, &elsewhere).await.len(), 1);
 }
