@@ -3,7 +3,7 @@
 //! message names the field at fault.
 
 use crate::headers;
-use serde::Deserialize;
+use crate::json::{self, Fields, Value};
 use std::fmt;
 use std::time::Duration;
 
@@ -16,41 +16,31 @@ pub const DEFAULT_REPLAY_CACHE_TTL_MS: u64 = 60_000;
 pub const DEFAULT_COMPLETE_RETRY_MS: u64 = 600_000;
 pub const DEFAULT_COMPLETE_RETRY_BYTES: u64 = 16 * 1024 * 1024;
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The plugin configuration. Unknown fields are refused everywhere.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub state_api: StateApi,
     pub subject: SubjectSource,
     pub routes: Vec<Route>,
-    #[serde(default = "default_max_body")]
     pub max_request_body_bytes: u64,
-    #[serde(default = "default_max_body")]
     pub max_stored_body_bytes: u64,
-    #[serde(default = "default_lease_ms")]
     pub lease_ms: u64,
-    #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_ms: u64,
     /// Response headers replayed in addition to the built-in allowlist (lower-cased on load).
-    #[serde(default)]
     pub replay_extra_headers: Vec<String>,
     /// Bytes of completed records each worker keeps to answer replays without a callout
     /// (0: no cache).
-    #[serde(default = "default_replay_cache_bytes")]
     pub replay_cache_bytes: u64,
     /// Longest a cached record is answered from memory, whatever its expiry (0: no cache).
-    #[serde(default = "default_replay_cache_ttl_ms")]
     pub replay_cache_ttl_ms: u64,
     /// How long a worker keeps retrying a complete that failed while the response was held
     /// (0: give up after the in-stream retry, as before).
-    #[serde(default = "default_complete_retry_ms")]
     pub complete_retry_ms: u64,
     /// Bytes of complete payloads each worker keeps for those retries (0: none).
-    #[serde(default = "default_complete_retry_bytes")]
     pub complete_retry_bytes: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateApi {
     /// An Envoy cluster name (not a URL).
     pub cluster: String,
@@ -58,13 +48,11 @@ pub struct StateApi {
     pub authority: String,
     /// Sent as `Authorization: Bearer <token>`.
     pub token: String,
-    #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
 }
 
-/// Where the authenticated subject comes from.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
+/// Where the authenticated subject comes from: `{"header": ...}` or `{"metadata": [...]}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SubjectSource {
     /// A request header set by an earlier filter from a verified token (e.g. jwt_authn
     /// `claim_to_headers`). Protected routes must require that filter's provider.
@@ -74,8 +62,7 @@ pub enum SubjectSource {
     Metadata(Vec<String>),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyPolicy {
     /// No key: 400.
     Required,
@@ -83,8 +70,7 @@ pub enum KeyPolicy {
     Optional,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum On5xx {
     /// Keep the 5xx as the outcome (replayed to retries), like Stripe.
     #[default]
@@ -93,8 +79,7 @@ pub enum On5xx {
     Release,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnStateUnavailable {
     /// 503 + Retry-After, nothing forwarded.
     #[default]
@@ -103,46 +88,119 @@ pub enum OnStateUnavailable {
     FailOpen,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub method: String,
     /// Exact path match (the query is ignored).
-    #[serde(default)]
     pub path: Option<String>,
     /// Prefix match, instead of `path`.
-    #[serde(default)]
     pub prefix: Option<String>,
     pub key: KeyPolicy,
-    #[serde(default)]
     pub on_5xx: On5xx,
-    #[serde(default)]
     pub on_state_unavailable: OnStateUnavailable,
 }
 
-fn default_max_body() -> u64 {
-    DEFAULT_MAX_BODY
+const CONFIG_FIELDS: &[&str] = &[
+    "state_api",
+    "subject",
+    "routes",
+    "max_request_body_bytes",
+    "max_stored_body_bytes",
+    "lease_ms",
+    "heartbeat_ms",
+    "replay_extra_headers",
+    "replay_cache_bytes",
+    "replay_cache_ttl_ms",
+    "complete_retry_ms",
+    "complete_retry_bytes",
+];
+const STATE_API_FIELDS: &[&str] = &["cluster", "authority", "token", "timeout_ms"];
+const ROUTE_FIELDS: &[&str] = &[
+    "method",
+    "path",
+    "prefix",
+    "key",
+    "on_5xx",
+    "on_state_unavailable",
+];
+
+impl Config {
+    /// The configuration as written, before [`Config::validate`].
+    fn read(doc: &Value) -> Result<Self, String> {
+        let top = Fields::of(doc, "")?;
+        top.deny_unknown(CONFIG_FIELDS)?;
+        let s = Fields::of(top.required("state_api")?, "state_api")?;
+        s.deny_unknown(STATE_API_FIELDS)?;
+        let state_api = StateApi {
+            cluster: s.str("cluster")?.to_owned(),
+            authority: s.str("authority")?.to_owned(),
+            token: s.str("token")?.to_owned(),
+            timeout_ms: s.u64_or("timeout_ms", DEFAULT_TIMEOUT_MS)?,
+        };
+        let subject = Fields::of(top.required("subject")?, "subject")?;
+        subject.deny_unknown(&["header", "metadata"])?;
+        let subject = match (subject.get("header"), subject.get("metadata")) {
+            (Some(_), None) => SubjectSource::Header(subject.str("header")?.to_owned()),
+            (None, Some(_)) => SubjectSource::Metadata(subject.strings("metadata")?),
+            _ => return Err("subject must have exactly one of `header` or `metadata`".to_owned()),
+        };
+        let routes = match top.required("routes")? {
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| Route::read(v, &format!("routes[{i}]")))
+                .collect::<Result<Vec<_>, _>>()?,
+            other => return Err(format!("routes must be an array, not {}", other.kind())),
+        };
+        Ok(Self {
+            state_api,
+            subject,
+            routes,
+            max_request_body_bytes: top.u64_or("max_request_body_bytes", DEFAULT_MAX_BODY)?,
+            max_stored_body_bytes: top.u64_or("max_stored_body_bytes", DEFAULT_MAX_BODY)?,
+            lease_ms: top.u64_or("lease_ms", DEFAULT_LEASE_MS)?,
+            heartbeat_ms: top.u64_or("heartbeat_ms", DEFAULT_HEARTBEAT_MS)?,
+            replay_extra_headers: top.strings("replay_extra_headers")?,
+            replay_cache_bytes: top.u64_or("replay_cache_bytes", DEFAULT_REPLAY_CACHE_BYTES)?,
+            replay_cache_ttl_ms: top.u64_or("replay_cache_ttl_ms", DEFAULT_REPLAY_CACHE_TTL_MS)?,
+            complete_retry_ms: top.u64_or("complete_retry_ms", DEFAULT_COMPLETE_RETRY_MS)?,
+            complete_retry_bytes: top
+                .u64_or("complete_retry_bytes", DEFAULT_COMPLETE_RETRY_BYTES)?,
+        })
+    }
 }
-fn default_lease_ms() -> u64 {
-    DEFAULT_LEASE_MS
-}
-fn default_heartbeat_ms() -> u64 {
-    DEFAULT_HEARTBEAT_MS
-}
-fn default_timeout_ms() -> u64 {
-    DEFAULT_TIMEOUT_MS
-}
-fn default_replay_cache_bytes() -> u64 {
-    DEFAULT_REPLAY_CACHE_BYTES
-}
-fn default_replay_cache_ttl_ms() -> u64 {
-    DEFAULT_REPLAY_CACHE_TTL_MS
-}
-fn default_complete_retry_ms() -> u64 {
-    DEFAULT_COMPLETE_RETRY_MS
-}
-fn default_complete_retry_bytes() -> u64 {
-    DEFAULT_COMPLETE_RETRY_BYTES
+
+impl Route {
+    fn read(v: &Value, what: &str) -> Result<Self, String> {
+        let r = Fields::of(v, what)?;
+        r.deny_unknown(ROUTE_FIELDS)?;
+        Ok(Self {
+            method: r.str("method")?.to_owned(),
+            path: r.opt_str("path")?.map(str::to_owned),
+            prefix: r.opt_str("prefix")?.map(str::to_owned),
+            key: r.variant(
+                "key",
+                &[
+                    ("required", KeyPolicy::Required),
+                    ("optional", KeyPolicy::Optional),
+                ],
+                None,
+            )?,
+            on_5xx: r.variant(
+                "on_5xx",
+                &[("store", On5xx::Store), ("release", On5xx::Release)],
+                Some(On5xx::Store),
+            )?,
+            on_state_unavailable: r.variant(
+                "on_state_unavailable",
+                &[
+                    ("fail_closed", OnStateUnavailable::FailClosed),
+                    ("fail_open", OnStateUnavailable::FailOpen),
+                ],
+                Some(OnStateUnavailable::FailClosed),
+            )?,
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,8 +227,8 @@ fn is_token(s: &str) -> bool {
 impl Config {
     /// Parse and check a plugin configuration.
     pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let mut cfg: Config =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?;
+        let doc = json::parse(bytes).map_err(ConfigError)?;
+        let mut cfg = Config::read(&doc).map_err(ConfigError)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -425,6 +483,47 @@ mod tests {
                 "{e} should mention {needle}"
             );
         }
+    }
+
+    #[test]
+    fn syntax_errors_say_where_and_numbers_are_integers() {
+        let e = Config::parse(b"{\n  \"state_api\": }").unwrap_err();
+        assert!(e.to_string().contains("at line 2 column 16"), "{e}");
+        let e = with(|v| v["lease_ms"] = serde_json::json!(1.5)).unwrap_err();
+        assert!(e.to_string().contains("integer"), "{e}");
+        let e = with(|v| v["lease_ms"] = "30000".into()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid idempotency filter configuration: lease_ms must be a non-negative integer, not a string"
+        );
+        let twice = EXAMPLE.replacen(
+            r#""lease_ms": 30000,"#,
+            r#""lease_ms": 30000, "lease_ms": 1,"#,
+            1,
+        );
+        let e = Config::parse(twice.as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("duplicate field `lease_ms`"), "{e}");
+        let e = with(|v| v["state_api"]["bogus"] = 1.into()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown field `bogus` in state_api, expected one of `cluster`"),
+            "{e}"
+        );
+        let e = with(|v| v["routes"][1]["on_5xx"] = "retry".into()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown variant `retry` for routes[1].on_5xx"),
+            "{e}"
+        );
+        let e = with(|v| {
+            v.as_object_mut()
+                .unwrap()
+                .remove("routes")
+                .map(|_| ())
+                .unwrap()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("missing field `routes`"), "{e}");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use crate::outcome::{classify, Outcome};
 use crate::retry::{self, PendingComplete};
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{
-    ClaimRequest, ClaimResponse, CompleteRequest, ReleaseRequest, StoredResponse, WriteResponse,
+    ClaimRequest, ClaimResponse, CompleteRequest, ReleaseRequest, StoredResponse,
     FENCING_TOKEN_HEADER,
 };
 use contract::ProblemKind;
@@ -586,8 +586,7 @@ impl Flow {
         };
         let parsed = match &answer {
             Callout::Answer { status, body } if (200..300).contains(status) => {
-                serde_json::from_slice::<ClaimResponse>(body)
-                    .map_err(|e| format!("unreadable claim answer: {e}"))
+                crate::answers::claim(body).map_err(|e| format!("unreadable claim answer: {e}"))
             }
             Callout::Answer { status, body } => Err(format!(
                 "claim answered HTTP {status}: {}",
@@ -903,10 +902,9 @@ impl Flow {
             step
         };
         let (status, written) = match &answer {
-            Callout::Answer { status, body } if (200..300).contains(status) => (
-                Some(*status),
-                serde_json::from_slice::<WriteResponse>(body).ok(),
-            ),
+            Callout::Answer { status, body } if (200..300).contains(status) => {
+                (Some(*status), crate::answers::write(body).ok())
+            }
             Callout::Answer { status, .. } => (Some(*status), None),
             Callout::Failed(_) => (None, None),
         };

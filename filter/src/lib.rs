@@ -6,12 +6,14 @@
 //! per-request state machine [`flow`]. The proxy-wasm glue in `glue/` only performs what the
 //! flow asks for; it is compiled for `wasm32-wasip1` (the module Envoy loads) only.
 
+pub mod answers;
 pub mod cache;
 pub mod config;
 pub mod flow;
 pub mod headers;
 pub mod heartbeat;
 pub mod hostmap;
+pub mod json;
 pub mod key;
 pub mod metrics;
 pub mod outcome;
