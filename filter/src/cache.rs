@@ -26,7 +26,8 @@
 //! is stored, and goes when the complete is given up or fenced out.
 
 use sha2::{Digest, Sha256};
-use std::collections::BTreeMap;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 
 /// The address of a record: SHA-256 of its scope.
 pub type Id = [u8; 32];
@@ -42,6 +43,38 @@ pub fn id(key: &str, subject: &str, endpoint: &str) -> Id {
         h.update(part.as_bytes());
     }
     h.finalize().into()
+}
+
+/// A map key that is already a uniform hash: its first 8 bytes are the map's hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Key(Id);
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        let mut first = [0u8; 8];
+        first.copy_from_slice(self.0.get(..8).unwrap_or(&[0; 8]));
+        h.write_u64(u64::from_le_bytes(first));
+    }
+}
+
+/// Passes [`Key`]'s hash through (no random seed: nothing to defend, the keys are SHA-256).
+#[derive(Debug, Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// A completed record as replayed: the fingerprint it was made with and the stored response.
@@ -94,9 +127,11 @@ pub struct ReplayCache {
     ttl_ms: u64,
     bytes: usize,
     uses: u64,
-    entries: BTreeMap<Id, Entry>,
-    /// Use order: `used` → id, least recent first.
-    order: BTreeMap<u64, Id>,
+    entries: HashMap<Key, Entry, BuildHasherDefault<Prehashed>>,
+    /// Use order, least recent first: (id, `used` at that use). An item is stale when its entry
+    /// was used again since (or is gone); stale items are skipped, and dropped when they
+    /// outnumber the entries.
+    order: VecDeque<(Id, u64)>,
 }
 
 impl Default for ReplayCache {
@@ -114,8 +149,8 @@ impl ReplayCache {
             ttl_ms,
             bytes: 0,
             uses: 0,
-            entries: BTreeMap::new(),
-            order: BTreeMap::new(),
+            entries: HashMap::default(),
+            order: VecDeque::new(),
         }
     }
 
@@ -136,15 +171,26 @@ impl ReplayCache {
         self.bytes
     }
 
-    fn touch(&mut self) -> u64 {
+    /// Records a use of `id`: its new position in the use order.
+    fn touch(&mut self, id: Id) -> u64 {
         self.uses += 1;
+        self.order.push_back((id, self.uses));
         self.uses
     }
 
+    /// Drops stale use-order items once they outnumber the entries (after the entry's `used`
+    /// is up to date).
+    fn compact(&mut self) {
+        if self.order.len() > 2 * self.entries.len() + 64 {
+            let entries = &self.entries;
+            self.order
+                .retain(|(id, used)| entries.get(&Key(*id)).is_some_and(|e| e.used == *used));
+        }
+    }
+
     pub fn remove(&mut self, id: &Id) -> bool {
-        match self.entries.remove(id) {
+        match self.entries.remove(&Key(*id)) {
             Some(e) => {
-                self.order.remove(&e.used);
                 self.bytes -= e.size;
                 true
             }
@@ -169,7 +215,7 @@ impl ReplayCache {
     /// The complete of a pending entry was stored: from now on it lives like any other entry.
     pub fn settle(&mut self, id: &Id, now_ms: u64, expires_in_ms: u64) {
         let ttl = expires_in_ms.min(self.ttl_ms);
-        match self.entries.get_mut(id) {
+        match self.entries.get_mut(&Key(*id)) {
             Some(e) if e.pending && ttl > 0 => {
                 e.pending = false;
                 e.since_ms = now_ms;
@@ -196,18 +242,24 @@ impl ReplayCache {
             return false;
         }
         while self.bytes + size > self.max_bytes {
-            let Some((_, oldest)) = self.order.pop_first() else {
+            let Some((oldest, used)) = self.order.pop_front() else {
                 break;
             };
-            if let Some(e) = self.entries.remove(&oldest) {
-                self.bytes -= e.size;
+            if self
+                .entries
+                .get(&Key(oldest))
+                .is_some_and(|e| e.used == used)
+            {
+                self.remove(&oldest);
             }
         }
-        let used = self.touch();
-        self.order.insert(used, id);
+        if self.bytes + size > self.max_bytes {
+            return false;
+        }
+        let used = self.touch(id);
         self.bytes += size;
         self.entries.insert(
-            id,
+            Key(id),
             Entry {
                 value,
                 since_ms,
@@ -217,39 +269,41 @@ impl ReplayCache {
                 pending,
             },
         );
+        self.compact();
         true
     }
 
     /// The record, if known and not expired at `now_ms`; an expired one is dropped.
     pub fn get(&mut self, id: &Id, now_ms: u64) -> Option<&Completed> {
-        let (since, until, used) = {
-            let e = self.entries.get(id)?;
-            (e.since_ms, e.until_ms, e.used)
+        let (since, until) = {
+            let e = self.entries.get(&Key(*id))?;
+            (e.since_ms, e.until_ms)
         };
         if now_ms >= until || now_ms < since {
             self.remove(id);
             return None;
         }
-        let now_used = self.touch();
-        self.order.remove(&used);
-        self.order.insert(now_used, *id);
-        let e = self.entries.get_mut(id)?;
-        e.used = now_used;
-        Some(&e.value)
+        let used = self.touch(*id);
+        if let Some(e) = self.entries.get_mut(&Key(*id)) {
+            e.used = used;
+        }
+        self.compact();
+        self.entries.get(&Key(*id)).map(|e| &e.value)
     }
 
     /// Drops every entry expired at `now_ms`; how many.
     pub fn purge_expired(&mut self, now_ms: u64) -> usize {
-        let expired: Vec<Id> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| now_ms >= e.until_ms || now_ms < e.since_ms)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in &expired {
-            self.remove(id);
-        }
-        expired.len()
+        let before = self.entries.len();
+        let mut freed = 0;
+        self.entries.retain(|_, e| {
+            let keep = now_ms < e.until_ms && now_ms >= e.since_ms;
+            if !keep {
+                freed += e.size;
+            }
+            keep
+        });
+        self.bytes -= freed;
+        before - self.entries.len()
     }
 }
 
@@ -331,6 +385,23 @@ mod tests {
         c.insert(a, rec(1_000), 0, 60_000);
         assert_eq!((c.len(), c.bytes()), (3, 3 * one));
         assert!(c.bytes() <= 3 * one);
+    }
+
+    #[test]
+    fn the_use_order_stays_bounded_and_correct_under_many_hits() {
+        let one = rec(10).size();
+        let mut c = ReplayCache::new(2 * one as u64, 60_000);
+        let (a, b, d) = (id("a", "s", "e"), id("b", "s", "e"), id("d", "s", "e"));
+        c.insert(a, rec(10), 0, 60_000);
+        c.insert(b, rec(10), 0, 60_000);
+        for _ in 0..10_000 {
+            assert!(c.get(&b, 1).is_some());
+        }
+        assert!(c.order.len() <= 2 * c.len() + 65, "{}", c.order.len());
+        // a was used least recently, however often b was.
+        c.insert(d, rec(10), 0, 60_000);
+        assert!(c.get(&a, 1).is_none());
+        assert!(c.get(&b, 1).is_some() && c.get(&d, 1).is_some());
     }
 
     #[test]

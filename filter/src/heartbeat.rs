@@ -9,7 +9,6 @@
 //! plain `Rc<RefCell<Registry>>`.
 
 use contract::wire::HeartbeatRequest;
-use std::collections::BTreeMap;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InFlight {
@@ -28,26 +27,33 @@ struct Entry {
     pending: bool,
 }
 
+/// A plain list: a worker holds a few hundred claims at most, and a map type would cost the
+/// module more code than the scans cost time.
 #[derive(Debug, Default)]
 pub struct Registry {
-    /// By fencing token.
-    entries: BTreeMap<i64, Entry>,
+    entries: Vec<Entry>,
 }
 
 impl Registry {
+    fn find(&mut self, token: i64) -> Option<&mut Entry> {
+        self.entries.iter_mut().find(|e| e.claim.token == token)
+    }
+
+    /// Registers the claim (by its fencing token, `token` is `claim.token`).
     pub fn register(&mut self, token: i64, claim: InFlight, now_ms: u64) {
-        self.entries.insert(
-            token,
-            Entry {
-                claim,
-                last_ms: now_ms,
-                pending: false,
-            },
-        );
+        let entry = Entry {
+            claim: InFlight { token, ..claim },
+            last_ms: now_ms,
+            pending: false,
+        };
+        match self.find(token) {
+            Some(e) => *e = entry,
+            None => self.entries.push(entry),
+        }
     }
 
     pub fn remove(&mut self, token: i64) {
-        self.entries.remove(&token);
+        self.entries.retain(|e| e.claim.token != token);
     }
 
     pub fn len(&self) -> usize {
@@ -59,7 +65,7 @@ impl Registry {
     }
 
     pub fn contains(&self, token: i64) -> bool {
-        self.entries.contains_key(&token)
+        self.entries.iter().any(|e| e.claim.token == token)
     }
 
     /// Heartbeats to send now: every claim whose lease was last set `heartbeat_ms - tick_ms` ago
@@ -74,7 +80,7 @@ impl Registry {
     ) -> Vec<HeartbeatRequest> {
         let threshold = heartbeat_ms.saturating_sub(tick_ms);
         let mut out = Vec::new();
-        for e in self.entries.values_mut() {
+        for e in self.entries.iter_mut() {
             if !e.pending && now_ms.saturating_sub(e.last_ms) >= threshold {
                 e.pending = true;
                 e.last_ms = now_ms;
@@ -92,7 +98,7 @@ impl Registry {
 
     /// The heartbeat for `token` was answered (or failed): it may be sent again.
     pub fn answered(&mut self, token: i64) {
-        if let Some(e) = self.entries.get_mut(&token) {
+        if let Some(e) = self.find(token) {
             e.pending = false;
         }
     }

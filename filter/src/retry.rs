@@ -16,7 +16,6 @@
 
 use crate::cache::{self, ReplayCache};
 use crate::heartbeat::{InFlight, Registry};
-use std::collections::BTreeMap;
 
 /// Retry callouts on their way at once (per worker).
 pub const MAX_IN_FLIGHT: usize = 32;
@@ -92,13 +91,13 @@ struct Entry {
     in_flight: bool,
 }
 
-/// The worker's pending completes, by fencing token.
+/// The worker's pending completes, oldest first (a plain list, like the heartbeat registry).
 #[derive(Debug, Default)]
 pub struct Retries {
     max_bytes: usize,
     max_ms: u64,
     bytes: usize,
-    entries: BTreeMap<i64, Entry>,
+    entries: Vec<Entry>,
 }
 
 fn delay(attempts: u32) -> u64 {
@@ -114,7 +113,7 @@ impl Retries {
             max_bytes: usize::try_from(max_bytes).unwrap_or(usize::MAX),
             max_ms,
             bytes: 0,
-            entries: BTreeMap::new(),
+            entries: Vec::new(),
         }
     }
 
@@ -135,7 +134,13 @@ impl Retries {
     }
 
     pub fn contains(&self, token: i64) -> bool {
-        self.entries.contains_key(&token)
+        self.entries.iter().any(|e| e.pending.claim.token == token)
+    }
+
+    fn find(&mut self, token: i64) -> Option<&mut Entry> {
+        self.entries
+            .iter_mut()
+            .find(|e| e.pending.claim.token == token)
     }
 
     /// Takes a complete over; `Err(why)` when it cannot be kept.
@@ -150,26 +155,24 @@ impl Retries {
                 self.bytes, self.max_bytes
             ));
         }
-        let token = pending.claim.token;
-        if let Some(old) = self.entries.remove(&token) {
-            self.bytes -= old.pending.payload.len();
-        }
+        self.take(pending.claim.token);
         self.bytes += size;
-        self.entries.insert(
-            token,
-            Entry {
-                pending,
-                since_ms: now_ms,
-                next_ms: now_ms.saturating_add(FIRST_DELAY_MS),
-                attempts: 0,
-                in_flight: false,
-            },
-        );
+        self.entries.push(Entry {
+            pending,
+            since_ms: now_ms,
+            next_ms: now_ms.saturating_add(FIRST_DELAY_MS),
+            attempts: 0,
+            in_flight: false,
+        });
         Ok(())
     }
 
     fn take(&mut self, token: i64) -> Option<Entry> {
-        let e = self.entries.remove(&token)?;
+        let i = self
+            .entries
+            .iter()
+            .position(|e| e.pending.claim.token == token)?;
+        let e = self.entries.remove(i);
         self.bytes -= e.pending.payload.len();
         Some(e)
     }
@@ -185,8 +188,8 @@ impl Retries {
         let expired: Vec<i64> = self
             .entries
             .iter()
-            .filter(|(_, e)| !e.in_flight && now_ms.saturating_sub(e.since_ms) >= self.max_ms)
-            .map(|(t, _)| *t)
+            .filter(|e| !e.in_flight && now_ms.saturating_sub(e.since_ms) >= self.max_ms)
+            .map(|e| e.pending.claim.token)
             .collect();
         let mut gave_up = Vec::new();
         for token in expired {
@@ -199,9 +202,9 @@ impl Retries {
             }
         }
         let mut room =
-            MAX_IN_FLIGHT.saturating_sub(self.entries.values().filter(|e| e.in_flight).count());
+            MAX_IN_FLIGHT.saturating_sub(self.entries.iter().filter(|e| e.in_flight).count());
         let mut send = Vec::new();
-        for (token, e) in self.entries.iter_mut() {
+        for e in self.entries.iter_mut() {
             if room == 0 {
                 break;
             }
@@ -209,7 +212,7 @@ impl Retries {
                 e.in_flight = true;
                 e.attempts += 1;
                 room -= 1;
-                send.push((*token, e.pending.payload.clone()));
+                send.push((e.pending.claim.token, e.pending.payload.clone()));
             }
         }
         Due { send, gave_up }
@@ -217,7 +220,7 @@ impl Retries {
 
     /// A retry could not be sent or was answered. `None`: it stays, to be retried.
     pub fn answered(&mut self, token: i64, answer: Answer, now_ms: u64) -> Option<Done> {
-        let e = self.entries.get_mut(&token)?;
+        let e = self.find(token)?;
         e.in_flight = false;
         match answer {
             Answer::Failed => {
@@ -227,7 +230,7 @@ impl Retries {
             Answer::Stored => {
                 let e = self.take(token)?;
                 // The state API is back: the others need not wait out their delays.
-                for other in self.entries.values_mut() {
+                for other in self.entries.iter_mut() {
                     other.next_ms = other.next_ms.min(now_ms);
                 }
                 Some(Done::Stored {

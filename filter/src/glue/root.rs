@@ -9,10 +9,9 @@ use crate::config::Config;
 use crate::flow::Callout;
 use crate::metrics::Metric;
 use crate::retry::{self, Done};
-use contract::wire::{HeartbeatResponse, WriteResponse, COMPLETE_PATH, HEARTBEAT_PATH};
+use contract::wire::{COMPLETE_PATH, HEARTBEAT_PATH};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
-use std::collections::BTreeMap;
 use std::rc::Rc;
 
 /// What a callout of the root context was for (by fencing token of the claim).
@@ -26,8 +25,8 @@ pub(crate) struct Root {
     context_id: u32,
     cfg: Option<Rc<Config>>,
     worker: Rc<Worker>,
-    /// Callout token → what it was for.
-    calls: BTreeMap<u32, Call>,
+    /// Callouts on their way: (callout token, what it is for).
+    calls: Vec<(u32, Call)>,
 }
 
 impl Root {
@@ -36,7 +35,7 @@ impl Root {
             context_id,
             cfg: None,
             worker: Rc::new(Worker::unconfigured()),
-            calls: BTreeMap::new(),
+            calls: Vec::new(),
         }
     }
 
@@ -51,7 +50,7 @@ impl Root {
         registry.answered(token);
         match answer {
             Callout::Answer { status, body } if (200..300).contains(&status) => {
-                if serde_json::from_slice::<HeartbeatResponse>(&body).is_ok() {
+                if crate::answers::heartbeat(&body).is_ok() {
                     self.count(Metric::Heartbeats);
                 } else {
                     self.count(Metric::StateApiErrors);
@@ -101,10 +100,9 @@ impl Root {
 
     fn retry_answered(&self, token: i64, answer: Callout, now: u64) {
         let (status, written) = match &answer {
-            Callout::Answer { status, body } if (200..300).contains(status) => (
-                Some(*status),
-                serde_json::from_slice::<WriteResponse>(body).ok(),
-            ),
+            Callout::Answer { status, body } if (200..300).contains(status) => {
+                (Some(*status), crate::answers::write(body).ok())
+            }
             Callout::Answer { status, .. } => (Some(*status), None),
             Callout::Failed(_) => (None, None),
         };
@@ -179,7 +177,12 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some(call) = self.calls.remove(&token_id) else {
+        let call = self
+            .calls
+            .iter()
+            .position(|(id, _)| *id == token_id)
+            .map(|i| self.calls.swap_remove(i).1);
+        let Some(call) = call else {
             abi::log(
                 Level::Warn,
                 &format!("idempotency: unexpected callout answer {token_id} on the root context"),
@@ -281,7 +284,7 @@ impl RootContext for Root {
             let body = serde_json::to_vec(&req).unwrap_or_default();
             match dispatch(&cfg, HEARTBEAT_PATH, &body) {
                 Ok(id) => {
-                    self.calls.insert(id, Call::Heartbeat(token));
+                    self.calls.push((id, Call::Heartbeat(token)));
                 }
                 Err(why) => {
                     if let Ok(mut registry) = self.worker.registry.try_borrow_mut() {
@@ -299,7 +302,7 @@ impl RootContext for Root {
             self.count(Metric::CompleteRetries);
             match dispatch(&cfg, COMPLETE_PATH, &payload) {
                 Ok(id) => {
-                    self.calls.insert(id, Call::Complete(token));
+                    self.calls.push((id, Call::Complete(token)));
                 }
                 Err(why) => self.retry_answered(token, Callout::Failed(why), now),
             }
