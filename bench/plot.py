@@ -19,6 +19,7 @@ STYLE = {
     "replay": ("replays (completed keys)", "tab:green", "-"),
     "inflight": ("in-flight duplicates (409)", "tab:orange", "-"),
     "state_api": ("state API claim+complete (direct)", "tab:purple", "-"),
+    "state_api_dup": ("state API claim of a completed key (direct)", "tab:olive", "--"),
     "pgbench": ("pgbench INSERT ON CONFLICT", "tab:red", ":"),
 }
 

@@ -16,6 +16,9 @@ use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+/// The first sequence number of the next client (each client counts up from it).
+static NEXT_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// One request to send.
 #[derive(Clone, Debug)]
 pub struct Req {
@@ -186,7 +189,8 @@ pub async fn run(
             let mut errors: BTreeMap<String, u64> = BTreeMap::new();
             let mut ok = 0u64;
             let mut reconnects = 0;
-            let mut seq = 0u64;
+            // Unique across runs and repeated runs of the process: keys made from it are never reused.
+            let mut seq = NEXT_SEQ.fetch_add(1 << 32, std::sync::atomic::Ordering::Relaxed);
             'outer: while Instant::now() < deadline {
                 let mut conn = match Conn::open(addr).await {
                     Ok(c) => c,

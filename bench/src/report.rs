@@ -30,6 +30,7 @@ pub struct Inputs {
     pub stack_dir: String,
     pub state_api_env: Vec<(String, String)>,
     pub storage: Option<Storage>,
+    pub envoy_stats: BTreeMap<String, BTreeMap<String, u64>>,
 }
 
 /// Size of the state API's table after the run.
@@ -76,11 +77,22 @@ pub struct Report {
     pub total_errors: u64,
     pub total_s: f64,
     pub storage: Option<Storage>,
+    /// Connection and request counters of the clusters, per Envoy (keep-alive check).
+    pub envoy_cluster_stats: BTreeMap<String, BTreeMap<String, u64>>,
 }
 
 fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a ScenarioResult> {
     rs.iter()
         .find(|r| r.scenario == scenario && r.connections == c)
+}
+
+/// The ratio cell of a row without a ratio: the baseline itself, or nothing to compare with.
+fn base(r: &ScenarioResult, own: &str) -> String {
+    if r.scenario == "plain" {
+        own.to_owned()
+    } else {
+        "-".to_owned()
+    }
 }
 
 fn f(v: f64, digits: usize) -> String {
@@ -95,7 +107,7 @@ impl Report {
     pub fn build(i: Inputs) -> Self {
         let mut ratios = Vec::new();
         for r in &i.results {
-            if r.scenario == "plain" {
+            if r.scenario == "plain" || r.scenario == "state_api_dup" {
                 continue;
             }
             if r.scenario == "state_api" {
@@ -268,6 +280,7 @@ impl Report {
             total_errors,
             total_s: i.total_s,
             storage: i.storage,
+            envoy_cluster_stats: i.envoy_stats,
         }
     }
 
@@ -291,10 +304,10 @@ impl Report {
                     f(r.p99_ms, 3),
                     ratio
                         .map(|x| f(x.rate_ratio, 2))
-                        .unwrap_or_else(|| "1.00".into()),
+                        .unwrap_or_else(|| base(r, "1.00")),
                     ratio
                         .map(|x| format!("{:+.3}", x.added_p50_ms))
-                        .unwrap_or_else(|| "0".into()),
+                        .unwrap_or_else(|| base(r, "0")),
                     r.error_count.to_string(),
                 ]);
             }
@@ -437,6 +450,14 @@ impl Report {
             self.wasm_bytes,
             self.wasm_bytes as f64 / 1024.0
         );
+        if !self.envoy_cluster_stats.is_empty() {
+            let _ = writeln!(out, "Envoy cluster counters at the end of the run (connections opened vs requests sent):\n");
+            for (envoy, stats) in &self.envoy_cluster_stats {
+                let list: Vec<String> = stats.iter().map(|(k, v)| format!("`{k}` {v}")).collect();
+                let _ = writeln!(out, "- {envoy}: {}", list.join(", "));
+            }
+            let _ = writeln!(out);
+        }
         let _ = writeln!(out, "## Where the CPU went (cores busy during each run)\n");
         let _ = writeln!(out, "| scenario | conns | Envoy worker | Envoy (all threads) | state API | checkout | Postgres | load gen | irq | other work | state API ms/claim | ms/complete |");
         let _ = writeln!(
