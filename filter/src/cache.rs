@@ -448,4 +448,86 @@ mod tests {
         assert_eq!(c.purge_expired(9_000), 1);
         assert_eq!((c.len(), c.bytes()), (0, 0));
     }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::HashMap as Model;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Insert(u8, u16, u16),
+            Pending(u8, u16),
+            Settle(u8, u16),
+            Get(u8),
+            Remove(u8),
+            Purge,
+            Advance(u16),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0..8u8, 0..3_000u16, 0..2_000u16).prop_map(|(k, b, e)| Op::Insert(k, b, e)),
+                (0..8u8, 0..3_000u16).prop_map(|(k, b)| Op::Pending(k, b)),
+                (0..8u8, 0..2_000u16).prop_map(|(k, e)| Op::Settle(k, e)),
+                (0..8u8).prop_map(Op::Get),
+                (0..8u8).prop_map(Op::Remove),
+                Just(Op::Purge),
+                (0..1_500u16).prop_map(Op::Advance),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn budget_expiry_and_use_order_always_hold(ops in prop::collection::vec(op(), 0..300)) {
+                const MAX: usize = 6_000;
+                const TTL: u64 = 1_000;
+                let mut c = ReplayCache::new(MAX as u64, TTL);
+                let mut now = 10_000u64;
+                // The latest deadline each key may be answered until (None: must not be).
+                let mut until: Model<u8, Option<u64>> = Model::new();
+                let key = |k: u8| id(&k.to_string(), "s", "e");
+                for op in ops {
+                    match op {
+                        Op::Insert(k, body, exp) => {
+                            c.insert(key(k), rec(usize::from(body)), now, u64::from(exp));
+                            until.insert(k, Some(now + u64::from(exp).min(TTL)));
+                        }
+                        Op::Pending(k, body) => {
+                            c.insert_pending(key(k), rec(usize::from(body)));
+                            until.insert(k, Some(u64::MAX));
+                        }
+                        Op::Settle(k, exp) => {
+                            let was_pending = c.entries.get(&Key(key(k))).is_some_and(|e| e.pending);
+                            c.settle(&key(k), now, u64::from(exp));
+                            if was_pending {
+                                until.insert(k, Some(now + u64::from(exp).min(TTL)));
+                            }
+                        }
+                        Op::Get(k) => {
+                            if c.get(&key(k), now).is_some() {
+                                let deadline = until.get(&k).copied().flatten();
+                                prop_assert!(deadline.is_some_and(|d| now < d), "answered past its deadline");
+                            }
+                        }
+                        Op::Remove(k) => {
+                            c.remove(&key(k));
+                            until.insert(k, None);
+                        }
+                        Op::Purge => {
+                            c.purge_expired(now);
+                        }
+                        Op::Advance(ms) => now += u64::from(ms),
+                    }
+                    let sum: usize = c.entries.values().map(|e| e.size).sum();
+                    prop_assert_eq!(c.bytes(), sum);
+                    prop_assert!(c.bytes() <= MAX);
+                    for (k, e) in &c.entries {
+                        prop_assert!(c.order.contains(&(k.0, e.used)), "an entry lost its place in the use order");
+                    }
+                }
+            }
+        }
+    }
 }

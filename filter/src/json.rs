@@ -673,4 +673,76 @@ mod tests {
             "unknown field `s`, expected one of `n`"
         );
     }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn to_serde(v: &Value) -> serde_json::Value {
+            match v {
+                Value::Null => serde_json::Value::Null,
+                Value::Bool(b) => (*b).into(),
+                Value::Int {
+                    negative: false,
+                    magnitude,
+                } => (*magnitude).into(),
+                Value::Int { .. } => v.as_i64().map_or(serde_json::Value::Null, Into::into),
+                Value::Str(s) => s.clone().into(),
+                Value::Array(items) => items.iter().map(to_serde).collect(),
+                Value::Object(members) => members
+                    .iter()
+                    .map(|(k, v)| (k.clone(), to_serde(v)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into(),
+            }
+        }
+
+        fn json() -> impl Strategy<Value = serde_json::Value> {
+            let leaf = prop_oneof![
+                Just(serde_json::Value::Null),
+                any::<bool>().prop_map(Into::into),
+                any::<i64>().prop_map(Into::into),
+                any::<u64>().prop_map(Into::into),
+                "\\PC{0,20}".prop_map(Into::into),
+                any::<String>().prop_map(Into::into),
+            ];
+            leaf.prop_recursive(4, 64, 8, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..8).prop_map(Into::into),
+                    prop::collection::btree_map("\\PC{0,8}", inner, 0..8)
+                        .prop_map(|m| m.into_iter().collect::<serde_json::Map<_, _>>().into()),
+                ]
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn reads_what_serde_json_writes(v in json(), pretty in any::<bool>()) {
+                let text = if pretty {
+                    serde_json::to_string_pretty(&v).unwrap()
+                } else {
+                    serde_json::to_string(&v).unwrap()
+                };
+                prop_assert_eq!(to_serde(&parse(text.as_bytes()).unwrap()), v);
+            }
+
+            #[test]
+            fn never_panics(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+                let _ = parse(&bytes);
+            }
+
+            #[test]
+            fn agrees_with_serde_json_on_documents_without_floats(s in "[\\[\\]{}\":,0-9a-z \\\\-]{0,24}") {
+                // serde_json reads integers beyond 64 bits as floats; this reader refuses them.
+                let floats = |b: &serde_json::Value| b.to_string().contains(['.', 'e']);
+                match (parse(s.as_bytes()), serde_json::from_str::<serde_json::Value>(&s)) {
+                    (Ok(a), Ok(b)) if !floats(&b) => prop_assert_eq!(to_serde(&a), b),
+                    (Ok(_), Ok(_)) | (Err(_), Err(_)) => {}
+                    (Err(e), Ok(b)) => prop_assert!(floats(&b), "{s:?}: ours {e}, serde_json {b}"),
+                    (Ok(a), Err(e)) => prop_assert!(false, "{s:?}: ours {a:?}, serde_json {e}"),
+                }
+            }
+        }
+    }
 }
