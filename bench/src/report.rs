@@ -77,6 +77,9 @@ pub struct Report {
     pub total_errors: u64,
     pub total_s: f64,
     pub storage: Option<Storage>,
+    /// bench/NOTES.md (the analysis written by hand), appended to docs/BENCH.md.
+    #[serde(skip)]
+    pub notes: Option<String>,
     /// Connection and request counters of the clusters, per Envoy (keep-alive check).
     pub envoy_cluster_stats: BTreeMap<String, BTreeMap<String, u64>>,
 }
@@ -281,6 +284,8 @@ impl Report {
             total_s: i.total_s,
             storage: i.storage,
             envoy_cluster_stats: i.envoy_stats,
+            notes: std::fs::read_to_string(stack::process::workspace_root().join("bench/NOTES.md"))
+                .ok(),
         }
     }
 
@@ -420,6 +425,14 @@ impl Report {
             "\n`x plain`: requests/s relative to the plain Envoy (router only) at the same number of connections; \
              for the state API, relative to pgbench's raw INSERT. `+p50 ms`: the same, for the median.\n"
         );
+        for r in self.ratios.iter().filter(|r| r.scenario == "state_api") {
+            let _ = writeln!(
+                out,
+                "State API at {} client(s): each claim+complete is two commits, so in commits it runs at {} of pgbench's single-INSERT rate.\n",
+                r.connections,
+                f(2.0 * r.rate_ratio, 2)
+            );
+        }
         let _ = writeln!(out, "## Goals\n");
         let _ = writeln!(out, "| goal | target | measured | |");
         let _ = writeln!(out, "|---|---|---|---|");
@@ -453,16 +466,27 @@ impl Report {
         if !self.envoy_cluster_stats.is_empty() {
             let _ = writeln!(out, "Envoy cluster counters at the end of the run (connections opened vs requests sent):\n");
             for (envoy, stats) in &self.envoy_cluster_stats {
-                let list: Vec<String> = stats.iter().map(|(k, v)| format!("`{k}` {v}")).collect();
+                let list: Vec<String> = stats
+                    .iter()
+                    .filter(|(_, v)| **v > 0)
+                    .map(|(k, v)| format!("`{k}` {v}"))
+                    .collect();
                 let _ = writeln!(out, "- {envoy}: {}", list.join(", "));
             }
             let _ = writeln!(out);
         }
-        let _ = writeln!(out, "## Where the CPU went (cores busy during each run)\n");
-        let _ = writeln!(out, "| scenario | conns | Envoy worker | Envoy (all threads) | state API | checkout | Postgres | load gen | irq | other work | state API ms/claim | ms/complete |");
+        let _ = writeln!(out, "## CPU per request\n");
         let _ = writeln!(
             out,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "Microseconds of CPU per correct answer, by process, during the measured window (from /proc; \
+             irq = interrupt and softirq time, mostly loopback TCP). With 2 cores shared by everything, the \
+             total bounds the throughput: 2 s of CPU per second / total. The state API columns on the right \
+             are its own mean time per request, from its /metrics histogram.\n"
+        );
+        let _ = writeln!(out, "| scenario | conns | Envoy µs | state API µs | checkout µs | Postgres µs | load gen µs | irq µs | total µs | Envoy worker busy | other work (cores) | state API ms/claim | ms/complete |");
+        let _ = writeln!(
+            out,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for r in &self.scenarios {
             let envoy_name = match r.scenario.as_str() {
@@ -470,14 +494,19 @@ impl Report {
                 "jwt" => "envoy-jwt",
                 _ => "envoy",
             };
-            let p = |k: &str| {
-                r.cpu
-                    .processes
-                    .get(k)
-                    .copied()
-                    .map(|v| f(v, 2))
-                    .unwrap_or_default()
-            };
+            let direct = r.scenario.starts_with("state_api");
+            let us = |cores: f64| cores / r.rate.max(1e-9) * 1e6;
+            let p = |k: &str| r.cpu.processes.get(k).copied().unwrap_or(0.0);
+            let envoy = if direct { 0.0 } else { p(envoy_name) };
+            let parts = [
+                envoy,
+                p("state-api"),
+                p("checkout"),
+                p("postgres"),
+                p("bench"),
+                r.cpu.irq_cores,
+            ];
+            let total: f64 = parts.iter().sum();
             let m = |k: &str| {
                 r.cpu
                     .state_api_mean_ms
@@ -486,7 +515,7 @@ impl Report {
                     .map(|v| f(v, 3))
                     .unwrap_or_else(|| "-".into())
             };
-            let worker = if r.scenario == "state_api" {
+            let worker = if direct {
                 "-".into()
             } else {
                 r.cpu
@@ -496,27 +525,22 @@ impl Report {
                     .map(|v| f(v, 2))
                     .unwrap_or_default()
             };
-            let envoy_all = if r.scenario == "state_api" {
-                "-".into()
-            } else {
-                p(envoy_name)
-            };
+            let cells: Vec<String> = parts.iter().map(|&c| f(us(c), 0)).collect();
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.label,
                 r.connections,
+                cells.join(" | "),
+                f(us(total), 0),
                 worker,
-                envoy_all,
-                p("state-api"),
-                p("checkout"),
-                p("postgres"),
-                p("bench"),
-                f(r.cpu.irq_cores, 2),
                 f(r.cpu.other_cores, 2),
                 m("claim"),
                 m("complete"),
             );
+        }
+        if let Some(notes) = &self.notes {
+            let _ = writeln!(out, "\n{}", notes.trim_end());
         }
         let _ = writeln!(out, "\n## How quiet the machine was\n");
         let _ = writeln!(
