@@ -74,13 +74,9 @@ fn text(bytes: Option<Vec<u8>>) -> Option<String> {
 
 impl Http {
     pub(crate) fn new(cfg: Option<Rc<Config>>, worker: Rc<Worker>) -> Self {
-        let flow = cfg.clone().map(|cfg| {
-            Flow::with_cache(
-                cfg,
-                Rc::clone(&worker.cache),
-                Rc::new(|| abi::now_ms().unwrap_or(0)),
-            )
-        });
+        let flow = cfg
+            .clone()
+            .map(|cfg| Flow::with_cache(cfg, Rc::clone(&worker.cache), Rc::clone(&worker.clock)));
         Self {
             cfg,
             flow,

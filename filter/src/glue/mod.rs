@@ -26,6 +26,8 @@ pub(crate) struct Worker {
     pub(crate) retries: std::cell::RefCell<crate::retry::Retries>,
     /// Completed records answered without a callout.
     pub(crate) cache: std::rc::Rc<std::cell::RefCell<crate::cache::ReplayCache>>,
+    /// The host's clock, for the flows.
+    pub(crate) clock: crate::flow::Clock,
 }
 
 impl Worker {
@@ -49,6 +51,7 @@ impl Worker {
                 cache_bytes,
                 cache_ttl_ms,
             ))),
+            clock: std::rc::Rc::new(|| abi::now_ms().unwrap_or(0)),
         }
     }
 }
