@@ -89,6 +89,45 @@ fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a Sc
         .find(|r| r.scenario == scenario && r.connections == c)
 }
 
+/// The commit the figures belong to, and whether the work tree had changes then.
+fn git_state() -> String {
+    let root = stack::process::workspace_root();
+    let run = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(&root)
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
+    };
+    let head = run(&["rev-parse", "--short", "HEAD"]);
+    let dirty = run(&[
+        "status",
+        "--porcelain",
+        "--",
+        "filter",
+        "state-api",
+        "contract",
+        "checkout",
+        "envoy",
+        "tests/src",
+    ]);
+    if dirty.is_empty() {
+        head
+    } else {
+        format!(
+            "{head} (work tree with uncommitted changes in: {})",
+            dirty
+                .lines()
+                .map(|l| l.get(3..).unwrap_or(l))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    }
+}
+
 /// The ratio cell of a row without a ratio: the baseline itself, or nothing to compare with.
 fn base(r: &ScenarioResult, own: &str) -> String {
     if r.scenario == "plain" {
@@ -256,6 +295,11 @@ impl Report {
             ("postgres", "private cluster, fsync=on, synchronous_commit=on".to_owned()),
             ("percentiles", "nearest rank over every correct answer in the window".to_owned()),
             ("stack_dir", i.stack_dir.clone()),
+            ("git", git_state()),
+            (
+                "filter_wasm",
+                std::env::var("FILTER_WASM").map(|p| format!("FILTER_WASM={p}")).unwrap_or_else(|_| "built from the work tree (make build-filter)".into()),
+            ),
             (
                 "state_api_settings",
                 if i.state_api_env.is_empty() {
