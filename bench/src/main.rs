@@ -541,6 +541,7 @@ fn real_main() -> Result<(), String> {
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
         .collect();
+    let stack_started = Instant::now();
     let stack = Stack::start(StackOptions {
         state_api_env: state_api_env.clone(),
         ..StackOptions::default()
@@ -577,7 +578,7 @@ fn real_main() -> Result<(), String> {
     };
     eprintln!(
         "bench: stack up in {:.1} s; logs in {}",
-        started.elapsed().as_secs_f64(),
+        stack_started.elapsed().as_secs_f64(),
         stack.dir.display()
     );
 

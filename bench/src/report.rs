@@ -596,6 +596,14 @@ impl Report {
             self.machine.get("max_other_work_cores_in_a_run").cloned().unwrap_or_default(),
         );
         let _ = writeln!(out, "## Method\n");
+        let _ = writeln!(
+            out,
+            "Run it with `make bench` (builds the release binaries and the filter first). Knobs, as environment \
+             variables: `BENCH_SECONDS` (8), `BENCH_WARMUP_SECONDS` (2), `BENCH_CONNECTIONS` (1,16), \
+             `BENCH_SCENARIOS` (plain,jwt,new,replay,inflight,state_api_dup,state_api,pgbench), \
+             `BENCH_STATE_API_ENV` (e.g. STATE_API_POOL_PING=false), `BENCH_QUIET_WAIT_SECONDS` (90: how long to \
+             wait for a quiet machine first), `BENCH_OUT` (docs).\n"
+        );
         for (k, v) in &self.method {
             if *k != "stack_dir" {
                 let _ = writeln!(out, "- {k}: {v}");
