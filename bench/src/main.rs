@@ -471,22 +471,22 @@ impl Bench {
         let (warmup, measure) = (self.warmup, self.measure);
         let procs = self.procs.clone();
         let port = self.state_api_port;
-        let (r, a, b) = self.rt.block_on(async move {
-            let p1 = procs.clone();
-            let snap_a = tokio::spawn(async move {
-                tokio::time::sleep(warmup).await;
-                Snapshot::take(&p1, port)
-            });
-            let p2 = procs.clone();
-            let snap_b = tokio::spawn(async move {
-                tokio::time::sleep(warmup + measure).await;
-                Snapshot::take(&p2, port)
-            });
-            let r = load::run(addr, connections, warmup, measure, op).await;
-            let a = snap_a.await.ok();
-            let b = snap_b.await.ok();
-            (r, a, b)
+        // The /proc readings run on their own threads, so they never stall the load loop.
+        let t0 = Instant::now();
+        let p1 = procs.clone();
+        let snap_a = std::thread::spawn(move || {
+            std::thread::sleep(warmup);
+            Snapshot::take(&p1, port)
         });
+        let p2 = procs;
+        let snap_b = std::thread::spawn(move || {
+            std::thread::sleep((t0 + warmup + measure).saturating_duration_since(Instant::now()));
+            Snapshot::take(&p2, port)
+        });
+        let r = self
+            .rt
+            .block_on(load::run(addr, connections, warmup, measure, op));
+        let (a, b) = (snap_a.join().ok(), snap_b.join().ok());
         let cpu = match (a, b) {
             (Some(a), Some(b)) => cpu_between(&a, &b, self.tck),
             _ => CpuUse::default(),
