@@ -552,7 +552,22 @@ fn real_main() -> Result<(), String> {
         &stack.dir,
         "envoy-plain",
     )?;
-    let jwt_template = stack::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl");
+    // BENCH_ENVOY_TEMPLATE: the filter's scenarios through an Envoy rendered from another
+    // template (same parameters), e.g. envoy.yaml.tmpl with a change to try.
+    let alt_envoy = match std::env::var("BENCH_ENVOY_TEMPLATE") {
+        Ok(t) => Some(Envoy::start_with_template(
+            std::path::Path::new(&t),
+            plain_params(&stack),
+            &stack.dir,
+            "envoy-alt",
+        )?),
+        Err(_) => None,
+    };
+    let filter_envoy = alt_envoy.as_ref().unwrap_or(&stack.envoy);
+    // BENCH_JWT_TEMPLATE: another jwt-only config to compare (e.g. with jwt_cache_config).
+    let jwt_template = std::env::var("BENCH_JWT_TEMPLATE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| stack::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"));
     let jwt =
         Envoy::start_with_template(&jwt_template, plain_params(&stack), &stack.dir, "envoy-jwt")?;
     let wasm_bytes = std::fs::metadata(stack::envoy::filter_wasm()?)
@@ -565,7 +580,7 @@ fn real_main() -> Result<(), String> {
     };
     let procs = Procs {
         named: vec![
-            ("envoy", find(stack.envoy.params.listen_port, "envoy")?),
+            ("envoy", find(filter_envoy.params.listen_port, "envoy")?),
             (
                 "envoy-plain",
                 find(plain.params.listen_port, "envoy-plain")?,
@@ -611,7 +626,7 @@ fn real_main() -> Result<(), String> {
             .map(|i| format!("{run_id}-replay-{i}"))
             .collect(),
     );
-    let envoy_addr = addr(stack.envoy.params.listen_port);
+    let envoy_addr = addr(filter_envoy.params.listen_port);
     bench.rt.block_on(async {
         let mut conn = Conn::open(envoy_addr).await?;
         for k in replay_keys.iter() {
@@ -849,7 +864,7 @@ fn real_main() -> Result<(), String> {
         });
     let mut envoy_stats = BTreeMap::new();
     for (name, envoy) in [
-        ("envoy", &stack.envoy),
+        ("envoy", filter_envoy),
         ("envoy-plain", &plain),
         ("envoy-jwt", &jwt),
     ] {

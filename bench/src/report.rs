@@ -297,6 +297,14 @@ impl Report {
             ("stack_dir", i.stack_dir.clone()),
             ("git", git_state()),
             (
+                "envoy_templates",
+                format!(
+                    "filter: {}; jwt-only: {}; plain: envoy/envoy-plain.yaml.tmpl",
+                    std::env::var("BENCH_ENVOY_TEMPLATE").unwrap_or_else(|_| "envoy/envoy.yaml.tmpl".into()),
+                    std::env::var("BENCH_JWT_TEMPLATE").unwrap_or_else(|_| "bench/envoy-jwt.yaml.tmpl".into())
+                ),
+            ),
+            (
                 "filter_wasm",
                 std::env::var("FILTER_WASM").map(|p| format!("FILTER_WASM={p}")).unwrap_or_else(|_| "built from the work tree (make build-filter)".into()),
             ),
