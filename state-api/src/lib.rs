@@ -67,7 +67,7 @@ impl AppState {
                 max_connections: config.pool_size,
                 acquire_timeout: config.acquire_timeout(),
                 statement_timeout_ms: config.statement_timeout_ms,
-                ping_before_use: config.pool_ping,
+                ping_when_idle: config.pool_ping.then(|| Duration::from_millis(config.pool_ping_idle_ms)),
             },
         )
         .map_err(StartError::DatabaseUrl)?;
