@@ -167,11 +167,17 @@ struct ClaimRow {
 }
 
 /// The columns of `ClaimRow`, for a row `r` read at time `c.now`.
+///
+/// A lease counts as run out only once the database server has been up for a whole lease (the
+/// row's own `lease_ms`): after an outage longer than the lease, a live owner gets that long to
+/// heartbeat (or store its outcome) before another edge's retry may reclaim its key and run the
+/// effect again.
 macro_rules! claim_cols {
     () => {
         "r.state, r.fencing_token, r.fingerprint_alg, r.fingerprint, \
          GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint AS lease_remaining_ms, \
-         (r.lease_expires_at <= c.now) AS lease_expired, \
+         (r.lease_expires_at <= c.now \
+          AND pg_postmaster_start_time() <= c.now - r.lease_ms * interval '1 millisecond') AS lease_expired, \
          (r.expires_at <= c.now AND (r.state = 'completed' OR r.lease_expires_at <= c.now)) AS retention_expired, \
          GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms, \
          r.response_status, r.response_headers, r.response_body, r.response_replayable"
@@ -184,8 +190,8 @@ const CLAIM_SQL: &str = concat!(
     "WITH ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
-             lease_expires_at, created_at, expires_at)
-        VALUES ($1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'),
+             lease_ms, lease_expires_at, created_at, expires_at)
+        VALUES ($1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
                 clock_timestamp() + $6::bigint * interval '1 millisecond',
                 clock_timestamp(),
                 clock_timestamp() + $7::bigint * interval '1 millisecond')
@@ -217,9 +223,11 @@ const READ_SQL: &str = concat!(
 const RECLAIM_SQL: &str = "
     UPDATE idempotency_records
     SET fencing_token = nextval('idempotency_fencing_token_seq'),
+        lease_ms = $3,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
     WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
       AND lease_expires_at <= clock_timestamp()
+      AND pg_postmaster_start_time() <= clock_timestamp() - lease_ms * interval '1 millisecond'
     RETURNING fencing_token";
 
 /// Reuse a record past its retention as if it were new (compare-and-set on the observed token).
@@ -228,6 +236,7 @@ const TAKE_OVER_SQL: &str = "
     SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6,
         state = 'in_progress',
         fencing_token = nextval('idempotency_fencing_token_seq'),
+        lease_ms = $7,
         lease_expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond',
         created_at = clock_timestamp(),
         completed_at = NULL,
@@ -241,7 +250,8 @@ const TAKE_OVER_SQL: &str = "
 
 const HEARTBEAT_SQL: &str = "
     UPDATE idempotency_records
-    SET lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+    SET lease_ms = $3,
+        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
     WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
     RETURNING fencing_token";
 

@@ -110,8 +110,7 @@ fn main() {
             "gap_other_envoy_retries_right_after_an_outage_longer_than_the_lease",
             short_lease(),
             gap_other_envoy_after_long_outage,
-        )
-        .with_ignored_flag(true),
+        ),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
