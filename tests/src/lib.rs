@@ -13,3 +13,4 @@ pub mod postgres;
 pub mod process;
 pub mod services;
 pub mod stack;
+pub mod testkit;

@@ -11,37 +11,16 @@
 //! `FAULT_SEED=<n>` repeats the random delays of a run.
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Arguments;
 use serde_json::json;
 use stack::client::{unique_key, Answer, Client, Request};
 use stack::faults::{executions_per_key, ledger, record_figures, DelayProxy, ProxyMode, Rng};
-use stack::stack::{token, Stack, StackOptions};
+use stack::stack::{Stack, StackOptions};
+use stack::testkit::*;
 
 const SUITE: &str = "chaos";
-
-fn block_on<F: Future<Output = ()>>(f: F) -> Result<(), Failed> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Failed::from(e.to_string()))?
-        .block_on(f);
-    Ok(())
-}
-
-fn own<F, Fut>(name: &'static str, options: StackOptions, body: F) -> Trial
-where
-    F: FnOnce(Stack) -> Fut + Send + 'static,
-    Fut: Future<Output = ()>,
-{
-    Trial::test(name, move || {
-        let stack = Stack::start(options).map_err(Failed::from)?;
-        block_on(body(stack))
-    })
-}
 
 /// A short lease, so tests that wait for one to run out stay short.
 fn short_lease() -> StackOptions {
@@ -117,47 +96,6 @@ fn main() {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-fn client(stack: &Stack) -> Client {
-    Client::new(&stack.envoy.url(""))
-}
-
-fn charge_body(amount: u64) -> serde_json::Value {
-    json!({"amount": amount, "currency": "BRL", "card": {"number": "4242424242424242", "exp": "12/30"}})
-}
-
-fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
-    Request::post("/checkout")
-        .token(&token(who))
-        .key(key)
-        .json(body)
-}
-
-async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
-    client(stack)
-        .charges_for_key(&stack.checkout.url(""), key)
-        .await
-}
-
-fn is_problem(answer: &Answer, status: u16, type_suffix: &str) -> bool {
-    answer.status == status
-        && answer
-            .problem_type()
-            .is_some_and(|t| t.ends_with(type_suffix))
-}
-
-fn assert_problem(answer: &Answer, status: u16, type_suffix: &str, stack: &Stack) {
-    assert!(
-        is_problem(answer, status, type_suffix),
-        "expected {status} …{type_suffix}, got {}\n{}",
-        answer.describe(),
-        stack.logs()
-    );
-}
-
-fn replayed(a: &Answer) -> bool {
-    a.header("idempotent-replayed").as_deref() == Some("true")
-}
 
 /// The answers a duplicate may get: the first execution's 201, its replay, or 409 in progress.
 fn classify(a: &Answer) -> &'static str {

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
-use sha2::{Digest, Sha256};
-use stack::client::{unique_key, Answer, Client, Request};
+use stack::client::{unique_key, Client, Request};
 use stack::stack::{token, Stack, StackOptions};
+use stack::testkit::*;
 
 /// The shared stack, or why it could not start (remembered, so it is not tried once per test).
 static SHARED: Mutex<Option<Result<Arc<Stack>, String>>> = Mutex::new(None);
@@ -22,16 +22,6 @@ fn shared_stack() -> Result<Arc<Stack>, Failed> {
     started.clone().map_err(Failed::from)
 }
 
-/// Runs an async test body on its own runtime.
-fn block_on<F: Future<Output = ()>>(f: F) -> Result<(), Failed> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Failed::from(e.to_string()))?
-        .block_on(f);
-    Ok(())
-}
 
 fn shared<F, Fut>(name: &'static str, body: F) -> Trial
 where
@@ -40,17 +30,6 @@ where
 {
     Trial::test(name, move || {
         let stack = shared_stack()?;
-        block_on(body(stack))
-    })
-}
-
-fn own<F, Fut>(name: &'static str, options: StackOptions, body: F) -> Trial
-where
-    F: FnOnce(Stack) -> Fut + Send + 'static,
-    Fut: Future<Output = ()>,
-{
-    Trial::test(name, move || {
-        let stack = Stack::start(options).map_err(Failed::from)?;
         block_on(body(stack))
     })
 }
@@ -95,36 +74,6 @@ fn main() {
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
-
-fn client(stack: &Stack) -> Client {
-    Client::new(&stack.envoy.url(""))
-}
-
-fn charge_body(amount: u64) -> serde_json::Value {
-    json!({"amount": amount, "currency": "BRL", "card": {"number": "4242424242424242", "exp": "12/30"}})
-}
-
-fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
-    Request::post("/checkout").token(&token(who)).key(key).json(body)
-}
-
-async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
-    client(stack).charges_for_key(&stack.checkout.url(""), key).await
-}
-
-fn assert_problem(answer: &Answer, status: u16, type_suffix: &str, stack: &Stack) {
-    assert_eq!(answer.status, status, "expected {status}, got {}\n{}", answer.describe(), stack.logs());
-    let t = answer.problem_type().unwrap_or_default();
-    assert!(t.ends_with(type_suffix), "expected a problem of type …{type_suffix}, got {}", answer.describe());
-    let doc = answer.json();
-    for member in ["type", "title", "detail"] {
-        assert!(doc.get(member).and_then(|v| v.as_str()).is_some_and(|s| !s.is_empty()), "problem without {member}: {doc}");
-    }
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
-}
 
 // ---------------------------------------------------------------------------------------------
 // Shared-stack tests

@@ -22,6 +22,7 @@ use stack::client::{unique_key, Answer, Client, Request};
 use stack::envoy::Envoy;
 use stack::faults::{raw_request, FakeClaim, FakeStateApi, RawAnswer};
 use stack::stack::{token, Stack, StackOptions, TEST_API_TOKEN, TEST_KEY_SECRET};
+use stack::testkit::*;
 
 // ---------------------------------------------------------------------------------------------
 // The environment shared by the cases: the stack, a fake state API and an Envoy pointed at it.
@@ -49,16 +50,6 @@ fn shared_env() -> Result<Arc<Env>, Failed> {
         }))
     });
     started.clone().map_err(Failed::from)
-}
-
-fn block_on<F: Future<Output = ()>>(f: F) -> Result<(), Failed> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Failed::from(e.to_string()))?
-        .block_on(f);
-    Ok(())
 }
 
 /// What a case saw: its final answer and how many times the checkout executed for it.
@@ -245,17 +236,6 @@ impl Env {
     }
 }
 
-fn charge_body(amount: u64) -> serde_json::Value {
-    json!({"amount": amount, "currency": "BRL", "card": {"number": "4242424242424242", "exp": "12/30"}})
-}
-
-fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
-    Request::post("/checkout")
-        .token(&token(who))
-        .key(key)
-        .json(body)
-}
-
 /// A POST /checkout as alice with a unique JSON body (returned, to count its executions) and
 /// this key header value.
 fn with_key(value: &str) -> (Request, Vec<u8>) {
@@ -300,13 +280,6 @@ fn json_post(key: &str, body: Vec<u8>) -> Request {
         .key(key)
         .header("content-type", "application/json")
         .body(body)
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 /// Sends two requests with one key; the second's answer is the case's.

@@ -1,0 +1,81 @@
+//! What the end-to-end, fault and hostile-input suites share: running an async test body, the
+//! demo's requests, and checks on answers.
+
+use std::future::Future;
+
+use libtest_mimic::{Failed, Trial};
+use sha2::{Digest, Sha256};
+
+use crate::client::{Answer, Client, Request};
+use crate::stack::{token, Stack, StackOptions};
+
+/// Runs an async test body on a runtime of its own.
+pub fn block_on<F: Future<Output = ()>>(f: F) -> Result<(), Failed> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Failed::from(e.to_string()))?
+        .block_on(f);
+    Ok(())
+}
+
+/// A test on a stack of its own (for tests that kill a part of it).
+pub fn own<F, Fut>(name: &'static str, options: StackOptions, body: F) -> Trial
+where
+    F: FnOnce(Stack) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    Trial::test(name, move || {
+        let stack = Stack::start(options).map_err(Failed::from)?;
+        block_on(body(stack))
+    })
+}
+
+/// A client of the stack's Envoy.
+pub fn client(stack: &Stack) -> Client {
+    Client::new(&stack.envoy.url(""))
+}
+
+/// A charge the demo checkout accepts.
+pub fn charge_body(amount: u64) -> serde_json::Value {
+    serde_json::json!({"amount": amount, "currency": "BRL", "card": {"number": "4242424242424242", "exp": "12/30"}})
+}
+
+/// `POST /checkout` with `key`, as the demo user `who`.
+pub fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
+    Request::post("/checkout").token(&token(who)).key(key).json(body)
+}
+
+/// What the checkout executed for `key`.
+pub async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
+    client(stack).charges_for_key(&stack.checkout.url(""), key).await
+}
+
+/// True for a problem document of this status whose type ends with `type_suffix`.
+pub fn is_problem(answer: &Answer, status: u16, type_suffix: &str) -> bool {
+    answer.status == status && answer.problem_type().is_some_and(|t| t.ends_with(type_suffix))
+}
+
+/// A problem document of this status and type, with the RFC 9457 members filled in.
+pub fn assert_problem(answer: &Answer, status: u16, type_suffix: &str, stack: &Stack) {
+    assert!(
+        is_problem(answer, status, type_suffix),
+        "expected {status} …{type_suffix}, got {}\n{}",
+        answer.describe(),
+        stack.logs()
+    );
+    let doc = answer.json();
+    for member in ["type", "title", "detail"] {
+        assert!(doc.get(member).and_then(|v| v.as_str()).is_some_and(|s| !s.is_empty()), "problem without {member}: {doc}");
+    }
+}
+
+/// True when the answer is a replay of a stored response.
+pub fn replayed(answer: &Answer) -> bool {
+    answer.header("idempotent-replayed").as_deref() == Some("true")
+}
+
+pub fn sha256_hex(data: &[u8]) -> String {
+    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
