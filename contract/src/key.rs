@@ -46,7 +46,10 @@ mod tests {
     #[test]
     fn rejects_empty_long_control_space_and_non_ascii() {
         assert_eq!(validate_key(""), Err(KeyError::Empty));
-        assert_eq!(validate_key(&"k".repeat(MAX_KEY_LEN + 1)), Err(KeyError::TooLong));
+        assert_eq!(
+            validate_key(&"k".repeat(MAX_KEY_LEN + 1)),
+            Err(KeyError::TooLong)
+        );
         assert_eq!(validate_key("a\u{7}b"), Err(KeyError::InvalidCharacter));
         assert_eq!(validate_key("a b"), Err(KeyError::InvalidCharacter));
         assert_eq!(validate_key("caf\u{e9}"), Err(KeyError::InvalidCharacter));

@@ -39,7 +39,9 @@ pub enum ProblemKind {
 impl ProblemKind {
     pub const fn status(self) -> u16 {
         match self {
-            Self::MissingKey | Self::InvalidKey | Self::DuplicateJsonMember | Self::BadRequest => 400,
+            Self::MissingKey | Self::InvalidKey | Self::DuplicateJsonMember | Self::BadRequest => {
+                400
+            }
             Self::Unauthenticated => 401,
             Self::NotFound => 404,
             Self::InProgress | Self::FencedOut | Self::OutcomeNotReplayable => 409,
@@ -78,7 +80,9 @@ impl ProblemKind {
             Self::PayloadTooLarge => "The payload is too large",
             Self::InProgress => "A request with this key is still being processed",
             Self::KeyReuseMismatch => "The key was already used for a different request",
-            Self::OutcomeNotReplayable => "The request completed but its response cannot be replayed",
+            Self::OutcomeNotReplayable => {
+                "The request completed but its response cannot be replayed"
+            }
             Self::FencedOut => "The claim was taken over by a newer owner",
             Self::NotFound => "No such record",
             Self::StateUnavailable => "Idempotency state is unavailable",

@@ -90,7 +90,12 @@ impl StoredResponse {
         } else {
             String::new()
         };
-        Self { status, headers, body_base64, replayable }
+        Self {
+            status,
+            headers,
+            body_base64,
+            replayable,
+        }
     }
 
     pub fn body(&self) -> Result<Vec<u8>, base64::DecodeError> {
@@ -146,11 +151,17 @@ pub struct WriteResponse {
 
 impl WriteResponse {
     pub fn completed(expires_in_ms: u64) -> Self {
-        Self { state: "completed".into(), expires_in_ms: Some(expires_in_ms) }
+        Self {
+            state: "completed".into(),
+            expires_in_ms: Some(expires_in_ms),
+        }
     }
 
     pub fn released() -> Self {
-        Self { state: "released".into(), expires_in_ms: None }
+        Self {
+            state: "released".into(),
+            expires_in_ms: None,
+        }
     }
 }
 
@@ -182,9 +193,15 @@ mod tests {
 
     #[test]
     fn claim_response_is_tagged_by_outcome() {
-        let json = serde_json::to_string(&ClaimResponse::InProgress { retry_after_s: 2, lease_remaining_ms: 1500 })
-            .unwrap_or_default();
-        assert_eq!(json, r#"{"outcome":"in_progress","retry_after_s":2,"lease_remaining_ms":1500}"#);
+        let json = serde_json::to_string(&ClaimResponse::InProgress {
+            retry_after_s: 2,
+            lease_remaining_ms: 1500,
+        })
+        .unwrap_or_default();
+        assert_eq!(
+            json,
+            r#"{"outcome":"in_progress","retry_after_s":2,"lease_remaining_ms":1500}"#
+        );
         let back: Result<ClaimResponse, _> = serde_json::from_str(r#"{"outcome":"mismatch"}"#);
         assert_eq!(back.ok(), Some(ClaimResponse::Mismatch));
     }
@@ -192,9 +209,15 @@ mod tests {
     #[test]
     fn stored_response_round_trips_body_bytes() {
         let body = [0u8, 159, 146, 150, 255];
-        let stored = StoredResponse::new(201, vec![("location".into(), "/charges/1".into())], &body, true);
+        let stored = StoredResponse::new(
+            201,
+            vec![("location".into(), "/charges/1".into())],
+            &body,
+            true,
+        );
         let json = serde_json::to_vec(&stored).unwrap_or_default();
-        let back: StoredResponse = serde_json::from_slice(&json).unwrap_or(StoredResponse::new(0, vec![], &[], false));
+        let back: StoredResponse =
+            serde_json::from_slice(&json).unwrap_or(StoredResponse::new(0, vec![], &[], false));
         assert_eq!(back.body().ok(), Some(body.to_vec()));
         assert_eq!(back, stored);
     }
@@ -206,7 +229,16 @@ mod tests {
             r#"{"outcome":"completed","response":{"status":200,"headers":[],"body_base64":"","replayable":true}}"#,
         )
         .unwrap_or(ClaimResponse::Mismatch);
-        assert!(matches!(old, ClaimResponse::Completed { expires_in_ms: None, .. }), "{old:?}");
+        assert!(
+            matches!(
+                old,
+                ClaimResponse::Completed {
+                    expires_in_ms: None,
+                    ..
+                }
+            ),
+            "{old:?}"
+        );
         let new = ClaimResponse::Completed {
             response: StoredResponse::new(200, vec![], b"", true),
             expires_in_ms: Some(86_399_000),
@@ -221,23 +253,27 @@ mod tests {
             r#"{"state":"released"}"#
         );
         assert_eq!(
-            serde_json::from_str::<WriteResponse>(r#"{"state":"completed","expires_in_ms":5}"#).ok(),
+            serde_json::from_str::<WriteResponse>(r#"{"state":"completed","expires_in_ms":5}"#)
+                .ok(),
             Some(WriteResponse::completed(5))
         );
     }
 
     #[test]
     fn answers_tolerate_members_added_later() {
-        let r: Result<HeartbeatResponse, _> = serde_json::from_str(r#"{"lease_ms":1,"future":[1]}"#);
+        let r: Result<HeartbeatResponse, _> =
+            serde_json::from_str(r#"{"lease_ms":1,"future":[1]}"#);
         assert_eq!(r.ok(), Some(HeartbeatResponse { lease_ms: 1 }));
-        let r: Result<ClaimResponse, _> = serde_json::from_str(r#"{"outcome":"mismatch","why":"x"}"#);
+        let r: Result<ClaimResponse, _> =
+            serde_json::from_str(r#"{"outcome":"mismatch","why":"x"}"#);
         assert_eq!(r.ok(), Some(ClaimResponse::Mismatch));
     }
 
     #[test]
     fn unknown_fields_are_rejected() {
-        let r: Result<ReleaseRequest, _> =
-            serde_json::from_str(r#"{"key":"k","subject":"s","endpoint":"e","token":1,"extra":true}"#);
+        let r: Result<ReleaseRequest, _> = serde_json::from_str(
+            r#"{"key":"k","subject":"s","endpoint":"e","token":1,"extra":true}"#,
+        );
         assert!(r.is_err());
     }
 }

@@ -67,7 +67,9 @@ impl AppState {
                 max_connections: config.pool_size,
                 acquire_timeout: config.acquire_timeout(),
                 statement_timeout_ms: config.statement_timeout_ms,
-                ping_when_idle: config.pool_ping.then(|| Duration::from_millis(config.pool_ping_idle_ms)),
+                ping_when_idle: config
+                    .pool_ping
+                    .then(|| Duration::from_millis(config.pool_ping_idle_ms)),
             },
         )
         .map_err(StartError::DatabaseUrl)?;

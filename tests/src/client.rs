@@ -15,7 +15,10 @@ pub struct Answer {
 
 impl Answer {
     pub fn header(&self, name: &str) -> Option<String> {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
     }
 
     pub fn header_count(&self, name: &str) -> usize {
@@ -35,11 +38,19 @@ impl Answer {
         if self.header("content-type").as_deref() != Some(contract::PROBLEM_CONTENT_TYPE) {
             return None;
         }
-        self.json().get("type").and_then(|t| t.as_str()).map(str::to_owned)
+        self.json()
+            .get("type")
+            .and_then(|t| t.as_str())
+            .map(str::to_owned)
     }
 
     pub fn describe(&self) -> String {
-        format!("{} {:?} {}", self.status, self.headers, self.text().chars().take(500).collect::<String>())
+        format!(
+            "{} {:?} {}",
+            self.status,
+            self.headers,
+            self.text().chars().take(500).collect::<String>()
+        )
     }
 }
 
@@ -53,11 +64,19 @@ pub struct Request {
 
 impl Request {
     pub fn post(path: &str) -> Self {
-        Self { method: reqwest::Method::POST, path: path.into(), headers: Vec::new(), body: reqwest::Body::from(Vec::new()) }
+        Self {
+            method: reqwest::Method::POST,
+            path: path.into(),
+            headers: Vec::new(),
+            body: reqwest::Body::from(Vec::new()),
+        }
     }
 
     pub fn get(path: &str) -> Self {
-        Self { method: reqwest::Method::GET, ..Self::post(path) }
+        Self {
+            method: reqwest::Method::GET,
+            ..Self::post(path)
+        }
     }
 
     pub fn header(mut self, name: &str, value: &str) -> Self {
@@ -74,7 +93,8 @@ impl Request {
     }
 
     pub fn json(self, body: &serde_json::Value) -> Self {
-        self.header("content-type", "application/json").body(serde_json::to_vec(body).unwrap_or_default())
+        self.header("content-type", "application/json")
+            .body(serde_json::to_vec(body).unwrap_or_default())
     }
 
     pub fn body(mut self, body: impl Into<reqwest::Body>) -> Self {
@@ -110,15 +130,22 @@ impl Client {
             .pool_max_idle_per_host(64)
             .build()
             .unwrap_or_else(|e| panic!("cannot build an HTTP client: {e}"));
-        Self { base: base.trim_end_matches('/').to_owned(), http }
+        Self {
+            base: base.trim_end_matches('/').to_owned(),
+            http,
+        }
     }
 
     pub async fn send(&self, req: Request) -> Answer {
-        self.try_send(req).await.unwrap_or_else(|e| panic!("request to {} failed: {e}", self.base))
+        self.try_send(req)
+            .await
+            .unwrap_or_else(|e| panic!("request to {} failed: {e}", self.base))
     }
 
     pub async fn try_send(&self, req: Request) -> Result<Answer, reqwest::Error> {
-        let mut builder = self.http.request(req.method, format!("{}{}", self.base, req.path));
+        let mut builder = self
+            .http
+            .request(req.method, format!("{}{}", self.base, req.path));
         for (k, v) in &req.headers {
             builder = builder.header(k, v);
         }
@@ -127,14 +154,22 @@ impl Client {
         let status = response.status().as_u16();
         let headers = response.headers().clone();
         let body = response.bytes().await?.to_vec();
-        Ok(Answer { status, headers, body, elapsed: started.elapsed() })
+        Ok(Answer {
+            status,
+            headers,
+            body,
+            elapsed: started.elapsed(),
+        })
     }
 
     /// Everything the checkout executed (`GET /charges` through Envoy, as alice).
     pub async fn charges_for_key(&self, checkout_base: &str, key: &str) -> Vec<serde_json::Value> {
-        let answer = Client { base: checkout_base.to_owned(), http: self.http.clone() }
-            .send(Request::get(&format!("/charges?key={}", urlencode(key))))
-            .await;
+        let answer = Client {
+            base: checkout_base.to_owned(),
+            http: self.http.clone(),
+        }
+        .send(Request::get(&format!("/charges?key={}", urlencode(key))))
+        .await;
         answer.json().as_array().cloned().unwrap_or_default()
     }
 }
@@ -143,7 +178,9 @@ impl Client {
 pub fn urlencode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
             _ => format!("%{b:02X}"),
         })
         .collect()
@@ -153,6 +190,13 @@ pub fn urlencode(s: &str) -> String {
 pub fn unique_key(label: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("{label}-{}-{nanos}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst))
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{label}-{}-{nanos}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    )
 }

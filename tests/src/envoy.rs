@@ -15,7 +15,11 @@ pub const ENVOY_VERSION: &str = "1.40.0";
 pub fn envoy_binary() -> Result<PathBuf, String> {
     if let Ok(p) = std::env::var("ENVOY_BIN") {
         let p = PathBuf::from(p);
-        return if p.is_file() { Ok(p) } else { Err(format!("ENVOY_BIN={} does not exist", p.display())) };
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("ENVOY_BIN={} does not exist", p.display()))
+        };
     }
     let venv = workspace_root().join(".venv/bin/envoy");
     if venv.is_file() {
@@ -34,10 +38,14 @@ pub fn envoy_binary() -> Result<PathBuf, String> {
 
 /// The filter module built by `make build-filter`, or `FILTER_WASM`.
 pub fn filter_wasm() -> Result<PathBuf, String> {
-    let p = std::env::var("FILTER_WASM").map(PathBuf::from).unwrap_or_else(|_| {
-        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| workspace_root().join("target"));
-        target.join("wasm32-wasip1/release/filter.wasm")
-    });
+    let p = std::env::var("FILTER_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            let target = std::env::var("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|_| workspace_root().join("target"));
+            target.join("wasm32-wasip1/release/filter.wasm")
+        });
     if p.is_file() {
         Ok(p)
     } else {
@@ -80,7 +88,10 @@ impl EnvoyParams {
             ("STATE_API_HOST", self.state_api_host.clone()),
             ("STATE_API_PORT", self.state_api_port.to_string()),
             ("STATE_API_TOKEN", self.state_api_token.clone()),
-            ("STATE_API_TIMEOUT_MS", self.state_api_timeout_ms.to_string()),
+            (
+                "STATE_API_TIMEOUT_MS",
+                self.state_api_timeout_ms.to_string(),
+            ),
             ("LEASE_MS", self.lease_ms.to_string()),
             ("HEARTBEAT_MS", self.heartbeat_ms.to_string()),
             ("FILTER_WASM", self.filter_wasm.clone()),
@@ -127,9 +138,13 @@ pub fn render(template: &str, params: &EnvoyParams) -> Result<String, String> {
     while let Some(start) = rest.find("{{") {
         out.push_str(&rest[..start]);
         let after = &rest[start + 2..];
-        let end = after.find("}}").ok_or_else(|| "unclosed {{ in the Envoy template".to_owned())?;
+        let end = after
+            .find("}}")
+            .ok_or_else(|| "unclosed {{ in the Envoy template".to_owned())?;
         let name = &after[..end];
-        let value = values.get(name).ok_or_else(|| format!("unknown placeholder {{{{{name}}}}} in the Envoy template"))?;
+        let value = values
+            .get(name)
+            .ok_or_else(|| format!("unknown placeholder {{{{{name}}}}} in the Envoy template"))?;
         out.push_str(value);
         rest = &after[end + 2..];
     }
@@ -152,13 +167,19 @@ impl Envoy {
     }
 
     /// The same with another template (e.g. [`plain_template_path`]).
-    pub fn start_with_template(template: &Path, params: EnvoyParams, dir: &Path, name: &str) -> Result<Self, String> {
+    pub fn start_with_template(
+        template: &Path,
+        params: EnvoyParams,
+        dir: &Path,
+        name: &str,
+    ) -> Result<Self, String> {
         let bin = envoy_binary()?;
         let template = std::fs::read_to_string(template)
             .map_err(|e| format!("cannot read the Envoy template {}: {e}", template.display()))?;
         let config = render(&template, &params)?;
         let config_path = dir.join(format!("{name}.yaml"));
-        std::fs::write(&config_path, config).map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
+        std::fs::write(&config_path, config)
+            .map_err(|e| format!("cannot write {}: {e}", config_path.display()))?;
         let log_path = dir.join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
@@ -166,29 +187,46 @@ impl Envoy {
         cmd.arg("-c")
             .arg(&config_path)
             // One worker, like the benchmark; no hot-restart shared memory, so several Envoys can run.
-            .args(["--concurrency", "1", "--log-level", "info", "--disable-hot-restart"])
+            .args([
+                "--concurrency",
+                "1",
+                "--log-level",
+                "info",
+                "--disable-hot-restart",
+            ])
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
         let child = ChildGuard::spawn(name, &mut cmd)?;
-        let mut envoy = Self { params, config_path, log_path, child };
+        let mut envoy = Self {
+            params,
+            config_path,
+            log_path,
+            child,
+        };
         envoy.wait_ready(Duration::from_secs(30))?;
         Ok(envoy)
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
         let deadline = std::time::Instant::now() + timeout;
-        wait_for_port(self.params.admin_port, timeout).map_err(|e| format!("{e}\n{}", self.log_tail()))?;
+        wait_for_port(self.params.admin_port, timeout)
+            .map_err(|e| format!("{e}\n{}", self.log_tail()))?;
         while std::time::Instant::now() < deadline {
             if !self.child.is_running() {
                 return Err(format!("Envoy exited during start-up\n{}", self.log_tail()));
             }
-            if wait_for_port(self.params.listen_port, Duration::from_millis(100)).is_ok() && self.admin_get("/ready").is_ok_and(|b| b.trim() == "LIVE") {
+            if wait_for_port(self.params.listen_port, Duration::from_millis(100)).is_ok()
+                && self.admin_get("/ready").is_ok_and(|b| b.trim() == "LIVE")
+            {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Err(format!("Envoy was not ready within {timeout:?}\n{}", self.log_tail()))
+        Err(format!(
+            "Envoy was not ready within {timeout:?}\n{}",
+            self.log_tail()
+        ))
     }
 
     /// A blocking GET on the admin port (the admin server speaks plain HTTP/1.1).
@@ -219,7 +257,9 @@ impl Envoy {
 
     /// Counter value from `/stats?filter=...` (exact stat name), 0 when absent.
     pub fn counter(&self, name: &str) -> u64 {
-        let body = self.admin_get(&format!("/stats?filter=^{name}$")).unwrap_or_default();
+        let body = self
+            .admin_get(&format!("/stats?filter=^{name}$"))
+            .unwrap_or_default();
         body.lines()
             .filter_map(|l| l.split_once(": "))
             .find(|(k, _)| *k == name)
@@ -232,8 +272,13 @@ impl Envoy {
 pub fn http_get_blocking(port: u16, path: &str) -> Result<String, String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&buf).into_owned();
@@ -242,7 +287,10 @@ pub fn http_get_blocking(port: u16, path: &str) -> Result<String, String> {
     if status_line.split_whitespace().nth(1) != Some("200") {
         return Err(status_line.to_owned());
     }
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         return Ok(dechunk(body));
     }
     Ok(body.to_owned())
@@ -252,7 +300,8 @@ pub fn http_get_blocking(port: u16, path: &str) -> Result<String, String> {
 fn dechunk(mut body: &str) -> String {
     let mut out = String::new();
     while let Some((size_line, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16).unwrap_or(0);
+        let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("0").trim(), 16)
+            .unwrap_or(0);
         if size == 0 || rest.len() < size {
             break;
         }
@@ -289,7 +338,12 @@ mod tests {
     fn template_renders_without_leftover_placeholders() {
         let template = std::fs::read_to_string(template_path()).unwrap_or_default();
         let rendered = render(&template, &params());
-        assert!(rendered.as_ref().is_ok_and(|r| !r.contains("{{") && r.contains("port_value: 10000")), "{rendered:?}");
+        assert!(
+            rendered
+                .as_ref()
+                .is_ok_and(|r| !r.contains("{{") && r.contains("port_value: 10000")),
+            "{rendered:?}"
+        );
     }
 
     /// envoy/envoy-docker.yaml must be the template rendered for docker-compose.
@@ -299,7 +353,8 @@ mod tests {
         let template = std::fs::read_to_string(template_path()).unwrap_or_default();
         let rendered = render(&template, &docker_params()).unwrap_or_default();
         let path = workspace_root().join("envoy/envoy-docker.yaml");
-        let header = "# GENERATED from envoy/envoy.yaml.tmpl for docker-compose.yml: do not edit.\n\
+        let header =
+            "# GENERATED from envoy/envoy.yaml.tmpl for docker-compose.yml: do not edit.\n\
                       # Regenerate: UPDATE_ENVOY_DOCKER=1 cargo test -p stack --lib\n";
         let expected = format!("{header}{rendered}");
         if std::env::var("UPDATE_ENVOY_DOCKER").is_ok() {
@@ -314,7 +369,9 @@ mod tests {
         let template = std::fs::read_to_string(plain_template_path()).unwrap_or_default();
         let rendered = render(&template, &params());
         assert!(
-            rendered.as_ref().is_ok_and(|r| !r.contains("{{") && r.contains("port_value: 10000") && !r.contains("wasm")),
+            rendered.as_ref().is_ok_and(|r| !r.contains("{{")
+                && r.contains("port_value: 10000")
+                && !r.contains("wasm")),
             "{rendered:?}"
         );
     }

@@ -21,5 +21,7 @@ pub fn wait_for_port(port: u16, timeout: Duration) -> Result<(), String> {
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    Err(format!("nothing listened on 127.0.0.1:{port} within {timeout:?}"))
+    Err(format!(
+        "nothing listened on 127.0.0.1:{port} within {timeout:?}"
+    ))
 }

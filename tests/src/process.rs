@@ -12,8 +12,13 @@ pub struct ChildGuard {
 
 impl ChildGuard {
     pub fn spawn(name: &str, cmd: &mut Command) -> Result<Self, String> {
-        let child = cmd.spawn().map_err(|e| format!("cannot start {name} ({cmd:?}): {e}"))?;
-        Ok(Self { name: name.to_owned(), child: Some(child) })
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {name} ({cmd:?}): {e}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child: Some(child),
+        })
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -31,7 +36,10 @@ impl ChildGuard {
     /// SIGTERM, then wait up to `grace` for a clean exit, then SIGKILL.
     pub fn terminate(&mut self, grace: std::time::Duration) {
         if let Some(c) = self.child.as_mut() {
-            let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
             let deadline = std::time::Instant::now() + grace;
             while std::time::Instant::now() < deadline {
                 if let Ok(Some(_)) = c.try_wait() {
@@ -88,7 +96,14 @@ pub fn workspace_binary(name: &str) -> Result<PathBuf, String> {
 /// The last lines of a log file (each cut to 300 characters), for failure messages.
 pub fn log_tail(path: &std::path::Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<String> = text.lines().map(|l| l.chars().take(300).collect()).collect();
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| l.chars().take(300).collect())
+        .collect();
     let from = lines.len().saturating_sub(30);
-    format!("--- last lines of {} ---\n{}", path.display(), lines[from..].join("\n"))
+    format!(
+        "--- last lines of {} ---\n{}",
+        path.display(),
+        lines[from..].join("\n")
+    )
 }

@@ -17,19 +17,37 @@ pub struct Service {
 }
 
 impl Service {
-    fn start(name: &str, port: u16, envs: &[(&str, String)], dir: &Path, ready_path: &str) -> Result<Self, String> {
+    fn start(
+        name: &str,
+        port: u16,
+        envs: &[(&str, String)],
+        dir: &Path,
+        ready_path: &str,
+    ) -> Result<Self, String> {
         let bin = workspace_binary(name)?;
         let log_path = dir.join(format!("{name}-{port}.log"));
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).map_err(|e| e.to_string())?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| e.to_string())?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
         let mut cmd = Command::new(bin);
         cmd.envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RUST_LOG", std::env::var("STACK_RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("STACK_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
         let child = ChildGuard::spawn(name, &mut cmd)?;
-        let mut service = Self { name: name.to_owned(), port, log_path, child };
+        let mut service = Self {
+            name: name.to_owned(),
+            port,
+            log_path,
+            child,
+        };
         service.wait_ready(ready_path, Duration::from_secs(30))?;
         Ok(service)
     }
@@ -38,14 +56,25 @@ impl Service {
         let deadline = std::time::Instant::now() + timeout;
         while std::time::Instant::now() < deadline {
             if !self.child.is_running() {
-                return Err(format!("{} exited during start-up\n{}", self.name, self.log_tail()));
+                return Err(format!(
+                    "{} exited during start-up\n{}",
+                    self.name,
+                    self.log_tail()
+                ));
             }
-            if wait_for_port(self.port, Duration::from_millis(100)).is_ok() && http_get_blocking(self.port, path).is_ok() {
+            if wait_for_port(self.port, Duration::from_millis(100)).is_ok()
+                && http_get_blocking(self.port, path).is_ok()
+            {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Err(format!("{} was not ready on :{} within {timeout:?}\n{}", self.name, self.port, self.log_tail()))
+        Err(format!(
+            "{} was not ready on :{} within {timeout:?}\n{}",
+            self.name,
+            self.port,
+            self.log_tail()
+        ))
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -92,5 +121,11 @@ pub fn start_state_api(s: &StateApiSettings, dir: &Path) -> Result<Service, Stri
 }
 
 pub fn start_checkout(port: u16, dir: &Path) -> Result<Service, String> {
-    Service::start("checkout", port, &[("CHECKOUT_LISTEN", format!("127.0.0.1:{port}"))], dir, "/healthz")
+    Service::start(
+        "checkout",
+        port,
+        &[("CHECKOUT_LISTEN", format!("127.0.0.1:{port}"))],
+        dir,
+        "/healthz",
+    )
 }

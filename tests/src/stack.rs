@@ -25,7 +25,12 @@ pub struct StackOptions {
 
 impl Default for StackOptions {
     fn default() -> Self {
-        Self { lease_ms: 30_000, heartbeat_ms: 10_000, state_api_timeout_ms: 1_000, state_api_env: Vec::new() }
+        Self {
+            lease_ms: 30_000,
+            heartbeat_ms: 10_000,
+            state_api_timeout_ms: 1_000,
+            state_api_env: Vec::new(),
+        }
     }
 }
 
@@ -46,13 +51,32 @@ impl Stack {
         let postgres = TempCluster::start()?;
         // Its own database, so stacks stay apart even on a shared DATABASE_URL server.
         let database_url = postgres.fresh_database("stack")?;
-        let state_api = start_state_api(&Self::state_api_settings(&options, &database_url, free_port()), &dir)?;
+        let state_api = start_state_api(
+            &Self::state_api_settings(&options, &database_url, free_port()),
+            &dir,
+        )?;
         let checkout = start_checkout(free_port(), &dir)?;
-        let envoy = Envoy::start(Self::envoy_params(&options, state_api.port, checkout.port)?, &dir, "envoy")?;
-        Ok(Self { options, dir, postgres, database_url, state_api, checkout, envoy })
+        let envoy = Envoy::start(
+            Self::envoy_params(&options, state_api.port, checkout.port)?,
+            &dir,
+            "envoy",
+        )?;
+        Ok(Self {
+            options,
+            dir,
+            postgres,
+            database_url,
+            state_api,
+            checkout,
+            envoy,
+        })
     }
 
-    fn state_api_settings(options: &StackOptions, database_url: &str, port: u16) -> StateApiSettings {
+    fn state_api_settings(
+        options: &StackOptions,
+        database_url: &str,
+        port: u16,
+    ) -> StateApiSettings {
         StateApiSettings {
             port,
             database_url: database_url.to_owned(),
@@ -62,7 +86,11 @@ impl Stack {
         }
     }
 
-    fn envoy_params(options: &StackOptions, state_api_port: u16, checkout_port: u16) -> Result<EnvoyParams, String> {
+    fn envoy_params(
+        options: &StackOptions,
+        state_api_port: u16,
+        checkout_port: u16,
+    ) -> Result<EnvoyParams, String> {
         Ok(EnvoyParams {
             listen_address: "127.0.0.1".into(),
             listen_port: free_port(),
@@ -77,26 +105,37 @@ impl Stack {
             lease_ms: options.lease_ms,
             heartbeat_ms: options.heartbeat_ms,
             filter_wasm: filter_wasm()?.display().to_string(),
-            jwks_path: workspace_root().join("envoy/demo-jwks.json").display().to_string(),
+            jwks_path: workspace_root()
+                .join("envoy/demo-jwks.json")
+                .display()
+                .to_string(),
         })
     }
 
     /// Another state API process on the same database (how users scale out).
     pub fn start_extra_state_api(&self) -> Result<Service, String> {
-        start_state_api(&Self::state_api_settings(&self.options, &self.database_url, free_port()), &self.dir)
+        start_state_api(
+            &Self::state_api_settings(&self.options, &self.database_url, free_port()),
+            &self.dir,
+        )
     }
 
     /// Starts the state API again on its old port (after a kill).
     pub fn restart_state_api(&mut self) -> Result<(), String> {
         self.state_api.kill();
-        let settings = Self::state_api_settings(&self.options, &self.database_url, self.state_api.port);
+        let settings =
+            Self::state_api_settings(&self.options, &self.database_url, self.state_api.port);
         self.state_api = start_state_api(&settings, &self.dir)?;
         Ok(())
     }
 
     /// Another Envoy with the filter, talking to the given state API (and the same checkout).
     pub fn start_extra_envoy(&self, state_api_port: u16, name: &str) -> Result<Envoy, String> {
-        Envoy::start(Self::envoy_params(&self.options, state_api_port, self.checkout.port)?, &self.dir, name)
+        Envoy::start(
+            Self::envoy_params(&self.options, state_api_port, self.checkout.port)?,
+            &self.dir,
+            name,
+        )
     }
 
     /// Starts Envoy again with the same config and ports (after a kill).
@@ -108,7 +147,12 @@ impl Stack {
 
     /// Logs of every part, for a failure message.
     pub fn logs(&self) -> String {
-        format!("{}\n{}\n{}", self.envoy.log_tail(), self.state_api.log_tail(), self.checkout.log_tail())
+        format!(
+            "{}\n{}\n{}",
+            self.envoy.log_tail(),
+            self.state_api.log_tail(),
+            self.checkout.log_tail()
+        )
     }
 }
 
@@ -116,8 +160,14 @@ impl Stack {
 pub fn run_dir(prefix: &str) -> Result<PathBuf, String> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static SEQ: AtomicU32 = AtomicU32::new(0);
-    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| workspace_root().join("target"));
-    let dir = target.join("stack-runs").join(format!("{prefix}-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::SeqCst)));
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join("target"));
+    let dir = target.join("stack-runs").join(format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     Ok(dir)
 }
@@ -126,7 +176,10 @@ pub fn run_dir(prefix: &str) -> Result<PathBuf, String> {
 /// (`tests/fixtures/tokens.json`: expired, wrong_key, wrong_issuer, wrong_audience, tampered, carol).
 pub fn token(name: &str) -> String {
     let read = |path: PathBuf| -> serde_json::Value {
-        std::fs::read_to_string(path).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default()
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok())
+            .unwrap_or_default()
     };
     let demo = read(workspace_root().join("envoy/demo-tokens.json"));
     let fixtures = read(workspace_root().join("tests/fixtures/tokens.json"));
@@ -134,5 +187,7 @@ pub fn token(name: &str) -> String {
         .or_else(|| fixtures.get(name))
         .and_then(|v| v.as_str())
         .map(str::to_owned)
-        .unwrap_or_else(|| panic!("no token named {name} in envoy/demo-tokens.json or tests/fixtures/tokens.json"))
+        .unwrap_or_else(|| {
+            panic!("no token named {name} in envoy/demo-tokens.json or tests/fixtures/tokens.json")
+        })
 }

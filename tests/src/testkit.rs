@@ -44,17 +44,25 @@ pub fn charge_body(amount: u64) -> serde_json::Value {
 
 /// `POST /checkout` with `key`, as the demo user `who`.
 pub fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
-    Request::post("/checkout").token(&token(who)).key(key).json(body)
+    Request::post("/checkout")
+        .token(&token(who))
+        .key(key)
+        .json(body)
 }
 
 /// What the checkout executed for `key`.
 pub async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
-    client(stack).charges_for_key(&stack.checkout.url(""), key).await
+    client(stack)
+        .charges_for_key(&stack.checkout.url(""), key)
+        .await
 }
 
 /// True for a problem document of this status whose type ends with `type_suffix`.
 pub fn is_problem(answer: &Answer, status: u16, type_suffix: &str) -> bool {
-    answer.status == status && answer.problem_type().is_some_and(|t| t.ends_with(type_suffix))
+    answer.status == status
+        && answer
+            .problem_type()
+            .is_some_and(|t| t.ends_with(type_suffix))
 }
 
 /// A problem document of this status and type, with the RFC 9457 members filled in.
@@ -67,7 +75,12 @@ pub fn assert_problem(answer: &Answer, status: u16, type_suffix: &str, stack: &S
     );
     let doc = answer.json();
     for member in ["type", "title", "detail"] {
-        assert!(doc.get(member).and_then(|v| v.as_str()).is_some_and(|s| !s.is_empty()), "problem without {member}: {doc}");
+        assert!(
+            doc.get(member)
+                .and_then(|v| v.as_str())
+                .is_some_and(|s| !s.is_empty()),
+            "problem without {member}: {doc}"
+        );
     }
 }
 
@@ -77,5 +90,8 @@ pub fn replayed(answer: &Answer) -> bool {
 }
 
 pub fn sha256_hex(data: &[u8]) -> String {
-    Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }

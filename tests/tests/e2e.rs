@@ -17,11 +17,12 @@ use stack::testkit::*;
 static SHARED: Mutex<Option<Result<Arc<Stack>, String>>> = Mutex::new(None);
 
 fn shared_stack() -> Result<Arc<Stack>, Failed> {
-    let mut guard = SHARED.lock().map_err(|_| Failed::from("shared stack lock poisoned"))?;
+    let mut guard = SHARED
+        .lock()
+        .map_err(|_| Failed::from("shared stack lock poisoned"))?;
     let started = guard.get_or_insert_with(|| Stack::start(StackOptions::default()).map(Arc::new));
     started.clone().map_err(Failed::from)
 }
-
 
 fn shared<F, Fut>(name: &'static str, body: F) -> Trial
 where
@@ -37,32 +38,82 @@ where
 fn main() {
     let args = Arguments::from_args();
     let trials = vec![
-        shared("first_request_executes_and_retry_replays", first_request_executes_and_retry_replays),
-        shared("duplicates_during_a_slow_request_get_409_at_once", duplicates_during_a_slow_request_get_409_at_once),
-        shared("key_order_and_whitespace_do_not_matter_nested_change_is_422", key_order_and_whitespace_do_not_matter_nested_change_is_422),
-        shared("subjects_and_endpoints_are_isolated", subjects_and_endpoints_are_isolated),
-        shared("forged_subject_header_changes_nothing", forged_subject_header_changes_nothing),
+        shared(
+            "first_request_executes_and_retry_replays",
+            first_request_executes_and_retry_replays,
+        ),
+        shared(
+            "duplicates_during_a_slow_request_get_409_at_once",
+            duplicates_during_a_slow_request_get_409_at_once,
+        ),
+        shared(
+            "key_order_and_whitespace_do_not_matter_nested_change_is_422",
+            key_order_and_whitespace_do_not_matter_nested_change_is_422,
+        ),
+        shared(
+            "subjects_and_endpoints_are_isolated",
+            subjects_and_endpoints_are_isolated,
+        ),
+        shared(
+            "forged_subject_header_changes_nothing",
+            forged_subject_header_changes_nothing,
+        ),
         shared("bad_keys_get_400_problems", bad_keys_get_400_problems),
-        shared("missing_or_bad_tokens_get_401", missing_or_bad_tokens_get_401),
-        shared("bodies_over_the_limit_get_413_and_at_the_limit_pass", bodies_over_the_limit_get_413_and_at_the_limit_pass),
-        shared("declined_card_is_replayed_not_rerun", declined_card_is_replayed_not_rerun),
-        shared("multi_chunk_bodies_reach_the_upstream_whole_http1", |s| multi_chunk_bodies_arrive_whole(s, false)),
-        shared("multi_chunk_bodies_reach_the_upstream_whole_http2", |s| multi_chunk_bodies_arrive_whole(s, true)),
-        shared("hostile_bodies_do_not_kill_the_filter", hostile_bodies_do_not_kill_the_filter),
-        shared("unprotected_routes_pass_through", unprotected_routes_pass_through),
-        own("dead_state_api_gives_503_and_no_upstream_call", StackOptions::default(), dead_state_api_gives_503_and_no_upstream_call),
+        shared(
+            "missing_or_bad_tokens_get_401",
+            missing_or_bad_tokens_get_401,
+        ),
+        shared(
+            "bodies_over_the_limit_get_413_and_at_the_limit_pass",
+            bodies_over_the_limit_get_413_and_at_the_limit_pass,
+        ),
+        shared(
+            "declined_card_is_replayed_not_rerun",
+            declined_card_is_replayed_not_rerun,
+        ),
+        shared("multi_chunk_bodies_reach_the_upstream_whole_http1", |s| {
+            multi_chunk_bodies_arrive_whole(s, false)
+        }),
+        shared("multi_chunk_bodies_reach_the_upstream_whole_http2", |s| {
+            multi_chunk_bodies_arrive_whole(s, true)
+        }),
+        shared(
+            "hostile_bodies_do_not_kill_the_filter",
+            hostile_bodies_do_not_kill_the_filter,
+        ),
+        shared(
+            "unprotected_routes_pass_through",
+            unprotected_routes_pass_through,
+        ),
+        own(
+            "dead_state_api_gives_503_and_no_upstream_call",
+            StackOptions::default(),
+            dead_state_api_gives_503_and_no_upstream_call,
+        ),
         own(
             "key_of_a_killed_envoy_is_409_until_its_lease_ends_then_reclaimable",
             // Long enough that Envoy's restart on a loaded machine ends well inside the lease.
-            StackOptions { lease_ms: 8_000, heartbeat_ms: 1_000, ..StackOptions::default() },
+            StackOptions {
+                lease_ms: 8_000,
+                heartbeat_ms: 1_000,
+                ..StackOptions::default()
+            },
             key_of_a_killed_envoy_is_409_until_its_lease_ends,
         ),
         own(
             "heartbeats_keep_a_slow_request_from_being_reclaimed",
-            StackOptions { lease_ms: 2_000, heartbeat_ms: 500, ..StackOptions::default() },
+            StackOptions {
+                lease_ms: 2_000,
+                heartbeat_ms: 500,
+                ..StackOptions::default()
+            },
             heartbeats_keep_a_slow_request_from_being_reclaimed,
         ),
-        own("replay_cache_keeps_422_and_isolation_and_answers_while_the_state_api_is_down", StackOptions::default(), replay_cache_answers_cached_keys_only),
+        own(
+            "replay_cache_keeps_422_and_isolation_and_answers_while_the_state_api_is_down",
+            StackOptions::default(),
+            replay_cache_answers_cached_keys_only,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
     // Stop the shared stack's processes before exiting (statics are never dropped).
@@ -84,16 +135,28 @@ async fn first_request_executes_and_retry_replays(stack: Arc<Stack>) {
     let body = charge_body(4990);
     let first = c.send(checkout(&key, "alice", &body)).await;
     assert_eq!(first.status, 201, "{}\n{}", first.describe(), stack.logs());
-    assert!(first.header("location").is_some_and(|l| l.starts_with("/charges/")));
-    assert!(first.header("set-cookie").is_some(), "the checkout sets a cookie on the first answer");
+    assert!(first
+        .header("location")
+        .is_some_and(|l| l.starts_with("/charges/")));
+    assert!(
+        first.header("set-cookie").is_some(),
+        "the checkout sets a cookie on the first answer"
+    );
     assert_eq!(first.header("idempotent-replayed"), None);
 
     for _ in 0..2 {
         let retry = c.send(checkout(&key, "alice", &body)).await;
         assert_eq!(retry.status, first.status);
-        assert_eq!(retry.body, first.body, "replayed body must be byte-identical");
+        assert_eq!(
+            retry.body, first.body,
+            "replayed body must be byte-identical"
+        );
         for h in ["content-type", "location", "etag"] {
-            assert_eq!(retry.header(h), first.header(h), "header {h} must be replayed");
+            assert_eq!(
+                retry.header(h),
+                first.header(h),
+                "header {h} must be replayed"
+            );
         }
         assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
         // Never replayed: another caller's cookie, a per-request id.
@@ -103,8 +166,17 @@ async fn first_request_executes_and_retry_replays(stack: Arc<Stack>) {
     let ran = executions(&stack, &key).await;
     assert_eq!(ran.len(), 1, "one execution for one key: {ran:?}");
     assert_eq!(ran[0]["subject"], "alice");
-    assert_eq!(ran[0]["idempotency_key"], key.as_str(), "the key is forwarded upstream");
-    assert!(ran[0]["fencing_token"].as_str().is_some_and(|t| t.parse::<i64>().is_ok_and(|n| n > 0)), "{ran:?}");
+    assert_eq!(
+        ran[0]["idempotency_key"],
+        key.as_str(),
+        "the key is forwarded upstream"
+    );
+    assert!(
+        ran[0]["fencing_token"]
+            .as_str()
+            .is_some_and(|t| t.parse::<i64>().is_ok_and(|n| n > 0)),
+        "{ran:?}"
+    );
 }
 
 async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
@@ -118,20 +190,37 @@ async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
     };
     // Let the first request claim the key (it is then upstream for 4 s).
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let duplicates = futures::future::join_all((0..20).map(|_| c.send(checkout(&key, "alice", &body)))).await;
+    let duplicates =
+        futures::future::join_all((0..20).map(|_| c.send(checkout(&key, "alice", &body)))).await;
     let mut slowest = Duration::ZERO;
     for d in &duplicates {
         assert_problem(d, 409, "request-in-progress", &stack);
-        let retry_after: u64 = d.header("retry-after").and_then(|v| v.parse().ok()).unwrap_or(0);
-        assert!((1..=30).contains(&retry_after), "Retry-After must be a few seconds: {}", d.describe());
+        let retry_after: u64 = d
+            .header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            (1..=30).contains(&retry_after),
+            "Retry-After must be a few seconds: {}",
+            d.describe()
+        );
         slowest = slowest.max(d.elapsed);
     }
     // They are answered while the first is still running, not after it (4 s).
-    assert!(slowest < Duration::from_millis(1_500), "a 409 took {slowest:?}: duplicates must not wait for the first request");
+    assert!(
+        slowest < Duration::from_millis(1_500),
+        "a 409 took {slowest:?}: duplicates must not wait for the first request"
+    );
     eprintln!("20 concurrent duplicates answered 409, slowest in {slowest:?}");
-    let first = slow.await.unwrap_or_else(|e| panic!("slow request task: {e}"));
+    let first = slow
+        .await
+        .unwrap_or_else(|e| panic!("slow request task: {e}"));
     assert_eq!(first.status, 201, "{}", first.describe());
-    assert_eq!(executions(&stack, &key).await.len(), 1, "twenty-one requests, one charge");
+    assert_eq!(
+        executions(&stack, &key).await.len(),
+        1,
+        "twenty-one requests, one charge"
+    );
     let after = c.send(checkout(&key, "alice", &body)).await;
     assert_eq!(after.status, 201);
     assert_eq!(after.header("idempotent-replayed").as_deref(), Some("true"));
@@ -145,13 +234,23 @@ async fn key_order_and_whitespace_do_not_matter_nested_change_is_422(stack: Arc<
     // Differs only in a nested member that is not a top-level key: the seed's fingerprint missed this.
     let nested_change = br#"{"amount":100,"currency":"BRL","card":{"number":"4242424242424242","exp":"12/30"},"items":[{"sku":"a","qty":1,"meta":{"gift":true}}]}"#;
     let send = |b: &'static [u8]| {
-        c.send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(b.to_vec()))
+        c.send(
+            Request::post("/checkout")
+                .token(&token("alice"))
+                .key(&key)
+                .header("content-type", "application/json")
+                .body(b.to_vec()),
+        )
     };
     let first = send(original).await;
     assert_eq!(first.status, 201, "{}", first.describe());
     let same = send(reordered).await;
     assert_eq!(same.status, 201, "{}", same.describe());
-    assert_eq!(same.header("idempotent-replayed").as_deref(), Some("true"), "key order and whitespace must not matter");
+    assert_eq!(
+        same.header("idempotent-replayed").as_deref(),
+        Some("true"),
+        "key order and whitespace must not matter"
+    );
     let changed = send(nested_change).await;
     assert_problem(&changed, 422, "idempotency-key-reused", &stack);
     assert_eq!(executions(&stack, &key).await.len(), 1);
@@ -163,17 +262,38 @@ async fn subjects_and_endpoints_are_isolated(stack: Arc<Stack>) {
     let body = charge_body(700);
     let alice = c.send(checkout(&key, "alice", &body)).await;
     let bob = c.send(checkout(&key, "bob", &body)).await;
-    let refund = c.send(Request::post("/refunds").token(&token("alice")).key(&key).json(&body)).await;
+    let refund = c
+        .send(
+            Request::post("/refunds")
+                .token(&token("alice"))
+                .key(&key)
+                .json(&body),
+        )
+        .await;
     for a in [&alice, &bob, &refund] {
         assert_eq!(a.status, 201, "{}", a.describe());
-        assert_eq!(a.header("idempotent-replayed"), None, "no replay may cross subjects or endpoints");
+        assert_eq!(
+            a.header("idempotent-replayed"),
+            None,
+            "no replay may cross subjects or endpoints"
+        );
     }
     assert_ne!(alice.body, bob.body);
     let ran = executions(&stack, &key).await;
     assert_eq!(ran.len(), 3, "{ran:?}");
-    let mut who: Vec<(String, String)> = ran.iter().map(|e| (e["subject"].to_string(), e["kind"].to_string())).collect();
+    let mut who: Vec<(String, String)> = ran
+        .iter()
+        .map(|e| (e["subject"].to_string(), e["kind"].to_string()))
+        .collect();
     who.sort();
-    assert_eq!(who, vec![("\"alice\"".into(), "\"charge\"".into()), ("\"alice\"".into(), "\"refund\"".into()), ("\"bob\"".into(), "\"charge\"".into())]);
+    assert_eq!(
+        who,
+        vec![
+            ("\"alice\"".into(), "\"charge\"".into()),
+            ("\"alice\"".into(), "\"refund\"".into()),
+            ("\"bob\"".into(), "\"charge\"".into())
+        ]
+    );
 }
 
 async fn forged_subject_header_changes_nothing(stack: Arc<Stack>) {
@@ -182,14 +302,34 @@ async fn forged_subject_header_changes_nothing(stack: Arc<Stack>) {
     let body = charge_body(500);
     // bob executes first; alice then sends the same key claiming to be bob.
     assert_eq!(c.send(checkout(&key, "bob", &body)).await.status, 201);
-    let forged = c.send(checkout(&key, "alice", &body).header("x-jwt-sub", "bob").header("x-jwt-sub", "bob")).await;
+    let forged = c
+        .send(
+            checkout(&key, "alice", &body)
+                .header("x-jwt-sub", "bob")
+                .header("x-jwt-sub", "bob"),
+        )
+        .await;
     assert_eq!(forged.status, 201, "{}", forged.describe());
-    assert_eq!(forged.header("idempotent-replayed"), None, "alice must not see bob's stored response");
+    assert_eq!(
+        forged.header("idempotent-replayed"),
+        None,
+        "alice must not see bob's stored response"
+    );
     let ran = executions(&stack, &key).await;
     assert_eq!(ran.len(), 2);
-    assert!(ran.iter().any(|e| e["subject"] == "alice"), "the upstream sees the verified subject: {ran:?}");
+    assert!(
+        ran.iter().any(|e| e["subject"] == "alice"),
+        "the upstream sees the verified subject: {ran:?}"
+    );
     // No token at all, only a forged subject header: refused before the filter.
-    let anonymous = c.send(Request::post("/checkout").key(&key).header("x-jwt-sub", "bob").json(&body)).await;
+    let anonymous = c
+        .send(
+            Request::post("/checkout")
+                .key(&key)
+                .header("x-jwt-sub", "bob")
+                .json(&body),
+        )
+        .await;
     assert_eq!(anonymous.status, 401);
 }
 
@@ -201,12 +341,28 @@ async fn bad_keys_get_400_problems(stack: Arc<Stack>) {
     let cases: Vec<(&str, Request, &str)> = vec![
         ("missing", base(), "missing-idempotency-key"),
         ("empty", base().key(""), "invalid-idempotency-key"),
-        ("too long", base().key(&"k".repeat(256)), "invalid-idempotency-key"),
+        (
+            "too long",
+            base().key(&"k".repeat(256)),
+            "invalid-idempotency-key",
+        ),
         ("a list", base().key("a, b"), "invalid-idempotency-key"),
-        ("sent twice", base().key("twice-a").key("twice-b"), "invalid-idempotency-key"),
-        ("quote inside quotes", base().key("\"ab\"c\""), "invalid-idempotency-key"),
+        (
+            "sent twice",
+            base().key("twice-a").key("twice-b"),
+            "invalid-idempotency-key",
+        ),
+        (
+            "quote inside quotes",
+            base().key("\"ab\"c\""),
+            "invalid-idempotency-key",
+        ),
         ("space", base().key("a b"), "invalid-idempotency-key"),
-        ("empty sf-string", base().key("\"\""), "invalid-idempotency-key"),
+        (
+            "empty sf-string",
+            base().key("\"\""),
+            "invalid-idempotency-key",
+        ),
     ];
     for (what, req, problem) in cases {
         let answer = c.send(req).await;
@@ -218,7 +374,12 @@ async fn bad_keys_get_400_problems(stack: Arc<Stack>) {
     let quoted = c.send(base().key(&format!("\"{key}\""))).await;
     assert_eq!(quoted.status, 201, "{}", quoted.describe());
     let bare = c.send(base().key(&key)).await;
-    assert_eq!(bare.header("idempotent-replayed").as_deref(), Some("true"), "{}", bare.describe());
+    assert_eq!(
+        bare.header("idempotent-replayed").as_deref(),
+        Some("true"),
+        "{}",
+        bare.describe()
+    );
 }
 
 async fn missing_or_bad_tokens_get_401(stack: Arc<Stack>) {
@@ -232,7 +393,12 @@ async fn missing_or_bad_tokens_get_401(stack: Arc<Stack>) {
     // jwt_authn answers a valid token minted for another audience with 403 (known, not allowed).
     let other_audience = c.send(checkout(&key, "wrong_audience", &body)).await;
     assert_eq!(other_audience.status, 403, "{}", other_audience.describe());
-    assert_eq!(c.send(Request::post("/checkout").key(&key).json(&body)).await.status, 401);
+    assert_eq!(
+        c.send(Request::post("/checkout").key(&key).json(&body))
+            .await
+            .status,
+        401
+    );
     assert!(executions(&stack, &key).await.is_empty());
 }
 
@@ -249,21 +415,46 @@ async fn bodies_over_the_limit_get_413_and_at_the_limit_pass(stack: Arc<Stack>) 
     };
     let key = unique_key("limit");
     let at_limit = c
-        .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(exactly(limit)))
+        .send(
+            Request::post("/checkout")
+                .token(&token("alice"))
+                .key(&key)
+                .header("content-type", "application/json")
+                .body(exactly(limit)),
+        )
         .await;
-    assert_eq!(at_limit.status, 201, "a body of exactly the limit passes: {}", at_limit.describe());
+    assert_eq!(
+        at_limit.status,
+        201,
+        "a body of exactly the limit passes: {}",
+        at_limit.describe()
+    );
     let ran = executions(&stack, &key).await;
     assert_eq!(ran[0]["body_len"], limit);
 
     let key = unique_key("over");
     let over = c
-        .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(exactly(limit + 1)))
+        .send(
+            Request::post("/checkout")
+                .token(&token("alice"))
+                .key(&key)
+                .header("content-type", "application/json")
+                .body(exactly(limit + 1)),
+        )
         .await;
     assert_problem(&over, 413, "payload-too-large", &stack);
     // Chunked (no Content-Length): the filter counts while buffering.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = exactly(limit + 1).chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = exactly(limit + 1)
+        .chunks(64 * 1024)
+        .map(|c| Ok(c.to_vec()))
+        .collect();
     let chunked = c
-        .send(Request::post("/checkout").token(&token("alice")).key(&key).body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))))
+        .send(
+            Request::post("/checkout")
+                .token(&token("alice"))
+                .key(&key)
+                .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))),
+        )
         .await;
     assert_problem(&chunked, 413, "payload-too-large", &stack);
     assert!(executions(&stack, &key).await.is_empty());
@@ -281,27 +472,58 @@ async fn declined_card_is_replayed_not_rerun(stack: Arc<Stack>) {
     assert_eq!(retry.status, 402);
     assert_eq!(retry.body, first.body);
     assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
-    assert_eq!(executions(&stack, &key).await.len(), 1, "a declined card is a result, not a reason to run again");
+    assert_eq!(
+        executions(&stack, &key).await.len(),
+        1,
+        "a declined card is a result, not a reason to run again"
+    );
 }
 
 async fn multi_chunk_bodies_arrive_whole(stack: Arc<Stack>, http2: bool) {
-    let c = if http2 { Client::http2(&stack.envoy.url("")) } else { client(&stack) };
+    let c = if http2 {
+        Client::http2(&stack.envoy.url(""))
+    } else {
+        client(&stack)
+    };
     for size in [64 * 1024 + 17, 700 * 1024] {
         let key = unique_key(if http2 { "h2-chunks" } else { "h1-chunks" });
         // Valid JSON with varied bytes, sent in uneven chunks without a Content-Length.
         let mut body = br#"{"amount":1,"pad":""#.to_vec();
-        body.extend((0..size).map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[(i * 7 + i / 13) % 36]));
+        body.extend(
+            (0..size).map(|i| b"abcdefghijklmnopqrstuvwxyz0123456789"[(i * 7 + i / 13) % 36]),
+        );
         body.extend_from_slice(br#""}"#);
         let expected = sha256_hex(&body);
-        let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(16 * 1024 + 3).map(|c| Ok(c.to_vec())).collect();
+        let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+            body.chunks(16 * 1024 + 3).map(|c| Ok(c.to_vec())).collect();
         let answer = c
-            .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))))
+            .send(
+                Request::post("/checkout")
+                    .token(&token("alice"))
+                    .key(&key)
+                    .header("content-type", "application/json")
+                    .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))),
+            )
             .await;
-        assert_eq!(answer.status, 201, "{}\n{}", answer.describe(), stack.logs());
+        assert_eq!(
+            answer.status,
+            201,
+            "{}\n{}",
+            answer.describe(),
+            stack.logs()
+        );
         let ran = executions(&stack, &key).await;
         assert_eq!(ran.len(), 1);
-        assert_eq!(ran[0]["body_len"], body.len(), "bytes lost between the client and the upstream");
-        assert_eq!(ran[0]["body_sha256"], expected.as_str(), "the upstream must receive the exact body");
+        assert_eq!(
+            ran[0]["body_len"],
+            body.len(),
+            "bytes lost between the client and the upstream"
+        );
+        assert_eq!(
+            ran[0]["body_sha256"],
+            expected.as_str(),
+            "the upstream must receive the exact body"
+        );
         assert_eq!(ran[0]["idempotency_key"], key.as_str());
     }
 }
@@ -311,36 +533,88 @@ async fn hostile_bodies_do_not_kill_the_filter(stack: Arc<Stack>) {
     let deep_array = "[".repeat(100_000) + &"]".repeat(100_000);
     let deep_object = "{\"a\":".repeat(100_000) + "1" + &"}".repeat(100_000);
     let hostile: Vec<(&str, Vec<u8>, &[u16])> = vec![
-        ("duplicate member", br#"{"amount":1,"amount":2}"#.to_vec(), &[400]),
-        ("nested duplicate member", br#"{"a":{"b":1,"b":1}}"#.to_vec(), &[400]),
+        (
+            "duplicate member",
+            br#"{"amount":1,"amount":2}"#.to_vec(),
+            &[400],
+        ),
+        (
+            "nested duplicate member",
+            br#"{"a":{"b":1,"b":1}}"#.to_vec(),
+            &[400],
+        ),
         ("100,000-deep array", deep_array.into_bytes(), &[201, 400]),
         ("100,000-deep object", deep_object.into_bytes(), &[201, 400]),
         ("invalid JSON", b"{\"amount\": 1,".to_vec(), &[400]),
-        ("invalid UTF-8", b"{\"amount\": \"\xff\xfe\"}".to_vec(), &[400]),
-        ("lone surrogate", br#"{"amount": "\ud800"}"#.to_vec(), &[201, 400]),
-        ("huge number", format!("{{\"amount\": 1{}}}", "0".repeat(5000)).into_bytes(), &[201, 400]),
-        ("huge exponent", br#"{"amount": 1e999999999999999999}"#.to_vec(), &[201, 400]),
+        (
+            "invalid UTF-8",
+            b"{\"amount\": \"\xff\xfe\"}".to_vec(),
+            &[400],
+        ),
+        (
+            "lone surrogate",
+            br#"{"amount": "\ud800"}"#.to_vec(),
+            &[201, 400],
+        ),
+        (
+            "huge number",
+            format!("{{\"amount\": 1{}}}", "0".repeat(5000)).into_bytes(),
+            &[201, 400],
+        ),
+        (
+            "huge exponent",
+            br#"{"amount": 1e999999999999999999}"#.to_vec(),
+            &[201, 400],
+        ),
         ("NUL bytes", b"\0\0\0\0".to_vec(), &[400]),
         ("empty", Vec::new(), &[400]),
     ];
     for (what, body, allowed) in hostile {
         let key = unique_key("hostile");
         let answer = c
-            .send(Request::post("/checkout").token(&token("alice")).key(&key).header("content-type", "application/json").body(body))
+            .send(
+                Request::post("/checkout")
+                    .token(&token("alice"))
+                    .key(&key)
+                    .header("content-type", "application/json")
+                    .body(body),
+            )
             .await;
-        assert!(allowed.contains(&answer.status), "{what}: {}", answer.describe());
+        assert!(
+            allowed.contains(&answer.status),
+            "{what}: {}",
+            answer.describe()
+        );
         // A normal request still works after each one: the Wasm VM is alive.
-        let ok = c.send(checkout(&unique_key("after-hostile"), "alice", &charge_body(1))).await;
-        assert_eq!(ok.status, 201, "after {what}: {}\n{}", ok.describe(), stack.envoy.log_tail());
+        let ok = c
+            .send(checkout(
+                &unique_key("after-hostile"),
+                "alice",
+                &charge_body(1),
+            ))
+            .await;
+        assert_eq!(
+            ok.status,
+            201,
+            "after {what}: {}\n{}",
+            ok.describe(),
+            stack.envoy.log_tail()
+        );
     }
 }
 
 async fn unprotected_routes_pass_through(stack: Arc<Stack>) {
     let c = client(&stack);
-    let list = c.send(Request::get("/charges").token(&token("alice"))).await;
+    let list = c
+        .send(Request::get("/charges").token(&token("alice")))
+        .await;
     assert_eq!(list.status, 200, "{}", list.describe());
     assert!(list.json().is_array());
-    assert_eq!(c.send(Request::get("/charges")).await.status, 401, "GET /charges still needs a token");
+    assert_eq!(
+        c.send(Request::get("/charges")).await.status,
+        401,
+        "GET /charges still needs a token"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -353,11 +627,23 @@ async fn dead_state_api_gives_503_and_no_upstream_call(mut stack: Stack) {
     stack.state_api.kill();
     let answer = c.send(checkout(&key, "alice", &body)).await;
     assert_problem(&answer, 503, "idempotency-state-unavailable", &stack);
-    assert!(answer.header("retry-after").is_some(), "{}", answer.describe());
-    assert!(executions(&stack, &key).await.is_empty(), "fail closed: nothing may reach the upstream");
+    assert!(
+        answer.header("retry-after").is_some(),
+        "{}",
+        answer.describe()
+    );
+    assert!(
+        executions(&stack, &key).await.is_empty(),
+        "fail closed: nothing may reach the upstream"
+    );
     stack.restart_state_api().unwrap_or_else(|e| panic!("{e}"));
     let after = c.send(checkout(&key, "alice", &body)).await;
-    assert_eq!(after.status, 201, "a 503 must not burn the key: {}", after.describe());
+    assert_eq!(
+        after.status,
+        201,
+        "a 503 must not burn the key: {}",
+        after.describe()
+    );
     assert_eq!(executions(&stack, &key).await.len(), 1);
 }
 
@@ -377,7 +663,10 @@ async fn key_of_a_killed_envoy_is_409_until_its_lease_ends(mut stack: Stack) {
     stack.restart_envoy().unwrap_or_else(|e| panic!("{e}"));
     let c = client(&stack);
     let during = c.send(checkout(&key, "alice", &body)).await;
-    assert!(sent_at.elapsed() < lease, "Envoy took too long to restart for this test to mean anything");
+    assert!(
+        sent_at.elapsed() < lease,
+        "Envoy took too long to restart for this test to mean anything"
+    );
     assert_problem(&during, 409, "request-in-progress", &stack);
     // No heartbeat extends the dead Envoy's lease: poll until the key is reclaimed.
     let mut reclaimed = None;
@@ -389,13 +678,24 @@ async fn key_of_a_killed_envoy_is_409_until_its_lease_ends(mut stack: Stack) {
             break;
         }
     }
-    let reclaimed = reclaimed.unwrap_or_else(|| panic!("the key was never reclaimed\n{}", stack.logs()));
-    assert!(sent_at.elapsed() >= lease, "reclaimed after {:?}, before the lease ({lease:?}) ran out", sent_at.elapsed());
+    let reclaimed =
+        reclaimed.unwrap_or_else(|| panic!("the key was never reclaimed\n{}", stack.logs()));
+    assert!(
+        sent_at.elapsed() >= lease,
+        "reclaimed after {:?}, before the lease ({lease:?}) ran out",
+        sent_at.elapsed()
+    );
     // The orphaned upstream call may have run; the reclaimed attempt runs with a newer token.
     assert_eq!(reclaimed.status, 201, "{}", reclaimed.describe());
     let ran = executions(&stack, &key).await;
-    let tokens: Vec<i64> = ran.iter().filter_map(|e| e["fencing_token"].as_str().and_then(|t| t.parse().ok())).collect();
-    assert!(!tokens.is_empty() && tokens.windows(2).all(|w| w[0] < w[1]), "each claim carries a larger fencing token: {tokens:?}");
+    let tokens: Vec<i64> = ran
+        .iter()
+        .filter_map(|e| e["fencing_token"].as_str().and_then(|t| t.parse().ok()))
+        .collect();
+    assert!(
+        !tokens.is_empty() && tokens.windows(2).all(|w| w[0] < w[1]),
+        "each claim carries a larger fencing token: {tokens:?}"
+    );
 }
 
 async fn heartbeats_keep_a_slow_request_from_being_reclaimed(stack: Stack) {
@@ -415,7 +715,11 @@ async fn heartbeats_keep_a_slow_request_from_being_reclaimed(stack: Stack) {
     }
     let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(first.status, 201, "{}", first.describe());
-    assert_eq!(executions(&stack, &key).await.len(), 1, "a live owner must never be reclaimed");
+    assert_eq!(
+        executions(&stack, &key).await.len(),
+        1,
+        "a live owner must never be reclaimed"
+    );
 }
 
 /// The filter answers replays of completed records from its worker's cache (a completed record
@@ -432,7 +736,12 @@ async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
     assert_eq!(hits(&stack), 0);
     // The filter's own complete filled the cache: the retry needs no callout.
     let retry = c.send(checkout(&key, "alice", &body)).await;
-    assert_eq!((retry.status, &retry.body), (201, &first.body), "{}", retry.describe());
+    assert_eq!(
+        (retry.status, &retry.body),
+        (201, &first.body),
+        "{}",
+        retry.describe()
+    );
     assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
     assert_eq!(hits(&stack), 1, "the replay came from the cache");
     let changed = c.send(checkout(&key, "alice", &charge_body(4322))).await;
@@ -440,32 +749,72 @@ async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
     assert_eq!(hits(&stack), 2, "the 422 came from the cache too");
     // The same key for another subject or another endpoint is another record.
     let bob = c.send(checkout(&key, "bob", &body)).await;
-    let refund = c.send(Request::post("/refunds").token(&token("alice")).key(&key).json(&body)).await;
+    let refund = c
+        .send(
+            Request::post("/refunds")
+                .token(&token("alice"))
+                .key(&key)
+                .json(&body),
+        )
+        .await;
     for a in [&bob, &refund] {
         assert_eq!(a.status, 201, "{}", a.describe());
-        assert_eq!(a.header("idempotent-replayed"), None, "a cached record must not answer another scope");
+        assert_eq!(
+            a.header("idempotent-replayed"),
+            None,
+            "a cached record must not answer another scope"
+        );
     }
     assert_eq!(executions(&stack, &key).await.len(), 3);
 
     // A key completed through another Envoy is in that Envoy's cache only.
-    let other = stack.start_extra_envoy(stack.state_api.port, "envoy-other").unwrap_or_else(|e| panic!("{e}"));
+    let other = stack
+        .start_extra_envoy(stack.state_api.port, "envoy-other")
+        .unwrap_or_else(|e| panic!("{e}"));
     let c2 = Client::new(&other.url(""));
     let elsewhere = unique_key("cache-elsewhere");
-    assert_eq!(c2.send(checkout(&elsewhere, "alice", &body)).await.status, 201);
+    assert_eq!(
+        c2.send(checkout(&elsewhere, "alice", &body)).await.status,
+        201
+    );
 
     stack.state_api.kill();
     let cached = c.send(checkout(&key, "alice", &body)).await;
-    assert_eq!((cached.status, &cached.body), (201, &first.body), "cached keys replay without the state API: {}", cached.describe());
-    assert_eq!(cached.header("idempotent-replayed").as_deref(), Some("true"));
-    assert_problem(&c.send(checkout(&key, "alice", &charge_body(4322))).await, 422, "idempotency-key-reused", &stack);
+    assert_eq!(
+        (cached.status, &cached.body),
+        (201, &first.body),
+        "cached keys replay without the state API: {}",
+        cached.describe()
+    );
+    assert_eq!(
+        cached.header("idempotent-replayed").as_deref(),
+        Some("true")
+    );
+    assert_problem(
+        &c.send(checkout(&key, "alice", &charge_body(4322))).await,
+        422,
+        "idempotency-key-reused",
+        &stack,
+    );
     let bob_again = c.send(checkout(&key, "bob", &body)).await;
-    assert_eq!((bob_again.status, &bob_again.body), (201, &bob.body), "bob gets his own record, never alice's");
+    assert_eq!(
+        (bob_again.status, &bob_again.body),
+        (201, &bob.body),
+        "bob gets his own record, never alice's"
+    );
     let not_cached = c.send(checkout(&elsewhere, "alice", &body)).await;
     assert_problem(&not_cached, 503, "idempotency-state-unavailable", &stack);
-    let new_key = c.send(checkout(&unique_key("cache-new"), "alice", &body)).await;
+    let new_key = c
+        .send(checkout(&unique_key("cache-new"), "alice", &body))
+        .await;
     assert_problem(&new_key, 503, "idempotency-state-unavailable", &stack);
     let there = c2.send(checkout(&elsewhere, "alice", &body)).await;
-    assert_eq!(there.header("idempotent-replayed").as_deref(), Some("true"), "{}", there.describe());
+    assert_eq!(
+        there.header("idempotent-replayed").as_deref(),
+        Some("true"),
+        "{}",
+        there.describe()
+    );
     assert_eq!(executions(&stack, &key).await.len(), 3, "nothing ran again");
     assert_eq!(executions(&stack, &elsewhere).await.len(), 1);
 }

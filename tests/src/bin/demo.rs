@@ -59,7 +59,10 @@ fn envoy_params() -> Result<EnvoyParams, String> {
         lease_ms: 30_000,
         heartbeat_ms: 10_000,
         filter_wasm: filter_wasm()?.display().to_string(),
-        jwks_path: workspace_root().join("envoy/demo-jwks.json").display().to_string(),
+        jwks_path: workspace_root()
+            .join("envoy/demo-jwks.json")
+            .display()
+            .to_string(),
     })
 }
 
@@ -78,7 +81,14 @@ fn start() -> Result<Demo, String> {
     let state_api = start_state_api(&settings(&database_url), &logs)?;
     let checkout = start_checkout(CHECKOUT_PORT, &logs)?;
     let envoy = Envoy::start(envoy_params()?, &logs, "envoy")?;
-    Ok(Demo { dir, database_url, _postgres: postgres, state_api, checkout, envoy })
+    Ok(Demo {
+        dir,
+        database_url,
+        _postgres: postgres,
+        state_api,
+        checkout,
+        envoy,
+    })
 }
 
 fn print_ready(demo: &Demo) {
@@ -122,21 +132,30 @@ Ctrl-C stops everything."#,
 fn supervise(demo: &mut Demo) {
     let logs = demo.dir.join("logs");
     if !demo.state_api.is_running() {
-        eprintln!("state API died (log: {}); restarting it", demo.state_api.log_path.display());
+        eprintln!(
+            "state API died (log: {}); restarting it",
+            demo.state_api.log_path.display()
+        );
         match start_state_api(&demo.state_api_settings(), &logs) {
             Ok(s) => demo.state_api = s,
             Err(e) => eprintln!("state API restart failed, will retry: {e}"),
         }
     }
     if !demo.checkout.is_running() {
-        eprintln!("checkout died (log: {}); restarting it (its in-memory ledger starts empty)", demo.checkout.log_path.display());
+        eprintln!(
+            "checkout died (log: {}); restarting it (its in-memory ledger starts empty)",
+            demo.checkout.log_path.display()
+        );
         match start_checkout(CHECKOUT_PORT, &logs) {
             Ok(s) => demo.checkout = s,
             Err(e) => eprintln!("checkout restart failed, will retry: {e}"),
         }
     }
     if !demo.envoy.is_running() {
-        eprintln!("Envoy died (log: {}); restarting it", demo.envoy.log_path.display());
+        eprintln!(
+            "Envoy died (log: {}); restarting it",
+            demo.envoy.log_path.display()
+        );
         match envoy_params().and_then(|p| Envoy::start(p, &logs, "envoy")) {
             Ok(e) => demo.envoy = e,
             Err(e) => eprintln!("Envoy restart failed, will retry: {e}"),
@@ -146,7 +165,10 @@ fn supervise(demo: &mut Demo) {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    std::env::set_var("STACK_PROFILE", std::env::var("STACK_PROFILE").unwrap_or_else(|_| "release".into()));
+    std::env::set_var(
+        "STACK_PROFILE",
+        std::env::var("STACK_PROFILE").unwrap_or_else(|_| "release".into()),
+    );
     let mut demo = match start() {
         Ok(d) => d,
         Err(e) => {
