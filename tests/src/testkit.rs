@@ -50,6 +50,14 @@ pub fn checkout(key: &str, who: &str, body: &serde_json::Value) -> Request {
         .json(body)
 }
 
+/// `POST /refunds` with `key`, as the demo user `who`: the same key on another endpoint.
+pub fn refund(key: &str, who: &str, body: &serde_json::Value) -> Request {
+    Request::post("/refunds")
+        .token(&token(who))
+        .key(key)
+        .json(body)
+}
+
 /// What the checkout executed for `key`.
 pub async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
     client(stack)

@@ -262,15 +262,8 @@ async fn subjects_and_endpoints_are_isolated(stack: Arc<Stack>) {
     let body = charge_body(700);
     let alice = c.send(checkout(&key, "alice", &body)).await;
     let bob = c.send(checkout(&key, "bob", &body)).await;
-    let refund = c
-        .send(
-            Request::post("/refunds")
-                .token(&token("alice"))
-                .key(&key)
-                .json(&body),
-        )
-        .await;
-    for a in [&alice, &bob, &refund] {
+    let refunded = c.send(refund(&key, "alice", &body)).await;
+    for a in [&alice, &bob, &refunded] {
         assert_eq!(a.status, 201, "{}", a.describe());
         assert_eq!(
             a.header("idempotent-replayed"),
@@ -749,15 +742,8 @@ async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
     assert_eq!(hits(&stack), 2, "the 422 came from the cache too");
     // The same key for another subject or another endpoint is another record.
     let bob = c.send(checkout(&key, "bob", &body)).await;
-    let refund = c
-        .send(
-            Request::post("/refunds")
-                .token(&token("alice"))
-                .key(&key)
-                .json(&body),
-        )
-        .await;
-    for a in [&bob, &refund] {
+    let refunded = c.send(refund(&key, "alice", &body)).await;
+    for a in [&bob, &refunded] {
         assert_eq!(a.status, 201, "{}", a.describe());
         assert_eq!(
             a.header("idempotent-replayed"),
