@@ -184,17 +184,22 @@ macro_rules! claim_cols {
     };
 }
 
-/// Insert-or-read in one round trip. The INSERT is committed before the answer; the second
-/// branch reads the existing row when the INSERT did nothing.
+/// Read-or-insert in one round trip. The existing row is read first, so a duplicate or a replay
+/// never attempts the INSERT (no transaction id, no WAL flush, no fencing token burnt); a new key
+/// is INSERTed and committed before the answer. Two concurrent first claims both see no row:
+/// one inserts, the other's `ON CONFLICT DO NOTHING` returns nothing and the statement yields no
+/// row, and `claim()` reads again with a fresh snapshot.
 const CLAIM_SQL: &str = concat!(
-    "WITH ins AS (
+    "WITH existing AS (SELECT * FROM idempotency_records WHERE scope_hash = $1),
+    ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
              lease_ms, lease_expires_at, created_at, expires_at)
-        VALUES ($1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
-                clock_timestamp() + $6::bigint * interval '1 millisecond',
-                clock_timestamp(),
-                clock_timestamp() + $7::bigint * interval '1 millisecond')
+        SELECT $1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
+               clock_timestamp() + $6::bigint * interval '1 millisecond',
+               clock_timestamp(),
+               clock_timestamp() + $7::bigint * interval '1 millisecond'
+        WHERE NOT EXISTS (SELECT 1 FROM existing)
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
     )
@@ -204,8 +209,7 @@ const CLAIM_SQL: &str = concat!(
     UNION ALL
     SELECT false AS inserted, ",
     claim_cols!(),
-    " FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
-    WHERE r.scope_hash = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
+    " FROM existing r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c"
 );
 
 /// A plain read with a fresh snapshot: under READ COMMITTED the claim's second branch uses
