@@ -364,7 +364,9 @@ mod tests {
     }"#;
 
     fn with(patch: impl FnOnce(&mut serde_json::Value)) -> Result<Config, ConfigError> {
-        let mut v: serde_json::Value = serde_json::from_str(EXAMPLE).unwrap();
+        let Ok(mut v) = serde_json::from_str::<serde_json::Value>(EXAMPLE) else {
+            panic!("the example configuration is not JSON");
+        };
         patch(&mut v);
         Config::parse(v.to_string().as_bytes())
     }
