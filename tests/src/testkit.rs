@@ -58,6 +58,12 @@ pub fn refund(key: &str, who: &str, body: &serde_json::Value) -> Request {
         .json(body)
 }
 
+/// Sends `req` on a task of its own (a slow first request while duplicates follow).
+pub fn send_in_background(c: &Client, req: Request) -> tokio::task::JoinHandle<Answer> {
+    let c = c.clone();
+    tokio::spawn(async move { c.send(req).await })
+}
+
 /// What the checkout executed for `key`.
 pub async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
     client(stack)

@@ -414,11 +414,7 @@ async fn postgres_killed_during_slow_request(mut stack: Stack) {
     let c = client(&stack);
     let key = unique_key("pgkill");
     let body = charge_body(4242);
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(8_000);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(8_000));
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     blocking(|| stack.postgres.kill_postmaster()).unwrap_or_else(|e| panic!("{e}"));
     let killed_at = Instant::now();
@@ -662,11 +658,7 @@ async fn slow_state_api(stack: Stack) {
     // 4. The complete is answered late (the upstream already ran): the client still gets the
     //    response; the late complete is stored all the same, so the retry is a replay.
     let key = unique_key("slow-complete");
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(800);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(800));
     tokio::time::sleep(Duration::from_millis(400)).await;
     proxy.set_mode(ProxyMode::DelayAnswers(
         timeout + Duration::from_millis(500),
@@ -873,11 +865,7 @@ async fn lost_complete_state_api_down(mut stack: Stack) {
     let c = client(&stack);
     let key = unique_key("lost-api");
     let body = charge_body(77);
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(1_500);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(1_500));
     tokio::time::sleep(Duration::from_millis(500)).await;
     blocking(|| stack.state_api.kill());
     let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
@@ -928,11 +916,7 @@ async fn lost_complete_postgres_down(mut stack: Stack) {
     let c = client(&stack);
     let key = unique_key("lost-pg");
     let body = charge_body(78);
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(1_500);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(1_500));
     tokio::time::sleep(Duration::from_millis(500)).await;
     blocking(|| stack.postgres.kill_postmaster()).unwrap_or_else(|e| panic!("{e}"));
     let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
@@ -990,11 +974,7 @@ async fn gap_other_envoy_after_long_outage(mut stack: Stack) {
         .unwrap_or_else(|e| panic!("{e}"));
     let key = unique_key("gap-other");
     let body = charge_body(79);
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(1_500);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(1_500));
     tokio::time::sleep(Duration::from_millis(500)).await;
     blocking(|| stack.postgres.kill_postmaster()).unwrap_or_else(|e| panic!("{e}"));
     let first = slow.await.unwrap_or_else(|e| panic!("{e}"));

@@ -183,11 +183,7 @@ async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
     let c = client(&stack);
     let key = unique_key("slow");
     let body = charge_body(12_000);
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(4_000);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(4_000));
     // Let the first request claim the key (it is then upstream for 4 s).
     tokio::time::sleep(Duration::from_millis(800)).await;
     let duplicates =
@@ -696,11 +692,7 @@ async fn heartbeats_keep_a_slow_request_from_being_reclaimed(stack: Stack) {
     let key = unique_key("heartbeat");
     let body = charge_body(900);
     // The request stays upstream for 3x the lease; heartbeats must keep the claim alive.
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&key, "alice", &body).delay_ms(6_000);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(6_000));
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let dup = c.send(checkout(&key, "alice", &body)).await;

@@ -657,11 +657,7 @@ async fn logs_never_contain_keys_bodies_or_tokens() {
     assert_eq!(send(checkout(&key, "alice", &body)).await.status, 201);
     assert_eq!(send(checkout(&key, "alice", &changed)).await.status, 422);
     let slow_key = unique_key("MARKERKEY7f3a-slow");
-    let slow = {
-        let c = c.clone();
-        let req = checkout(&slow_key, "alice", &body).delay_ms(1_000);
-        tokio::spawn(async move { c.send(req).await })
-    };
+    let slow = send_in_background(&c, checkout(&slow_key, "alice", &body).delay_ms(1_000));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(send(checkout(&slow_key, "alice", &body)).await.status, 409);
     let _ = slow.await;
