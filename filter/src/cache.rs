@@ -24,6 +24,15 @@
 //! worker gets the same answer (or 422) instead of a claim that could, once the lease has run
 //! out during an outage, run the operation again. It gets the record's expiry once the complete
 //! is stored, and goes when the complete is given up or fenced out.
+//!
+//! The cache also remembers, for a short time, keys the state API has just answered
+//! `in_progress` for ([`ReplayCache::hold_running`]): a crowd of retries of one running request
+//! then gets its 409 from memory instead of one callout each. That only ever errs towards a 409
+//! and a retry, never towards a second execution: an entry lives at most `in_flight_cache_ms`
+//! and never past the lease the state API reported (so a key whose owner died is reclaimable as
+//! soon as it would be without the cache), a request with another fingerprint still asks the
+//! state API (a released key may have been claimed again with another body), and a completed
+//! record or this worker's own claim of the key replaces the entry.
 
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, VecDeque};
@@ -119,6 +128,20 @@ struct Entry {
     pending: bool,
 }
 
+/// Most in-progress keys remembered at once; beyond that new ones are not kept (each is a few
+/// hundred bytes; the 409s they save are for crowds, which are few keys).
+pub const MAX_RUNNING: usize = 4096;
+
+/// A key the state API reported in progress (owned by another request).
+#[derive(Debug)]
+struct Running {
+    fingerprint: String,
+    fingerprint_alg: &'static str,
+    retry_after_s: u32,
+    since_ms: u64,
+    until_ms: u64,
+}
+
 /// A bounded LRU of completed records with per-entry expiry. Time is passed in (ms); nothing
 /// here reads a clock.
 #[derive(Debug)]
@@ -132,6 +155,8 @@ pub struct ReplayCache {
     /// was used again since (or is gone); stale items are skipped, and dropped when they
     /// outnumber the entries.
     order: VecDeque<(Id, u64)>,
+    /// Keys in progress elsewhere, answered 409 until their (short) deadline.
+    running: HashMap<Key, Running, BuildHasherDefault<Prehashed>>,
 }
 
 impl Default for ReplayCache {
@@ -151,6 +176,7 @@ impl ReplayCache {
             uses: 0,
             entries: HashMap::default(),
             order: VecDeque::new(),
+            running: HashMap::default(),
         }
     }
 
@@ -189,6 +215,7 @@ impl ReplayCache {
     }
 
     pub fn remove(&mut self, id: &Id) -> bool {
+        self.running.remove(&Key(*id));
         match self.entries.remove(&Key(*id)) {
             Some(e) => {
                 self.bytes -= e.size;
@@ -291,8 +318,74 @@ impl ReplayCache {
         self.entries.get(&Key(*id)).map(|e| &e.value)
     }
 
+    /// Remembers that the key is in progress elsewhere, with the fingerprint of the request
+    /// that was told so: requests with the same fingerprint get a 409 from memory from
+    /// `since_ms` (when the state API was asked) for `for_ms`. Not kept when disabled, when
+    /// `for_ms` is 0, or when [`MAX_RUNNING`] unexpired keys are held already.
+    pub fn hold_running(
+        &mut self,
+        id: Id,
+        fingerprint: &str,
+        fingerprint_alg: &'static str,
+        retry_after_s: u32,
+        since_ms: u64,
+        for_ms: u64,
+    ) -> bool {
+        if !self.enabled() || for_ms == 0 {
+            return false;
+        }
+        if self.running.len() >= MAX_RUNNING && !self.running.contains_key(&Key(id)) {
+            self.running
+                .retain(|_, r| since_ms < r.until_ms && since_ms >= r.since_ms);
+            if self.running.len() >= MAX_RUNNING {
+                return false;
+            }
+        }
+        self.running.insert(
+            Key(id),
+            Running {
+                fingerprint: fingerprint.to_owned(),
+                fingerprint_alg,
+                retry_after_s,
+                since_ms,
+                until_ms: since_ms.saturating_add(for_ms),
+            },
+        );
+        true
+    }
+
+    /// The Retry-After (seconds) of a 409 from memory: the key is held in progress elsewhere,
+    /// not expired at `now_ms`, and was reported so for this very fingerprint.
+    pub fn running(
+        &mut self,
+        id: &Id,
+        fingerprint: &str,
+        fingerprint_alg: &str,
+        now_ms: u64,
+    ) -> Option<u32> {
+        let r = self.running.get(&Key(*id))?;
+        if now_ms >= r.until_ms || now_ms < r.since_ms {
+            self.running.remove(&Key(*id));
+            return None;
+        }
+        (r.fingerprint == fingerprint && r.fingerprint_alg == fingerprint_alg)
+            .then_some(r.retry_after_s)
+    }
+
+    /// Forgets that the key was in progress (this worker now owns it, or it was released).
+    pub fn forget_running(&mut self, id: &Id) {
+        self.running.remove(&Key(*id));
+    }
+
+    /// In-progress keys held.
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
     /// Drops every entry expired at `now_ms`; how many.
     pub fn purge_expired(&mut self, now_ms: u64) -> usize {
+        self.running
+            .retain(|_, r| now_ms < r.until_ms && now_ms >= r.since_ms);
         let before = self.entries.len();
         let mut freed = 0;
         self.entries.retain(|_, e| {
@@ -447,6 +540,59 @@ mod tests {
         assert_eq!(c.bytes(), rec(1).size());
         assert_eq!(c.purge_expired(9_000), 1);
         assert_eq!((c.len(), c.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn running_keys_answer_409_for_the_same_request_until_their_deadline() {
+        let mut c = ReplayCache::new(1 << 20, 60_000);
+        let a = id("a", "s", "e");
+        let fp = "ab".repeat(32);
+        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 2, 1_000, 500));
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_000), Some(2));
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_499), Some(2));
+        // Another body, or another algorithm: ask the state API (the key may have been
+        // released and claimed again with that body).
+        assert_eq!(
+            c.running(&a, &"cd".repeat(32), "sha256-jcs-v1", 1_100),
+            None
+        );
+        assert_eq!(c.running(&a, &fp, "sha256-raw-v1", 1_100), None);
+        // Never past the deadline (the lease the state API reported, or the cache's limit),
+        // and a clock seen going back drops the entry.
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_500), None);
+        assert_eq!(c.running_len(), 0);
+        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 999), None);
+        // A completed record, a removal or this worker's own claim replaces it.
+        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
+        c.insert(a, rec(1), 1_000, 60_000);
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_100), None);
+        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
+        c.forget_running(&a);
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_100), None);
+        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
+        c.remove(&a);
+        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_100), None);
+        // Disabled, or for no time: nothing kept.
+        assert!(!ReplayCache::default().hold_running(a, &fp, "sha256-jcs-v1", 1, 0, 500));
+        assert!(!c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 0));
+    }
+
+    #[test]
+    fn running_keys_are_bounded_and_purged() {
+        let mut c = ReplayCache::new(1 << 20, 60_000);
+        let fp = "ab".repeat(32);
+        for i in 0..MAX_RUNNING {
+            assert!(c.hold_running(id(&i.to_string(), "s", "e"), &fp, "a", 1, 0, 100));
+        }
+        // Full of live entries: a new key is not kept, a known one is refreshed.
+        assert!(!c.hold_running(id("new", "s", "e"), &fp, "a", 1, 50, 100));
+        assert!(c.hold_running(id("0", "s", "e"), &fp, "a", 1, 50, 100));
+        // Once the others have expired, they make room.
+        assert!(c.hold_running(id("new", "s", "e"), &fp, "a", 1, 120, 100));
+        assert_eq!(c.running_len(), 2);
+        c.purge_expired(10_000);
+        assert_eq!(c.running_len(), 0);
     }
 
     #[cfg(not(target_arch = "wasm32"))]

@@ -13,6 +13,10 @@ pub const DEFAULT_HEARTBEAT_MS: u64 = 10_000;
 pub const DEFAULT_TIMEOUT_MS: u64 = 1_000;
 pub const DEFAULT_REPLAY_CACHE_BYTES: u64 = 8 * 1024 * 1024;
 pub const DEFAULT_REPLAY_CACHE_TTL_MS: u64 = 60_000;
+pub const DEFAULT_IN_FLIGHT_CACHE_MS: u64 = 500;
+/// Longest `in_flight_cache_ms` accepted: a key finished elsewhere is replayed by this worker
+/// at most that late (its retries get 409 with Retry-After meanwhile).
+pub const MAX_IN_FLIGHT_CACHE_MS: u64 = 10_000;
 pub const DEFAULT_COMPLETE_RETRY_MS: u64 = 600_000;
 pub const DEFAULT_COMPLETE_RETRY_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -33,6 +37,10 @@ pub struct Config {
     pub replay_cache_bytes: u64,
     /// Longest a cached record is answered from memory, whatever its expiry (0: no cache).
     pub replay_cache_ttl_ms: u64,
+    /// How long a worker answers 409 from memory for a key the state API reported in progress
+    /// (never past the reported lease; 0: every duplicate asks the state API). Needs the replay
+    /// cache.
+    pub in_flight_cache_ms: u64,
     /// How long a worker keeps retrying a complete that failed while the response was held
     /// (0: give up after the in-stream retry, as before).
     pub complete_retry_ms: u64,
@@ -111,6 +119,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "replay_extra_headers",
     "replay_cache_bytes",
     "replay_cache_ttl_ms",
+    "in_flight_cache_ms",
     "complete_retry_ms",
     "complete_retry_bytes",
 ];
@@ -163,6 +172,7 @@ impl Config {
             replay_extra_headers: top.strings("replay_extra_headers")?,
             replay_cache_bytes: top.u64_or("replay_cache_bytes", DEFAULT_REPLAY_CACHE_BYTES)?,
             replay_cache_ttl_ms: top.u64_or("replay_cache_ttl_ms", DEFAULT_REPLAY_CACHE_TTL_MS)?,
+            in_flight_cache_ms: top.u64_or("in_flight_cache_ms", DEFAULT_IN_FLIGHT_CACHE_MS)?,
             complete_retry_ms: top.u64_or("complete_retry_ms", DEFAULT_COMPLETE_RETRY_MS)?,
             complete_retry_bytes: top
                 .u64_or("complete_retry_bytes", DEFAULT_COMPLETE_RETRY_BYTES)?,
@@ -294,6 +304,11 @@ impl Config {
         if self.heartbeat_ms == 0 || self.heartbeat_ms >= self.lease_ms {
             return err("heartbeat_ms must be > 0 and < lease_ms");
         }
+        if self.in_flight_cache_ms > MAX_IN_FLIGHT_CACHE_MS {
+            return err(format!(
+                "in_flight_cache_ms must be at most {MAX_IN_FLIGHT_CACHE_MS}"
+            ));
+        }
         for (i, h) in self.replay_extra_headers.iter_mut().enumerate() {
             *h = h.to_ascii_lowercase();
             if !is_token(h) {
@@ -359,6 +374,7 @@ mod tests {
       "replay_extra_headers": [],
       "replay_cache_bytes": 8388608,
       "replay_cache_ttl_ms": 60000,
+      "in_flight_cache_ms": 500,
       "complete_retry_ms": 600000,
       "complete_retry_bytes": 16777216
     }"#;
@@ -398,8 +414,12 @@ mod tests {
             (30_000, 10_000, 1_000)
         );
         assert_eq!(
-            (c.replay_cache_bytes, c.replay_cache_ttl_ms),
-            (8 << 20, 60_000)
+            (
+                c.replay_cache_bytes,
+                c.replay_cache_ttl_ms,
+                c.in_flight_cache_ms
+            ),
+            (8 << 20, 60_000, 500)
         );
         assert_eq!(
             (c.complete_retry_ms, c.complete_retry_bytes),
@@ -437,6 +457,10 @@ mod tests {
                 "heartbeat_ms",
             ),
             (Box::new(|v| v["lease_ms"] = 0.into()), "lease_ms"),
+            (
+                Box::new(|v| v["in_flight_cache_ms"] = 10_001.into()),
+                "in_flight_cache_ms",
+            ),
             (
                 Box::new(|v| v["max_request_body_bytes"] = 0.into()),
                 "max_request_body_bytes",

@@ -278,6 +278,14 @@ fn completed_reply(
     ))
 }
 
+fn in_progress_reply(retry_after_s: u32) -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::InProgress,
+        "a request with this key is still being processed; retry later",
+    )
+    .with_header("retry-after", retry_after_s.max(1).to_string())
+}
+
 fn mismatch_reply(endpoint: &str) -> LocalReply {
     LocalReply::problem(
         ProblemKind::KeyReuseMismatch,
@@ -326,18 +334,58 @@ impl Flow {
             if !cache.enabled() {
                 return None;
             }
-            let rec = cache.get(&req.cache_id(), (self.clock)())?;
-            if rec.fingerprint_alg != req.fingerprint_alg || rec.fingerprint != req.fingerprint {
-                (Metric::Mismatch422, mismatch_reply(&req.endpoint))
-            } else {
-                completed_reply(rec, &self.cfg.replay_extra_headers).ok()?
+            let (id, now) = (req.cache_id(), (self.clock)());
+            match cache.get(&id, now) {
+                Some(rec)
+                    if rec.fingerprint_alg != req.fingerprint_alg
+                        || rec.fingerprint != req.fingerprint =>
+                {
+                    (
+                        Metric::Mismatch422,
+                        mismatch_reply(&req.endpoint),
+                        Metric::ReplayCacheHits,
+                    )
+                }
+                Some(rec) => {
+                    let (metric, reply) =
+                        completed_reply(rec, &self.cfg.replay_extra_headers).ok()?;
+                    (metric, reply, Metric::ReplayCacheHits)
+                }
+                None => {
+                    let retry_after_s =
+                        cache.running(&id, &req.fingerprint, req.fingerprint_alg, now)?;
+                    (
+                        Metric::InProgress409,
+                        in_progress_reply(retry_after_s),
+                        Metric::InFlightCacheHits,
+                    )
+                }
             }
         };
-        let (metric, reply) = answer;
-        Some(
-            self.answer(Some(metric), reply)
-                .with(Effect::Count(Metric::ReplayCacheHits)),
-        )
+        let (metric, reply, hit) = answer;
+        Some(self.answer(Some(metric), reply).with(Effect::Count(hit)))
+    }
+
+    /// Remember, for a short time, that the key is in progress elsewhere (see
+    /// [`ReplayCache::hold_running`]): at most `in_flight_cache_ms`, never past the lease.
+    fn hold_running(&self, req: &Req, retry_after_s: u32, lease_remaining_ms: u64) {
+        let for_ms = self.cfg.in_flight_cache_ms.min(lease_remaining_ms);
+        if let Some(Ok(mut c)) = self.cache.as_ref().map(|c| c.try_borrow_mut()) {
+            c.hold_running(
+                req.cache_id(),
+                &req.fingerprint,
+                req.fingerprint_alg,
+                retry_after_s,
+                req.sent_ms,
+                for_ms,
+            );
+        }
+    }
+
+    fn forget_running(&self, id: &cache::Id) {
+        if let Some(Ok(mut c)) = self.cache.as_ref().map(|c| c.try_borrow_mut()) {
+            c.forget_running(id);
+        }
     }
 
     /// The upstream response is wanted (read `response.code_details`/`flags` for it).
@@ -622,17 +670,20 @@ impl Flow {
                     Effect::Count(Metric::Claimed),
                     Effect::ResumeRequest,
                 ]);
+                self.forget_running(&req.cache_id());
                 self.state = State::Upstream(Claimed { req, token });
                 step
             }
-            Ok(ClaimResponse::InProgress { retry_after_s, .. }) => self.answer(
-                Some(Metric::InProgress409),
-                LocalReply::problem(
-                    ProblemKind::InProgress,
-                    "a request with this key is still being processed; retry later",
+            Ok(ClaimResponse::InProgress {
+                retry_after_s,
+                lease_remaining_ms,
+            }) => {
+                self.hold_running(&req, retry_after_s, lease_remaining_ms);
+                self.answer(
+                    Some(Metric::InProgress409),
+                    in_progress_reply(retry_after_s),
                 )
-                .with_header("retry-after", retry_after_s.max(1).to_string()),
-            ),
+            }
             Ok(ClaimResponse::Mismatch) => {
                 self.answer(Some(Metric::Mismatch422), mismatch_reply(&req.endpoint))
             }
@@ -911,6 +962,8 @@ impl Flow {
         let verdict = retry::classify(status, written.is_some());
         match verdict {
             retry::Answer::Stored => {
+                // Duplicates told "in progress" while this request ran are not any more.
+                self.forget_running(&claimed.req.cache_id());
                 let expires_in_ms = written.and_then(|w| w.expires_in_ms);
                 if let (
                     Write::Complete {

@@ -39,6 +39,9 @@ pub enum Metric {
     /// Requests answered from the worker's replay cache without a callout (replays, and the
     /// 422 / 409 not replayable answers it can give too; each also counts in its own counter).
     ReplayCacheHits,
+    /// 409s answered from memory for a key the state API had just reported in progress (each
+    /// also counts in `in_progress_409`).
+    InFlightCacheHits,
     /// Completes retried by the worker after the response went on.
     CompleteRetries,
     /// Completes given up (retry bound, memory bound, or refused): the key stays in progress
@@ -47,7 +50,7 @@ pub enum Metric {
 }
 
 impl Metric {
-    pub const ALL: [Metric; 19] = [
+    pub const ALL: [Metric; 20] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -65,6 +68,7 @@ impl Metric {
         Metric::StoredWithoutBody,
         Metric::Heartbeats,
         Metric::ReplayCacheHits,
+        Metric::InFlightCacheHits,
         Metric::CompleteRetries,
         Metric::CompleteGaveUp,
     ];
@@ -88,6 +92,7 @@ impl Metric {
             Metric::StoredWithoutBody => "idempotency.stored_without_body",
             Metric::Heartbeats => "idempotency.heartbeats",
             Metric::ReplayCacheHits => "idempotency.replay_cache_hits",
+            Metric::InFlightCacheHits => "idempotency.in_flight_cache_hits",
             Metric::CompleteRetries => "idempotency.complete_retries",
             Metric::CompleteGaveUp => "idempotency.complete_gave_up",
         }

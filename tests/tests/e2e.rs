@@ -208,6 +208,23 @@ async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
         "a 409 took {slowest:?}: duplicates must not wait for the first request"
     );
     eprintln!("20 concurrent duplicates answered 409, slowest in {slowest:?}");
+    // Retries right after an "in progress" answer get their 409 from the worker's memory
+    // (in_flight_cache_ms, 500 by default), the same answer without a callout.
+    let from_memory = || {
+        stack
+            .envoy
+            .counter("wasmcustom.idempotency.in_flight_cache_hits")
+    };
+    let before = from_memory();
+    for _ in 0..10 {
+        let d = c.send(checkout(&key, "alice", &body)).await;
+        assert_problem(&d, 409, "request-in-progress", &stack);
+        assert!(d.header("retry-after").is_some(), "{}", d.describe());
+    }
+    assert!(
+        from_memory() > before,
+        "ten back-to-back retries, none answered from memory"
+    );
     let first = slow
         .await
         .unwrap_or_else(|e| panic!("slow request task: {e}"));

@@ -1243,3 +1243,157 @@ fn a_handed_over_complete_answers_retries_on_this_worker_while_it_waits() {
         422
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// In-progress keys answered from memory
+
+#[test]
+fn a_reported_in_progress_key_is_answered_409_from_memory_for_a_short_time() {
+    let w = Worker::new(CONFIG);
+    let body = br#"{"amount":1}"#;
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-1", body)));
+    let step = f.on_claim_answer(answer(&ClaimResponse::InProgress {
+        retry_after_s: 2,
+        lease_remaining_ms: 29_000,
+    }));
+    let from_api = reply_of(&step).clone();
+    assert_eq!(counts(&step), vec![Metric::InProgress409]);
+
+    // The same request (member order and whitespace aside) again: the same 409 without a
+    // callout, until in_flight_cache_ms (500 by default) has passed since the claim was sent.
+    w.advance(499);
+    let mut f = w.flow();
+    let step = w.send(&mut f, "/checkout", "user-1", br#"{ "amount" : 1 }"#);
+    assert!(!claims(&step), "{step:?}");
+    assert_eq!(reply_of(&step), &from_api);
+    assert_eq!(header(reply_of(&step), "retry-after"), Some("2"));
+    assert_eq!(
+        counts(&step),
+        vec![Metric::InProgress409, Metric::InFlightCacheHits]
+    );
+    assert!(f.replied());
+
+    // Another body asks the state API (the key may have been released and claimed again with
+    // it, so a 422 from memory could be wrong); so does another subject.
+    let mut f = w.flow();
+    assert!(claims(&w.send(
+        &mut f,
+        "/checkout",
+        "user-1",
+        br#"{"amount":2}"#
+    )));
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-2", body)));
+
+    // After in_flight_cache_ms: the state API again.
+    w.advance(1);
+    let mut f = w.flow();
+    assert!(claims(&w.send(&mut f, "/checkout", "user-1", body)));
+}
+
+#[test]
+fn a_409_from_memory_never_outlives_the_reported_lease() {
+    let w = Worker::new(CONFIG);
+    let body = br#"{"amount":1}"#;
+    let mut f = w.flow();
+    w.send(&mut f, "/checkout", "user-1", body);
+    // The owner's lease runs out in 40 ms: after that the key must be reclaimable at once.
+    f.on_claim_answer(answer(&ClaimResponse::InProgress {
+        retry_after_s: 1,
+        lease_remaining_ms: 40,
+    }));
+    w.advance(39);
+    let mut f = w.flow();
+    assert!(!claims(&w.send(&mut f, "/checkout", "user-1", body)));
+    w.advance(1);
+    let mut f = w.flow();
+    let step = w.send(&mut f, "/checkout", "user-1", body);
+    assert!(claims(&step), "the lease has run out: {step:?}");
+    // This worker reclaims it: what it remembered is gone, and its own request's completion
+    // replaces it with the stored response.
+    let step = f.on_claim_answer(answer(&ClaimResponse::Claimed {
+        token: 9,
+        lease_ms: 30_000,
+        reclaimed: true,
+    }));
+    assert!(step.effects.contains(&Effect::ResumeRequest));
+    assert_eq!(w.cache.borrow_mut().running_len(), 0);
+}
+
+#[test]
+fn a_key_completed_or_released_here_is_no_longer_answered_409_from_memory() {
+    for release in [false, true] {
+        let w = Worker::new(CONFIG);
+        let body = br#"{"amount":1}"#;
+        // The first request claims the key on this worker...
+        let mut owner = w.flow();
+        w.send(&mut owner, "/checkout", "user-1", body);
+        owner.on_claim_answer(answer(&ClaimResponse::Claimed {
+            token: 7,
+            lease_ms: 30_000,
+            reclaimed: false,
+        }));
+        // ... a retry meanwhile is told "in progress" by the state API ...
+        let mut dup = w.flow();
+        w.send(&mut dup, "/checkout", "user-1", body);
+        dup.on_claim_answer(answer(&ClaimResponse::InProgress {
+            retry_after_s: 2,
+            lease_remaining_ms: 30_000,
+        }));
+        assert_eq!(w.cache.borrow_mut().running_len(), 1);
+        // ... and then the first one is stored (or its key given back).
+        let step = if release {
+            owner.on_response_headers(&h(&[(":status", "503")]), "no_healthy_upstream", 0x2, true)
+        } else {
+            owner.on_response_headers(&h(&[(":status", "201")]), "via_upstream", 0, true)
+        };
+        assert!(
+            step.effects
+                .iter()
+                .any(|e| matches!(e, Effect::DispatchComplete(_) | Effect::DispatchRelease(_))),
+            "{step:?}"
+        );
+        owner.on_write_answer(if release {
+            answer(&WriteResponse::released())
+        } else {
+            written()
+        });
+        assert_eq!(w.cache.borrow_mut().running_len(), 0, "release: {release}");
+        let mut f = w.flow();
+        let step = w.send(&mut f, "/checkout", "user-1", body);
+        if release {
+            assert!(claims(&step), "a released key is claimed anew: {step:?}");
+        } else {
+            assert!(!claims(&step));
+            assert_eq!(
+                counts(&step),
+                vec![Metric::Replayed, Metric::ReplayCacheHits]
+            );
+        }
+    }
+}
+
+#[test]
+fn without_the_replay_cache_or_with_in_flight_cache_ms_0_every_duplicate_asks() {
+    for patch in [r#""replay_cache_bytes": 0,"#, r#""in_flight_cache_ms": 0,"#] {
+        let config = CONFIG.replacen(
+            "\"max_request_body_bytes\"",
+            &format!("{patch} \"max_request_body_bytes\""),
+            1,
+        );
+        let w = Worker::new(&config);
+        let body = br#"{"amount":1}"#;
+        let mut f = w.flow();
+        w.send(&mut f, "/checkout", "user-1", body);
+        f.on_claim_answer(answer(&ClaimResponse::InProgress {
+            retry_after_s: 2,
+            lease_remaining_ms: 30_000,
+        }));
+        let mut f = w.flow();
+        assert!(
+            claims(&w.send(&mut f, "/checkout", "user-1", body)),
+            "{patch}"
+        );
+    }
+}

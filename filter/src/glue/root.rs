@@ -235,13 +235,14 @@ impl RootContext for Root {
         abi::log(
             Level::Info,
             &format!(
-                "idempotency filter configured (root context {}): {} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms, replay cache {} bytes",
+                "idempotency filter configured (root context {}): {} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms, replay cache {} bytes, in-flight answers {} ms",
                 self.context_id,
                 cfg.routes.len(),
                 cfg.state_api.cluster,
                 cfg.lease_ms,
                 cfg.heartbeat_ms,
                 cfg.replay_cache_bytes,
+                cfg.in_flight_cache_ms,
             ),
         );
         self.cfg = Some(Rc::new(cfg));
