@@ -16,6 +16,9 @@ pub const MAX_LEASE_MS: u64 = 600_000;
 /// Longest retention: keeps `now + retention` inside Postgres' timestamp range.
 pub const MAX_RETENTION_S: u64 = 10 * 365 * 86_400;
 
+/// The largest group-commit batch accepted (requests per statement).
+pub const MAX_BATCH: usize = 1_000;
+
 /// The shortest accepted key secret, in bytes.
 pub const MIN_KEY_SECRET_LEN: usize = 16;
 
@@ -116,6 +119,21 @@ pub struct Config {
     #[arg(long, env = "STATE_API_PURGE_BATCH", default_value_t = 500)]
     pub purge_batch: u32,
 
+    /// Group commit: most claims (or completes) that share one statement and one commit
+    /// (1: no batching, every request runs its own statements).
+    #[arg(long, env = "STATE_API_BATCH_MAX", default_value_t = 64)]
+    pub batch_max: usize,
+
+    /// Group commit: batches of claims (and, apart, of completes) running at once, each on a
+    /// pool connection.
+    #[arg(long, env = "STATE_API_BATCH_IN_FLIGHT", default_value_t = 2)]
+    pub batch_in_flight: usize,
+
+    /// Group commit: most bytes of stored responses (bodies and headers) in one batch of
+    /// completes; a larger complete runs on its own.
+    #[arg(long, env = "STATE_API_BATCH_MAX_BYTES", default_value_t = 1_048_576)]
+    pub batch_max_bytes: usize,
+
     /// Apply the migrations and exit.
     #[arg(long)]
     pub migrate_only: bool,
@@ -140,6 +158,8 @@ pub enum ConfigError {
     Zero(&'static str),
     #[error("--retention-s must be at most {MAX_RETENTION_S} (ten years)")]
     RetentionTooLong,
+    #[error("--batch-max must be at most {MAX_BATCH}")]
+    BatchTooLarge,
 }
 
 impl Config {
@@ -161,6 +181,9 @@ impl Config {
             ("--retention-s", self.retention_s),
             ("--retry-after-cap-s", u64::from(self.retry_after_cap_s)),
             ("--purge-batch", u64::from(self.purge_batch)),
+            ("--batch-max", self.batch_max as u64),
+            ("--batch-in-flight", self.batch_in_flight as u64),
+            ("--batch-max-bytes", self.batch_max_bytes as u64),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero(name));
@@ -168,6 +191,9 @@ impl Config {
         }
         if self.retention_s > MAX_RETENTION_S {
             return Err(ConfigError::RetentionTooLong);
+        }
+        if self.batch_max > MAX_BATCH {
+            return Err(ConfigError::BatchTooLarge);
         }
         Ok(secret)
     }
@@ -181,6 +207,14 @@ impl Config {
 
     pub fn retention_ms(&self) -> i64 {
         i64::try_from(self.retention_s.saturating_mul(1000)).unwrap_or(i64::MAX)
+    }
+
+    pub fn batch_limits(&self) -> crate::batch::BatchLimits {
+        crate::batch::BatchLimits {
+            max_items: self.batch_max,
+            in_flight: self.batch_in_flight,
+            max_bytes: self.batch_max_bytes,
+        }
     }
 
     pub fn acquire_timeout(&self) -> Duration {
@@ -242,6 +276,50 @@ mod tests {
         let c = parse(&["--key-secret", "0123456789abcdef"]);
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("0123456789abcdef") && !dbg.contains("postgres://"));
+    }
+
+    #[test]
+    fn batching_is_on_by_default_and_bounded() {
+        let ok = |c: Config| c.validate().map(|_| ()).err();
+        let c = parse(&["--key-secret", "0123456789abcdef"]);
+        assert_eq!((c.batch_max, c.batch_in_flight), (64, 2));
+        assert_eq!(c.batch_limits().max_bytes, 1_048_576);
+        assert_eq!(
+            ok(parse(&[
+                "--key-secret",
+                "0123456789abcdef",
+                "--batch-max",
+                "0"
+            ])),
+            Some(ConfigError::Zero("--batch-max"))
+        );
+        assert_eq!(
+            ok(parse(&[
+                "--key-secret",
+                "0123456789abcdef",
+                "--batch-in-flight",
+                "0"
+            ])),
+            Some(ConfigError::Zero("--batch-in-flight"))
+        );
+        assert_eq!(
+            ok(parse(&[
+                "--key-secret",
+                "0123456789abcdef",
+                "--batch-max",
+                "1001"
+            ])),
+            Some(ConfigError::BatchTooLarge)
+        );
+        assert_eq!(
+            ok(parse(&[
+                "--key-secret",
+                "0123456789abcdef",
+                "--batch-max",
+                "1"
+            ])),
+            None
+        );
     }
 
     #[test]

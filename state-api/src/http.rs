@@ -22,9 +22,10 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use subtle::ConstantTimeEq as _;
 
+use crate::batch::{ClaimJob, CompleteJob};
 use crate::metrics::{self, Route, WriteOp};
 use crate::scope::{log_label, ScopeHash};
-use crate::store::{self, NewClaim, StoreError, StoredRow, WriteResult};
+use crate::store::{self, StoreError, StoredRow, WriteResult};
 use crate::AppState;
 
 /// The hand-written OpenAPI document of this API.
@@ -311,19 +312,18 @@ async fn claim(
     let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
     let config = state.config();
-    let lease_ms = config.lease_for(req.lease_ms);
-    let new = NewClaim {
+    let job = ClaimJob {
         scope,
-        subject: &req.subject,
-        endpoint: &req.endpoint,
-        fingerprint_alg: &req.fingerprint_alg,
-        fingerprint: &req.fingerprint,
-        lease_ms,
+        subject: req.subject,
+        endpoint: req.endpoint,
+        fingerprint_alg: req.fingerprint_alg,
+        fingerprint: req.fingerprint,
+        lease_ms: config.lease_for(req.lease_ms),
         retention_ms: config.retention_ms(),
     };
     let outcome = state
-        .store()
-        .claim(&new)
+        .batcher()
+        .claim(job)
         .await
         .map_err(|e| store_error(&state, "claim", e))?;
     let (answer, label) = match outcome {
@@ -396,9 +396,15 @@ async fn complete(
     let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
     check_token(req.token)?;
     let row = stored_row(&state, req.response)?;
+    let job = CompleteJob {
+        scope,
+        token: req.token,
+        response: row,
+        retention_ms: state.config().retention_ms(),
+    };
     let result = state
-        .store()
-        .complete(&scope, req.token, &row, state.config().retention_ms())
+        .batcher()
+        .complete(job)
         .await
         .map_err(|e| store_error(&state, "complete", e))?;
     match result {

@@ -5,6 +5,7 @@
 //! committed row (never by waiting on the first request); writes of an owner are fenced by a
 //! token from one sequence. See `docs/state-api.md` and `GET /openapi.json`.
 
+pub mod batch;
 pub mod config;
 pub mod http;
 pub mod metrics;
@@ -22,6 +23,7 @@ use tokio::sync::watch;
 pub use config::Config;
 pub use http::app;
 
+use crate::batch::Batcher;
 use crate::metrics::Metrics;
 use crate::scope::Scoper;
 use crate::store::{PoolSettings, Store};
@@ -43,8 +45,9 @@ pub enum StartError {
 struct Inner {
     config: Config,
     store: Store,
+    batcher: Batcher,
     scoper: Scoper,
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
     token_digest: [u8; 32],
 }
 
@@ -74,12 +77,16 @@ impl AppState {
         )
         .map_err(StartError::DatabaseUrl)?;
         let token_digest = token_digest(config.api_token.expose());
+        let store = Store::new(pool);
+        let metrics = Arc::new(Metrics::default());
+        let batcher = Batcher::new(store.clone(), metrics.clone(), config.batch_limits());
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
-                store: Store::new(pool),
+                store,
+                batcher,
                 scoper,
-                metrics: Metrics::default(),
+                metrics,
                 token_digest,
             }),
         })
@@ -90,6 +97,10 @@ impl AppState {
     }
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+    /// The group commit of claims and completes (`Store` underneath).
+    pub fn batcher(&self) -> &Batcher {
+        &self.inner.batcher
     }
     pub fn scoper(&self) -> &Scoper {
         &self.inner.scoper
@@ -169,8 +180,8 @@ pub fn spawn_purge(
     }))
 }
 
-/// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests,
-/// stops the purge and closes the pool.
+/// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests
+/// (and the group commit's queues), stops the purge and closes the pool.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
@@ -181,6 +192,7 @@ pub async fn serve(
     let result = axum::serve(listener, app(state.clone()))
         .with_graceful_shutdown(shutdown)
         .await;
+    state.batcher().close().await;
     let _ = stop_tx.send(true);
     if let Some(p) = purge {
         let _ = p.await;

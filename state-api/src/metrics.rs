@@ -97,6 +97,67 @@ impl Route {
     }
 }
 
+/// The requests the group commit batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchOp {
+    Claim,
+    Complete,
+}
+
+impl BatchOp {
+    const ALL: [Self; 2] = [Self::Claim, Self::Complete];
+    fn label(self) -> &'static str {
+        match self {
+            Self::Claim => "claim",
+            Self::Complete => "complete",
+        }
+    }
+}
+
+/// Why a request of the group commit ran the single-row statements instead of a batch's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinglePathReason {
+    /// Its scope was already in the batch being taken, or in a running one.
+    Duplicate,
+    /// A complete over the batch byte cap.
+    Oversize,
+    /// The batch statement did not settle it (a claim that lost a race or found an expired
+    /// lease or retention; a complete that matched no in-progress record of its token).
+    AfterBatch,
+}
+
+impl SinglePathReason {
+    const ALL: [Self; 3] = [Self::Duplicate, Self::Oversize, Self::AfterBatch];
+    fn label(self) -> &'static str {
+        match self {
+            Self::Duplicate => "duplicate",
+            Self::Oversize => "oversize",
+            Self::AfterBatch => "after_batch",
+        }
+    }
+}
+
+/// Upper bounds of the batch size histogram (requests per statement).
+const BATCH_BUCKETS: [u64; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+
+#[derive(Default)]
+struct SizeHistogram {
+    buckets: [AtomicU64; BATCH_BUCKETS.len()],
+    count: AtomicU64,
+    sum: AtomicU64,
+}
+
+impl SizeHistogram {
+    fn observe(&self, n: u64) {
+        // Cumulative at render time: one increment per observation here.
+        if let Some(i) = BATCH_BUCKETS.iter().position(|le| n <= *le) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        self.count.fetch_add(1, Relaxed);
+        self.sum.fetch_add(n, Relaxed);
+    }
+}
+
 /// Upper bounds in seconds: the interesting range is 0.2 ms .. 100 ms.
 const BUCKETS: [f64; 12] = [
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
@@ -134,6 +195,8 @@ pub struct Metrics {
     db_unavailable: AtomicU64,
     internal_errors: AtomicU64,
     latency: [Histogram; Route::ALL.len()],
+    batch_sizes: [SizeHistogram; BatchOp::ALL.len()],
+    batch_single: [[AtomicU64; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
 }
 
 /// The pool's state at scrape time.
@@ -170,6 +233,18 @@ impl Metrics {
     }
     pub fn observe(&self, route: Route, d: Duration) {
         self.latency[route as usize].observe(d);
+    }
+    /// A statement (or, for 1, the single-row statements) run for `n` requests by the group commit.
+    pub fn batch_size(&self, op: BatchOp, n: usize) {
+        self.batch_sizes[op as usize].observe(u64::try_from(n).unwrap_or(u64::MAX));
+    }
+    pub fn batch_single_path(&self, op: BatchOp, why: SinglePathReason) {
+        self.batch_single[op as usize][why as usize].fetch_add(1, Relaxed);
+    }
+    /// (statements, requests) of the group commit for `op`.
+    pub fn batch_totals(&self, op: BatchOp) -> (u64, u64) {
+        let h = &self.batch_sizes[op as usize];
+        (h.count.load(Relaxed), h.sum.load(Relaxed))
     }
 
     pub fn claims_total(&self, o: ClaimOutcome) -> u64 {
@@ -289,6 +364,51 @@ impl Metrics {
             )?;
         }
 
+        writeln!(out, "# HELP state_api_batch_size Requests per statement of the group commit, by op (1: the single-row statements).")?;
+        writeln!(out, "# TYPE state_api_batch_size histogram")?;
+        for op in BatchOp::ALL {
+            let h = &self.batch_sizes[op as usize];
+            let mut cumulative = 0;
+            for (i, le) in BATCH_BUCKETS.iter().enumerate() {
+                cumulative += h.buckets[i].load(Relaxed);
+                writeln!(
+                    out,
+                    "state_api_batch_size_bucket{{op=\"{}\",le=\"{le}\"}} {cumulative}",
+                    op.label()
+                )?;
+            }
+            let count = h.count.load(Relaxed);
+            writeln!(
+                out,
+                "state_api_batch_size_bucket{{op=\"{}\",le=\"+Inf\"}} {count}",
+                op.label()
+            )?;
+            writeln!(
+                out,
+                "state_api_batch_size_sum{{op=\"{}\"}} {}",
+                op.label(),
+                h.sum.load(Relaxed)
+            )?;
+            writeln!(
+                out,
+                "state_api_batch_size_count{{op=\"{}\"}} {count}",
+                op.label()
+            )?;
+        }
+        writeln!(out, "# HELP state_api_batch_single_path_total Requests of the group commit run on the single-row statements instead, by op and reason.")?;
+        writeln!(out, "# TYPE state_api_batch_single_path_total counter")?;
+        for op in BatchOp::ALL {
+            for why in SinglePathReason::ALL {
+                writeln!(
+                    out,
+                    "state_api_batch_single_path_total{{op=\"{}\",reason=\"{}\"}} {}",
+                    op.label(),
+                    why.label(),
+                    self.batch_single[op as usize][why as usize].load(Relaxed)
+                )?;
+            }
+        }
+
         writeln!(
             out,
             "# HELP state_api_db_pool_connections Database connections, by state."
@@ -343,5 +463,34 @@ mod tests {
             "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"+Inf\"} 1\n"
         ));
         assert!(text.contains("state_api_db_pool_connections{state=\"in_use\"} 2\n"));
+    }
+
+    #[test]
+    fn batch_sizes_are_a_cumulative_histogram() {
+        let m = Metrics::default();
+        for n in [1, 1, 3, 64, 300] {
+            m.batch_size(BatchOp::Claim, n);
+        }
+        m.batch_single_path(BatchOp::Complete, SinglePathReason::AfterBatch);
+        assert_eq!(m.batch_totals(BatchOp::Claim), (5, 369));
+        let text = m.render(PoolGauges {
+            size: 0,
+            idle: 0,
+            max: 16,
+        });
+        for line in [
+            "state_api_batch_size_bucket{op=\"claim\",le=\"1\"} 2\n",
+            "state_api_batch_size_bucket{op=\"claim\",le=\"2\"} 2\n",
+            "state_api_batch_size_bucket{op=\"claim\",le=\"4\"} 3\n",
+            "state_api_batch_size_bucket{op=\"claim\",le=\"64\"} 4\n",
+            "state_api_batch_size_bucket{op=\"claim\",le=\"256\"} 4\n",
+            "state_api_batch_size_bucket{op=\"claim\",le=\"+Inf\"} 5\n",
+            "state_api_batch_size_sum{op=\"claim\"} 369\n",
+            "state_api_batch_size_count{op=\"complete\"} 0\n",
+            "state_api_batch_single_path_total{op=\"complete\",reason=\"after_batch\"} 1\n",
+            "state_api_batch_single_path_total{op=\"claim\",reason=\"duplicate\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line} missing in:\n{text}");
+        }
     }
 }
