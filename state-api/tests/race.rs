@@ -10,6 +10,7 @@ use common::*;
 use contract::wire::{ClaimResponse, CLAIM_PATH, COMPLETE_PATH};
 use serde_json::json;
 use sqlx::Connection as _;
+use state_api::store::NewClaim;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers() {
@@ -42,6 +43,33 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
         for w in warm {
             assert_eq!(w.await.unwrap().status(), 200);
         }
+    }
+    // The claims above share few statements (group commit), so warm every pooled connection
+    // with the single-row claim too: the duplicates below run it.
+    let warm: Vec<_> = (0..32)
+        .map(|i| {
+            let store = api.state.store().clone();
+            let scope = api
+                .state
+                .scoper()
+                .hash(&format!("warm-single-{i}"), "alice", ENDPOINT);
+            tokio::spawn(async move {
+                let fingerprint = fp(1);
+                let claim = NewClaim {
+                    scope,
+                    subject: "alice",
+                    endpoint: ENDPOINT,
+                    fingerprint_alg: ALG,
+                    fingerprint: &fingerprint,
+                    lease_ms: 60_000,
+                    retention_ms: 60_000,
+                };
+                store.claim(&claim).await.unwrap()
+            })
+        })
+        .collect();
+    for w in warm {
+        w.await.unwrap();
     }
     // ... and open the 100 HTTP connections beforehand.
     let warm: Vec<_> = (0..100)

@@ -1,0 +1,644 @@
+//! Group commit against a real Postgres: claims and completes that share one statement are
+//! answered as the single path would answer each, and are committed before the answer.
+//!
+//! To make a batch's composition deterministic, a test holds `LOCK TABLE ... IN SHARE MODE`
+//! from another connection (reads go on, INSERT and UPDATE wait). With `--batch-in-flight 1`, a
+//! first request takes the only runner slot and waits on the lock; everything submitted next
+//! queues; releasing the lock runs the queue as one batch.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::*;
+use contract::wire::{ClaimResponse, StoredResponse, CLAIM_PATH};
+use sqlx::Connection as _;
+use state_api::batch::{ClaimJob, CompleteJob};
+use state_api::metrics::BatchOp;
+use state_api::store::{ClaimOutcome, StoreError, StoredRow, WriteResult};
+use tokio::task::JoinHandle;
+
+/// One connection holding a SHARE lock on the table until `release`.
+struct TableLock(sqlx::PgConnection);
+
+impl TableLock {
+    async fn take(db_url: &str) -> Self {
+        let mut c = sqlx::PgConnection::connect(db_url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut c).await.unwrap();
+        sqlx::query("LOCK TABLE idempotency_records IN SHARE MODE")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        Self(c)
+    }
+
+    /// Waits until `n` statements wait on the lock.
+    async fn wait_for_waiters(&mut self, n: i64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks
+                 WHERE NOT granted AND relation = 'idempotency_records'::regclass
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .fetch_one(&mut self.0)
+            .await
+            .unwrap();
+            if waiting >= n {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{waiting} of {n} waiters");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn release(mut self) {
+        sqlx::query("ROLLBACK").execute(&mut self.0).await.unwrap();
+    }
+}
+
+/// Waits until `n` requests are queued in the API's batcher.
+async fn wait_queued(api: &Api, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while api.state.batcher().queued() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} queued",
+            api.state.batcher().queued()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
+    ClaimJob {
+        scope: api.state.scoper().hash(key, "alice", ENDPOINT),
+        subject: "alice".into(),
+        endpoint: ENDPOINT.into(),
+        fingerprint_alg: ALG.into(),
+        fingerprint: fingerprint.into(),
+        lease_ms,
+        retention_ms: api.state.config().retention_ms(),
+    }
+}
+
+fn submit_claim(api: &Api, job: ClaimJob) -> JoinHandle<Result<ClaimOutcome, StoreError>> {
+    let state = api.state.clone();
+    tokio::spawn(async move { state.batcher().claim(job).await })
+}
+
+fn stored(body: &[u8]) -> StoredRow {
+    StoredRow {
+        status: 201,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: body.to_vec(),
+        replayable: true,
+    }
+}
+
+fn submit_complete(
+    api: &Api,
+    key: &str,
+    token: i64,
+    response: StoredRow,
+) -> JoinHandle<Result<WriteResult, StoreError>> {
+    let state = api.state.clone();
+    let job = CompleteJob {
+        scope: api.state.scoper().hash(key, "alice", ENDPOINT),
+        token,
+        response,
+        retention_ms: api.state.config().retention_ms(),
+    };
+    tokio::spawn(async move { state.batcher().complete(job).await })
+}
+
+fn claimed(o: &ClaimOutcome) -> (i64, bool) {
+    match o {
+        ClaimOutcome::Claimed {
+            token, reclaimed, ..
+        } => (*token, *reclaimed),
+        other => panic!("expected claimed, got {other:?}"),
+    }
+}
+
+/// (state, token) of the committed record, read on a connection of its own.
+async fn committed(api: &Api, key: &str) -> Option<(String, i64)> {
+    let mut conn = sqlx::PgConnection::connect(&api.db_url).await.unwrap();
+    let scope = api.state.scoper().hash(key, "alice", ENDPOINT);
+    sqlx::query_as("SELECT state, fencing_token FROM idempotency_records WHERE scope_hash = $1")
+        .bind(&scope[..])
+        .fetch_optional(&mut conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn distinct_first_claims_share_one_statement_and_are_all_committed() {
+    let api = Api::start(&["--batch-in-flight", "1"]).await;
+    let mut lock = TableLock::take(&api.db_url).await;
+    let blocker = submit_claim(&api, job(&api, "blocker", &fp(1), 30_000));
+    lock.wait_for_waiters(1).await;
+
+    // Over HTTP, the whole path.
+    const N: usize = 40;
+    let tasks: Vec<_> = (0..N)
+        .map(|i| {
+            let (client, url) = (api.client.clone(), api.url(CLAIM_PATH));
+            let body = serde_json::to_value(claim_req(
+                &format!("first-{i}"),
+                "alice",
+                &fp(1),
+                Some(45_000),
+            ))
+            .unwrap();
+            tokio::spawn(async move {
+                let r = client
+                    .post(url)
+                    .bearer_auth(TOKEN)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                r.json::<ClaimResponse>().await.unwrap()
+            })
+        })
+        .collect();
+    wait_queued(&api, N).await;
+    lock.release().await;
+
+    claimed(&blocker.await.unwrap().unwrap());
+    let mut tokens = HashSet::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        match t.await.unwrap() {
+            ClaimResponse::Claimed {
+                token,
+                lease_ms,
+                reclaimed,
+            } => {
+                assert_eq!((lease_ms, reclaimed), (45_000, false));
+                assert!(tokens.insert(token), "token {token} given twice");
+                // Committed before the answer: another connection sees it.
+                assert_eq!(
+                    committed(&api, &format!("first-{i}")).await,
+                    Some(("in_progress".into(), token))
+                );
+            }
+            other => panic!("first-{i}: {other:?}"),
+        }
+    }
+    assert_eq!(tokens.len(), N);
+    // The blocker alone (the single path), then the N claims in one statement.
+    assert_eq!(
+        api.state.metrics().batch_totals(BatchOp::Claim),
+        (2, N as u64 + 1)
+    );
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"32\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"64\"}"),
+        2.0
+    );
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"claimed\"}"),
+        N as f64
+    );
+    api.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_of_one_key_queued_together_give_one_owner() {
+    let api = Api::start(&["--batch-in-flight", "1"]).await;
+    let mut lock = TableLock::take(&api.db_url).await;
+    let blocker = submit_claim(&api, job(&api, "blocker", &fp(1), 30_000));
+    lock.wait_for_waiters(1).await;
+
+    // The first claim of `same` goes into the batch; the others of that key run on the single
+    // path, at the same time as the batch that inserts it.
+    let owner = submit_claim(&api, job(&api, "same", &fp(1), 60_000));
+    wait_queued(&api, 1).await;
+    let duplicates: Vec<_> = (0..20)
+        .map(|_| submit_claim(&api, job(&api, "same", &fp(1), 60_000)))
+        .collect();
+    let other_body = submit_claim(&api, job(&api, "same", &fp(2), 60_000));
+    let others: Vec<_> = (0..10)
+        .map(|i| submit_claim(&api, job(&api, &format!("other-{i}"), &fp(1), 60_000)))
+        .collect();
+    wait_queued(&api, 32).await;
+    lock.release().await;
+
+    claimed(&blocker.await.unwrap().unwrap());
+    let (token, reclaimed) = claimed(&owner.await.unwrap().unwrap());
+    assert!(!reclaimed);
+    for d in duplicates {
+        match d.await.unwrap().unwrap() {
+            ClaimOutcome::InProgress { lease_remaining_ms } => {
+                assert!(lease_remaining_ms > 50_000 && lease_remaining_ms <= 60_000)
+            }
+            other => panic!("duplicate: {other:?}"),
+        }
+    }
+    assert_eq!(
+        other_body.await.unwrap().unwrap(),
+        ClaimOutcome::Mismatch,
+        "another body for the key"
+    );
+    for o in others {
+        claimed(&o.await.unwrap().unwrap());
+    }
+    assert_eq!(
+        committed(&api, "same").await,
+        Some(("in_progress".into(), token))
+    );
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "state_api_batch_single_path_total{op=\"claim\",reason=\"duplicate\"}"
+        ),
+        21.0
+    );
+    api.shutdown().await;
+}
+
+/// Two API processes on one database, each with a batch of the same keys (in opposite orders)
+/// at the same moment: one owner per key, no deadlock, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_processes_batching_the_same_keys_give_one_owner_per_key() {
+    let a = Api::start(&["--batch-in-flight", "1"]).await;
+    let b = Api::start_on(&a.db_url, &["--batch-in-flight", "1"]).await;
+    let mut lock = TableLock::take(&a.db_url).await;
+    let blockers = [
+        submit_claim(&a, job(&a, "blocker-a", &fp(1), 30_000)),
+        submit_claim(&b, job(&b, "blocker-b", &fp(1), 30_000)),
+    ];
+    lock.wait_for_waiters(2).await;
+    const N: usize = 24;
+    let keys: Vec<String> = (0..N).map(|i| format!("shared-{i}")).collect();
+    let from_a: Vec<_> = keys
+        .iter()
+        .map(|k| submit_claim(&a, job(&a, k, &fp(1), 60_000)))
+        .collect();
+    let from_b: Vec<_> = keys
+        .iter()
+        .rev()
+        .map(|k| submit_claim(&b, job(&b, k, &fp(1), 60_000)))
+        .collect();
+    wait_queued(&a, N).await;
+    wait_queued(&b, N).await;
+    lock.release().await;
+
+    for bl in blockers {
+        claimed(&bl.await.unwrap().unwrap());
+    }
+    let mut answers_a = Vec::new();
+    for t in from_a {
+        answers_a.push(t.await.unwrap().unwrap());
+    }
+    let mut answers_b = Vec::new();
+    for t in from_b {
+        answers_b.push(t.await.unwrap().unwrap());
+    }
+    answers_b.reverse();
+    for (i, (x, y)) in answers_a.iter().zip(&answers_b).enumerate() {
+        let (token, loser) = match (x, y) {
+            (ClaimOutcome::Claimed { token, .. }, l) | (l, ClaimOutcome::Claimed { token, .. }) => {
+                (*token, l)
+            }
+            _ => panic!("shared-{i}: no owner: {x:?} / {y:?}"),
+        };
+        assert!(
+            matches!(loser, ClaimOutcome::InProgress { .. }),
+            "shared-{i}: {x:?} / {y:?}"
+        );
+        assert_eq!(
+            committed(&a, &keys[i]).await,
+            Some(("in_progress".into(), token))
+        );
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
+    let api = Api::start(&["--batch-in-flight", "1", "--retention-s", "2"]).await;
+    // Past its retention by the time of the batch: taken over as a new key.
+    let old = token_of(&api.claim("old", &fp(1), None).await);
+    api.post(
+        contract::wire::COMPLETE_PATH,
+        &complete_body("old", old, &ok_response()),
+    )
+    .await;
+    // A lease that runs out: reclaimed.
+    let expired = token_of(&api.claim("expired", &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let done = token_of(&api.claim("done", &fp(1), None).await);
+    let (s, _, _) = api
+        .post(
+            contract::wire::COMPLETE_PATH,
+            &complete_body("done", done, &ok_response()),
+        )
+        .await;
+    assert_eq!(s, 200);
+    let held = token_of(&api.claim("held", &fp(1), Some(60_000)).await);
+    token_of(&api.claim("other", &fp(1), None).await);
+
+    let mut lock = TableLock::take(&api.db_url).await;
+    let blocker = submit_claim(&api, job(&api, "blocker", &fp(1), 30_000));
+    lock.wait_for_waiters(1).await;
+    let new1 = submit_claim(&api, job(&api, "new-1", &fp(1), 30_000));
+    let new2 = submit_claim(&api, job(&api, "new-2", &fp(2), 30_000));
+    let in_progress = submit_claim(&api, job(&api, "held", &fp(1), 30_000));
+    let completed = submit_claim(&api, job(&api, "done", &fp(1), 30_000));
+    let mismatch = submit_claim(&api, job(&api, "other", &fp(2), 30_000));
+    let reclaim = submit_claim(&api, job(&api, "expired", &fp(1), 40_000));
+    let take_over = submit_claim(&api, job(&api, "old", &fp(3), 30_000));
+    wait_queued(&api, 7).await;
+    lock.release().await;
+
+    claimed(&blocker.await.unwrap().unwrap());
+    assert!(!claimed(&new1.await.unwrap().unwrap()).1);
+    assert!(!claimed(&new2.await.unwrap().unwrap()).1);
+    match in_progress.await.unwrap().unwrap() {
+        ClaimOutcome::InProgress { lease_remaining_ms } => {
+            assert!(lease_remaining_ms > 50_000 && lease_remaining_ms <= 60_000)
+        }
+        other => panic!("held: {other:?}"),
+    }
+    match completed.await.unwrap().unwrap() {
+        ClaimOutcome::Completed { row, expires_in_ms } => {
+            assert_eq!(
+                StoredResponse::new(row.status, row.headers, &row.body, row.replayable),
+                ok_response()
+            );
+            assert!(expires_in_ms <= 2_000);
+        }
+        other => panic!("done: {other:?}"),
+    }
+    assert_eq!(mismatch.await.unwrap().unwrap(), ClaimOutcome::Mismatch);
+    match reclaim.await.unwrap().unwrap() {
+        ClaimOutcome::Claimed {
+            token,
+            lease_ms,
+            reclaimed,
+        } => {
+            assert!(reclaimed && token > expired);
+            assert_eq!(lease_ms, 40_000);
+            assert_eq!(
+                committed(&api, "expired").await,
+                Some(("in_progress".into(), token))
+            );
+        }
+        other => panic!("expired: {other:?}"),
+    }
+    let (token, reclaimed) = claimed(&take_over.await.unwrap().unwrap());
+    assert!(
+        token > old && !reclaimed,
+        "completed, past retention: a new key"
+    );
+    assert_eq!(
+        committed(&api, "old").await,
+        Some(("in_progress".into(), token))
+    );
+    assert_eq!(
+        committed(&api, "held").await,
+        Some(("in_progress".into(), held))
+    );
+
+    // Five claims and the blocker alone, then one statement for the seven; the reclaim and the
+    // take-over went on to the single path.
+    assert_eq!(api.state.metrics().batch_totals(BatchOp::Claim), (7, 13));
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"4\"}") + 1.0,
+        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"8\"}")
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "state_api_batch_single_path_total{op=\"claim\",reason=\"after_batch\"}"
+        ),
+        2.0
+    );
+    assert_eq!(metric(&m, "state_api_reclaims_total"), 0.0, "not over HTTP");
+    api.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_completes_stores_right_tokens_and_fences_out_wrong_ones() {
+    let api = Api::start(&["--batch-in-flight", "1"]).await;
+    let mut owners = Vec::new();
+    for i in 0..6 {
+        let key = format!("c-{i}");
+        owners.push((key.clone(), token_of(&api.claim(&key, &fp(1), None).await)));
+    }
+    // Reclaimed: the first owner's token is fenced out.
+    let stale = token_of(&api.claim("re", &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let fresh = match api.claim("re", &fp(1), Some(60_000)).await {
+        ClaimResponse::Claimed {
+            token,
+            reclaimed: true,
+            ..
+        } => token,
+        other => panic!("{other:?}"),
+    };
+    // Completed already: the same owner's retry changes nothing.
+    let twice = token_of(&api.claim("twice", &fp(1), None).await);
+    let first_answer = api
+        .state
+        .batcher()
+        .complete(CompleteJob {
+            scope: api.state.scoper().hash("twice", "alice", ENDPOINT),
+            token: twice,
+            response: stored(b"first"),
+            retention_ms: api.state.config().retention_ms(),
+        })
+        .await
+        .unwrap();
+    assert!(matches!(first_answer, WriteResult::Done { .. }));
+    let blk = token_of(&api.claim("blk", &fp(1), None).await);
+
+    let mut lock = TableLock::take(&api.db_url).await;
+    let blocker = submit_complete(&api, "blk", blk, stored(b"blk"));
+    lock.wait_for_waiters(1).await;
+    let rights: Vec<_> = owners
+        .iter()
+        .map(|(k, t)| submit_complete(&api, k, *t, stored(k.as_bytes())))
+        .collect();
+    wait_queued(&api, owners.len()).await;
+    // A wrong token for a key whose right one is in the batch (same scope: single path), a
+    // token that never existed, the reclaimed owner's old token, the completed owner's retry.
+    let wrong_same_key = submit_complete(&api, "c-0", owners[0].1 + 1_000_000, stored(b"x"));
+    let unknown = submit_complete(&api, "nobody", 5, stored(b"x"));
+    let reclaimed_old = submit_complete(&api, "re", stale, stored(b"x"));
+    let retry = submit_complete(&api, "twice", twice, stored(b"second"));
+    wait_queued(&api, owners.len() + 4).await;
+    lock.release().await;
+
+    assert!(matches!(
+        blocker.await.unwrap().unwrap(),
+        WriteResult::Done { .. }
+    ));
+    for r in rights {
+        match r.await.unwrap().unwrap() {
+            WriteResult::Done { expires_in_ms } => {
+                assert!(expires_in_ms > 86_000_000 && expires_in_ms <= 86_400_000)
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(
+        wrong_same_key.await.unwrap().unwrap(),
+        WriteResult::FencedOut
+    );
+    assert_eq!(unknown.await.unwrap().unwrap(), WriteResult::FencedOut);
+    assert_eq!(
+        reclaimed_old.await.unwrap().unwrap(),
+        WriteResult::FencedOut
+    );
+    assert!(matches!(
+        retry.await.unwrap().unwrap(),
+        WriteResult::AlreadyDone { .. }
+    ));
+
+    // What is stored: each right owner's own response; the fenced writes changed nothing.
+    for (k, _) in &owners {
+        match api.claim(k, &fp(1), None).await {
+            ClaimResponse::Completed { response, .. } => {
+                assert_eq!(
+                    response,
+                    StoredResponse::new(
+                        201,
+                        vec![("content-type".into(), "application/json".into())],
+                        k.as_bytes(),
+                        true
+                    )
+                );
+            }
+            other => panic!("{k}: {other:?}"),
+        }
+    }
+    assert_eq!(
+        committed(&api, "re").await,
+        Some(("in_progress".into(), fresh))
+    );
+    match api.claim("twice", &fp(1), None).await {
+        ClaimResponse::Completed { response, .. } => {
+            assert_eq!(response.body().unwrap(), b"first")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(committed(&api, "nobody").await, None);
+    let m = api.metrics().await;
+    // The six right owners, "nobody", the stale token and the retry shared one statement; the
+    // wrong token for c-0 ran alone.
+    assert_eq!(
+        metric(
+            &m,
+            "state_api_batch_single_path_total{op=\"complete\",reason=\"duplicate\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "state_api_batch_single_path_total{op=\"complete\",reason=\"after_batch\"}"
+        ),
+        3.0
+    );
+    api.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_batch_statement_answers_every_request_of_the_batch_with_503() {
+    let api = Api::start(&["--batch-in-flight", "1", "--statement-timeout-ms", "500"]).await;
+    let mut lock = TableLock::take(&api.db_url).await;
+    let blocker = submit_claim(&api, job(&api, "blocker", &fp(1), 30_000));
+    lock.wait_for_waiters(1).await;
+    let tasks: Vec<_> = (0..5)
+        .map(|i| {
+            let (client, url) = (api.client.clone(), api.url(CLAIM_PATH));
+            let body = serde_json::to_value(claim_req(&format!("late-{i}"), "alice", &fp(1), None))
+                .unwrap();
+            tokio::spawn(async move {
+                let r = client
+                    .post(url)
+                    .bearer_auth(TOKEN)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let retry_after = r.headers().get("retry-after").cloned();
+                let body: serde_json::Value = r.json().await.unwrap();
+                (status, retry_after, body)
+            })
+        })
+        .collect();
+    wait_queued(&api, 5).await;
+    // The lock stays until every answer is in: the blocker's statement and then the batch's
+    // time out.
+    let e = blocker.await.unwrap().unwrap_err();
+    assert!(e.is_unavailable(), "{e}");
+    for t in tasks {
+        let (status, retry_after, body) = t.await.unwrap();
+        assert_problem(status, &body, 503, "idempotency-state-unavailable");
+        assert_eq!(retry_after.unwrap(), "1");
+    }
+    lock.release().await;
+    for i in 0..5 {
+        assert_eq!(committed(&api, &format!("late-{i}")).await, None);
+    }
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_errors_total{kind=\"unavailable\"}"),
+        5.0
+    );
+    assert_eq!(api.state.metrics().batch_totals(BatchOp::Claim), (2, 6));
+    // And the next claims go through.
+    assert!(matches!(
+        api.claim("late-0", &fp(1), None).await,
+        ClaimResponse::Claimed { .. }
+    ));
+    api.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn closing_the_batcher_answers_every_queued_request() {
+    let api = Api::start(&["--batch-in-flight", "1"]).await;
+    let mut lock = TableLock::take(&api.db_url).await;
+    let blocker = submit_claim(&api, job(&api, "blocker", &fp(1), 30_000));
+    lock.wait_for_waiters(1).await;
+    let queued: Vec<_> = (0..10)
+        .map(|i| submit_claim(&api, job(&api, &format!("q-{i}"), &fp(1), 30_000)))
+        .collect();
+    wait_queued(&api, 10).await;
+    let state = api.state.clone();
+    let close = tokio::spawn(async move { state.batcher().close().await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!close.is_finished(), "close waits for the queue");
+    // After close: a request runs on its own (it waits on the lock too).
+    let late = submit_claim(&api, job(&api, "late", &fp(1), 30_000));
+    lock.wait_for_waiters(2).await;
+    assert_eq!(api.state.batcher().queued(), 10);
+    lock.release().await;
+
+    tokio::time::timeout(Duration::from_secs(10), close)
+        .await
+        .unwrap()
+        .unwrap();
+    claimed(&blocker.await.unwrap().unwrap());
+    for q in queued {
+        claimed(&q.await.unwrap().unwrap());
+    }
+    claimed(&late.await.unwrap().unwrap());
+    assert_eq!(api.state.batcher().queued(), 0);
+    api.shutdown().await;
+}
