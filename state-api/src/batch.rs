@@ -1,11 +1,14 @@
-//! Group commit: concurrent claims (and completes) share one statement and one durable commit.
+//! Group commit: concurrent claims and completes share one statement and one durable commit.
 //!
-//! Each kind of request (claim, complete) has a lane: a queue and at most `in_flight` runners.
-//! A request that finds a free runner slot and an empty queue runs the single-row statements
-//! itself, at once, exactly as without batching. Otherwise it queues with a oneshot for its
-//! answer; a runner takes everything queued at that moment (up to `max_items`, and for completes
-//! up to `max_bytes` of stored responses), runs it as one statement over arrays, and answers
-//! each request. There is no timer: while one batch runs, the next one queues up.
+//! While the database keeps up, a request runs the single-row statements itself, at once,
+//! exactly as without batching (up to `in_flight` such statements at a time). Once
+//! `in_flight` statements are running, requests queue with a oneshot for their answer, and one
+//! runner takes everything queued at that moment (up to `max_items`, and up to `max_bytes` of
+//! stored responses), claims and completes alike, runs it as one statement over arrays
+//! (`Store::write_many`), answers each request and takes the next batch, until the queue is
+//! empty. There is no timer: while one batch runs, the next one queues up. There is one runner
+//! at a time: on two cores, one batch at a time was faster than two half as large (each
+//! statement costs about as much as seven more rows in it).
 //!
 //! What this keeps from the single path:
 //! - a claim is answered only after the statement that INSERTed it has committed
@@ -14,15 +17,15 @@
 //! - any request the batch statement does not settle (a claim that lost a race with a
 //!   concurrent inserter, a lease or retention that ran out, a complete whose UPDATE matched
 //!   nothing) goes on to the single path, which decides as it always did;
-//! - one scope hash is never twice in the statements of one lane at once: a second request for
-//!   a scope that is already queued in the batch being taken, or in a batch still running, runs
-//!   on the single path (so batches never wait on each other's rows and cannot deadlock);
+//! - one scope hash is never twice in a batch: a later request for a scope of the batch being
+//!   taken runs on the single path once that batch has committed (so it never overtakes the
+//!   earlier one); the single-row statements hold at most one row lock, so they cannot deadlock
+//!   with a batch;
 //! - an error of a batch statement is every request's error (503 when unavailable), and every
 //!   request gets exactly one answer: a runner drains the queue before it stops, and a request
 //!   whose batch vanished without answering gets `StoreError::Unanswered` (503).
 
 use std::collections::{HashSet, VecDeque};
-use std::future::Future;
 use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -31,7 +34,8 @@ use tokio::sync::{oneshot, Notify};
 use crate::metrics::{BatchOp, Metrics, SinglePathReason};
 use crate::scope::ScopeHash;
 use crate::store::{
-    BatchedClaim, ClaimOutcome, CompleteItem, NewClaim, Store, StoreError, StoredRow, WriteResult,
+    BatchAnswers, BatchedClaim, ClaimOutcome, CompleteItem, NewClaim, Store, StoreError, StoredRow,
+    WriteResult,
 };
 
 /// How requests are grouped.
@@ -39,10 +43,11 @@ use crate::store::{
 pub struct BatchLimits {
     /// Most requests per statement; 1 turns batching off (every request runs its own statements).
     pub max_items: usize,
-    /// Batches of one kind running at once (each holds a pool connection while it runs).
+    /// Statements running at once before requests queue for a batch: requests running the
+    /// single-row statements inline, and the runner's batch (each holds a pool connection).
     pub in_flight: usize,
-    /// Most bytes of stored responses (bodies and headers) per complete batch; a larger
-    /// complete runs alone on the single path.
+    /// Most bytes of stored responses (bodies and headers) per batch; a larger complete runs
+    /// alone on the single path.
     pub max_bytes: usize,
 }
 
@@ -81,7 +86,18 @@ pub struct CompleteJob {
     pub retention_ms: i64,
 }
 
-/// Bytes a stored response adds to a complete batch.
+impl CompleteJob {
+    fn as_item(&self) -> CompleteItem<'_> {
+        CompleteItem {
+            scope: &self.scope,
+            token: self.token,
+            response: &self.response,
+            retention_ms: self.retention_ms,
+        }
+    }
+}
+
+/// Bytes a stored response adds to a batch.
 fn response_bytes(r: &StoredRow) -> usize {
     r.headers.iter().fold(r.body.len(), |n, (k, v)| {
         n.saturating_add(k.len() + v.len())
@@ -90,10 +106,10 @@ fn response_bytes(r: &StoredRow) -> usize {
 
 type Reply<A> = oneshot::Sender<Result<A, StoreError>>;
 
-/// A queued request and where its answer goes.
-struct Pending<J: Job> {
-    job: J,
-    reply: Reply<J::Answer>,
+/// A request and where its answer goes.
+enum Pending {
+    Claim(ClaimJob, Reply<ClaimOutcome>),
+    Complete(CompleteJob, Reply<WriteResult>),
 }
 
 /// What the batch assembly needs to know about a queued request.
@@ -103,144 +119,127 @@ pub(crate) trait Queued {
     fn bytes(&self) -> usize;
 }
 
-impl<J: Job> Queued for Pending<J> {
+impl Queued for Pending {
     fn scope(&self) -> &ScopeHash {
-        self.job.scope()
+        match self {
+            Self::Claim(j, _) => &j.scope,
+            Self::Complete(j, _) => &j.scope,
+        }
     }
     fn bytes(&self) -> usize {
-        self.job.bytes()
+        match self {
+            Self::Claim(..) => 0,
+            Self::Complete(j, _) => response_bytes(&j.response),
+        }
     }
 }
 
-/// One kind of request the batcher groups.
-trait Job: Send + Sized + 'static {
-    type Answer: Send + 'static;
-    const OP: BatchOp;
-    fn scope(&self) -> &ScopeHash;
-    fn bytes(&self) -> usize;
-    /// The single-row path, exactly as without batching.
-    fn run_one(
-        self,
-        store: Store,
-    ) -> impl Future<Output = Result<Self::Answer, StoreError>> + Send + 'static;
-    /// What the single path does for a request the batch statement did not settle.
-    fn after_batch(
-        self,
-        store: Store,
-    ) -> impl Future<Output = Result<Self::Answer, StoreError>> + Send + 'static;
-    /// One statement for `batch` (two or more distinct scopes). Answers every request but the
-    /// ones it returns, which go on to `after_batch`.
-    fn run_batch(
-        batch: Vec<Pending<Self>>,
-        store: &Store,
-    ) -> impl Future<Output = Vec<Pending<Self>>> + Send;
-}
+impl Pending {
+    fn op(&self) -> BatchOp {
+        match self {
+            Self::Claim(..) => BatchOp::Claim,
+            Self::Complete(..) => BatchOp::Complete,
+        }
+    }
 
-impl Job for ClaimJob {
-    type Answer = ClaimOutcome;
-    const OP: BatchOp = BatchOp::Claim;
-
-    fn scope(&self) -> &ScopeHash {
-        &self.scope
-    }
-    fn bytes(&self) -> usize {
-        0
-    }
-    async fn run_one(self, store: Store) -> Result<ClaimOutcome, StoreError> {
-        store.claim(&self.as_new()).await
-    }
-    /// Lost a race with a concurrent inserter, or a lease or retention ran out: the whole claim
-    /// again, which reads, reclaims or takes over as it always does.
-    async fn after_batch(self, store: Store) -> Result<ClaimOutcome, StoreError> {
-        self.run_one(store).await
-    }
-    async fn run_batch(mut batch: Vec<Pending<Self>>, store: &Store) -> Vec<Pending<Self>> {
-        batch.sort_unstable_by_key(|p| p.job.scope);
-        let claims: Vec<NewClaim<'_>> = batch.iter().map(|p| p.job.as_new()).collect();
-        let result = store.claim_many(&claims).await;
-        drop(claims);
-        let answers = match result {
-            Ok(answers) => answers,
-            Err(e) => {
-                fail_all(batch, e);
-                return Vec::new();
+    /// The single-row path, exactly as without batching; answers.
+    async fn run_one(self, store: &Store) {
+        match self {
+            Self::Claim(job, reply) => {
+                let _ = reply.send(store.claim(&job.as_new()).await);
             }
-        };
-        let mut rest = Vec::new();
-        for (p, answer) in batch.into_iter().zip(answers) {
-            match answer {
-                BatchedClaim::Answered(outcome) => {
-                    let _ = p.reply.send(Ok(outcome));
-                }
-                BatchedClaim::Failed(e) => {
-                    let _ = p.reply.send(Err(e));
-                }
-                BatchedClaim::SinglePath => rest.push(p),
+            Self::Complete(job, reply) => {
+                let answer = store
+                    .complete(&job.scope, job.token, &job.response, job.retention_ms)
+                    .await;
+                let _ = reply.send(answer);
             }
         }
-        rest
     }
-}
 
-impl Job for CompleteJob {
-    type Answer = WriteResult;
-    const OP: BatchOp = BatchOp::Complete;
-
-    fn scope(&self) -> &ScopeHash {
-        &self.scope
-    }
-    fn bytes(&self) -> usize {
-        response_bytes(&self.response)
-    }
-    async fn run_one(self, store: Store) -> Result<WriteResult, StoreError> {
-        store
-            .complete(&self.scope, self.token, &self.response, self.retention_ms)
-            .await
-    }
-    /// Not this token's in-progress record: the single path's second step tells a retried
-    /// complete of the same owner from a fenced-out one.
-    async fn after_batch(self, store: Store) -> Result<WriteResult, StoreError> {
-        store.complete_unmatched(&self.scope, self.token).await
-    }
-    async fn run_batch(mut batch: Vec<Pending<Self>>, store: &Store) -> Vec<Pending<Self>> {
-        batch.sort_unstable_by_key(|p| p.job.scope);
-        let items: Vec<CompleteItem<'_>> = batch
-            .iter()
-            .map(|p| CompleteItem {
-                scope: &p.job.scope,
-                token: p.job.token,
-                response: &p.job.response,
-                retention_ms: p.job.retention_ms,
-            })
-            .collect();
-        let result = store.complete_many(&items).await;
-        drop(items);
-        let done = match result {
-            Ok(done) => done,
-            Err(e) => {
-                fail_all(batch, e);
-                return Vec::new();
-            }
-        };
-        let mut rest = Vec::new();
-        for (p, done) in batch.into_iter().zip(done) {
-            match done {
-                Some(expires_in_ms) => {
-                    let _ = p.reply.send(Ok(WriteResult::Done { expires_in_ms }));
-                }
-                None => rest.push(p),
+    /// What the single path does for a request the batch statement did not settle; answers.
+    async fn after_batch(self, store: &Store) {
+        match self {
+            // Lost a race with a concurrent inserter, or a lease or retention ran out: the
+            // whole claim again, which reads, reclaims or takes over as it always does.
+            claim @ Self::Claim(..) => claim.run_one(store).await,
+            // Not this token's in-progress record: the single path's second step tells a
+            // retried complete of the same owner from a fenced-out one.
+            Self::Complete(job, reply) => {
+                let _ = reply.send(store.complete_unmatched(&job.scope, job.token).await);
             }
         }
-        rest
+    }
+
+    fn fail(self, e: &Arc<StoreError>) {
+        let e = StoreError::Batch(e.clone());
+        match self {
+            Self::Claim(_, reply) => {
+                let _ = reply.send(Err(e));
+            }
+            Self::Complete(_, reply) => {
+                let _ = reply.send(Err(e));
+            }
+        }
     }
 }
 
-/// Gives the error of a batch statement to every request of the batch.
-fn fail_all<J: Job>(batch: Vec<Pending<J>>, e: StoreError) {
-    let e = Arc::new(e);
+/// Runs `batch` (two or more distinct scopes) as one statement and answers every request but
+/// the ones it returns, which go on to `Pending::after_batch`.
+async fn run_batch(mut batch: Vec<Pending>, store: &Store) -> Vec<Pending> {
+    // Scope order: the INSERT takes its locks in that order, the UPDATE walks its input so.
+    batch.sort_unstable_by_key(|p| *p.scope());
+    let mut claims = Vec::new();
+    let mut completes = Vec::new();
     for p in batch {
-        let _ = p.reply.send(Err(StoreError::Batch(e.clone())));
+        match p {
+            Pending::Claim(job, reply) => claims.push((job, reply)),
+            Pending::Complete(job, reply) => completes.push((job, reply)),
+        }
     }
+    let result = {
+        let new: Vec<NewClaim<'_>> = claims.iter().map(|(j, _)| j.as_new()).collect();
+        let items: Vec<CompleteItem<'_>> = completes.iter().map(|(j, _)| j.as_item()).collect();
+        store.write_many(&new, &items).await
+    };
+    let answers = match result {
+        Ok(a) => a,
+        Err(e) => {
+            let e = Arc::new(e);
+            for (job, reply) in claims {
+                Pending::Claim(job, reply).fail(&e);
+            }
+            for (job, reply) in completes {
+                Pending::Complete(job, reply).fail(&e);
+            }
+            return Vec::new();
+        }
+    };
+    let BatchAnswers {
+        claims: claimed,
+        completes: completed,
+    } = answers;
+    let mut rest = Vec::new();
+    for ((job, reply), answer) in claims.into_iter().zip(claimed) {
+        match answer {
+            BatchedClaim::Answered(outcome) => {
+                let _ = reply.send(Ok(outcome));
+            }
+            BatchedClaim::Failed(e) => {
+                let _ = reply.send(Err(e));
+            }
+            BatchedClaim::SinglePath => rest.push(Pending::Claim(job, reply)),
+        }
+    }
+    for ((job, reply), done) in completes.into_iter().zip(completed) {
+        match done {
+            Some(expires_in_ms) => {
+                let _ = reply.send(Ok(WriteResult::Done { expires_in_ms }));
+            }
+            None => rest.push(Pending::Complete(job, reply)),
+        }
+    }
+    rest
 }
 
 /// A batch taken from a queue.
@@ -293,33 +292,35 @@ pub(crate) fn take_batch<T: Queued>(
     Taken { batch, followers }
 }
 
-struct LaneState<J: Job> {
-    queue: VecDeque<Pending<J>>,
-    /// Scopes in batches taken and not finished yet.
+struct LaneState {
+    queue: VecDeque<Pending>,
+    /// Scopes of the batch being run.
     busy: HashSet<ScopeHash>,
-    /// Runner slots in use: runners, and requests running their single path inline.
+    /// Statements running: the runner's, and requests running their single path inline.
     running: usize,
+    /// A runner is taking batches off the queue (there is at most one).
+    runner: bool,
     closed: bool,
 }
 
-struct Lane<J: Job> {
+struct Lane {
     store: Store,
     metrics: Arc<Metrics>,
     limits: BatchLimits,
-    state: Mutex<LaneState<J>>,
+    state: Mutex<LaneState>,
     /// Signalled when `running` drops to zero.
     idle: Notify,
 }
 
 /// What a request does, decided under the lane's lock.
-enum Route<J: Job> {
+enum Route {
     /// Run the single path on the request's own task (with or without a runner slot).
-    Inline(J, Option<Slot<J>>),
+    Inline(Pending, Option<Slot>),
     /// Wait for a runner's answer (after spawning a runner, if `true`).
-    Queued(oneshot::Receiver<Result<J::Answer, StoreError>>, bool),
+    Queued(bool),
 }
 
-impl<J: Job> Lane<J> {
+impl Lane {
     fn new(store: Store, metrics: Arc<Metrics>, limits: BatchLimits) -> Self {
         Self {
             store,
@@ -329,71 +330,70 @@ impl<J: Job> Lane<J> {
                 queue: VecDeque::new(),
                 busy: HashSet::new(),
                 running: 0,
+                runner: false,
                 closed: false,
             }),
             idle: Notify::new(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, LaneState<J>> {
+    fn lock(&self) -> MutexGuard<'_, LaneState> {
         // Nothing panics while holding the lock; the state stays consistent either way.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    async fn submit(self: &Arc<Self>, job: J) -> Result<J::Answer, StoreError> {
-        if job.bytes() > self.limits.max_bytes {
+    /// Answers `p`, inline or through a batch.
+    async fn submit(self: &Arc<Self>, p: Pending) {
+        if p.bytes() > self.limits.max_bytes {
             self.metrics
-                .batch_single_path(J::OP, SinglePathReason::Oversize);
-            return job.run_one(self.store.clone()).await;
+                .batch_single_path(p.op(), SinglePathReason::Oversize);
+            return p.run_one(&self.store).await;
         }
         let route = {
             let mut st = self.lock();
             if st.closed {
-                Route::Inline(job, None)
-            } else if st.running < self.limits.in_flight && st.queue.is_empty() {
+                Route::Inline(p, None)
+            } else if !st.runner && st.queue.is_empty() && st.running < self.limits.in_flight {
                 // Nothing to group with: a batch of one, on this task, without a hop.
                 st.running += 1;
-                Route::Inline(job, Some(Slot::new(self.clone())))
+                Route::Inline(p, Some(Slot::new(self.clone(), false)))
             } else {
-                let (reply, answer) = oneshot::channel();
-                st.queue.push_back(Pending { job, reply });
-                let spawn = st.running < self.limits.in_flight;
+                // Queued behind the running statements; a runner takes it with the others.
+                st.queue.push_back(p);
+                let spawn = !st.runner && st.running < self.limits.in_flight;
                 if spawn {
                     st.running += 1;
+                    st.runner = true;
                 }
-                Route::Queued(answer, spawn)
+                Route::Queued(spawn)
             }
         };
         match route {
-            Route::Inline(job, slot) => {
+            Route::Inline(p, slot) => {
                 if slot.is_some() {
-                    self.metrics.batch_size(J::OP, 1);
+                    self.metrics.batch_size(1);
                 }
-                let answer = job.run_one(self.store.clone()).await;
+                p.run_one(&self.store).await;
                 // Hands the slot on to a runner if requests queued up meanwhile.
                 drop(slot);
-                answer
             }
-            Route::Queued(answer, spawn) => {
-                if spawn {
-                    tokio::spawn(run(self.clone()));
-                }
-                answer.await.unwrap_or(Err(StoreError::Unanswered))
+            Route::Queued(true) => {
+                tokio::spawn(run(self.clone()));
             }
+            Route::Queued(false) => {}
         }
     }
 
     /// Runs `p` on the single path on its own task (`after_batch`: the rest of it, after a
     /// batch statement that did not settle it).
-    fn single(&self, p: Pending<J>, after_batch: bool) {
+    fn single(&self, p: Pending, after_batch: bool) {
         let store = self.store.clone();
         tokio::spawn(async move {
-            let answer = if after_batch {
-                p.job.after_batch(store).await
+            if after_batch {
+                p.after_batch(&store).await;
             } else {
-                p.job.run_one(store).await
-            };
-            let _ = p.reply.send(answer);
+                p.run_one(&store).await;
+            }
         });
     }
 
@@ -415,47 +415,57 @@ impl<J: Job> Lane<J> {
     }
 }
 
-/// A runner slot. Dropped (also on unwinding), it is handed on to a new runner when requests
-/// are queued, or freed.
-struct Slot<J: Job> {
-    lane: Arc<Lane<J>>,
+/// A statement slot, of the runner or of a request running inline. Dropped (also on
+/// unwinding), it is handed on to a new runner when requests are queued and none runs, or
+/// freed.
+struct Slot {
+    lane: Arc<Lane>,
+    /// The runner's slot.
+    runner: bool,
     /// Freed already (`release`).
     freed: bool,
 }
 
-impl<J: Job> Slot<J> {
-    fn new(lane: Arc<Lane<J>>) -> Self {
-        Self { lane, freed: false }
+impl Slot {
+    fn new(lane: Arc<Lane>, runner: bool) -> Self {
+        Self {
+            lane,
+            runner,
+            freed: false,
+        }
     }
 
-    /// Frees the slot even though requests may be queued (a runner that found nothing it may
-    /// take: the runner of the batch they wait for takes them).
-    fn release(mut self) {
-        let mut st = self.lane.lock();
-        free_slot(&self.lane, &mut st);
+    /// The runner stops: frees its slot (under the lock in which it found the queue empty).
+    fn release(mut self, st: &mut LaneState) {
+        st.runner = false;
+        free_slot(&self.lane, st);
         self.freed = true;
     }
 }
 
-fn free_slot<J: Job>(lane: &Lane<J>, st: &mut LaneState<J>) {
+fn free_slot(lane: &Lane, st: &mut LaneState) {
     st.running = st.running.saturating_sub(1);
     if st.running == 0 {
         lane.idle.notify_waiters();
     }
 }
 
-impl<J: Job> Drop for Slot<J> {
+impl Drop for Slot {
     fn drop(&mut self) {
         if self.freed {
             return;
         }
         let hand_on = {
             let mut st = self.lane.lock();
-            if st.queue.is_empty() {
+            if self.runner {
+                st.runner = false;
+            }
+            if !st.queue.is_empty() && !st.runner {
+                st.runner = true;
+                true
+            } else {
                 free_slot(&self.lane, &mut st);
                 false
-            } else {
-                true
             }
         };
         if hand_on {
@@ -463,11 +473,12 @@ impl<J: Job> Drop for Slot<J> {
                 Ok(rt) => {
                     rt.spawn(run(self.lane.clone()));
                 }
-                // No runtime left to run it: the queued requests' senders are dropped with
-                // the lane, so each of them is answered `Unanswered`.
+                // No runtime left to run it: the queued requests' senders are dropped, so
+                // each of them is answered `Unanswered`.
                 Err(_) => {
                     let mut st = self.lane.lock();
                     st.queue.clear();
+                    st.runner = false;
                     free_slot(&self.lane, &mut st);
                 }
             }
@@ -477,12 +488,12 @@ impl<J: Job> Drop for Slot<J> {
 
 /// The scopes of a running batch: taken out of `busy` when the batch is done (also on
 /// unwinding, so that requests queued behind them are never stranded).
-struct Busy<'a, J: Job> {
-    lane: &'a Lane<J>,
+struct Busy<'a> {
+    lane: &'a Lane,
     scopes: Vec<ScopeHash>,
 }
 
-impl<J: Job> Drop for Busy<'_, J> {
+impl Drop for Busy<'_> {
     fn drop(&mut self) {
         let mut st = self.lane.lock();
         for s in &self.scopes {
@@ -491,111 +502,99 @@ impl<J: Job> Drop for Busy<'_, J> {
     }
 }
 
-/// A runner: takes batches off the queue until nothing is left that it may take.
-async fn run<J: Job>(lane: Arc<Lane<J>>) {
-    let slot = Slot::new(lane.clone());
+/// The runner: takes batches off the queue until it is empty.
+async fn run(lane: Arc<Lane>) {
+    let slot = Slot::new(lane.clone(), true);
     loop {
         let Taken { batch, followers } = {
             let mut st = lane.lock();
             let LaneState { queue, busy, .. } = &mut *st;
-            take_batch(queue, busy, lane.limits.max_items, lane.limits.max_bytes)
+            let taken = take_batch(queue, busy, lane.limits.max_items, lane.limits.max_bytes);
+            if taken.batch.is_empty() {
+                // The only runner, so nothing is busy: the queue is empty.
+                slot.release(&mut st);
+                return;
+            }
+            taken
         };
-        if batch.is_empty() {
-            // Empty, or only requests for scopes of a running batch, whose runner takes them
-            // when it is done.
-            slot.release();
-            return;
-        }
         let busy = Busy {
             lane: &lane,
-            scopes: batch.iter().map(|p| *p.job.scope()).collect(),
+            scopes: batch.iter().map(|p| *p.scope()).collect(),
         };
-        lane.metrics.batch_size(J::OP, batch.len());
+        lane.metrics.batch_size(batch.len());
         if batch.len() == 1 {
             for p in batch {
-                let _ = p.reply.send(p.job.run_one(lane.store.clone()).await);
+                p.run_one(&lane.store).await;
             }
         } else {
-            for p in J::run_batch(batch, &lane.store).await {
+            for p in run_batch(batch, &lane.store).await {
                 lane.metrics
-                    .batch_single_path(J::OP, SinglePathReason::AfterBatch);
+                    .batch_single_path(p.op(), SinglePathReason::AfterBatch);
                 lane.single(p, true);
             }
         }
         for p in followers {
             lane.metrics
-                .batch_single_path(J::OP, SinglePathReason::Duplicate);
+                .batch_single_path(p.op(), SinglePathReason::Duplicate);
             lane.single(p, false);
         }
         drop(busy);
     }
 }
 
-struct Lanes {
-    claims: Arc<Lane<ClaimJob>>,
-    completes: Arc<Lane<CompleteJob>>,
-}
-
 /// The group commit of claims and completes (see the module documentation).
 pub struct Batcher {
     store: Store,
     /// None: batching is off.
-    lanes: Option<Lanes>,
+    lane: Option<Arc<Lane>>,
 }
 
 impl Batcher {
     /// Spawns nothing: runners start when requests queue up.
     pub fn new(store: Store, metrics: Arc<Metrics>, limits: BatchLimits) -> Self {
-        let lanes = (limits.max_items > 1).then(|| {
+        let lane = (limits.max_items > 1).then(|| {
             let limits = BatchLimits {
                 in_flight: limits.in_flight.max(1),
                 ..limits
             };
-            Lanes {
-                claims: Arc::new(Lane::new(store.clone(), metrics.clone(), limits)),
-                completes: Arc::new(Lane::new(store.clone(), metrics.clone(), limits)),
-            }
+            Arc::new(Lane::new(store.clone(), metrics, limits))
         });
-        Self { store, lanes }
+        Self { store, lane }
     }
 
-    pub fn enabled(&self) -> bool {
-        self.lanes.is_some()
-    }
-
-    /// Requests waiting in the queues for a batch (claims and completes).
+    /// Requests waiting in the queue for a batch.
     pub fn queued(&self) -> usize {
-        self.lanes.as_ref().map_or(0, |l| {
-            l.claims.lock().queue.len() + l.completes.lock().queue.len()
-        })
+        self.lane.as_ref().map_or(0, |l| l.lock().queue.len())
     }
 
-    /// `Store::claim`, grouped with concurrent claims.
+    /// `Store::claim`, grouped with concurrent claims and completes.
     pub async fn claim(&self, job: ClaimJob) -> Result<ClaimOutcome, StoreError> {
-        match &self.lanes {
-            Some(l) => l.claims.submit(job).await,
-            None => self.store.claim(&job.as_new()).await,
-        }
+        let Some(lane) = &self.lane else {
+            return self.store.claim(&job.as_new()).await;
+        };
+        let (reply, answer) = oneshot::channel();
+        lane.submit(Pending::Claim(job, reply)).await;
+        answer.await.unwrap_or(Err(StoreError::Unanswered))
     }
 
-    /// `Store::complete`, grouped with concurrent completes.
+    /// `Store::complete`, grouped with concurrent claims and completes.
     pub async fn complete(&self, job: CompleteJob) -> Result<WriteResult, StoreError> {
-        match &self.lanes {
-            Some(l) => l.completes.submit(job).await,
-            None => {
-                self.store
-                    .complete(&job.scope, job.token, &job.response, job.retention_ms)
-                    .await
-            }
-        }
+        let Some(lane) = &self.lane else {
+            return self
+                .store
+                .complete(&job.scope, job.token, &job.response, job.retention_ms)
+                .await;
+        };
+        let (reply, answer) = oneshot::channel();
+        lane.submit(Pending::Complete(job, reply)).await;
+        answer.await.unwrap_or(Err(StoreError::Unanswered))
     }
 
     /// Drains: every queued request is answered, then the runners stop. Requests after this
     /// run on the single path.
     pub async fn close(&self) {
-        if let Some(l) = &self.lanes {
-            l.claims.close().await;
-            l.completes.close().await;
+        if let Some(lane) = &self.lane {
+            lane.close().await;
         }
     }
 }

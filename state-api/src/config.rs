@@ -124,13 +124,13 @@ pub struct Config {
     #[arg(long, env = "STATE_API_BATCH_MAX", default_value_t = 64)]
     pub batch_max: usize,
 
-    /// Group commit: batches of claims (and, apart, of completes) running at once, each on a
-    /// pool connection.
-    #[arg(long, env = "STATE_API_BATCH_IN_FLIGHT", default_value_t = 2)]
+    /// Group commit: statements running at once (requests running alone, and the one batch)
+    /// before requests queue to share a statement; each holds a pool connection.
+    #[arg(long, env = "STATE_API_BATCH_IN_FLIGHT", default_value_t = 4)]
     pub batch_in_flight: usize,
 
-    /// Group commit: most bytes of stored responses (bodies and headers) in one batch of
-    /// completes; a larger complete runs on its own.
+    /// Group commit: most bytes of stored responses (bodies and headers) in one batch; a larger
+    /// complete runs on its own.
     #[arg(long, env = "STATE_API_BATCH_MAX_BYTES", default_value_t = 1_048_576)]
     pub batch_max_bytes: usize,
 
@@ -282,7 +282,7 @@ mod tests {
     fn batching_is_on_by_default_and_bounded() {
         let ok = |c: Config| c.validate().map(|_| ()).err();
         let c = parse(&["--key-secret", "0123456789abcdef"]);
-        assert_eq!((c.batch_max, c.batch_in_flight), (64, 2));
+        assert_eq!((c.batch_max, c.batch_in_flight), (64, 4));
         assert_eq!(c.batch_limits().max_bytes, 1_048_576);
         assert_eq!(
             ok(parse(&[

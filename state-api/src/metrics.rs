@@ -195,7 +195,7 @@ pub struct Metrics {
     db_unavailable: AtomicU64,
     internal_errors: AtomicU64,
     latency: [Histogram; Route::ALL.len()],
-    batch_sizes: [SizeHistogram; BatchOp::ALL.len()],
+    batch_sizes: SizeHistogram,
     batch_single: [[AtomicU64; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
 }
 
@@ -235,15 +235,16 @@ impl Metrics {
         self.latency[route as usize].observe(d);
     }
     /// A statement (or, for 1, the single-row statements) run for `n` requests by the group commit.
-    pub fn batch_size(&self, op: BatchOp, n: usize) {
-        self.batch_sizes[op as usize].observe(u64::try_from(n).unwrap_or(u64::MAX));
+    pub fn batch_size(&self, n: usize) {
+        self.batch_sizes
+            .observe(u64::try_from(n).unwrap_or(u64::MAX));
     }
     pub fn batch_single_path(&self, op: BatchOp, why: SinglePathReason) {
         self.batch_single[op as usize][why as usize].fetch_add(1, Relaxed);
     }
-    /// (statements, requests) of the group commit for `op`.
-    pub fn batch_totals(&self, op: BatchOp) -> (u64, u64) {
-        let h = &self.batch_sizes[op as usize];
+    /// (statements, requests) of the group commit.
+    pub fn batch_totals(&self) -> (u64, u64) {
+        let h = &self.batch_sizes;
         (h.count.load(Relaxed), h.sum.load(Relaxed))
     }
 
@@ -364,37 +365,21 @@ impl Metrics {
             )?;
         }
 
-        writeln!(out, "# HELP state_api_batch_size Requests per statement of the group commit, by op (1: the single-row statements).")?;
+        writeln!(out, "# HELP state_api_batch_size Requests (claims and completes) per statement of the group commit (1: the single-row statements).")?;
         writeln!(out, "# TYPE state_api_batch_size histogram")?;
-        for op in BatchOp::ALL {
-            let h = &self.batch_sizes[op as usize];
-            let mut cumulative = 0;
-            for (i, le) in BATCH_BUCKETS.iter().enumerate() {
-                cumulative += h.buckets[i].load(Relaxed);
-                writeln!(
-                    out,
-                    "state_api_batch_size_bucket{{op=\"{}\",le=\"{le}\"}} {cumulative}",
-                    op.label()
-                )?;
-            }
-            let count = h.count.load(Relaxed);
+        let h = &self.batch_sizes;
+        let mut cumulative = 0;
+        for (i, le) in BATCH_BUCKETS.iter().enumerate() {
+            cumulative += h.buckets[i].load(Relaxed);
             writeln!(
                 out,
-                "state_api_batch_size_bucket{{op=\"{}\",le=\"+Inf\"}} {count}",
-                op.label()
-            )?;
-            writeln!(
-                out,
-                "state_api_batch_size_sum{{op=\"{}\"}} {}",
-                op.label(),
-                h.sum.load(Relaxed)
-            )?;
-            writeln!(
-                out,
-                "state_api_batch_size_count{{op=\"{}\"}} {count}",
-                op.label()
+                "state_api_batch_size_bucket{{le=\"{le}\"}} {cumulative}"
             )?;
         }
+        let count = h.count.load(Relaxed);
+        writeln!(out, "state_api_batch_size_bucket{{le=\"+Inf\"}} {count}")?;
+        writeln!(out, "state_api_batch_size_sum {}", h.sum.load(Relaxed))?;
+        writeln!(out, "state_api_batch_size_count {count}")?;
         writeln!(out, "# HELP state_api_batch_single_path_total Requests of the group commit run on the single-row statements instead, by op and reason.")?;
         writeln!(out, "# TYPE state_api_batch_single_path_total counter")?;
         for op in BatchOp::ALL {
@@ -469,24 +454,24 @@ mod tests {
     fn batch_sizes_are_a_cumulative_histogram() {
         let m = Metrics::default();
         for n in [1, 1, 3, 64, 300] {
-            m.batch_size(BatchOp::Claim, n);
+            m.batch_size(n);
         }
         m.batch_single_path(BatchOp::Complete, SinglePathReason::AfterBatch);
-        assert_eq!(m.batch_totals(BatchOp::Claim), (5, 369));
+        assert_eq!(m.batch_totals(), (5, 369));
         let text = m.render(PoolGauges {
             size: 0,
             idle: 0,
             max: 16,
         });
         for line in [
-            "state_api_batch_size_bucket{op=\"claim\",le=\"1\"} 2\n",
-            "state_api_batch_size_bucket{op=\"claim\",le=\"2\"} 2\n",
-            "state_api_batch_size_bucket{op=\"claim\",le=\"4\"} 3\n",
-            "state_api_batch_size_bucket{op=\"claim\",le=\"64\"} 4\n",
-            "state_api_batch_size_bucket{op=\"claim\",le=\"256\"} 4\n",
-            "state_api_batch_size_bucket{op=\"claim\",le=\"+Inf\"} 5\n",
-            "state_api_batch_size_sum{op=\"claim\"} 369\n",
-            "state_api_batch_size_count{op=\"complete\"} 0\n",
+            "state_api_batch_size_bucket{le=\"1\"} 2\n",
+            "state_api_batch_size_bucket{le=\"2\"} 2\n",
+            "state_api_batch_size_bucket{le=\"4\"} 3\n",
+            "state_api_batch_size_bucket{le=\"64\"} 4\n",
+            "state_api_batch_size_bucket{le=\"256\"} 4\n",
+            "state_api_batch_size_bucket{le=\"+Inf\"} 5\n",
+            "state_api_batch_size_sum 369\n",
+            "state_api_batch_size_count 5\n",
             "state_api_batch_single_path_total{op=\"complete\",reason=\"after_batch\"} 1\n",
             "state_api_batch_single_path_total{op=\"claim\",reason=\"duplicate\"} 0\n",
         ] {

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::types::Json;
+use sqlx::{FromRow as _, Row as _};
 
 use crate::scope::ScopeHash;
 
@@ -182,14 +183,6 @@ struct ClaimRow {
     response_replayable: Option<bool>,
 }
 
-/// A `ClaimRow` of a batch statement, with the index of its input (1-based).
-#[derive(Debug, sqlx::FromRow)]
-struct BatchClaimRow {
-    idx: i64,
-    #[sqlx(flatten)]
-    row: ClaimRow,
-}
-
 /// The columns of `ClaimRow`, for a row `r` read at time `c.now`.
 ///
 /// A lease counts as run out only once the database server has been up for a whole lease (the
@@ -244,46 +237,6 @@ const READ_SQL: &str = concat!(
     claim_cols!(),
     " FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
     WHERE r.scope_hash = $1"
-);
-
-/// The claim of many keys (distinct scope hashes) in one statement and one commit: `CLAIM_SQL`
-/// over arrays. Existing rows are read first and only the missing keys are INSERTed (in
-/// scope-hash order, so two such statements, even from two processes, take their locks in the
-/// same order). One row per input that was inserted or found, with its 1-based index `idx`; an
-/// input that lost a race with a concurrent inserter has no row.
-const CLAIM_BATCH_SQL: &str = concat!(
-    "WITH input AS (
-        SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[],
-                             $6::bigint[], $7::bigint[])
-            WITH ORDINALITY AS t(scope_hash, subject, endpoint, fingerprint_alg, fingerprint,
-                                 lease_ms, retention_ms, idx)
-    ),
-    existing AS (
-        SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.scope_hash
-    ),
-    ins AS (
-        INSERT INTO idempotency_records
-            (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
-             lease_ms, lease_expires_at, created_at, expires_at)
-        SELECT i.scope_hash, i.subject, i.endpoint, i.fingerprint_alg, i.fingerprint, 'in_progress',
-               nextval('idempotency_fencing_token_seq'), i.lease_ms,
-               clock_timestamp() + i.lease_ms * interval '1 millisecond',
-               clock_timestamp(),
-               clock_timestamp() + i.retention_ms * interval '1 millisecond'
-        FROM input i
-        WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
-        ORDER BY i.scope_hash
-        ON CONFLICT (scope_hash) DO NOTHING
-        RETURNING *
-    )
-    SELECT i.idx, true AS inserted, ",
-    claim_cols!(),
-    " FROM ins r JOIN input i ON i.scope_hash = r.scope_hash
-        CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
-    UNION ALL
-    SELECT r.idx, false AS inserted, ",
-    claim_cols!(),
-    " FROM existing r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c"
 );
 
 /// Take over an in_progress record whose lease ran out: compare-and-set on the observed
@@ -343,23 +296,68 @@ const COMPLETE_SQL: &str = concat!(
     expires_in_ms!()
 );
 
-/// The complete of many owners (distinct scope hashes) in one statement and one commit:
-/// `COMPLETE_SQL` over arrays, with the same fencing condition. One row per input that matched,
-/// with its 1-based index `idx`.
-const COMPLETE_BATCH_SQL: &str = concat!(
-    "
-    UPDATE idempotency_records r
-    SET state = 'completed',
-        response_status = i.status, response_headers = i.headers, response_body = i.body,
-        response_replayable = i.replayable,
-        completed_at = clock_timestamp(),
-        expires_at = clock_timestamp() + i.retention_ms * interval '1 millisecond'
-    FROM unnest($1::bytea[], $2::bigint[], $3::int[], $4::jsonb[], $5::bytea[], $6::bool[],
-                $7::bigint[])
-        WITH ORDINALITY AS i(scope_hash, token, status, headers, body, replayable, retention_ms, idx)
-    WHERE r.scope_hash = i.scope_hash AND r.fencing_token = i.token AND r.state = 'in_progress'
-    RETURNING i.idx, ",
-    expires_in_ms!()
+/// Claims and completes of many requests (distinct scope hashes) in one statement and one
+/// commit: `CLAIM_SQL` and `COMPLETE_SQL` over arrays, with the same conditions.
+///
+/// Claims ($1..$7): existing rows are read first and only the missing keys are INSERTed (in
+/// scope-hash order, so two such statements, even from two processes, take their locks in the
+/// same order); one row per claim that was inserted or found, none for a claim that lost a race
+/// with a concurrent inserter. Completes ($8..$14): the fenced UPDATE; one row per complete that
+/// matched. Each row carries its kind and the 1-based index `idx` of its input. No scope is in
+/// both halves (the batcher sees to it), so neither half depends on the other's writes.
+const WRITE_BATCH_SQL: &str = concat!(
+    "WITH input AS (
+        SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[],
+                             $6::bigint[], $7::bigint[])
+            WITH ORDINALITY AS t(scope_hash, subject, endpoint, fingerprint_alg, fingerprint,
+                                 lease_ms, retention_ms, idx)
+    ),
+    existing AS (
+        SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.scope_hash
+    ),
+    ins AS (
+        INSERT INTO idempotency_records
+            (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
+             lease_ms, lease_expires_at, created_at, expires_at)
+        SELECT i.scope_hash, i.subject, i.endpoint, i.fingerprint_alg, i.fingerprint, 'in_progress',
+               nextval('idempotency_fencing_token_seq'), i.lease_ms,
+               clock_timestamp() + i.lease_ms * interval '1 millisecond',
+               clock_timestamp(),
+               clock_timestamp() + i.retention_ms * interval '1 millisecond'
+        FROM input i
+        WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
+        ORDER BY i.scope_hash
+        ON CONFLICT (scope_hash) DO NOTHING
+        RETURNING *
+    ),
+    done AS (
+        UPDATE idempotency_records r
+        SET state = 'completed',
+            response_status = i.status, response_headers = i.headers, response_body = i.body,
+            response_replayable = i.replayable,
+            completed_at = clock_timestamp(),
+            expires_at = clock_timestamp() + i.retention_ms * interval '1 millisecond'
+        FROM unnest($8::bytea[], $9::bigint[], $10::int[], $11::jsonb[], $12::bytea[],
+                    $13::bool[], $14::bigint[])
+            WITH ORDINALITY AS i(scope_hash, token, status, headers, body, replayable,
+                                 retention_ms, idx)
+        WHERE r.scope_hash = i.scope_hash AND r.fencing_token = i.token AND r.state = 'in_progress'
+        RETURNING i.idx, ",
+    expires_in_ms!(),
+    " AS expires_in_ms
+    )
+    SELECT 'claim' AS kind, i.idx, true AS inserted, ",
+    claim_cols!(),
+    " FROM ins r JOIN input i ON i.scope_hash = r.scope_hash
+        CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    UNION ALL
+    SELECT 'claim', r.idx, false, ",
+    claim_cols!(),
+    " FROM existing r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    UNION ALL
+    SELECT 'complete', d.idx, NULL, NULL::text, NULL::bigint, NULL::text, NULL::text, NULL::bigint,
+        NULL::bool, NULL::bool, d.expires_in_ms, NULL::int, NULL::jsonb, NULL::bytea, NULL::bool
+    FROM done d"
 );
 
 /// A retried complete of the same owner (its first answer was lost): the record as stored.
@@ -450,6 +448,15 @@ pub struct CompleteItem<'a> {
     pub token: i64,
     pub response: &'a StoredRow,
     pub retention_ms: i64,
+}
+
+/// What a batch statement came to, in the order of its inputs.
+#[derive(Debug)]
+pub struct BatchAnswers {
+    pub claims: Vec<BatchedClaim>,
+    /// `Some(expires_in_ms)`: completed. `None`: the UPDATE matched nothing; then
+    /// `Store::complete_unmatched()` tells which case it is, as on the single path.
+    pub completes: Vec<Option<u64>>,
 }
 
 /// A duration from the database, never negative.
@@ -612,12 +619,13 @@ impl Store {
         Err(StoreError::Contention)
     }
 
-    /// Claims many keys (distinct scope hashes) with one statement and one commit: the answers,
-    /// in the order of `claims`. A batch of one should use `claim()`.
-    pub async fn claim_many(
+    /// Claims and completes many requests (distinct scope hashes) with one statement and one
+    /// commit. A batch of one should use `claim()` or `complete()`.
+    pub async fn write_many(
         &self,
         claims: &[NewClaim<'_>],
-    ) -> Result<Vec<BatchedClaim>, StoreError> {
+        completes: &[CompleteItem<'_>],
+    ) -> Result<BatchAnswers, StoreError> {
         let n = claims.len();
         let mut scopes = Vec::with_capacity(n);
         let mut subjects = Vec::with_capacity(n);
@@ -635,7 +643,24 @@ impl Store {
             leases.push(i64::try_from(c.lease_ms).unwrap_or(i64::MAX));
             retentions.push(c.retention_ms);
         }
-        let rows = sqlx::query_as::<_, BatchClaimRow>(CLAIM_BATCH_SQL)
+        let m = completes.len();
+        let mut c_scopes = Vec::with_capacity(m);
+        let mut tokens = Vec::with_capacity(m);
+        let mut statuses = Vec::with_capacity(m);
+        let mut headers = Vec::with_capacity(m);
+        let mut bodies = Vec::with_capacity(m);
+        let mut replayables = Vec::with_capacity(m);
+        let mut c_retentions = Vec::with_capacity(m);
+        for it in completes {
+            c_scopes.push(&it.scope[..]);
+            tokens.push(it.token);
+            statuses.push(i32::from(it.response.status));
+            headers.push(Json(&it.response.headers));
+            bodies.push(&it.response.body[..]);
+            replayables.push(it.response.replayable);
+            c_retentions.push(it.retention_ms);
+        }
+        let rows = sqlx::query(WRITE_BATCH_SQL)
             .bind(scopes)
             .bind(subjects)
             .bind(endpoints)
@@ -643,18 +668,33 @@ impl Store {
             .bind(fingerprints)
             .bind(leases)
             .bind(retentions)
+            .bind(c_scopes)
+            .bind(tokens)
+            .bind(statuses)
+            .bind(headers)
+            .bind(bodies)
+            .bind(replayables)
+            .bind(c_retentions)
             .fetch_all(&self.pool)
             .await?;
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
-        for r in rows {
-            let slot = usize::try_from(r.idx)
+        let mut done: Vec<Option<u64>> = vec![None; m];
+        let slot = |idx: i64, len: usize| {
+            usize::try_from(idx)
                 .ok()
                 .and_then(|i| i.checked_sub(1))
-                .and_then(|i| found.get_mut(i))
-                .ok_or(StoreError::Corrupt("batch row without its input"))?;
-            *slot = Some(r.row);
+                .filter(|i| *i < len)
+                .ok_or(StoreError::Corrupt("batch row without its input"))
+        };
+        for row in rows {
+            let idx: i64 = row.try_get("idx")?;
+            if row.try_get::<&str, _>("kind")? == "claim" {
+                found[slot(idx, n)?] = Some(ClaimRow::from_row(&row)?);
+            } else {
+                done[slot(idx, m)?] = Some(ms(row.try_get("expires_in_ms")?));
+            }
         }
-        Ok(found
+        let claims = found
             .into_iter()
             .zip(claims)
             .map(|(row, c)| match row {
@@ -666,7 +706,11 @@ impl Store {
                     Err(e) => BatchedClaim::Failed(e),
                 },
             })
-            .collect())
+            .collect();
+        Ok(BatchAnswers {
+            claims,
+            completes: done,
+        })
     }
 
     async fn read(&self, scope: &ScopeHash) -> Result<Option<ClaimRow>, StoreError> {
@@ -737,53 +781,6 @@ impl Store {
             },
             None => WriteResult::FencedOut,
         })
-    }
-
-    /// Completes many owners' records (distinct scope hashes) with one statement and one
-    /// commit: in the order of `items`, `Some(expires_in_ms)` where the record was completed,
-    /// `None` where the UPDATE matched nothing (then `complete_unmatched()` tells which case it
-    /// is, as on the single path). A batch of one should use `complete()`.
-    pub async fn complete_many(
-        &self,
-        items: &[CompleteItem<'_>],
-    ) -> Result<Vec<Option<u64>>, StoreError> {
-        let n = items.len();
-        let mut scopes = Vec::with_capacity(n);
-        let mut tokens = Vec::with_capacity(n);
-        let mut statuses = Vec::with_capacity(n);
-        let mut headers = Vec::with_capacity(n);
-        let mut bodies = Vec::with_capacity(n);
-        let mut replayables = Vec::with_capacity(n);
-        let mut retentions = Vec::with_capacity(n);
-        for it in items {
-            scopes.push(&it.scope[..]);
-            tokens.push(it.token);
-            statuses.push(i32::from(it.response.status));
-            headers.push(Json(&it.response.headers));
-            bodies.push(&it.response.body[..]);
-            replayables.push(it.response.replayable);
-            retentions.push(it.retention_ms);
-        }
-        let rows = sqlx::query_as::<_, (i64, i64)>(COMPLETE_BATCH_SQL)
-            .bind(scopes)
-            .bind(tokens)
-            .bind(statuses)
-            .bind(headers)
-            .bind(bodies)
-            .bind(replayables)
-            .bind(retentions)
-            .fetch_all(&self.pool)
-            .await?;
-        let mut done = vec![None; n];
-        for (idx, expires_in_ms) in rows {
-            let slot = usize::try_from(idx)
-                .ok()
-                .and_then(|i| i.checked_sub(1))
-                .and_then(|i| done.get_mut(i))
-                .ok_or(StoreError::Corrupt("batch row without its input"))?;
-            *slot = Some(ms(expires_in_ms));
-        }
-        Ok(done)
     }
 
     /// Deletes the in-progress record of the owner holding `token`. `false`: fenced out.
