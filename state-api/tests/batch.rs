@@ -16,7 +16,6 @@ use common::*;
 use contract::wire::{ClaimResponse, StoredResponse, CLAIM_PATH};
 use sqlx::Connection as _;
 use state_api::batch::{ClaimJob, CompleteJob};
-use state_api::metrics::BatchOp;
 use state_api::store::{ClaimOutcome, StoreError, StoredRow, WriteResult};
 use tokio::task::JoinHandle;
 
@@ -191,19 +190,10 @@ async fn distinct_first_claims_share_one_statement_and_are_all_committed() {
     }
     assert_eq!(tokens.len(), N);
     // The blocker alone (the single path), then the N claims in one statement.
-    assert_eq!(
-        api.state.metrics().batch_totals(BatchOp::Claim),
-        (2, N as u64 + 1)
-    );
+    assert_eq!(api.state.metrics().batch_totals(), (2, N as u64 + 1));
     let m = api.metrics().await;
-    assert_eq!(
-        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"32\"}"),
-        1.0
-    );
-    assert_eq!(
-        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"64\"}"),
-        2.0
-    );
+    assert_eq!(metric(&m, "state_api_batch_size_bucket{le=\"32\"}"), 1.0);
+    assert_eq!(metric(&m, "state_api_batch_size_bucket{le=\"64\"}"), 2.0);
     assert_eq!(
         metric(&m, "state_api_claims_total{outcome=\"claimed\"}"),
         N as f64
@@ -411,13 +401,13 @@ async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
         Some(("in_progress".into(), held))
     );
 
-    // Five claims and the blocker alone, then one statement for the seven; the reclaim and the
-    // take-over went on to the single path.
-    assert_eq!(api.state.metrics().batch_totals(BatchOp::Claim), (7, 13));
+    // Five claims, two completes and the blocker alone, then one statement for the seven; the
+    // reclaim and the take-over went on to the single path.
+    assert_eq!(api.state.metrics().batch_totals(), (9, 15));
     let m = api.metrics().await;
     assert_eq!(
-        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"4\"}") + 1.0,
-        metric(&m, "state_api_batch_size_bucket{op=\"claim\",le=\"8\"}")
+        metric(&m, "state_api_batch_size_bucket{le=\"4\"}") + 1.0,
+        metric(&m, "state_api_batch_size_bucket{le=\"8\"}")
     );
     assert_eq!(
         metric(
@@ -431,7 +421,7 @@ async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_batch_of_completes_stores_right_tokens_and_fences_out_wrong_ones() {
+async fn completes_and_claims_in_one_statement_store_right_tokens_and_fence_out_wrong_ones() {
     let api = Api::start(&["--batch-in-flight", "1"]).await;
     let mut owners = Vec::new();
     for i in 0..6 {
@@ -479,7 +469,13 @@ async fn a_batch_of_completes_stores_right_tokens_and_fences_out_wrong_ones() {
     let unknown = submit_complete(&api, "nobody", 5, stored(b"x"));
     let reclaimed_old = submit_complete(&api, "re", stale, stored(b"x"));
     let retry = submit_complete(&api, "twice", twice, stored(b"second"));
-    wait_queued(&api, owners.len() + 4).await;
+    // Claims share the statement: new keys, and a claim of c-1 queued behind its complete,
+    // which runs once that has committed and replays it.
+    let new_claims: Vec<_> = (0..3)
+        .map(|i| submit_claim(&api, job(&api, &format!("mixed-{i}"), &fp(1), 30_000)))
+        .collect();
+    let claim_after_complete = submit_claim(&api, job(&api, "c-1", &fp(1), 30_000));
+    wait_queued(&api, owners.len() + 8).await;
     lock.release().await;
 
     assert!(matches!(
@@ -507,6 +503,17 @@ async fn a_batch_of_completes_stores_right_tokens_and_fences_out_wrong_ones() {
         retry.await.unwrap().unwrap(),
         WriteResult::AlreadyDone { .. }
     ));
+    for c in new_claims {
+        claimed(&c.await.unwrap().unwrap());
+    }
+    match claim_after_complete.await.unwrap().unwrap() {
+        ClaimOutcome::Completed { row, .. } => assert_eq!(row.body, b"c-1"),
+        other => panic!("claim of c-1 after its complete: {other:?}"),
+    }
+    // Ten claims and a complete alone (setup), the blocker alone, then one statement for the
+    // six right owners, "nobody", the stale token, the retry and the three new claims; the
+    // wrong token for c-0 and the claim of c-1 followed it on the single path.
+    assert_eq!(api.state.metrics().batch_totals(), (13, 24));
 
     // What is stored: each right owner's own response; the fenced writes changed nothing.
     for (k, _) in &owners {
@@ -537,15 +544,15 @@ async fn a_batch_of_completes_stores_right_tokens_and_fences_out_wrong_ones() {
     }
     assert_eq!(committed(&api, "nobody").await, None);
     let m = api.metrics().await;
-    // The six right owners, "nobody", the stale token and the retry shared one statement; the
-    // wrong token for c-0 ran alone.
-    assert_eq!(
-        metric(
-            &m,
-            "state_api_batch_single_path_total{op=\"complete\",reason=\"duplicate\"}"
-        ),
-        1.0
-    );
+    for op in ["complete", "claim"] {
+        assert_eq!(
+            metric(
+                &m,
+                &format!("state_api_batch_single_path_total{{op=\"{op}\",reason=\"duplicate\"}}")
+            ),
+            1.0
+        );
+    }
     assert_eq!(
         metric(
             &m,
@@ -601,7 +608,7 @@ async fn a_failed_batch_statement_answers_every_request_of_the_batch_with_503() 
         metric(&m, "state_api_errors_total{kind=\"unavailable\"}"),
         5.0
     );
-    assert_eq!(api.state.metrics().batch_totals(BatchOp::Claim), (2, 6));
+    assert_eq!(api.state.metrics().batch_totals(), (2, 6));
     // And the next claims go through.
     assert!(matches!(
         api.claim("late-0", &fp(1), None).await,
@@ -640,5 +647,27 @@ async fn closing_the_batcher_answers_every_queued_request() {
     }
     claimed(&late.await.unwrap().unwrap());
     assert_eq!(api.state.batcher().queued(), 0);
+    api.shutdown().await;
+}
+
+/// Below `--batch-in-flight` statements, requests run alone at once; only then do they queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_run_alone_until_in_flight_statements_are_running() {
+    let api = Api::start(&["--batch-in-flight", "2"]).await;
+    let mut lock = TableLock::take(&api.db_url).await;
+    let first = submit_claim(&api, job(&api, "alone-1", &fp(1), 30_000));
+    let second = submit_claim(&api, job(&api, "alone-2", &fp(1), 30_000));
+    // Both wait on the lock in Postgres: neither queued.
+    lock.wait_for_waiters(2).await;
+    assert_eq!(api.state.batcher().queued(), 0);
+    let third = submit_claim(&api, job(&api, "queued-1", &fp(1), 30_000));
+    let fourth = submit_claim(&api, job(&api, "queued-2", &fp(1), 30_000));
+    wait_queued(&api, 2).await;
+    lock.release().await;
+    for t in [first, second, third, fourth] {
+        claimed(&t.await.unwrap().unwrap());
+    }
+    // Two statements of one, then one of two.
+    assert_eq!(api.state.metrics().batch_totals(), (3, 4));
     api.shutdown().await;
 }
