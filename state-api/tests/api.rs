@@ -178,16 +178,7 @@ async fn a_reclaim_race_among_twenty_has_one_winner() {
 #[tokio::test]
 async fn a_fenced_out_owner_cannot_write_and_changes_nothing() {
     let api = Api::start(&[]).await;
-    let old = token_of(&api.claim("fence", &fp(5), Some(1_000)).await);
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let new = match api.claim("fence", &fp(5), Some(60_000)).await {
-        ClaimResponse::Claimed {
-            token,
-            reclaimed: true,
-            ..
-        } => token,
-        other => panic!("{other:?}"),
-    };
+    let (old, new) = api.claim_then_reclaim("fence", &fp(5)).await;
     assert!(new > old);
     let (_, before) = api.record("fence", "alice").await;
 

@@ -429,16 +429,7 @@ async fn completes_and_claims_in_one_statement_store_right_tokens_and_fence_out_
         owners.push((key.clone(), token_of(&api.claim(&key, &fp(1), None).await)));
     }
     // Reclaimed: the first owner's token is fenced out.
-    let stale = token_of(&api.claim("re", &fp(1), Some(1_000)).await);
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let fresh = match api.claim("re", &fp(1), Some(60_000)).await {
-        ClaimResponse::Claimed {
-            token,
-            reclaimed: true,
-            ..
-        } => token,
-        other => panic!("{other:?}"),
-    };
+    let (stale, fresh) = api.claim_then_reclaim("re", &fp(1)).await;
     // Completed already: the same owner's retry changes nothing.
     let twice = token_of(&api.claim("twice", &fp(1), None).await);
     let first_answer = api

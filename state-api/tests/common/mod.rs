@@ -157,6 +157,21 @@ impl Api {
             .await
     }
 
+    /// A key claimed with a 1 s lease that runs out, then reclaimed by a second claim:
+    /// (the stale owner's token, the new owner's token).
+    pub async fn claim_then_reclaim(&self, key: &str, fingerprint: &str) -> (i64, i64) {
+        let stale = token_of(&self.claim(key, fingerprint, Some(1_000)).await);
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        match self.claim(key, fingerprint, Some(60_000)).await {
+            ClaimResponse::Claimed {
+                token,
+                reclaimed: true,
+                ..
+            } => (stale, token),
+            other => panic!("expected a reclaim, got {other:?}"),
+        }
+    }
+
     pub async fn record(&self, key: &str, subject: &str) -> (u16, Value) {
         self.get(&format!(
             "/v1/records?key={}&subject={}&endpoint={}",
