@@ -109,13 +109,16 @@ impl Snapshot {
     }
 }
 
-/// `state_api_request_duration_seconds_{sum,count}` by route, from /metrics.
+/// `state_api_request_duration_seconds_{sum,count}` by route and `state_api_batch_size_{sum,count}`
+/// (requests per statement of the group commit), from /metrics.
 fn state_api_metrics(port: u16) -> BTreeMap<String, f64> {
     let text = stack::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
     text.lines()
         .filter(|l| {
             l.starts_with("state_api_request_duration_seconds_sum")
                 || l.starts_with("state_api_request_duration_seconds_count")
+                || l.starts_with("state_api_batch_size_sum")
+                || l.starts_with("state_api_batch_size_count")
         })
         .filter_map(|l| {
             l.rsplit_once(' ')
@@ -141,6 +144,8 @@ pub struct CpuUse {
     /// Mean server-side time per state API request, by route, in ms (from its /metrics).
     pub state_api_mean_ms: BTreeMap<String, f64>,
     pub state_api_requests: BTreeMap<String, f64>,
+    /// Claims and completes per statement written (group commit; 1.0: every request alone).
+    pub state_api_requests_per_statement: Option<f64>,
 }
 
 fn cpu_between(a: &Snapshot, b: &Snapshot, tck: f64) -> CpuUse {
@@ -180,7 +185,16 @@ fn cpu_between(a: &Snapshot, b: &Snapshot, tck: f64) -> CpuUse {
             state_api_requests.insert(route.to_owned(), n);
         }
     }
+    let d = |m: &BTreeMap<String, f64>, k: &str| m.get(k).copied().unwrap_or(0.0);
+    let statements = d(&b.state_api_metrics, "state_api_batch_size_count")
+        - d(&a.state_api_metrics, "state_api_batch_size_count");
+    let state_api_requests_per_statement = (statements > 0.0).then(|| {
+        (d(&b.state_api_metrics, "state_api_batch_size_sum")
+            - d(&a.state_api_metrics, "state_api_batch_size_sum"))
+            / statements
+    });
     CpuUse {
+        state_api_requests_per_statement,
         window_s: window,
         machine_cores,
         irq_cores,

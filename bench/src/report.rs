@@ -533,12 +533,13 @@ impl Report {
             "Microseconds of CPU per correct answer, by process, during the measured window (from /proc; \
              irq = interrupt and softirq time, mostly loopback TCP). With 2 cores shared by everything, the \
              total bounds the throughput: 2 s of CPU per second / total. The state API columns on the right \
-             are its own mean time per request, from its /metrics histogram.\n"
+             are its own mean time per request, from its /metrics histogram, and how many claims and \
+             completes shared one statement and commit (group commit; 1.00: each ran alone).\n"
         );
-        let _ = writeln!(out, "| scenario | conns | Envoy µs | state API µs | checkout µs | Postgres µs | load gen µs | irq µs | total µs | Envoy worker busy | other work (cores) | state API ms/claim | ms/complete |");
+        let _ = writeln!(out, "| scenario | conns | Envoy µs | state API µs | checkout µs | Postgres µs | load gen µs | irq µs | total µs | Envoy worker busy | other work (cores) | state API ms/claim | ms/complete | requests per statement |");
         let _ = writeln!(
             out,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for r in &self.scenarios {
             let envoy_name = match r.scenario.as_str() {
@@ -580,7 +581,7 @@ impl Report {
             let cells: Vec<String> = parts.iter().map(|&c| f(us(c), 0)).collect();
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.label,
                 r.connections,
                 cells.join(" | "),
@@ -589,6 +590,10 @@ impl Report {
                 f(r.cpu.other_cores, 2),
                 m("claim"),
                 m("complete"),
+                r.cpu
+                    .state_api_requests_per_statement
+                    .map(|v| f(v, 2))
+                    .unwrap_or_else(|| "-".into()),
             );
         }
         if let Some(notes) = &self.notes {
