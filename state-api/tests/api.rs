@@ -135,24 +135,11 @@ async fn a_reclaim_race_among_twenty_has_one_winner() {
 
     let mut tasks = Vec::new();
     for _ in 0..20 {
-        let client = api.client.clone();
-        let url = api.url(CLAIM_PATH);
-        let body =
-            serde_json::to_value(claim_req("reclaim", "alice", &fp(4), Some(30_000))).unwrap();
-        tasks.push(tokio::spawn(async move {
-            let r = client
-                .post(url)
-                .bearer_auth(TOKEN)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            r.json::<ClaimResponse>().await.unwrap()
-        }));
+        tasks.push(api.spawn_claim(&claim_req("reclaim", "alice", &fp(4), Some(30_000))));
     }
     let mut winners = Vec::new();
     for t in tasks {
-        match t.await.unwrap() {
+        match t.await.unwrap().0 {
             ClaimResponse::Claimed {
                 token,
                 reclaimed,

@@ -144,25 +144,12 @@ async fn distinct_first_claims_share_one_statement_and_are_all_committed() {
     const N: usize = 40;
     let tasks: Vec<_> = (0..N)
         .map(|i| {
-            let (client, url) = (api.client.clone(), api.url(CLAIM_PATH));
-            let body = serde_json::to_value(claim_req(
+            api.spawn_claim(&claim_req(
                 &format!("first-{i}"),
                 "alice",
                 &fp(1),
                 Some(45_000),
             ))
-            .unwrap();
-            tokio::spawn(async move {
-                let r = client
-                    .post(url)
-                    .bearer_auth(TOKEN)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(r.status(), 200);
-                r.json::<ClaimResponse>().await.unwrap()
-            })
         })
         .collect();
     wait_queued(&api, N).await;
@@ -171,7 +158,7 @@ async fn distinct_first_claims_share_one_statement_and_are_all_committed() {
     claimed(&blocker.await.unwrap().unwrap());
     let mut tokens = HashSet::new();
     for (i, t) in tasks.into_iter().enumerate() {
-        match t.await.unwrap() {
+        match t.await.unwrap().0 {
             ClaimResponse::Claimed {
                 token,
                 lease_ms,

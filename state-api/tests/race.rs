@@ -86,22 +86,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
 
     let mut tasks = Vec::new();
     for _ in 0..100 {
-        let client = api.client.clone();
-        let url = api.url(CLAIM_PATH);
-        let body = serde_json::to_value(claim_req(key, "alice", &fp(1), Some(60_000))).unwrap();
-        tasks.push(tokio::spawn(async move {
-            let start = Instant::now();
-            let r = client
-                .post(url)
-                .bearer_auth(TOKEN)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            let answer: ClaimResponse = r.json().await.unwrap();
-            (answer, start.elapsed())
-        }));
+        tasks.push(api.spawn_claim(&claim_req(key, "alice", &fp(1), Some(60_000))));
     }
     let mut claimed = Vec::new();
     let mut in_progress = Vec::new();

@@ -147,6 +147,29 @@ impl Api {
         serde_json::from_value(body).unwrap()
     }
 
+    /// The claim over HTTP on a task of its own (for concurrent claims): its answer (it must be
+    /// 200) and how long it took.
+    pub fn spawn_claim(
+        &self,
+        req: &ClaimRequest,
+    ) -> tokio::task::JoinHandle<(ClaimResponse, Duration)> {
+        let (client, url) = (self.client.clone(), self.url(CLAIM_PATH));
+        let body = serde_json::to_value(req).unwrap();
+        tokio::spawn(async move {
+            let start = std::time::Instant::now();
+            let r = client
+                .post(url)
+                .bearer_auth(TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let answer = r.json::<ClaimResponse>().await.unwrap();
+            (answer, start.elapsed())
+        })
+    }
+
     pub async fn claim(
         &self,
         key: &str,
