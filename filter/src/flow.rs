@@ -952,19 +952,11 @@ impl Flow {
             step.effects.push(Effect::ResumeResponse);
             step
         };
-        let (status, written) = match &answer {
-            Callout::Answer { status, body } if (200..300).contains(status) => {
-                (Some(*status), crate::answers::write(body).ok())
-            }
-            Callout::Answer { status, .. } => (Some(*status), None),
-            Callout::Failed(_) => (None, None),
-        };
-        let verdict = retry::classify(status, written.is_some());
+        let (verdict, expires_in_ms) = retry::read_answer(&answer);
         match verdict {
             retry::Answer::Stored => {
                 // Duplicates told "in progress" while this request ran are not any more.
                 self.forget_running(&claimed.req.cache_id());
-                let expires_in_ms = written.and_then(|w| w.expires_in_ms);
                 if let (
                     Write::Complete {
                         fill: Some(rec),

@@ -266,6 +266,23 @@ pub fn classify(status: Option<u16>, readable: bool) -> Answer {
     }
 }
 
+/// Reads the state API's answer to a complete or release (or the call's failure): how to go
+/// on, and the stored record's expiry when the answer carried one.
+pub fn read_answer(answer: &crate::flow::Callout) -> (Answer, Option<u64>) {
+    use crate::flow::Callout;
+    let (status, written) = match answer {
+        Callout::Answer { status, body } if (200..300).contains(status) => {
+            (Some(*status), crate::answers::write(body).ok())
+        }
+        Callout::Answer { status, .. } => (Some(*status), None),
+        Callout::Failed(_) => (None, None),
+    };
+    (
+        classify(status, written.is_some()),
+        written.and_then(|w| w.expires_in_ms),
+    )
+}
+
 /// A stream hands its complete over: the claim stays in the heartbeat registry while the
 /// complete waits, and the response is answered to retries from the replay cache. `Err(why)`:
 /// not kept; the heartbeat stops and the key stays in progress until its lease runs out.

@@ -99,14 +99,7 @@ impl Root {
     }
 
     fn retry_answered(&self, token: i64, answer: Callout, now: u64) {
-        let (status, written) = match &answer {
-            Callout::Answer { status, body } if (200..300).contains(status) => {
-                (Some(*status), crate::answers::write(body).ok())
-            }
-            Callout::Answer { status, .. } => (Some(*status), None),
-            Callout::Failed(_) => (None, None),
-        };
-        let verdict = retry::classify(status, written.is_some());
+        let (verdict, expires_in_ms) = retry::read_answer(&answer);
         let done = match self.worker.retries.try_borrow_mut() {
             Ok(mut r) => r.answered(token, verdict, now),
             Err(_) => return,
@@ -122,7 +115,7 @@ impl Root {
                 }
             }
             None => {}
-            Some(done) => self.finish(done, written.and_then(|w| w.expires_in_ms), now),
+            Some(done) => self.finish(done, expires_in_ms, now),
         }
     }
 
