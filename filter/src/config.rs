@@ -46,6 +46,10 @@ pub struct Config {
     pub complete_retry_ms: u64,
     /// Bytes of complete payloads each worker keeps for those retries (0: none).
     pub complete_retry_bytes: u64,
+    /// Let the response go on at once and store it from the worker (`true`), instead of
+    /// holding it until `/v1/complete` has answered (`false`, the default). Needs the worker's
+    /// complete retries (`complete_retry_ms` and `complete_retry_bytes` above 0).
+    pub complete_in_background: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +126,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "in_flight_cache_ms",
     "complete_retry_ms",
     "complete_retry_bytes",
+    "complete_in_background",
 ];
 const STATE_API_FIELDS: &[&str] = &["cluster", "authority", "token", "timeout_ms"];
 const ROUTE_FIELDS: &[&str] = &[
@@ -176,6 +181,10 @@ impl Config {
             complete_retry_ms: top.u64_or("complete_retry_ms", DEFAULT_COMPLETE_RETRY_MS)?,
             complete_retry_bytes: top
                 .u64_or("complete_retry_bytes", DEFAULT_COMPLETE_RETRY_BYTES)?,
+            complete_in_background: match top.get("complete_in_background") {
+                Some(_) => top.bool("complete_in_background")?,
+                None => false,
+            },
         })
     }
 }
@@ -309,6 +318,9 @@ impl Config {
                 "in_flight_cache_ms must be at most {MAX_IN_FLIGHT_CACHE_MS}"
             ));
         }
+        if self.complete_in_background && !self.retries_completes() {
+            return err("complete_in_background needs complete_retry_ms and complete_retry_bytes above 0 (the worker stores the outcome)");
+        }
         for (i, h) in self.replay_extra_headers.iter_mut().enumerate() {
             *h = h.to_ascii_lowercase();
             if !is_token(h) {
@@ -426,6 +438,7 @@ mod tests {
             (600_000, 16 << 20)
         );
         assert!(c.retries_completes());
+        assert!(!c.complete_in_background, "the response is held by default");
         let r = c.route("POST", "/pay/x").unwrap();
         assert_eq!(
             (r.on_5xx, r.on_state_unavailable),
@@ -566,6 +579,25 @@ mod tests {
             e.to_string().contains("replay_cache_bytes") || e.to_string().contains("invalid value"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn completing_in_background_needs_the_workers_retries() {
+        let c = with(|v| v["complete_in_background"] = true.into()).unwrap();
+        assert!(c.complete_in_background);
+        for field in ["complete_retry_ms", "complete_retry_bytes"] {
+            let e = with(|v| {
+                v["complete_in_background"] = true.into();
+                v[field] = 0.into();
+            })
+            .unwrap_err();
+            assert!(
+                e.to_string().contains("complete_in_background needs"),
+                "{e}"
+            );
+        }
+        let e = with(|v| v["complete_in_background"] = "yes".into()).unwrap_err();
+        assert!(e.to_string().contains("complete_in_background"), "{e}");
     }
 
     #[test]

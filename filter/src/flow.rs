@@ -64,8 +64,12 @@ pub enum Effect {
     Register(InFlight),
     /// Remove this token from the worker's heartbeat registry.
     Unregister(i64),
-    /// Give a failed complete to the worker to retry (the claim stays registered).
+    /// Give a complete to the worker (the claim stays registered): a failed one to retry, or
+    /// an untried one to send at once (`background`).
     Handoff(PendingComplete),
+    /// `complete_in_background`: ask the worker whether it can take a complete of this many
+    /// payload bytes, and tell [`Flow::complete_in_background`].
+    OfferComplete(usize),
     Count(Metric),
     Log(Level, String),
 }
@@ -917,7 +921,73 @@ impl Flow {
             token: claimed.token,
             response,
         });
+        if self.cfg.complete_in_background {
+            // Not sent yet (attempts 0): the worker takes it, or the stream sends it itself.
+            step.effects.push(Effect::OfferComplete(payload.len()));
+            self.state = State::Writing(
+                claimed,
+                Write::Complete {
+                    payload,
+                    attempts: 0,
+                    fill,
+                    sent_ms,
+                },
+            );
+            return step;
+        }
         step.effects.push(Effect::DispatchComplete(payload.clone()));
+        self.state = State::Writing(
+            claimed,
+            Write::Complete {
+                payload,
+                attempts: 1,
+                fill,
+                sent_ms,
+            },
+        );
+        step
+    }
+
+    /// The worker's answer to [`Effect::OfferComplete`]. It can take the complete: it is
+    /// handed over and the response goes on at once, before the outcome is stored (a retry
+    /// meanwhile gets 409, or the replay from this worker's memory). It cannot (its
+    /// `complete_retry_bytes` are in use): the stream stores the outcome itself, holding the
+    /// response as without `complete_in_background`.
+    pub fn complete_in_background(&mut self, worker_can_take: bool) -> Step {
+        let State::Writing(
+            claimed,
+            Write::Complete {
+                payload,
+                attempts: 0,
+                fill,
+                sent_ms,
+            },
+        ) = std::mem::replace(&mut self.state, State::Finished)
+        else {
+            return Step::cont().with(Effect::Log(
+                Level::Warn,
+                "background complete in an unexpected state".into(),
+            ));
+        };
+        if worker_can_take {
+            return Step::cont()
+                .with(Effect::Handoff(PendingComplete {
+                    claim: claimed.in_flight(),
+                    payload,
+                    fill,
+                    background: true,
+                }))
+                .with(Effect::ResumeResponse);
+        }
+        let step = Step::pause()
+            .with(Effect::Log(
+                Level::Info,
+                format!(
+                    "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
+                    claimed.req.endpoint
+                ),
+            ))
+            .with(Effect::DispatchComplete(payload.clone()));
         self.state = State::Writing(
             claimed,
             Write::Complete {
@@ -1031,6 +1101,7 @@ impl Flow {
                     claim: claimed.in_flight(),
                     payload,
                     fill,
+                    background: false,
                 }));
                 step.effects.push(Effect::ResumeResponse);
                 return step;
@@ -1086,6 +1157,7 @@ impl Flow {
                     claim: c.in_flight(),
                     payload,
                     fill,
+                    background: false,
                 })),
             State::Upstream(c) | State::Capturing(c, _) | State::Writing(c, _) => Step::cont().with(Effect::Unregister(c.token)).with(Effect::Log(
                 Level::Warn,

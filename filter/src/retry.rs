@@ -9,6 +9,11 @@
 //! passed since the handover. Then the heartbeat stops; if it was not stored, the key stays
 //! `in_progress` until its lease runs out, as before.
 //!
+//! With `complete_in_background` every complete takes this path: the stream hands it over as
+//! soon as the response is captured, marked `background`, and the root sends it at once (the
+//! stream wakes it through the worker's shared queue) instead of after the first delay; only
+//! what follows a failed first attempt is a retry.
+//!
 //! Memory is bounded by the total payload bytes (`complete_retry_bytes`): a complete that would
 //! go over it is given up at once. At most [`MAX_IN_FLIGHT`] retries are on their way at a time,
 //! oldest first, and when one is stored the others are retried at the next tick (the state API
@@ -32,6 +37,9 @@ pub struct PendingComplete {
     /// The response as the replay cache keeps it (with a replay cache): answered to retries on
     /// this worker while the complete waits.
     pub fill: Option<Box<cache::Completed>>,
+    /// Not tried yet (`complete_in_background`): sent at once, and its first attempt is not a
+    /// retry. `false`: the stream tried it already; the first retry waits [`FIRST_DELAY_MS`].
+    pub background: bool,
 }
 
 /// What one retry got back.
@@ -53,6 +61,8 @@ pub enum Done {
     Stored {
         claim: InFlight,
         attempts: u32,
+        /// Handed over untried (`complete_in_background`): one attempt is the normal case.
+        background: bool,
     },
     FencedOut {
         claim: InFlight,
@@ -79,6 +89,8 @@ impl Done {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Due {
     pub send: Vec<(i64, Vec<u8>)>,
+    /// How many of `send` are the first attempt of a background complete (not retries).
+    pub first_attempts: usize,
     pub gave_up: Vec<Done>,
 }
 
@@ -143,13 +155,18 @@ impl Retries {
             .find(|e| e.pending.claim.token == token)
     }
 
+    /// Whether a complete of `size` payload bytes would be taken over now.
+    pub fn can_take(&self, size: usize) -> bool {
+        self.enabled() && self.bytes.saturating_add(size) <= self.max_bytes
+    }
+
     /// Takes a complete over; `Err(why)` when it cannot be kept.
     pub fn add(&mut self, pending: PendingComplete, now_ms: u64) -> Result<(), String> {
         if !self.enabled() {
             return Err("complete retries are disabled".into());
         }
         let size = pending.payload.len();
-        if self.bytes + size > self.max_bytes {
+        if !self.can_take(size) {
             return Err(format!(
                 "{} bytes of completes are already waiting (complete_retry_bytes {})",
                 self.bytes, self.max_bytes
@@ -157,10 +174,15 @@ impl Retries {
         }
         self.take(pending.claim.token);
         self.bytes += size;
+        let next_ms = if pending.background {
+            now_ms
+        } else {
+            now_ms.saturating_add(FIRST_DELAY_MS)
+        };
         self.entries.push(Entry {
             pending,
             since_ms: now_ms,
-            next_ms: now_ms.saturating_add(FIRST_DELAY_MS),
+            next_ms,
             attempts: 0,
             in_flight: false,
         });
@@ -204,18 +226,26 @@ impl Retries {
         let mut room =
             MAX_IN_FLIGHT.saturating_sub(self.entries.iter().filter(|e| e.in_flight).count());
         let mut send = Vec::new();
+        let mut first_attempts = 0;
         for e in self.entries.iter_mut() {
             if room == 0 {
                 break;
             }
             if !e.in_flight && e.next_ms <= now_ms {
+                if e.pending.background && e.attempts == 0 {
+                    first_attempts += 1;
+                }
                 e.in_flight = true;
                 e.attempts += 1;
                 room -= 1;
                 send.push((e.pending.claim.token, e.pending.payload.clone()));
             }
         }
-        Due { send, gave_up }
+        Due {
+            send,
+            first_attempts,
+            gave_up,
+        }
     }
 
     /// A retry could not be sent or was answered. `None`: it stays, to be retried.
@@ -234,6 +264,7 @@ impl Retries {
                     other.next_ms = other.next_ms.min(now_ms);
                 }
                 Some(Done::Stored {
+                    background: e.pending.background,
                     claim: e.pending.claim,
                     attempts: e.attempts,
                 })
@@ -356,6 +387,14 @@ mod tests {
             },
             payload: vec![b'x'; len],
             fill: None,
+            background: false,
+        }
+    }
+
+    fn background(token: i64, len: usize) -> PendingComplete {
+        PendingComplete {
+            background: true,
+            ..pending(token, len)
         }
     }
 
@@ -364,8 +403,13 @@ mod tests {
         let mut r = Retries::new(1 << 20, 600_000);
         r.add(pending(5, 100), 1_000).unwrap();
         assert!(r.due(1_100).send.is_empty(), "not before the first delay");
-        let Due { send, gave_up } = r.due(1_250);
+        let Due {
+            send,
+            first_attempts,
+            gave_up,
+        } = r.due(1_250);
         assert_eq!(send, vec![(5, vec![b'x'; 100])]);
+        assert_eq!(first_attempts, 0, "the stream tried it already: a retry");
         assert!(gave_up.is_empty());
         assert!(r.due(5_000).send.is_empty(), "not twice while on its way");
         assert_eq!(
@@ -383,7 +427,8 @@ mod tests {
             r.answered(5, Answer::Stored, now),
             Some(Done::Stored {
                 claim: pending(5, 0).claim,
-                attempts: 13
+                attempts: 13,
+                background: false,
             })
         );
         assert!(r.is_empty());
@@ -413,7 +458,7 @@ mod tests {
         );
         r.answered(1, Answer::Failed, 400);
         // An entry on its way is not given up under it; once answered, the bound applies.
-        let Due { send, gave_up } = r.due(600_000);
+        let Due { send, gave_up, .. } = r.due(600_000);
         assert!(send.is_empty());
         assert_eq!(gave_up.len(), 1);
         assert!(matches!(&gave_up[0], Done::GaveUp { attempts: 1, claim, .. } if claim.token == 1));
@@ -466,6 +511,40 @@ mod tests {
         r.answered(2, Answer::Failed, 800); // 2 now waits 1 s
         r.answered(1, Answer::Stored, 900);
         assert_eq!(r.due(900).send, vec![(2, vec![b'x'])]);
+    }
+
+    #[test]
+    fn a_background_complete_is_sent_at_once_and_retried_like_the_others() {
+        let mut r = Retries::new(1 << 20, 600_000);
+        r.add(background(7, 10), 1_000).unwrap();
+        r.add(pending(8, 10), 1_000).unwrap();
+        let due = r.due(1_000);
+        assert_eq!(due.send, vec![(7, vec![b'x'; 10])], "no delay, and only it");
+        assert_eq!(due.first_attempts, 1);
+        // A failed first attempt waits like a retry; its next attempt is one.
+        assert_eq!(r.answered(7, Answer::Failed, 1_001), None);
+        assert!(r
+            .due(1_001 + delay(1) - 1)
+            .send
+            .iter()
+            .all(|(t, _)| *t != 7));
+        let due = r.due(1_001 + delay(1));
+        assert!(due.send.iter().any(|(t, _)| *t == 7));
+        assert_eq!(due.first_attempts, 0);
+        assert_eq!(
+            r.answered(7, Answer::Stored, 3_000),
+            Some(Done::Stored {
+                claim: background(7, 0).claim,
+                attempts: 2,
+                background: true,
+            })
+        );
+        // Room is checked before the stream lets its response go.
+        let mut r = Retries::new(100, 600_000);
+        assert!(r.can_take(100));
+        r.add(background(1, 60), 0).unwrap();
+        assert!(r.can_take(40) && !r.can_take(41));
+        assert!(!Retries::new(0, 600_000).can_take(0));
     }
 
     #[test]

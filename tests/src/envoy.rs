@@ -72,6 +72,8 @@ pub struct EnvoyParams {
     pub state_api_timeout_ms: u64,
     pub lease_ms: u64,
     pub heartbeat_ms: u64,
+    /// The filter's `complete_in_background`: the response goes on before its outcome is stored.
+    pub complete_in_background: bool,
     pub filter_wasm: String,
     pub jwks_path: String,
 }
@@ -94,6 +96,10 @@ impl EnvoyParams {
             ),
             ("LEASE_MS", self.lease_ms.to_string()),
             ("HEARTBEAT_MS", self.heartbeat_ms.to_string()),
+            (
+                "COMPLETE_IN_BACKGROUND",
+                self.complete_in_background.to_string(),
+            ),
             ("FILTER_WASM", self.filter_wasm.clone()),
             ("JWKS_PATH", self.jwks_path.clone()),
         ])
@@ -115,6 +121,7 @@ pub fn docker_params() -> EnvoyParams {
         state_api_timeout_ms: 1000,
         lease_ms: 30000,
         heartbeat_ms: 10000,
+        complete_in_background: false,
         filter_wasm: "/etc/envoy/filter.wasm".into(),
         jwks_path: "/etc/envoy/demo-jwks.json".into(),
     }
@@ -329,6 +336,7 @@ mod tests {
             state_api_timeout_ms: 1000,
             lease_ms: 30000,
             heartbeat_ms: 10000,
+            complete_in_background: false,
             filter_wasm: "/f.wasm".into(),
             jwks_path: "/j.json".into(),
         }

@@ -21,6 +21,8 @@ pub struct StackOptions {
     pub state_api_timeout_ms: u64,
     /// Extra environment for the state API (e.g. a retention for purge tests).
     pub state_api_env: Vec<(String, String)>,
+    /// The filter's `complete_in_background`.
+    pub complete_in_background: bool,
 }
 
 impl Default for StackOptions {
@@ -30,6 +32,7 @@ impl Default for StackOptions {
             heartbeat_ms: 10_000,
             state_api_timeout_ms: 1_000,
             state_api_env: Vec::new(),
+            complete_in_background: false,
         }
     }
 }
@@ -104,6 +107,7 @@ impl Stack {
             state_api_timeout_ms: options.state_api_timeout_ms,
             lease_ms: options.lease_ms,
             heartbeat_ms: options.heartbeat_ms,
+            complete_in_background: options.complete_in_background,
             filter_wasm: filter_wasm()?.display().to_string(),
             jwks_path: workspace_root()
                 .join("envoy/demo-jwks.json")

@@ -77,7 +77,15 @@ fn main() {
         own(
             "lost_complete_state_api_killed_while_upstream_runs_is_stored_later",
             short_lease(),
-            lost_complete_state_api_down,
+            |s| lost_complete_state_api_down(s, "lost_complete_state_api_down"),
+        ),
+        own(
+            "lost_complete_in_background_state_api_killed_while_upstream_runs_is_stored_later",
+            StackOptions {
+                complete_in_background: true,
+                ..short_lease()
+            },
+            |s| lost_complete_state_api_down(s, "lost_complete_in_background_state_api_down"),
         ),
         own(
             "lost_complete_postgres_down_past_the_lease_is_stored_later",
@@ -861,7 +869,9 @@ async fn replay_elsewhere_after_the_lease(
     (a, executions(stack, key).await.len())
 }
 
-async fn lost_complete_state_api_down(mut stack: Stack) {
+/// Also with `complete_in_background` (`label` names the figures): then the response went on
+/// before the first attempt, which the worker makes and retries.
+async fn lost_complete_state_api_down(mut stack: Stack, label: &'static str) {
     let c = client(&stack);
     let key = unique_key("lost-api");
     let body = charge_body(77);
@@ -887,7 +897,7 @@ async fn lost_complete_state_api_down(mut stack: Stack) {
     let (elsewhere, charges) = replay_elsewhere_after_the_lease(&stack, &key, &body).await;
     record_figures(
         SUITE,
-        "lost_complete_state_api_down",
+        label,
         json!({"first_answer": first.status, "retries_409": n409, "retry": classify(&retry),
                "stored_ms_after_restart": stored_after.map(|t| t.duration_since(restarted).as_millis() as u64),
                "retry_elsewhere_after_lease": classify(&elsewhere), "charges": charges,

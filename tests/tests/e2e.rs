@@ -114,6 +114,14 @@ fn main() {
             StackOptions::default(),
             replay_cache_answers_cached_keys_only,
         ),
+        own(
+            "complete_in_background_answers_first_and_the_worker_stores_right_after",
+            StackOptions {
+                complete_in_background: true,
+                ..StackOptions::default()
+            },
+            complete_in_background_answers_first_and_stores_right_after,
+        ),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
     // Stop the shared stack's processes before exiting (statics are never dropped).
@@ -812,4 +820,85 @@ async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
     );
     assert_eq!(executions(&stack, &key).await.len(), 3, "nothing ran again");
     assert_eq!(executions(&stack, &elsewhere).await.len(), 1);
+}
+
+/// `complete_in_background`: the response goes on before its outcome is stored, and the worker
+/// stores it at once. Retries on the same Envoy get the replay from its memory meanwhile; another
+/// Envoy gets 409 until the outcome is stored, then the replay; nothing runs twice.
+async fn complete_in_background_answers_first_and_stores_right_after(stack: Stack) {
+    const KEYS: usize = 20;
+    let c = client(&stack);
+    let counter = |name: &str| {
+        stack
+            .envoy
+            .counter(&format!("wasmcustom.idempotency.{name}"))
+    };
+    let body = charge_body(2500);
+    let keys: Vec<String> = (0..KEYS).map(|_| unique_key("background")).collect();
+    let mut firsts = Vec::new();
+    for key in &keys {
+        let first = c.send(checkout(key, "alice", &body)).await;
+        assert_eq!(first.status, 201, "{}\n{}", first.describe(), stack.logs());
+        assert_eq!(first.header("idempotent-replayed"), None);
+        // At once, on the same Envoy: its memory (or the stored record) replays it.
+        let again = c.send(checkout(key, "alice", &body)).await;
+        assert_eq!(
+            (again.status, &again.body),
+            (201, &first.body),
+            "{}",
+            again.describe()
+        );
+        assert!(replayed(&again), "{}", again.describe());
+        assert_problem(
+            &c.send(checkout(key, "alice", &charge_body(2501))).await,
+            422,
+            "idempotency-key-reused",
+            &stack,
+        );
+        firsts.push(first);
+    }
+
+    // Another Envoy has no memory of these keys: it asks the state API, which must have the
+    // stored outcome (or, for a moment, the key in progress: 409).
+    let other = stack
+        .start_extra_envoy(stack.state_api.port, "envoy-other")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c2 = Client::new(&other.url(""));
+    for (key, first) in keys.iter().zip(&firsts) {
+        let started = std::time::Instant::now();
+        let elsewhere = loop {
+            let a = c2.send(checkout(key, "alice", &body)).await;
+            if a.status != 409 || started.elapsed() > Duration::from_secs(5) {
+                break a;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            replayed(&elsewhere) && elsewhere.body == first.body,
+            "{key} through another Envoy: {}\n{}",
+            elsewhere.describe(),
+            stack.logs()
+        );
+        assert_eq!(executions(&stack, key).await.len(), 1, "{key} ran twice");
+    }
+    assert_eq!(
+        counter("completed"),
+        KEYS as u64,
+        "each stored once, by the worker"
+    );
+    assert_eq!(
+        counter("complete_retries"),
+        0,
+        "no first attempt counts as a retry"
+    );
+    assert_eq!(counter("complete_gave_up"), 0);
+    // The streams woke the worker through its shared queue (else the completes wait for a tick).
+    let log = std::fs::read_to_string(&stack.envoy.log_path).unwrap_or_default();
+    assert!(
+        log.contains("responses go on before their outcome is stored")
+            && !log.contains("no shared queue")
+            && !log.contains("cannot wake the worker"),
+        "{}",
+        stack.logs()
+    );
 }

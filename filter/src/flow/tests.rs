@@ -763,6 +763,96 @@ fn failed_complete_is_retried_once_then_handed_to_the_worker_and_the_response_go
     assert_eq!(f.state_name(), "finished");
 }
 
+fn background_flow() -> Flow {
+    let cfg = CONFIG.replace(
+        r#""max_request_body_bytes": 100,"#,
+        r#""max_request_body_bytes": 100, "complete_in_background": true,"#,
+    );
+    Flow::new(Rc::new(Config::parse(cfg.as_bytes()).unwrap()))
+}
+
+#[test]
+fn in_background_the_response_goes_on_and_the_worker_gets_the_untried_complete() {
+    let (mut f, claim) = claim_in(background_flow(), "/checkout", b"{}");
+    let step = f.on_response_headers(
+        &h(&[(":status", "201"), ("content-type", "application/json")]),
+        "via_upstream",
+        0,
+        false,
+    );
+    assert_eq!(step, Step::cont());
+    assert_eq!(
+        f.on_response_body(4, false, |_| panic!("not yet")),
+        Step::pause()
+    );
+    let step = f.on_response_body(9, true, |n| Some(b"{\"id\":\"c\"}"[..n].to_vec()));
+    // Nothing is sent from the stream: the glue asks the worker first.
+    assert_eq!(step.verdict, Verdict::Pause);
+    let Some(Effect::OfferComplete(bytes)) = step.effects.last() else {
+        panic!("no offer in {step:?}");
+    };
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::DispatchComplete(_))));
+
+    let step = f.complete_in_background(true);
+    assert_eq!(step.verdict, Verdict::Continue);
+    let p = handoff_of(&step);
+    assert!(p.background);
+    assert_eq!(p.payload.len(), *bytes);
+    let handed: CompleteRequest = serde_json::from_slice(&p.payload).unwrap();
+    assert_eq!(
+        (handed.key.as_str(), handed.token, handed.response.status),
+        (claim.key.as_str(), 42, 201)
+    );
+    assert_eq!(step.effects.last(), Some(&Effect::ResumeResponse));
+    // The claim stays registered: the worker keeps its lease alive until it is stored.
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::Unregister(_))));
+    assert_eq!(f.state_name(), "finished");
+    assert_eq!(f.on_stream_done(), Step::cont());
+}
+
+#[test]
+fn in_background_a_full_worker_means_the_stream_stores_and_holds_as_usual() {
+    let (mut f, _) = claim_in(background_flow(), "/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "200")]), "via_upstream", 0, true);
+    assert!(matches!(
+        step.effects.last(),
+        Some(Effect::OfferComplete(_))
+    ));
+    let step = f.complete_in_background(false);
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(complete_payload(&step).response.status, 200);
+    assert!(!step.effects.iter().any(|e| matches!(e, Effect::Handoff(_))));
+    let step = f.on_write_answer(written());
+    assert_eq!(counts(&step), vec![Metric::Completed]);
+    assert_eq!(
+        step.effects[step.effects.len() - 2..],
+        [Effect::Unregister(42), Effect::ResumeResponse]
+    );
+    // An answer out of turn changes nothing.
+    assert_eq!(f.complete_in_background(true).verdict, Verdict::Continue);
+    assert_eq!(f.state_name(), "finished");
+}
+
+#[test]
+fn in_background_releases_are_still_held() {
+    let (mut f, _) = claim_in(background_flow(), "/checkout", b"{}");
+    let step = f.on_response_headers(&h(&[(":status", "503")]), "no_healthy_upstream", 0x2, true);
+    assert!(step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::DispatchRelease(_))));
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::OfferComplete(_))));
+}
+
 #[test]
 fn without_retries_a_failed_complete_is_given_up_after_one_retry() {
     let cfg = CONFIG.replace(

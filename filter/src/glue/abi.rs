@@ -111,6 +111,17 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_register_shared_queue(
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> u32;
+    fn proxy_enqueue_shared_queue(queue_id: u32, value_data: *const u8, value_size: usize) -> u32;
+    fn proxy_dequeue_shared_queue(
+        queue_id: u32,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
 }
 
 /// Takes ownership of host-allocated memory (allocated through the SDK's exported
@@ -133,10 +144,14 @@ pub fn log(level: Level, message: &str) {
 }
 
 pub fn now_ms() -> R<u64> {
+    Ok(now_ns()? / 1_000_000)
+}
+
+pub fn now_ns() -> R<u64> {
     let mut t: u64 = 0;
     // SAFETY: valid out-pointer.
     ok(unsafe { proxy_get_current_time_nanoseconds(&mut t) })?;
-    Ok(t / 1_000_000)
+    Ok(t)
 }
 
 pub fn set_tick_period_ms(ms: u32) -> R<()> {
@@ -252,4 +267,29 @@ pub fn define_counter(name: &str) -> R<u32> {
 pub fn increment(id: u32) -> R<()> {
     // SAFETY: plain values.
     ok(unsafe { proxy_increment_metric(id, 1) })
+}
+
+/// Registers (or opens) a shared queue; its `on_queue_ready` goes to this thread's root context.
+pub fn register_queue(name: &str) -> R<u32> {
+    let mut id: u32 = 0;
+    // SAFETY: valid pointers.
+    ok(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
+pub fn enqueue(queue_id: u32, value: &[u8]) -> R<()> {
+    // SAFETY: pointer and length of a live slice.
+    ok(unsafe { proxy_enqueue_shared_queue(queue_id, value.as_ptr(), value.len()) })
+}
+
+/// The next item of a queue; `Ok(None)` when it is empty.
+pub fn dequeue(queue_id: u32) -> R<Option<Vec<u8>>> {
+    let mut data: *mut u8 = null_mut();
+    let mut size: usize = 0;
+    // SAFETY: valid out-pointers.
+    match unsafe { proxy_dequeue_shared_queue(queue_id, &mut data, &mut size) } {
+        0 => Ok(Some(take(data, size).unwrap_or_default())),
+        7 => Ok(None),
+        s => Err(HostError(s)),
+    }
 }

@@ -143,6 +143,17 @@ impl Http {
                     }
                 }
                 Effect::Handoff(pending) => self.hand_over(pending),
+                Effect::OfferComplete(bytes) => {
+                    let can_take = self
+                        .worker
+                        .retries
+                        .try_borrow()
+                        .is_ok_and(|r| r.can_take(bytes));
+                    if let Some(flow) = self.flow.as_mut() {
+                        let step = flow.complete_in_background(can_take);
+                        verdict = self.perform(step, phase);
+                    }
+                }
                 Effect::Count(m) => self.worker.counters.count(m),
                 Effect::Log(level, msg) => {
                     let level = match level {
@@ -158,10 +169,12 @@ impl Http {
         verdict
     }
 
-    /// The worker retries this complete from its tick (see [`crate::retry`]).
+    /// The worker retries this complete from its tick, or sends it at once when it was not
+    /// tried yet (see [`crate::retry`]).
     fn hand_over(&self, pending: retry::PendingComplete) {
         let now = abi::now_ms().unwrap_or(0);
         let endpoint = pending.claim.endpoint.clone();
+        let background = pending.background;
         let (Ok(mut registry), Ok(mut retries), Ok(mut cache)) = (
             self.worker.registry.try_borrow_mut(),
             self.worker.retries.try_borrow_mut(),
@@ -169,12 +182,16 @@ impl Http {
         ) else {
             return;
         };
-        if let Err(why) = retry::hand_over(&mut registry, &mut retries, &mut cache, pending, now) {
-            self.worker.counters.count(Metric::CompleteGaveUp);
-            abi::log(
-                Level::Error,
-                &format!("idempotency: complete for {endpoint} given up ({why}); the key stays in progress until its lease runs out"),
-            );
+        match retry::hand_over(&mut registry, &mut retries, &mut cache, pending, now) {
+            Ok(()) if background => self.worker.wake(),
+            Ok(()) => {}
+            Err(why) => {
+                self.worker.counters.count(Metric::CompleteGaveUp);
+                abi::log(
+                    Level::Error,
+                    &format!("idempotency: complete for {endpoint} given up ({why}); the key stays in progress until its lease runs out"),
+                );
+            }
         }
     }
 

@@ -28,6 +28,9 @@ pub(crate) struct Worker {
     pub(crate) cache: std::rc::Rc<std::cell::RefCell<crate::cache::ReplayCache>>,
     /// The host's clock, for the flows.
     pub(crate) clock: crate::flow::Clock,
+    /// This worker's shared queue (`complete_in_background`): an item wakes the root context,
+    /// which sends the completes handed over to it at once.
+    pub(crate) wake_queue: std::cell::Cell<Option<u32>>,
 }
 
 impl Worker {
@@ -52,6 +55,20 @@ impl Worker {
                 cache_ttl_ms,
             ))),
             clock: std::rc::Rc::new(|| abi::now_ms().unwrap_or(0)),
+            wake_queue: std::cell::Cell::new(None),
+        }
+    }
+
+    /// Wakes the root context (`on_queue_ready`, later on this thread). Without a queue, or if
+    /// it fails, the handed-over complete goes at the next tick instead.
+    pub(crate) fn wake(&self) {
+        if let Some(queue) = self.wake_queue.get() {
+            if let Err(e) = abi::enqueue(queue, b"complete") {
+                abi::log(
+                    Level::Warn,
+                    &format!("idempotency: cannot wake the worker ({e}); the complete goes at the next tick"),
+                );
+            }
         }
     }
 }

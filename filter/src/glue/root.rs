@@ -1,6 +1,8 @@
 //! The root context: one per worker. It parses the configuration, defines the counters, and
 //! on each tick extends the leases of the worker's in-flight claims, retries the completes
-//! handed over to it and drops expired entries of the replay cache.
+//! handed over to it and drops expired entries of the replay cache. With
+//! `complete_in_background` a stream wakes it through the worker's shared queue, and it sends
+//! the completes handed over to it at once.
 
 use super::abi::{self, Level};
 use super::http::Http;
@@ -129,13 +131,21 @@ impl Root {
         }
         let token = done.claim().token;
         match done {
-            Done::Stored { claim, attempts } => {
-                let endpoint = claim.endpoint;
+            Done::Stored {
+                claim,
+                attempts,
+                background,
+            } => {
                 self.count(Metric::Completed);
-                abi::log(
-                    Level::Info,
-                    &format!("idempotency: complete for {endpoint} stored after {attempts} retries (token {token})"),
-                );
+                // A background complete stored at its first attempt is the normal case.
+                let retries = attempts.saturating_sub(u32::from(background));
+                if retries > 0 {
+                    let endpoint = claim.endpoint;
+                    abi::log(
+                        Level::Info,
+                        &format!("idempotency: complete for {endpoint} stored after {retries} retries (token {token})"),
+                    );
+                }
             }
             Done::FencedOut { claim } => {
                 let endpoint = claim.endpoint;
@@ -185,7 +195,55 @@ impl Context for Root {
         let answer = callout_result(num_headers, body_size);
         match call {
             Call::Heartbeat(token) => self.heartbeat_answered(token, answer),
-            Call::Complete(token) => self.retry_answered(token, answer, abi::now_ms().unwrap_or(0)),
+            Call::Complete(token) => {
+                let now = abi::now_ms().unwrap_or(0);
+                self.retry_answered(token, answer, now);
+                // In background mode a freed slot is used at once, not at the next tick.
+                if let Some(cfg) = self.cfg.clone().filter(|c| c.complete_in_background) {
+                    self.send_completes(&cfg, now);
+                }
+            }
+        }
+    }
+}
+
+impl Root {
+    /// Sends the completes that are due (within [`retry::MAX_IN_FLIGHT`]) and settles the ones
+    /// given up.
+    fn send_completes(&mut self, cfg: &Config, now: u64) {
+        let due = match self.worker.retries.try_borrow_mut() {
+            Ok(mut retries) if !retries.is_empty() => retries.due(now),
+            _ => retry::Due::default(),
+        };
+        for done in due.gave_up {
+            self.finish(done, None, now);
+        }
+        for _ in due.first_attempts..due.send.len() {
+            self.count(Metric::CompleteRetries);
+        }
+        for (token, payload) in due.send {
+            match dispatch(cfg, COMPLETE_PATH, &payload) {
+                Ok(id) => {
+                    self.calls.push((id, Call::Complete(token)));
+                }
+                Err(why) => self.retry_answered(token, Callout::Failed(why), now),
+            }
+        }
+    }
+
+    /// A shared queue of this worker only: its name carries the host's clock in nanoseconds
+    /// at configuration, so the workers (one VM each) do not open each other's queue.
+    fn register_wake_queue(&self) {
+        let nanos = abi::now_ns().unwrap_or(0);
+        let name = format!("idempotency.complete.{}.{nanos}", self.context_id);
+        match abi::register_queue(&name) {
+            Ok(id) => self.worker.wake_queue.set(Some(id)),
+            Err(e) => abi::log(
+                Level::Warn,
+                &format!(
+                    "idempotency: no shared queue ({e}); background completes go at each tick"
+                ),
+            ),
         }
     }
 }
@@ -228,7 +286,7 @@ impl RootContext for Root {
         abi::log(
             Level::Info,
             &format!(
-                "idempotency filter configured (root context {}): {} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms, replay cache {} bytes, in-flight answers {} ms",
+                "idempotency filter configured (root context {}): {} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms, replay cache {} bytes, in-flight answers {} ms, {}",
                 self.context_id,
                 cfg.routes.len(),
                 cfg.state_api.cluster,
@@ -236,8 +294,16 @@ impl RootContext for Root {
                 cfg.heartbeat_ms,
                 cfg.replay_cache_bytes,
                 cfg.in_flight_cache_ms,
+                if cfg.complete_in_background {
+                    "responses go on before their outcome is stored"
+                } else {
+                    "responses held until their outcome is stored"
+                },
             ),
         );
+        if cfg.complete_in_background {
+            self.register_wake_queue();
+        }
         self.cfg = Some(Rc::new(cfg));
         true
     }
@@ -266,13 +332,6 @@ impl RootContext for Root {
             }
             _ => Vec::new(),
         };
-        let due = match self.worker.retries.try_borrow_mut() {
-            Ok(mut retries) if !retries.is_empty() => retries.due(now),
-            _ => retry::Due::default(),
-        };
-        for done in due.gave_up {
-            self.finish(done, None, now);
-        }
         for req in heartbeats {
             let token = req.token;
             let body = serde_json::to_vec(&req).unwrap_or_default();
@@ -292,14 +351,14 @@ impl RootContext for Root {
                 }
             }
         }
-        for (token, payload) in due.send {
-            self.count(Metric::CompleteRetries);
-            match dispatch(&cfg, COMPLETE_PATH, &payload) {
-                Ok(id) => {
-                    self.calls.push((id, Call::Complete(token)));
-                }
-                Err(why) => self.retry_answered(token, Callout::Failed(why), now),
-            }
+        self.send_completes(&cfg, now);
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        // Drain it: one item per wake, and the completes are found in the worker's list.
+        while let Ok(Some(_)) = abi::dequeue(queue_id) {}
+        if let (Some(cfg), Ok(now)) = (self.cfg.clone(), abi::now_ms()) {
+            self.send_completes(&cfg, now);
         }
     }
 

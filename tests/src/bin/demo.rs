@@ -58,6 +58,7 @@ fn envoy_params() -> Result<EnvoyParams, String> {
         state_api_timeout_ms: 1_000,
         lease_ms: 30_000,
         heartbeat_ms: 10_000,
+        complete_in_background: false,
         filter_wasm: filter_wasm()?.display().to_string(),
         jwks_path: workspace_root()
             .join("envoy/demo-jwks.json")
