@@ -16,6 +16,7 @@ STYLE = {
     "plain": ("plain Envoy (router only)", "black", "-"),
     "jwt": ("Envoy + jwt_authn", "grey", "--"),
     "new": ("new keys (claim, upstream, complete)", "tab:blue", "-"),
+    "new_bg": ("new keys, complete_in_background", "tab:cyan", "--"),
     "replay": ("replays (completed keys)", "tab:green", "-"),
     "inflight": ("in-flight duplicates (409)", "tab:orange", "-"),
     "state_api": ("state API claim+complete (direct)", "tab:purple", "-"),

@@ -584,6 +584,19 @@ fn real_main() -> Result<(), String> {
         .unwrap_or_else(|_| stack::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"));
     let jwt =
         Envoy::start_with_template(&jwt_template, plain_params(&stack), &stack.dir, "envoy-jwt")?;
+    // The same filter Envoy with `complete_in_background`: the response goes on before its
+    // outcome is stored (scenario new_bg).
+    let only_env = std::env::var("BENCH_SCENARIOS").ok();
+    let background = if only_env
+        .as_deref()
+        .is_none_or(|o| o.split(',').any(|s| s.trim() == "new_bg"))
+    {
+        let mut p = plain_params(&stack);
+        p.complete_in_background = true;
+        Some(Envoy::start(p, &stack.dir, "envoy-bg")?)
+    } else {
+        None
+    };
     let wasm_bytes = std::fs::metadata(stack::envoy::filter_wasm()?)
         .map(|m| m.len())
         .map_err(|e| e.to_string())?;
@@ -592,7 +605,7 @@ fn real_main() -> Result<(), String> {
         procfs::pid_listening_on(port)
             .ok_or_else(|| format!("no process listens on :{port} ({what})"))
     };
-    let procs = Procs {
+    let mut procs = Procs {
         named: vec![
             ("envoy", find(filter_envoy.params.listen_port, "envoy")?),
             (
@@ -605,6 +618,11 @@ fn real_main() -> Result<(), String> {
         ],
         postgres: procfs::pid_listening_on(stack.postgres.port()),
     };
+    if let Some(bg) = &background {
+        procs
+            .named
+            .push(("envoy-bg", find(bg.params.listen_port, "envoy-bg")?));
+    }
     eprintln!(
         "bench: stack up in {:.1} s; logs in {}",
         stack_started.elapsed().as_secs_f64(),
@@ -707,6 +725,23 @@ fn real_main() -> Result<(), String> {
             push(ScenarioResult::new(
                 "new",
                 "new keys",
+                op,
+                "201, not replayed",
+                &r,
+                cpu,
+                n,
+            ));
+        }
+        if let (true, Some(bg)) = (wanted("new_bg"), &background) {
+            let (r, cpu, n) = bench.measure(
+                addr(bg.params.listen_port),
+                c,
+                &op_created(format!("{run_id}-bg-{c}")),
+            );
+            let op = "POST /checkout, new key, complete_in_background: the response goes on, then the worker stores it";
+            push(ScenarioResult::new(
+                "new_bg",
+                "new keys (background complete)",
                 op,
                 "201, not replayed",
                 &r,
@@ -877,11 +912,15 @@ fn real_main() -> Result<(), String> {
             (v.len() == 3).then(|| report::Storage { rows: v[0], total_bytes: v[1], index_bytes: v[2] })
         });
     let mut envoy_stats = BTreeMap::new();
-    for (name, envoy) in [
+    let mut envoys = vec![
         ("envoy", filter_envoy),
         ("envoy-plain", &plain),
         ("envoy-jwt", &jwt),
-    ] {
+    ];
+    if let Some(bg) = &background {
+        envoys.push(("envoy-bg", bg));
+    }
+    for (name, envoy) in envoys {
         let body = envoy.admin_get("/stats?filter=^cluster\\.(state_api|checkout)\\.upstream_(cx_total|rq_total|cx_destroy|cx_max_requests|rq_pending_overflow|rq_timeout)$").unwrap_or_default();
         let stats: BTreeMap<String, u64> = body
             .lines()

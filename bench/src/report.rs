@@ -545,6 +545,7 @@ impl Report {
             let envoy_name = match r.scenario.as_str() {
                 "plain" => "envoy-plain",
                 "jwt" => "envoy-jwt",
+                "new_bg" => "envoy-bg",
                 _ => "envoy",
             };
             let direct = r.scenario.starts_with("state_api");
