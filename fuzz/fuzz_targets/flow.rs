@@ -38,10 +38,16 @@ fn answers(b: u8, rest: &[u8]) -> Callout {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(cfg) = Config::parse(CONFIG.as_bytes()) else { return };
-    let mut flow = Flow::new(Rc::new(cfg));
     let (head_bytes, events) = data.split_at(data.len().min(4));
     let b = |i: usize| head_bytes.get(i).copied().unwrap_or(0);
+    // Half of the inputs with the response let go before its outcome is stored.
+    let config = if b(3) & 2 == 2 {
+        CONFIG.replace(r#""max_stored_body_bytes": 16"#, r#""max_stored_body_bytes": 16, "complete_in_background": true"#)
+    } else {
+        CONFIG.to_owned()
+    };
+    let Ok(cfg) = Config::parse(config.as_bytes()) else { return };
+    let mut flow = Flow::new(Rc::new(cfg));
     let path = ["/checkout", "/r/1", "/other", "/checkout?q=1"][usize::from(b(0) % 4)];
     let key = ["k", "\"k\"", "", "a,b"][usize::from(b(1) % 4)];
     let mut headers = vec![(":method".to_owned(), "POST".to_owned()), (":path".to_owned(), path.to_owned())];
@@ -79,7 +85,7 @@ fuzz_target!(|data: &[u8]| {
         let op = chunk.first().copied().unwrap_or(0);
         let arg = chunk.get(1).copied().unwrap_or(0);
         let rest = chunk.get(2..).unwrap_or_default();
-        let step = match op % 9 {
+        let step = match op % 10 {
             0 | 1 => {
                 size += usize::from(arg % 40);
                 flow.on_request_body(size, op % 9 == 1, |n| Some(vec![b'{'; n]))
@@ -93,6 +99,8 @@ fuzz_target!(|data: &[u8]| {
             }
             5 | 6 => flow.on_response_body(usize::from(arg), op % 9 == 6, |n| if arg & 2 == 2 { Some(vec![0; n]) } else { None }),
             7 => flow.on_write_answer(answers(arg, rest)),
+            // The worker's answer to an offered complete (or one out of turn).
+            9 => flow.complete_in_background(arg & 1 == 1),
             _ => flow.on_response_trailers(|n| Some(vec![1; n])),
         };
         check(&step.effects);
