@@ -935,6 +935,19 @@ impl Flow {
             );
             return step;
         }
+        self.send_complete(step, claimed, payload, fill, sent_ms)
+    }
+
+    /// The stream sends the complete itself (first attempt) and holds the response until it
+    /// is answered.
+    fn send_complete(
+        &mut self,
+        mut step: Step,
+        claimed: Claimed,
+        payload: Vec<u8>,
+        fill: Option<Box<cache::Completed>>,
+        sent_ms: u64,
+    ) -> Step {
         step.effects.push(Effect::DispatchComplete(payload.clone()));
         self.state = State::Writing(
             claimed,
@@ -979,25 +992,14 @@ impl Flow {
                 }))
                 .with(Effect::ResumeResponse);
         }
-        let step = Step::pause()
-            .with(Effect::Log(
-                Level::Info,
-                format!(
-                    "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
-                    claimed.req.endpoint
-                ),
-            ))
-            .with(Effect::DispatchComplete(payload.clone()));
-        self.state = State::Writing(
-            claimed,
-            Write::Complete {
-                payload,
-                attempts: 1,
-                fill,
-                sent_ms,
-            },
-        );
-        step
+        let step = Step::pause().with(Effect::Log(
+            Level::Info,
+            format!(
+                "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
+                claimed.req.endpoint
+            ),
+        ));
+        self.send_complete(step, claimed, payload, fill, sent_ms)
     }
 
     /// The answer to `/v1/complete` or `/v1/release` (or its failure).
