@@ -74,6 +74,8 @@ pub struct EnvoyParams {
     pub heartbeat_ms: u64,
     /// The filter's `complete_in_background`: the response goes on before its outcome is stored.
     pub complete_in_background: bool,
+    /// Envoy's worker threads (`--concurrency`; not part of the config file).
+    pub workers: u32,
     pub filter_wasm: String,
     pub jwks_path: String,
 }
@@ -122,6 +124,7 @@ pub fn docker_params() -> EnvoyParams {
         lease_ms: 30000,
         heartbeat_ms: 10000,
         complete_in_background: false,
+        workers: 1,
         filter_wasm: "/etc/envoy/filter.wasm".into(),
         jwks_path: "/etc/envoy/demo-jwks.json".into(),
     }
@@ -193,14 +196,10 @@ impl Envoy {
         let mut cmd = Command::new(&bin);
         cmd.arg("-c")
             .arg(&config_path)
-            // One worker, like the benchmark; no hot-restart shared memory, so several Envoys can run.
-            .args([
-                "--concurrency",
-                "1",
-                "--log-level",
-                "info",
-                "--disable-hot-restart",
-            ])
+            // One worker unless asked (like the benchmark); no hot-restart shared memory, so
+            // several Envoys can run.
+            .args(["--concurrency", &params.workers.max(1).to_string()])
+            .args(["--log-level", "info", "--disable-hot-restart"])
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
@@ -337,6 +336,7 @@ mod tests {
             lease_ms: 30000,
             heartbeat_ms: 10000,
             complete_in_background: false,
+            workers: 1,
             filter_wasm: "/f.wasm".into(),
             jwks_path: "/j.json".into(),
         }

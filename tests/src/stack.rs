@@ -23,6 +23,8 @@ pub struct StackOptions {
     pub state_api_env: Vec<(String, String)>,
     /// The filter's `complete_in_background`.
     pub complete_in_background: bool,
+    /// Envoy's worker threads.
+    pub envoy_workers: u32,
 }
 
 impl Default for StackOptions {
@@ -33,6 +35,7 @@ impl Default for StackOptions {
             state_api_timeout_ms: 1_000,
             state_api_env: Vec::new(),
             complete_in_background: false,
+            envoy_workers: 1,
         }
     }
 }
@@ -108,6 +111,7 @@ impl Stack {
             lease_ms: options.lease_ms,
             heartbeat_ms: options.heartbeat_ms,
             complete_in_background: options.complete_in_background,
+            workers: options.envoy_workers,
             filter_wasm: filter_wasm()?.display().to_string(),
             jwks_path: workspace_root()
                 .join("envoy/demo-jwks.json")

@@ -116,8 +116,13 @@ fn main() {
         ),
         own(
             "complete_in_background_answers_first_and_the_worker_stores_right_after",
+            // Two Envoy workers, each waking its own root context; a tick (every 7.5 s here) is
+            // too late for the test, so a wake that reached the wrong worker would show.
             StackOptions {
                 complete_in_background: true,
+                envoy_workers: 2,
+                lease_ms: 60_000,
+                heartbeat_ms: 30_000,
                 ..StackOptions::default()
             },
             complete_in_background_answers_first_and_stores_right_after,
@@ -823,11 +828,11 @@ async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
 }
 
 /// `complete_in_background`: the response goes on before its outcome is stored, and the worker
-/// stores it at once. Retries on the same Envoy get the replay from its memory meanwhile; another
-/// Envoy gets 409 until the outcome is stored, then the replay; nothing runs twice.
+/// stores it at once. Retries on the same connection (worker) get the replay from its memory
+/// meanwhile; another Envoy gets 409 until the outcome is stored, then the replay; nothing runs
+/// twice.
 async fn complete_in_background_answers_first_and_stores_right_after(stack: Stack) {
     const KEYS: usize = 20;
-    let c = client(&stack);
     let counter = |name: &str| {
         stack
             .envoy
@@ -837,6 +842,8 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     let keys: Vec<String> = (0..KEYS).map(|_| unique_key("background")).collect();
     let mut firsts = Vec::new();
     for key in &keys {
+        // A connection of its own, so the keys spread over both workers.
+        let c = client(&stack);
         let first = c.send(checkout(key, "alice", &body)).await;
         assert_eq!(first.status, 201, "{}\n{}", first.describe(), stack.logs());
         assert_eq!(first.header("idempotent-replayed"), None);
@@ -857,6 +864,28 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
         );
         firsts.push(first);
     }
+    // Each worker stores its completes at once, not at its next tick (7.5 s away at most).
+    let answered = std::time::Instant::now();
+    while counter("completed") < KEYS as u64 && answered.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        counter("completed"),
+        KEYS as u64,
+        "completes were not sent within 2 s of the last response\n{}",
+        stack.logs()
+    );
+    let per_worker: Vec<u64> = stack
+        .envoy
+        .admin_get("/stats?filter=^listener\\..*\\.worker_[0-9]\\.downstream_cx_total$")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.rsplit_once(": ").and_then(|(_, v)| v.trim().parse().ok()))
+        .collect();
+    assert!(
+        per_worker.len() == 2 && per_worker.iter().all(|n| *n > 0),
+        "both workers must have taken connections: {per_worker:?}"
+    );
 
     // Another Envoy has no memory of these keys: it asks the state API, which must have the
     // stored outcome (or, for a moment, the key in progress: 409).
@@ -884,7 +913,7 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     assert_eq!(
         counter("completed"),
         KEYS as u64,
-        "each stored once, by the worker"
+        "each stored once, by its worker"
     );
     assert_eq!(
         counter("complete_retries"),

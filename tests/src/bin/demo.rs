@@ -59,6 +59,7 @@ fn envoy_params() -> Result<EnvoyParams, String> {
         lease_ms: 30_000,
         heartbeat_ms: 10_000,
         complete_in_background: false,
+        workers: 1,
         filter_wasm: filter_wasm()?.display().to_string(),
         jwks_path: workspace_root()
             .join("envoy/demo-jwks.json")
