@@ -685,69 +685,42 @@ fn real_main() -> Result<(), String> {
     };
     for &c in &levels {
         eprintln!("bench: {c} connection(s)");
-        if wanted("plain") {
-            let (r, cpu, n) = bench.measure(
-                addr(plain.params.listen_port),
-                c,
-                &op_created(format!("{run_id}-plain-{c}")),
-            );
-            push(ScenarioResult::new(
-                "plain",
-                "plain Envoy",
-                "POST /checkout, router only",
-                "201",
-                &r,
-                cpu,
-                n,
-            ));
-        }
-        if wanted("jwt") {
-            let (r, cpu, n) = bench.measure(
-                addr(jwt.params.listen_port),
-                c,
-                &op_created(format!("{run_id}-jwt-{c}")),
-            );
-            let op = "POST /checkout, jwt_authn + router (no idempotency filter)";
-            push(ScenarioResult::new(
+        // Scenarios that send a new key with every request: (id, label, what is sent, the
+        // expected answer, through which Envoy).
+        let fresh_keys = [
+            ("plain", "plain Envoy", "POST /checkout, router only", "201", Some(&plain)),
+            (
                 "jwt",
                 "Envoy + jwt_authn",
-                op,
+                "POST /checkout, jwt_authn + router (no idempotency filter)",
                 "201",
-                &r,
-                cpu,
-                n,
-            ));
-        }
-        if wanted("new") {
-            let (r, cpu, n) =
-                bench.measure(envoy_addr, c, &op_created(format!("{run_id}-new-{c}")));
-            let op = "POST /checkout, new key: claim, upstream, complete";
-            push(ScenarioResult::new(
+                Some(&jwt),
+            ),
+            (
                 "new",
                 "new keys",
-                op,
+                "POST /checkout, new key: claim, upstream, complete",
                 "201, not replayed",
-                &r,
-                cpu,
-                n,
-            ));
-        }
-        if let (true, Some(bg)) = (wanted("new_bg"), &background) {
-            let (r, cpu, n) = bench.measure(
-                addr(bg.params.listen_port),
-                c,
-                &op_created(format!("{run_id}-bg-{c}")),
-            );
-            let op = "POST /checkout, new key, complete_in_background: the response goes on, then the worker stores it";
-            push(ScenarioResult::new(
+                Some(filter_envoy),
+            ),
+            (
                 "new_bg",
                 "new keys (background complete)",
-                op,
+                "POST /checkout, new key, complete_in_background: the response goes on, then the worker stores it",
                 "201, not replayed",
-                &r,
-                cpu,
-                n,
-            ));
+                background.as_ref(),
+            ),
+        ];
+        for (id, label, op, expect, envoy) in fresh_keys {
+            let Some(envoy) = envoy.filter(|_| wanted(id)) else {
+                continue;
+            };
+            let (r, cpu, n) = bench.measure(
+                addr(envoy.params.listen_port),
+                c,
+                &op_created(format!("{run_id}-{id}-{c}")),
+            );
+            push(ScenarioResult::new(id, label, op, expect, &r, cpu, n));
         }
         if wanted("replay") {
             let (r, cpu, n) = bench.measure(envoy_addr, c, &op_replay(replay_keys.clone()));
