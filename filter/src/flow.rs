@@ -992,13 +992,15 @@ impl Flow {
                 }))
                 .with(Effect::ResumeResponse);
         }
-        let step = Step::pause().with(Effect::Log(
-            Level::Info,
-            format!(
-                "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
-                claimed.req.endpoint
-            ),
-        ));
+        let step = Step::pause()
+            .with(Effect::Count(Metric::CompleteHeld))
+            .with(Effect::Log(
+                Level::Info,
+                format!(
+                    "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
+                    claimed.req.endpoint
+                ),
+            ));
         self.send_complete(step, claimed, payload, fill, sent_ms)
     }
 

@@ -47,10 +47,13 @@ pub enum Metric {
     /// Completes given up (retry bound, memory bound, or refused): the key stays in progress
     /// until its lease runs out.
     CompleteGaveUp,
+    /// With `complete_in_background`: completes a stream stored itself, holding its response,
+    /// because the worker's `complete_retry_bytes` were in use.
+    CompleteHeld,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 20] = [
+    pub const ALL: [Metric; 21] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -71,6 +74,7 @@ impl Metric {
         Metric::InFlightCacheHits,
         Metric::CompleteRetries,
         Metric::CompleteGaveUp,
+        Metric::CompleteHeld,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -95,6 +99,7 @@ impl Metric {
             Metric::InFlightCacheHits => "idempotency.in_flight_cache_hits",
             Metric::CompleteRetries => "idempotency.complete_retries",
             Metric::CompleteGaveUp => "idempotency.complete_gave_up",
+            Metric::CompleteHeld => "idempotency.complete_held",
         }
     }
 

@@ -826,6 +826,7 @@ fn in_background_a_full_worker_means_the_stream_stores_and_holds_as_usual() {
     ));
     let step = f.complete_in_background(false);
     assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(counts(&step), vec![Metric::CompleteHeld]);
     assert_eq!(complete_payload(&step).response.status, 200);
     assert!(!step.effects.iter().any(|e| matches!(e, Effect::Handoff(_))));
     let step = f.on_write_answer(written());
