@@ -921,7 +921,11 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
         "no first attempt counts as a retry"
     );
     assert_eq!(counter("complete_gave_up"), 0);
-    assert_eq!(counter("complete_held"), 0, "the workers had room for every complete");
+    assert_eq!(
+        counter("complete_held"),
+        0,
+        "the workers had room for every complete"
+    );
     // The streams woke the worker through its shared queue (else the completes wait for a tick).
     let log = std::fs::read_to_string(&stack.envoy.log_path).unwrap_or_default();
     assert!(

@@ -31,6 +31,9 @@ pub(crate) struct Worker {
     /// This worker's shared queue (`complete_in_background`): an item wakes the root context,
     /// which sends the completes handed over to it at once.
     pub(crate) wake_queue: std::cell::Cell<Option<u32>>,
+    /// A wake is on its way: the completes handed over meanwhile go with it (one host
+    /// callback for a burst, not one per request).
+    pub(crate) wake_pending: std::cell::Cell<bool>,
 }
 
 impl Worker {
@@ -56,14 +59,20 @@ impl Worker {
             ))),
             clock: std::rc::Rc::new(|| abi::now_ms().unwrap_or(0)),
             wake_queue: std::cell::Cell::new(None),
+            wake_pending: std::cell::Cell::new(false),
         }
     }
 
     /// Wakes the root context (`on_queue_ready`, later on this thread). Without a queue, or if
     /// it fails, the handed-over complete goes at the next tick instead.
     pub(crate) fn wake(&self) {
+        if self.wake_pending.get() {
+            return;
+        }
         if let Some(queue) = self.wake_queue.get() {
+            self.wake_pending.set(true);
             if let Err(e) = abi::enqueue(queue, b"complete") {
+                self.wake_pending.set(false);
                 abi::log(
                     Level::Warn,
                     &format!("idempotency: cannot wake the worker ({e}); the complete goes at the next tick"),

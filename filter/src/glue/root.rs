@@ -355,7 +355,8 @@ impl RootContext for Root {
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        // Drain it: one item per wake, and the completes are found in the worker's list.
+        // Drain it: the completes are found in the worker's list, not in the items.
+        self.worker.wake_pending.set(false);
         while let Ok(Some(_)) = abi::dequeue(queue_id) {}
         if let (Some(cfg), Ok(now)) = (self.cfg.clone(), abi::now_ms()) {
             self.send_completes(&cfg, now);
