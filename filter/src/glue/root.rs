@@ -170,44 +170,7 @@ impl Root {
             }
         }
     }
-}
 
-impl Context for Root {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        let call = self
-            .calls
-            .iter()
-            .position(|(id, _)| *id == token_id)
-            .map(|i| self.calls.swap_remove(i).1);
-        let Some(call) = call else {
-            abi::log(
-                Level::Warn,
-                &format!("idempotency: unexpected callout answer {token_id} on the root context"),
-            );
-            return;
-        };
-        let answer = callout_result(num_headers, body_size);
-        match call {
-            Call::Heartbeat(token) => self.heartbeat_answered(token, answer),
-            Call::Complete(token) => {
-                let now = abi::now_ms().unwrap_or(0);
-                self.retry_answered(token, answer, now);
-                // In background mode a freed slot is used at once, not at the next tick.
-                if let Some(cfg) = self.cfg.clone().filter(|c| c.complete_in_background) {
-                    self.send_completes(&cfg, now);
-                }
-            }
-        }
-    }
-}
-
-impl Root {
     /// Sends the completes that are due (within [`retry::MAX_IN_FLIGHT`]) and settles the ones
     /// given up.
     fn send_completes(&mut self, cfg: &Config, now: u64) {
@@ -244,6 +207,41 @@ impl Root {
                     "idempotency: no shared queue ({e}); background completes go at each tick"
                 ),
             ),
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let call = self
+            .calls
+            .iter()
+            .position(|(id, _)| *id == token_id)
+            .map(|i| self.calls.swap_remove(i).1);
+        let Some(call) = call else {
+            abi::log(
+                Level::Warn,
+                &format!("idempotency: unexpected callout answer {token_id} on the root context"),
+            );
+            return;
+        };
+        let answer = callout_result(num_headers, body_size);
+        match call {
+            Call::Heartbeat(token) => self.heartbeat_answered(token, answer),
+            Call::Complete(token) => {
+                let now = abi::now_ms().unwrap_or(0);
+                self.retry_answered(token, answer, now);
+                // In background mode a freed slot is used at once, not at the next tick.
+                if let Some(cfg) = self.cfg.clone().filter(|c| c.complete_in_background) {
+                    self.send_completes(&cfg, now);
+                }
+            }
         }
     }
 }
