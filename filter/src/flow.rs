@@ -921,43 +921,37 @@ impl Flow {
             token: claimed.token,
             response,
         });
-        if self.cfg.complete_in_background {
-            // Not sent yet (attempts 0): the worker takes it, or the stream sends it itself.
-            step.effects.push(Effect::OfferComplete(payload.len()));
-            self.state = State::Writing(
-                claimed,
-                Write::Complete {
-                    payload,
-                    attempts: 0,
-                    fill,
-                    sent_ms,
-                },
-            );
-            return step;
-        }
-        self.send_complete(step, claimed, payload, fill, sent_ms)
-    }
-
-    /// The stream sends the complete itself (first attempt) and holds the response until it
-    /// is answered.
-    fn send_complete(
-        &mut self,
-        mut step: Step,
-        claimed: Claimed,
-        payload: Vec<u8>,
-        fill: Option<Box<cache::Completed>>,
-        sent_ms: u64,
-    ) -> Step {
-        step.effects.push(Effect::DispatchComplete(payload.clone()));
+        let bytes = payload.len();
+        // Not sent yet (attempts 0).
         self.state = State::Writing(
             claimed,
             Write::Complete {
                 payload,
-                attempts: 1,
+                attempts: 0,
                 fill,
                 sent_ms,
             },
         );
+        if self.cfg.complete_in_background {
+            // The worker takes it, or the stream sends it itself.
+            return step.with(Effect::OfferComplete(bytes));
+        }
+        self.send_complete(step)
+    }
+
+    /// The stream sends its complete not tried yet (first attempt) and holds the response until
+    /// it is answered.
+    fn send_complete(&mut self, mut step: Step) -> Step {
+        if let State::Writing(
+            _,
+            Write::Complete {
+                payload, attempts, ..
+            },
+        ) = &mut self.state
+        {
+            *attempts = 1;
+            step.effects.push(Effect::DispatchComplete(payload.clone()));
+        }
         step
     }
 
@@ -967,41 +961,40 @@ impl Flow {
     /// `complete_retry_bytes` are in use): the stream stores the outcome itself, holding the
     /// response as without `complete_in_background`.
     pub fn complete_in_background(&mut self, worker_can_take: bool) -> Step {
-        let State::Writing(
-            claimed,
-            Write::Complete {
-                payload,
-                attempts: 0,
-                fill,
-                sent_ms,
-            },
-        ) = std::mem::replace(&mut self.state, State::Finished)
-        else {
+        let State::Writing(claimed, Write::Complete { attempts: 0, .. }) = &self.state else {
+            self.state = State::Finished;
             return Step::cont().with(Effect::Log(
                 Level::Warn,
                 "background complete in an unexpected state".into(),
             ));
         };
-        if worker_can_take {
-            return Step::cont()
-                .with(Effect::Handoff(PendingComplete {
-                    claim: claimed.in_flight(),
-                    payload,
-                    fill,
-                    background: true,
-                }))
-                .with(Effect::ResumeResponse);
-        }
-        let step = Step::pause()
-            .with(Effect::Count(Metric::CompleteHeld))
-            .with(Effect::Log(
+        if !worker_can_take {
+            let log = Effect::Log(
                 Level::Info,
                 format!(
                     "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
                     claimed.req.endpoint
                 ),
-            ));
-        self.send_complete(step, claimed, payload, fill, sent_ms)
+            );
+            return self.send_complete(
+                Step::pause()
+                    .with(Effect::Count(Metric::CompleteHeld))
+                    .with(log),
+            );
+        }
+        let State::Writing(claimed, Write::Complete { payload, fill, .. }) =
+            std::mem::replace(&mut self.state, State::Finished)
+        else {
+            return Step::cont();
+        };
+        Step::cont()
+            .with(Effect::Handoff(PendingComplete {
+                claim: claimed.in_flight(),
+                payload,
+                fill,
+                background: true,
+            }))
+            .with(Effect::ResumeResponse)
     }
 
     /// The answer to `/v1/complete` or `/v1/release` (or its failure).
