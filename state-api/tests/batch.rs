@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::*;
-use contract::wire::{ClaimResponse, StoredResponse, CLAIM_PATH};
+use contract::wire::{ClaimResponse, StoredResponse};
 use sqlx::Connection as _;
 use state_api::batch::{ClaimJob, CompleteJob};
 use state_api::store::{ClaimOutcome, StoreError, StoredRow, WriteResult};
@@ -548,24 +548,7 @@ async fn a_failed_batch_statement_answers_every_request_of_the_batch_with_503() 
     let blocker = submit_claim(&api, job(&api, "blocker", &fp(1), 30_000));
     lock.wait_for_waiters(1).await;
     let tasks: Vec<_> = (0..5)
-        .map(|i| {
-            let (client, url) = (api.client.clone(), api.url(CLAIM_PATH));
-            let body = serde_json::to_value(claim_req(&format!("late-{i}"), "alice", &fp(1), None))
-                .unwrap();
-            tokio::spawn(async move {
-                let r = client
-                    .post(url)
-                    .bearer_auth(TOKEN)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                let status = r.status().as_u16();
-                let retry_after = r.headers().get("retry-after").cloned();
-                let body: serde_json::Value = r.json().await.unwrap();
-                (status, retry_after, body)
-            })
-        })
+        .map(|i| api.spawn_claim_raw(&claim_req(&format!("late-{i}"), "alice", &fp(1), None)))
         .collect();
     wait_queued(&api, 5).await;
     // The lock stays until every answer is in: the blocker's statement and then the batch's
@@ -573,9 +556,14 @@ async fn a_failed_batch_statement_answers_every_request_of_the_batch_with_503() 
     let e = blocker.await.unwrap().unwrap_err();
     assert!(e.is_unavailable(), "{e}");
     for t in tasks {
-        let (status, retry_after, body) = t.await.unwrap();
-        assert_problem(status, &body, 503, "idempotency-state-unavailable");
-        assert_eq!(retry_after.unwrap(), "1");
+        let answer = t.await.unwrap();
+        assert_problem(
+            answer.status,
+            &answer.body,
+            503,
+            "idempotency-state-unavailable",
+        );
+        assert_eq!(answer.retry_after.unwrap(), "1");
     }
     lock.release().await;
     for i in 0..5 {

@@ -10,6 +10,15 @@ use serde_json::{json, Value};
 use state_api::{AppState, Config};
 use tokio::sync::oneshot;
 
+/// An HTTP answer of the state API as it came.
+pub struct RawAnswer {
+    pub status: u16,
+    pub retry_after: Option<reqwest::header::HeaderValue>,
+    pub body: Value,
+    /// From sending the request to the whole answer.
+    pub took: Duration,
+}
+
 pub const TOKEN: &str = "test-token-0123456789";
 pub const SECRET: &str = "test-key-secret-0123456789";
 pub const ENDPOINT: &str = "POST /checkout";
@@ -153,6 +162,17 @@ impl Api {
         &self,
         req: &ClaimRequest,
     ) -> tokio::task::JoinHandle<(ClaimResponse, Duration)> {
+        let raw = self.spawn_claim_raw(req);
+        tokio::spawn(async move {
+            let answer = raw.await.unwrap();
+            assert_eq!(answer.status, 200);
+            let claim = serde_json::from_value::<ClaimResponse>(answer.body).unwrap();
+            (claim, answer.took)
+        })
+    }
+
+    /// The claim over HTTP on a task of its own, whatever it answers.
+    pub fn spawn_claim_raw(&self, req: &ClaimRequest) -> tokio::task::JoinHandle<RawAnswer> {
         let (client, url) = (self.client.clone(), self.url(CLAIM_PATH));
         let body = serde_json::to_value(req).unwrap();
         tokio::spawn(async move {
@@ -164,9 +184,15 @@ impl Api {
                 .send()
                 .await
                 .unwrap();
-            assert_eq!(r.status(), 200);
-            let answer = r.json::<ClaimResponse>().await.unwrap();
-            (answer, start.elapsed())
+            let status = r.status().as_u16();
+            let retry_after = r.headers().get("retry-after").cloned();
+            let body: Value = r.json().await.unwrap();
+            RawAnswer {
+                status,
+                retry_after,
+                body,
+                took: start.elapsed(),
+            }
         })
     }
 
