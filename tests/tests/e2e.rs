@@ -842,8 +842,10 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     let keys: Vec<String> = (0..KEYS).map(|_| unique_key("background")).collect();
     let mut firsts = Vec::new();
     for key in &keys {
-        // A connection of its own, so the keys spread over both workers.
-        let c = client(&stack);
+        // A connection of its own, so the keys spread over both workers. HTTP/2: every request
+        // of this key rides that one connection, so the retries reach the same worker (an
+        // HTTP/1 pool may open a second connection, which can land on the other worker).
+        let c = Client::http2(&stack.envoy.url(""));
         let first = c.send(checkout(key, "alice", &body)).await;
         assert_eq!(first.status, 201, "{}\n{}", first.describe(), stack.logs());
         assert_eq!(first.header("idempotent-replayed"), None);
@@ -885,6 +887,13 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     assert!(
         per_worker.len() == 2 && per_worker.iter().all(|n| *n > 0),
         "both workers must have taken connections: {per_worker:?}"
+    );
+    // The listener also counts the harness's bare readiness probes (accepted whenever a worker
+    // gets to them); only the keys' connections ever speak HTTP/2.
+    assert_eq!(
+        stack.envoy.counter("http.edge.downstream_cx_http2_total"),
+        KEYS as u64,
+        "one connection per key, so each retry reached the worker of its first request"
     );
 
     // Another Envoy has no memory of these keys: it asks the state API, which must have the
