@@ -107,3 +107,33 @@ pub fn log_tail(path: &std::path::Path) -> String {
         lines[from..].join("\n")
     )
 }
+
+/// Runs `program` with `input` on its stdin and returns its stdout, or why it failed.
+pub fn run_with_stdin(program: &str, args: &[&str], input: &[u8]) -> Result<Vec<u8>, String> {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    child
+        .stdin
+        .take()
+        .ok_or_else(|| format!("{program}: no stdin"))?
+        .write_all(input)
+        .map_err(|e| format!("cannot write to {program}: {e}"))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("{program} did not finish: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{program} {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(out.stdout)
+}

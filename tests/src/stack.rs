@@ -180,6 +180,35 @@ pub fn run_dir(prefix: &str) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// A token for `sub` that expires at `exp` (Unix seconds), signed like the demo's with the demo
+/// key (`envoy/demo-keys/demo-signing-key.pem`, committed on purpose) by the `openssl` command,
+/// as `envoy/demo-keys/make-tokens.py` does. For tests that need an expiry relative to now.
+pub fn mint_token(sub: &str, exp: u64) -> String {
+    use base64::engine::{general_purpose::URL_SAFE_NO_PAD, Engine};
+    let part = |v: serde_json::Value| URL_SAFE_NO_PAD.encode(v.to_string());
+    let signing_input = format!(
+        "{}.{}",
+        part(serde_json::json!({"alg": "RS256", "typ": "JWT", "kid": "demo-2026"})),
+        part(serde_json::json!({
+            "iss": "https://demo-issuer.edge-idempotency.invalid",
+            "aud": "checkout",
+            "sub": sub,
+            "iat": 1_764_000_000u64,
+            "exp": exp,
+        }))
+    );
+    let key = workspace_root().join("envoy/demo-keys/demo-signing-key.pem");
+    let signature = crate::process::run_with_stdin(
+        "openssl",
+        &["dgst", "-sha256", "-sign", &key.to_string_lossy()],
+        signing_input.as_bytes(),
+    )
+    .unwrap_or_else(|e| {
+        panic!("cannot sign a test token with openssl (apt-get install openssl): {e}")
+    });
+    format!("{signing_input}.{}", URL_SAFE_NO_PAD.encode(signature))
+}
+
 /// Tokens: the demo's (`envoy/demo-tokens.json`: alice, bob) and the tests' bad ones
 /// (`tests/fixtures/tokens.json`: expired, wrong_key, wrong_issuer, wrong_audience, tampered, carol).
 pub fn token(name: &str) -> String {

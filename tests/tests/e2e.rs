@@ -10,7 +10,7 @@ use std::time::Duration;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
 use stack::client::{unique_key, Client, Request};
-use stack::stack::{token, Stack, StackOptions};
+use stack::stack::{mint_token, token, Stack, StackOptions};
 use stack::testkit::*;
 
 /// The shared stack, or why it could not start (remembered, so it is not tried once per test).
@@ -84,6 +84,12 @@ fn main() {
         shared(
             "unprotected_routes_pass_through",
             unprotected_routes_pass_through,
+        ),
+        own(
+            // A stack of its own: its jwt_authn cache counters count this test's requests only.
+            "a_cached_token_is_refused_once_it_expires",
+            StackOptions::default(),
+            a_cached_token_is_refused_once_it_expires,
         ),
         own(
             "dead_state_api_gives_503_and_no_upstream_call",
@@ -419,6 +425,64 @@ async fn missing_or_bad_tokens_get_401(stack: Arc<Stack>) {
         401
     );
     assert!(executions(&stack, &key).await.is_empty());
+}
+
+/// jwt_authn keeps verified tokens in its cache (`jwt_cache_config` in envoy.yaml.tmpl); a cached
+/// token must still be refused once it has expired. Envoy allows 60 s of clock skew, in its cache
+/// as in a full verification, so the token here expired 55 s ago: accepted and cached at first,
+/// refused from the moment its expiry is 61 s past, before the filter or the checkout sees it.
+async fn a_cached_token_is_refused_once_it_expires(stack: Stack) {
+    const SKEW_S: u64 = 60;
+    let unix_now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default()
+    };
+    let exp = unix_now() - (SKEW_S - 5);
+    let token = mint_token("dave", exp);
+    let c = client(&stack);
+    let key = unique_key("jwt-cache");
+    let body = charge_body(7);
+    let send = || {
+        c.send(
+            Request::post("/checkout")
+                .token(&token)
+                .key(&key)
+                .json(&body),
+        )
+    };
+    let hits = || stack.envoy.counter("http.edge.jwt_authn.jwt_cache_hit");
+
+    let first = send().await;
+    assert_eq!(
+        first.status,
+        201,
+        "a token {}s past its expiry is inside the skew: {}",
+        unix_now() - exp,
+        first.describe()
+    );
+    let hits_before = hits();
+    let again = send().await;
+    assert!(replayed(&again), "{}", again.describe());
+    assert_eq!(
+        hits(),
+        hits_before + 1,
+        "the retry's token came from the cache"
+    );
+
+    while unix_now() <= exp + SKEW_S + 1 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let late = send().await;
+    assert_eq!(
+        late.status,
+        401,
+        "a cached token {}s past its expiry: {}",
+        unix_now() - exp,
+        late.describe()
+    );
+    assert_eq!(executions(&stack, &key).await.len(), 1);
 }
 
 async fn bodies_over_the_limit_get_413_and_at_the_limit_pass(stack: Arc<Stack>) {
