@@ -85,10 +85,11 @@ fuzz_target!(|data: &[u8]| {
         let op = chunk.first().copied().unwrap_or(0);
         let arg = chunk.get(1).copied().unwrap_or(0);
         let rest = chunk.get(2..).unwrap_or_default();
-        let step = match op % 10 {
+        let kind = op % 10;
+        let step = match kind {
             0 | 1 => {
                 size += usize::from(arg % 40);
-                flow.on_request_body(size, op % 9 == 1, |n| Some(vec![b'{'; n]))
+                flow.on_request_body(size, kind == 1, |n| Some(vec![b'{'; n]))
             }
             2 => flow.on_request_trailers(|n| Some(vec![b' '; n])),
             3 => flow.on_claim_answer(answers(arg, rest)),
@@ -97,7 +98,7 @@ fuzz_target!(|data: &[u8]| {
                 let details = ["via_upstream", "no_healthy_upstream", "upstream_reset_before_response_started{connection_termination}"][i % 3];
                 flow.on_response_headers(&[(":status".to_owned(), status.to_owned())], details, u64::from(arg), arg & 1 == 1)
             }
-            5 | 6 => flow.on_response_body(usize::from(arg), op % 9 == 6, |n| if arg & 2 == 2 { Some(vec![0; n]) } else { None }),
+            5 | 6 => flow.on_response_body(usize::from(arg), kind == 6, |n| if arg & 2 == 2 { Some(vec![0; n]) } else { None }),
             7 => flow.on_write_answer(answers(arg, rest)),
             // The worker's answer to an offered complete (or one out of turn).
             9 => flow.complete_in_background(arg & 1 == 1),
