@@ -181,10 +181,7 @@ impl Config {
             complete_retry_ms: top.u64_or("complete_retry_ms", DEFAULT_COMPLETE_RETRY_MS)?,
             complete_retry_bytes: top
                 .u64_or("complete_retry_bytes", DEFAULT_COMPLETE_RETRY_BYTES)?,
-            complete_in_background: match top.get("complete_in_background") {
-                Some(_) => top.bool("complete_in_background")?,
-                None => false,
-            },
+            complete_in_background: top.bool_or("complete_in_background", false)?,
         })
     }
 }

@@ -434,9 +434,18 @@ impl<'a> Fields<'a> {
     }
 
     pub fn bool(&self, name: &str) -> Result<bool, String> {
-        match self.required(name)? {
-            Value::Bool(b) => Ok(*b),
-            v => Err(self.wrong(name, "a boolean", v)),
+        self.opt_bool(name)?.ok_or_else(|| self.missing(name))
+    }
+
+    pub fn bool_or(&self, name: &str, default: bool) -> Result<bool, String> {
+        Ok(self.opt_bool(name)?.unwrap_or(default))
+    }
+
+    pub fn opt_bool(&self, name: &str) -> Result<Option<bool>, String> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.wrong(name, "a boolean", v)),
         }
     }
 
@@ -625,6 +634,12 @@ mod tests {
         assert_eq!(f.i64("neg"), Ok(-3));
         assert_eq!(f.str("s"), Ok("x"));
         assert_eq!(f.bool("b"), Ok(true));
+        assert_eq!(f.bool_or("b", false), Ok(true));
+        assert_eq!(f.bool_or("z", true), Ok(true), "null is absent");
+        assert!(f
+            .bool_or("s", false)
+            .is_err_and(|e| e.contains("a boolean")));
+        assert!(f.bool("zz").is_err());
         assert_eq!(f.strings("l"), Ok(vec!["a".to_owned()]));
         assert_eq!(f.strings("none"), Ok(vec![]));
         assert_eq!(
