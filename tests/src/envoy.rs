@@ -272,6 +272,11 @@ impl Envoy {
             .and_then(|(_, v)| v.trim().parse().ok())
             .unwrap_or(0)
     }
+
+    /// One of the filter's counters (`idempotency.<name>`).
+    pub fn filter_counter(&self, name: &str) -> u64 {
+        self.counter(&format!("wasmcustom.idempotency.{name}"))
+    }
 }
 
 /// Minimal HTTP/1.1 GET for admin endpoints, so the harness needs no async runtime for it.

@@ -122,12 +122,6 @@ fn classify(a: &Answer) -> &'static str {
     }
 }
 
-fn counter(stack: &Stack, name: &str) -> u64 {
-    stack
-        .envoy
-        .counter(&format!("wasmcustom.idempotency.{name}"))
-}
-
 /// Polls until `key` is no longer in progress (409), up to `limit`; the last answer.
 async fn retry_until_not_409(
     c: &Client,
@@ -363,7 +357,7 @@ async fn state_api_killed_under_load(mut stack: Stack) {
         refused.len() >= KEYS - KILL_AFTER - 20,
         "most requests after the kill must be refused: {tally:?}"
     );
-    let errors_counted = counter(&stack, "state_api_errors");
+    let errors_counted = stack.envoy.filter_counter("state_api_errors");
     assert!(
         errors_counted >= refused.len() as u64,
         "each 503 is counted in state_api_errors ({errors_counted} < {})",
@@ -471,7 +465,7 @@ async fn postgres_killed_during_slow_request(mut stack: Stack) {
         SUITE,
         "postgres_sigkill_during_slow_request",
         json!({"requests": 4, "postgres_down_ms": pg_down.as_millis() as u64, "state_api_ready_again_after_ms": recovered.as_millis() as u64,
-               "charges": ran.len(), "retry_replayed": true, "heartbeat_errors_counter": counter(&stack, "state_api_errors")}),
+               "charges": ran.len(), "retry_replayed": true, "heartbeat_errors_counter": stack.envoy.filter_counter("state_api_errors")}),
     );
     assert_eq!(ran.len(), 1, "one charge: {ran:?}");
     assert_eq!(executions(&stack, &other).await.len(), 1);
@@ -580,7 +574,7 @@ async fn slow_state_api(stack: Stack) {
         .unwrap_or_else(|e| panic!("{e}"));
     let c = Client::new(&envoy.url(""));
     let body = charge_body(555);
-    let errors = || envoy.counter("wasmcustom.idempotency.state_api_errors");
+    let errors = || envoy.filter_counter("state_api_errors");
     let sanity = c
         .send(checkout(&unique_key("slow-ok"), "alice", &body))
         .await;
@@ -701,7 +695,7 @@ async fn upstream_reset(stack: Stack) {
     let c = client(&stack);
     let key = unique_key("reset");
     let body = charge_body(31);
-    let completed_before = counter(&stack, "completed");
+    let completed_before = stack.envoy.filter_counter("completed");
     let first = c
         .send(checkout(&key, "alice", &body).header("x-demo-reset", "1"))
         .await;
@@ -719,7 +713,7 @@ async fn upstream_reset(stack: Stack) {
     assert_eq!(ran.len(), 1, "{ran:?}");
     assert_eq!(ran[0]["outcome"], "reset");
     assert_eq!(
-        counter(&stack, "completed"),
+        stack.envoy.filter_counter("completed"),
         completed_before + 1,
         "the outcome is counted as stored"
     );
@@ -901,7 +895,7 @@ async fn lost_complete_state_api_down(mut stack: Stack, label: &'static str) {
         json!({"first_answer": first.status, "retries_409": n409, "retry": classify(&retry),
                "stored_ms_after_restart": stored_after.map(|t| t.duration_since(restarted).as_millis() as u64),
                "retry_elsewhere_after_lease": classify(&elsewhere), "charges": charges,
-               "complete_retries_counter": counter(&stack, "complete_retries"), "complete_gave_up_counter": counter(&stack, "complete_gave_up")}),
+               "complete_retries_counter": stack.envoy.filter_counter("complete_retries"), "complete_gave_up_counter": stack.envoy.filter_counter("complete_gave_up")}),
     );
     assert!(
         replayed(&retry),
@@ -952,7 +946,7 @@ async fn lost_complete_postgres_down(mut stack: Stack) {
         json!({"first_answer": first.status, "retry_during_outage": classify(&during), "retry": classify(&retry),
                "stored_ms_after_postgres_ready": stored_after.map(|t| t.duration_since(ready).as_millis() as u64),
                "retry_elsewhere_after_lease": classify(&elsewhere), "charges": charges,
-               "complete_retries_counter": counter(&stack, "complete_retries"), "complete_gave_up_counter": counter(&stack, "complete_gave_up")}),
+               "complete_retries_counter": stack.envoy.filter_counter("complete_retries"), "complete_gave_up_counter": stack.envoy.filter_counter("complete_gave_up")}),
     );
     assert!(
         stored_after.is_some(),
@@ -1023,7 +1017,7 @@ async fn gap_other_envoy_after_long_outage(mut stack: Stack) {
         "gap_other_envoy_after_long_outage",
         json!({"first_answer": first.status, "retries_503_during_outage": refused,
                "first_retry_elsewhere_after_recovery": elsewhere.as_ref().map(classify), "charges": charges,
-               "fenced_out_counter": counter(&stack, "fenced_out")}),
+               "fenced_out_counter": stack.envoy.filter_counter("fenced_out")}),
     );
     let elsewhere = elsewhere.unwrap_or_else(|| panic!("no answer other than 503 after recovery"));
     assert!(

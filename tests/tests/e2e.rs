@@ -229,11 +229,7 @@ async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
     eprintln!("20 concurrent duplicates answered 409, slowest in {slowest:?}");
     // Retries right after an "in progress" answer get their 409 from the worker's memory
     // (in_flight_cache_ms, 500 by default), the same answer without a callout.
-    let from_memory = || {
-        stack
-            .envoy
-            .counter("wasmcustom.idempotency.in_flight_cache_hits")
-    };
+    let from_memory = || stack.envoy.filter_counter("in_flight_cache_hits");
     let before = from_memory();
     for _ in 0..10 {
         let d = c.send(checkout(&key, "alice", &body)).await;
@@ -807,7 +803,7 @@ async fn heartbeats_keep_a_slow_request_from_being_reclaimed(stack: Stack) {
 /// still answered (intended: their answer cannot change), every other key gets 503.
 async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
     let c = client(&stack);
-    let hits = |s: &Stack| s.envoy.counter("wasmcustom.idempotency.replay_cache_hits");
+    let hits = |s: &Stack| s.envoy.filter_counter("replay_cache_hits");
     let key = unique_key("cache");
     let body = charge_body(4321);
     let first = c.send(checkout(&key, "alice", &body)).await;
@@ -897,11 +893,7 @@ async fn replay_cache_answers_cached_keys_only(mut stack: Stack) {
 /// twice.
 async fn complete_in_background_answers_first_and_stores_right_after(stack: Stack) {
     const KEYS: usize = 20;
-    let counter = |name: &str| {
-        stack
-            .envoy
-            .counter(&format!("wasmcustom.idempotency.{name}"))
-    };
+    let counter = |name: &str| stack.envoy.filter_counter(name);
     let body = charge_body(2500);
     let keys: Vec<String> = (0..KEYS).map(|_| unique_key("background")).collect();
     let mut firsts = Vec::new();
