@@ -584,13 +584,14 @@ fn real_main() -> Result<(), String> {
         .unwrap_or_else(|_| stack::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"));
     let jwt =
         Envoy::start_with_template(&jwt_template, plain_params(&stack), &stack.dir, "envoy-jwt")?;
+    // BENCH_SCENARIOS="new,replay" runs a subset (for profiling); default: all.
+    let only: Option<Vec<String>> = std::env::var("BENCH_SCENARIOS")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect());
+    let wanted = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|s| s == name));
     // The same filter Envoy with `complete_in_background`: the response goes on before its
     // outcome is stored (scenario new_bg).
-    let only_env = std::env::var("BENCH_SCENARIOS").ok();
-    let background = if only_env
-        .as_deref()
-        .is_none_or(|o| o.split(',').any(|s| s.trim() == "new_bg"))
-    {
+    let background = if wanted("new_bg") {
         let mut p = plain_params(&stack);
         p.complete_in_background = true;
         Some(Envoy::start(p, &stack.dir, "envoy-bg")?)
@@ -646,11 +647,6 @@ fn real_main() -> Result<(), String> {
         retry_budget_until: started + Duration::from_secs(240),
     };
     let run_id = format!("b{}", std::process::id());
-    // BENCH_SCENARIOS="new,replay" runs a subset (for profiling); default: all.
-    let only: Option<Vec<String>> = std::env::var("BENCH_SCENARIOS")
-        .ok()
-        .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect());
-    let wanted = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|s| s == name));
 
     // Keys completed first, for the replay runs.
     let replay_keys: Arc<Vec<String>> = Arc::new(
