@@ -271,13 +271,16 @@ async fn duplicate_storm(stack: Stack) {
 
 async fn state_api_killed_under_load(mut stack: Stack) {
     const KEYS: usize = 400;
+    /// Keys sent before the kill; the others wait for it, so each of them must get 503.
     const KILL_AFTER: usize = 150;
+    const CONCURRENCY: usize = 16;
     let c = client(&stack);
     let timeout = Duration::from_millis(stack.options.state_api_timeout_ms);
     let keys: Vec<String> = (0..KEYS)
         .map(|i| unique_key(&format!("apikill{i}")))
         .collect();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (killed_tx, killed) = tokio::sync::watch::channel(false);
     let load = {
         let c = c.clone();
         let keys = keys.clone();
@@ -288,7 +291,11 @@ async fn state_api_killed_under_load(mut stack: Stack) {
                     futures::stream::iter(keys.into_iter().enumerate().map(|(i, key)| {
                         let c = c.clone();
                         let done = std::sync::Arc::clone(&done);
+                        let mut killed = killed.clone();
                         async move {
+                            if i >= KILL_AFTER {
+                                let _ = killed.wait_for(|k| *k).await;
+                            }
                             let sent = Instant::now();
                             let a = c
                                 .send(checkout(&key, "alice", &charge_body(i as u64 + 1)))
@@ -297,20 +304,22 @@ async fn state_api_killed_under_load(mut stack: Stack) {
                             (i, a, sent)
                         }
                     })),
-                    16,
+                    CONCURRENCY,
                 ))
                 .await;
             answers
         })
     };
+    // Killed under load: with the last of the keys before KILL_AFTER still on their way.
     let wait_from = Instant::now();
-    while done.load(std::sync::atomic::Ordering::SeqCst) < KILL_AFTER
+    while done.load(std::sync::atomic::Ordering::SeqCst) < KILL_AFTER - CONCURRENCY
         && wait_from.elapsed() < Duration::from_secs(60)
     {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     blocking(|| stack.state_api.kill());
     let killed_at = Instant::now();
+    let _ = killed_tx.send(true);
     let answers = load.await.unwrap_or_else(|e| panic!("load task: {e}"));
     let ledger_while_dead = executions_per_key(&ledger(&stack.checkout.url("")).await);
 
@@ -346,7 +355,8 @@ async fn state_api_killed_under_load(mut stack: Stack) {
             // (each key is sent once), so nothing else is expected.
             _ => panic!("{}: unexpected answer {}", keys[*i], a.describe()),
         }
-        if *sent > killed_at + Duration::from_millis(50) {
+        if *i >= KILL_AFTER {
+            assert!(*sent >= killed_at, "key {i} was sent before the kill");
             assert_eq!(
                 kind, "unavailable_503",
                 "a request sent after the kill must get 503"
@@ -354,8 +364,8 @@ async fn state_api_killed_under_load(mut stack: Stack) {
         }
     }
     assert!(
-        refused.len() >= KEYS - KILL_AFTER - 20,
-        "most requests after the kill must be refused: {tally:?}"
+        refused.len() >= KEYS - KILL_AFTER,
+        "every request sent after the kill must be refused: {tally:?}"
     );
     let errors_counted = stack.envoy.filter_counter("state_api_errors");
     assert!(
