@@ -896,6 +896,17 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     let counter = |name: &str| stack.envoy.filter_counter(name);
     let body = charge_body(2500);
     let keys: Vec<String> = (0..KEYS).map(|_| unique_key("background")).collect();
+    // Connections each worker accepted; the harness's readiness probes are in the first reading.
+    let per_worker = || -> Vec<u64> {
+        stack
+            .envoy
+            .admin_get("/stats?filter=^listener\\..*\\.worker_[0-9]\\.downstream_cx_total$")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.rsplit_once(": ").and_then(|(_, v)| v.trim().parse().ok()))
+            .collect()
+    };
+    let before = per_worker();
     let mut firsts = Vec::new();
     for key in &keys {
         // A connection of its own, so the keys spread over both workers. HTTP/2: every request
@@ -933,19 +944,12 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
         "completes were not sent within 2 s of the last response\n{}",
         stack.logs()
     );
-    let per_worker: Vec<u64> = stack
-        .envoy
-        .admin_get("/stats?filter=^listener\\..*\\.worker_[0-9]\\.downstream_cx_total$")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.rsplit_once(": ").and_then(|(_, v)| v.trim().parse().ok()))
-        .collect();
+    let after = per_worker();
     assert!(
-        per_worker.len() == 2 && per_worker.iter().all(|n| *n > 0),
-        "both workers must have taken connections: {per_worker:?}"
+        before.len() == 2 && after.len() == 2 && after.iter().zip(&before).all(|(a, b)| a > b),
+        "both workers must have taken the keys' connections: {before:?} before, {after:?} after"
     );
-    // The listener also counts the harness's bare readiness probes (accepted whenever a worker
-    // gets to them); only the keys' connections ever speak HTTP/2.
+    // Only the keys' connections ever speak HTTP/2.
     assert_eq!(
         stack.envoy.counter("http.edge.downstream_cx_http2_total"),
         KEYS as u64,
