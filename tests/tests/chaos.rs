@@ -873,6 +873,35 @@ async fn replay_elsewhere_after_the_lease(
     (a, executions(stack, key).await.len())
 }
 
+/// A lost complete has been recovered: the outcome is stored, the retry on the first Envoy and
+/// the one through another Envoy after the lease are replays, and the checkout ran once.
+async fn assert_stored_and_replayed_once(
+    stack: &Stack,
+    key: &str,
+    stored_after: Option<Instant>,
+    retry: &Answer,
+    elsewhere: &Answer,
+    charges: usize,
+) {
+    assert!(
+        stored_after.is_some(),
+        "the outcome was never stored: {}\n{}",
+        record_state(stack, key).await,
+        stack.logs()
+    );
+    assert!(
+        replayed(retry),
+        "the retry must be a replay, got {}",
+        retry.describe()
+    );
+    assert!(
+        replayed(elsewhere),
+        "after the lease, through another Envoy: {}",
+        elsewhere.describe()
+    );
+    assert_eq!(charges, 1, "charged {charges} times for one key");
+}
+
 /// Also with `complete_in_background` (`label` names the figures): then the response went on
 /// before the first attempt, which the worker makes and retries.
 async fn lost_complete_state_api_down(mut stack: Stack, label: &'static str) {
@@ -907,23 +936,7 @@ async fn lost_complete_state_api_down(mut stack: Stack, label: &'static str) {
                "retry_elsewhere_after_lease": classify(&elsewhere), "charges": charges,
                "complete_retries_counter": stack.envoy.filter_counter("complete_retries"), "complete_gave_up_counter": stack.envoy.filter_counter("complete_gave_up")}),
     );
-    assert!(
-        replayed(&retry),
-        "the retry must be a replay, got {}",
-        retry.describe()
-    );
-    assert!(
-        stored_after.is_some(),
-        "the outcome was never stored: {}\n{}",
-        record_state(&stack, &key).await,
-        stack.logs()
-    );
-    assert!(
-        replayed(&elsewhere),
-        "after the lease, through another Envoy: {}",
-        elsewhere.describe()
-    );
-    assert_eq!(charges, 1, "charged {charges} times for one key");
+    assert_stored_and_replayed_once(&stack, &key, stored_after, &retry, &elsewhere, charges).await;
 }
 
 async fn lost_complete_postgres_down(mut stack: Stack) {
@@ -958,23 +971,7 @@ async fn lost_complete_postgres_down(mut stack: Stack) {
                "retry_elsewhere_after_lease": classify(&elsewhere), "charges": charges,
                "complete_retries_counter": stack.envoy.filter_counter("complete_retries"), "complete_gave_up_counter": stack.envoy.filter_counter("complete_gave_up")}),
     );
-    assert!(
-        stored_after.is_some(),
-        "the outcome was never stored: {}\n{}",
-        record_state(&stack, &key).await,
-        stack.logs()
-    );
-    assert!(
-        replayed(&retry),
-        "the retry must be a replay, got {}",
-        retry.describe()
-    );
-    assert!(
-        replayed(&elsewhere),
-        "after the lease, through another Envoy: {}",
-        elsewhere.describe()
-    );
-    assert_eq!(charges, 1, "charged {charges} times for one key");
+    assert_stored_and_replayed_once(&stack, &key, stored_after, &retry, &elsewhere, charges).await;
 }
 
 /// The outage outlasts the lease (no heartbeat gets through), and the client keeps retrying
