@@ -63,19 +63,6 @@ struct Snapshot {
     state_api_metrics: BTreeMap<String, f64>,
 }
 
-fn irq_ticks() -> u64 {
-    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let nums: Vec<u64> = text
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    nums.get(5).copied().unwrap_or(0) + nums.get(6).copied().unwrap_or(0)
-}
-
 impl Snapshot {
     fn take(procs: &Procs, state_api_port: u16) -> Self {
         let (machine_busy, machine_total) = procfs::machine_ticks();
@@ -101,7 +88,7 @@ impl Snapshot {
             at: Instant::now(),
             machine_busy,
             machine_total,
-            irq: irq_ticks(),
+            irq: procfs::irq_ticks(),
             per,
             envoy_workers,
             state_api_metrics: state_api_metrics(state_api_port),
@@ -860,19 +847,11 @@ fn real_main() -> Result<(), String> {
         })
         .collect();
     // What a record costs on disk (table, TOAST and indexes), for docs/SCALING.md.
-    let db_name = stack
-        .database_url
-        .rsplit('/')
-        .next()
-        .unwrap_or_default()
-        .split('?')
-        .next()
-        .unwrap_or_default()
-        .to_owned();
+    let db_name = stack.database_name();
     let storage = stack
         .postgres
         .psql(
-            &db_name,
+            db_name,
             "SELECT count(*) || ' ' || pg_total_relation_size('idempotency_records') || ' ' || pg_indexes_size('idempotency_records') FROM idempotency_records",
         )
         .ok()

@@ -132,21 +132,32 @@ pub fn thread_ticks(pid: u32) -> BTreeMap<String, u64> {
     out
 }
 
-/// (busy, total) ticks of the whole machine, from the first line of /proc/stat.
-pub fn machine_ticks() -> (u64, u64) {
+/// The machine's CPU ticks by kind (user, nice, system, idle, iowait, irq, softirq, ...), from
+/// the first line of /proc/stat; empty when it cannot be read.
+fn machine_cpu_ticks() -> Vec<u64> {
     let text = fs::read_to_string("/proc/stat").unwrap_or_default();
-    let nums: Vec<u64> = text
-        .lines()
+    text.lines()
         .next()
         .unwrap_or_default()
         .split_whitespace()
         .skip(1)
         .filter_map(|v| v.parse().ok())
-        .collect();
+        .collect()
+}
+
+/// (busy, total) ticks of the whole machine.
+pub fn machine_ticks() -> (u64, u64) {
+    let nums = machine_cpu_ticks();
     let total: u64 = nums.iter().take(8).sum();
     // idle + iowait
     let idle = nums.get(3).copied().unwrap_or(0) + nums.get(4).copied().unwrap_or(0);
     (total.saturating_sub(idle), total)
+}
+
+/// Interrupt and softirq ticks of the whole machine (mostly loopback TCP here).
+pub fn irq_ticks() -> u64 {
+    let nums = machine_cpu_ticks();
+    nums.get(5).copied().unwrap_or(0) + nums.get(6).copied().unwrap_or(0)
 }
 
 /// Clock ticks per second (`getconf CLK_TCK`, 100 on Linux).

@@ -52,6 +52,12 @@ pub struct Stack {
 }
 
 impl Stack {
+    /// The name of this stack's database (the last part of `database_url`), for `psql`.
+    pub fn database_name(&self) -> &str {
+        let path = self.database_url.rsplit('/').next().unwrap_or_default();
+        path.split('?').next().unwrap_or_default()
+    }
+
     pub fn start(options: StackOptions) -> Result<Self, String> {
         let dir = run_dir("stack")?;
         let postgres = TempCluster::start()?;

@@ -794,20 +794,11 @@ async fn database_stores_an_hmac_not_the_key(env: Arc<Env>) {
         "bob must not read alice's response: {}",
         bob.describe()
     );
-    let db = env
-        .stack
-        .database_url
-        .rsplit('/')
-        .next()
-        .unwrap_or_default()
-        .split('?')
-        .next()
-        .unwrap_or_default()
-        .to_owned();
+    let db = env.stack.database_name();
     let dump = env
         .stack
         .postgres
-        .psql(&db, "SELECT r::text FROM idempotency_records r")
+        .psql(db, "SELECT r::text FROM idempotency_records r")
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(!dump.is_empty());
     assert!(!dump.contains("MARKERKEYdb"), "a raw key is stored: {dump}");
@@ -822,7 +813,7 @@ async fn database_stores_an_hmac_not_the_key(env: Arc<Env>) {
         let found = env
             .stack
             .postgres
-            .psql(&db, &format!("SELECT subject || ' ' || endpoint || ' ' || state FROM idempotency_records WHERE scope_hash = '\\x{expected}'"))
+            .psql(db, &format!("SELECT subject || ' ' || endpoint || ' ' || state FROM idempotency_records WHERE scope_hash = '\\x{expected}'"))
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             found,
@@ -835,7 +826,7 @@ async fn database_stores_an_hmac_not_the_key(env: Arc<Env>) {
             .stack
             .postgres
             .psql(
-                &db,
+                db,
                 &format!(
                     "SELECT count(*) FROM idempotency_records WHERE scope_hash = '\\x{unkeyed}'"
                 ),
