@@ -263,14 +263,21 @@ impl Envoy {
 
     /// Counter value from `/stats?filter=...` (exact stat name), 0 when absent.
     pub fn counter(&self, name: &str) -> u64 {
+        self.counters(&format!("^{name}$"))
+            .remove(name)
+            .unwrap_or(0)
+    }
+
+    /// Every numeric stat whose name matches `filter` (a regex, as `/stats?filter=` takes it),
+    /// by name; empty when the admin endpoint does not answer.
+    pub fn counters(&self, filter: &str) -> std::collections::BTreeMap<String, u64> {
         let body = self
-            .admin_get(&format!("/stats?filter=^{name}$"))
+            .admin_get(&format!("/stats?filter={filter}"))
             .unwrap_or_default();
         body.lines()
             .filter_map(|l| l.split_once(": "))
-            .find(|(k, _)| *k == name)
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0)
+            .filter_map(|(k, v)| Some((k.to_owned(), v.trim().parse().ok()?)))
+            .collect()
     }
 
     /// One of the filter's counters (`idempotency.<name>`).

@@ -897,14 +897,10 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     let body = charge_body(2500);
     let keys: Vec<String> = (0..KEYS).map(|_| unique_key("background")).collect();
     // Connections each worker accepted; the harness's readiness probes are in the first reading.
-    let per_worker = || -> Vec<u64> {
+    let per_worker = || {
         stack
             .envoy
-            .admin_get("/stats?filter=^listener\\..*\\.worker_[0-9]\\.downstream_cx_total$")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.rsplit_once(": ").and_then(|(_, v)| v.trim().parse().ok()))
-            .collect()
+            .counters("^listener\\..*\\.worker_[0-9]\\.downstream_cx_total$")
     };
     let before = per_worker();
     let mut firsts = Vec::new();
@@ -946,7 +942,11 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
     );
     let after = per_worker();
     assert!(
-        before.len() == 2 && after.len() == 2 && after.iter().zip(&before).all(|(a, b)| a > b),
+        before.len() == 2
+            && after.len() == 2
+            && after
+                .iter()
+                .all(|(worker, n)| before.get(worker).is_some_and(|b| b < n)),
         "both workers must have taken the keys' connections: {before:?} before, {after:?} after"
     );
     // Only the keys' connections ever speak HTTP/2.
