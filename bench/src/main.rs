@@ -378,7 +378,7 @@ async fn claim_complete(conn: &mut Conn, key: String) -> Result<Outcome, String>
     if a.status != 200 {
         return Ok(Outcome::Wrong(format!("claim status {}", a.status)));
     }
-    let token = match serde_json::from_slice::<ClaimResponse>(&a.body) {
+    let token = match ClaimResponse::read(&a.body) {
         Ok(ClaimResponse::Claimed { token, .. }) => token,
         Ok(other) => {
             let outcome = serde_json::to_value(&other)

@@ -26,8 +26,10 @@
 //! The hash input frames every field with its length, so no two different
 //! (algorithm, method, path, query, body) tuples share an input.
 //!
-//! The parser is iterative: no input, however deep, grows the call stack.
+//! The document is read with [`crate::json::Parser`], which is iterative: no input, however
+//! deep, grows the call stack.
 
+use crate::json::{self, Event};
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 use std::cmp::Ordering;
@@ -126,16 +128,16 @@ pub fn fingerprint(
 
 fn hash(alg: &'static str, method: &str, path: &str, query: &str, body: &[u8]) -> Fingerprint {
     let mut h = Sha256::new();
-    for field in [
-        alg.as_bytes(),
-        method.as_bytes(),
-        path.as_bytes(),
-        query.as_bytes(),
-        body,
-    ] {
-        h.update((field.len() as u64).to_be_bytes());
-        h.update(field);
-    }
+    crate::scope::frame_parts(
+        &mut h,
+        &[
+            alg.as_bytes(),
+            method.as_bytes(),
+            path.as_bytes(),
+            query.as_bytes(),
+            body,
+        ],
+    );
     let digest = h.finalize();
     let mut hex = String::with_capacity(64);
     for b in digest.iter() {
@@ -163,150 +165,93 @@ enum Node<'a> {
     Object(Vec<(Cow<'a, str>, usize)>),
 }
 
+/// A container being read: its items, or its members and the name of the next one.
 enum Frame<'a> {
     Array(Vec<usize>),
     Object {
         members: Vec<(Cow<'a, str>, usize)>,
-        pending_key: Cow<'a, str>,
+        pending_name: Cow<'a, str>,
     },
 }
 
 /// The canonical form of a JSON text (see the module documentation), or why there is none.
 pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, CanonError> {
-    let text = std::str::from_utf8(input).map_err(|e| CanonError::Syntax {
-        offset: e.valid_up_to(),
-    })?;
-    let mut p = Parser {
-        s: text.as_bytes(),
-        text,
-        pos: 0,
-    };
+    let mut p = json::Parser::new(input, MAX_DEPTH).map_err(canon_error)?;
     let mut nodes: Vec<Node> = Vec::new();
     let mut stack: Vec<Frame> = Vec::new();
+    // Reported once the whole document is known to be valid JSON.
     let mut duplicate: Option<String> = None;
-
-    let root = 'parse: loop {
-        // Parse one value (or open a container).
-        p.skip_ws();
-        let mut done: usize = match p.peek() {
-            Some(b'{') => {
-                p.pos += 1;
-                if stack.len() >= MAX_DEPTH {
-                    return Err(CanonError::TooDeep);
+    let root = loop {
+        let event = p.next().map_err(canon_error)?;
+        let done = match event {
+            // Only after the document's value, which returned below.
+            None => return Err(CanonError::Syntax { offset: p.offset() }),
+            Some(Event::ObjectStart) => {
+                stack.push(Frame::Object {
+                    members: Vec::new(),
+                    pending_name: Cow::Borrowed(""),
+                });
+                continue;
+            }
+            Some(Event::ArrayStart) => {
+                stack.push(Frame::Array(Vec::new()));
+                continue;
+            }
+            Some(Event::Name(name)) => {
+                if let Some(Frame::Object { pending_name, .. }) = stack.last_mut() {
+                    *pending_name = name;
                 }
-                p.skip_ws();
-                if p.peek() == Some(b'}') {
-                    p.pos += 1;
-                    push(&mut nodes, Node::Object(Vec::new()))
-                } else {
-                    let key = p.member_name()?;
-                    stack.push(Frame::Object {
-                        members: Vec::new(),
-                        pending_key: key,
-                    });
-                    continue 'parse;
+                continue;
+            }
+            Some(Event::ObjectEnd) => {
+                let Some(Frame::Object { mut members, .. }) = stack.pop() else {
+                    return Err(CanonError::Syntax { offset: p.offset() });
+                };
+                members.sort_unstable_by(|a, b| utf16_cmp(&a.0, &b.0));
+                if duplicate.is_none() {
+                    if let Some(w) = members.windows(2).find(|w| w[0].0 == w[1].0) {
+                        duplicate = Some(w[0].0.to_string());
+                    }
                 }
+                push(&mut nodes, Node::Object(members))
             }
-            Some(b'[') => {
-                p.pos += 1;
-                if stack.len() >= MAX_DEPTH {
-                    return Err(CanonError::TooDeep);
-                }
-                p.skip_ws();
-                if p.peek() == Some(b']') {
-                    p.pos += 1;
-                    push(&mut nodes, Node::Array(Vec::new()))
-                } else {
-                    stack.push(Frame::Array(Vec::new()));
-                    continue 'parse;
-                }
+            Some(Event::ArrayEnd) => {
+                let Some(Frame::Array(items)) = stack.pop() else {
+                    return Err(CanonError::Syntax { offset: p.offset() });
+                };
+                push(&mut nodes, Node::Array(items))
             }
-            Some(b'"') => {
-                let s = p.string()?;
-                push(&mut nodes, Node::Str(s))
-            }
-            Some(b't') => {
-                p.literal("true")?;
-                push(&mut nodes, Node::Literal("true"))
-            }
-            Some(b'f') => {
-                p.literal("false")?;
-                push(&mut nodes, Node::Literal("false"))
-            }
-            Some(b'n') => {
-                p.literal("null")?;
-                push(&mut nodes, Node::Literal("null"))
-            }
-            Some(b'-' | b'0'..=b'9') => {
-                let n = p.number()?;
-                push(&mut nodes, Node::Number(n))
-            }
-            _ => return Err(p.err()),
+            Some(Event::Str(s)) => push(&mut nodes, Node::Str(s)),
+            Some(Event::Number(n)) => push(&mut nodes, Node::Number(canonical_number(n)?)),
+            Some(Event::Bool(true)) => push(&mut nodes, Node::Literal("true")),
+            Some(Event::Bool(false)) => push(&mut nodes, Node::Literal("false")),
+            Some(Event::Null) => push(&mut nodes, Node::Literal("null")),
         };
-
-        // A value is complete: attach it to its container, and close containers as they end.
-        loop {
-            let Some(frame) = stack.last_mut() else {
-                p.skip_ws();
-                if p.pos != p.s.len() {
-                    return Err(p.err());
-                }
-                break 'parse done;
-            };
-            match frame {
-                Frame::Array(items) => {
-                    items.push(done);
-                    p.skip_ws();
-                    match p.peek() {
-                        Some(b',') => {
-                            p.pos += 1;
-                            continue 'parse;
-                        }
-                        Some(b']') => {
-                            p.pos += 1;
-                            let items = std::mem::take(items);
-                            stack.pop();
-                            done = push(&mut nodes, Node::Array(items));
-                        }
-                        _ => return Err(p.err()),
-                    }
-                }
-                Frame::Object {
-                    members,
-                    pending_key,
-                } => {
-                    members.push((std::mem::take(pending_key), done));
-                    p.skip_ws();
-                    match p.peek() {
-                        Some(b',') => {
-                            p.pos += 1;
-                            p.skip_ws();
-                            *pending_key = p.member_name()?;
-                            continue 'parse;
-                        }
-                        Some(b'}') => {
-                            p.pos += 1;
-                            let mut members = std::mem::take(members);
-                            stack.pop();
-                            members.sort_unstable_by(|a, b| utf16_cmp(&a.0, &b.0));
-                            if duplicate.is_none() {
-                                if let Some(w) = members.windows(2).find(|w| w[0].0 == w[1].0) {
-                                    duplicate = Some(w[0].0.to_string());
-                                }
-                            }
-                            done = push(&mut nodes, Node::Object(members));
-                        }
-                        _ => return Err(p.err()),
-                    }
-                }
-            }
+        match stack.last_mut() {
+            None => break done,
+            Some(Frame::Array(items)) => items.push(done),
+            Some(Frame::Object {
+                members,
+                pending_name,
+            }) => members.push((std::mem::take(pending_name), done)),
         }
     };
-
+    // Trailing text after the value makes the whole body invalid JSON.
+    if p.next().map_err(canon_error)?.is_some() {
+        return Err(CanonError::Syntax { offset: p.offset() });
+    }
     if let Some(name) = duplicate {
         return Err(CanonError::DuplicateMember(name));
     }
     Ok(serialize(&nodes, root, input.len()))
+}
+
+fn canon_error(e: json::Error) -> CanonError {
+    match e.kind {
+        json::ErrorKind::LoneSurrogate => CanonError::LoneSurrogate,
+        json::ErrorKind::TooDeep => CanonError::TooDeep,
+        _ => CanonError::Syntax { offset: e.offset },
+    }
 }
 
 fn push<'a>(nodes: &mut Vec<Node<'a>>, node: Node<'a>) -> usize {
@@ -412,243 +357,64 @@ fn write_string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
 }
 
-struct Parser<'a> {
-    s: &'a [u8],
-    text: &'a str,
-    pos: usize,
-}
-
-impl<'a> Parser<'a> {
-    fn peek(&self) -> Option<u8> {
-        self.s.get(self.pos).copied()
+/// The canonical text of a number (valid RFC 8259 text, from the parser).
+fn canonical_number(written: &str) -> Result<Cow<'_, str>, CanonError> {
+    let b = written.as_bytes();
+    let negative = b.first() == Some(&b'-');
+    let int_start = usize::from(negative);
+    let int_len = b
+        .iter()
+        .skip(int_start)
+        .take_while(|c| c.is_ascii_digit())
+        .count();
+    let mut at = int_start + int_len;
+    let mut frac = (at, at);
+    if b.get(at) == Some(&b'.') {
+        let fs = at + 1;
+        let len = b.iter().skip(fs).take_while(|c| c.is_ascii_digit()).count();
+        frac = (fs, fs + len);
+        at = fs + len;
     }
-
-    fn err(&self) -> CanonError {
-        CanonError::Syntax { offset: self.pos }
-    }
-
-    fn skip_ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.pos += 1;
-        }
-    }
-
-    fn literal(&mut self, word: &str) -> Result<(), CanonError> {
-        if self.s.get(self.pos..self.pos + word.len()) == Some(word.as_bytes()) {
-            self.pos += word.len();
-            Ok(())
-        } else {
-            Err(self.err())
-        }
-    }
-
-    /// `"name"` followed by `:` (whitespace allowed around the colon).
-    fn member_name(&mut self) -> Result<Cow<'a, str>, CanonError> {
-        if self.peek() != Some(b'"') {
-            return Err(self.err());
-        }
-        let name = self.string()?;
-        self.skip_ws();
-        if self.peek() != Some(b':') {
-            return Err(self.err());
-        }
-        self.pos += 1;
-        Ok(name)
-    }
-
-    fn hex4(&mut self) -> Result<u16, CanonError> {
-        let mut v: u16 = 0;
-        for _ in 0..4 {
-            let d = match self.peek() {
-                Some(c @ b'0'..=b'9') => c - b'0',
-                Some(c @ b'a'..=b'f') => c - b'a' + 10,
-                Some(c @ b'A'..=b'F') => c - b'A' + 10,
-                _ => return Err(self.err()),
-            };
-            v = (v << 4) | u16::from(d);
-            self.pos += 1;
-        }
-        Ok(v)
-    }
-
-    /// A string starting at the opening quote; returns the decoded value.
-    fn string(&mut self) -> Result<Cow<'a, str>, CanonError> {
-        self.pos += 1;
-        // Fast path: no escape before the closing quote, the value is the text as written.
-        let start = self.pos;
-        while let Some(c) = self.peek() {
-            if c == b'"' || c == b'\\' || c < 0x20 {
-                break;
-            }
-            self.pos += 1;
-        }
-        if self.peek() == Some(b'"') {
-            let value = self
-                .text
-                .get(start..self.pos)
-                .ok_or(CanonError::Syntax { offset: start })?;
-            self.pos += 1;
-            return Ok(Cow::Borrowed(value));
-        }
-        self.pos = start;
-        let mut out = String::new();
-        loop {
-            // Copy a run of plain characters at once.
-            let start = self.pos;
-            while let Some(c) = self.peek() {
-                if c == b'"' || c == b'\\' || c < 0x20 {
-                    break;
-                }
-                self.pos += 1;
-            }
-            // `start..pos` lies on char boundaries: it stops only at ASCII bytes.
-            out.push_str(
-                self.text
-                    .get(start..self.pos)
-                    .ok_or(CanonError::Syntax { offset: start })?,
-            );
-            match self.peek() {
-                Some(b'"') => {
-                    self.pos += 1;
-                    return Ok(Cow::Owned(out));
-                }
-                Some(b'\\') => {
-                    self.pos += 1;
-                    let c = self.peek().ok_or_else(|| self.err())?;
-                    self.pos += 1;
-                    match c {
-                        b'"' => out.push('"'),
-                        b'\\' => out.push('\\'),
-                        b'/' => out.push('/'),
-                        b'b' => out.push('\u{8}'),
-                        b'f' => out.push('\u{c}'),
-                        b'n' => out.push('\n'),
-                        b'r' => out.push('\r'),
-                        b't' => out.push('\t'),
-                        b'u' => {
-                            let hi = self.hex4()?;
-                            let ch = if (0xD800..0xDC00).contains(&hi) {
-                                if self.s.get(self.pos..self.pos + 2) != Some(b"\\u") {
-                                    // Keep validating the rest: invalid JSON stays a syntax error.
-                                    return Err(self.lone_surrogate());
-                                }
-                                self.pos += 2;
-                                let lo = self.hex4()?;
-                                if !(0xDC00..0xE000).contains(&lo) {
-                                    return Err(self.lone_surrogate());
-                                }
-                                let cp = 0x10000
-                                    + ((u32::from(hi) - 0xD800) << 10)
-                                    + (u32::from(lo) - 0xDC00);
-                                char::from_u32(cp)
-                            } else if (0xDC00..0xE000).contains(&hi) {
-                                None
-                            } else {
-                                char::from_u32(u32::from(hi))
-                            };
-                            match ch {
-                                Some(ch) => out.push(ch),
-                                None => return Err(self.lone_surrogate()),
-                            }
-                        }
-                        _ => {
-                            return Err(CanonError::Syntax {
-                                offset: self.pos - 1,
-                            })
-                        }
-                    }
-                }
-                _ => return Err(self.err()),
-            }
-        }
-    }
-
-    fn lone_surrogate(&self) -> CanonError {
-        CanonError::LoneSurrogate
-    }
-
-    fn digits(&mut self) -> usize {
-        let start = self.pos;
-        while matches!(self.peek(), Some(b'0'..=b'9')) {
-            self.pos += 1;
-        }
-        self.pos - start
-    }
-
-    /// A number per RFC 8259, returned in canonical form.
-    fn number(&mut self) -> Result<Cow<'a, str>, CanonError> {
-        let start = self.pos;
-        let negative = self.peek() == Some(b'-');
-        if negative {
-            self.pos += 1;
-        }
-        let int_start = self.pos;
-        let int_len = self.digits();
-        if int_len == 0 || (int_len > 1 && self.s.get(int_start) == Some(&b'0')) {
-            return Err(CanonError::Syntax { offset: int_start });
-        }
-        let mut frac = (self.pos, self.pos);
-        if self.peek() == Some(b'.') {
-            self.pos += 1;
-            let fs = self.pos;
-            if self.digits() == 0 {
-                return Err(self.err());
-            }
-            frac = (fs, self.pos);
-        }
-        let mut exp: i64 = 0;
-        if matches!(self.peek(), Some(b'e' | b'E')) {
-            self.pos += 1;
-            let mut exp_negative = false;
-            match self.peek() {
-                Some(b'-') => {
-                    exp_negative = true;
-                    self.pos += 1;
-                }
-                Some(b'+') => self.pos += 1,
-                _ => {}
-            }
-            let es = self.pos;
-            if self.digits() == 0 {
-                return Err(self.err());
-            }
-            let exp_digits = self
-                .text
-                .get(es..self.pos)
-                .unwrap_or("")
-                .trim_start_matches('0');
-            if exp_digits.len() > MAX_EXPONENT_DIGITS {
-                return Err(CanonError::NumberOutOfRange);
-            }
-            exp = exp_digits.parse::<i64>().unwrap_or(0);
-            if exp_negative {
-                exp = -exp;
-            }
-        }
-        let written = self.text.get(start..self.pos).unwrap_or("");
-        // Fast path: an integer below 10^21 (and not -0) is its own canonical form.
-        if frac.0 == frac.1 && self.pos == int_start + int_len && int_len <= 21 && written != "-0" {
-            return Ok(Cow::Borrowed(written));
-        }
-        if written.parse::<f64>().map_or(true, |v| v.is_infinite()) {
+    let mut exp: i64 = 0;
+    if matches!(b.get(at), Some(b'e' | b'E')) {
+        let exp_text = written.get(at + 1..).unwrap_or("");
+        let (exp_negative, exp_digits) = match exp_text.as_bytes().first() {
+            Some(b'-') => (true, exp_text.get(1..).unwrap_or("")),
+            Some(b'+') => (false, exp_text.get(1..).unwrap_or("")),
+            _ => (false, exp_text),
+        };
+        let exp_digits = exp_digits.trim_start_matches('0');
+        if exp_digits.len() > MAX_EXPONENT_DIGITS {
             return Err(CanonError::NumberOutOfRange);
         }
-
-        // Exact decimal: value = 0.DIGITS × 10^point, DIGITS without leading/trailing zeros.
-        let int_digits = self.s.get(int_start..int_start + int_len).unwrap_or(b"");
-        let frac_digits = self.s.get(frac.0..frac.1).unwrap_or(b"");
-        let mut all: Vec<u8> = Vec::with_capacity(int_len + frac_digits.len());
-        all.extend_from_slice(int_digits);
-        all.extend_from_slice(frac_digits);
-        let Some(first) = all.iter().position(|&d| d != b'0') else {
-            return Ok(Cow::Borrowed("0")); // any zero, including -0 (as JCS)
-        };
-        let last = all.iter().rposition(|&d| d != b'0').unwrap_or(first);
-        let digits = all.get(first..=last).unwrap_or(b"1");
-        // Position of the decimal point relative to the first significant digit.
-        let point = int_len as i64 - first as i64 + exp;
-        Ok(Cow::Owned(format_es(negative, digits, point)))
+        exp = exp_digits.parse::<i64>().unwrap_or(0);
+        if exp_negative {
+            exp = -exp;
+        }
+        at = b.len();
     }
+    // Fast path: an integer below 10^21 (and not -0) is its own canonical form.
+    if frac.0 == frac.1 && at == int_start + int_len && int_len <= 21 && written != "-0" {
+        return Ok(Cow::Borrowed(written));
+    }
+    if written.parse::<f64>().map_or(true, |v| v.is_infinite()) {
+        return Err(CanonError::NumberOutOfRange);
+    }
+
+    // Exact decimal: value = 0.DIGITS × 10^point, DIGITS without leading/trailing zeros.
+    let int_digits = b.get(int_start..int_start + int_len).unwrap_or(b"");
+    let frac_digits = b.get(frac.0..frac.1).unwrap_or(b"");
+    let mut all: Vec<u8> = Vec::with_capacity(int_len + frac_digits.len());
+    all.extend_from_slice(int_digits);
+    all.extend_from_slice(frac_digits);
+    let Some(first) = all.iter().position(|&d| d != b'0') else {
+        return Ok(Cow::Borrowed("0")); // any zero, including -0 (as JCS)
+    };
+    let last = all.iter().rposition(|&d| d != b'0').unwrap_or(first);
+    let digits = all.get(first..=last).unwrap_or(b"1");
+    // Position of the decimal point relative to the first significant digit.
+    let point = int_len as i64 - first as i64 + exp;
+    Ok(Cow::Owned(format_es(negative, digits, point)))
 }
 
 /// ECMAScript Number::toString layout for the decimal 0.`digits` × 10^`n` (digits non-empty,

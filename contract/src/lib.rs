@@ -4,8 +4,10 @@
 //! `wasm32-unknown-unknown` (the wasm-bindgen tests) and natively (state API, tests).
 
 pub mod fingerprint;
+pub mod json;
 pub mod key;
 pub mod problem;
+pub mod scope;
 pub mod wire;
 
 pub use key::{validate_key, KeyError, MAX_KEY_LEN};

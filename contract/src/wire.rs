@@ -4,6 +4,7 @@
 //! `Authorization: Bearer <token>`. Errors come back as `application/problem+json`.
 //! The state API serves the same contract as OpenAPI at `GET /openapi.json`.
 
+use crate::json::{self, Fields};
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
@@ -38,9 +39,11 @@ pub struct ClaimRequest {
     pub lease_ms: Option<u64>,
 }
 
-/// Answers are read tolerantly (no `deny_unknown_fields`): a reader ignores members added
-/// later, so the state API can gain answer fields without breaking filters built earlier.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Answers are written with serde and read with [`ClaimResponse::read`] (and its siblings), the
+/// one reader of each answer, used by the filter and the tests alike. Readers are tolerant:
+/// members added later are ignored, so the state API can gain answer fields without breaking
+/// filters built earlier. Requests are strict (`deny_unknown_fields`): the state API reads them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ClaimResponse {
     /// This caller owns the key: run the effect, then complete or release with `token`.
@@ -114,7 +117,7 @@ pub struct HeartbeatRequest {
     pub lease_ms: Option<u64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HeartbeatResponse {
     pub lease_ms: u64,
 }
@@ -139,7 +142,7 @@ pub struct ReleaseRequest {
 }
 
 /// Answer to complete and release: what the record is now.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct WriteResponse {
     /// `completed` or `released`.
     pub state: String,
@@ -187,9 +190,134 @@ pub struct RecordView {
     pub expires_in_ms: u64,
 }
 
+// ---------------------------------------------------------------------------------------------
+// Reading the answers (the filter, the tests and the tools all read them here)
+// ---------------------------------------------------------------------------------------------
+
+/// Why an answer could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct AnswerError(pub String);
+
+impl From<json::Error> for AnswerError {
+    fn from(e: json::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+impl From<String> for AnswerError {
+    fn from(e: String) -> Self {
+        Self(e)
+    }
+}
+
+fn document(body: &[u8]) -> Result<json::Value, AnswerError> {
+    Ok(json::parse(body)?)
+}
+
+impl ClaimResponse {
+    /// Reads the answer to `/v1/claim`.
+    pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
+        let doc = document(body)?;
+        let f = Fields::of(&doc, "the claim answer")?;
+        Ok(match f.str("outcome")? {
+            "claimed" => ClaimResponse::Claimed {
+                token: f.i64("token")?,
+                lease_ms: f.u64("lease_ms")?,
+                reclaimed: f.bool("reclaimed")?,
+            },
+            "in_progress" => ClaimResponse::InProgress {
+                retry_after_s: u32::try_from(f.u64("retry_after_s")?)
+                    .map_err(|_| AnswerError("retry_after_s is out of range".into()))?,
+                lease_remaining_ms: f.u64("lease_remaining_ms")?,
+            },
+            "completed" => ClaimResponse::Completed {
+                response: StoredResponse::read(&Fields::of(f.required("response")?, "response")?)?,
+                expires_in_ms: f.opt_u64("expires_in_ms")?,
+            },
+            "mismatch" => ClaimResponse::Mismatch,
+            other => return Err(AnswerError(format!("unknown claim outcome `{other}`"))),
+        })
+    }
+}
+
+impl StoredResponse {
+    /// Reads a stored response inside an answer (members added later are ignored).
+    fn read(f: &Fields<'_>) -> Result<Self, AnswerError> {
+        let status = u16::try_from(f.u64("status")?)
+            .map_err(|_| AnswerError("response.status is out of range".into()))?;
+        if f.get("headers").is_none() {
+            return Err(AnswerError("missing field `headers` in response".into()));
+        }
+        Ok(Self {
+            status,
+            headers: f.string_pairs("headers")?,
+            body_base64: f.opt_str("body_base64")?.unwrap_or("").to_owned(),
+            replayable: f.bool("replayable")?,
+        })
+    }
+}
+
+impl WriteResponse {
+    /// Reads the answer to `/v1/complete` or `/v1/release`.
+    pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
+        let doc = document(body)?;
+        let f = Fields::of(&doc, "the write answer")?;
+        Ok(Self {
+            state: f.str("state")?.to_owned(),
+            expires_in_ms: f.opt_u64("expires_in_ms")?,
+        })
+    }
+}
+
+impl HeartbeatResponse {
+    /// Reads the answer to `/v1/heartbeat`.
+    pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
+        let doc = document(body)?;
+        let f = Fields::of(&doc, "the heartbeat answer")?;
+        Ok(Self {
+            lease_ms: f.u64("lease_ms")?,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn every_claim_answer() -> Vec<ClaimResponse> {
+        vec![
+            ClaimResponse::Claimed {
+                token: 9_007_199_254_740_993,
+                lease_ms: 30_000,
+                reclaimed: true,
+            },
+            ClaimResponse::InProgress {
+                retry_after_s: 2,
+                lease_remaining_ms: 1_500,
+            },
+            ClaimResponse::Completed {
+                response: StoredResponse::new(
+                    201,
+                    vec![
+                        ("content-type".into(), "application/json".into()),
+                        ("x-multi".into(), "a \"quoted\" \\ value é €".into()),
+                    ],
+                    &[0, 1, 2, 255],
+                    true,
+                ),
+                expires_in_ms: Some(86_399_999),
+            },
+            ClaimResponse::Completed {
+                response: StoredResponse::new(201, vec![], b"", false),
+                expires_in_ms: None,
+            },
+            ClaimResponse::Mismatch,
+        ]
+    }
 
     #[test]
     fn claim_response_is_tagged_by_outcome() {
@@ -197,13 +325,31 @@ mod tests {
             retry_after_s: 2,
             lease_remaining_ms: 1500,
         })
-        .unwrap_or_default();
+        .unwrap();
         assert_eq!(
             json,
             r#"{"outcome":"in_progress","retry_after_s":2,"lease_remaining_ms":1500}"#
         );
-        let back: Result<ClaimResponse, _> = serde_json::from_str(r#"{"outcome":"mismatch"}"#);
-        assert_eq!(back.ok(), Some(ClaimResponse::Mismatch));
+        assert_eq!(
+            ClaimResponse::read(br#"{"outcome":"mismatch"}"#),
+            Ok(ClaimResponse::Mismatch)
+        );
+    }
+
+    #[test]
+    fn reads_what_serde_writes() {
+        for a in every_claim_answer() {
+            let json = serde_json::to_vec(&a).unwrap();
+            assert_eq!(ClaimResponse::read(&json), Ok(a));
+        }
+        for w in [WriteResponse::completed(5), WriteResponse::released()] {
+            assert_eq!(WriteResponse::read(&serde_json::to_vec(&w).unwrap()), Ok(w));
+        }
+        let hb = HeartbeatResponse { lease_ms: 30_000 };
+        assert_eq!(
+            HeartbeatResponse::read(&serde_json::to_vec(&hb).unwrap()),
+            Ok(hb)
+        );
     }
 
     #[test]
@@ -215,20 +361,19 @@ mod tests {
             &body,
             true,
         );
-        let json = serde_json::to_vec(&stored).unwrap_or_default();
-        let back: StoredResponse =
-            serde_json::from_slice(&json).unwrap_or(StoredResponse::new(0, vec![], &[], false));
+        let json = serde_json::to_vec(&stored).unwrap();
+        let back: StoredResponse = serde_json::from_slice(&json).unwrap();
         assert_eq!(back.body().ok(), Some(body.to_vec()));
         assert_eq!(back, stored);
     }
 
     #[test]
     fn expiry_is_optional_both_ways() {
-        // An older state API's answers still parse (no expiry), and a newer one's carry it.
-        let old: ClaimResponse = serde_json::from_str(
-            r#"{"outcome":"completed","response":{"status":200,"headers":[],"body_base64":"","replayable":true}}"#,
+        // An older state API's answers still read (no expiry), and a newer one's carry it.
+        let old = ClaimResponse::read(
+            br#"{"outcome":"completed","response":{"status":200,"headers":[],"body_base64":"","replayable":true}}"#,
         )
-        .unwrap_or(ClaimResponse::Mismatch);
+        .unwrap();
         assert!(
             matches!(
                 old,
@@ -243,34 +388,76 @@ mod tests {
             response: StoredResponse::new(200, vec![], b"", true),
             expires_in_ms: Some(86_399_000),
         };
-        let json = serde_json::to_string(&new).unwrap_or_default();
+        let json = serde_json::to_string(&new).unwrap();
         assert!(json.ends_with(r#","expires_in_ms":86399000}"#), "{json}");
-        assert_eq!(serde_json::from_str::<ClaimResponse>(&json).ok(), Some(new));
-        let w: Option<WriteResponse> = serde_json::from_str(r#"{"state":"completed"}"#).ok();
-        assert_eq!(w.and_then(|w| w.expires_in_ms), None);
+        assert_eq!(ClaimResponse::read(json.as_bytes()), Ok(new));
+        let w = WriteResponse::read(br#"{"state":"completed"}"#).unwrap();
+        assert_eq!(w.expires_in_ms, None);
         assert_eq!(
-            serde_json::to_string(&WriteResponse::released()).unwrap_or_default(),
+            serde_json::to_string(&WriteResponse::released()).unwrap(),
             r#"{"state":"released"}"#
         );
         assert_eq!(
-            serde_json::from_str::<WriteResponse>(r#"{"state":"completed","expires_in_ms":5}"#)
-                .ok(),
-            Some(WriteResponse::completed(5))
+            WriteResponse::read(br#"{"state":"completed","expires_in_ms":5}"#),
+            Ok(WriteResponse::completed(5))
         );
     }
 
     #[test]
-    fn answers_tolerate_members_added_later() {
-        let r: Result<HeartbeatResponse, _> =
-            serde_json::from_str(r#"{"lease_ms":1,"future":[1]}"#);
-        assert_eq!(r.ok(), Some(HeartbeatResponse { lease_ms: 1 }));
-        let r: Result<ClaimResponse, _> =
-            serde_json::from_str(r#"{"outcome":"mismatch","why":"x"}"#);
-        assert_eq!(r.ok(), Some(ClaimResponse::Mismatch));
+    fn answers_tolerate_members_added_later_at_every_level() {
+        assert_eq!(
+            HeartbeatResponse::read(br#"{"lease_ms":1,"future":[1]}"#),
+            Ok(HeartbeatResponse { lease_ms: 1 })
+        );
+        assert_eq!(
+            ClaimResponse::read(br#"{"outcome":"mismatch","why":{"deep":[1]}}"#),
+            Ok(ClaimResponse::Mismatch)
+        );
+        assert_eq!(
+            WriteResponse::read(br#"{"state":"completed","expires_in_ms":null,"later":1}"#),
+            Ok(WriteResponse {
+                state: "completed".into(),
+                expires_in_ms: None
+            })
+        );
+        // Inside the stored response too: the answer is tolerant as a whole.
+        let a = ClaimResponse::read(
+            br#"{"outcome":"completed","response":{"status":204,"headers":[],"replayable":true,"encoding":"x"}}"#,
+        );
+        assert!(
+            matches!(&a, Ok(ClaimResponse::Completed { response, .. }) if response.body_base64.is_empty()),
+            "{a:?}"
+        );
     }
 
     #[test]
-    fn unknown_fields_are_rejected() {
+    fn answers_that_are_wrong_are_refused() {
+        for bad in [
+            &br#"{"outcome":"maybe"}"#[..],
+            br#"{"outcome":"claimed","token":1,"lease_ms":-1,"reclaimed":false}"#,
+            br#"{"outcome":"claimed","token":1.5,"lease_ms":1,"reclaimed":false}"#,
+            br#"{"outcome":"in_progress","retry_after_s":4294967296,"lease_remaining_ms":1}"#,
+            br#"{"outcome":"completed"}"#,
+            br#"{"outcome":"completed","response":{"status":70000,"headers":[],"replayable":true}}"#,
+            br#"{"outcome":"completed","response":{"status":200,"headers":[["a"]],"replayable":true}}"#,
+            br#"{"outcome":"completed","response":{"status":200,"headers":{},"replayable":true}}"#,
+            br#"{"outcome":"completed","response":{"status":200,"replayable":true}}"#,
+            br#"{"outcome":"mismatch","outcome":"claimed"}"#,
+            br#"[]"#,
+            b"",
+        ] {
+            assert!(
+                ClaimResponse::read(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(WriteResponse::read(br#"{"expires_in_ms":1}"#).is_err());
+        assert!(HeartbeatResponse::read(br#"{"lease_ms":"1"}"#).is_err());
+    }
+
+    #[test]
+    fn requests_refuse_unknown_fields() {
         let r: Result<ReleaseRequest, _> = serde_json::from_str(
             r#"{"key":"k","subject":"s","endpoint":"e","token":1,"extra":true}"#,
         );

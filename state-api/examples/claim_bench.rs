@@ -89,7 +89,7 @@ async fn claim(t: &Target, key: &str) -> ClaimResponse {
         .await;
     let r = r.unwrap_or_else(|e| panic!("claim: {e}"));
     assert_eq!(r.status(), 200, "claim answered {}", r.status());
-    r.json().await.unwrap()
+    ClaimResponse::read(&r.bytes().await.unwrap()).unwrap()
 }
 
 async fn complete(t: &Target, key: &str, token: i64) {

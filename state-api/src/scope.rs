@@ -1,7 +1,7 @@
 //! The address of a record: HMAC-SHA256 over (key, subject, endpoint).
 //!
-//! Each part is prefixed by its length (u64, big-endian), so no two different triples give the
-//! same input (`("ab", "c")` vs `("a", "bc")`). The secret keeps a copy of the table from
+//! The parts are framed by [`contract::scope::frame`] (each prefixed by its length), so no two
+//! different triples give the same input. The secret keeps a copy of the table from
 //! revealing keys: without it, nobody can test a guessed key against a hash.
 
 use hmac::{Hmac, Mac};
@@ -24,10 +24,7 @@ impl Scoper {
 
     pub fn hash(&self, key: &str, subject: &str, endpoint: &str) -> ScopeHash {
         let mut mac = self.mac.clone();
-        for part in [key, subject, endpoint] {
-            mac.update(&(part.len() as u64).to_be_bytes());
-            mac.update(part.as_bytes());
-        }
+        contract::scope::frame(&mut mac, key, subject, endpoint);
         mac.finalize().into_bytes().into()
     }
 }

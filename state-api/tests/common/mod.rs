@@ -153,7 +153,7 @@ impl Api {
             .post(CLAIM_PATH, &serde_json::to_value(req).unwrap())
             .await;
         assert_eq!(status, 200, "claim answered {status}: {body}");
-        serde_json::from_value(body).unwrap()
+        ClaimResponse::read(body.to_string().as_bytes()).unwrap()
     }
 
     /// The claim over HTTP on a task of its own (for concurrent claims): its answer (it must be
@@ -166,7 +166,7 @@ impl Api {
         tokio::spawn(async move {
             let answer = raw.await.unwrap();
             assert_eq!(answer.status, 200);
-            let claim = serde_json::from_value::<ClaimResponse>(answer.body).unwrap();
+            let claim = ClaimResponse::read(answer.body.to_string().as_bytes()).unwrap();
             (claim, answer.took)
         })
     }
