@@ -87,7 +87,7 @@ test-native: build-filter
 .PHONY: test-wasm
 test-wasm: tools-wasm-bindgen
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-	  $(CARGO) test --locked --target wasm32-unknown-unknown -p contract -p filter
+	  $(CARGO) test --locked --target wasm32-unknown-unknown -p contract -p filter-core
 
 .PHONY: test-e2e
 test-e2e: build

@@ -3,7 +3,7 @@
 //! message names the field at fault.
 
 use crate::headers;
-use crate::json::{self, Fields, Value};
+use contract::json::{self, Fields, Value};
 use std::fmt;
 use std::time::Duration;
 
@@ -243,7 +243,7 @@ fn is_token(s: &str) -> bool {
 impl Config {
     /// Parse and check a plugin configuration.
     pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let doc = json::parse(bytes).map_err(ConfigError)?;
+        let doc = json::parse(bytes).map_err(|e| ConfigError(e.to_string()))?;
         let mut cfg = Config::read(&doc).map_err(ConfigError)?;
         cfg.validate()?;
         Ok(cfg)
@@ -356,9 +356,27 @@ impl Config {
         self.complete_retry_ms > 0 && self.complete_retry_bytes > 0
     }
 
-    /// How often the root context looks for leases to extend.
-    pub fn tick_period(&self) -> Duration {
-        Duration::from_millis((self.heartbeat_ms / 4).max(50))
+    /// One line for the log when a worker is configured.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} route(s), state API cluster {:?}, lease {} ms, heartbeat {} ms, replay cache {} bytes, in-flight answers {} ms, {}",
+            self.routes.len(),
+            self.state_api.cluster,
+            self.lease_ms,
+            self.heartbeat_ms,
+            self.replay_cache_bytes,
+            self.in_flight_cache_ms,
+            if self.complete_in_background {
+                "responses go on before their outcome is stored"
+            } else {
+                "responses held until their outcome is stored"
+            },
+        )
+    }
+
+    /// How often the root context looks for leases to extend (ms).
+    pub fn tick_period_ms(&self) -> u64 {
+        (self.heartbeat_ms / 4).max(50)
     }
 }
 

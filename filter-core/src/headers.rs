@@ -1,7 +1,4 @@
-//! Which upstream response headers are stored and replayed, and the headers of the answers
-//! the filter makes itself.
-
-use contract::{Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
+//! Which upstream response headers are stored and replayed.
 
 /// Replayed by default: they describe the result, not the exchange.
 pub const REPLAYED: &[&str] = &[
@@ -75,54 +72,6 @@ pub fn stored(headers: &[(String, String)], extra: &[String]) -> Vec<(String, St
         .collect()
 }
 
-/// A response the filter sends itself (Envoy local reply).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalReply {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-    /// Short reason for Envoy's response code details (`wasm_...` is not settable; logged).
-    pub reason: &'static str,
-}
-
-impl LocalReply {
-    /// An `application/problem+json` answer with `cache-control: no-store`.
-    pub fn problem(kind: ProblemKind, detail: impl Into<String>) -> Self {
-        Self {
-            status: kind.status(),
-            headers: vec![
-                ("content-type".into(), PROBLEM_CONTENT_TYPE.into()),
-                ("cache-control".into(), "no-store".into()),
-            ],
-            body: Problem::new(kind, detail).to_json(),
-            reason: kind.slug(),
-        }
-    }
-
-    pub fn with_header(mut self, name: &str, value: impl Into<String>) -> Self {
-        self.headers.push((name.to_owned(), value.into()));
-        self
-    }
-
-    /// The stored response, replayed: stored headers filtered again (the store is not
-    /// trusted to have applied this filter's allowlist), plus `Idempotent-Replayed: true`.
-    pub fn replay(
-        status: u16,
-        stored_headers: &[(String, String)],
-        extra: &[String],
-        body: Vec<u8>,
-    ) -> Self {
-        let mut headers = stored(stored_headers, extra);
-        headers.push((REPLAYED_MARKER.0.into(), REPLAYED_MARKER.1.into()));
-        Self {
-            status,
-            headers,
-            body,
-            reason: "idempotent_replay",
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -170,61 +119,5 @@ mod tests {
         );
         assert!(with_extra.contains(&("x-charge-id".to_owned(), "ch_1".to_owned())));
         assert!(!with_extra.iter().any(|(n, _)| n == "set-cookie"));
-    }
-
-    #[test]
-    fn replays_are_marked_and_filtered_again() {
-        let r = LocalReply::replay(
-            201,
-            &h(&[("location", "/c/1"), ("set-cookie", "x")]),
-            &[],
-            b"{}".to_vec(),
-        );
-        assert_eq!(r.status, 201);
-        assert_eq!(
-            r.headers,
-            h(&[("location", "/c/1"), ("idempotent-replayed", "true")])
-        );
-        assert_eq!(r.body, b"{}");
-    }
-
-    #[test]
-    fn values_with_cr_lf_or_nul_are_never_replayed() {
-        let r = LocalReply::replay(
-            201,
-            &h(&[
-                ("location", "/x\r\nset-cookie: injected=1"),
-                ("etag", "\"a\nb\""),
-                ("link", "</a>\0"),
-                ("content-type", "application/json"),
-            ]),
-            &[],
-            b"{}".to_vec(),
-        );
-        assert_eq!(
-            r.headers,
-            h(&[
-                ("content-type", "application/json"),
-                ("idempotent-replayed", "true")
-            ])
-        );
-    }
-
-    #[test]
-    fn problems_are_problem_json_and_not_stored_by_caches() {
-        let r =
-            LocalReply::problem(ProblemKind::InProgress, "wait").with_header("retry-after", "2");
-        assert_eq!(r.status, 409);
-        assert_eq!(
-            r.headers,
-            h(&[
-                ("content-type", "application/problem+json"),
-                ("cache-control", "no-store"),
-                ("retry-after", "2")
-            ])
-        );
-        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        assert_eq!(v["type"], "/problems/request-in-progress");
-        assert_eq!(v["detail"], "wait");
     }
 }

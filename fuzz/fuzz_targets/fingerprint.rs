@@ -12,8 +12,15 @@ fuzz_target!(|data: &[u8]| {
     let _ = fingerprint("POST", "/checkout", "", None, data);
     match &ours {
         Ok(canon) => {
-            assert!(serde_json::from_slice::<serde_json::Value>(canon).is_ok(), "canonical output is not JSON");
-            assert_eq!(canonicalize(canon).as_ref(), Ok(canon), "canonical form is not a fixed point");
+            assert!(
+                serde_json::from_slice::<serde_json::Value>(canon).is_ok(),
+                "canonical output is not JSON"
+            );
+            assert_eq!(
+                canonicalize(canon).as_ref(),
+                Ok(canon),
+                "canonical form is not a fixed point"
+            );
         }
         Err(CanonError::TooDeep) => return,
         Err(_) => {}
@@ -30,5 +37,9 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     }
-    assert_eq!(accepted, theirs.is_ok(), "acceptance differs from serde_json: {ours:?} vs {theirs:?}");
+    assert_eq!(
+        accepted,
+        theirs.is_ok(),
+        "acceptance differs from serde_json: {ours:?} vs {theirs:?}"
+    );
 });

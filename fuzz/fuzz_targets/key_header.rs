@@ -2,11 +2,13 @@
 //! round-trips through both header forms.
 #![no_main]
 
-use filter::key::parse_key_header;
+use filter_core::key::parse_key_header;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else { return };
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
     // Up to three header lines, separated by '\n'.
     let values: Vec<&str> = text.splitn(3, '\n').collect();
     if let Ok(Some(key)) = parse_key_header(&values) {

@@ -2,7 +2,7 @@
 //! documented invariants.
 #![no_main]
 
-use filter::config::Config;
+use filter_core::config::Config;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -11,6 +11,6 @@ fuzz_target!(|data: &[u8]| {
         assert!(c.heartbeat_ms > 0 && c.heartbeat_ms < c.lease_ms);
         assert!(c.max_request_body_bytes > 0 && c.max_stored_body_bytes > 0);
         assert!(!c.routes.is_empty());
-        assert!(c.tick_period().as_millis() > 0);
+        assert!(c.tick_period_ms() > 0);
     }
 });

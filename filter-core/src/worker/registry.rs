@@ -1,17 +1,15 @@
-//! In-flight claims of one worker, shared by its root context (which extends their leases on
-//! each tick) and its HTTP contexts (which register a claim when it is made and remove it when
-//! the response is stored, the key released, or the stream ends). A claim whose complete was
-//! handed over to the worker ([`crate::retry`]) stays registered until the complete is done.
+//! The claims this worker holds, whose leases it extends on each tick (heartbeats): registered
+//! when a claim is won, removed when its outcome is stored, its key released, or its stream
+//! ends without an outcome. A claim whose write was handed over to the worker
+//! ([`super::writes`]) stays registered until the write is done.
 //!
-//! Claims are addressed by their fencing token: unique per claim, whichever context holds it.
-//!
-//! Root and HTTP contexts of a worker run in the same single-threaded VM, so the registry is a
-//! plain `Rc<RefCell<Registry>>`.
+//! Claims are addressed by their fencing token: unique per claim, whichever stream holds it.
 
 use contract::wire::HeartbeatRequest;
 
+/// A claim this worker holds: the record it owns and the token that proves it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InFlight {
+pub struct HeldClaim {
     pub key: String,
     pub subject: String,
     pub endpoint: String,
@@ -20,7 +18,7 @@ pub struct InFlight {
 
 #[derive(Debug)]
 struct Entry {
-    claim: InFlight,
+    claim: HeldClaim,
     /// When the lease was last set (claim or heartbeat sent), in ms since the epoch.
     last_ms: u64,
     /// A heartbeat for it is awaiting its answer.
@@ -39,10 +37,11 @@ impl Registry {
         self.entries.iter_mut().find(|e| e.claim.token == token)
     }
 
-    /// Registers the claim (by its fencing token, `token` is `claim.token`).
-    pub fn register(&mut self, token: i64, claim: InFlight, now_ms: u64) {
+    /// Registers the claim (again: its lease was just set).
+    pub fn register(&mut self, claim: HeldClaim, now_ms: u64) {
+        let token = claim.token;
         let entry = Entry {
-            claim: InFlight { token, ..claim },
+            claim,
             last_ms: now_ms,
             pending: false,
         };
@@ -111,8 +110,8 @@ mod tests {
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn claim(token: i64) -> InFlight {
-        InFlight {
+    fn claim(token: i64) -> HeldClaim {
+        HeldClaim {
             key: "k".into(),
             subject: "s".into(),
             endpoint: "POST /checkout".into(),
@@ -123,8 +122,8 @@ mod tests {
     #[test]
     fn heartbeats_come_due_and_are_not_doubled() {
         let mut r = Registry::default();
-        r.register(1, claim(1), 1_000);
-        r.register(2, claim(2), 5_000);
+        r.register(claim(1), 1_000);
+        r.register(claim(2), 5_000);
         // heartbeat 10s, tick 2.5s: due once 7.5s have passed.
         assert!(r.due(8_000, 10_000, 2_500, 30_000).is_empty());
         let due = r.due(8_500, 10_000, 2_500, 30_000);

@@ -1,97 +1,32 @@
 //! The replay cache: completed records this worker has seen, answered without a callout.
 //!
-//! A completed record never changes until its retention expiry (the state API only ever
-//! deletes it then, or an operator does by hand), so once the state API has told this worker
-//! the stored response — in a `completed` claim answer, or by accepting this worker's own
-//! `complete` — a replay can be answered from memory: same fingerprint → the stored response,
-//! another fingerprint → 422, not replayable → 409. The entry lives until the record's expiry
-//! as the state API computed it with the database clock (`expires_in_ms`), and never longer
-//! than `replay_cache_ttl_ms`, so that an operator's manual change is seen within that time.
+//! A completed record never changes until its retention expiry (the state API only deletes it
+//! then, or an operator does), so once the state API has told this worker the stored response
+//! (in a `completed` claim answer, or by accepting this worker's own `complete`), a replay can
+//! be answered from memory. An entry lives until the record's expiry as the state API computed
+//! it with the database clock (`expires_in_ms`), and never longer than `replay_cache_ttl_ms`, so
+//! that an operator's change is seen within that time. Bounded by the bytes it holds, least
+//! recently used first out.
 //!
-//! One cache per worker VM (an `Rc<RefCell<ReplayCache>>` shared by the root context and the
-//! HTTP contexts, like the heartbeat registry), bounded by the total bytes it holds, least
-//! recently used entries evicted first. Proxy-wasm shared data would be seen by every worker,
-//! but it has no delete nor size bound (keys live as long as the VM), every read copies the
-//! value out of the host, and keeping LRU order in it would need compare-and-set loops across
-//! workers; a per-worker cache is bounded exactly and costs a map lookup. The price: each worker
-//! learns a key once (its first replay on a worker is a callout).
+//! A response whose complete this worker is still sending ([`super::writes`]) is kept as a
+//! *pending* entry: the client has that answer, so a retry on this worker gets the same one
+//! instead of a claim. It gets the record's expiry once stored, and goes if the complete does.
 //!
-//! Entries are addressed by SHA-256 of (key, subject, endpoint), each preceded by its length,
-//! so two scopes never share an entry (isolation does not rest on a non-cryptographic hash).
-//!
-//! A response whose complete this worker is still retrying ([`crate::retry`]) is kept as a
-//! *pending* entry: the upstream has answered and the client has that answer, so a retry on this
-//! worker gets the same answer (or 422) instead of a claim that could, once the lease has run
-//! out during an outage, run the operation again. It gets the record's expiry once the complete
-//! is stored, and goes when the complete is given up or fenced out.
-//!
-//! The cache also remembers, for a short time, keys the state API has just answered
-//! `in_progress` for ([`ReplayCache::hold_running`]): a crowd of retries of one running request
-//! then gets its 409 from memory instead of one callout each. That only ever errs towards a 409
-//! and a retry, never towards a second execution: an entry lives at most `in_flight_cache_ms`
-//! and never past the lease the state API reported (so a key whose owner died is reclaimable as
-//! soon as it would be without the cache), a request with another fingerprint still asks the
-//! state API (a released key may have been claimed again with another body), and a completed
-//! record or this worker's own claim of the key replaces the entry.
+//! One cache per worker VM. Proxy-wasm shared data would be seen by every worker, but it has no
+//! delete nor size bound, and every read copies the value out of the host; a per-worker cache
+//! is bounded exactly and costs a map lookup. The price: each worker learns a key once.
 
-use sha2::{Digest, Sha256};
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hash, Hasher};
-
-/// The address of a record: SHA-256 of its scope.
-pub type Id = [u8; 32];
+use super::ids::{Id, IdMap, Key};
+use contract::fingerprint::Fingerprint;
+use std::collections::VecDeque;
 
 /// Memory an entry costs besides its strings and body (map nodes, `Vec` headers, bookkeeping).
 pub const ENTRY_OVERHEAD: usize = 160;
 
-/// The address of (key, subject, endpoint).
-pub fn id(key: &str, subject: &str, endpoint: &str) -> Id {
-    let mut h = Sha256::new();
-    for part in [key, subject, endpoint] {
-        h.update((part.len() as u64).to_be_bytes());
-        h.update(part.as_bytes());
-    }
-    h.finalize().into()
-}
-
-/// A map key that is already a uniform hash: its first 8 bytes are the map's hash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Key(Id);
-
-impl Hash for Key {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        let mut first = [0u8; 8];
-        first.copy_from_slice(self.0.get(..8).unwrap_or(&[0; 8]));
-        h.write_u64(u64::from_le_bytes(first));
-    }
-}
-
-/// Passes [`Key`]'s hash through (no random seed: nothing to defend, the keys are SHA-256).
-#[derive(Debug, Default)]
-struct Prehashed(u64);
-
-impl Hasher for Prehashed {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
 /// A completed record as replayed: the fingerprint it was made with and the stored response.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completed {
-    /// Lower-case hex.
-    pub fingerprint: String,
-    pub fingerprint_alg: &'static str,
+    pub fingerprint: Fingerprint,
     pub status: u16,
     /// As stored (allowlisted, lower-case names).
     pub headers: Vec<(String, String)>,
@@ -104,7 +39,7 @@ impl Completed {
     /// What the entry holds in memory, roughly (the budget counts this).
     pub fn size(&self) -> usize {
         ENTRY_OVERHEAD
-            + self.fingerprint.len()
+            + self.fingerprint.hex.len()
             + self.body.len()
             + self
                 .headers
@@ -128,20 +63,6 @@ struct Entry {
     pending: bool,
 }
 
-/// Most in-progress keys remembered at once; beyond that new ones are not kept (each is a few
-/// hundred bytes; the 409s they save are for crowds, which are few keys).
-pub const MAX_RUNNING: usize = 4096;
-
-/// A key the state API reported in progress (owned by another request).
-#[derive(Debug)]
-struct Running {
-    fingerprint: String,
-    fingerprint_alg: &'static str,
-    retry_after_s: u32,
-    since_ms: u64,
-    until_ms: u64,
-}
-
 /// A bounded LRU of completed records with per-entry expiry. Time is passed in (ms); nothing
 /// here reads a clock.
 #[derive(Debug)]
@@ -150,13 +71,11 @@ pub struct ReplayCache {
     ttl_ms: u64,
     bytes: usize,
     uses: u64,
-    entries: HashMap<Key, Entry, BuildHasherDefault<Prehashed>>,
+    entries: IdMap<Entry>,
     /// Use order, least recent first: (id, `used` at that use). An item is stale when its entry
     /// was used again since (or is gone); stale items are skipped, and dropped when they
     /// outnumber the entries.
     order: VecDeque<(Id, u64)>,
-    /// Keys in progress elsewhere, answered 409 until their (short) deadline.
-    running: HashMap<Key, Running, BuildHasherDefault<Prehashed>>,
 }
 
 impl Default for ReplayCache {
@@ -174,9 +93,8 @@ impl ReplayCache {
             ttl_ms,
             bytes: 0,
             uses: 0,
-            entries: HashMap::default(),
+            entries: IdMap::default(),
             order: VecDeque::new(),
-            running: HashMap::default(),
         }
     }
 
@@ -215,7 +133,6 @@ impl ReplayCache {
     }
 
     pub fn remove(&mut self, id: &Id) -> bool {
-        self.running.remove(&Key(*id));
         match self.entries.remove(&Key(*id)) {
             Some(e) => {
                 self.bytes -= e.size;
@@ -318,74 +235,8 @@ impl ReplayCache {
         self.entries.get(&Key(*id)).map(|e| &e.value)
     }
 
-    /// Remembers that the key is in progress elsewhere, with the fingerprint of the request
-    /// that was told so: requests with the same fingerprint get a 409 from memory from
-    /// `since_ms` (when the state API was asked) for `for_ms`. Not kept when disabled, when
-    /// `for_ms` is 0, or when [`MAX_RUNNING`] unexpired keys are held already.
-    pub fn hold_running(
-        &mut self,
-        id: Id,
-        fingerprint: &str,
-        fingerprint_alg: &'static str,
-        retry_after_s: u32,
-        since_ms: u64,
-        for_ms: u64,
-    ) -> bool {
-        if !self.enabled() || for_ms == 0 {
-            return false;
-        }
-        if self.running.len() >= MAX_RUNNING && !self.running.contains_key(&Key(id)) {
-            self.running
-                .retain(|_, r| since_ms < r.until_ms && since_ms >= r.since_ms);
-            if self.running.len() >= MAX_RUNNING {
-                return false;
-            }
-        }
-        self.running.insert(
-            Key(id),
-            Running {
-                fingerprint: fingerprint.to_owned(),
-                fingerprint_alg,
-                retry_after_s,
-                since_ms,
-                until_ms: since_ms.saturating_add(for_ms),
-            },
-        );
-        true
-    }
-
-    /// The Retry-After (seconds) of a 409 from memory: the key is held in progress elsewhere,
-    /// not expired at `now_ms`, and was reported so for this very fingerprint.
-    pub fn running(
-        &mut self,
-        id: &Id,
-        fingerprint: &str,
-        fingerprint_alg: &str,
-        now_ms: u64,
-    ) -> Option<u32> {
-        let r = self.running.get(&Key(*id))?;
-        if now_ms >= r.until_ms || now_ms < r.since_ms {
-            self.running.remove(&Key(*id));
-            return None;
-        }
-        (r.fingerprint == fingerprint && r.fingerprint_alg == fingerprint_alg)
-            .then_some(r.retry_after_s)
-    }
-
-    /// Forgets that the key was in progress (this worker now owns it, or it was released).
-    pub fn forget_running(&mut self, id: &Id) {
-        self.running.remove(&Key(*id));
-    }
-
-    /// In-progress keys held.
-    pub fn running_len(&self) -> usize {
-        self.running.len()
-    }
-
     /// Drops every entry expired at `now_ms`; how many.
     pub fn purge_expired(&mut self, now_ms: u64) -> usize {
-        self.running
-            .retain(|_, r| now_ms < r.until_ms && now_ms >= r.since_ms);
         let before = self.entries.len();
         let mut freed = 0;
         self.entries.retain(|_, e| {
@@ -404,27 +255,21 @@ impl ReplayCache {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
+    use crate::worker::ids::id;
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn rec(body_len: usize) -> Completed {
         Completed {
-            fingerprint: "ab".repeat(32),
-            fingerprint_alg: "sha256-jcs-v1",
+            fingerprint: Fingerprint {
+                alg: "sha256-jcs-v1",
+                hex: "ab".repeat(32),
+            },
             status: 201,
             headers: vec![("location".into(), "/c/1".into())],
             body: vec![7; body_len],
             replayable: true,
         }
-    }
-
-    #[test]
-    fn scopes_never_share_an_address() {
-        assert_eq!(id("k", "alice", "POST /a"), id("k", "alice", "POST /a"));
-        assert_ne!(id("k", "alice", "POST /a"), id("k", "bob", "POST /a"));
-        assert_ne!(id("k", "alice", "POST /a"), id("k", "alice", "POST /b"));
-        // Length prefixes: moving a boundary is another scope.
-        assert_ne!(id("ka", "lice", "e"), id("k", "alice", "e"));
     }
 
     #[test]
@@ -540,59 +385,6 @@ mod tests {
         assert_eq!(c.bytes(), rec(1).size());
         assert_eq!(c.purge_expired(9_000), 1);
         assert_eq!((c.len(), c.bytes()), (0, 0));
-    }
-
-    #[test]
-    fn running_keys_answer_409_for_the_same_request_until_their_deadline() {
-        let mut c = ReplayCache::new(1 << 20, 60_000);
-        let a = id("a", "s", "e");
-        let fp = "ab".repeat(32);
-        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 2, 1_000, 500));
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_000), Some(2));
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_499), Some(2));
-        // Another body, or another algorithm: ask the state API (the key may have been
-        // released and claimed again with that body).
-        assert_eq!(
-            c.running(&a, &"cd".repeat(32), "sha256-jcs-v1", 1_100),
-            None
-        );
-        assert_eq!(c.running(&a, &fp, "sha256-raw-v1", 1_100), None);
-        // Never past the deadline (the lease the state API reported, or the cache's limit),
-        // and a clock seen going back drops the entry.
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_500), None);
-        assert_eq!(c.running_len(), 0);
-        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 999), None);
-        // A completed record, a removal or this worker's own claim replaces it.
-        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
-        c.insert(a, rec(1), 1_000, 60_000);
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_100), None);
-        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
-        c.forget_running(&a);
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_100), None);
-        assert!(c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 500));
-        c.remove(&a);
-        assert_eq!(c.running(&a, &fp, "sha256-jcs-v1", 1_100), None);
-        // Disabled, or for no time: nothing kept.
-        assert!(!ReplayCache::default().hold_running(a, &fp, "sha256-jcs-v1", 1, 0, 500));
-        assert!(!c.hold_running(a, &fp, "sha256-jcs-v1", 1, 1_000, 0));
-    }
-
-    #[test]
-    fn running_keys_are_bounded_and_purged() {
-        let mut c = ReplayCache::new(1 << 20, 60_000);
-        let fp = "ab".repeat(32);
-        for i in 0..MAX_RUNNING {
-            assert!(c.hold_running(id(&i.to_string(), "s", "e"), &fp, "a", 1, 0, 100));
-        }
-        // Full of live entries: a new key is not kept, a known one is refreshed.
-        assert!(!c.hold_running(id("new", "s", "e"), &fp, "a", 1, 50, 100));
-        assert!(c.hold_running(id("0", "s", "e"), &fp, "a", 1, 50, 100));
-        // Once the others have expired, they make room.
-        assert!(c.hold_running(id("new", "s", "e"), &fp, "a", 1, 120, 100));
-        assert_eq!(c.running_len(), 2);
-        c.purge_expired(10_000);
-        assert_eq!(c.running_len(), 0);
     }
 
     #[cfg(not(target_arch = "wasm32"))]

@@ -8,7 +8,7 @@
 
 #![allow(clashing_extern_declarations)]
 
-use crate::hostmap::{deserialize_map, serialize_map};
+use filter_core::hostmap::{deserialize_map, serialize_map};
 use std::ptr::{null, null_mut};
 
 /// A non-Ok proxy-wasm status.
@@ -94,6 +94,7 @@ extern "C" {
         return_value_size: *mut usize,
     ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_send_local_response(
         status_code: u32,
         status_code_details_data: *const u8,
@@ -218,6 +219,12 @@ pub fn get_property(path: &[&str]) -> R<Option<Vec<u8>>> {
         1 => Ok(None),
         s => Err(HostError(s)),
     }
+}
+
+/// Makes `context_id` the context that the following host calls act on.
+pub fn set_effective_context(context_id: u32) -> R<()> {
+    // SAFETY: plain value.
+    ok(unsafe { proxy_set_effective_context(context_id) })
 }
 
 pub fn resume_request() -> R<()> {

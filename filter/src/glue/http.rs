@@ -1,39 +1,21 @@
-//! The HTTP context: reads what the flow needs from the host and performs its effects.
+//! The HTTP context of one stream: reads what the worker needs from the host and carries out
+//! what it returns.
 
-use super::abi::{self, HostError, Level};
-use super::{callout_result, dispatch, Worker};
-use crate::config::{Config, SubjectSource};
-use crate::flow::{self, Callout, Effect, Flow, RequestHead, Step, Verdict};
-use crate::headers::LocalReply;
-use crate::metrics::Metric;
-use crate::retry;
-use contract::wire::{CLAIM_PATH, COMPLETE_PATH, RELEASE_PATH};
+use super::abi::{self, Level};
+use super::{callout_result, perform, take_pending, Current, Shared};
 use contract::ProblemKind;
+use filter_core::flow::{RequestHead, ResponseHead, Verdict};
+use filter_core::reply::LocalReply;
+use filter_core::worker::{CallId, Step, StreamId};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::rc::Rc;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    /// Inside a request callback: resuming the request means returning Continue.
-    Request,
-    /// Inside a response callback: resuming the response means returning Continue.
-    Response,
-    /// Inside a callout answer: resume through the host.
-    Callout,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pending {
-    Claim,
-    Write,
-}
-
 pub(crate) struct Http {
-    cfg: Option<Rc<Config>>,
-    flow: Option<Flow>,
-    worker: Rc<Worker>,
-    pending: Option<(u32, Pending)>,
+    id: StreamId,
+    shared: Rc<Shared>,
+    /// This stream's callouts on their way (Envoy token, the worker's id).
+    pending: Vec<(u32, CallId)>,
 }
 
 fn action(v: Verdict) -> Action {
@@ -72,169 +54,36 @@ fn text(bytes: Option<Vec<u8>>) -> Option<String> {
     bytes.and_then(|b| String::from_utf8(b).ok())
 }
 
+fn now() -> u64 {
+    abi::now_ms().unwrap_or(0)
+}
+
 impl Http {
-    pub(crate) fn new(cfg: Option<Rc<Config>>, worker: Rc<Worker>) -> Self {
-        let flow = cfg
-            .clone()
-            .map(|cfg| Flow::with_cache(cfg, Rc::clone(&worker.cache), Rc::clone(&worker.clock)));
+    pub(crate) fn new(id: StreamId, shared: Rc<Shared>) -> Self {
         Self {
-            cfg,
-            flow,
-            worker,
-            pending: None,
+            id,
+            shared,
+            pending: Vec::new(),
         }
     }
 
-    fn host_failed(&self, what: &str, e: HostError) {
-        abi::log(Level::Error, &format!("idempotency: {what} failed: {e}"));
-    }
-
-    /// Performs the effects in order; returns the verdict for the current callback.
-    fn perform(&mut self, step: Step, phase: Phase) -> Verdict {
-        let mut verdict = step.verdict;
-        for effect in step.effects {
-            match effect {
-                Effect::Reply(r) => {
-                    self.reply(&r);
-                    verdict = Verdict::Pause;
-                }
-                Effect::DispatchClaim(body) => {
-                    verdict = self.dispatch(CLAIM_PATH, &body, Pending::Claim, phase, verdict)
-                }
-                Effect::DispatchComplete(body) => {
-                    verdict = self.dispatch(COMPLETE_PATH, &body, Pending::Write, phase, verdict)
-                }
-                Effect::DispatchRelease(body) => {
-                    verdict = self.dispatch(RELEASE_PATH, &body, Pending::Write, phase, verdict)
-                }
-                Effect::SetRequestHeader(name, value) => {
-                    if let Err(e) = abi::replace_header(abi::MAP_REQUEST_HEADERS, name, &value) {
-                        self.host_failed("setting a request header", e);
-                    }
-                }
-                Effect::RemoveRequestHeader(name) => {
-                    if let Err(e) = abi::remove_header(abi::MAP_REQUEST_HEADERS, name) {
-                        self.host_failed("removing a request header", e);
-                    }
-                }
-                Effect::ResumeRequest => {
-                    if phase == Phase::Request {
-                        verdict = Verdict::Continue;
-                    } else if let Err(e) = abi::resume_request() {
-                        self.host_failed("resuming the request", e);
-                    }
-                }
-                Effect::ResumeResponse => {
-                    if phase == Phase::Response {
-                        verdict = Verdict::Continue;
-                    } else if let Err(e) = abi::resume_response() {
-                        self.host_failed("resuming the response", e);
-                    }
-                }
-                Effect::Register(claim) => {
-                    let now = abi::now_ms().unwrap_or(0);
-                    if let Ok(mut r) = self.worker.registry.try_borrow_mut() {
-                        r.register(claim.token, claim, now);
-                    }
-                }
-                Effect::Unregister(token) => {
-                    if let Ok(mut r) = self.worker.registry.try_borrow_mut() {
-                        r.remove(token);
-                    }
-                }
-                Effect::Handoff(pending) => self.hand_over(pending),
-                Effect::OfferComplete(bytes) => {
-                    let can_take = self
-                        .worker
-                        .retries
-                        .try_borrow()
-                        .is_ok_and(|r| r.can_take(bytes));
-                    if let Some(flow) = self.flow.as_mut() {
-                        let step = flow.complete_in_background(can_take);
-                        verdict = self.perform(step, phase);
-                    }
-                }
-                Effect::Count(m) => self.worker.counters.count(m),
-                Effect::Log(level, msg) => {
-                    let level = match level {
-                        flow::Level::Debug => Level::Debug,
-                        flow::Level::Info => Level::Info,
-                        flow::Level::Warn => Level::Warn,
-                        flow::Level::Error => Level::Error,
-                    };
-                    abi::log(level, &format!("idempotency: {msg}"));
-                }
-            }
-        }
-        verdict
-    }
-
-    /// The worker retries this complete from its tick, or sends it at once when it was not
-    /// tried yet (see [`crate::retry`]).
-    fn hand_over(&self, pending: retry::PendingComplete) {
-        let now = abi::now_ms().unwrap_or(0);
-        let endpoint = pending.claim.endpoint.clone();
-        let background = pending.background;
-        let (Ok(mut registry), Ok(mut retries), Ok(mut cache)) = (
-            self.worker.registry.try_borrow_mut(),
-            self.worker.retries.try_borrow_mut(),
-            self.worker.cache.try_borrow_mut(),
-        ) else {
-            return;
-        };
-        match retry::hand_over(&mut registry, &mut retries, &mut cache, pending, now) {
-            Ok(()) if background => self.worker.wake(),
-            Ok(()) => {}
-            Err(why) => {
-                self.worker.counters.count(Metric::CompleteGaveUp);
-                abi::log(
-                    Level::Error,
-                    &format!("idempotency: complete for {endpoint} given up ({why}); the key stays in progress until its lease runs out"),
-                );
-            }
+    /// Carries out a step of this stream; `Continue` when the worker is not configured.
+    fn perform(&mut self, step: Option<Step>, current: Current) -> Action {
+        match step {
+            Some(step) => action(perform(
+                &self.shared,
+                current,
+                step.verdict,
+                step.effects,
+                &mut self.pending,
+            )),
+            None => Action::Continue,
         }
     }
 
-    fn reply(&self, r: &LocalReply) {
-        if let Err(e) = abi::send_response(u32::from(r.status), r.reason, &r.headers, &r.body) {
-            self.host_failed("sending a local reply", e);
-        }
-    }
-
-    /// Dispatch a callout; a failure to dispatch is the callout's answer, at once.
-    fn dispatch(
-        &mut self,
-        path: &str,
-        body: &[u8],
-        kind: Pending,
-        phase: Phase,
-        verdict: Verdict,
-    ) -> Verdict {
-        let Some(cfg) = self.cfg.clone() else {
-            return verdict;
-        };
-        match dispatch(&cfg, path, body) {
-            Ok(token) => {
-                self.pending = Some((token, kind));
-                verdict
-            }
-            Err(why) => {
-                let Some(flow) = self.flow.as_mut() else {
-                    return verdict;
-                };
-                let step = match kind {
-                    Pending::Claim => flow.on_claim_answer(Callout::Failed(why)),
-                    Pending::Write => flow.on_write_answer(Callout::Failed(why)),
-                };
-                self.perform(step, phase)
-            }
-        }
-    }
-
-    fn metadata_subject(&self, cfg: &Config) -> Option<String> {
-        let SubjectSource::Metadata(path) = &cfg.subject else {
-            return None;
-        };
+    fn metadata_subject(&self) -> Option<String> {
+        let path = self.shared.metadata_path.borrow();
+        let path = path.as_ref()?;
         let mut full: Vec<&str> = vec!["metadata", "filter_metadata"];
         full.extend(path.iter().map(String::as_str));
         match abi::get_property(&full) {
@@ -258,36 +107,31 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some((expected, kind)) = self.pending.take() else {
+        let Some(id) = take_pending(&mut self.pending, token_id) else {
             abi::log(
                 Level::Warn,
                 &format!("idempotency: unexpected callout answer {token_id}"),
             );
             return;
         };
-        if expected != token_id {
-            abi::log(
-                Level::Warn,
-                &format!("idempotency: callout answer {token_id}, expected {expected}"),
-            );
-            self.pending = Some((expected, kind));
-            return;
-        }
-        let answer = callout_result(num_headers, body_size);
-        let Some(flow) = self.flow.as_mut() else {
-            return;
-        };
-        let step = match kind {
-            Pending::Claim => flow.on_claim_answer(answer),
-            Pending::Write => flow.on_write_answer(answer),
-        };
-        self.perform(step, Phase::Callout);
+        let result = callout_result(num_headers, body_size);
+        let now = now();
+        let step = self
+            .shared
+            .with_worker(|w| w.on_callout_answer(id, result, now));
+        self.perform(step, Current::Stream(self.id));
     }
 
     fn on_done(&mut self) -> bool {
-        if let Some(flow) = self.flow.as_mut() {
-            let step = flow.on_stream_done();
-            self.perform(step, Phase::Callout);
+        let (id, now) = (self.id, now());
+        if let Some(effects) = self.shared.with_worker(|w| w.on_stream_done(id, now)) {
+            perform(
+                &self.shared,
+                Current::Stream(id),
+                Verdict::Continue,
+                effects,
+                &mut self.pending,
+            );
         }
         true
     }
@@ -295,59 +139,74 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(cfg) = self.cfg.clone() else {
-            return Action::Continue;
-        };
         let headers = match abi::get_headers(abi::MAP_REQUEST_HEADERS) {
             Ok(h) => h,
             Err(e) => {
-                self.host_failed("reading the request headers", e);
-                self.reply(&LocalReply::problem(
+                abi::log(
+                    Level::Error,
+                    &format!("idempotency: reading the request headers failed: {e}"),
+                );
+                let r = LocalReply::problem(
                     ProblemKind::Internal,
                     "the request headers could not be read",
-                ));
+                );
+                if let Err(e) =
+                    abi::send_response(u32::from(r.status), r.reason, &r.headers, &r.body)
+                {
+                    abi::log(
+                        Level::Error,
+                        &format!("idempotency: sending a reply failed: {e}"),
+                    );
+                }
                 return Action::Pause;
             }
         };
-        let subject = self.metadata_subject(&cfg);
-        let Some(flow) = self.flow.as_mut() else {
-            return Action::Continue;
-        };
-        let step = flow.on_request_headers(
-            RequestHead {
-                headers: &headers,
-                metadata_subject: subject.as_deref(),
-            },
-            end_of_stream,
-        );
-        action(self.perform(step, Phase::Request))
+        let subject = self.metadata_subject();
+        let (id, now) = (self.id, now());
+        let step = self.shared.with_worker(|w| {
+            w.on_request_headers(
+                id,
+                RequestHead {
+                    headers: &headers,
+                    metadata_subject: subject.as_deref(),
+                },
+                end_of_stream,
+                now,
+            )
+        });
+        self.perform(step, Current::Request(id))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(flow) = self.flow.as_mut() else {
-            return Action::Continue;
-        };
-        let step = flow.on_request_body(body_size, end_of_stream, |n| {
-            read(abi::BUFFER_REQUEST_BODY, n, "reading the request body")
+        let (id, now) = (self.id, now());
+        let step = self.shared.with_worker(|w| {
+            w.on_request_body(
+                id,
+                body_size,
+                end_of_stream,
+                &mut |n| read(abi::BUFFER_REQUEST_BODY, n, "reading the request body"),
+                now,
+            )
         });
-        action(self.perform(step, Phase::Request))
+        self.perform(step, Current::Request(id))
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let Some(flow) = self.flow.as_mut() else {
-            return Action::Continue;
-        };
-        let step = flow
-            .on_request_trailers(|n| read(abi::BUFFER_REQUEST_BODY, n, "reading the request body"));
-        action(self.perform(step, Phase::Request))
+        let (id, now) = (self.id, now());
+        let step = self.shared.with_worker(|w| {
+            w.on_request_trailers(
+                id,
+                &mut |n| read(abi::BUFFER_REQUEST_BODY, n, "reading the request body"),
+                now,
+            )
+        });
+        self.perform(step, Current::Request(id))
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(flow) = self.flow.as_mut() else {
-            return Action::Continue;
-        };
-        if !flow.awaits_response() {
-            // Passthrough, fail-open, and our own local replies (C-6): untouched.
+        let id = self.id;
+        if self.shared.with_worker(|w| w.awaits_response(id)) != Some(true) {
+            // Passthrough, fail-open, and our own local replies: untouched.
             return Action::Continue;
         }
         let headers = match abi::get_headers(abi::MAP_RESPONSE_HEADERS) {
@@ -371,27 +230,45 @@ impl HttpContext for Http {
                 .map_or(0, u64::from_le_bytes),
             _ => 0,
         };
-        let step = flow.on_response_headers(&headers, &details, flags, end_of_stream);
-        action(self.perform(step, Phase::Response))
+        let now = now();
+        let step = self.shared.with_worker(|w| {
+            w.on_response_headers(
+                id,
+                ResponseHead {
+                    headers: &headers,
+                    details: &details,
+                    flags,
+                },
+                end_of_stream,
+                now,
+            )
+        });
+        self.perform(step, Current::Response(id))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(flow) = self.flow.as_mut() else {
-            return Action::Continue;
-        };
-        let step = flow.on_response_body(body_size, end_of_stream, |n| {
-            read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body")
+        let (id, now) = (self.id, now());
+        let step = self.shared.with_worker(|w| {
+            w.on_response_body(
+                id,
+                body_size,
+                end_of_stream,
+                &mut |n| read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body"),
+                now,
+            )
         });
-        action(self.perform(step, Phase::Response))
+        self.perform(step, Current::Response(id))
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
-        let Some(flow) = self.flow.as_mut() else {
-            return Action::Continue;
-        };
-        let step = flow.on_response_trailers(|n| {
-            read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body")
+        let (id, now) = (self.id, now());
+        let step = self.shared.with_worker(|w| {
+            w.on_response_trailers(
+                id,
+                &mut |n| read(abi::BUFFER_RESPONSE_BODY, n, "reading the response body"),
+                now,
+            )
         });
-        action(self.perform(step, Phase::Response))
+        self.perform(step, Current::Response(id))
     }
 }

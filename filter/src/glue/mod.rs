@@ -1,11 +1,17 @@
-//! The proxy-wasm glue: entry point, root context (configuration, counters, heartbeats) and
-//! HTTP context (performs what [`crate::flow::Flow`] asks for). Compiled for wasm32-wasip1 only.
+//! The proxy-wasm glue: the entry point, the root context and the HTTP contexts. Each host
+//! callback reads what the worker needs, calls [`Worker`] once, and carries out the effects it
+//! returns ([`perform`]); a callout that cannot be dispatched is the callout's answer at once.
 
 mod abi;
 mod http;
 mod root;
 
 use abi::Level;
+use filter_core::flow::Verdict;
+use filter_core::metrics::Metric;
+use filter_core::worker::{CallId, CalloutResult, Effect, Owner, StreamId, Worker};
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 
 proxy_wasm::main! {{
     std::panic::set_hook(Box::new(|info| {
@@ -17,72 +23,259 @@ proxy_wasm::main! {{
 }}
 
 /// What the root context and the HTTP contexts of one worker VM share. The VM is single
-/// threaded: plain `Rc`/`RefCell`, borrowed only for the length of one call.
-pub(crate) struct Worker {
-    pub(crate) counters: Counters,
-    /// Claims whose lease the root context extends.
-    pub(crate) registry: std::cell::RefCell<crate::heartbeat::Registry>,
-    /// Completes the root context retries.
-    pub(crate) retries: std::cell::RefCell<crate::retry::Retries>,
-    /// Completed records answered without a callout.
-    pub(crate) cache: std::rc::Rc<std::cell::RefCell<crate::cache::ReplayCache>>,
-    /// The host's clock, for the flows.
-    pub(crate) clock: crate::flow::Clock,
-    /// This worker's shared queue (`complete_in_background`): an item wakes the root context,
-    /// which sends the completes handed over to it at once.
-    pub(crate) wake_queue: std::cell::Cell<Option<u32>>,
-    /// A wake is on its way: the completes handed over meanwhile go with it (one host
-    /// callback for a burst, not one per request).
-    pub(crate) wake_pending: std::cell::Cell<bool>,
+/// threaded: the worker is borrowed for one call into it at a time, and never while effects are
+/// carried out, so a host call that called back into the module would find it free.
+pub(crate) struct Shared {
+    root_id: u32,
+    /// `None` until the configuration is read.
+    worker: RefCell<Option<Worker>>,
+    counters: RefCell<Counters>,
+    /// With `subject.metadata`: the property path of the subject.
+    metadata_path: RefCell<Option<Vec<String>>>,
+    /// This worker's shared queue: an item wakes the root context (`on_queue_ready`).
+    wake_queue: Cell<Option<u32>>,
 }
 
-impl Worker {
-    /// Before the configuration: nothing counted, kept, nor retried.
-    pub(crate) fn unconfigured() -> Self {
-        Self::new(Counters::default(), 0, 0, 0, 0)
-    }
-
-    pub(crate) fn new(
-        counters: Counters,
-        cache_bytes: u64,
-        cache_ttl_ms: u64,
-        retry_bytes: u64,
-        retry_ms: u64,
-    ) -> Self {
+impl Shared {
+    fn new(root_id: u32) -> Self {
         Self {
-            counters,
-            registry: Default::default(),
-            retries: std::cell::RefCell::new(crate::retry::Retries::new(retry_bytes, retry_ms)),
-            cache: std::rc::Rc::new(std::cell::RefCell::new(crate::cache::ReplayCache::new(
-                cache_bytes,
-                cache_ttl_ms,
-            ))),
-            clock: std::rc::Rc::new(|| abi::now_ms().unwrap_or(0)),
-            wake_queue: std::cell::Cell::new(None),
-            wake_pending: std::cell::Cell::new(false),
+            root_id,
+            worker: RefCell::new(None),
+            counters: RefCell::new(Counters::default()),
+            metadata_path: RefCell::new(None),
+            wake_queue: Cell::new(None),
         }
     }
 
-    /// Wakes the root context (`on_queue_ready`, later on this thread). Without a queue, or if
-    /// it fails, the handed-over complete goes at the next tick instead.
-    pub(crate) fn wake(&self) {
-        if self.wake_pending.get() {
-            return;
-        }
-        if let Some(queue) = self.wake_queue.get() {
-            self.wake_pending.set(true);
-            if let Err(e) = abi::enqueue(queue, b"complete") {
-                self.wake_pending.set(false);
+    /// Calls into the worker; `None` before the configuration. The worker is never re-entered
+    /// (effects are carried out after the call), so the borrow cannot fail; if it did, that is
+    /// a bug, logged as one.
+    fn with_worker<T>(&self, f: impl FnOnce(&mut Worker) -> T) -> Option<T> {
+        match self.worker.try_borrow_mut() {
+            Ok(mut w) => w.as_mut().map(f),
+            Err(_) => {
                 abi::log(
-                    Level::Warn,
-                    &format!("idempotency: cannot wake the worker ({e}); the complete goes at the next tick"),
+                    Level::Critical,
+                    "idempotency filter: the worker was re-entered from a host call (a bug); this event is dropped",
                 );
+                None
             }
         }
     }
+
+    fn count(&self, m: Metric) {
+        if let Ok(c) = self.counters.try_borrow() {
+            c.count(m);
+        }
+    }
 }
 
-/// Counter ids of one worker VM, by [`crate::metrics::Metric::index`].
+/// Which callback the effects are carried out in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Current {
+    /// A request callback of this stream: resuming its request means returning Continue.
+    Request(StreamId),
+    /// A response callback of this stream: resuming its response means returning Continue.
+    Response(StreamId),
+    /// Another callback of this stream (a callout's answer, the end of the stream).
+    Stream(StreamId),
+    /// A callback of the root context.
+    Root,
+}
+
+impl Current {
+    fn stream(self) -> Option<StreamId> {
+        match self {
+            Current::Request(s) | Current::Response(s) | Current::Stream(s) => Some(s),
+            Current::Root => None,
+        }
+    }
+}
+
+/// Carries out the effects in order and returns the verdict of the current callback. Callouts
+/// dispatched here are recorded in `pending` (Envoy answers them to the current context).
+pub(crate) fn perform(
+    shared: &Shared,
+    current: Current,
+    verdict: Verdict,
+    effects: Vec<Effect>,
+    pending: &mut Vec<(u32, CallId)>,
+) -> Verdict {
+    let mut verdict = verdict;
+    let mut queue: VecDeque<Effect> = effects.into();
+    while let Some(effect) = queue.pop_front() {
+        match effect {
+            Effect::Reply { stream, reply } => {
+                on_stream(
+                    shared,
+                    current,
+                    stream,
+                    || {
+                        abi::send_response(
+                            u32::from(reply.status),
+                            reply.reason,
+                            &reply.headers,
+                            &reply.body,
+                        )
+                    },
+                    "sending a local reply",
+                );
+                if current.stream() == Some(stream) {
+                    verdict = Verdict::Pause;
+                }
+            }
+            Effect::SetRequestHeader {
+                stream,
+                name,
+                value,
+            } => on_stream(
+                shared,
+                current,
+                stream,
+                || abi::replace_header(abi::MAP_REQUEST_HEADERS, name, &value),
+                "setting a request header",
+            ),
+            Effect::RemoveRequestHeader { stream, name } => on_stream(
+                shared,
+                current,
+                stream,
+                || abi::remove_header(abi::MAP_REQUEST_HEADERS, name),
+                "removing a request header",
+            ),
+            Effect::ResumeRequest { stream } => {
+                if current == Current::Request(stream) {
+                    verdict = Verdict::Continue;
+                } else {
+                    on_stream(
+                        shared,
+                        current,
+                        stream,
+                        abi::resume_request,
+                        "resuming the request",
+                    );
+                }
+            }
+            Effect::ResumeResponse { stream } => {
+                if current == Current::Response(stream) {
+                    verdict = Verdict::Continue;
+                } else {
+                    on_stream(
+                        shared,
+                        current,
+                        stream,
+                        abi::resume_response,
+                        "resuming the response",
+                    );
+                }
+            }
+            Effect::Dispatch(d) => {
+                let id = d.id;
+                // Envoy answers a callout to the context that made it: a stream's callouts are
+                // made in its callbacks, the worker's in the root context's.
+                let made_here = match d.owner {
+                    Owner::Stream(s) => current.stream() == Some(s),
+                    Owner::Worker => current == Current::Root,
+                };
+                let result = if made_here {
+                    let headers: Vec<(&str, &str)> = d
+                        .headers
+                        .iter()
+                        .map(|(n, v)| (n.as_str(), v.as_str()))
+                        .collect();
+                    proxy_wasm::hostcalls::dispatch_http_call(
+                        &d.cluster,
+                        headers,
+                        Some(&d.body),
+                        vec![],
+                        std::time::Duration::from_millis(d.timeout_ms),
+                    )
+                    .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", d.cluster))
+                } else {
+                    Err(format!(
+                        "a callout of {:?} cannot be made from {current:?} (a bug)",
+                        d.owner
+                    ))
+                };
+                match result {
+                    Ok(token) => pending.push((token, id)),
+                    Err(why) => {
+                        let now = abi::now_ms().unwrap_or(0);
+                        if let Some(step) = shared.with_worker(|w| {
+                            w.on_callout_answer(id, CalloutResult::Failed(why), now)
+                        }) {
+                            verdict = step.verdict;
+                            for e in step.effects.into_iter().rev() {
+                                queue.push_front(e);
+                            }
+                        }
+                    }
+                }
+            }
+            Effect::Wake => wake(shared),
+            Effect::Count(m) => shared.count(m),
+            Effect::Log(level, msg) => {
+                let level = match level {
+                    filter_core::worker::Level::Debug => Level::Debug,
+                    filter_core::worker::Level::Info => Level::Info,
+                    filter_core::worker::Level::Warn => Level::Warn,
+                    filter_core::worker::Level::Error => Level::Error,
+                };
+                abi::log(level, &format!("idempotency: {msg}"));
+            }
+        }
+    }
+    verdict
+}
+
+/// A host call on `stream`: made with that stream as the effective context when another
+/// context is current.
+fn on_stream(
+    shared: &Shared,
+    current: Current,
+    stream: StreamId,
+    call: impl FnOnce() -> Result<(), abi::HostError>,
+    what: &str,
+) {
+    let elsewhere = current.stream() != Some(stream);
+    if elsewhere {
+        if let Err(e) = abi::set_effective_context(stream) {
+            abi::log(
+                Level::Error,
+                &format!("idempotency: {what} on stream {stream}: {e}"),
+            );
+            return;
+        }
+    }
+    if let Err(e) = call() {
+        abi::log(Level::Error, &format!("idempotency: {what} failed: {e}"));
+    }
+    if elsewhere {
+        let back = current.stream().unwrap_or(shared.root_id);
+        if let Err(e) = abi::set_effective_context(back) {
+            abi::log(
+                Level::Error,
+                &format!("idempotency: restoring the context: {e}"),
+            );
+        }
+    }
+}
+
+/// Wakes the root context (`on_queue_ready`, later on this thread). Without a queue, or if it
+/// fails, the writes go at the next tick instead.
+fn wake(shared: &Shared) {
+    if let Some(queue) = shared.wake_queue.get() {
+        if let Err(e) = abi::enqueue(queue, b"wake") {
+            abi::log(
+                Level::Warn,
+                &format!(
+                    "idempotency: cannot wake the worker ({e}); its writes go at the next tick"
+                ),
+            );
+        }
+    }
+}
+
+/// Counter ids of one worker VM, by [`Metric::index`].
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     ids: Vec<Option<u32>>,
@@ -90,7 +283,7 @@ pub(crate) struct Counters {
 
 impl Counters {
     pub(crate) fn define() -> Self {
-        let ids = crate::metrics::Metric::ALL
+        let ids = Metric::ALL
             .iter()
             .map(|m| match abi::define_counter(m.name()) {
                 Ok(id) => Some(id),
@@ -106,7 +299,7 @@ impl Counters {
         Self { ids }
     }
 
-    pub(crate) fn count(&self, m: crate::metrics::Metric) {
+    pub(crate) fn count(&self, m: Metric) {
         if let Some(Some(id)) = self.ids.get(m.index()) {
             if let Err(e) = abi::increment(*id) {
                 abi::log(
@@ -118,50 +311,19 @@ impl Counters {
     }
 }
 
-/// POST a JSON body to the state API; the token of the callout.
-pub(crate) fn dispatch(
-    cfg: &crate::config::Config,
-    path: &str,
-    body: &[u8],
-) -> Result<u32, String> {
-    let auth = format!("Bearer {}", cfg.state_api.token);
-    let headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", cfg.state_api.authority.as_str()),
-        ("authorization", auth.as_str()),
-        ("content-type", "application/json"),
-        ("accept", "application/json"),
-    ];
-    proxy_wasm::hostcalls::dispatch_http_call(
-        &cfg.state_api.cluster,
-        headers,
-        Some(body),
-        vec![],
-        cfg.timeout(),
-    )
-    .map_err(|s| {
-        format!(
-            "dispatch to cluster {:?} failed: {s:?}",
-            cfg.state_api.cluster
-        )
-    })
-}
-
-/// The state API's answer to the callout being delivered (`on_http_call_response`).
-pub(crate) fn callout_result(num_headers: usize, body_size: usize) -> crate::flow::Callout {
-    use crate::flow::Callout;
+/// The answer to a callout being delivered (`on_http_call_response`).
+pub(crate) fn callout_result(num_headers: usize, body_size: usize) -> CalloutResult {
     let headers = match abi::get_headers(abi::MAP_HTTP_CALL_RESPONSE_HEADERS) {
         Ok(h) => h,
-        Err(e) => return Callout::Failed(format!("cannot read the answer's headers: {e}")),
+        Err(e) => return CalloutResult::Failed(format!("cannot read the answer's headers: {e}")),
     };
     let status = headers
         .iter()
         .find(|(n, _)| n == ":status")
         .and_then(|(_, v)| v.parse::<u16>().ok());
     let Some(status) = status else {
-        // Envoy reports a reset or an oversized answer as a callback without headers (C-4).
-        return Callout::Failed(format!(
+        // Envoy reports a reset or an oversized answer as a callback without headers.
+        return CalloutResult::Failed(format!(
             "no response (reset or failure; {num_headers} headers)"
         ));
     };
@@ -171,8 +333,14 @@ pub(crate) fn callout_result(num_headers: usize, body_size: usize) -> crate::flo
         match abi::get_buffer(abi::BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size) {
             Ok(Some(b)) => b,
             Ok(None) => Vec::new(),
-            Err(e) => return Callout::Failed(format!("cannot read the answer's body: {e}")),
+            Err(e) => return CalloutResult::Failed(format!("cannot read the answer's body: {e}")),
         }
     };
-    Callout::Answer { status, body }
+    CalloutResult::Response { status, body }
+}
+
+/// The callout a context made with this token, taken out of its list.
+pub(crate) fn take_pending(pending: &mut Vec<(u32, CallId)>, token: u32) -> Option<CallId> {
+    let i = pending.iter().position(|(t, _)| *t == token)?;
+    Some(pending.swap_remove(i).1)
 }

@@ -1,0 +1,226 @@
+//! The claim's answer, from the state API or from the worker's memory: forward the request
+//! once, or answer the duplicate.
+
+use super::{Claimed, Fingerprinted, Flow, Note, State, Turn};
+use crate::config::{Config, OnStateUnavailable};
+use crate::key;
+use crate::metrics::Metric;
+use crate::reply;
+use crate::worker::replay_cache::Completed;
+use crate::worker::{CalloutResult, Effect, HeldClaim, Level};
+use contract::wire::{ClaimResponse, FENCING_TOKEN_HEADER};
+
+/// What the worker's memory knows of a key, instead of asking the state API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Remembered {
+    /// A completed record (its status is one a replay can carry).
+    Completed(Completed),
+    /// Reported in progress for this very request a moment ago.
+    Running { retry_after_s: u32 },
+}
+
+impl Flow {
+    /// The worker answers the claim from its memory.
+    pub fn on_remembered(&mut self, cfg: &Config, memory: Remembered) -> Turn {
+        let State::Claiming(req) = self.take() else {
+            return Turn::cont().with(Flow::log(
+                Level::Warn,
+                "memory answer in an unexpected state".into(),
+            ));
+        };
+        let (metric, reply, hit) = match memory {
+            Remembered::Completed(rec) if rec.fingerprint != req.fingerprint => (
+                Metric::Mismatch422,
+                reply::mismatch(&req.req.endpoint),
+                Metric::ReplayCacheHits,
+            ),
+            Remembered::Completed(rec) => match completed_reply(cfg, &rec) {
+                Ok((metric, reply)) => (metric, reply, Metric::ReplayCacheHits),
+                // The worker keeps only records a replay can carry, so this does not happen;
+                // if it did, 503 (nothing forwarded) is the safe answer.
+                Err(why) => return self.unavailable(cfg, req, why),
+            },
+            Remembered::Running { retry_after_s } => (
+                Metric::InProgress409,
+                reply::in_progress(retry_after_s),
+                Metric::InFlightCacheHits,
+            ),
+        };
+        self.reply(Some(metric), reply).with(Effect::Count(hit))
+    }
+
+    /// The answer to `/v1/claim` (or its failure, including a failed dispatch).
+    pub fn on_claim_answer(&mut self, cfg: &Config, answer: CalloutResult) -> Turn {
+        let State::Claiming(req) = self.take() else {
+            return Turn::cont().with(Flow::log(
+                Level::Warn,
+                "claim answer in an unexpected state".into(),
+            ));
+        };
+        let parsed = match &answer {
+            CalloutResult::Response { status, body } if (200..300).contains(status) => {
+                ClaimResponse::read(body).map_err(|e| format!("unreadable claim answer: {e}"))
+            }
+            CalloutResult::Response { status, body } => Err(format!(
+                "claim answered HTTP {status}: {}",
+                String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
+            )),
+            CalloutResult::Failed(why) => Err(format!("claim failed: {why}")),
+        };
+        match parsed {
+            Err(why) => self.unavailable(cfg, req, why),
+            Ok(ClaimResponse::Claimed {
+                token, reclaimed, ..
+            }) => self.forward(Claimed { req, token }, reclaimed),
+            Ok(ClaimResponse::InProgress {
+                retry_after_s,
+                lease_remaining_ms,
+            }) => {
+                let hold = Note::HoldRunning {
+                    id: req.req.id(),
+                    fingerprint: req.fingerprint.clone(),
+                    retry_after_s,
+                    since_ms: req.sent_ms,
+                    lease_remaining_ms,
+                };
+                self.reply(
+                    Some(Metric::InProgress409),
+                    reply::in_progress(retry_after_s),
+                )
+                .with(hold)
+            }
+            Ok(ClaimResponse::Mismatch) => self.reply(
+                Some(Metric::Mismatch422),
+                reply::mismatch(&req.req.endpoint),
+            ),
+            Ok(ClaimResponse::Completed {
+                response,
+                expires_in_ms,
+            }) => {
+                let body = if response.replayable {
+                    match response.body() {
+                        Ok(b) => b,
+                        Err(e) => {
+                            return self.unavailable(
+                                cfg,
+                                req,
+                                format!("stored body is not base64: {e}"),
+                            )
+                        }
+                    }
+                } else {
+                    Vec::new()
+                };
+                let rec = Completed {
+                    fingerprint: req.fingerprint.clone(),
+                    status: response.status,
+                    headers: response.headers,
+                    body,
+                    replayable: response.replayable,
+                };
+                match completed_reply(cfg, &rec) {
+                    Ok((metric, reply)) => {
+                        let id = req.req.id();
+                        let mut t = self.reply(Some(metric), reply);
+                        // No expiry (an older state API): nothing to bound the entry by.
+                        if let Some(expires_in_ms) = expires_in_ms {
+                            t.push(Note::Remember {
+                                id,
+                                record: Box::new(rec),
+                                since_ms: req.sent_ms,
+                                expires_in_ms,
+                            });
+                        }
+                        t
+                    }
+                    Err(why) => self.unavailable(cfg, req, why),
+                }
+            }
+        }
+    }
+
+    /// The key is ours: the request goes upstream with the key and the fencing token.
+    fn forward(&mut self, claimed: Claimed, reclaimed: bool) -> Turn {
+        let mut t = Turn::pause();
+        let token = claimed.token;
+        if reclaimed {
+            t.push(Flow::log(
+                Level::Info,
+                format!(
+                    "key of {} reclaimed after an expired lease (token {token})",
+                    claimed.endpoint()
+                ),
+            ));
+        }
+        let key = claimed.req.req.key.clone();
+        t.push(self.effect(|stream| Effect::SetRequestHeader {
+            stream,
+            name: key::HEADER,
+            value: key,
+        }));
+        t.push(self.effect(|stream| Effect::SetRequestHeader {
+            stream,
+            name: FENCING_TOKEN_HEADER,
+            value: token.to_string(),
+        }));
+        let held: HeldClaim = claimed.held();
+        t.push(Note::Register(held));
+        t.push(Effect::Count(Metric::Claimed));
+        t.push(Note::ForgetRunning(claimed.req.req.id()));
+        t.push(self.effect(|stream| Effect::ResumeRequest { stream }));
+        self.state = State::Upstream(claimed);
+        t
+    }
+
+    /// The state API cannot be used: 503, or forward where the route fails open.
+    fn unavailable(&mut self, cfg: &Config, req: Fingerprinted, why: String) -> Turn {
+        let fail_open = cfg
+            .routes
+            .get(req.req.route)
+            .is_some_and(|r| r.on_state_unavailable == OnStateUnavailable::FailOpen);
+        let log = Flow::log(
+            Level::Error,
+            format!(
+                "idempotency state API unusable for {}: {why}",
+                req.req.endpoint
+            ),
+        );
+        if fail_open {
+            self.state = State::FailedOpen;
+            let mut t = Turn::pause()
+                .with(Effect::Count(Metric::StateApiErrors))
+                .with(log)
+                .with(Effect::Count(Metric::FailedOpen));
+            t.push(self.effect(|stream| Effect::RemoveRequestHeader {
+                stream,
+                name: FENCING_TOKEN_HEADER,
+            }));
+            t.push(self.effect(|stream| Effect::ResumeRequest { stream }));
+            return t;
+        }
+        self.reply(Some(Metric::StateApiErrors), reply::state_unavailable())
+            .with(log)
+    }
+}
+
+/// The answer to a completed record: its metric and reply, or why it cannot be used.
+pub(crate) fn completed_reply(
+    cfg: &Config,
+    rec: &Completed,
+) -> Result<(Metric, crate::reply::LocalReply), String> {
+    let r = reply::for_completed(
+        rec.status,
+        &rec.headers,
+        &rec.body,
+        rec.replayable,
+        &cfg.replay_extra_headers,
+    )?;
+    Ok((
+        if rec.replayable {
+            Metric::Replayed
+        } else {
+            Metric::NotReplayable
+        },
+        r,
+    ))
+}

@@ -1,0 +1,271 @@
+//! The request phase: is the route protected, who is the caller, which key, and the body's
+//! fingerprint; then the claim.
+
+use super::{Call, Fingerprinted, Flow, Request, State, Turn};
+use crate::config::{Config, KeyPolicy, SubjectSource};
+use crate::key::{self, parse_key_header};
+use crate::metrics::Metric;
+use crate::reply::LocalReply;
+use crate::worker::{Effect, Level, StreamId};
+use contract::fingerprint::{self, FingerprintError};
+use contract::wire::{ClaimRequest, FENCING_TOKEN_HEADER};
+use contract::ProblemKind;
+
+/// Longest accepted subject (bytes).
+pub const MAX_SUBJECT_LEN: usize = 1024;
+
+/// What the glue knows when request headers arrive.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead<'a> {
+    /// All request headers, pseudo-headers included, as Envoy lists them (repeats kept).
+    pub headers: &'a [(String, String)],
+    /// The subject read from dynamic metadata (only for `subject.metadata`).
+    pub metadata_subject: Option<&'a str>,
+}
+
+impl RequestHead<'_> {
+    fn values(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+    fn first(&self, name: &str) -> Option<&str> {
+        self.values(name).into_iter().next()
+    }
+}
+
+fn valid_subject(s: &str) -> bool {
+    !s.is_empty() && s.len() <= MAX_SUBJECT_LEN && !s.chars().any(char::is_control)
+}
+
+pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+impl Flow {
+    /// A new stream's request headers.
+    pub fn start(
+        cfg: &Config,
+        stream: StreamId,
+        head: RequestHead<'_>,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> (Self, Turn) {
+        let mut flow = Self {
+            stream,
+            state: State::Passthrough,
+        };
+        let turn = flow.on_request_headers(cfg, head, end_of_stream, now_ms);
+        (flow, turn)
+    }
+
+    fn on_request_headers(
+        &mut self,
+        cfg: &Config,
+        head: RequestHead<'_>,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Turn {
+        let method = head.first(":method").unwrap_or("").to_owned();
+        let full_path = head.first(":path").unwrap_or("");
+        let (path, query) = match full_path.split_once('?') {
+            Some((p, q)) => (p.to_owned(), q.to_owned()),
+            None => (full_path.to_owned(), String::new()),
+        };
+        let Some((route_idx, route)) = cfg
+            .route_index(&method, &path)
+            .and_then(|i| cfg.routes.get(i).map(|r| (i, r)))
+        else {
+            return Turn::cont();
+        };
+        let key_values = head.values(key::HEADER);
+        if key_values.is_empty() && route.key == KeyPolicy::Optional {
+            // Not protected without a key; a client copy of the fencing header is never trusted.
+            return Turn::cont().with(self.effect(|stream| Effect::RemoveRequestHeader {
+                stream,
+                name: FENCING_TOKEN_HEADER,
+            }));
+        }
+
+        let subject = match &cfg.subject {
+            SubjectSource::Header(h) => match head.values(h).as_slice() {
+                [one] => Some((*one).to_owned()),
+                _ => None,
+            },
+            SubjectSource::Metadata(_) => head.metadata_subject.map(str::to_owned),
+        };
+        let Some(subject) = subject.filter(|s| valid_subject(s)) else {
+            return self.reply(
+                Some(Metric::Unauthenticated401),
+                LocalReply::problem(
+                    ProblemKind::Unauthenticated,
+                    "this operation needs an authenticated caller",
+                ),
+            );
+        };
+
+        let key = match parse_key_header(&key_values) {
+            Ok(Some(k)) => k,
+            Ok(None) => {
+                return self.reply(
+                    Some(Metric::BadKey400),
+                    LocalReply::problem(
+                        ProblemKind::MissingKey,
+                        format!("{method} {path} requires an Idempotency-Key header"),
+                    ),
+                )
+            }
+            Err(e) => {
+                return self.reply(
+                    Some(Metric::BadKey400),
+                    LocalReply::problem(ProblemKind::InvalidKey, e.to_string()),
+                )
+            }
+        };
+
+        if head
+            .first("content-length")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|len| len > cfg.max_request_body_bytes)
+        {
+            return self.too_large(cfg);
+        }
+
+        let req = Request {
+            route: route_idx,
+            key,
+            subject,
+            endpoint: format!("{method} {path}"),
+            method,
+            path,
+            query,
+            content_type: head.first("content-type").map(str::to_owned),
+        };
+        if end_of_stream {
+            return self.fingerprint(cfg, req, &[], now_ms);
+        }
+        self.state = State::Buffering { req, body_size: 0 };
+        Turn::pause()
+    }
+
+    fn too_large(&mut self, cfg: &Config) -> Turn {
+        let max = cfg.max_request_body_bytes;
+        self.reply(
+            Some(Metric::TooLarge413),
+            LocalReply::problem(
+                ProblemKind::PayloadTooLarge,
+                format!("the request body is limited to {max} bytes"),
+            ),
+        )
+    }
+
+    /// A request body callback. `body_size` is cumulative (the filter paused). `read(n)` reads
+    /// the first `n` buffered bytes; it is called at most once, at the end of the body.
+    pub fn on_request_body(
+        &mut self,
+        cfg: &Config,
+        body_size: usize,
+        end_of_stream: bool,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Turn {
+        let State::Buffering {
+            body_size: seen, ..
+        } = &mut self.state
+        else {
+            return Turn::cont();
+        };
+        *seen = body_size;
+        if body_size as u64 > cfg.max_request_body_bytes {
+            return self.too_large(cfg);
+        }
+        if !end_of_stream {
+            return Turn::pause();
+        }
+        self.body_done(cfg, read, now_ms)
+    }
+
+    /// Request trailers (HTTP/2): the body ended without `end_of_stream` on a body callback.
+    pub fn on_request_trailers(
+        &mut self,
+        cfg: &Config,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Turn {
+        if !matches!(self.state, State::Buffering { .. }) {
+            return Turn::cont();
+        }
+        self.body_done(cfg, read, now_ms)
+    }
+
+    fn body_done(
+        &mut self,
+        cfg: &Config,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Turn {
+        let State::Buffering { req, body_size } = self.take() else {
+            return Turn::cont();
+        };
+        let body = if body_size == 0 {
+            Some(Vec::new())
+        } else {
+            read(body_size)
+        };
+        match body {
+            Some(body) => self.fingerprint(cfg, req, &body, now_ms),
+            None => self
+                .reply(
+                    None,
+                    LocalReply::problem(
+                        ProblemKind::Internal,
+                        "the request body could not be read",
+                    ),
+                )
+                .with(Flow::log(
+                    Level::Error,
+                    "could not read the buffered request body".into(),
+                )),
+        }
+    }
+
+    /// Fingerprints the request and asks to claim its key.
+    fn fingerprint(&mut self, cfg: &Config, req: Request, body: &[u8], now_ms: u64) -> Turn {
+        let fingerprint = match fingerprint::fingerprint(
+            &req.method,
+            &req.path,
+            &req.query,
+            req.content_type.as_deref(),
+            body,
+        ) {
+            Ok(fp) => fp,
+            Err(e @ FingerprintError::DuplicateMember(_)) => {
+                return self.reply(
+                    Some(Metric::BadBody400),
+                    LocalReply::problem(ProblemKind::DuplicateJsonMember, e.to_string()),
+                )
+            }
+        };
+        let body = to_json(&ClaimRequest {
+            key: req.key.clone(),
+            subject: req.subject.clone(),
+            endpoint: req.endpoint.clone(),
+            fingerprint: fingerprint.hex.clone(),
+            fingerprint_alg: fingerprint.alg.to_owned(),
+            lease_ms: Some(cfg.lease_ms),
+        });
+        let call = Call::Claim {
+            body,
+            id: req.id(),
+            fingerprint: fingerprint.clone(),
+        };
+        self.state = State::Claiming(Fingerprinted {
+            req,
+            fingerprint,
+            sent_ms: now_ms,
+        });
+        Turn::pause().with(call)
+    }
+}

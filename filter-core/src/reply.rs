@@ -1,0 +1,178 @@
+//! The responses the filter sends itself (Envoy local replies): problem documents, and the
+//! replay of a stored outcome.
+
+use crate::headers::{stored, REPLAYED_MARKER};
+use contract::{Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
+
+/// A response the filter sends itself (Envoy local reply).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// Short reason for Envoy's response code details (`wasm_...` is not settable; logged).
+    pub reason: &'static str,
+}
+
+impl LocalReply {
+    /// An `application/problem+json` answer with `cache-control: no-store`.
+    pub fn problem(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        Self {
+            status: kind.status(),
+            headers: vec![
+                ("content-type".into(), PROBLEM_CONTENT_TYPE.into()),
+                ("cache-control".into(), "no-store".into()),
+            ],
+            body: Problem::new(kind, detail).to_json(),
+            reason: kind.slug(),
+        }
+    }
+
+    pub fn with_header(mut self, name: &str, value: impl Into<String>) -> Self {
+        self.headers.push((name.to_owned(), value.into()));
+        self
+    }
+
+    /// The stored response, replayed: stored headers filtered again (the store is not
+    /// trusted to have applied this filter's allowlist), plus `Idempotent-Replayed: true`.
+    pub fn replay(
+        status: u16,
+        stored_headers: &[(String, String)],
+        extra: &[String],
+        body: Vec<u8>,
+    ) -> Self {
+        let mut headers = stored(stored_headers, extra);
+        headers.push((REPLAYED_MARKER.0.into(), REPLAYED_MARKER.1.into()));
+        Self {
+            status,
+            headers,
+            body,
+            reason: "idempotent_replay",
+        }
+    }
+}
+
+/// The answer to a retry of a request that completed: its replay, or the problem of an outcome
+/// that was stored without its body. `Err`: a stored status that no HTTP response can carry.
+pub fn for_completed(
+    status: u16,
+    headers: &[(String, String)],
+    body: &[u8],
+    replayable: bool,
+    extra: &[String],
+) -> Result<LocalReply, String> {
+    if !replayable {
+        let mut r = LocalReply::problem(
+            ProblemKind::OutcomeNotReplayable,
+            format!("the request completed with status {status} but its response was too large to keep; it will not run again"),
+        );
+        if let Some((_, loc)) = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("location"))
+        {
+            r = r.with_header("location", loc.clone());
+        }
+        return Ok(r);
+    }
+    if !(100..=999).contains(&status) {
+        return Err(format!("stored status {status} is not an HTTP status"));
+    }
+    Ok(LocalReply::replay(status, headers, extra, body.to_vec()))
+}
+
+/// 409: the key is held by a request still running.
+pub fn in_progress(retry_after_s: u32) -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::InProgress,
+        "a request with this key is still being processed; retry later",
+    )
+    .with_header("retry-after", retry_after_s.max(1).to_string())
+}
+
+/// 422: the key was used for another request.
+pub fn mismatch(endpoint: &str) -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::KeyReuseMismatch,
+        format!("this Idempotency-Key was used with a different request to {endpoint}"),
+    )
+}
+
+/// 503: the state API cannot be used, nothing was forwarded.
+pub fn state_unavailable() -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::StateUnavailable,
+        "the idempotency store is unavailable; nothing was forwarded, retry later",
+    )
+    .with_header("retry-after", "1")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn h(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn replays_are_marked_and_filtered_again() {
+        let r = LocalReply::replay(
+            201,
+            &h(&[("location", "/c/1"), ("set-cookie", "x")]),
+            &[],
+            b"{}".to_vec(),
+        );
+        assert_eq!(r.status, 201);
+        assert_eq!(
+            r.headers,
+            h(&[("location", "/c/1"), ("idempotent-replayed", "true")])
+        );
+        assert_eq!(r.body, b"{}");
+    }
+
+    #[test]
+    fn values_with_cr_lf_or_nul_are_never_replayed() {
+        let r = LocalReply::replay(
+            201,
+            &h(&[
+                ("location", "/x\r\nset-cookie: injected=1"),
+                ("etag", "\"a\nb\""),
+                ("link", "</a>\0"),
+                ("content-type", "application/json"),
+            ]),
+            &[],
+            b"{}".to_vec(),
+        );
+        assert_eq!(
+            r.headers,
+            h(&[
+                ("content-type", "application/json"),
+                ("idempotent-replayed", "true")
+            ])
+        );
+    }
+
+    #[test]
+    fn problems_are_problem_json_and_not_stored_by_caches() {
+        let r =
+            LocalReply::problem(ProblemKind::InProgress, "wait").with_header("retry-after", "2");
+        assert_eq!(r.status, 409);
+        assert_eq!(
+            r.headers,
+            h(&[
+                ("content-type", "application/problem+json"),
+                ("cache-control", "no-store"),
+                ("retry-after", "2")
+            ])
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["type"], "/problems/request-in-progress");
+        assert_eq!(v["detail"], "wait");
+    }
+}

@@ -1,0 +1,801 @@
+//! One Envoy worker's state machine: the flows of its streams, the claims whose leases it
+//! extends, the writes it sends after their streams let go, and its memory of completed and
+//! running keys. Every host event of the worker comes in here (from the root context and the
+//! HTTP contexts alike) with the time, and goes out as [`Effect`]s for the glue to carry out;
+//! nothing here calls the host. The deterministic simulation (`sim/`) drives this same type.
+//!
+//! Callouts have an [`Owner`]: Envoy delivers a callout's answer to the context that made it,
+//! and cancels a stream's callouts when the stream ends. So a stream's claim and its held
+//! complete are stream callouts, made while that stream is being handled; heartbeats and the
+//! writes a stream handed over are the worker's, made only from the root context's events
+//! ([`Worker::on_tick`], [`Worker::on_wake`], and the answers to the worker's own callouts).
+//! When a stream hands over a write that should go at once, the worker asks to be woken
+//! ([`Effect::Wake`]).
+
+pub mod ids;
+pub mod in_flight;
+pub mod registry;
+pub mod replay_cache;
+pub mod writes;
+
+use crate::config::Config;
+use crate::flow::{Call, Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
+use crate::metrics::Metric;
+use crate::reply::LocalReply;
+use contract::wire::{HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH};
+use in_flight::InFlightMemory;
+use registry::Registry;
+use replay_cache::{Completed, ReplayCache};
+use std::collections::HashMap;
+use writes::{PendingWrites, WriteDone, WriteVerdict};
+
+pub use registry::HeldClaim;
+pub use writes::PendingWrite;
+
+/// An HTTP stream (Envoy's context id of its HTTP context).
+pub type StreamId = u32;
+
+/// A callout, as the worker names it (the glue maps Envoy's tokens to these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CallId(pub u64);
+
+/// What became of a callout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CalloutResult {
+    /// Could not be dispatched, was reset or timed out before any response.
+    Failed(String),
+    /// The other side answered (any status).
+    Response { status: u16, body: Vec<u8> },
+}
+
+/// Who receives a callout's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// The stream: made while it is handled; cancelled by Envoy when it ends.
+    Stream(StreamId),
+    /// The worker (root context): made only from the root context's events.
+    Worker,
+}
+
+/// An HTTP callout to make (`dispatch_http_call`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatch {
+    pub id: CallId,
+    pub owner: Owner,
+    /// The Envoy cluster.
+    pub cluster: String,
+    /// Pseudo-headers included.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub timeout_ms: u64,
+}
+
+impl Dispatch {
+    /// The value of a header (`:path`, ...).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// What the glue does, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// `send_http_response`: the stream is answered and nothing is forwarded.
+    Reply {
+        stream: StreamId,
+        reply: LocalReply,
+    },
+    /// Replace a request header (all its values).
+    SetRequestHeader {
+        stream: StreamId,
+        name: &'static str,
+        value: String,
+    },
+    RemoveRequestHeader {
+        stream: StreamId,
+        name: &'static str,
+    },
+    /// Let the request go upstream (inside that stream's request callback: return Continue).
+    ResumeRequest {
+        stream: StreamId,
+    },
+    /// Let the response go to the client (inside its response callback: return Continue).
+    ResumeResponse {
+        stream: StreamId,
+    },
+    /// Make a callout; if it cannot be dispatched, tell [`Worker::on_callout_answer`] at once.
+    Dispatch(Dispatch),
+    /// Wake the root context soon ([`Worker::on_wake`]): it has writes to send.
+    Wake,
+    Count(Metric),
+    Log(Level, String),
+}
+
+/// What a stream callback returns: its verdict and the effects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub verdict: Verdict,
+    pub effects: Vec<Effect>,
+}
+
+impl Step {
+    fn cont() -> Self {
+        Self {
+            verdict: Verdict::Continue,
+            effects: Vec::new(),
+        }
+    }
+}
+
+/// What a callout was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    Claim(StreamId),
+    /// A complete or release the stream holds its response for.
+    StreamWrite(StreamId),
+    Heartbeat(i64),
+    /// A handed-over write (by fencing token).
+    Write(i64),
+}
+
+impl Purpose {
+    fn stream(self) -> Option<StreamId> {
+        match self {
+            Purpose::Claim(s) | Purpose::StreamWrite(s) => Some(s),
+            Purpose::Heartbeat(_) | Purpose::Write(_) => None,
+        }
+    }
+}
+
+/// How much memory the worker holds, for the limits the configuration sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub streams: usize,
+    pub callouts: usize,
+    pub claims: usize,
+    pub writes: usize,
+    pub write_bytes: usize,
+    pub replay_bytes: usize,
+    pub running_keys: usize,
+}
+
+#[derive(Debug)]
+pub struct Worker {
+    cfg: Config,
+    flows: HashMap<StreamId, Flow>,
+    calls: HashMap<CallId, Purpose>,
+    next_call: u64,
+    registry: Registry,
+    writes: PendingWrites,
+    replays: ReplayCache,
+    in_flight: InFlightMemory,
+    /// A wake was asked for and has not come yet: writes handed over meanwhile go with it.
+    wake_pending: bool,
+}
+
+impl Worker {
+    pub fn new(cfg: Config) -> Self {
+        Self {
+            writes: PendingWrites::new(cfg.complete_retry_bytes, cfg.complete_retry_ms),
+            replays: ReplayCache::new(cfg.replay_cache_bytes, cfg.replay_cache_ttl_ms),
+            in_flight: InFlightMemory::default(),
+            registry: Registry::default(),
+            flows: HashMap::new(),
+            calls: HashMap::new(),
+            next_call: 0,
+            wake_pending: false,
+            cfg,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// How often the root context ticks.
+    pub fn tick_period_ms(&self) -> u64 {
+        self.cfg.tick_period_ms()
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage {
+            streams: self.flows.len(),
+            callouts: self.calls.len(),
+            claims: self.registry.len(),
+            writes: self.writes.len(),
+            write_bytes: self.writes.bytes(),
+            replay_bytes: self.replays.bytes(),
+            running_keys: self.in_flight.len(),
+        }
+    }
+
+    /// The upstream response of `stream` is wanted (read `response.code_details` and `flags`).
+    pub fn awaits_response(&self, stream: StreamId) -> bool {
+        self.flows.get(&stream).is_some_and(Flow::awaits_response)
+    }
+
+    /// The state of a stream's flow, for logs and tests.
+    pub fn flow_state(&self, stream: StreamId) -> Option<&'static str> {
+        self.flows.get(&stream).map(Flow::state_name)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Stream events
+
+    pub fn on_request_headers(
+        &mut self,
+        stream: StreamId,
+        head: RequestHead<'_>,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        let (flow, turn) = Flow::start(&self.cfg, stream, head, end_of_stream, now_ms);
+        self.flows.insert(stream, flow);
+        self.run(stream, turn, now_ms)
+    }
+
+    pub fn on_request_body(
+        &mut self,
+        stream: StreamId,
+        body_size: usize,
+        end_of_stream: bool,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Step {
+        let Some(flow) = self.flows.get_mut(&stream) else {
+            return Step::cont();
+        };
+        let turn = flow.on_request_body(&self.cfg, body_size, end_of_stream, read, now_ms);
+        self.run(stream, turn, now_ms)
+    }
+
+    pub fn on_request_trailers(
+        &mut self,
+        stream: StreamId,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Step {
+        let Some(flow) = self.flows.get_mut(&stream) else {
+            return Step::cont();
+        };
+        let turn = flow.on_request_trailers(&self.cfg, read, now_ms);
+        self.run(stream, turn, now_ms)
+    }
+
+    pub fn on_response_headers(
+        &mut self,
+        stream: StreamId,
+        head: ResponseHead<'_>,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Step {
+        let Some(flow) = self.flows.get_mut(&stream) else {
+            return Step::cont();
+        };
+        let turn = flow.on_response_headers(&self.cfg, head, end_of_stream);
+        self.run(stream, turn, now_ms)
+    }
+
+    pub fn on_response_body(
+        &mut self,
+        stream: StreamId,
+        body_size: usize,
+        end_of_stream: bool,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Step {
+        let Some(flow) = self.flows.get_mut(&stream) else {
+            return Step::cont();
+        };
+        let turn = flow.on_response_body(&self.cfg, body_size, end_of_stream, read);
+        self.run(stream, turn, now_ms)
+    }
+
+    pub fn on_response_trailers(
+        &mut self,
+        stream: StreamId,
+        read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
+        now_ms: u64,
+    ) -> Step {
+        let Some(flow) = self.flows.get_mut(&stream) else {
+            return Step::cont();
+        };
+        let turn = flow.on_response_trailers(read);
+        self.run(stream, turn, now_ms)
+    }
+
+    /// The stream is over (`on_done`): its callouts are cancelled by Envoy, its flow goes.
+    pub fn on_stream_done(&mut self, stream: StreamId, now_ms: u64) -> Vec<Effect> {
+        let Some(mut flow) = self.flows.remove(&stream) else {
+            return Vec::new();
+        };
+        self.calls.retain(|_, p| p.stream() != Some(stream));
+        let turn = flow.on_stream_done(&self.cfg);
+        let mut step = Step::cont();
+        self.apply(&mut flow, turn, now_ms, &mut step);
+        step.effects
+    }
+
+    /// Runs a turn of the stream's flow (which is in `self.flows`).
+    fn run(&mut self, stream: StreamId, turn: Turn, now_ms: u64) -> Step {
+        let mut step = Step::cont();
+        // The flow is taken out while its outputs are applied (they may call it again).
+        let Some(mut flow) = self.flows.remove(&stream) else {
+            return step;
+        };
+        self.apply(&mut flow, turn, now_ms, &mut step);
+        self.flows.insert(stream, flow);
+        step
+    }
+
+    /// Carries out a flow's outputs in order. A call the worker answers itself (a claim from
+    /// memory, a complete it takes over) gives the flow another turn, applied in its place;
+    /// the last turn's verdict is the callback's.
+    fn apply(&mut self, flow: &mut Flow, turn: Turn, now_ms: u64, step: &mut Step) {
+        step.verdict = turn.verdict;
+        for out in turn.outs {
+            match out {
+                Out::Effect(e) => step.effects.push(e),
+                Out::Note(n) => self.note(n, now_ms, &mut step.effects),
+                Out::Call(call) => {
+                    if let Some(next) = self.call(flow, call, now_ms, &mut step.effects) {
+                        self.apply(flow, next, now_ms, step);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Routes a stream's call: answered from memory, taken over, or dispatched on the stream.
+    fn call(
+        &mut self,
+        flow: &mut Flow,
+        call: Call,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) -> Option<Turn> {
+        let stream = flow.stream();
+        match call {
+            Call::Claim {
+                body,
+                id,
+                fingerprint,
+            } => {
+                if self.replays.enabled() {
+                    if let Some(rec) = self.replays.get(&id, now_ms) {
+                        let rec = rec.clone();
+                        return Some(flow.on_remembered(&self.cfg, Remembered::Completed(rec)));
+                    }
+                    if let Some(retry_after_s) =
+                        self.in_flight.retry_after(&id, &fingerprint, now_ms)
+                    {
+                        return Some(
+                            flow.on_remembered(&self.cfg, Remembered::Running { retry_after_s }),
+                        );
+                    }
+                }
+                self.dispatch_state_api(
+                    Owner::Stream(stream),
+                    Purpose::Claim(stream),
+                    CLAIM_PATH,
+                    body,
+                    effects,
+                );
+                None
+            }
+            Call::Complete {
+                body,
+                claim,
+                record,
+                first,
+            } => {
+                if first && self.cfg.complete_in_background {
+                    if self.writes.can_take(body.len()) {
+                        let write = PendingWrite {
+                            claim,
+                            path: COMPLETE_PATH,
+                            payload: body,
+                            untried: true,
+                        };
+                        self.hand_over(write, Some(record), now_ms, effects);
+                        return Some(flow.on_complete_taken());
+                    }
+                    effects.push(Effect::Count(Metric::CompleteHeld));
+                    effects.push(Effect::Log(
+                        Level::Info,
+                        format!(
+                            "the worker's complete_retry_bytes are in use: {} is stored before its response goes on",
+                            claim.endpoint
+                        ),
+                    ));
+                }
+                self.dispatch_state_api(
+                    Owner::Stream(stream),
+                    Purpose::StreamWrite(stream),
+                    COMPLETE_PATH,
+                    body,
+                    effects,
+                );
+                None
+            }
+            Call::Release { body } => {
+                self.dispatch_state_api(
+                    Owner::Stream(stream),
+                    Purpose::StreamWrite(stream),
+                    RELEASE_PATH,
+                    body,
+                    effects,
+                );
+                None
+            }
+        }
+    }
+
+    fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
+        match note {
+            Note::Register(claim) => self.registry.register(claim, now_ms),
+            Note::Unregister(token) => self.registry.remove(token),
+            Note::HoldRunning {
+                id,
+                fingerprint,
+                retry_after_s,
+                since_ms,
+                lease_remaining_ms,
+            } => {
+                // Never past the lease the state API reported.
+                if self.replays.enabled() {
+                    let for_ms = self.cfg.in_flight_cache_ms.min(lease_remaining_ms);
+                    self.in_flight
+                        .hold(id, &fingerprint, retry_after_s, since_ms, for_ms);
+                }
+            }
+            Note::ForgetRunning(id) => self.in_flight.forget(&id),
+            Note::Remember {
+                id,
+                record,
+                since_ms,
+                expires_in_ms,
+            } => {
+                self.in_flight.forget(&id);
+                if self.answerable(&record) {
+                    self.replays.insert(id, *record, since_ms, expires_in_ms);
+                }
+            }
+            Note::HandOver { write, record } => self.hand_over(write, record, now_ms, effects),
+        }
+    }
+
+    /// Only records a replay can carry are kept in memory.
+    fn answerable(&self, rec: &Completed) -> bool {
+        crate::flow::completed_reply(&self.cfg, rec).is_ok()
+    }
+
+    /// The worker takes a write over: the claim's lease stays alive while it waits, and the
+    /// response is answered to retries on this worker from memory. When it cannot be kept, the
+    /// heartbeat stops and the key stays in progress until its lease runs out.
+    fn hand_over(
+        &mut self,
+        write: PendingWrite,
+        record: Option<Box<Completed>>,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        let claim = write.claim.clone();
+        let untried = write.untried;
+        match self.writes.add(write, now_ms) {
+            Ok(()) => {
+                if !self.registry.contains(claim.token) {
+                    // The stream ended before: keep the lease alive all the same.
+                    self.registry.register(claim.clone(), now_ms);
+                }
+                if let Some(rec) = record {
+                    if self.answerable(&rec) {
+                        self.replays.insert_pending(
+                            ids::id(&claim.key, &claim.subject, &claim.endpoint),
+                            *rec,
+                        );
+                    }
+                }
+                if untried && !self.wake_pending {
+                    self.wake_pending = true;
+                    effects.push(Effect::Wake);
+                }
+            }
+            Err(why) => {
+                self.registry.remove(claim.token);
+                effects.push(Effect::Count(Metric::CompleteGaveUp));
+                effects.push(Effect::Log(
+                    Level::Error,
+                    format!(
+                        "complete for {} given up ({why}); the key stays in progress until its lease runs out",
+                        claim.endpoint
+                    ),
+                ));
+            }
+        }
+    }
+
+    fn dispatch_state_api(
+        &mut self,
+        owner: Owner,
+        purpose: Purpose,
+        path: &str,
+        body: Vec<u8>,
+        effects: &mut Vec<Effect>,
+    ) {
+        self.next_call += 1;
+        let id = CallId(self.next_call);
+        self.calls.insert(id, purpose);
+        let api = &self.cfg.state_api;
+        effects.push(Effect::Dispatch(Dispatch {
+            id,
+            owner,
+            cluster: api.cluster.clone(),
+            headers: vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), path.into()),
+                (":authority".into(), api.authority.clone()),
+                ("authorization".into(), format!("Bearer {}", api.token)),
+                ("content-type".into(), "application/json".into()),
+                ("accept".into(), "application/json".into()),
+            ],
+            body,
+            timeout_ms: api.timeout_ms,
+        }));
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Callout answers
+
+    /// The answer to a callout (or its failure, also a failure to dispatch it).
+    pub fn on_callout_answer(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
+        let Some(purpose) = self.calls.remove(&id) else {
+            return Step {
+                verdict: Verdict::Continue,
+                effects: vec![Effect::Log(
+                    Level::Warn,
+                    format!("unexpected callout answer {}", id.0),
+                )],
+            };
+        };
+        match purpose {
+            Purpose::Claim(stream) | Purpose::StreamWrite(stream) => {
+                let Some(flow) = self.flows.get_mut(&stream) else {
+                    return Step::cont();
+                };
+                let turn = if matches!(purpose, Purpose::Claim(_)) {
+                    flow.on_claim_answer(&self.cfg, result)
+                } else {
+                    flow.on_write_answer(&self.cfg, result)
+                };
+                self.run(stream, turn, now_ms)
+            }
+            Purpose::Heartbeat(token) => Step {
+                verdict: Verdict::Continue,
+                effects: self.heartbeat_answered(token, result),
+            },
+            Purpose::Write(token) => {
+                let mut effects = Vec::new();
+                self.write_answered(token, result, now_ms, &mut effects);
+                Step {
+                    verdict: Verdict::Continue,
+                    effects,
+                }
+            }
+        }
+    }
+
+    fn heartbeat_answered(&mut self, token: i64, result: CalloutResult) -> Vec<Effect> {
+        self.registry.answered(token);
+        match result {
+            CalloutResult::Response { status, body } if (200..300).contains(&status) => {
+                if HeartbeatResponse::read(&body).is_ok() {
+                    vec![Effect::Count(Metric::Heartbeats)]
+                } else {
+                    vec![
+                        Effect::Count(Metric::StateApiErrors),
+                        Effect::Log(Level::Warn, "unreadable heartbeat answer".into()),
+                    ]
+                }
+            }
+            CalloutResult::Response { status: 409, .. } => {
+                // A newer claim owns the key: stop extending this one, and stop completing it.
+                self.registry.remove(token);
+                let pending = self.writes.remove(token);
+                if let Some(claim) = &pending {
+                    self.replays
+                        .remove(&ids::id(&claim.key, &claim.subject, &claim.endpoint));
+                }
+                vec![
+                    Effect::Count(Metric::FencedOut),
+                    Effect::Log(
+                        Level::Warn,
+                        if pending.is_some() {
+                            "heartbeat fenced out; a newer claim owns the key (its pending complete is dropped)".into()
+                        } else {
+                            "heartbeat fenced out; a newer claim owns the key".into()
+                        },
+                    ),
+                ]
+            }
+            CalloutResult::Response { status, .. } => vec![
+                Effect::Count(Metric::StateApiErrors),
+                Effect::Log(Level::Warn, format!("heartbeat answered HTTP {status}")),
+            ],
+            CalloutResult::Failed(why) => vec![
+                Effect::Count(Metric::StateApiErrors),
+                Effect::Log(Level::Warn, format!("heartbeat failed: {why}")),
+            ],
+        }
+    }
+
+    fn write_answered(
+        &mut self,
+        token: i64,
+        result: CalloutResult,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        let (verdict, expires_in_ms) = WriteVerdict::of(&result);
+        match self.writes.answered(token, verdict, now_ms) {
+            None if verdict == WriteVerdict::Failed => {
+                effects.push(Effect::Count(Metric::StateApiErrors));
+                if let CalloutResult::Failed(why) = result {
+                    effects.push(Effect::Log(
+                        Level::Debug,
+                        format!("complete retry failed: {why}"),
+                    ));
+                }
+            }
+            None => {}
+            Some(done) => self.write_done(done, expires_in_ms, now_ms, effects),
+        }
+    }
+
+    /// A handed-over write is over: its heartbeat stops, its pending memory entry becomes a
+    /// normal one (stored, with the record's expiry) or goes.
+    fn write_done(
+        &mut self,
+        done: WriteDone,
+        expires_in_ms: Option<u64>,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        let claim = done.claim();
+        let token = claim.token;
+        self.registry.remove(token);
+        let id = ids::id(&claim.key, &claim.subject, &claim.endpoint);
+        match (&done, expires_in_ms) {
+            (WriteDone::Stored { .. }, Some(expires_in_ms)) => {
+                self.replays.settle(&id, now_ms, expires_in_ms)
+            }
+            _ => {
+                self.replays.remove(&id);
+            }
+        }
+        match done {
+            WriteDone::Stored {
+                claim,
+                attempts,
+                untried,
+            } => {
+                effects.push(Effect::Count(Metric::Completed));
+                // An untried write stored at its first attempt is the normal case.
+                let retries = attempts.saturating_sub(u32::from(untried));
+                if retries > 0 {
+                    effects.push(Effect::Log(
+                        Level::Info,
+                        format!(
+                            "complete for {} stored after {retries} retries (token {token})",
+                            claim.endpoint
+                        ),
+                    ));
+                }
+            }
+            WriteDone::FencedOut { claim } => {
+                effects.push(Effect::Count(Metric::FencedOut));
+                effects.push(Effect::Log(
+                    Level::Warn,
+                    format!(
+                        "complete for {} refused, a newer claim owns the key (token {token})",
+                        claim.endpoint
+                    ),
+                ));
+            }
+            WriteDone::GaveUp {
+                claim,
+                attempts,
+                why,
+            } => {
+                effects.push(Effect::Count(Metric::StateApiErrors));
+                effects.push(Effect::Count(Metric::CompleteGaveUp));
+                effects.push(Effect::Log(
+                    Level::Error,
+                    format!(
+                        "complete for {} given up after {attempts} retries ({why}; token {token}); the key stays in progress until its lease runs out",
+                        claim.endpoint
+                    ),
+                ));
+            }
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Root context events
+
+    /// The root context's tick: heartbeats that are due, writes that are due, expired memory.
+    pub fn on_tick(&mut self, now_ms: u64) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        self.replays.purge_expired(now_ms);
+        self.in_flight.purge_expired(now_ms);
+        if !self.registry.is_empty() {
+            let due = self.registry.due(
+                now_ms,
+                self.cfg.heartbeat_ms,
+                self.cfg.tick_period_ms(),
+                self.cfg.lease_ms,
+            );
+            for hb in due {
+                let token = hb.token;
+                let body = crate::flow::to_json(&hb);
+                self.dispatch_state_api(
+                    Owner::Worker,
+                    Purpose::Heartbeat(token),
+                    HEARTBEAT_PATH,
+                    body,
+                    &mut effects,
+                );
+            }
+        }
+        self.send_writes(now_ms, &mut effects);
+        // A wake lost by the host is made up for here.
+        self.wake_pending = false;
+        effects
+    }
+
+    /// The root context was woken ([`Effect::Wake`]): the writes handed over meanwhile go now.
+    pub fn on_wake(&mut self, now_ms: u64) -> Vec<Effect> {
+        self.wake_pending = false;
+        let mut effects = Vec::new();
+        self.send_writes(now_ms, &mut effects);
+        effects
+    }
+
+    /// Sends the writes that are due (within [`writes::MAX_IN_FLIGHT`]) and settles the ones
+    /// given up.
+    fn send_writes(&mut self, now_ms: u64, effects: &mut Vec<Effect>) {
+        if self.writes.is_empty() {
+            return;
+        }
+        let due = self.writes.due(now_ms);
+        for done in due.gave_up {
+            self.write_done(done, None, now_ms, effects);
+        }
+        for send in due.send {
+            if !send.first {
+                effects.push(Effect::Count(Metric::CompleteRetries));
+            }
+            self.dispatch_state_api(
+                Owner::Worker,
+                Purpose::Write(send.token),
+                send.path,
+                send.payload,
+                effects,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
