@@ -161,3 +161,18 @@ fuzz-smoke: tools-rust tools-fuzz
 	    echo "fuzz-smoke: $$t FAILED (its input is in fuzz/artifacts/$$t/)"; exit 1; fi; \
 	  rm -rf $$scratch; \
 	done; echo "fuzz-smoke: every target ran clean"
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic simulation
+
+# Schedules of the simulation (sim/): SEEDS schedules, or as many as fit in SECONDS; SEED=n
+# prints one schedule's whole trace. FAULTS narrows the faults (`all,-kill`). `make test` runs
+# the regression seeds and 100,000 schedules (sim/tests/simulate.rs).
+SEEDS ?= 100000
+SECONDS ?= 0
+FAULTS ?= all
+.PHONY: simulate
+simulate:
+	$(CARGO) build --locked --release -q -p sim
+	@if [ -n "$${SEED:-}" ]; then target/release/simulate --seed $$SEED --faults $(FAULTS); \
+	else target/release/simulate --seeds $(SEEDS) --seconds $(SECONDS) --faults $(FAULTS); fi

@@ -220,6 +220,18 @@ impl Worker {
         }
     }
 
+    /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
+    /// write that comes due. Ticks before it only drop expired memory.
+    pub fn next_due(&self) -> Option<u64> {
+        let heartbeat = self
+            .registry
+            .next_due(self.cfg.heartbeat_ms, self.cfg.tick_period_ms());
+        match (heartbeat, self.writes.next_due()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// The upstream response of `stream` is wanted (read `response.code_details` and `flags`).
     pub fn awaits_response(&self, stream: StreamId) -> bool {
         self.flows.get(&stream).is_some_and(Flow::awaits_response)

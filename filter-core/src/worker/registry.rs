@@ -95,6 +95,16 @@ impl Registry {
         out
     }
 
+    /// When the next heartbeat comes due ([`Registry::due`]); `None` while none can.
+    pub fn next_due(&self, heartbeat_ms: u64, tick_ms: u64) -> Option<u64> {
+        let threshold = heartbeat_ms.saturating_sub(tick_ms);
+        self.entries
+            .iter()
+            .filter(|e| !e.pending)
+            .map(|e| e.last_ms.saturating_add(threshold))
+            .min()
+    }
+
     /// The heartbeat for `token` was answered (or failed): it may be sent again.
     pub fn answered(&mut self, token: i64) {
         if let Some(e) = self.find(token) {

@@ -229,6 +229,16 @@ impl PendingWrites {
         self.take(token).map(|e| e.pending.claim)
     }
 
+    /// When the next write comes due or is given up ([`PendingWrites::due`]); `None` while
+    /// every one is on its way.
+    pub fn next_due(&self) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter(|e| !e.in_flight)
+            .map(|e| e.next_ms.min(e.since_ms.saturating_add(self.max_ms)))
+            .min()
+    }
+
     /// Whether an untried write waits to be sent (a wake is worth it).
     pub fn has_untried(&self) -> bool {
         self.entries

@@ -1,0 +1,356 @@
+//! A model of the state API with the real one's semantics (`state-api/src/store.rs` and
+//! `http.rs`): the same validation and limits, the same claim decisions (read-or-insert,
+//! mismatch before state, reclaim of an expired lease, take-over past retention), fenced
+//! heartbeats, completes and releases, one token sequence. Time is the database clock: the
+//! simulation's global time.
+
+use contract::wire::{
+    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse,
+    ReleaseRequest, StoredResponse, WriteResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
+    RELEASE_PATH,
+};
+use contract::{validate_key, Problem, ProblemKind};
+use std::collections::BTreeMap;
+
+pub const MIN_LEASE_MS: u64 = 1_000;
+pub const MAX_LEASE_MS: u64 = 600_000;
+const MAX_FIELD_LEN: usize = 1024;
+const MAX_HEADERS: usize = 100;
+const MAX_HEADER_VALUE_LEN: usize = 8192;
+
+/// (key, subject, endpoint).
+pub type Scope = (String, String, String);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub replayable: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordState {
+    InProgress { lease_until: u64, lease_ms: u64 },
+    Completed(Stored),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub fingerprint: String,
+    pub alg: String,
+    pub token: i64,
+    pub state: RecordState,
+    pub expires_at: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct StateApiConfig {
+    pub default_lease_ms: u64,
+    pub retention_ms: u64,
+    pub max_body_bytes: usize,
+    pub retry_after_cap_s: u64,
+}
+
+/// The model, and every token it handed out (for the invariants).
+#[derive(Debug, Clone)]
+pub struct ModelStateApi {
+    pub cfg: StateApiConfig,
+    pub records: BTreeMap<Scope, Record>,
+    next_token: i64,
+    /// When the database last started (a lease runs out only once it has been up that long).
+    pub started_at: u64,
+    /// Tokens handed out, with their scope.
+    pub issued: BTreeMap<i64, Scope>,
+}
+
+/// An answer: HTTP status and JSON body.
+pub type Answer = (u16, Vec<u8>);
+
+fn json<T: serde::Serialize>(status: u16, v: &T) -> Answer {
+    (status, serde_json::to_vec(v).unwrap_or_default())
+}
+
+fn problem(kind: ProblemKind, detail: &str) -> Answer {
+    (kind.status(), Problem::new(kind, detail).to_json())
+}
+
+fn check_text(v: &str) -> bool {
+    !v.is_empty() && v.len() <= MAX_FIELD_LEN && !v.chars().any(char::is_control)
+}
+
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+impl ModelStateApi {
+    pub fn new(cfg: StateApiConfig) -> Self {
+        Self {
+            cfg,
+            records: BTreeMap::new(),
+            next_token: 0,
+            started_at: 0,
+            issued: BTreeMap::new(),
+        }
+    }
+
+    fn token(&mut self, scope: &Scope) -> i64 {
+        self.next_token += 1;
+        self.issued.insert(self.next_token, scope.clone());
+        self.next_token
+    }
+
+    fn lease_for(&self, requested: Option<u64>) -> u64 {
+        requested
+            .unwrap_or(self.cfg.default_lease_ms)
+            .clamp(MIN_LEASE_MS, MAX_LEASE_MS)
+    }
+
+    fn scope(key: &str, subject: &str, endpoint: &str) -> Result<Scope, Answer> {
+        if let Err(e) = validate_key(key) {
+            return Err(problem(ProblemKind::InvalidKey, &e.to_string()));
+        }
+        if !check_text(subject) || !check_text(endpoint) {
+            return Err(problem(ProblemKind::BadRequest, "bad subject or endpoint"));
+        }
+        Ok((key.to_owned(), subject.to_owned(), endpoint.to_owned()))
+    }
+
+    /// Handles one call at time `now` (the state API and its database are up).
+    pub fn handle(&mut self, path: &str, body: &[u8], now: u64) -> Answer {
+        match path {
+            CLAIM_PATH => match serde_json::from_slice::<ClaimRequest>(body) {
+                Ok(r) => self.claim(r, now),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            HEARTBEAT_PATH => match serde_json::from_slice::<HeartbeatRequest>(body) {
+                Ok(r) => self.heartbeat(r, now),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            COMPLETE_PATH => match serde_json::from_slice::<CompleteRequest>(body) {
+                Ok(r) => self.complete(r, now),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            RELEASE_PATH => match serde_json::from_slice::<ReleaseRequest>(body) {
+                Ok(r) => self.release(r),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            _ => problem(ProblemKind::NotFound, "no such route"),
+        }
+    }
+
+    fn claim(&mut self, r: ClaimRequest, now: u64) -> Answer {
+        let scope = match Self::scope(&r.key, &r.subject, &r.endpoint) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        let hex = r.fingerprint.len() == 64
+            && r.fingerprint
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if !hex || r.fingerprint_alg.is_empty() || r.fingerprint_alg.len() > 64 {
+            return problem(ProblemKind::BadRequest, "bad fingerprint");
+        }
+        let lease_ms = self.lease_for(r.lease_ms);
+        let retention = self.cfg.retention_ms;
+        let fresh = |api: &mut Self, scope: &Scope| Record {
+            fingerprint: r.fingerprint.clone(),
+            alg: r.fingerprint_alg.clone(),
+            token: api.token(scope),
+            state: RecordState::InProgress {
+                lease_until: now + lease_ms,
+                lease_ms,
+            },
+            expires_at: now + retention,
+        };
+        let Some(rec) = self.records.get(&scope).cloned() else {
+            let rec = fresh(self, &scope);
+            let token = rec.token;
+            self.records.insert(scope, rec);
+            return json(
+                200,
+                &ClaimResponse::Claimed {
+                    token,
+                    lease_ms,
+                    reclaimed: false,
+                },
+            );
+        };
+        let lease_expired = |lease_until: u64, lease_ms: u64| {
+            lease_until <= now && self.started_at + lease_ms <= now
+        };
+        let retention_expired = rec.expires_at <= now
+            && match rec.state {
+                RecordState::Completed(_) => true,
+                RecordState::InProgress { lease_until, .. } => lease_until <= now,
+            };
+        if retention_expired {
+            let was_in_progress = matches!(rec.state, RecordState::InProgress { .. });
+            let rec = fresh(self, &scope);
+            let token = rec.token;
+            self.records.insert(scope, rec);
+            return json(
+                200,
+                &ClaimResponse::Claimed {
+                    token,
+                    lease_ms,
+                    reclaimed: was_in_progress,
+                },
+            );
+        }
+        if rec.alg != r.fingerprint_alg || rec.fingerprint != r.fingerprint {
+            return json(200, &ClaimResponse::Mismatch);
+        }
+        match rec.state {
+            RecordState::Completed(s) => json(
+                200,
+                &ClaimResponse::Completed {
+                    response: StoredResponse::new(s.status, s.headers, &s.body, s.replayable),
+                    expires_in_ms: Some(rec.expires_at.saturating_sub(now)),
+                },
+            ),
+            RecordState::InProgress {
+                lease_until,
+                lease_ms: held,
+            } if !lease_expired(lease_until, held) => {
+                let remaining = lease_until.saturating_sub(now).max(1);
+                let secs = remaining
+                    .div_ceil(1000)
+                    .clamp(1, self.cfg.retry_after_cap_s.max(1));
+                json(
+                    200,
+                    &ClaimResponse::InProgress {
+                        retry_after_s: u32::try_from(secs).unwrap_or(1),
+                        lease_remaining_ms: remaining,
+                    },
+                )
+            }
+            RecordState::InProgress { .. } => {
+                // Reclaim: a new token, the rest of the record kept.
+                let token = self.token(&scope);
+                if let Some(r) = self.records.get_mut(&scope) {
+                    r.token = token;
+                    r.state = RecordState::InProgress {
+                        lease_until: now + lease_ms,
+                        lease_ms,
+                    };
+                }
+                json(
+                    200,
+                    &ClaimResponse::Claimed {
+                        token,
+                        lease_ms,
+                        reclaimed: true,
+                    },
+                )
+            }
+        }
+    }
+
+    fn fenced() -> Answer {
+        problem(ProblemKind::FencedOut, "fenced out")
+    }
+
+    fn heartbeat(&mut self, r: HeartbeatRequest, now: u64) -> Answer {
+        let scope = match Self::scope(&r.key, &r.subject, &r.endpoint) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        let lease_ms = self.lease_for(r.lease_ms);
+        match self.records.get_mut(&scope) {
+            Some(rec)
+                if rec.token == r.token && matches!(rec.state, RecordState::InProgress { .. }) =>
+            {
+                rec.state = RecordState::InProgress {
+                    lease_until: now + lease_ms,
+                    lease_ms,
+                };
+                json(200, &HeartbeatResponse { lease_ms })
+            }
+            _ => Self::fenced(),
+        }
+    }
+
+    fn stored(&self, r: StoredResponse) -> Result<Stored, Answer> {
+        if !(100..=599).contains(&r.status) {
+            return Err(problem(ProblemKind::BadRequest, "status"));
+        }
+        if r.headers.len() > MAX_HEADERS {
+            return Err(problem(ProblemKind::BadRequest, "too many headers"));
+        }
+        for (n, v) in &r.headers {
+            if n.is_empty() || n.len() > 256 || !n.bytes().all(is_tchar) {
+                return Err(problem(ProblemKind::BadRequest, "header name"));
+            }
+            if v.len() > MAX_HEADER_VALUE_LEN
+                || v.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0)
+            {
+                return Err(problem(ProblemKind::BadRequest, "header value"));
+            }
+        }
+        let Ok(body) = r.body() else {
+            return Err(problem(ProblemKind::BadRequest, "base64"));
+        };
+        if body.len() > self.cfg.max_body_bytes {
+            return Err(problem(ProblemKind::PayloadTooLarge, "body"));
+        }
+        if !r.replayable && !body.is_empty() {
+            return Err(problem(
+                ProblemKind::BadRequest,
+                "not replayable with a body",
+            ));
+        }
+        Ok(Stored {
+            status: r.status,
+            headers: r.headers,
+            body,
+            replayable: r.replayable,
+        })
+    }
+
+    fn complete(&mut self, r: CompleteRequest, now: u64) -> Answer {
+        let scope = match Self::scope(&r.key, &r.subject, &r.endpoint) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        if r.token <= 0 {
+            return problem(ProblemKind::BadRequest, "token");
+        }
+        let stored = match self.stored(r.response) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        let retention = self.cfg.retention_ms;
+        match self.records.get_mut(&scope) {
+            Some(rec) if rec.token == r.token => match rec.state {
+                RecordState::InProgress { .. } => {
+                    rec.state = RecordState::Completed(stored);
+                    rec.expires_at = now + retention;
+                    json(200, &WriteResponse::completed(retention))
+                }
+                // A retried complete of the same owner: what is stored stays.
+                RecordState::Completed(_) => json(
+                    200,
+                    &WriteResponse::completed(rec.expires_at.saturating_sub(now)),
+                ),
+            },
+            _ => Self::fenced(),
+        }
+    }
+
+    fn release(&mut self, r: ReleaseRequest) -> Answer {
+        let scope = match Self::scope(&r.key, &r.subject, &r.endpoint) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        match self.records.get(&scope) {
+            Some(rec)
+                if rec.token == r.token && matches!(rec.state, RecordState::InProgress { .. }) =>
+            {
+                self.records.remove(&scope);
+                json(200, &WriteResponse::released())
+            }
+            _ => Self::fenced(),
+        }
+    }
+}

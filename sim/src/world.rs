@@ -1,0 +1,1668 @@
+//! One schedule: Envoy workers running the real [`Worker`], a model state API, a model upstream
+//! and clients, with a model of what Envoy does around the filter (buffering, resuming, local
+//! replies, the router's own answers, cancelled callouts, a worker's death). Every decision comes
+//! from [`Choices`]; after every step the invariants are checked ([`crate::check`]).
+
+use crate::check;
+use crate::choice::Choices;
+use crate::state_api::{ModelStateApi, Scope, StateApiConfig};
+use crate::upstream::{Ending, Execution, Plan, Produced, Sent, Upstream};
+use contract::wire::{CLAIM_PATH, FENCING_TOKEN_HEADER};
+use filter_core::config::Config;
+use filter_core::flow::{RequestHead, ResponseHead, Verdict};
+use filter_core::outcome::flags;
+use filter_core::worker::{CallId, CalloutResult, Effect, Owner, StreamId, Worker};
+use std::collections::BTreeSet;
+
+/// The kinds of fault a schedule may inject (all by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Faults(pub u32);
+
+impl Faults {
+    pub const KILL: u32 = 1;
+    pub const GIVE_UP: u32 = 2;
+    pub const API_DOWN: u32 = 4;
+    pub const CALLOUT: u32 = 8;
+    pub const SKEW: u32 = 16;
+    pub const UPSTREAM: u32 = 32;
+    pub const CLIENT: u32 = 64;
+    pub const ALL: Faults = Faults(127);
+    const NAMES: [(&'static str, u32); 7] = [
+        ("kill", Self::KILL),
+        ("give-up", Self::GIVE_UP),
+        ("api-down", Self::API_DOWN),
+        ("callout", Self::CALLOUT),
+        ("skew", Self::SKEW),
+        ("upstream", Self::UPSTREAM),
+        ("client", Self::CLIENT),
+    ];
+
+    pub fn has(self, f: u32) -> bool {
+        self.0 & f != 0
+    }
+
+    /// `all`, or names joined by `,` (`kill,give-up`); a leading `-` removes (`all,-kill`).
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut bits = 0;
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (remove, name) = match part.strip_prefix('-') {
+                Some(n) => (true, n),
+                None => (false, part),
+            };
+            let b = if name == "all" {
+                Self::ALL.0
+            } else {
+                Self::NAMES
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, b)| *b)
+                    .ok_or_else(|| format!("unknown fault `{name}`"))?
+            };
+            if remove {
+                bits &= !b;
+            } else {
+                bits |= b;
+            }
+        }
+        Ok(Self(bits))
+    }
+}
+
+impl std::fmt::Display for Faults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == Self::ALL {
+            return f.write_str("all");
+        }
+        let names: Vec<&str> = Self::NAMES
+            .iter()
+            .filter(|(_, b)| self.has(*b))
+            .map(|(n, _)| *n)
+            .collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// What one schedule runs with.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub filter_config: String,
+    pub workers: usize,
+    pub lease_ms: u64,
+    pub heartbeat_ms: u64,
+    pub callout_timeout_ms: u64,
+    pub route_timeout_ms: u64,
+    pub max_stored_body_bytes: usize,
+    pub state_api: StateApiConfig,
+}
+
+/// A client's operation: one key, retried until it gets an answer or runs out of attempts.
+#[derive(Debug, Clone)]
+pub struct Op {
+    pub key: String,
+    pub subject: String,
+    pub path: String,
+    pub body: Vec<u8>,
+    pub content_type: String,
+    pub attempts_left: u32,
+    pub active: Option<usize>,
+    pub next_at: u64,
+}
+
+impl Op {
+    pub fn endpoint(&self) -> String {
+        format!("POST {}", self.path.split('?').next().unwrap_or(""))
+    }
+    pub fn scope(&self) -> Scope {
+        (self.key.clone(), self.subject.clone(), self.endpoint())
+    }
+}
+
+/// What a client saw of one attempt.
+#[derive(Debug, Clone, Default)]
+pub struct ClientView {
+    pub status: Option<u16>,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub complete: bool,
+    /// Answered by the filter itself (a problem or a replay).
+    pub local: bool,
+}
+
+impl ClientView {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    pub fn replayed(&self) -> bool {
+        self.local && self.header("idempotent-replayed") == Some("true")
+    }
+}
+
+/// One attempt: an HTTP stream on one worker.
+#[derive(Debug, Clone)]
+pub struct Stream {
+    pub worker: usize,
+    pub generation: u32,
+    pub sid: StreamId,
+    pub op: usize,
+    pub request: Sent,
+    pub headers: Vec<(String, String)>,
+    /// Body chunk sizes; `trailers`: the body ends with trailers, not end of stream.
+    pub chunks: Vec<usize>,
+    pub trailers: bool,
+    /// Request parts given to the filter: 0 none, 1 headers, then one per chunk (+1 trailers).
+    pub parts_sent: usize,
+    /// Bytes Envoy holds for the filter (cumulative while it pauses).
+    pub req_buffered: usize,
+    pub forwarded: Option<usize>,
+    /// Its claim was refused (a 4xx), not failed: the state API was there.
+    pub claim_refused: bool,
+    // The response as Envoy holds it.
+    pub resp_head: Option<Produced>,
+    pub resp_head_passed: bool,
+    pub resp_buffer: Vec<u8>,
+    pub resp_end_seen: bool,
+    pub resp_paused: bool,
+    pub resp_chunks_sent: usize,
+    pub router_reply: bool,
+    pub client: ClientView,
+    pub ended: bool,
+}
+
+impl Stream {
+    fn body_len(&self) -> usize {
+        self.chunks.iter().sum()
+    }
+    fn request_parts(&self) -> usize {
+        1 + self.chunks.len() + usize::from(self.trailers)
+    }
+}
+
+#[derive(Debug)]
+pub struct SimWorker {
+    pub w: Option<Worker>,
+    /// When it last ticked in quiet time (one tick per instant).
+    pub ticked_at: Option<u64>,
+    pub generation: u32,
+    pub skew_ms: u64,
+    pub wake_requested: bool,
+    pub next_sid: StreamId,
+}
+
+/// A callout on its way.
+#[derive(Debug, Clone)]
+pub struct Callout {
+    pub id: CallId,
+    pub worker: usize,
+    pub generation: u32,
+    pub owner: Owner,
+    pub stream: Option<usize>,
+    pub path: String,
+    pub body: Vec<u8>,
+    pub deadline: u64,
+    /// The state API's answer once it handled the call.
+    pub answer: Option<CalloutResult>,
+    /// Nobody waits for the answer any more (the stream ended, timed out, or the worker died).
+    pub orphan: bool,
+}
+
+/// Where effects are carried out (see the glue's `Current`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Current {
+    Request(usize),
+    Response(usize),
+    Stream(usize),
+    Root(usize),
+}
+
+pub struct World {
+    pub c: Choices,
+    pub now: u64,
+    pub setup: Setup,
+    pub cfg: Config,
+    pub workers: Vec<SimWorker>,
+    pub api: ModelStateApi,
+    pub api_up: bool,
+    pub callouts: Vec<Callout>,
+    pub streams: Vec<Stream>,
+    pub upstream: Upstream,
+    pub upstream_down: bool,
+    pub ops: Vec<Op>,
+    pub trace: Vec<String>,
+    pub violations: Vec<String>,
+    /// Tokens released by the state API: a re-execution after one is allowed.
+    pub released: BTreeSet<i64>,
+    /// Whether faults may still be injected (off while draining).
+    faults: bool,
+    /// Inside a quiet tick: routine heartbeats are not traced.
+    quiet: bool,
+    pub kinds: Faults,
+    pub steps: usize,
+}
+
+const SUBJECTS: [&str; 2] = ["alice", "bob"];
+
+fn long_path() -> String {
+    format!("/pay/{}", "p".repeat(1100))
+}
+
+impl World {
+    pub fn new(mut c: Choices, kinds: Faults) -> Self {
+        let background = c.chance(30);
+        let cache = !c.chance(20);
+        let (lease_ms, heartbeat_ms) = *c.pick(&[
+            (30_000u64, 10_000u64),
+            (3_000, 1_000),
+            (2_000, 600),
+            // Over the state API's longest lease: it grants less than asked for.
+            (2_000_000, 1_000_000),
+        ]);
+        let small_api_body = c.chance(20);
+        let max_stored = 100usize;
+        let filter_config = format!(
+            r#"{{
+  "state_api": {{"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": 1000}},
+  "subject": {{"header": "x-jwt-sub"}},
+  "routes": [
+    {{"method": "POST", "path": "/checkout", "key": "required"}},
+    {{"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release"}},
+    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open"}}
+  ],
+  "max_request_body_bytes": 4096,
+  "max_stored_body_bytes": {max_stored},
+  "lease_ms": {lease_ms},
+  "heartbeat_ms": {heartbeat_ms},
+  "replay_cache_bytes": {cache_bytes},
+  "complete_retry_bytes": 4096,
+  "complete_in_background": {background}
+}}"#,
+            cache_bytes = if cache { 8192 } else { 0 },
+        );
+        let setup = Setup {
+            filter_config,
+            workers: 1 + c.below(3) as usize,
+            lease_ms,
+            heartbeat_ms,
+            callout_timeout_ms: 1_000,
+            // A long route timeout lets a request run past the longest lease.
+            route_timeout_ms: *c.pick(&[60_000, 3_600_000]),
+            max_stored_body_bytes: max_stored,
+            state_api: StateApiConfig {
+                default_lease_ms: 30_000,
+                retention_ms: 86_400_000,
+                max_body_bytes: if small_api_body { 48 } else { 1 << 20 },
+                retry_after_cap_s: 2,
+            },
+        };
+        let cfg = match Config::parse(setup.filter_config.as_bytes()) {
+            Ok(cfg) => cfg,
+            Err(e) => panic!("the simulation's filter configuration is refused: {e}"),
+        };
+        let workers = (0..setup.workers)
+            .map(|_| SimWorker {
+                w: Some(Worker::new(cfg.clone())),
+                ticked_at: None,
+                generation: 0,
+                skew_ms: 0,
+                wake_requested: false,
+                next_sid: 0,
+            })
+            .collect();
+        let nops = 1 + c.below(3) as usize;
+        let mut ops = Vec::new();
+        for i in 0..nops {
+            // Two operations may share a key under other subjects or endpoints.
+            let key = format!("k{}", c.below(2) + i as u32 * 2);
+            let subject = c.pick(&SUBJECTS).to_string();
+            let path = match c.weighted(&[8, 2, 1, 1, 1]) {
+                0 => "/checkout".to_owned(),
+                1 => "/refunds".to_owned(),
+                2 => "/pay/x".to_owned(),
+                3 => "/orders".to_owned(),
+                _ => long_path(),
+            };
+            let body = match c.below(3) {
+                0 => br#"{"amount":100,"card":{"number":"4242"}}"#.to_vec(),
+                1 => br#"{"amount":7}"#.to_vec(),
+                _ => Vec::new(),
+            };
+            ops.push(Op {
+                key,
+                subject,
+                path,
+                body,
+                content_type: "application/json".into(),
+                attempts_left: 1 + c.below(4),
+                active: None,
+                next_at: 0,
+            });
+        }
+        let api = ModelStateApi::new(setup.state_api.clone());
+        Self {
+            c,
+            now: 1_000,
+            setup,
+            cfg,
+            workers,
+            api,
+            api_up: true,
+            callouts: Vec::new(),
+            streams: Vec::new(),
+            upstream: Upstream::default(),
+            upstream_down: false,
+            ops,
+            trace: Vec::new(),
+            violations: Vec::new(),
+            released: BTreeSet::new(),
+            faults: true,
+            quiet: false,
+            kinds,
+            steps: 0,
+        }
+    }
+
+    fn fault(&self, kind: u32) -> bool {
+        self.faults && self.kinds.has(kind)
+    }
+
+    pub fn log(&mut self, line: String) {
+        self.trace.push(format!("{:>8} {line}", self.now));
+    }
+
+    fn worker_now(&self, w: usize) -> u64 {
+        self.now + self.workers[w].skew_ms
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The schedule
+
+    /// Runs the random part of the schedule (at most `max_steps`), then drains and checks the
+    /// final answers. Stops at the first violation.
+    pub fn run(&mut self, max_steps: usize) {
+        for _ in 0..max_steps {
+            if !self.step() {
+                break;
+            }
+            self.steps += 1;
+            check::after_step(self);
+            if !self.violations.is_empty() {
+                return;
+            }
+        }
+        self.drain();
+        if self.violations.is_empty() {
+            check::final_answers(self);
+        }
+    }
+
+    /// One random step; `false` when nothing is left to do.
+    fn step(&mut self) -> bool {
+        let mut actions: Vec<(u32, Action)> = Vec::new();
+        for (i, op) in self.ops.iter().enumerate() {
+            if op.attempts_left > 0 && op.next_at <= self.now {
+                // A retry, or an impatient duplicate while an attempt is still running.
+                let weight = if op.active.is_none() { 8 } else { 1 };
+                actions.push((weight, Action::NewAttempt(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.ended {
+                continue;
+            }
+            if s.parts_sent < s.request_parts() && s.client.status.is_none() {
+                actions.push((10, Action::SendPart(i)));
+            }
+            if self.fault(Faults::GIVE_UP) && !s.client.complete {
+                actions.push((1, Action::GiveUp(i)));
+            }
+        }
+        for (i, c) in self.callouts.iter().enumerate() {
+            if c.answer.is_none() {
+                actions.push((6, Action::Process(i)));
+            } else if !c.orphan {
+                actions.push((8, Action::Deliver(i)));
+            }
+            if self.fault(Faults::CALLOUT) && !c.orphan {
+                actions.push((1, Action::FailCallout(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.forwarded.is_some() && !s.ended && !s.resp_end_seen && !s.router_reply {
+                actions.push((6, Action::UpstreamPart(i)));
+            }
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            if w.w.is_some() {
+                actions.push((2, Action::Tick(i)));
+                if w.wake_requested {
+                    actions.push((4, Action::Wake(i)));
+                }
+                if self.fault(Faults::KILL) {
+                    actions.push((1, Action::Kill(i)));
+                }
+            } else {
+                actions.push((2, Action::Restart(i)));
+            }
+        }
+        if self.fault(Faults::API_DOWN) {
+            actions.push((1, Action::ToggleApi));
+        }
+        if self.fault(Faults::SKEW) {
+            actions.push((1, Action::SkewClock));
+        }
+        actions.push((3, Action::Advance));
+        let weights: Vec<u32> = actions.iter().map(|a| a.0).collect();
+        let pick = self.c.weighted(&weights);
+        let action = actions[pick].1;
+        self.act(action);
+        true
+    }
+
+    fn act(&mut self, action: Action) {
+        match action {
+            Action::NewAttempt(op) => self.new_attempt(op, None),
+            Action::SendPart(s) => self.send_part(s),
+            Action::GiveUp(s) => {
+                self.log(format!("client gives up on stream {s}"));
+                self.end_stream(s, true);
+            }
+            Action::Process(i) => self.process(i),
+            Action::Deliver(i) => self.deliver(i),
+            Action::FailCallout(i) => self.fail_callout(i),
+            Action::UpstreamPart(s) => self.upstream_part(s),
+            Action::Tick(w) => self.tick(w),
+            Action::Wake(w) => self.wake(w),
+            Action::Kill(w) => self.kill(w),
+            Action::Restart(w) => self.restart(w),
+            Action::ToggleApi => {
+                self.api_up = !self.api_up;
+                self.log(format!(
+                    "state API {}",
+                    if self.api_up { "up" } else { "down" }
+                ));
+            }
+            Action::SkewClock => {
+                let w = self.c.below(self.workers.len() as u32) as usize;
+                self.workers[w].skew_ms = u64::from(self.c.below(300));
+                self.log(format!(
+                    "worker {w} clock skew {} ms",
+                    self.workers[w].skew_ms
+                ));
+            }
+            Action::Advance => {
+                let ms = *self
+                    .c
+                    .pick(&[1u64, 10, 100, 500, 2_000, 10_000, 40_000, 700_000]);
+                self.advance(ms);
+            }
+        }
+    }
+
+    /// Time passes: each worker ticks at its tick period whenever a tick has work (heartbeats,
+    /// writes), and its callouts go and come back at once (a quiet network); callouts already
+    /// on their way and requests upstream time out as they would.
+    fn advance(&mut self, ms: u64) {
+        let end = self.now + ms;
+        for _ in 0..100_000 {
+            let mut next = end;
+            for w in 0..self.workers.len() {
+                if let Some(t) = self.next_tick(w) {
+                    next = next.min(t.max(self.now));
+                }
+            }
+            for c in &self.callouts {
+                if !c.orphan {
+                    next = next.min(c.deadline.max(self.now));
+                }
+            }
+            for st in &self.streams {
+                if let (Some(e), false, None, false) =
+                    (st.forwarded, st.ended, &st.resp_head, st.router_reply)
+                {
+                    let at = self.upstream.executions[e].at + self.setup.route_timeout_ms;
+                    next = next.min(at.max(self.now));
+                }
+            }
+            self.now = next;
+            self.timeouts();
+            for w in 0..self.workers.len() {
+                if self.next_tick(w).is_some_and(|t| t <= self.now) {
+                    self.quiet_tick(w);
+                }
+            }
+            if self.now >= end {
+                return;
+            }
+            if !self.violations.is_empty() {
+                return;
+            }
+        }
+    }
+
+    /// When worker `w` next ticks with work to do (global time, on its tick period).
+    fn next_tick(&self, w: usize) -> Option<u64> {
+        let sw = &self.workers[w];
+        let due = sw.w.as_ref()?.next_due()?;
+        let period = self.cfg.tick_period_ms().max(1);
+        let due = due.saturating_sub(sw.skew_ms);
+        // The host ticks on its period: the first tick at or after the work is due, and never
+        // twice at one instant.
+        let t = due.div_ceil(period) * period;
+        Some(if t <= self.now {
+            self.now
+                + if sw.ticked_at == Some(self.now) {
+                    period
+                } else {
+                    0
+                }
+        } else {
+            t
+        })
+    }
+
+    /// A tick in quiet time: the callouts it makes are answered at once (routine heartbeats
+    /// are left out of the trace).
+    fn quiet_tick(&mut self, w: usize) {
+        self.workers[w].ticked_at = Some(self.now);
+        self.quiet = true;
+        let before = self.callouts.len();
+        self.tick(w);
+        while self.callouts.len() > before {
+            let i = self.callouts.len() - 1;
+            if self.callouts[i].worker != w || self.callouts[i].owner != Owner::Worker {
+                break;
+            }
+            self.process(i);
+            if i < self.callouts.len() {
+                self.deliver(i);
+            }
+        }
+        self.quiet = false;
+    }
+
+    /// Callouts past their deadline fail (Envoy's callout timeout); the route timeout answers
+    /// 504 for requests whose upstream has not answered.
+    fn timeouts(&mut self) {
+        while let Some(i) = self
+            .callouts
+            .iter()
+            .position(|c| !c.orphan && c.deadline <= self.now)
+        {
+            self.fail_callout_with(i, "timeout");
+        }
+        for s in 0..self.streams.len() {
+            let st = &self.streams[s];
+            let Some(e) = st.forwarded else { continue };
+            let started = self.upstream.executions.get(e).map_or(0, |x| x.at);
+            if !st.ended
+                && st.resp_head.is_none()
+                && !st.router_reply
+                && started + self.setup.route_timeout_ms <= self.now
+            {
+                self.router_reply(
+                    s,
+                    504,
+                    "upstream_response_timeout",
+                    flags::UPSTREAM_REQUEST_TIMEOUT,
+                );
+            }
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Clients and requests
+
+    fn new_attempt(&mut self, op: usize, worker: Option<usize>) {
+        let alive: Vec<usize> = (0..self.workers.len())
+            .filter(|w| self.workers[*w].w.is_some())
+            .collect();
+        if alive.is_empty() {
+            return;
+        }
+        let w = match worker {
+            Some(w) if self.workers[w].w.is_some() => w,
+            _ => *self.c.pick(&alive),
+        };
+        let o = self.ops[op].clone();
+        // Mostly the same request; sometimes a changed body or media type under the same key.
+        let (body, content_type) = if self.fault(Faults::CLIENT) {
+            match self.c.weighted(&[12, 2, 1, 1]) {
+                0 => (o.body.clone(), o.content_type.clone()),
+                1 => (reorder(&o.body), o.content_type.clone()),
+                2 => (changed(&o.body), o.content_type.clone()),
+                _ => (o.body.clone(), "text/plain".to_owned()),
+            }
+        } else {
+            (o.body.clone(), o.content_type.clone())
+        };
+        let mut headers = vec![
+            (":method".to_owned(), "POST".to_owned()),
+            (":path".to_owned(), o.path.clone()),
+            (":authority".to_owned(), "shop".to_owned()),
+            ("x-jwt-sub".to_owned(), o.subject.clone()),
+            ("idempotency-key".to_owned(), o.key.clone()),
+            ("content-type".to_owned(), content_type.clone()),
+        ];
+        if self.fault(Faults::CLIENT) && self.c.chance(5) {
+            // A client that tries to set its own fencing token.
+            headers.push((FENCING_TOKEN_HEADER.to_owned(), "999999".to_owned()));
+        }
+        let len = body.len();
+        let chunks = if len == 0 {
+            Vec::new()
+        } else if self.c.chance(50) {
+            vec![len]
+        } else {
+            let cut = 1 + self.c.below(len as u32) as usize % len;
+            if cut >= len {
+                vec![len]
+            } else {
+                vec![cut, len - cut]
+            }
+        };
+        let trailers = len > 0 && self.c.chance(10);
+        let (path, query) = match o.path.split_once('?') {
+            Some((p, q)) => (p.to_owned(), q.to_owned()),
+            None => (o.path.clone(), String::new()),
+        };
+        let generation = self.workers[w].generation;
+        self.workers[w].next_sid += 1;
+        let sid = generation * 100_000 + self.workers[w].next_sid;
+        let index = self.streams.len();
+        self.streams.push(Stream {
+            worker: w,
+            generation,
+            sid,
+            op,
+            request: Sent {
+                method: "POST".into(),
+                path,
+                query,
+                content_type: Some(content_type.clone()),
+                body,
+            },
+            headers,
+            chunks,
+            trailers,
+            parts_sent: 0,
+            req_buffered: 0,
+            forwarded: None,
+            claim_refused: false,
+            resp_head: None,
+            resp_head_passed: false,
+            resp_buffer: Vec::new(),
+            resp_end_seen: false,
+            resp_paused: false,
+            resp_chunks_sent: 0,
+            router_reply: false,
+            client: ClientView::default(),
+            ended: false,
+        });
+        self.ops[op].active = Some(index);
+        self.ops[op].attempts_left = self.ops[op].attempts_left.saturating_sub(1);
+        self.log(format!(
+            "op {op} attempt on worker {w} (stream {index}): POST {} key={} sub={} ct={content_type} body={}",
+            short(&o.path),
+            o.key,
+            o.subject,
+            String::from_utf8_lossy(&self.streams[index].request.body)
+        ));
+        self.send_part(index);
+    }
+
+    /// The next request part reaches the filter (headers, a body chunk, or trailers).
+    fn send_part(&mut self, s: usize) {
+        let st = self.streams[s].clone();
+        let w = st.worker;
+        if st.ended || self.workers[w].w.is_none() || self.workers[w].generation != st.generation {
+            return;
+        }
+        let now = self.worker_now(w);
+        let part = st.parts_sent;
+        self.streams[s].parts_sent += 1;
+        let forwarded = st.forwarded.is_some();
+        let step = if part == 0 {
+            let end = st.chunks.is_empty() && !st.trailers;
+            let head = RequestHead {
+                headers: &st.headers,
+                metadata_subject: None,
+            };
+            self.call(w, |wk| wk.on_request_headers(st.sid, head, end, now))
+        } else if part <= st.chunks.len() {
+            let chunk = st.chunks[part - 1];
+            let end = part == st.chunks.len() && !st.trailers;
+            if forwarded {
+                // Passed on already: the filter sees each chunk once.
+                self.call(w, |wk| {
+                    wk.on_request_body(st.sid, chunk, end, &mut |_| None, now)
+                })
+            } else {
+                let size = st.req_buffered + chunk;
+                self.streams[s].req_buffered = size;
+                let body = st.request.body.clone();
+                self.call(w, |wk| {
+                    wk.on_request_body(st.sid, size, end, &mut |n| read(&body, n), now)
+                })
+            }
+        } else {
+            let size = st.req_buffered;
+            let body = st.request.body.clone();
+            debug_assert_eq!(size, st.body_len());
+            self.call(w, |wk| {
+                wk.on_request_trailers(st.sid, &mut |n| read(&body, n), now)
+            })
+        };
+        let Some(step) = step else { return };
+        let verdict = self.perform(w, Current::Request(s), step.verdict, step.effects);
+        if verdict == Verdict::Continue && !forwarded {
+            self.forward(s);
+        }
+        self.end_if_answered(s);
+    }
+
+    /// The request goes upstream (with the headers the filter set).
+    fn forward(&mut self, s: usize) {
+        let st = &self.streams[s];
+        if st.forwarded.is_some() || st.ended || st.client.status.is_some() {
+            return;
+        }
+        let op = &self.ops[st.op];
+        let scope = op.scope();
+        let token = st
+            .headers
+            .iter()
+            .find(|(n, _)| n == FENCING_TOKEN_HEADER)
+            .and_then(|(_, v)| v.parse::<i64>().ok());
+        let key_sent = st
+            .headers
+            .iter()
+            .find(|(n, _)| n == "idempotency-key")
+            .map(|(_, v)| v.clone());
+        let request = st.request.clone();
+        let protected = self.cfg.route_index("POST", &request.path).is_some();
+        if self.upstream_down && self.c.chance(50) {
+            self.log(format!("stream {s}: upstream refuses the connection"));
+            self.router_reply(
+                s,
+                503,
+                "upstream_reset_before_response_started{remote_connection_failure}",
+                flags::UPSTREAM_CONNECTION_FAILURE,
+            );
+            return;
+        }
+        let plan = self.plan_response();
+        let index = self.upstream.executions.len();
+        self.log(format!(
+            "stream {s}: forwarded, upstream executes (token {token:?}, key {key_sent:?}); it will answer {} with {} body bytes{}",
+            plan.response.status,
+            plan.response.body.len(),
+            match plan.ending {
+                Ending::WithLastChunk => String::new(),
+                ref e => format!(", {e:?}"),
+            }
+        ));
+        if protected {
+            check::execution(self, &scope, token, s);
+        } else {
+            let headers = self.streams[s].headers.clone();
+            check::unprotected(self, &headers, s);
+        }
+        self.upstream.executions.push(Execution {
+            scope,
+            token,
+            request,
+            plan,
+            at: self.now,
+            stream: s,
+        });
+        self.streams[s].forwarded = Some(index);
+    }
+
+    fn plan_response(&mut self) -> Plan {
+        let faults = self.fault(Faults::UPSTREAM);
+        let status = *self.c.pick(&[201u16, 201, 201, 402, 500, 503, 700]);
+        let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
+        if status == 201 {
+            let long = faults && self.c.chance(10);
+            let location = if long {
+                format!("/charges/{}", "l".repeat(9_000))
+            } else {
+                format!("/charges/{}", self.upstream.executions.len() + 1)
+            };
+            headers.push(("location".to_owned(), location));
+        }
+        headers.push(("set-cookie".to_owned(), "session=1".to_owned()));
+        let gzip = self.c.chance(10);
+        if gzip {
+            headers.push(("content-encoding".to_owned(), "gzip".to_owned()));
+            headers.push(("vary".to_owned(), "accept-encoding".to_owned()));
+        }
+        let body: Vec<u8> = match self.c.weighted(&[6, 2, 1, 1]) {
+            0 => format!("{{\"id\":{}}}", self.upstream.executions.len() + 1).into_bytes(),
+            1 => Vec::new(),
+            // Over the filter's max_stored_body_bytes: stored without its body.
+            2 => vec![b'x'; self.setup.max_stored_body_bytes + 20],
+            // Under the filter's limit, over a small state API's.
+            _ => vec![b'y'; 70],
+        };
+        let body = if gzip { gzipish(&body) } else { body };
+        let len = body.len();
+        let chunks = if len == 0 {
+            Vec::new()
+        } else if self.c.chance(50) {
+            vec![len]
+        } else {
+            let cut = (1 + self.c.below(len as u32) as usize).min(len);
+            if cut >= len {
+                vec![len]
+            } else {
+                vec![cut, len - cut]
+            }
+        };
+        let ending = if faults {
+            match self.c.weighted(&[10, 2, 1, 1, 1]) {
+                0 => Ending::WithLastChunk,
+                1 => Ending::EmptyFrame,
+                2 => Ending::Trailers,
+                3 => Ending::ResetAfter(self.c.below(chunks.len() as u32 + 1) as usize),
+                _ => Ending::StallAfter(self.c.below(chunks.len() as u32 + 1) as usize),
+            }
+        } else {
+            Ending::WithLastChunk
+        };
+        Plan {
+            reset_before_headers: faults && self.c.chance(5),
+            response: Produced {
+                status,
+                headers,
+                body,
+            },
+            chunks,
+            ending,
+        }
+    }
+
+    /// The upstream's next response part reaches Envoy.
+    fn upstream_part(&mut self, s: usize) {
+        let st = self.streams[s].clone();
+        let Some(e) = st.forwarded else { return };
+        let plan = self.upstream.executions[e].plan.clone();
+        let w = st.worker;
+        if st.ended || self.workers[w].w.is_none() || self.workers[w].generation != st.generation {
+            return;
+        }
+        if st.resp_head.is_none() {
+            if plan.reset_before_headers {
+                self.log(format!("stream {s}: upstream resets before its response"));
+                self.router_reply(
+                    s,
+                    503,
+                    "upstream_reset_before_response_started{remote_reset}",
+                    flags::UPSTREAM_REMOTE_RESET,
+                );
+                return;
+            }
+            let end = plan.chunks.is_empty() && plan.ending == Ending::WithLastChunk;
+            let mut hs = vec![(":status".to_owned(), plan.response.status.to_string())];
+            hs.extend(plan.response.headers.iter().cloned());
+            self.log(format!(
+                "stream {s}: response headers {}",
+                plan.response.status
+            ));
+            self.response_headers(s, plan.response.clone(), &hs, "via_upstream", 0, end);
+            return;
+        }
+        let sent = st.resp_chunks_sent;
+        match plan.ending {
+            Ending::ResetAfter(n) if sent >= n => {
+                self.log(format!("stream {s}: upstream resets in the body"));
+                self.end_stream(s, false);
+                return;
+            }
+            Ending::StallAfter(n) if sent >= n => {
+                // Stalled: only the client giving up ends it. Nothing to send.
+                if !self.faults {
+                    self.end_stream(s, true);
+                }
+                return;
+            }
+            _ => {}
+        }
+        if sent < plan.chunks.len() {
+            let start: usize = plan.chunks[..sent].iter().sum();
+            let chunk = &plan.response.body[start..start + plan.chunks[sent]];
+            let end = sent + 1 == plan.chunks.len() && plan.ending == Ending::WithLastChunk;
+            self.streams[s].resp_chunks_sent += 1;
+            self.response_body(s, chunk.to_vec(), end);
+        } else {
+            self.streams[s].resp_chunks_sent += 1;
+            match plan.ending {
+                Ending::Trailers => self.response_trailers(s),
+                // An empty data frame, or end of stream after a headers-only answer.
+                _ => self.response_body(s, Vec::new(), true),
+            }
+        }
+    }
+
+    /// Envoy's router answers for the upstream (reset, refused connection, timeout).
+    fn router_reply(&mut self, s: usize, status: u16, details: &str, fl: u64) {
+        self.streams[s].router_reply = true;
+        let body = b"upstream connect error or disconnect/reset before headers".to_vec();
+        let produced = Produced {
+            status,
+            headers: vec![("content-type".into(), "text/plain".into())],
+            body: body.clone(),
+        };
+        self.log(format!("stream {s}: router answers {status} ({details})"));
+        if let Some(e) = self.streams[s].forwarded {
+            // Stored like an outcome today: record it as produced for this execution.
+            self.upstream.executions[e].plan.response = produced.clone();
+            self.upstream.executions[e].plan.chunks = vec![body.len()];
+            self.upstream.executions[e].plan.ending = Ending::WithLastChunk;
+        } else {
+            // Never reached: nothing executed, but the answer is the stream's.
+        }
+        let mut hs = vec![(":status".to_owned(), status.to_string())];
+        hs.extend(produced.headers.iter().cloned());
+        self.response_headers(s, produced, &hs, details, fl, false);
+        if !self.streams[s].ended {
+            self.response_body(s, body, true);
+        }
+    }
+
+    fn response_headers(
+        &mut self,
+        s: usize,
+        produced: Produced,
+        hs: &[(String, String)],
+        details: &str,
+        fl: u64,
+        end: bool,
+    ) {
+        let st = self.streams[s].clone();
+        let w = st.worker;
+        self.streams[s].resp_head = Some(produced);
+        self.streams[s].resp_end_seen = end;
+        let now = self.worker_now(w);
+        let wants = self.workers[w]
+            .w
+            .as_ref()
+            .is_some_and(|wk| wk.awaits_response(st.sid));
+        let verdict = if wants {
+            let step = self.call(w, |wk| {
+                wk.on_response_headers(
+                    st.sid,
+                    ResponseHead {
+                        headers: hs,
+                        details,
+                        flags: fl,
+                    },
+                    end,
+                    now,
+                )
+            });
+            match step {
+                Some(step) => self.perform(w, Current::Response(s), step.verdict, step.effects),
+                None => Verdict::Continue,
+            }
+        } else {
+            Verdict::Continue
+        };
+        self.streams[s].resp_paused = verdict == Verdict::Pause;
+        if verdict == Verdict::Continue {
+            self.pass_response(s);
+        }
+        self.end_if_answered(s);
+    }
+
+    fn response_body(&mut self, s: usize, chunk: Vec<u8>, end: bool) {
+        let st = self.streams[s].clone();
+        if st.ended {
+            return;
+        }
+        let w = st.worker;
+        let now = self.worker_now(w);
+        self.streams[s].resp_buffer.extend_from_slice(&chunk);
+        if end {
+            self.streams[s].resp_end_seen = true;
+        }
+        let buffer = self.streams[s].resp_buffer.clone();
+        let size = buffer.len();
+        let step = self.call(w, |wk| {
+            wk.on_response_body(st.sid, size, end, &mut |n| read(&buffer, n), now)
+        });
+        let verdict = match step {
+            Some(step) => self.perform(w, Current::Response(s), step.verdict, step.effects),
+            None => Verdict::Continue,
+        };
+        self.streams[s].resp_paused = verdict == Verdict::Pause;
+        if verdict == Verdict::Continue {
+            self.pass_response(s);
+        }
+        self.end_if_answered(s);
+    }
+
+    fn response_trailers(&mut self, s: usize) {
+        let st = self.streams[s].clone();
+        if st.ended {
+            return;
+        }
+        let w = st.worker;
+        let now = self.worker_now(w);
+        self.streams[s].resp_end_seen = true;
+        let buffer = st.resp_buffer.clone();
+        let step = self.call(w, |wk| {
+            wk.on_response_trailers(st.sid, &mut |n| read(&buffer, n), now)
+        });
+        let verdict = match step {
+            Some(step) => self.perform(w, Current::Response(s), step.verdict, step.effects),
+            None => Verdict::Continue,
+        };
+        self.streams[s].resp_paused = verdict == Verdict::Pause;
+        if verdict == Verdict::Continue {
+            self.pass_response(s);
+        }
+        self.end_if_answered(s);
+    }
+
+    /// What Envoy holds of the response goes to the client.
+    fn pass_response(&mut self, s: usize) {
+        let st = &mut self.streams[s];
+        if st.client.local {
+            return;
+        }
+        if let Some(head) = &st.resp_head {
+            if !st.resp_head_passed {
+                st.resp_head_passed = true;
+                st.client.status = Some(head.status);
+                st.client.headers = head.headers.clone();
+            }
+        }
+        let data = std::mem::take(&mut st.resp_buffer);
+        st.client.body.extend_from_slice(&data);
+        if st.resp_end_seen && st.resp_head_passed {
+            st.client.complete = true;
+        }
+    }
+
+    /// A stream whose client has its whole answer is over (Envoy calls `on_done`).
+    fn end_if_answered(&mut self, s: usize) {
+        if self.streams[s].client.complete && !self.streams[s].ended {
+            check::answered(self, s);
+            self.end_stream(s, false);
+        }
+    }
+
+    /// The stream ends: the client left (`gave_up`) or the exchange is over or broke.
+    fn end_stream(&mut self, s: usize, gave_up: bool) {
+        if self.streams[s].ended {
+            return;
+        }
+        self.streams[s].ended = true;
+        let st = self.streams[s].clone();
+        let op = st.op;
+        if self.ops[op].active == Some(s) {
+            self.ops[op].active = None;
+            let wait = *self.c.pick(&[0u64, 100, 1_000, 3_000, 31_000]);
+            self.ops[op].next_at = self.now + wait;
+        }
+        if !st.client.complete {
+            self.log(format!(
+                "stream {s} ends before its answer{}",
+                if gave_up { " (the client left)" } else { "" }
+            ));
+        }
+        // Envoy cancels the stream's callouts.
+        for c in self.callouts.iter_mut() {
+            if c.stream == Some(s) {
+                c.orphan = true;
+            }
+        }
+        let w = st.worker;
+        if self.workers[w].w.is_none() || self.workers[w].generation != st.generation {
+            return;
+        }
+        let now = self.worker_now(w);
+        if let Some(effects) = self
+            .call(w, |wk| Some(wk.on_stream_done(st.sid, now)))
+            .flatten()
+        {
+            self.perform(w, Current::Stream(s), Verdict::Continue, effects);
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Callouts
+
+    fn process(&mut self, i: usize) {
+        let c = self.callouts[i].clone();
+        let result = if !self.api_up {
+            CalloutResult::Failed("connection refused".into())
+        } else {
+            let (status, body) = self.api.handle(&c.path, &c.body, self.now);
+            if c.path == contract::wire::RELEASE_PATH && status == 200 {
+                if let Ok(r) = serde_json::from_slice::<contract::wire::ReleaseRequest>(&c.body) {
+                    self.released.insert(r.token);
+                }
+            }
+            CalloutResult::Response { status, body }
+        };
+        let routine = self.quiet
+            && c.path == contract::wire::HEARTBEAT_PATH
+            && !matches!(result, CalloutResult::Response { status: 409, .. });
+        if !routine {
+            self.log(format!(
+                "state API {} from worker {}{}: {}",
+                c.path,
+                c.worker,
+                if c.orphan { " (nobody waits)" } else { "" },
+                describe(&result)
+            ));
+        }
+        if c.orphan {
+            self.callouts.remove(i);
+        } else {
+            self.callouts[i].answer = Some(result);
+        }
+    }
+
+    fn deliver(&mut self, i: usize) {
+        let mut c = self.callouts.remove(i);
+        let Some(result) = c.answer.take() else {
+            return;
+        };
+        self.deliver_result(&c, result);
+    }
+
+    fn deliver_result(&mut self, c: &Callout, result: CalloutResult) {
+        let w = c.worker;
+        if self.workers[w].w.is_none() || self.workers[w].generation != c.generation {
+            return;
+        }
+        if let Some(s) = c.stream {
+            if self.streams[s].ended {
+                return;
+            }
+            if c.path == CLAIM_PATH {
+                if let CalloutResult::Response { status, .. } = &result {
+                    if (400..500).contains(status) {
+                        self.streams[s].claim_refused = true;
+                    }
+                }
+            }
+        }
+        let now = self.worker_now(w);
+        let id = c.id;
+        let Some(step) = self
+            .call(w, |wk| Some(wk.on_callout_answer(id, result, now)))
+            .flatten()
+        else {
+            return;
+        };
+        let current = match c.stream {
+            Some(s) => Current::Stream(s),
+            None => Current::Root(w),
+        };
+        self.perform(w, current, step.verdict, step.effects);
+        if let Some(s) = c.stream {
+            self.end_if_answered(s);
+        }
+    }
+
+    fn fail_callout(&mut self, i: usize) {
+        let why = *self.c.pick(&["reset", "timeout", "503"]);
+        self.fail_callout_with(i, why);
+    }
+
+    /// Envoy reports the callout failed; a call not handled yet may still reach the state API
+    /// later (nobody waits for its answer then).
+    fn fail_callout_with(&mut self, i: usize, why: &str) {
+        let c = self.callouts[i].clone();
+        if c.orphan {
+            return;
+        }
+        if c.answer.is_some() {
+            // Handled, but the answer is lost on the way back.
+            self.callouts.remove(i);
+        } else {
+            self.callouts[i].orphan = true;
+        }
+        let result = if why == "503" {
+            CalloutResult::Response {
+                status: 503,
+                body: b"upstream connect error".to_vec(),
+            }
+        } else {
+            CalloutResult::Failed(why.to_owned())
+        };
+        self.log(format!(
+            "callout {} of worker {} fails ({why})",
+            c.path, c.worker
+        ));
+        self.deliver_result(&c, result);
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Workers
+
+    fn tick(&mut self, w: usize) {
+        let now = self.worker_now(w);
+        if let Some(effects) = self.call(w, |wk| Some(wk.on_tick(now))).flatten() {
+            self.perform(w, Current::Root(w), Verdict::Continue, effects);
+        }
+    }
+
+    fn wake(&mut self, w: usize) {
+        self.workers[w].wake_requested = false;
+        let now = self.worker_now(w);
+        if let Some(effects) = self.call(w, |wk| Some(wk.on_wake(now))).flatten() {
+            self.perform(w, Current::Root(w), Verdict::Continue, effects);
+        }
+    }
+
+    /// Envoy is killed: its memory is gone, its streams vanish without `on_done`, its callouts'
+    /// answers go nowhere (the calls may still reach the state API).
+    fn kill(&mut self, w: usize) {
+        self.log(format!("worker {w} is killed"));
+        self.workers[w].w = None;
+        self.workers[w].wake_requested = false;
+        for s in 0..self.streams.len() {
+            if self.streams[s].worker == w && !self.streams[s].ended {
+                self.streams[s].ended = true;
+                let op = self.streams[s].op;
+                if self.ops[op].active == Some(s) {
+                    self.ops[op].active = None;
+                    self.ops[op].next_at = self.now;
+                }
+            }
+        }
+        for c in self.callouts.iter_mut() {
+            if c.worker == w {
+                c.orphan = true;
+            }
+        }
+    }
+
+    fn restart(&mut self, w: usize) {
+        self.workers[w].generation += 1;
+        self.workers[w].next_sid = 0;
+        self.workers[w].w = Some(Worker::new(self.cfg.clone()));
+        self.log(format!("worker {w} starts again"));
+    }
+
+    /// Calls into a worker, catching a panic (a violation: it would kill the Wasm VM).
+    fn call<T>(&mut self, w: usize, f: impl FnOnce(&mut Worker) -> T) -> Option<T> {
+        let wk = self.workers[w].w.as_mut()?;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(wk))) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_default();
+                self.violations.push(format!("the filter panicked: {msg}"));
+                self.workers[w].w = None;
+                None
+            }
+        }
+    }
+
+    /// Carries out effects like the glue does; returns the callback's verdict.
+    fn perform(
+        &mut self,
+        w: usize,
+        current: Current,
+        verdict: Verdict,
+        effects: Vec<Effect>,
+    ) -> Verdict {
+        let mut verdict = verdict;
+        let mut queue: std::collections::VecDeque<Effect> = effects.into();
+        let stream_of = |world: &World, sid: StreamId| {
+            world.streams.iter().position(|s| {
+                s.worker == w && s.generation == world.workers[w].generation && s.sid == sid
+            })
+        };
+        let cur_stream = match current {
+            Current::Request(s) | Current::Response(s) | Current::Stream(s) => Some(s),
+            Current::Root(_) => None,
+        };
+        while let Some(effect) = queue.pop_front() {
+            match effect {
+                Effect::Reply { stream, reply } => {
+                    let Some(s) = stream_of(self, stream) else {
+                        continue;
+                    };
+                    if self.streams[s].forwarded.is_some() && self.streams[s].resp_head_passed {
+                        self.violations.push(format!(
+                            "stream {s}: a local reply after the response began"
+                        ));
+                    }
+                    self.log(format!(
+                        "stream {s}: filter answers {} {}{}",
+                        reply.status,
+                        problem_type(&reply.body),
+                        if reply
+                            .headers
+                            .iter()
+                            .any(|(n, _)| n == "idempotent-replayed")
+                        {
+                            " (replay)"
+                        } else {
+                            ""
+                        }
+                    ));
+                    let st = &mut self.streams[s];
+                    st.client = ClientView {
+                        status: Some(reply.status),
+                        headers: reply.headers,
+                        body: reply.body,
+                        complete: true,
+                        local: true,
+                    };
+                    if Some(s) == cur_stream {
+                        verdict = Verdict::Pause;
+                    }
+                }
+                Effect::SetRequestHeader {
+                    stream,
+                    name,
+                    value,
+                } => {
+                    if let Some(s) = stream_of(self, stream) {
+                        let hs = &mut self.streams[s].headers;
+                        hs.retain(|(n, _)| n != name);
+                        hs.push((name.to_owned(), value));
+                    }
+                }
+                Effect::RemoveRequestHeader { stream, name } => {
+                    if let Some(s) = stream_of(self, stream) {
+                        self.streams[s].headers.retain(|(n, _)| n != name);
+                    }
+                }
+                Effect::ResumeRequest { stream } => {
+                    let Some(s) = stream_of(self, stream) else {
+                        continue;
+                    };
+                    if current == Current::Request(s) {
+                        verdict = Verdict::Continue;
+                    } else {
+                        self.forward(s);
+                    }
+                }
+                Effect::ResumeResponse { stream } => {
+                    let Some(s) = stream_of(self, stream) else {
+                        continue;
+                    };
+                    if current == Current::Response(s) {
+                        verdict = Verdict::Continue;
+                    } else {
+                        self.streams[s].resp_paused = false;
+                        self.pass_response(s);
+                        self.end_if_answered(s);
+                    }
+                }
+                Effect::Dispatch(d) => {
+                    let stream = match d.owner {
+                        Owner::Stream(sid) => stream_of(self, sid),
+                        Owner::Worker => None,
+                    };
+                    let made_here = match d.owner {
+                        Owner::Stream(_) => stream.is_some() && stream == cur_stream,
+                        Owner::Worker => matches!(current, Current::Root(_)),
+                    };
+                    if !made_here {
+                        self.violations.push(format!(
+                            "a callout of {:?} made from {current:?} (Envoy would answer it elsewhere)",
+                            d.owner
+                        ));
+                        continue;
+                    }
+                    let path = d.header(":path").unwrap_or("").to_owned();
+                    let c = Callout {
+                        id: d.id,
+                        worker: w,
+                        generation: self.workers[w].generation,
+                        owner: d.owner,
+                        stream,
+                        path,
+                        body: d.body,
+                        deadline: self.now + d.timeout_ms,
+                        answer: None,
+                        orphan: false,
+                    };
+                    if self.fault(Faults::CALLOUT) && self.c.chance(2) {
+                        // dispatch_http_call itself fails: the glue answers at once.
+                        let now = self.worker_now(w);
+                        if let Some(step) = self
+                            .call(w, |wk| {
+                                Some(wk.on_callout_answer(
+                                    d.id,
+                                    CalloutResult::Failed("dispatch failed".into()),
+                                    now,
+                                ))
+                            })
+                            .flatten()
+                        {
+                            verdict = step.verdict;
+                            for e in step.effects.into_iter().rev() {
+                                queue.push_front(e);
+                            }
+                        }
+                        continue;
+                    }
+                    self.callouts.push(c);
+                }
+                Effect::Wake => self.workers[w].wake_requested = true,
+                Effect::Count(_) => {}
+                Effect::Log(level, msg) => {
+                    let routine = self.quiet && msg.starts_with("heartbeat failed");
+                    if !routine
+                        && matches!(
+                            level,
+                            filter_core::worker::Level::Warn | filter_core::worker::Level::Error
+                        )
+                    {
+                        let msg: String = if msg.len() > 240 {
+                            format!("{}…", msg.chars().take(240).collect::<String>())
+                        } else {
+                            msg
+                        };
+                        self.log(format!("worker {w} logs: {msg}"));
+                    }
+                }
+            }
+        }
+        verdict
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Draining
+
+    /// No more faults: everything in flight is delivered, every worker ticks until its writes
+    /// are done, leases run out.
+    fn drain(&mut self) {
+        self.faults = false;
+        self.api_up = true;
+        self.upstream_down = false;
+        self.log("drain: no more faults".into());
+        for w in 0..self.workers.len() {
+            if self.workers[w].w.is_none() {
+                self.restart(w);
+            }
+        }
+        for _ in 0..400 {
+            let mut busy = false;
+            if let Some(i) = self.callouts.iter().position(|c| c.answer.is_none()) {
+                self.process(i);
+                busy = true;
+            } else if let Some(i) = self.callouts.iter().position(|c| !c.orphan) {
+                self.deliver(i);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| {
+                let st = &self.streams[s];
+                !st.ended && st.parts_sent < st.request_parts() && st.client.status.is_none()
+            }) {
+                self.send_part(s);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| {
+                let st = &self.streams[s];
+                st.forwarded.is_some() && !st.ended && !st.resp_end_seen && !st.router_reply
+            }) {
+                self.upstream_part(s);
+                busy = true;
+            } else if let Some(op) = (0..self.ops.len())
+                .find(|&o| self.ops[o].active.is_none() && self.ops[o].attempts_left > 0)
+            {
+                self.ops[op].next_at = self.now;
+                self.new_attempt(op, None);
+                busy = true;
+            }
+            if !self.violations.is_empty() {
+                return;
+            }
+            if !busy {
+                let pending = self.workers.iter().any(|w| {
+                    w.w.as_ref()
+                        .is_some_and(|wk| wk.usage().writes > 0 || wk.usage().claims > 0)
+                });
+                if !pending {
+                    break;
+                }
+                for w in 0..self.workers.len() {
+                    if self.workers[w].wake_requested {
+                        self.wake(w);
+                    }
+                }
+                self.advance(1_000);
+            }
+            check::after_step(self);
+        }
+        // Past every lease: a dead owner's key is decided by the state API now.
+        self.now += crate::state_api::MAX_LEASE_MS + 1;
+        for w in 0..self.workers.len() {
+            self.workers[w].skew_ms = 0;
+        }
+    }
+
+    /// The final retry of `op` through a worker, run to its answer without faults.
+    pub fn final_retry(&mut self, op: usize) -> Option<ClientView> {
+        self.ops[op].attempts_left = 1;
+        self.ops[op].active = None;
+        let w = self.c.below(self.workers.len() as u32) as usize;
+        self.new_attempt(op, Some(w));
+        let s = self.ops[op].active.or(Some(self.streams.len() - 1))?;
+        for _ in 0..200 {
+            if self.streams[s].client.complete || self.streams[s].ended {
+                break;
+            }
+            if let Some(i) = self.callouts.iter().position(|c| c.answer.is_none()) {
+                self.process(i);
+            } else if let Some(i) = self.callouts.iter().position(|c| !c.orphan) {
+                self.deliver(i);
+            } else if self.streams[s].parts_sent < self.streams[s].request_parts() {
+                self.send_part(s);
+            } else if self.streams[s].forwarded.is_some() && !self.streams[s].resp_end_seen {
+                self.upstream_part(s);
+            } else {
+                self.advance(1_000);
+            }
+        }
+        Some(self.streams[s].client.clone())
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    NewAttempt(usize),
+    SendPart(usize),
+    GiveUp(usize),
+    Process(usize),
+    Deliver(usize),
+    FailCallout(usize),
+    UpstreamPart(usize),
+    Tick(usize),
+    Wake(usize),
+    Kill(usize),
+    Restart(usize),
+    ToggleApi,
+    SkewClock,
+    Advance,
+}
+
+/// Envoy's buffer read: `n` bytes, none for an empty buffer (as Envoy gives no buffer then).
+fn read(buffer: &[u8], n: usize) -> Option<Vec<u8>> {
+    if n == 0 || n > buffer.len() {
+        None
+    } else {
+        Some(buffer[..n].to_vec())
+    }
+}
+
+/// The same JSON value written in another member order and spacing.
+fn reorder(body: &[u8]) -> Vec<u8> {
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(m)) => {
+            let mut out = String::from("{ ");
+            let members: Vec<String> = m
+                .iter()
+                .rev()
+                .map(|(k, v)| format!("{} : {}", serde_json::Value::String(k.clone()), v))
+                .collect();
+            out.push_str(&members.join(" , "));
+            out.push_str(" }");
+            out.into_bytes()
+        }
+        _ => body.to_vec(),
+    }
+}
+
+/// Another request: a nested value changed.
+fn changed(body: &[u8]) -> Vec<u8> {
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(mut v @ serde_json::Value::Object(_)) => {
+            if let Some(card) = v.get_mut("card") {
+                card["number"] = "0000".into();
+            } else {
+                v["amount"] = 999.into();
+            }
+            serde_json::to_vec(&v).unwrap_or_default()
+        }
+        _ => b"{\"other\":true}".to_vec(),
+    }
+}
+
+/// Bytes standing for a gzip body (only their identity matters here).
+fn gzipish(body: &[u8]) -> Vec<u8> {
+    let mut out = vec![0x1f, 0x8b, 0x08, 0x00];
+    out.extend(body.iter().map(|b| b ^ 0x5a));
+    out
+}
+
+fn short(path: &str) -> String {
+    if path.len() > 40 {
+        format!("{}…({} bytes)", &path[..20], path.len())
+    } else {
+        path.to_owned()
+    }
+}
+
+fn problem_type(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+        .unwrap_or_default()
+}
+
+pub fn describe(r: &CalloutResult) -> String {
+    match r {
+        CalloutResult::Failed(why) => format!("failed ({why})"),
+        CalloutResult::Response { status, body } => {
+            let text = String::from_utf8_lossy(body);
+            let text: String = text.chars().take(140).collect();
+            format!("{status} {text}")
+        }
+    }
+}
