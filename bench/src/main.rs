@@ -332,7 +332,7 @@ fn claim_body(key: &str) -> Req {
         subject: "bench".into(),
         endpoint: "POST /checkout".into(),
         fingerprint: "ab".repeat(32),
-        fingerprint_alg: "sha256-jcs-v1".into(),
+        fingerprint_alg: "sha256-jcs-v2".into(),
         lease_ms: Some(30_000),
     };
     Req::post(

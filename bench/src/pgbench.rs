@@ -14,7 +14,7 @@ pub const SCRIPT: &str = "INSERT INTO idempotency_records
     (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
      lease_expires_at, created_at, expires_at)
 VALUES (sha256(convert_to(random()::text || clock_timestamp()::text, 'UTF8')), 'bench', 'POST /checkout',
-        'sha256-jcs-v1', repeat('ab', 32), 'in_progress', nextval('idempotency_fencing_token_seq'),
+        'sha256-jcs-v2', repeat('ab', 32), 'in_progress', nextval('idempotency_fencing_token_seq'),
         clock_timestamp() + interval '30 s', clock_timestamp(), clock_timestamp() + interval '1 day')
 ON CONFLICT (scope_hash) DO NOTHING
 RETURNING fencing_token;

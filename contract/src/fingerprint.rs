@@ -1,10 +1,11 @@
-//! Request fingerprints: SHA-256 over the method, the endpoint path, the query and the body.
+//! Request fingerprints: SHA-256 over the method, the endpoint path, the query, the media type
+//! and the body.
 //!
 //! The same key sent again with a *different* request must be refused (422), and the same
 //! request sent again must be recognised even if a client library re-serialized its JSON with
 //! another member order or other whitespace. So JSON bodies are hashed in a canonical form:
 //!
-//! * **`sha256-jcs-v1`**: the body is JSON (by `Content-Type`: `application/json` or any
+//! * **`sha256-jcs-v2`**: the body is JSON (by `Content-Type`: `application/json` or any
 //!   `+json` type) and it parses. The canonical form follows RFC 8785 (JCS): no insignificant
 //!   whitespace, object members sorted by the UTF-16 code units of their names at every depth,
 //!   strings re-escaped the JCS way. One deliberate difference: **numbers keep their exact
@@ -14,7 +15,7 @@
 //!   layout; that output equals JCS whenever the number as written is the shortest
 //!   representation of a double (so `1`, `1.0`, `1e0` and `10e-1` are all `1`), and two
 //!   different decimal values never share a form.
-//! * **`sha256-raw-v1`**: everything else — other content types, a body that is not valid JSON,
+//! * **`sha256-raw-v2`**: everything else — other content types, a body that is not valid JSON,
 //!   strings with lone surrogates (`"\ud800"`, not representable as Unicode text), numbers
 //!   beyond the range of a double or with absurd exponents, and nesting deeper than
 //!   [`MAX_DEPTH`]. The raw bytes are hashed: byte-identical retries still match, only the
@@ -23,8 +24,14 @@
 //! A JSON object with the same member name twice is refused ([`FingerprintError::DuplicateMember`],
 //! answered 400): two parsers could read it as two different requests.
 //!
+//! The media type is part of the request: the same bytes as `text/plain` and as
+//! `application/json` (or `application/merge-patch+json`) are different requests. It counts
+//! as its essence (`type/subtype`, lower-cased; parameters such as `charset` ignored), empty
+//! without a `Content-Type`. (The `-v1` algorithms left it out; a record made with them does not
+//! match a `-v2` fingerprint: a retry across the upgrade gets 422.)
+//!
 //! The hash input frames every field with its length, so no two different
-//! (algorithm, method, path, query, body) tuples share an input.
+//! (algorithm, method, path, query, media type, body) tuples share an input.
 //!
 //! The document is read with [`crate::json::Parser`], which is iterative: no input, however
 //! deep, grows the call stack.
@@ -36,9 +43,9 @@ use std::cmp::Ordering;
 use std::fmt;
 
 /// Fingerprint algorithm over the canonical JSON form.
-pub const ALG_JCS: &str = "sha256-jcs-v1";
+pub const ALG_JCS: &str = "sha256-jcs-v2";
 /// Fingerprint algorithm over the raw body bytes.
-pub const ALG_RAW: &str = "sha256-raw-v1";
+pub const ALG_RAW: &str = "sha256-raw-v2";
 /// Deepest array/object nesting that is canonicalized; deeper documents are hashed raw.
 pub const MAX_DEPTH: usize = 128;
 /// Exponents (as written) longer than this many digits are not canonicalized.
@@ -90,14 +97,19 @@ pub enum CanonError {
     NumberOutOfRange,
 }
 
-/// True for `application/json` and any `*/*+json` media type (parameters and case ignored).
-pub fn is_json_content_type(content_type: &str) -> bool {
-    let essence = content_type
+/// The essence of a media type: `type/subtype`, lower-cased, without parameters.
+pub fn media_type_essence(content_type: &str) -> String {
+    content_type
         .split(';')
         .next()
         .unwrap_or("")
         .trim()
-        .to_ascii_lowercase();
+        .to_ascii_lowercase()
+}
+
+/// True for `application/json` and any `*/*+json` media type (parameters and case ignored).
+pub fn is_json_content_type(content_type: &str) -> bool {
+    let essence = media_type_essence(content_type);
     let Some((kind, subtype)) = essence.split_once('/') else {
         return false;
     };
@@ -114,20 +126,24 @@ pub fn fingerprint(
     content_type: Option<&str>,
     body: &[u8],
 ) -> Result<Fingerprint, FingerprintError> {
+    let media = content_type.map(media_type_essence).unwrap_or_default();
+    let request = [method, path, query, media.as_str()];
     if content_type.is_some_and(is_json_content_type) {
         match canonicalize(body) {
-            Ok(canonical) => return Ok(hash(ALG_JCS, method, path, query, &canonical)),
+            Ok(canonical) => return Ok(hash(ALG_JCS, request, &canonical)),
             Err(CanonError::DuplicateMember(name)) => {
                 return Err(FingerprintError::DuplicateMember(name))
             }
             Err(_) => {}
         }
     }
-    Ok(hash(ALG_RAW, method, path, query, body))
+    Ok(hash(ALG_RAW, request, body))
 }
 
-fn hash(alg: &'static str, method: &str, path: &str, query: &str, body: &[u8]) -> Fingerprint {
+/// SHA-256 of the framed (algorithm, method, path, query, media type, body).
+fn hash(alg: &'static str, request: [&str; 4], body: &[u8]) -> Fingerprint {
     let mut h = Sha256::new();
+    let [method, path, query, media] = request;
     crate::scope::frame_parts(
         &mut h,
         &[
@@ -135,6 +151,7 @@ fn hash(alg: &'static str, method: &str, path: &str, query: &str, body: &[u8]) -
             method.as_bytes(),
             path.as_bytes(),
             query.as_bytes(),
+            media.as_bytes(),
             body,
         ],
     );

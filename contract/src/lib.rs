@@ -6,6 +6,7 @@
 pub mod fingerprint;
 pub mod json;
 pub mod key;
+pub mod limits;
 pub mod problem;
 pub mod scope;
 pub mod wire;

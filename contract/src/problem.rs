@@ -20,6 +20,8 @@ pub enum ProblemKind {
     Unauthenticated,
     /// Request body or stored response body over the configured limit.
     PayloadTooLarge,
+    /// The method and path of a protected request are longer than a record can hold.
+    EndpointTooLong,
     /// The key is held by a request that is still running.
     InProgress,
     /// The key was used before with a different request.
@@ -46,6 +48,7 @@ impl ProblemKind {
             Self::NotFound => 404,
             Self::InProgress | Self::FencedOut | Self::OutcomeNotReplayable => 409,
             Self::PayloadTooLarge => 413,
+            Self::EndpointTooLong => 414,
             Self::KeyReuseMismatch => 422,
             Self::Internal => 500,
             Self::StateUnavailable => 503,
@@ -60,6 +63,7 @@ impl ProblemKind {
             Self::BadRequest => "bad-request",
             Self::Unauthenticated => "unauthenticated",
             Self::PayloadTooLarge => "payload-too-large",
+            Self::EndpointTooLong => "endpoint-too-long",
             Self::InProgress => "request-in-progress",
             Self::KeyReuseMismatch => "idempotency-key-reused",
             Self::OutcomeNotReplayable => "outcome-not-replayable",
@@ -78,6 +82,7 @@ impl ProblemKind {
             Self::BadRequest => "The request is invalid",
             Self::Unauthenticated => "Authentication is required",
             Self::PayloadTooLarge => "The payload is too large",
+            Self::EndpointTooLong => "The request path is too long to protect",
             Self::InProgress => "A request with this key is still being processed",
             Self::KeyReuseMismatch => "The key was already used for a different request",
             Self::OutcomeNotReplayable => {

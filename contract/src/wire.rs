@@ -32,7 +32,7 @@ pub struct ClaimRequest {
     pub endpoint: String,
     /// Lower-case hex SHA-256 (64 characters).
     pub fingerprint: String,
-    /// How the fingerprint was made, e.g. `sha256-jcs-v1`; compared together with it.
+    /// How the fingerprint was made, e.g. `sha256-jcs-v2`; compared together with it.
     pub fingerprint_alg: String,
     /// Lease length for this claim; the state API's default when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -50,9 +50,14 @@ pub enum ClaimResponse {
     Claimed {
         /// Fencing token: strictly larger than any earlier token for any key.
         token: i64,
+        /// The lease granted (the one asked for, clamped to the state API's bounds).
         lease_ms: u64,
         /// True when an earlier owner's lease had run out and this claim took over.
         reclaimed: bool,
+        /// The largest response body this state API stores (a larger one is completed as not
+        /// replayable). Absent from state APIs older than this field.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_body_bytes: Option<u64>,
     },
     /// Another owner holds a live lease: answer 409 at once.
     InProgress {
@@ -225,6 +230,7 @@ impl ClaimResponse {
                 token: f.i64("token")?,
                 lease_ms: f.u64("lease_ms")?,
                 reclaimed: f.bool("reclaimed")?,
+                max_body_bytes: f.opt_u64("max_body_bytes")?,
             },
             "in_progress" => ClaimResponse::InProgress {
                 retry_after_s: u32::try_from(f.u64("retry_after_s")?)
@@ -294,6 +300,13 @@ mod tests {
                 token: 9_007_199_254_740_993,
                 lease_ms: 30_000,
                 reclaimed: true,
+                max_body_bytes: Some(1 << 20),
+            },
+            ClaimResponse::Claimed {
+                token: 1,
+                lease_ms: 1_000,
+                reclaimed: false,
+                max_body_bytes: None,
             },
             ClaimResponse::InProgress {
                 retry_after_s: 2,

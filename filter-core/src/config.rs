@@ -4,6 +4,7 @@
 
 use crate::headers;
 use contract::json::{self, Fields, Value};
+use contract::limits;
 use std::fmt;
 use std::time::Duration;
 
@@ -301,14 +302,23 @@ impl Config {
         if self.max_request_body_bytes == 0 {
             return err("max_request_body_bytes must be > 0");
         }
-        if self.max_stored_body_bytes == 0 {
-            return err("max_stored_body_bytes must be > 0");
+        if self.max_stored_body_bytes == 0
+            || self.max_stored_body_bytes > limits::MAX_STORED_BODY_BYTES
+        {
+            return err(format!(
+                "max_stored_body_bytes must be > 0 and at most {} (the most a state API stores)",
+                limits::MAX_STORED_BODY_BYTES
+            ));
         }
-        if self.lease_ms == 0 {
-            return err("lease_ms must be > 0");
+        if !(limits::MIN_LEASE_MS..=limits::MAX_LEASE_MS).contains(&self.lease_ms) {
+            return err(format!(
+                "lease_ms must be {} to {} (the leases the state API grants)",
+                limits::MIN_LEASE_MS,
+                limits::MAX_LEASE_MS
+            ));
         }
-        if self.heartbeat_ms == 0 || self.heartbeat_ms >= self.lease_ms {
-            return err("heartbeat_ms must be > 0 and < lease_ms");
+        if self.heartbeat_ms == 0 || self.heartbeat_ms.saturating_mul(2) > self.lease_ms {
+            return err("heartbeat_ms must be > 0 and at most half of lease_ms (a lease outlives a lost heartbeat)");
         }
         if self.in_flight_cache_ms > MAX_IN_FLIGHT_CACHE_MS {
             return err(format!(
@@ -484,7 +494,25 @@ mod tests {
                 Box::new(|v| v["heartbeat_ms"] = 30_000.into()),
                 "heartbeat_ms",
             ),
-            (Box::new(|v| v["lease_ms"] = 0.into()), "lease_ms"),
+            (
+                Box::new(|v| v["heartbeat_ms"] = 15_001.into()),
+                "at most half of lease_ms",
+            ),
+            (
+                Box::new(|v| v["lease_ms"] = 0.into()),
+                "lease_ms must be 1000 to 600000",
+            ),
+            (
+                Box::new(|v| {
+                    v["lease_ms"] = 2_000_000.into();
+                    v["heartbeat_ms"] = 1_000_000.into();
+                }),
+                "lease_ms must be 1000 to 600000",
+            ),
+            (
+                Box::new(|v| v["max_stored_body_bytes"] = (16 * 1024 * 1024 + 1).into()),
+                "max_stored_body_bytes",
+            ),
             (
                 Box::new(|v| v["in_flight_cache_ms"] = 10_001.into()),
                 "in_flight_cache_ms",

@@ -1,8 +1,12 @@
 //! Which upstream response headers are stored and replayed.
 
-/// Replayed by default: they describe the result, not the exchange.
+/// Replayed by default: they describe the result, not the exchange. The body is stored as it
+/// came (compressed, if it was), so its `content-encoding` goes with it, and `vary` says what
+/// the encoding depended on.
 pub const REPLAYED: &[&str] = &[
     "content-type",
+    "content-encoding",
+    "vary",
     "location",
     "etag",
     "link",
@@ -30,7 +34,6 @@ pub fn never_replayed(name: &str) -> bool {
         "transfer-encoding",
         "upgrade",
         "content-length",
-        "content-encoding",
         "server",
         "age",
         "via",
@@ -56,20 +59,42 @@ pub fn never_replayed(name: &str) -> bool {
         || NEVER.contains(&name)
 }
 
+fn replayed(name: &str, extra: &[String]) -> bool {
+    (REPLAYED.contains(&name) || extra.iter().any(|e| e == name)) && !never_replayed(name)
+}
+
 /// The headers kept from an upstream response: allowlisted (built-in + `extra`), names
-/// lower-case, order and repeats kept. A value with CR, LF or NUL is dropped: Envoy writes a
-/// local reply's header values as they are, so a stored `location: /x\r\nset-cookie: a=1`
-/// would otherwise reach the client as two headers.
-pub fn stored(headers: &[(String, String)], extra: &[String]) -> Vec<(String, String)> {
-    headers
-        .iter()
-        .filter_map(|(name, value)| {
-            let name = name.to_ascii_lowercase();
-            let allowed = REPLAYED.contains(&name.as_str()) || extra.contains(&name);
-            let safe = !value.bytes().any(|b| matches!(b, b'\r' | b'\n' | 0));
-            (allowed && safe && !never_replayed(&name)).then(|| (name, value.clone()))
-        })
-        .collect()
+/// lower-case, order and repeats kept, each one the state API stores
+/// ([`contract::limits`]: a value with CR, LF or NUL is never kept, since Envoy writes a local
+/// reply's values as they are). `complete` is false when a header that would be replayed could
+/// not be kept (too long, or too many): a replay without it would not be the response, so the
+/// outcome is stored as not replayable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kept {
+    pub headers: Vec<(String, String)>,
+    pub complete: bool,
+}
+
+pub fn stored(headers: &[(String, String)], extra: &[String]) -> Kept {
+    let mut kept = Kept {
+        headers: Vec::new(),
+        complete: true,
+    };
+    for (name, value) in headers {
+        let name = name.to_ascii_lowercase();
+        if !replayed(&name, extra) {
+            continue;
+        }
+        if contract::limits::storable_header_name(&name)
+            && contract::limits::storable_header_value(value)
+            && kept.headers.len() < contract::limits::MAX_HEADERS
+        {
+            kept.headers.push((name, value.clone()));
+        } else {
+            kept.complete = false;
+        }
+    }
+    kept
 }
 
 #[cfg(test)]
@@ -101,23 +126,47 @@ mod tests {
             ("x-charge-id", "ch_1"),
             ("transfer-encoding", "chunked"),
             ("content-length", "12"),
+            ("content-encoding", "gzip"),
+            ("vary", "accept-encoding"),
             ("x-envoy-upstream-service-time", "3"),
         ]);
         assert_eq!(
-            stored(&upstream, &[]),
+            stored(&upstream, &[]).headers,
             h(&[
                 ("content-type", "application/json"),
                 ("location", "/charges/1"),
                 ("etag", "\"v1\""),
                 ("link", "</a>; rel=a"),
                 ("link", "</b>; rel=b"),
+                ("content-encoding", "gzip"),
+                ("vary", "accept-encoding"),
             ])
         );
+        assert!(stored(&upstream, &[]).complete);
         let with_extra = stored(
             &upstream,
             &["x-charge-id".to_owned(), "set-cookie".to_owned()],
-        );
+        )
+        .headers;
         assert!(with_extra.contains(&("x-charge-id".to_owned(), "ch_1".to_owned())));
         assert!(!with_extra.iter().any(|(n, _)| n == "set-cookie"));
+    }
+
+    #[test]
+    fn a_replayed_header_that_cannot_be_kept_makes_the_outcome_not_replayable() {
+        let long = "l".repeat(contract::limits::MAX_HEADER_VALUE_LEN + 1);
+        let k = stored(&h(&[("location", &long), ("etag", "e")]), &[]);
+        assert_eq!((k.headers, k.complete), (h(&[("etag", "e")]), false));
+        let k = stored(&h(&[("location", "/x\r\nset-cookie: a=1")]), &[]);
+        assert!(k.headers.is_empty() && !k.complete);
+        // Headers that are not replayed do not count.
+        let k = stored(&h(&[("x-other", &long), ("set-cookie", "\n")]), &[]);
+        assert!(k.headers.is_empty() && k.complete);
+        let many: Vec<(String, String)> = (0..=contract::limits::MAX_HEADERS)
+            .map(|i| ("link".to_owned(), format!("<{i}>")))
+            .collect();
+        let k = stored(&many, &[]);
+        assert_eq!(k.headers.len(), contract::limits::MAX_HEADERS);
+        assert!(!k.complete);
     }
 }

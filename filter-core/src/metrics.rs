@@ -50,10 +50,18 @@ pub enum Metric {
     /// With `complete_in_background`: completes a stream stored itself, holding its response,
     /// because the worker's `complete_retry_bytes` were in use.
     CompleteHeld,
+    /// 414: a protected request whose method and path are longer than a record holds.
+    EndpointTooLong414,
+    /// The state API refused a claim (a 4xx): answered 500, never forwarded, even where the
+    /// route fails open (a configuration or contract error, not an outage).
+    ClaimRefused,
+    /// The state API refused a complete (a 4xx): a minimal outcome (status, not replayable) was
+    /// stored instead.
+    CompleteRefused,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 21] = [
+    pub const ALL: [Metric; 24] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -75,6 +83,9 @@ impl Metric {
         Metric::CompleteRetries,
         Metric::CompleteGaveUp,
         Metric::CompleteHeld,
+        Metric::EndpointTooLong414,
+        Metric::ClaimRefused,
+        Metric::CompleteRefused,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -100,6 +111,9 @@ impl Metric {
             Metric::CompleteRetries => "idempotency.complete_retries",
             Metric::CompleteGaveUp => "idempotency.complete_gave_up",
             Metric::CompleteHeld => "idempotency.complete_held",
+            Metric::EndpointTooLong414 => "idempotency.endpoint_too_long_414",
+            Metric::ClaimRefused => "idempotency.claim_refused",
+            Metric::CompleteRefused => "idempotency.complete_refused",
         }
     }
 

@@ -41,7 +41,7 @@ impl LocalReply {
         extra: &[String],
         body: Vec<u8>,
     ) -> Self {
-        let mut headers = stored(stored_headers, extra);
+        let mut headers = stored(stored_headers, extra).headers;
         headers.push((REPLAYED_MARKER.0.into(), REPLAYED_MARKER.1.into()));
         Self {
             status,

@@ -181,10 +181,12 @@ pub fn after_step(w: &mut World) {
     }
 }
 
-/// Once drained: a retry of every operation whose client got the upstream's whole answer.
+/// Once drained: a retry of every operation whose client got the upstream's whole answer to
+/// the very request the retry sends.
 pub fn final_answers(w: &mut World) {
     for op in 0..w.ops.len() {
         let scope = w.ops[op].scope();
+        let original = w.ops[op].request();
         // The upstream's answer as a client received it whole (not a router's, not a replay).
         let delivered: Option<Produced> = w.streams.iter().find_map(|s| {
             let e = s.forwarded?;
@@ -194,6 +196,7 @@ pub fn final_answers(w: &mut World) {
                 && !s.client.local
                 && !s.router_reply
                 && exec.token.is_some()
+                && exec.request.same_as(&original)
                 && s.client.status == Some(exec.plan.response.status)
                 && s.client.body == exec.plan.response.body)
                 .then(|| exec.plan.response.clone())
@@ -216,7 +219,15 @@ pub fn final_answers(w: &mut World) {
         if !w.violations.is_empty() {
             return;
         }
-        let replayable = delivered.body.len() <= w.setup.max_stored_body_bytes;
+        let max_body = w
+            .setup
+            .max_stored_body_bytes
+            .min(w.setup.state_api.max_body_bytes);
+        let headers_kept =
+            filter_core::headers::stored(&delivered.headers, &w.cfg.replay_extra_headers).complete;
+        let replayable = delivered.body.len() <= max_body
+            && headers_kept
+            && contract::limits::STATUS.contains(&delivered.status);
         let ok = if replayable {
             view.replayed() && replays(&view, &delivered)
         } else {
@@ -224,9 +235,10 @@ pub fn final_answers(w: &mut World) {
         };
         if !ok {
             w.violations.push(format!(
-                "eventual: the client of {scope:?} received {} ({} body bytes), but its retry after the drain got {:?} {}",
+                "eventual: the client of {scope:?} received {} ({} body bytes{}), but its retry after the drain got {:?} {}",
                 delivered.status,
                 delivered.body.len(),
+                if replayable { "" } else { ", not replayable" },
                 view.status,
                 String::from_utf8_lossy(&view.body).chars().take(160).collect::<String>()
             ));

@@ -12,11 +12,8 @@ use contract::wire::{
 use contract::{validate_key, Problem, ProblemKind};
 use std::collections::BTreeMap;
 
-pub const MIN_LEASE_MS: u64 = 1_000;
-pub const MAX_LEASE_MS: u64 = 600_000;
-const MAX_FIELD_LEN: usize = 1024;
-const MAX_HEADERS: usize = 100;
-const MAX_HEADER_VALUE_LEN: usize = 8192;
+use contract::limits::{MAX_FIELD_LEN, MAX_HEADERS, MAX_HEADER_VALUE_LEN};
+pub use contract::limits::{MAX_LEASE_MS, MIN_LEASE_MS};
 
 /// (key, subject, endpoint).
 pub type Scope = (String, String, String);
@@ -47,6 +44,9 @@ pub struct Record {
 #[derive(Debug, Clone)]
 pub struct StateApiConfig {
     pub default_lease_ms: u64,
+    /// The longest lease granted ([`MAX_LEASE_MS`]; less to model a state API that grants
+    /// shorter leases than asked).
+    pub max_lease_ms: u64,
     pub retention_ms: u64,
     pub max_body_bytes: usize,
     pub retry_after_cap_s: u64,
@@ -103,7 +103,7 @@ impl ModelStateApi {
     fn lease_for(&self, requested: Option<u64>) -> u64 {
         requested
             .unwrap_or(self.cfg.default_lease_ms)
-            .clamp(MIN_LEASE_MS, MAX_LEASE_MS)
+            .clamp(MIN_LEASE_MS, self.cfg.max_lease_ms.max(MIN_LEASE_MS))
     }
 
     fn scope(key: &str, subject: &str, endpoint: &str) -> Result<Scope, Answer> {
@@ -173,6 +173,7 @@ impl ModelStateApi {
                     token,
                     lease_ms,
                     reclaimed: false,
+                    max_body_bytes: Some(self.cfg.max_body_bytes as u64),
                 },
             );
         };
@@ -195,6 +196,7 @@ impl ModelStateApi {
                     token,
                     lease_ms,
                     reclaimed: was_in_progress,
+                    max_body_bytes: Some(self.cfg.max_body_bytes as u64),
                 },
             );
         }
@@ -241,6 +243,7 @@ impl ModelStateApi {
                         token,
                         lease_ms,
                         reclaimed: true,
+                        max_body_bytes: Some(self.cfg.max_body_bytes as u64),
                     },
                 )
             }
@@ -272,7 +275,7 @@ impl ModelStateApi {
     }
 
     fn stored(&self, r: StoredResponse) -> Result<Stored, Answer> {
-        if !(100..=599).contains(&r.status) {
+        if !contract::limits::STATUS.contains(&r.status) {
             return Err(problem(ProblemKind::BadRequest, "status"));
         }
         if r.headers.len() > MAX_HEADERS {

@@ -115,6 +115,21 @@ impl Op {
     pub fn scope(&self) -> Scope {
         (self.key.clone(), self.subject.clone(), self.endpoint())
     }
+
+    /// The request its attempts send when unchanged.
+    pub fn request(&self) -> Sent {
+        let (path, query) = match self.path.split_once('?') {
+            Some((p, q)) => (p.to_owned(), q.to_owned()),
+            None => (self.path.clone(), String::new()),
+        };
+        Sent {
+            method: "POST".into(),
+            path,
+            query,
+            content_type: Some(self.content_type.clone()),
+            body: self.body.clone(),
+        }
+    }
 }
 
 /// What a client saw of one attempt.
@@ -256,8 +271,8 @@ impl World {
             (30_000u64, 10_000u64),
             (3_000, 1_000),
             (2_000, 600),
-            // Over the state API's longest lease: it grants less than asked for.
-            (2_000_000, 1_000_000),
+            // With a state API that grants less than asked for (1.5 s).
+            (4_000, 1_000),
         ]);
         let small_api_body = c.chance(20);
         let max_stored = 100usize;
@@ -291,6 +306,11 @@ impl World {
             max_stored_body_bytes: max_stored,
             state_api: StateApiConfig {
                 default_lease_ms: 30_000,
+                max_lease_ms: if lease_ms == 4_000 {
+                    1_500
+                } else {
+                    crate::state_api::MAX_LEASE_MS
+                },
                 retention_ms: 86_400_000,
                 max_body_bytes: if small_api_body { 48 } else { 1 << 20 },
                 retry_after_cap_s: 2,

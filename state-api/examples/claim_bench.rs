@@ -74,7 +74,7 @@ fn claim_req(key: String) -> ClaimRequest {
         subject: "bench".into(),
         endpoint: "POST /checkout".into(),
         fingerprint: "ab".repeat(32),
-        fingerprint_alg: "sha256-jcs-v1".into(),
+        fingerprint_alg: "sha256-jcs-v2".into(),
         lease_ms: Some(60_000),
     }
 }

@@ -7,11 +7,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
-/// Shortest and longest lease a caller may ask for: a shorter one would be reclaimed while the
-/// owner is still sending its first byte upstream, a longer one would hold a dead owner's key
-/// for too long.
-pub const MIN_LEASE_MS: u64 = 1_000;
-pub const MAX_LEASE_MS: u64 = 600_000;
+/// Shortest and longest lease a caller may ask for (shared with the filter).
+pub use contract::limits::{MAX_LEASE_MS, MIN_LEASE_MS};
 
 /// Longest retention: keeps `now + retention` inside Postgres' timestamp range.
 pub const MAX_RETENTION_S: u64 = 10 * 365 * 86_400;
@@ -160,6 +157,11 @@ pub enum ConfigError {
     RetentionTooLong,
     #[error("--batch-max must be at most {MAX_BATCH}")]
     BatchTooLarge,
+    #[error(
+        "--max-body-bytes must be at most {} (what filters may be configured to send)",
+        contract::limits::MAX_STORED_BODY_BYTES
+    )]
+    BodyLimitTooLarge,
 }
 
 impl Config {
@@ -194,6 +196,9 @@ impl Config {
         }
         if self.batch_max > MAX_BATCH {
             return Err(ConfigError::BatchTooLarge);
+        }
+        if self.max_body_bytes as u64 > contract::limits::MAX_STORED_BODY_BYTES {
+            return Err(ConfigError::BodyLimitTooLarge);
         }
         Ok(secret)
     }

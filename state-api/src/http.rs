@@ -31,12 +31,7 @@ use crate::AppState;
 /// The hand-written OpenAPI document of this API.
 pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
 
-/// Limits on what a stored response and the identity fields may hold.
-const MAX_FIELD_LEN: usize = 1024;
-const MAX_ALG_LEN: usize = 64;
-const MAX_HEADERS: usize = 100;
-const MAX_HEADER_NAME_LEN: usize = 256;
-const MAX_HEADER_VALUE_LEN: usize = 8192;
+use contract::limits::{self, MAX_ALG_LEN, MAX_FIELD_LEN, MAX_HEADERS};
 
 /// The router: `/v1/*` behind the bearer token; health, readiness, metrics and the OpenAPI
 /// document open (the API listens on loopback or a private network).
@@ -244,14 +239,10 @@ fn check_token(token: i64) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn is_tchar(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
-}
-
 /// Checks and decodes the response to store. Over the body limit: 413, nothing written.
 fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError> {
-    if !(100..=599).contains(&r.status) {
-        return Err(bad("`response.status` must be 100 to 599"));
+    if !limits::STATUS.contains(&r.status) {
+        return Err(bad("`response.status` must be 100 to 999"));
     }
     if r.headers.len() > MAX_HEADERS {
         return Err(bad(format!(
@@ -259,12 +250,10 @@ fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError
         )));
     }
     for (name, value) in &r.headers {
-        if name.is_empty() || name.len() > MAX_HEADER_NAME_LEN || !name.bytes().all(is_tchar) {
+        if !limits::storable_header_name(name) {
             return Err(bad("a response header name is not a valid HTTP token"));
         }
-        if value.len() > MAX_HEADER_VALUE_LEN
-            || value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0)
-        {
+        if !limits::storable_header_value(value) {
             return Err(bad(
                 "a response header value is too long or holds CR, LF or NUL",
             ));
@@ -336,6 +325,7 @@ async fn claim(
                 token,
                 lease_ms,
                 reclaimed,
+                max_body_bytes: Some(config.max_body_bytes as u64),
             },
             if reclaimed {
                 metrics::ClaimOutcome::Reclaimed

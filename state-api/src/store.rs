@@ -835,7 +835,7 @@ mod tests {
             scope: [0; 32],
             subject: "alice",
             endpoint: "POST /checkout",
-            fingerprint_alg: "sha256-jcs-v1",
+            fingerprint_alg: "sha256-jcs-v2",
             fingerprint: "aa",
             lease_ms: 30_000,
             retention_ms: 1000,
@@ -847,7 +847,7 @@ mod tests {
             inserted: false,
             state: state.into(),
             fencing_token: 7,
-            fingerprint_alg: "sha256-jcs-v1".into(),
+            fingerprint_alg: "sha256-jcs-v2".into(),
             fingerprint: "aa".into(),
             lease_remaining_ms: 500,
             lease_expired: false,
@@ -905,7 +905,7 @@ mod tests {
                 Step::Answer(ClaimOutcome::Mismatch)
             );
             let other_alg = ClaimRow {
-                fingerprint_alg: "sha256-raw-v1".into(),
+                fingerprint_alg: "sha256-raw-v2".into(),
                 ..row(state)
             };
             assert_eq!(

@@ -34,7 +34,7 @@ async fn a_changed_fingerprint_is_a_mismatch_in_progress_and_completed() {
     );
     // Same fingerprint made by another algorithm: also a mismatch.
     let mut other_alg = claim_req("fp-key", "alice", &fp(1), None);
-    other_alg.fingerprint_alg = "sha256-raw-v1".into();
+    other_alg.fingerprint_alg = "sha256-raw-v2".into();
     assert_eq!(api.claim_with(&other_alg).await, ClaimResponse::Mismatch);
 
     api.post(
@@ -144,6 +144,7 @@ async fn a_reclaim_race_among_twenty_has_one_winner() {
                 token,
                 reclaimed,
                 lease_ms,
+                ..
             } => {
                 assert!(reclaimed);
                 assert_eq!(lease_ms, 30_000);
@@ -488,7 +489,7 @@ async fn bad_input_is_a_problem_and_writes_nothing() {
             "bad-request",
         ),
         (
-            complete_body("bad", t, &resp(600, vec![], b"", true)),
+            complete_body("bad", t, &resp(1000, vec![], b"", true)),
             400,
             "bad-request",
         ),

@@ -163,6 +163,7 @@ async fn distinct_first_claims_share_one_statement_and_are_all_committed() {
                 token,
                 lease_ms,
                 reclaimed,
+                ..
             } => {
                 assert_eq!((lease_ms, reclaimed), (45_000, false));
                 assert!(tokens.insert(token), "token {token} given twice");

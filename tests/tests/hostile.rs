@@ -226,7 +226,7 @@ impl Env {
     /// A direct call to the state API's /v1/claim with this Authorization header (if any).
     async fn state_api_claim(&self, authorization: Option<&str>, query: &str) -> Got {
         let body = json!({"key": unique_key("direct"), "subject": "alice", "endpoint": "POST /checkout",
-                          "fingerprint": "0".repeat(64), "fingerprint_alg": "sha256-raw-v1"});
+                          "fingerprint": "0".repeat(64), "fingerprint_alg": "sha256-raw-v2"});
         let mut req = Request::post(&format!("{}{query}", contract::wire::CLAIM_PATH)).json(&body);
         if let Some(a) = authorization {
             req = req.header("authorization", a);

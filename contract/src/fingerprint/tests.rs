@@ -286,6 +286,27 @@ fn fields_are_framed_unambiguously() {
 }
 
 #[test]
+fn the_media_type_is_part_of_the_request() {
+    let f = |ct: Option<&str>, b: &[u8]| fingerprint("POST", "/a", "", ct, b).unwrap();
+    // The same bytes as two media types (neither canonicalized here) are two requests...
+    assert_ne!(f(Some("text/plain"), b""), f(Some("application/json"), b""));
+    assert_ne!(f(Some("text/plain"), b"x"), f(None, b"x"));
+    assert_ne!(
+        f(Some("application/json"), b"{}"),
+        f(Some("application/merge-patch+json"), b"{}")
+    );
+    // ...but its parameters and case are not.
+    assert_eq!(
+        f(Some("Text/Plain; charset=utf-8"), b"x"),
+        f(Some("text/plain"), b"x")
+    );
+    assert_eq!(
+        media_type_essence(" Application/JSON ;q=1"),
+        "application/json"
+    );
+}
+
+#[test]
 fn known_answer() {
     // Pins the framing so a change of it is noticed (and the algorithm renamed).
     let fp = fingerprint(
@@ -298,10 +319,11 @@ fn known_answer() {
     .unwrap();
     let mut input = Vec::new();
     for field in [
-        &b"sha256-jcs-v1"[..],
+        &b"sha256-jcs-v2"[..],
         b"POST",
         b"/checkout",
         b"",
+        b"application/json",
         br#"{"a":1,"b":2}"#,
     ] {
         input.extend_from_slice(&(field.len() as u64).to_be_bytes());

@@ -6,9 +6,11 @@ use crate::config::{Config, OnStateUnavailable};
 use crate::key;
 use crate::metrics::Metric;
 use crate::reply;
+use crate::reply::LocalReply;
 use crate::worker::replay_cache::Completed;
-use crate::worker::{CalloutResult, Effect, HeldClaim, Level};
+use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{ClaimResponse, FENCING_TOKEN_HEADER};
+use contract::ProblemKind;
 
 /// What the worker's memory knows of a key, instead of asking the state API.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,6 +63,11 @@ impl Flow {
             CalloutResult::Response { status, body } if (200..300).contains(status) => {
                 ClaimResponse::read(body).map_err(|e| format!("unreadable claim answer: {e}"))
             }
+            CalloutResult::Response { status, body }
+                if (400..500).contains(status) && *status != 408 && *status != 429 =>
+            {
+                return self.refused(&req, *status, body);
+            }
             CalloutResult::Response { status, body } => Err(format!(
                 "claim answered HTTP {status}: {}",
                 String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
@@ -70,8 +77,19 @@ impl Flow {
         match parsed {
             Err(why) => self.unavailable(cfg, req, why),
             Ok(ClaimResponse::Claimed {
-                token, reclaimed, ..
-            }) => self.forward(Claimed { req, token }, reclaimed),
+                token,
+                reclaimed,
+                lease_ms,
+                max_body_bytes,
+            }) => {
+                let claimed = Claimed {
+                    req,
+                    token,
+                    lease_ms,
+                    max_body: max_body_bytes,
+                };
+                self.forward(cfg, claimed, reclaimed)
+            }
             Ok(ClaimResponse::InProgress {
                 retry_after_s,
                 lease_remaining_ms,
@@ -139,10 +157,43 @@ impl Flow {
         }
     }
 
+    /// The state API refused the claim (a 4xx): a configuration or contract error, not an
+    /// outage, so the request is never forwarded, not even where the route fails open.
+    fn refused(&mut self, req: &Fingerprinted, status: u16, body: &[u8]) -> Turn {
+        let log = Flow::log(
+            Level::Error,
+            format!(
+                "the state API refused the claim for {} with HTTP {status}: {}",
+                req.req.endpoint,
+                String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
+            ),
+        );
+        self.reply(
+            Some(Metric::ClaimRefused),
+            LocalReply::problem(
+                ProblemKind::Internal,
+                format!("the idempotency store refused this request (HTTP {status}); nothing was forwarded"),
+            ),
+        )
+        .with(Effect::Count(Metric::StateApiErrors))
+        .with(log)
+    }
+
     /// The key is ours: the request goes upstream with the key and the fencing token.
-    fn forward(&mut self, claimed: Claimed, reclaimed: bool) -> Turn {
+    fn forward(&mut self, cfg: &Config, claimed: Claimed, reclaimed: bool) -> Turn {
         let mut t = Turn::pause();
         let token = claimed.token;
+        if claimed.lease_ms < cfg.lease_ms {
+            t.push(Flow::log(
+                Level::Warn,
+                format!(
+                    "the state API granted a {} ms lease for {} ({} ms asked): heartbeats follow the grant",
+                    claimed.lease_ms,
+                    claimed.endpoint(),
+                    cfg.lease_ms
+                ),
+            ));
+        }
         if reclaimed {
             t.push(Flow::log(
                 Level::Info,
@@ -163,8 +214,10 @@ impl Flow {
             name: FENCING_TOKEN_HEADER,
             value: token.to_string(),
         }));
-        let held: HeldClaim = claimed.held();
-        t.push(Note::Register(held));
+        t.push(Note::Register {
+            claim: claimed.held(),
+            lease_ms: claimed.lease_ms,
+        });
         t.push(Effect::Count(Metric::Claimed));
         t.push(Note::ForgetRunning(claimed.req.req.id()));
         t.push(self.effect(|stream| Effect::ResumeRequest { stream }));

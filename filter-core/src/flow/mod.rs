@@ -55,6 +55,8 @@ pub enum Call {
     },
     Complete {
         body: Vec<u8>,
+        /// What to store instead if the state API refuses `body`.
+        fallback: Option<Vec<u8>>,
         claim: HeldClaim,
         /// The response as a replay would give it.
         record: Box<Completed>,
@@ -69,8 +71,11 @@ pub enum Call {
 /// What the worker keeps or forgets for a stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Note {
-    /// A claim won: extend its lease until [`Note::Unregister`].
-    Register(HeldClaim),
+    /// A claim won: extend its lease (`lease_ms`, as granted) until [`Note::Unregister`].
+    Register {
+        claim: HeldClaim,
+        lease_ms: u64,
+    },
     Unregister(i64),
     /// The state API reported the key in progress elsewhere (answer duplicates from memory).
     HoldRunning {
@@ -183,6 +188,10 @@ pub struct Fingerprinted {
 pub struct Claimed {
     pub req: Fingerprinted,
     pub token: i64,
+    /// The lease the state API granted.
+    pub lease_ms: u64,
+    /// The largest body the state API stores, when it said.
+    pub max_body: Option<u64>,
 }
 
 impl Claimed {
@@ -203,7 +212,10 @@ impl Claimed {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Capture {
     status: u16,
+    /// The headers kept to replay ([`crate::headers::stored`]).
     headers: Vec<(String, String)>,
+    /// Every header that would be replayed could be kept.
+    headers_complete: bool,
     /// Body bytes buffered so far (cumulative: the filter pauses every chunk).
     size: usize,
 }
@@ -213,6 +225,8 @@ struct Capture {
 enum Write {
     Complete {
         body: Vec<u8>,
+        /// What to store if the state API refuses `body`: the status alone, not replayable.
+        fallback: Option<Vec<u8>>,
         attempts: u8,
         record: Box<Completed>,
     },

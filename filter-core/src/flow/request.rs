@@ -11,8 +11,8 @@ use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{ClaimRequest, FENCING_TOKEN_HEADER};
 use contract::ProblemKind;
 
-/// Longest accepted subject (bytes).
-pub const MAX_SUBJECT_LEN: usize = 1024;
+/// Longest accepted subject (bytes): what the state API stores.
+pub const MAX_SUBJECT_LEN: usize = contract::limits::MAX_FIELD_LEN;
 
 /// What the glue knows when request headers arrive.
 #[derive(Debug, Clone, Copy)]
@@ -37,7 +37,7 @@ impl RequestHead<'_> {
 }
 
 fn valid_subject(s: &str) -> bool {
-    !s.is_empty() && s.len() <= MAX_SUBJECT_LEN && !s.chars().any(char::is_control)
+    contract::limits::valid_field(s)
 }
 
 pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -74,19 +74,44 @@ impl Flow {
             Some((p, q)) => (p.to_owned(), q.to_owned()),
             None => (full_path.to_owned(), String::new()),
         };
+        // A client's copy of the fencing header is never trusted, on any route: the upstream
+        // may act on it. (On a claimed request the filter sets its own.)
+        let forged = head.first(FENCING_TOKEN_HEADER).is_some();
+        let unforge = |flow: &Self, t: Turn| {
+            if forged {
+                t.with(flow.effect(|stream| Effect::RemoveRequestHeader {
+                    stream,
+                    name: FENCING_TOKEN_HEADER,
+                }))
+            } else {
+                t
+            }
+        };
         let Some((route_idx, route)) = cfg
             .route_index(&method, &path)
             .and_then(|i| cfg.routes.get(i).map(|r| (i, r)))
         else {
-            return Turn::cont();
+            return unforge(self, Turn::cont());
         };
         let key_values = head.values(key::HEADER);
         if key_values.is_empty() && route.key == KeyPolicy::Optional {
-            // Not protected without a key; a client copy of the fencing header is never trusted.
-            return Turn::cont().with(self.effect(|stream| Effect::RemoveRequestHeader {
-                stream,
-                name: FENCING_TOKEN_HEADER,
-            }));
+            // Not protected without a key.
+            return unforge(self, Turn::cont());
+        }
+        let endpoint = format!("{method} {path}");
+        if endpoint.len() > contract::limits::MAX_FIELD_LEN {
+            // A record cannot hold it: refused here rather than by the state API (which a
+            // fail_open route would take for an outage and forward unprotected).
+            return self.reply(
+                Some(Metric::EndpointTooLong414),
+                LocalReply::problem(
+                    ProblemKind::EndpointTooLong,
+                    format!(
+                        "a protected request's method and path are limited to {} bytes",
+                        contract::limits::MAX_FIELD_LEN
+                    ),
+                ),
+            );
         }
 
         let subject = match &cfg.subject {
@@ -137,7 +162,7 @@ impl Flow {
             route: route_idx,
             key,
             subject,
-            endpoint: format!("{method} {path}"),
+            endpoint,
             method,
             path,
             query,

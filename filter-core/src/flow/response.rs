@@ -73,9 +73,11 @@ impl Flow {
                 Turn::pause().with(log).with(Call::Release { body })
             }
             Outcome::Store => {
+                let kept = headers::stored(head.headers, &cfg.replay_extra_headers);
                 let capture = Capture {
                     status,
-                    headers: headers::stored(head.headers, &cfg.replay_extra_headers),
+                    headers: kept.headers,
+                    headers_complete: kept.complete,
                     size: 0,
                 };
                 if end_of_stream {
@@ -104,9 +106,9 @@ impl Flow {
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
     ) -> Turn {
         match &mut self.state {
-            State::Capturing(_, cap) => {
+            State::Capturing(claimed, cap) => {
                 cap.size = body_size;
-                let max = usize::try_from(cfg.max_stored_body_bytes).unwrap_or(usize::MAX);
+                let max = stored_body_limit(cfg, claimed);
                 if body_size <= max && !end_of_stream {
                     return Turn::pause();
                 }
@@ -115,6 +117,9 @@ impl Flow {
                 };
                 let body = if body_size > max {
                     None
+                } else if body_size == 0 {
+                    // Ended by an empty data frame: nothing to read (Envoy has no buffer then).
+                    Some(Vec::new())
                 } else {
                     read(body_size)
                 };
@@ -151,39 +156,75 @@ impl Flow {
     /// Stores the outcome; `body` is `None` when it is not kept (too large or unreadable).
     fn complete(&mut self, claimed: Claimed, cap: Capture, body: Option<Vec<u8>>) -> Turn {
         let mut t = Turn::pause();
-        if body.is_none() {
+        let (write, record) = outcome(&claimed, cap, body);
+        if !record.replayable {
             t.push(Effect::Count(Metric::StoredWithoutBody));
         }
-        let replayable = body.is_some();
-        let body = body.unwrap_or_default();
-        let record = Box::new(Completed {
-            fingerprint: claimed.req.fingerprint.clone(),
-            status: cap.status,
-            headers: cap.headers.clone(),
-            body: body.clone(),
-            replayable,
-        });
-        let payload = to_json(&CompleteRequest {
-            key: claimed.req.req.key.clone(),
-            subject: claimed.req.req.subject.clone(),
-            endpoint: claimed.req.req.endpoint.clone(),
-            token: claimed.token,
-            response: StoredResponse::new(cap.status, cap.headers, &body, replayable),
-        });
+        let Write::Complete { body, fallback, .. } = &write else {
+            return t;
+        };
         t.push(Call::Complete {
-            body: payload.clone(),
+            body: body.clone(),
+            fallback: fallback.clone(),
             claim: claimed.held(),
-            record: record.clone(),
+            record: Box::new(record),
             first: true,
         });
-        self.state = State::Writing(
-            claimed,
-            Write::Complete {
-                body: payload,
-                attempts: 1,
-                record,
-            },
-        );
+        self.state = State::Writing(claimed, write);
         t
     }
+}
+
+/// The largest body kept to replay: the configured one, or the state API's if it is smaller.
+fn stored_body_limit(cfg: &Config, claimed: &Claimed) -> usize {
+    let max = claimed.max_body.map_or(cfg.max_stored_body_bytes, |m| {
+        m.min(cfg.max_stored_body_bytes)
+    });
+    usize::try_from(max).unwrap_or(usize::MAX)
+}
+
+/// The write that stores a captured response, and the record a replay of it gives. Not
+/// replayable (status and headers only) when the body is not kept, a header that would be
+/// replayed could not be kept, or the status is not three digits (stored as 502 then).
+fn outcome(claimed: &Claimed, cap: Capture, body: Option<Vec<u8>>) -> (Write, Completed) {
+    let status_ok = contract::limits::STATUS.contains(&cap.status);
+    let status = if status_ok { cap.status } else { 502 };
+    let body = body.filter(|_| cap.headers_complete && status_ok);
+    let replayable = body.is_some();
+    let body = body.unwrap_or_default();
+    let payload = complete_payload(
+        claimed,
+        StoredResponse::new(status, cap.headers.clone(), &body, replayable),
+    );
+    let fallback = complete_payload(claimed, StoredResponse::new(status, Vec::new(), b"", false));
+    let record = Completed {
+        fingerprint: claimed.req.fingerprint.clone(),
+        status,
+        headers: cap.headers,
+        body,
+        replayable,
+    };
+    let write = Write::Complete {
+        fallback: (fallback != payload).then_some(fallback),
+        body: payload,
+        attempts: 1,
+        record: Box::new(record.clone()),
+    };
+    (write, record)
+}
+
+fn complete_payload(claimed: &Claimed, response: StoredResponse) -> Vec<u8> {
+    to_json(&CompleteRequest {
+        key: claimed.req.req.key.clone(),
+        subject: claimed.req.req.subject.clone(),
+        endpoint: claimed.req.req.endpoint.clone(),
+        token: claimed.token,
+        response,
+    })
+}
+
+/// What the stream stores when it ends after the response headers, before the whole body: the
+/// status and headers it has, not replayable. The upstream answered; it must not run again.
+pub(super) fn cut_short(claimed: &Claimed, cap: Capture) -> (Write, Completed) {
+    outcome(claimed, cap, None)
 }

@@ -118,14 +118,14 @@ mod tests {
     fn answers_409_for_the_same_request_until_the_deadline() {
         let mut m = InFlightMemory::default();
         let a = id("a", "s", "e");
-        let same = fp("sha256-jcs-v1", "ab");
+        let same = fp("sha256-jcs-v2", "ab");
         assert!(m.hold(a, &same, 2, 1_000, 500));
         assert_eq!(m.retry_after(&a, &same, 1_000), Some(2));
         assert_eq!(m.retry_after(&a, &same, 1_499), Some(2));
         // Another body, or another algorithm: ask the state API (the key may have been
         // released and claimed again with that body).
-        assert_eq!(m.retry_after(&a, &fp("sha256-jcs-v1", "cd"), 1_100), None);
-        assert_eq!(m.retry_after(&a, &fp("sha256-raw-v1", "ab"), 1_100), None);
+        assert_eq!(m.retry_after(&a, &fp("sha256-jcs-v2", "cd"), 1_100), None);
+        assert_eq!(m.retry_after(&a, &fp("sha256-raw-v2", "ab"), 1_100), None);
         // Never past the deadline (the lease the state API reported, or the configured
         // limit), and a clock seen going back drops the entry.
         assert_eq!(m.retry_after(&a, &same, 1_500), None);

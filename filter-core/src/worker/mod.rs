@@ -48,6 +48,19 @@ pub enum CalloutResult {
     Response { status: u16, body: Vec<u8> },
 }
 
+impl CalloutResult {
+    /// For logs: the failure, or the status and the start of the body.
+    pub fn describe(&self) -> String {
+        match self {
+            CalloutResult::Response { status, body } => format!(
+                "HTTP {status}: {}",
+                String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
+            ),
+            CalloutResult::Failed(why) => why.clone(),
+        }
+    }
+}
+
 /// Who receives a callout's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Owner {
@@ -408,6 +421,7 @@ impl Worker {
             }
             Call::Complete {
                 body,
+                fallback,
                 claim,
                 record,
                 first,
@@ -418,6 +432,7 @@ impl Worker {
                             claim,
                             path: COMPLETE_PATH,
                             payload: body,
+                            fallback,
                             untried: true,
                         };
                         self.hand_over(write, Some(record), now_ms, effects);
@@ -456,7 +471,7 @@ impl Worker {
 
     fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
         match note {
-            Note::Register(claim) => self.registry.register(claim, now_ms),
+            Note::Register { claim, lease_ms } => self.registry.register(claim, lease_ms, now_ms),
             Note::Unregister(token) => self.registry.remove(token),
             Note::HoldRunning {
                 id,
@@ -509,7 +524,8 @@ impl Worker {
             Ok(()) => {
                 if !self.registry.contains(claim.token) {
                     // The stream ended before: keep the lease alive all the same.
-                    self.registry.register(claim.clone(), now_ms);
+                    self.registry
+                        .register(claim.clone(), self.cfg.lease_ms, now_ms);
                 }
                 if let Some(rec) = record {
                     if self.answerable(&rec) {
@@ -612,7 +628,8 @@ impl Worker {
         self.registry.answered(token);
         match result {
             CalloutResult::Response { status, body } if (200..300).contains(&status) => {
-                if HeartbeatResponse::read(&body).is_ok() {
+                if let Ok(hb) = HeartbeatResponse::read(&body) {
+                    self.registry.granted(token, hb.lease_ms);
                     vec![Effect::Count(Metric::Heartbeats)]
                 } else {
                     vec![
@@ -660,6 +677,23 @@ impl Worker {
         effects: &mut Vec<Effect>,
     ) {
         let (verdict, expires_in_ms) = WriteVerdict::of(&result);
+        let falls_back = matches!(verdict, WriteVerdict::Refused(_))
+            .then(|| self.writes.fallback_of(token))
+            .flatten();
+        if let Some(claim) = falls_back {
+            // Its status alone is stored instead: the response is not replayed from here either.
+            self.replays
+                .remove(&ids::id(&claim.key, &claim.subject, &claim.endpoint));
+            effects.push(Effect::Count(Metric::CompleteRefused));
+            effects.push(Effect::Log(
+                Level::Warn,
+                format!(
+                    "complete for {} refused ({}); storing its status alone, not replayable (token {token})",
+                    claim.endpoint,
+                    result.describe()
+                ),
+            ));
+        }
         match self.writes.answered(token, verdict, now_ms) {
             None if verdict == WriteVerdict::Failed => {
                 effects.push(Effect::Count(Metric::StateApiErrors));
@@ -699,10 +733,15 @@ impl Worker {
         match done {
             WriteDone::Stored {
                 claim,
+                path,
                 attempts,
                 untried,
             } => {
-                effects.push(Effect::Count(Metric::Completed));
+                effects.push(Effect::Count(if path == RELEASE_PATH {
+                    Metric::Released
+                } else {
+                    Metric::Completed
+                }));
                 // An untried write stored at its first attempt is the normal case.
                 let retries = attempts.saturating_sub(u32::from(untried));
                 if retries > 0 {

@@ -19,6 +19,8 @@ pub struct HeldClaim {
 #[derive(Debug)]
 struct Entry {
     claim: HeldClaim,
+    /// The lease the state API granted last.
+    lease_ms: u64,
     /// When the lease was last set (claim or heartbeat sent), in ms since the epoch.
     last_ms: u64,
     /// A heartbeat for it is awaiting its answer.
@@ -37,11 +39,12 @@ impl Registry {
         self.entries.iter_mut().find(|e| e.claim.token == token)
     }
 
-    /// Registers the claim (again: its lease was just set).
-    pub fn register(&mut self, claim: HeldClaim, now_ms: u64) {
+    /// Registers the claim (again: its lease of `lease_ms` was just granted).
+    pub fn register(&mut self, claim: HeldClaim, lease_ms: u64, now_ms: u64) {
         let token = claim.token;
         let entry = Entry {
             claim,
+            lease_ms,
             last_ms: now_ms,
             pending: false,
         };
@@ -67,9 +70,15 @@ impl Registry {
         self.entries.iter().any(|e| e.claim.token == token)
     }
 
-    /// Heartbeats to send now: every claim whose lease was last set `heartbeat_ms - tick_ms` ago
-    /// or more (so that, ticking every `tick_ms`, the gap never exceeds `heartbeat_ms`), and
-    /// with no heartbeat still on its way. They are marked as sent.
+    /// How often a claim's lease is extended: every `heartbeat_ms`, or every half of the lease
+    /// the state API granted when that is shorter (so one lost heartbeat never lets it run out).
+    /// Ticking every `tick_ms`, a heartbeat goes `tick_ms` early so the gap never exceeds it.
+    fn threshold(e: &Entry, heartbeat_ms: u64, tick_ms: u64) -> u64 {
+        heartbeat_ms.min(e.lease_ms / 2).saturating_sub(tick_ms)
+    }
+
+    /// Heartbeats to send now (asking for `lease_ms`), for claims with no heartbeat on its way.
+    /// They are marked as sent.
     pub fn due(
         &mut self,
         now_ms: u64,
@@ -77,10 +86,11 @@ impl Registry {
         tick_ms: u64,
         lease_ms: u64,
     ) -> Vec<HeartbeatRequest> {
-        let threshold = heartbeat_ms.saturating_sub(tick_ms);
         let mut out = Vec::new();
         for e in self.entries.iter_mut() {
-            if !e.pending && now_ms.saturating_sub(e.last_ms) >= threshold {
+            if !e.pending
+                && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, heartbeat_ms, tick_ms)
+            {
                 e.pending = true;
                 e.last_ms = now_ms;
                 out.push(HeartbeatRequest {
@@ -97,12 +107,21 @@ impl Registry {
 
     /// When the next heartbeat comes due ([`Registry::due`]); `None` while none can.
     pub fn next_due(&self, heartbeat_ms: u64, tick_ms: u64) -> Option<u64> {
-        let threshold = heartbeat_ms.saturating_sub(tick_ms);
         self.entries
             .iter()
             .filter(|e| !e.pending)
-            .map(|e| e.last_ms.saturating_add(threshold))
+            .map(|e| {
+                e.last_ms
+                    .saturating_add(Self::threshold(e, heartbeat_ms, tick_ms))
+            })
             .min()
+    }
+
+    /// A heartbeat was answered with the lease granted.
+    pub fn granted(&mut self, token: i64, lease_ms: u64) {
+        if let Some(e) = self.find(token) {
+            e.lease_ms = lease_ms;
+        }
     }
 
     /// The heartbeat for `token` was answered (or failed): it may be sent again.
@@ -132,8 +151,8 @@ mod tests {
     #[test]
     fn heartbeats_come_due_and_are_not_doubled() {
         let mut r = Registry::default();
-        r.register(claim(1), 1_000);
-        r.register(claim(2), 5_000);
+        r.register(claim(1), 30_000, 1_000);
+        r.register(claim(2), 30_000, 5_000);
         // heartbeat 10s, tick 2.5s: due once 7.5s have passed.
         assert!(r.due(8_000, 10_000, 2_500, 30_000).is_empty());
         let due = r.due(8_500, 10_000, 2_500, 30_000);
@@ -151,5 +170,18 @@ mod tests {
         r.remove(2);
         assert!(r.is_empty());
         r.answered(2); // no-op
+    }
+
+    #[test]
+    fn a_shorter_lease_granted_brings_heartbeats_forward() {
+        let mut r = Registry::default();
+        // Asked for 30 s, granted 4 s: a heartbeat every 2 s (minus a tick), not every 10 s.
+        r.register(claim(1), 4_000, 0);
+        assert_eq!(r.next_due(10_000, 500), Some(1_500));
+        assert!(r.due(1_499, 10_000, 500, 30_000).is_empty());
+        assert_eq!(r.due(1_500, 10_000, 500, 30_000).len(), 1);
+        r.answered(1);
+        r.granted(1, 30_000);
+        assert_eq!(r.next_due(10_000, 500), Some(1_500 + 9_500));
     }
 }

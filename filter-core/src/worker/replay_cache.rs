@@ -36,6 +36,15 @@ pub struct Completed {
 }
 
 impl Completed {
+    /// The same outcome stored without its body (it cannot be replayed).
+    pub fn not_replayable(&self) -> Self {
+        Self {
+            body: Vec::new(),
+            replayable: false,
+            ..self.clone()
+        }
+    }
+
     /// What the entry holds in memory, roughly (the budget counts this).
     pub fn size(&self) -> usize {
         ENTRY_OVERHEAD
@@ -262,7 +271,7 @@ mod tests {
     fn rec(body_len: usize) -> Completed {
         Completed {
             fingerprint: Fingerprint {
-                alg: "sha256-jcs-v1",
+                alg: "sha256-jcs-v2",
                 hex: "ab".repeat(32),
             },
             status: 201,

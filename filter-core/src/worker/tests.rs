@@ -73,6 +73,7 @@ fn claimed(token: i64) -> CalloutResult {
         token,
         lease_ms: 30_000,
         reclaimed: false,
+        max_body_bytes: None,
     })
 }
 
@@ -522,7 +523,7 @@ fn claim_carries_key_subject_endpoint_and_canonical_fingerprint() {
     assert_eq!(a.key, "k1");
     assert_eq!(a.subject, "user-1");
     assert_eq!(a.endpoint, "POST /checkout");
-    assert_eq!(a.fingerprint_alg, "sha256-jcs-v1");
+    assert_eq!(a.fingerprint_alg, "sha256-jcs-v2");
     assert_eq!(a.lease_ms, Some(30_000));
     let (_, b) = t.claimed(
         "/checkout?b=2",
@@ -550,6 +551,7 @@ fn claim_carries_key_subject_endpoint_and_canonical_fingerprint() {
             token: 7,
             lease_ms: 30_000,
             reclaimed: true,
+            max_body_bytes: None,
         }),
     );
     assert!(step.effects.contains(&Effect::SetRequestHeader {
@@ -604,7 +606,7 @@ fn trailers_end_the_body() {
             t.now,
         )
         .into();
-    assert_eq!(step.claim().fingerprint_alg, "sha256-raw-v1");
+    assert_eq!(step.claim().fingerprint_alg, "sha256-raw-v2");
 }
 
 #[test]
@@ -715,7 +717,7 @@ fn state_api_trouble_fails_closed_with_503() {
     for bad in [
         CalloutResult::Failed("reset".into()),
         status(500, b"oops"),
-        status(401, b"{}"),
+        status(429, b"{}"),
         status(200, b"{\"outcome\":\"maybe\"}"),
         answer(&ClaimResponse::Completed {
             response: StoredResponse {
@@ -740,6 +742,86 @@ fn state_api_trouble_fails_closed_with_503() {
         assert_eq!(step.counts(), vec![Metric::StateApiErrors]);
         assert!(!step.resumes_request());
     }
+}
+
+#[test]
+fn a_refused_claim_is_500_and_never_fails_open() {
+    for route in ["/checkout", "/refunds"] {
+        let mut t = Harness::new(CONFIG);
+        let s = t.stream();
+        let step = t.headers(s, &req_headers(route, &[("idempotency-key", "k")]), true);
+        // A wrong bearer token, a field the state API does not accept: not an outage.
+        let step = t.answer_claim(&step, status(401, b"{}"));
+        let r = step.reply();
+        assert_eq!(
+            (r.status, problem_type(r).as_str()),
+            (500, "/problems/internal-error"),
+            "{route}"
+        );
+        assert_eq!(
+            step.counts(),
+            vec![Metric::ClaimRefused, Metric::StateApiErrors]
+        );
+        assert!(!step.resumes_request());
+    }
+}
+
+#[test]
+fn an_endpoint_too_long_for_a_record_is_414_before_any_claim() {
+    let cfg = with(r#""routes": [{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open"}],"#)
+        .replacen(
+            r#""routes": [
+    {"method": "POST", "path": "/checkout", "key": "required"},
+    {"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release", "on_state_unavailable": "fail_open"},
+    {"method": "POST", "prefix": "/carts/", "key": "optional"}
+  ],"#,
+            "",
+            1,
+        );
+    let mut t = Harness::new(&cfg);
+    let path = format!("/pay/{}", "p".repeat(1100));
+    let s = t.stream();
+    let step = t.headers(s, &req_headers(&path, &[("idempotency-key", "k")]), true);
+    let r = step.reply();
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (414, "/problems/endpoint-too-long")
+    );
+    assert!(!step.claims() && !step.resumes_request());
+    // Exactly at the limit: claimed as usual.
+    let path = format!("/pay/{}", "p".repeat(1024 - "POST /pay/".len()));
+    let s = t.stream();
+    assert!(t
+        .headers(s, &req_headers(&path, &[("idempotency-key", "k")]), true)
+        .claims());
+}
+
+#[test]
+fn a_client_sent_fencing_token_never_passes_on_any_route() {
+    let mut t = Harness::new(CONFIG);
+    for (path, key) in [("/other", Some("k")), ("/carts/1", None)] {
+        let s = t.stream();
+        let mut extra = vec![(FENCING_TOKEN_HEADER, "999")];
+        if let Some(k) = key {
+            extra.push(("idempotency-key", k));
+        }
+        let step = t.headers(s, &req_headers(path, &extra), true);
+        assert_eq!(step.verdict, Verdict::Continue, "{path}");
+        assert_eq!(
+            step.effects,
+            vec![Effect::RemoveRequestHeader {
+                stream: s,
+                name: FENCING_TOKEN_HEADER
+            }],
+            "{path}"
+        );
+    }
+    // Without one, nothing to remove.
+    let s = t.stream();
+    assert!(t
+        .headers(s, &req_headers("/other", &[]), true)
+        .effects
+        .is_empty());
 }
 
 #[test]
@@ -1132,12 +1214,51 @@ fn without_retries_a_failed_complete_is_given_up_after_one_retry() {
 }
 
 #[test]
-fn a_refused_complete_is_not_retried() {
+fn a_refused_complete_stores_the_status_alone_then_gives_up() {
     let mut t = Harness::new(CONFIG);
     let (s, _) = t.claimed("/checkout", b"{}", 42);
-    let step = t.ok_response(s, "200", true);
+    let step = t.response_headers(
+        s,
+        &h(&[(":status", "201"), ("location", "/c/1")]),
+        "via_upstream",
+        0,
+        true,
+    );
     let d = step.dispatch(COMPLETE_PATH).clone();
+    assert!(step.complete().response.replayable);
+    // A limit the filter could not know (the state API's own body limit, say): the key must
+    // not be left free, so its status alone is stored, not replayable.
     let step = t.answer(&d, status(413, b"{}"));
+    assert_eq!(step.counts(), vec![Metric::CompleteRefused]);
+    assert!(
+        !step.resumes_response(),
+        "still held until an outcome is stored"
+    );
+    let minimal = step.complete();
+    assert_eq!(
+        (
+            minimal.response.status,
+            minimal.response.replayable,
+            minimal.response.headers.len()
+        ),
+        (201, false, 0)
+    );
+    let d = step.dispatch(COMPLETE_PATH).clone();
+    let step = t.answer(&d, written());
+    assert_eq!(step.counts(), vec![Metric::Completed]);
+    assert_eq!(step.last(), Some(&Effect::ResumeResponse { stream: s }));
+    // A retry on this worker gets 409 not replayable from memory, never a second run.
+    let retry = retry_of_claimed(&mut t);
+    assert!(!retry.claims());
+    assert_eq!(retry.reply().status, 409);
+
+    // Refused again: given up (the key stays held until its lease runs out).
+    let (s, _) = t.claimed_key("k2", "/checkout", b"{}", 43);
+    let step = t.ok_response(s, "201", true);
+    let d = step.dispatch(COMPLETE_PATH).clone();
+    let step = t.answer(&d, status(400, b"{}"));
+    let d = step.dispatch(COMPLETE_PATH).clone();
+    let step = t.answer(&d, status(400, b"{}"));
     assert_eq!(
         step.counts(),
         vec![Metric::StateApiErrors, Metric::CompleteGaveUp]
@@ -1148,7 +1269,63 @@ fn a_refused_complete_is_not_retried() {
 }
 
 #[test]
-fn failed_release_is_retried_once_then_given_up() {
+fn a_response_the_state_api_would_refuse_is_stored_not_replayable_at_once() {
+    let mut t = Harness::new(CONFIG);
+    // A Location over the stored header limit: a replay without it would not be the response.
+    let (s, _) = t.claimed("/checkout", b"{}", 42);
+    let long = format!(
+        "/3ds/{}",
+        "x".repeat(contract::limits::MAX_HEADER_VALUE_LEN)
+    );
+    let step = t.response_headers(
+        s,
+        &h(&[(":status", "303"), ("location", &long), ("etag", "e")]),
+        "via_upstream",
+        0,
+        true,
+    );
+    let c = step.complete();
+    assert!(!c.response.replayable);
+    assert_eq!(c.response.headers, h(&[("etag", "e")]));
+    assert_eq!(step.counts(), vec![Metric::StoredWithoutBody]);
+    // A three-digit status outside 100-599 is stored (any three digits are).
+    let (s, _) = t.claimed_key("k2", "/checkout", b"{}", 43);
+    let c = t.ok_response(s, "799", true).complete();
+    assert_eq!((c.response.status, c.response.replayable), (799, true));
+    // The state API's own body limit (told with the claim), below the configured one.
+    let mut t = Harness::new(CONFIG);
+    let s = t.stream();
+    let hs = req_headers("/checkout", &[("idempotency-key", "k3")]);
+    let step = t.headers(s, &hs, true);
+    t.answer_claim(
+        &step,
+        answer(&ClaimResponse::Claimed {
+            token: 9,
+            lease_ms: 30_000,
+            reclaimed: false,
+            max_body_bytes: Some(4),
+        }),
+    );
+    t.ok_response(s, "200", false);
+    let step = t.response_body(s, 5, false, &mut never);
+    let c = step.complete();
+    assert!(!c.response.replayable, "5 bytes are over the state API's 4");
+}
+
+#[test]
+fn an_empty_body_ended_by_an_empty_data_frame_is_replayable() {
+    let mut t = Harness::new(CONFIG);
+    let (s, _) = t.claimed("/checkout", b"{}", 42);
+    t.ok_response(s, "201", false);
+    // Envoy has no buffer for an empty body: nothing is read.
+    let step = t.response_body(s, 0, true, &mut never);
+    let c = step.complete();
+    assert!(c.response.replayable);
+    assert_eq!(c.response.body().unwrap(), b"");
+}
+
+#[test]
+fn a_failed_release_is_retried_once_then_handed_to_the_worker() {
     let mut t = Harness::new(CONFIG);
     let (s, _) = t.claimed("/checkout", b"{}", 42);
     let step = t.response_headers(
@@ -1163,8 +1340,17 @@ fn failed_release_is_retried_once_then_given_up() {
     let d = step.dispatch(RELEASE_PATH).clone();
     let step = t.answer(&d, CalloutResult::Failed("reset".into()));
     assert_eq!(step.counts(), vec![Metric::StateApiErrors]);
-    assert_eq!(t.w.usage().writes, 0);
     assert_eq!(step.last(), Some(&Effect::ResumeResponse { stream: s }));
+    assert_eq!(t.w.usage().writes, 1);
+    t.advance(writes::FIRST_DELAY_MS);
+    let step = t.tick();
+    let d = step.dispatch(RELEASE_PATH).clone();
+    assert_eq!(d.owner, Owner::Worker);
+    assert_eq!(
+        t.answer(&d, answer(&WriteResponse::released())).counts(),
+        vec![Metric::Released]
+    );
+    assert_eq!(t.w.usage().claims, 0);
 }
 
 #[test]
@@ -1182,11 +1368,35 @@ fn stream_ending_while_completing_hands_the_complete_to_the_worker() {
         serde_json::from_slice::<CompleteRequest>(&d.body).unwrap(),
         payload
     );
-    // Before the response was complete there is nothing to store: the heartbeat stops.
+    // Cut short in the body (a reset, the client gone): the status and headers are stored,
+    // not replayable. The upstream answered; it must not run again.
     let (s, _) = t.claimed_key("k2", "/checkout", b"{}", 43);
-    t.ok_response(s, "201", false);
-    t.done(s);
-    assert_eq!(t.w.usage().claims, 1, "only the handed-over one");
+    t.response_headers(
+        s,
+        &h(&[(":status", "201"), ("location", "/c/2")]),
+        "via_upstream",
+        0,
+        false,
+    );
+    t.response_body(s, 3, false, &mut never);
+    let step = t.done(s);
+    assert_eq!(step.counts(), vec![Metric::StoredWithoutBody]);
+    let u = t.w.usage();
+    assert_eq!((u.claims, u.writes), (2, 2));
+    t.advance(writes::FIRST_DELAY_MS);
+    let step = t.tick();
+    let cut: Vec<CompleteRequest> = step
+        .dispatches(COMPLETE_PATH)
+        .iter()
+        .map(|d| serde_json::from_slice(&d.body).unwrap())
+        .filter(|c: &CompleteRequest| c.token == 43)
+        .collect();
+    assert_eq!(cut.len(), 1);
+    assert_eq!(
+        (cut[0].response.status, cut[0].response.replayable),
+        (201, false)
+    );
+    assert_eq!(cut[0].response.headers, h(&[("location", "/c/2")]));
 }
 
 #[test]
@@ -1596,6 +1806,7 @@ fn a_409_from_memory_never_outlives_the_reported_lease() {
             token: 9,
             lease_ms: 30_000,
             reclaimed: true,
+            max_body_bytes: None,
         }),
     );
     assert!(step.resumes_request());

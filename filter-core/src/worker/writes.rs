@@ -32,6 +32,8 @@ pub struct PendingWrite {
     pub path: &'static str,
     /// The JSON body.
     pub payload: Vec<u8>,
+    /// What to send instead if the state API refuses `payload` (a complete's status alone).
+    pub fallback: Option<Vec<u8>>,
     /// Not tried yet (`complete_in_background`): sent at once, and its first attempt is not a
     /// retry. `false`: the stream tried it already; the first retry waits [`FIRST_DELAY_MS`].
     pub untried: bool,
@@ -77,6 +79,7 @@ impl WriteVerdict {
 pub enum WriteDone {
     Stored {
         claim: HeldClaim,
+        path: &'static str,
         attempts: u32,
         /// Handed over untried: one attempt is the normal case.
         untried: bool,
@@ -224,6 +227,14 @@ impl PendingWrites {
         Some(e)
     }
 
+    /// The claim of a write that has a fallback (what a refusal sends instead).
+    pub fn fallback_of(&self, token: i64) -> Option<HeldClaim> {
+        self.entries
+            .iter()
+            .find(|e| e.pending.claim.token == token && e.pending.fallback.is_some())
+            .map(|e| e.pending.claim.clone())
+    }
+
     /// Forgets a write (its claim was fenced out by a heartbeat).
     pub fn remove(&mut self, token: i64) -> Option<HeldClaim> {
         self.take(token).map(|e| e.pending.claim)
@@ -287,7 +298,8 @@ impl PendingWrites {
         Due { send, gave_up }
     }
 
-    /// An attempt could not be sent or was answered. `None`: it stays, to be sent again.
+    /// An attempt could not be sent or was answered. `None`: it stays, to be sent again; a
+    /// refused write with a fallback is sent again at once as its fallback.
     pub fn answered(
         &mut self,
         token: i64,
@@ -296,6 +308,14 @@ impl PendingWrites {
     ) -> Option<WriteDone> {
         let e = self.find(token)?;
         e.in_flight = false;
+        if let (WriteVerdict::Refused(_), Some(fallback)) = (verdict, e.pending.fallback.take()) {
+            let before = e.pending.payload.len();
+            e.pending.payload = fallback;
+            e.next_ms = now_ms;
+            let after = e.pending.payload.len();
+            self.bytes = self.bytes - before + after;
+            return None;
+        }
         match verdict {
             WriteVerdict::Failed => {
                 e.next_ms = now_ms.saturating_add(delay(e.attempts));
@@ -309,6 +329,7 @@ impl PendingWrites {
                 }
                 Some(WriteDone::Stored {
                     untried: e.pending.untried,
+                    path: e.pending.path,
                     claim: e.pending.claim,
                     attempts: e.attempts,
                 })
@@ -348,6 +369,7 @@ mod tests {
             },
             path: "/v1/complete",
             payload: vec![b'x'; len],
+            fallback: None,
             untried: false,
         }
     }
@@ -396,6 +418,7 @@ mod tests {
             r.answered(5, WriteVerdict::Stored, now),
             Some(WriteDone::Stored {
                 claim: pending(5, 0).claim,
+                path: "/v1/complete",
                 attempts: 13,
                 untried: false,
             })
@@ -500,6 +523,7 @@ mod tests {
             r.answered(7, WriteVerdict::Stored, 3_000),
             Some(WriteDone::Stored {
                 claim: untried(7, 0).claim,
+                path: "/v1/complete",
                 attempts: 2,
                 untried: true,
             })
@@ -537,5 +561,30 @@ mod tests {
             WriteVerdict::of(&CalloutResult::Failed("reset".into())).0,
             WriteVerdict::Failed
         );
+    }
+
+    #[test]
+    fn a_refused_write_with_a_fallback_is_sent_again_as_it() {
+        let mut r = PendingWrites::new(1 << 20, 600_000);
+        r.add(
+            PendingWrite {
+                fallback: Some(vec![b'm'; 3]),
+                ..pending(4, 50)
+            },
+            0,
+        )
+        .unwrap();
+        assert_eq!(r.bytes(), 50);
+        r.due(250);
+        assert_eq!(r.answered(4, WriteVerdict::Refused(413), 300), None);
+        assert_eq!(r.bytes(), 3, "the memory follows the payload");
+        let due = r.due(300);
+        assert_eq!(due.send[0].payload, vec![b'm'; 3], "at once");
+        // Refused again: no fallback left, given up.
+        assert!(matches!(
+            r.answered(4, WriteVerdict::Refused(400), 301),
+            Some(WriteDone::GaveUp { .. })
+        ));
+        assert_eq!(r.bytes(), 0);
     }
 }

@@ -25,8 +25,12 @@ fn action(v: Verdict) -> Action {
     }
 }
 
-/// Exactly `n` bytes of a buffer, or `None`.
+/// Exactly `n` bytes of a buffer, or `None`. Envoy has no buffer for an empty body, so no
+/// bytes are read for `n` 0.
 fn read(buffer: u32, n: usize, what: &str) -> Option<Vec<u8>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
     match abi::get_buffer(buffer, 0, n) {
         Ok(Some(b)) if b.len() == n => Some(b),
         Ok(Some(b)) => {

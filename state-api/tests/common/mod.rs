@@ -22,7 +22,7 @@ pub struct RawAnswer {
 pub const TOKEN: &str = "test-token-0123456789";
 pub const SECRET: &str = "test-key-secret-0123456789";
 pub const ENDPOINT: &str = "POST /checkout";
-pub const ALG: &str = "sha256-jcs-v1";
+pub const ALG: &str = "sha256-jcs-v2";
 
 pub fn fp(n: u8) -> String {
     format!("{n:02x}").repeat(32)
