@@ -66,6 +66,7 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
         .route("/checkout", post(checkout))
         .route("/refunds", post(refund))
         .route("/charges", get(list_charges))
+        .route("/echo", post(echo))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(ledger)
 }
@@ -84,6 +85,8 @@ async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
 ///   the Envoy in front dies). Without it, a dropped connection cancels a delayed execution.
 /// * `x-demo-reset: 1` executes (recorded with outcome `reset`), then drops the connection
 ///   without answering: the charge ran, but no response ever leaves.
+/// * and the shapes of the answer, in [`shape`]: `x-demo-reset-body`, `x-demo-gzip`,
+///   `x-demo-empty-chunked`, `x-demo-location-bytes`, `x-demo-status`.
 async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: Bytes) -> Response {
     let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
     let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
@@ -103,6 +106,15 @@ async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: 
         std::panic::resume_unwind(Box::new("x-demo-reset: connection dropped on purpose"));
     }
     response
+}
+
+/// `POST /echo` (a test hook): the request headers the checkout received, executing nothing.
+async fn echo(headers: HeaderMap) -> Json<serde_json::Value> {
+    let pairs: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_owned()))
+        .collect();
+    Json(serde_json::json!({ "headers": pairs }))
 }
 
 #[derive(Deserialize)]
@@ -201,7 +213,12 @@ async fn execute(
         } else {
             "charges"
         };
-        if let Ok(v) = HeaderValue::from_str(&format!("/{path}/{}", entry.id)) {
+        // x-demo-location-bytes: a Location that long (a 3-D Secure redirect, say).
+        let padding = header(headers, "x-demo-location-bytes")
+            .and_then(|v| v.parse::<usize>().ok())
+            .map(|n| format!("?return={}", "r".repeat(n.min(MAX_LOCATION_BYTES))))
+            .unwrap_or_default();
+        if let Ok(v) = HeaderValue::from_str(&format!("/{path}/{}{padding}", entry.id)) {
             h.insert("location", v);
         }
         if let Ok(v) = HeaderValue::from_str(&format!("\"{}-{}\"", kind, entry.id)) {
@@ -215,7 +232,72 @@ async fn execute(
     if let Ok(v) = HeaderValue::from_str(&format!("req-{}", entry.id)) {
         h.insert("x-request-id", v);
     }
-    response
+    shape(headers, response).await
+}
+
+/// The longest Location `x-demo-location-bytes` makes.
+const MAX_LOCATION_BYTES: usize = 65_536;
+
+/// The shape of the answer, for tests of how a response reaches Envoy:
+/// * `x-demo-status: N` answers with status N (any three digits) instead;
+/// * `x-demo-gzip: 1` sends the body gzip-compressed (`content-encoding: gzip`, `vary`);
+/// * `x-demo-empty-chunked: 1` sends no body, chunked: the headers, then an empty last chunk;
+/// * `x-demo-reset-body: 1` sends the headers and half of the body, then drops the connection.
+async fn shape(headers: &HeaderMap, response: Response) -> Response {
+    use axum::body::Body;
+    use futures::stream;
+    let (mut parts, body) = response.into_parts();
+    if let Some(code) = header(headers, "x-demo-status")
+        .and_then(|v| v.parse::<u16>().ok())
+        .and_then(|c| StatusCode::from_u16(c).ok())
+    {
+        parts.status = code;
+    }
+    let bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .unwrap_or_default();
+    let flag = |name: &str| header(headers, name).as_deref() == Some("1");
+    if flag("x-demo-empty-chunked") {
+        parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+        let empty = stream::iter(Vec::<Result<Bytes, std::io::Error>>::new());
+        return Response::from_parts(parts, Body::from_stream(empty));
+    }
+    let bytes = if flag("x-demo-gzip") {
+        use flate2::write::GzEncoder;
+        use std::io::Write as _;
+        let mut gz = GzEncoder::new(Vec::new(), flate2::Compression::default());
+        let compressed = gz.write_all(&bytes).and_then(|()| gz.finish());
+        let Ok(compressed) = compressed else {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        };
+        parts
+            .headers
+            .insert("content-encoding", HeaderValue::from_static("gzip"));
+        parts
+            .headers
+            .insert("vary", HeaderValue::from_static("accept-encoding"));
+        Bytes::from(compressed)
+    } else {
+        bytes
+    };
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    if flag("x-demo-reset-body") {
+        // The headers and half the body go out, then an error: hyper drops the connection.
+        use futures::StreamExt as _;
+        let half = bytes.slice(..bytes.len() / 2);
+        let first = stream::once(async move { Ok::<Bytes, std::io::Error>(half) });
+        let broken = stream::once(async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Err(std::io::Error::other(
+                "x-demo-reset-body: reset in the body on purpose",
+            ))
+        });
+        parts
+            .headers
+            .insert("content-length", HeaderValue::from(bytes.len()));
+        return Response::from_parts(parts, Body::from_stream(first.chain(broken)));
+    }
+    Response::from_parts(parts, Body::from(bytes))
 }
 
 /// Hex SHA-256 of the body as received.

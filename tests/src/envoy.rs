@@ -78,6 +78,42 @@ pub struct EnvoyParams {
     pub workers: u32,
     pub filter_wasm: String,
     pub jwks_path: String,
+    /// Routes the tests add (none in the demo).
+    pub extra_routes: Vec<ExtraRoute>,
+}
+
+/// A route a test adds: its Envoy route (to the checkout cluster) and, when it is protected,
+/// its filter route.
+#[derive(Debug, Clone)]
+pub struct ExtraRoute {
+    /// `path` or `prefix` (Envoy's and the filter's match kind alike).
+    pub match_kind: &'static str,
+    pub path: String,
+    pub method: String,
+    /// The filter's route object (JSON), `None` for an unprotected route.
+    pub filter: Option<String>,
+}
+
+impl EnvoyParams {
+    fn extra_envoy_routes(&self) -> String {
+        self.extra_routes
+            .iter()
+            .map(|r| {
+                format!(
+                    "\n              - match: {{ {}: \"{}\", headers: [{{ name: \":method\", string_match: {{ exact: {} }} }}] }}\n                route: {{ cluster: checkout, timeout: 120s }}",
+                    r.match_kind, r.path, r.method
+                )
+            })
+            .collect()
+    }
+
+    fn extra_filter_routes(&self) -> String {
+        self.extra_routes
+            .iter()
+            .filter_map(|r| r.filter.as_ref())
+            .map(|f| format!(",\n                        {f}"))
+            .collect()
+    }
 }
 
 impl EnvoyParams {
@@ -104,6 +140,8 @@ impl EnvoyParams {
             ),
             ("FILTER_WASM", self.filter_wasm.clone()),
             ("JWKS_PATH", self.jwks_path.clone()),
+            ("EXTRA_ENVOY_ROUTES", self.extra_envoy_routes()),
+            ("EXTRA_FILTER_ROUTES", self.extra_filter_routes()),
         ])
     }
 }
@@ -127,6 +165,7 @@ pub fn docker_params() -> EnvoyParams {
         workers: 1,
         filter_wasm: "/etc/envoy/filter.wasm".into(),
         jwks_path: "/etc/envoy/demo-jwks.json".into(),
+        extra_routes: Vec::new(),
     }
 }
 
@@ -351,6 +390,7 @@ mod tests {
             workers: 1,
             filter_wasm: "/f.wasm".into(),
             jwks_path: "/j.json".into(),
+            extra_routes: Vec::new(),
         }
     }
 

@@ -25,6 +25,8 @@ pub struct StackOptions {
     pub complete_in_background: bool,
     /// Envoy's worker threads.
     pub envoy_workers: u32,
+    /// Routes besides the demo's.
+    pub extra_routes: Vec<crate::envoy::ExtraRoute>,
 }
 
 impl Default for StackOptions {
@@ -36,6 +38,7 @@ impl Default for StackOptions {
             state_api_env: Vec::new(),
             complete_in_background: false,
             envoy_workers: 1,
+            extra_routes: Vec::new(),
         }
     }
 }
@@ -69,7 +72,7 @@ impl Stack {
         )?;
         let checkout = start_checkout(free_port(), &dir)?;
         let envoy = Envoy::start(
-            Self::envoy_params(&options, state_api.port, checkout.port)?,
+            Self::envoy_params_for(&options, state_api.port, checkout.port)?,
             &dir,
             "envoy",
         )?;
@@ -98,7 +101,9 @@ impl Stack {
         }
     }
 
-    fn envoy_params(
+    /// Envoy's parameters for these options, talking to these ports (free listener and admin
+    /// ports): for a test that starts an Envoy by itself.
+    pub fn envoy_params_for(
         options: &StackOptions,
         state_api_port: u16,
         checkout_port: u16,
@@ -123,6 +128,7 @@ impl Stack {
                 .join("envoy/demo-jwks.json")
                 .display()
                 .to_string(),
+            extra_routes: options.extra_routes.clone(),
         })
     }
 
@@ -146,7 +152,7 @@ impl Stack {
     /// Another Envoy with the filter, talking to the given state API (and the same checkout).
     pub fn start_extra_envoy(&self, state_api_port: u16, name: &str) -> Result<Envoy, String> {
         Envoy::start(
-            Self::envoy_params(&self.options, state_api_port, self.checkout.port)?,
+            Self::envoy_params_for(&self.options, state_api_port, self.checkout.port)?,
             &self.dir,
             name,
         )

@@ -65,6 +65,7 @@ fn envoy_params() -> Result<EnvoyParams, String> {
             .join("envoy/demo-jwks.json")
             .display()
             .to_string(),
+        extra_routes: Vec::new(),
     })
 }
 
