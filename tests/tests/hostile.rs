@@ -135,6 +135,7 @@ macro_rules! case {
 const NONE: Option<&str> = None;
 const BAD_KEY: Option<&str> = Some("invalid-idempotency-key");
 const UNAVAILABLE: Option<&str> = Some("idempotency-state-unavailable");
+const INTERNAL: Option<&str> = Some("internal-error");
 const LIMIT: usize = 1_048_576;
 
 // ---------------------------------------------------------------------------------------------
@@ -474,8 +475,8 @@ fn cases() -> Vec<Case> {
             "fail closed", |env| env.fake_case(FakeClaim::Empty).await),
         case!("state-api-answers-500", "500 with a problem document" => 503 UNAVAILABLE, replay: false, runs: 0,
             "fail closed", |env| env.fake_case(FakeClaim::ServerError).await),
-        case!("state-api-answers-401", "401 (as if the filter's token were wrong)" => 503 UNAVAILABLE, replay: false, runs: 0,
-            "fail closed", |env| env.fake_case(FakeClaim::Unauthorized).await),
+        case!("state-api-answers-401", "401 (as if the filter's token were wrong)" => 500 INTERNAL, replay: false, runs: 0,
+            "refused, not an outage: never forwarded, not even where a route fails open", |env| env.fake_case(FakeClaim::Unauthorized).await),
         case!("state-api-unknown-outcome", "200 `{\"outcome\":\"maybe\"}`" => 503 UNAVAILABLE, replay: false, runs: 0,
             "fail closed", |env| env.fake_case(FakeClaim::UnknownOutcome).await),
         case!("state-api-wrong-field-type", "`claimed` with `\"token\": \"seven\"`" => 503 UNAVAILABLE, replay: false, runs: 0,
