@@ -334,6 +334,7 @@ fn claim_body(key: &str) -> Req {
         fingerprint: "ab".repeat(32),
         fingerprint_alg: "sha256-jcs-v2".into(),
         lease_ms: Some(30_000),
+        on_unknown: Default::default(),
     };
     Req::post(
         CLAIM_PATH,

@@ -28,6 +28,10 @@ pub enum ProblemKind {
     KeyReuseMismatch,
     /// The first request completed but its response was too large to keep: it will not run again.
     OutcomeNotReplayable,
+    /// The first request was forwarded and its outcome never seen: held until resolved.
+    OutcomeUnknown,
+    /// The upstream could not tell what became of an earlier attempt: nothing was forwarded.
+    ReconcileUnavailable,
     /// A write by an owner whose lease was taken over by a newer claim.
     FencedOut,
     /// The record asked for does not exist.
@@ -46,12 +50,15 @@ impl ProblemKind {
             }
             Self::Unauthenticated => 401,
             Self::NotFound => 404,
-            Self::InProgress | Self::FencedOut | Self::OutcomeNotReplayable => 409,
+            Self::InProgress
+            | Self::FencedOut
+            | Self::OutcomeNotReplayable
+            | Self::OutcomeUnknown => 409,
             Self::PayloadTooLarge => 413,
             Self::EndpointTooLong => 414,
             Self::KeyReuseMismatch => 422,
             Self::Internal => 500,
-            Self::StateUnavailable => 503,
+            Self::StateUnavailable | Self::ReconcileUnavailable => 503,
         }
     }
 
@@ -67,6 +74,8 @@ impl ProblemKind {
             Self::InProgress => "request-in-progress",
             Self::KeyReuseMismatch => "idempotency-key-reused",
             Self::OutcomeNotReplayable => "outcome-not-replayable",
+            Self::OutcomeUnknown => "outcome-unknown",
+            Self::ReconcileUnavailable => "reconcile-unavailable",
             Self::FencedOut => "fenced-out",
             Self::NotFound => "not-found",
             Self::StateUnavailable => "idempotency-state-unavailable",
@@ -87,6 +96,10 @@ impl ProblemKind {
             Self::KeyReuseMismatch => "The key was already used for a different request",
             Self::OutcomeNotReplayable => {
                 "The request completed but its response cannot be replayed"
+            }
+            Self::OutcomeUnknown => "The outcome of the request with this key is unknown",
+            Self::ReconcileUnavailable => {
+                "The outcome of an earlier attempt with this key could not be checked"
             }
             Self::FencedOut => "The claim was taken over by a newer owner",
             Self::NotFound => "No such record",

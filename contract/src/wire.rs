@@ -16,11 +16,28 @@ pub const HEARTBEAT_PATH: &str = "/v1/heartbeat";
 pub const COMPLETE_PATH: &str = "/v1/complete";
 /// `POST /v1/release`: give the key back when the upstream was certainly never reached (fenced).
 pub const RELEASE_PATH: &str = "/v1/release";
+/// `POST /v1/unknown`: the owner lost sight of its request after forwarding it (fenced): the
+/// outcome is unknown, and no retry may run it again without proof of what became of it.
+pub const UNKNOWN_PATH: &str = "/v1/unknown";
 /// `GET /v1/records?key=..&subject=..&endpoint=..`: operator read of one record (no bodies).
 pub const RECORDS_PATH: &str = "/v1/records";
 
 /// The name of the header carrying the fencing token to the upstream.
 pub const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
+
+/// The reconcile contract (an upstream's endpoint that tells what became of a key, asked by
+/// the filter on `on_unknown: reconcile` routes): the header of its answer that says so, one
+/// of [`OUTCOME_EXECUTED`], [`OUTCOME_RUNNING`], [`OUTCOME_NOT_EXECUTED`].
+pub const OUTCOME_HEADER: &str = "idempotency-outcome";
+/// The answer *is* the outcome the earlier attempt produced (status, headers, body).
+pub const OUTCOME_EXECUTED: &str = "executed";
+/// The earlier attempt is still at work (`Retry-After` says when to ask again).
+pub const OUTCOME_RUNNING: &str = "running";
+/// It never ran, and from now on the upstream refuses it (its fencing token is smaller than
+/// the one the reconcile request carried).
+pub const OUTCOME_NOT_EXECUTED: &str = "not-executed";
+/// The subject, sent to the reconcile endpoint beside the key and the new fencing token.
+pub const SUBJECT_HEADER: &str = "idempotency-subject";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -37,6 +54,29 @@ pub struct ClaimRequest {
     /// Lease length for this claim; the state API's default when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
+    /// What to do with a record whose outcome is unknown (forwarded, never stored; or its
+    /// lease ran out): answer `unknown`, or take it over with a new token.
+    #[serde(default, skip_serializing_if = "OnUnknown::is_hold")]
+    pub on_unknown: OnUnknown,
+}
+
+/// A claim's choice for a record whose outcome is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnknown {
+    /// Answer [`ClaimResponse::Unknown`]: the caller holds the key (409) until an operator or
+    /// the owner resolves it.
+    #[default]
+    Hold,
+    /// Take the record over with a new, larger token (`claimed`, `reclaimed: true`): the caller
+    /// reconciles with the upstream, or runs the request again where the route allows it.
+    TakeOver,
+}
+
+impl OnUnknown {
+    pub fn is_hold(&self) -> bool {
+        *self == Self::Hold
+    }
 }
 
 /// Answers are written with serde and read with [`ClaimResponse::read`] (and its siblings), the
@@ -52,7 +92,9 @@ pub enum ClaimResponse {
         token: i64,
         /// The lease granted (the one asked for, clamped to the state API's bounds).
         lease_ms: u64,
-        /// True when an earlier owner's lease had run out and this claim took over.
+        /// True when this claim took over a record whose outcome was unknown (forwarded and
+        /// never stored, or its lease ran out): the caller must not run the request again
+        /// without proof of what became of it (reconcile), unless its route re-executes.
         reclaimed: bool,
         /// The largest response body this state API stores (a larger one is completed as not
         /// replayable). Absent from state APIs older than this field.
@@ -75,6 +117,9 @@ pub enum ClaimResponse {
     },
     /// The key was used with a different request fingerprint: answer 422.
     Mismatch,
+    /// The request was forwarded and its outcome never stored (its owner lost sight of it, or
+    /// its lease ran out): nobody knows whether it ran. Held until resolved.
+    Unknown,
 }
 
 /// The upstream response as stored and replayed.
@@ -146,6 +191,9 @@ pub struct ReleaseRequest {
     pub token: i64,
 }
 
+/// `POST /v1/unknown` names the owner's record the same way as a release.
+pub type UnknownRequest = ReleaseRequest;
+
 /// Answer to complete and release: what the record is now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct WriteResponse {
@@ -171,13 +219,20 @@ impl WriteResponse {
             expires_in_ms: None,
         }
     }
+
+    pub fn unknown() -> Self {
+        Self {
+            state: "unknown".into(),
+            expires_in_ms: None,
+        }
+    }
 }
 
 /// Operator view of one record: never the stored body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecordView {
-    /// `in_progress` or `completed`.
+    /// `in_progress`, `completed` or `unknown`.
     pub state: String,
     pub subject: String,
     pub endpoint: String,
@@ -242,6 +297,7 @@ impl ClaimResponse {
                 expires_in_ms: f.opt_u64("expires_in_ms")?,
             },
             "mismatch" => ClaimResponse::Mismatch,
+            "unknown" => ClaimResponse::Unknown,
             other => return Err(AnswerError(format!("unknown claim outcome `{other}`"))),
         })
     }
@@ -329,6 +385,7 @@ mod tests {
                 expires_in_ms: None,
             },
             ClaimResponse::Mismatch,
+            ClaimResponse::Unknown,
         ]
     }
 
@@ -355,7 +412,11 @@ mod tests {
             let json = serde_json::to_vec(&a).unwrap();
             assert_eq!(ClaimResponse::read(&json), Ok(a));
         }
-        for w in [WriteResponse::completed(5), WriteResponse::released()] {
+        for w in [
+            WriteResponse::completed(5),
+            WriteResponse::released(),
+            WriteResponse::unknown(),
+        ] {
             assert_eq!(WriteResponse::read(&serde_json::to_vec(&w).unwrap()), Ok(w));
         }
         let hb = HeartbeatResponse { lease_ms: 30_000 };

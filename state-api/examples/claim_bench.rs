@@ -76,6 +76,7 @@ fn claim_req(key: String) -> ClaimRequest {
         fingerprint: "ab".repeat(32),
         fingerprint_alg: "sha256-jcs-v2".into(),
         lease_ms: Some(60_000),
+        on_unknown: Default::default(),
     }
 }
 

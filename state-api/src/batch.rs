@@ -61,6 +61,7 @@ pub struct ClaimJob {
     pub fingerprint: String,
     pub lease_ms: u64,
     pub retention_ms: i64,
+    pub take_over_unknown: bool,
 }
 
 impl ClaimJob {
@@ -73,6 +74,7 @@ impl ClaimJob {
             fingerprint: &self.fingerprint,
             lease_ms: self.lease_ms,
             retention_ms: self.retention_ms,
+            take_over_unknown: self.take_over_unknown,
         }
     }
 }

@@ -13,9 +13,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use contract::wire::{
-    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, RecordView,
-    ReleaseRequest, StoredResponse, WriteResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
-    RECORDS_PATH, RELEASE_PATH,
+    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
+    RecordView, ReleaseRequest, StoredResponse, UnknownRequest, WriteResponse, CLAIM_PATH,
+    COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
 use serde::de::DeserializeOwned;
@@ -41,6 +41,7 @@ pub fn app(state: AppState) -> Router {
         .route(HEARTBEAT_PATH, post(heartbeat))
         .route(COMPLETE_PATH, post(complete))
         .route(RELEASE_PATH, post(release))
+        .route(UNKNOWN_PATH, post(outcome_unknown))
         .route(RECORDS_PATH, get(record))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     let limit = state.config().http_body_limit();
@@ -309,6 +310,7 @@ async fn claim(
         fingerprint: req.fingerprint,
         lease_ms: config.lease_for(req.lease_ms),
         retention_ms: config.retention_ms(),
+        take_over_unknown: req.on_unknown == OnUnknown::TakeOver,
     };
     let outcome = state
         .batcher()
@@ -354,6 +356,7 @@ async fn claim(
             metrics::ClaimOutcome::Completed,
         ),
         store::ClaimOutcome::Mismatch => (ClaimResponse::Mismatch, metrics::ClaimOutcome::Mismatch),
+        store::ClaimOutcome::Unknown => (ClaimResponse::Unknown, metrics::ClaimOutcome::Unknown),
     };
     state.metrics().claim(label);
     tracing::debug!(scope = %log_label(&scope), outcome = ?label, "claim");
@@ -425,6 +428,33 @@ async fn release(
     }
     state.metrics().write_ok(WriteOp::Release);
     Ok(Json(WriteResponse::released()))
+}
+
+/// The owner lost sight of its forwarded request: the record's outcome is unknown.
+async fn outcome_unknown(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<UnknownRequest>,
+) -> Result<Json<WriteResponse>, ApiError> {
+    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    check_token(req.token)?;
+    let marked = state
+        .store()
+        .owner_unknown(&scope, req.token)
+        .await
+        .map_err(|e| store_error(&state, "unknown", e))?;
+    match marked {
+        Some(true) => {
+            state.metrics().write_ok(WriteOp::Unknown);
+            tracing::warn!(scope = %log_label(&scope), token = req.token, endpoint = %req.endpoint, "outcome unknown: its owner lost sight of the request after forwarding it");
+            Ok(Json(WriteResponse::unknown()))
+        }
+        // Completed by this owner already (a complete that raced the mark): that stands.
+        Some(false) => Ok(Json(WriteResponse {
+            state: "completed".into(),
+            expires_in_ms: None,
+        })),
+        None => Err(fenced_out(&state, WriteOp::Unknown, &scope)),
+    }
 }
 
 fn fenced_out(state: &AppState, op: WriteOp, scope: &ScopeHash) -> ApiError {

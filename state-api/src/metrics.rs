@@ -15,15 +15,17 @@ pub enum ClaimOutcome {
     InProgress,
     Completed,
     Mismatch,
+    Unknown,
 }
 
 impl ClaimOutcome {
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::Claimed,
         Self::Reclaimed,
         Self::InProgress,
         Self::Completed,
         Self::Mismatch,
+        Self::Unknown,
     ];
     fn label(self) -> &'static str {
         match self {
@@ -32,6 +34,7 @@ impl ClaimOutcome {
             Self::InProgress => "in_progress",
             Self::Completed => "completed",
             Self::Mismatch => "mismatch",
+            Self::Unknown => "unknown",
         }
     }
 }
@@ -42,15 +45,23 @@ pub enum WriteOp {
     Heartbeat,
     Complete,
     Release,
+    /// An owner marked its record's outcome unknown.
+    Unknown,
 }
 
 impl WriteOp {
-    const ALL: [Self; 3] = [Self::Heartbeat, Self::Complete, Self::Release];
+    const ALL: [Self; 4] = [
+        Self::Heartbeat,
+        Self::Complete,
+        Self::Release,
+        Self::Unknown,
+    ];
     pub fn label(self) -> &'static str {
         match self {
             Self::Heartbeat => "heartbeat",
             Self::Complete => "complete",
             Self::Release => "release",
+            Self::Unknown => "unknown",
         }
     }
 }
@@ -62,16 +73,18 @@ pub enum Route {
     Heartbeat,
     Complete,
     Release,
+    Unknown,
     Records,
     Other,
 }
 
 impl Route {
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 7] = [
         Self::Claim,
         Self::Heartbeat,
         Self::Complete,
         Self::Release,
+        Self::Unknown,
         Self::Records,
         Self::Other,
     ];
@@ -81,6 +94,7 @@ impl Route {
             Self::Heartbeat => "heartbeat",
             Self::Complete => "complete",
             Self::Release => "release",
+            Self::Unknown => "unknown",
             Self::Records => "records",
             Self::Other => "other",
         }
@@ -91,6 +105,7 @@ impl Route {
             contract::wire::HEARTBEAT_PATH => Self::Heartbeat,
             contract::wire::COMPLETE_PATH => Self::Complete,
             contract::wire::RELEASE_PATH => Self::Release,
+            contract::wire::UNKNOWN_PATH => Self::Unknown,
             contract::wire::RECORDS_PATH => Self::Records,
             _ => Self::Other,
         }
@@ -190,6 +205,7 @@ pub struct Metrics {
     fenced_out: [AtomicU64; WriteOp::ALL.len()],
     completes: AtomicU64,
     releases: AtomicU64,
+    unknowns: AtomicU64,
     heartbeats: AtomicU64,
     purged_rows: AtomicU64,
     db_unavailable: AtomicU64,
@@ -219,6 +235,7 @@ impl Metrics {
             WriteOp::Heartbeat => &self.heartbeats,
             WriteOp::Complete => &self.completes,
             WriteOp::Release => &self.releases,
+            WriteOp::Unknown => &self.unknowns,
         }
         .fetch_add(1, Relaxed);
     }
@@ -303,6 +320,7 @@ impl Metrics {
             (WriteOp::Heartbeat, &self.heartbeats),
             (WriteOp::Complete, &self.completes),
             (WriteOp::Release, &self.releases),
+            (WriteOp::Unknown, &self.unknowns),
         ] {
             writeln!(
                 out,

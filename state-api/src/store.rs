@@ -149,6 +149,8 @@ pub enum ClaimOutcome {
         expires_in_ms: u64,
     },
     Mismatch,
+    /// Forwarded and never stored: held (the claim asked to hold unknown outcomes).
+    Unknown,
 }
 
 /// The request of a claim, already validated.
@@ -161,6 +163,8 @@ pub struct NewClaim<'a> {
     pub fingerprint: &'a str,
     pub lease_ms: u64,
     pub retention_ms: i64,
+    /// Take an unknown record over (`true`), or answer `Unknown`.
+    pub take_over_unknown: bool,
 }
 
 /// One row as the claim sees it, with durations computed by the database at read time.
@@ -239,23 +243,56 @@ const READ_SQL: &str = concat!(
     WHERE r.scope_hash = $1"
 );
 
-/// Take over an in_progress record whose lease ran out: compare-and-set on the observed
-/// token, with the database clock, so of N concurrent reclaimers exactly one matches.
-const RECLAIM_SQL: &str = "
+/// A lease that ran out, as of now (see `claim_cols!`).
+macro_rules! lease_run_out {
+    () => {
+        "lease_expires_at <= clock_timestamp() \
+         AND pg_postmaster_start_time() <= clock_timestamp() - lease_ms * interval '1 millisecond'"
+    };
+}
+
+/// Take over a record whose outcome is unknown (marked so, or an in_progress one whose lease
+/// ran out) for a claim that asked to: compare-and-set on the observed token, with the database
+/// clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
+const RECLAIM_SQL: &str = concat!(
+    "
     UPDATE idempotency_records
-    SET fencing_token = nextval('idempotency_fencing_token_seq'),
+    SET state = 'in_progress', unknown_before = true,
+        fencing_token = nextval('idempotency_fencing_token_seq'),
         lease_ms = $3,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
-      AND lease_expires_at <= clock_timestamp()
-      AND pg_postmaster_start_time() <= clock_timestamp() - lease_ms * interval '1 millisecond'
+    WHERE scope_hash = $1 AND fencing_token = $2
+      AND (state = 'unknown' OR (state = 'in_progress' AND ",
+    lease_run_out!(),
+    "))
+    RETURNING fencing_token"
+);
+
+/// An in_progress record whose lease ran out is unknown: marked so (compare-and-set on the
+/// observed token) for a claim that holds unknown outcomes.
+const MARK_UNKNOWN_SQL: &str = concat!(
+    "
+    UPDATE idempotency_records SET state = 'unknown', unknown_before = true
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress' AND ",
+    lease_run_out!(),
+    "
+    RETURNING fencing_token"
+);
+
+/// The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
+/// lease ends now: nothing heartbeats it any more.
+const OWNER_UNKNOWN_SQL: &str = "
+    UPDATE idempotency_records
+    SET state = 'unknown', unknown_before = true,
+        lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING fencing_token";
 
 /// Reuse a record past its retention as if it were new (compare-and-set on the observed token).
 const TAKE_OVER_SQL: &str = "
     UPDATE idempotency_records
     SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6,
-        state = 'in_progress',
+        state = 'in_progress', unknown_before = false,
         fencing_token = nextval('idempotency_fencing_token_seq'),
         lease_ms = $7,
         lease_expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond',
@@ -269,11 +306,12 @@ const TAKE_OVER_SQL: &str = "
       AND (state = 'completed' OR lease_expires_at <= clock_timestamp())
     RETURNING fencing_token";
 
+/// The owner is alive after all: an unknown record it still holds is in progress again.
 const HEARTBEAT_SQL: &str = "
     UPDATE idempotency_records
-    SET lease_ms = $3,
+    SET state = 'in_progress', lease_ms = $3,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING fencing_token";
 
 /// Until the retention expiry of the row (database clock, rounded down so that a cache that
@@ -291,7 +329,7 @@ const COMPLETE_SQL: &str = concat!(
         response_status = $3, response_headers = $4, response_body = $5, response_replayable = $6,
         completed_at = clock_timestamp(),
         expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING ",
     expires_in_ms!()
 );
@@ -341,7 +379,8 @@ const WRITE_BATCH_SQL: &str = concat!(
                     $13::bool[], $14::bigint[])
             WITH ORDINALITY AS i(scope_hash, token, status, headers, body, replayable,
                                  retention_ms, idx)
-        WHERE r.scope_hash = i.scope_hash AND r.fencing_token = i.token AND r.state = 'in_progress'
+        WHERE r.scope_hash = i.scope_hash AND r.fencing_token = i.token
+          AND r.state IN ('in_progress', 'unknown')
         RETURNING i.idx, ",
     expires_in_ms!(),
     " AS expires_in_ms
@@ -367,10 +406,22 @@ const COMPLETED_BY_SQL: &str = concat!(
     " FROM idempotency_records WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'"
 );
 
+/// Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
+/// it over): then it is unknown again, since only this owner's attempt certainly did not run.
 const RELEASE_SQL: &str = "
-    DELETE FROM idempotency_records
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
-    RETURNING fencing_token";
+    WITH kept AS (
+        UPDATE idempotency_records
+        SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
+        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+          AND unknown_before
+        RETURNING fencing_token
+    ), freed AS (
+        DELETE FROM idempotency_records
+        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+          AND NOT unknown_before
+        RETURNING fencing_token
+    )
+    SELECT fencing_token FROM kept UNION ALL SELECT fencing_token FROM freed";
 
 /// Expired rows, a batch at a time. `FOR UPDATE SKIP LOCKED` re-checks the condition on a row
 /// a concurrent claim just renewed, and skips rows being written right now.
@@ -468,7 +519,12 @@ fn ms(v: i64) -> u64 {
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
     Answer(ClaimOutcome),
+    /// Take an unknown outcome over (the claim asked to).
     Reclaim {
+        observed: i64,
+    },
+    /// Mark an in_progress record whose lease ran out as unknown, then answer `Unknown`.
+    MarkUnknown {
         observed: i64,
     },
     TakeOver {
@@ -490,7 +546,8 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
     if row.retention_expired {
         return Ok(Step::TakeOver {
             observed: row.fencing_token,
-            was_in_progress: row.state == "in_progress",
+            // Its outcome was never stored: the caller treats it as unknown.
+            was_in_progress: row.state != "completed",
         });
     }
     if row.fingerprint_alg != claim.fingerprint_alg || row.fingerprint != claim.fingerprint {
@@ -521,9 +578,14 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
         "in_progress" if !row.lease_expired => Ok(Step::Answer(ClaimOutcome::InProgress {
             lease_remaining_ms: u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1),
         })),
-        "in_progress" => Ok(Step::Reclaim {
+        // Its lease ran out without an outcome: nobody knows whether it ran.
+        "in_progress" | "unknown" if claim.take_over_unknown => Ok(Step::Reclaim {
             observed: row.fencing_token,
         }),
+        "in_progress" => Ok(Step::MarkUnknown {
+            observed: row.fencing_token,
+        }),
+        "unknown" => Ok(Step::Answer(ClaimOutcome::Unknown)),
         _ => Err(StoreError::Corrupt("unknown state")),
     }
 }
@@ -605,6 +667,17 @@ impl Store {
                     .fetch_optional(&self.pool)
                     .await?
                     .map(|token| (token, was_in_progress)),
+                Step::MarkUnknown { observed } => {
+                    let marked = sqlx::query_scalar::<_, i64>(MARK_UNKNOWN_SQL)
+                        .bind(&c.scope[..])
+                        .bind(observed)
+                        .fetch_optional(&self.pool)
+                        .await?;
+                    if marked.is_some() {
+                        return Ok(ClaimOutcome::Unknown);
+                    }
+                    None
+                }
             };
             if let Some((token, reclaimed)) = won {
                 return Ok(ClaimOutcome::Claimed {
@@ -702,7 +775,9 @@ impl Store {
                 None => BatchedClaim::SinglePath,
                 Some(row) => match decide(row, c) {
                     Ok(Step::Answer(outcome)) => BatchedClaim::Answered(outcome),
-                    Ok(Step::Reclaim { .. } | Step::TakeOver { .. }) => BatchedClaim::SinglePath,
+                    Ok(Step::Reclaim { .. } | Step::TakeOver { .. } | Step::MarkUnknown { .. }) => {
+                        BatchedClaim::SinglePath
+                    }
                     Err(e) => BatchedClaim::Failed(e),
                 },
             })
@@ -783,6 +858,27 @@ impl Store {
         })
     }
 
+    /// The owner holding `token` lost sight of its request: the record is unknown. `None`:
+    /// fenced out; `Some(false)`: it was completed by this owner already.
+    pub async fn owner_unknown(
+        &self,
+        scope: &ScopeHash,
+        token: i64,
+    ) -> Result<Option<bool>, StoreError> {
+        let marked = sqlx::query_scalar::<_, i64>(OWNER_UNKNOWN_SQL)
+            .bind(&scope[..])
+            .bind(token)
+            .fetch_optional(&self.pool)
+            .await?;
+        if marked.is_some() {
+            return Ok(Some(true));
+        }
+        Ok(match self.complete_unmatched(scope, token).await? {
+            WriteResult::AlreadyDone { .. } => Some(false),
+            _ => None,
+        })
+    }
+
     /// Deletes the in-progress record of the owner holding `token`. `false`: fenced out.
     pub async fn release(&self, scope: &ScopeHash, token: i64) -> Result<bool, StoreError> {
         let row = sqlx::query_scalar::<_, i64>(RELEASE_SQL)
@@ -839,6 +935,7 @@ mod tests {
             fingerprint: "aa",
             lease_ms: 30_000,
             retention_ms: 1000,
+            take_over_unknown: false,
         }
     }
 
@@ -893,7 +990,43 @@ mod tests {
                 &c
             )
             .unwrap(),
+            Step::MarkUnknown { observed: 7 },
+            "a lease run out is an unknown outcome, held"
+        );
+        let take_over = NewClaim {
+            take_over_unknown: true,
+            ..claim()
+        };
+        assert_eq!(
+            decide(
+                ClaimRow {
+                    lease_expired: true,
+                    ..row("in_progress")
+                },
+                &take_over
+            )
+            .unwrap(),
             Step::Reclaim { observed: 7 }
+        );
+        assert_eq!(
+            decide(row("unknown"), &c).unwrap(),
+            Step::Answer(ClaimOutcome::Unknown)
+        );
+        assert_eq!(
+            decide(row("unknown"), &take_over).unwrap(),
+            Step::Reclaim { observed: 7 }
+        );
+        // A changed request is a mismatch first, whatever the state.
+        assert_eq!(
+            decide(
+                ClaimRow {
+                    fingerprint: "bb".into(),
+                    ..row("unknown")
+                },
+                &take_over
+            )
+            .unwrap(),
+            Step::Answer(ClaimOutcome::Mismatch)
         );
         for state in ["in_progress", "completed"] {
             let mismatch = ClaimRow {

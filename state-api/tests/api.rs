@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use contract::wire::{
-    ClaimResponse, StoredResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH,
-    RELEASE_PATH,
+    ClaimRequest, ClaimResponse, OnUnknown, StoredResponse, CLAIM_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 use serde_json::{json, Value};
 
@@ -135,7 +135,10 @@ async fn a_reclaim_race_among_twenty_has_one_winner() {
 
     let mut tasks = Vec::new();
     for _ in 0..20 {
-        tasks.push(api.spawn_claim(&claim_req("reclaim", "alice", &fp(4), Some(30_000))));
+        tasks.push(api.spawn_claim(&ClaimRequest {
+            on_unknown: OnUnknown::TakeOver,
+            ..claim_req("reclaim", "alice", &fp(4), Some(30_000))
+        }));
     }
     let mut winners = Vec::new();
     for t in tasks {
@@ -161,6 +164,130 @@ async fn a_reclaim_race_among_twenty_has_one_winner() {
     assert_eq!(view["token"], winners[0]);
     let m = api.metrics().await;
     assert_eq!(metric(&m, "state_api_reclaims_total"), 1.0);
+}
+
+#[tokio::test]
+async fn a_lease_run_out_is_an_unknown_outcome_held_until_resolved() {
+    let api = Api::start(&[]).await;
+    let owner = token_of(&api.claim("held", &fp(6), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    // Nobody knows whether it ran: never claimed again silently, by any number of retries.
+    for _ in 0..3 {
+        assert_eq!(
+            api.claim("held", &fp(6), Some(30_000)).await,
+            ClaimResponse::Unknown
+        );
+    }
+    let (_, view) = api.record("held", "alice").await;
+    assert_eq!(view["state"], "unknown");
+    assert_eq!(view["token"], owner, "the owner's token still holds it");
+    // A changed request is still a mismatch.
+    assert_eq!(
+        api.claim("held", &fp(7), None).await,
+        ClaimResponse::Mismatch
+    );
+    // The owner was alive after all: its outcome is stored, the record is completed.
+    let (s, _, _) = api
+        .post(COMPLETE_PATH, &complete_body("held", owner, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+    assert!(matches!(
+        api.claim("held", &fp(6), None).await,
+        ClaimResponse::Completed { .. }
+    ));
+    let m = api.metrics().await;
+    assert_eq!(
+        metric(&m, "state_api_claims_total{outcome=\"unknown\"}"),
+        3.0
+    );
+}
+
+#[tokio::test]
+async fn an_owner_marks_its_outcome_unknown_and_a_take_over_fences_it() {
+    let api = Api::start(&[]).await;
+    let owner = token_of(&api.claim("marked", &fp(8), Some(60_000)).await);
+    // Its stream ended after forwarding: unknown at once, not after the lease.
+    let (s, b, _) = api.post(UNKNOWN_PATH, &fenced_body("marked", owner)).await;
+    assert_eq!((s, b["state"].as_str()), (200, Some("unknown")), "{b}");
+    let (s, _, _) = api.post(UNKNOWN_PATH, &fenced_body("marked", owner)).await;
+    assert_eq!(s, 200, "marking again is harmless");
+    assert_eq!(
+        api.claim("marked", &fp(8), None).await,
+        ClaimResponse::Unknown
+    );
+    // A claim that reconciles takes it over with a larger token...
+    let take = api
+        .claim_with(&ClaimRequest {
+            on_unknown: OnUnknown::TakeOver,
+            ..claim_req("marked", "alice", &fp(8), Some(60_000))
+        })
+        .await;
+    let ClaimResponse::Claimed {
+        token: new,
+        reclaimed: true,
+        ..
+    } = take
+    else {
+        panic!("expected a take-over, got {take:?}");
+    };
+    assert!(new > owner);
+    // ...and the late owner can neither store, heartbeat nor mark anything any more.
+    for path in [HEARTBEAT_PATH, UNKNOWN_PATH, RELEASE_PATH] {
+        let (s, b, _) = api.post(path, &fenced_body("marked", owner)).await;
+        assert_problem(s, &b, 409, "fenced-out");
+    }
+    let (s, b, _) = api
+        .post(
+            COMPLETE_PATH,
+            &complete_body("marked", owner, &ok_response()),
+        )
+        .await;
+    assert_problem(s, &b, 409, "fenced-out");
+    // A mark after the owner's own complete leaves the outcome stored.
+    let (s, _, _) = api
+        .post(COMPLETE_PATH, &complete_body("marked", new, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+    let (s, b, _) = api.post(UNKNOWN_PATH, &fenced_body("marked", new)).await;
+    assert_eq!((s, b["state"].as_str()), (200, Some("completed")), "{b}");
+    assert!(matches!(
+        api.claim("marked", &fp(8), None).await,
+        ClaimResponse::Completed { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_release_after_a_take_over_leaves_the_earlier_outcome_unknown() {
+    let api = Api::start(&[]).await;
+    let owner = token_of(&api.claim("gave-back", &fp(9), Some(60_000)).await);
+    let (s, _, _) = api
+        .post(UNKNOWN_PATH, &fenced_body("gave-back", owner))
+        .await;
+    assert_eq!(s, 200);
+    let take_over = ClaimRequest {
+        on_unknown: OnUnknown::TakeOver,
+        ..claim_req("gave-back", "alice", &fp(9), Some(60_000))
+    };
+    let new = token_of(&api.claim_with(&take_over).await);
+    // The new attempt never reached the upstream: only it is given back, the first stays unknown.
+    let (s, b, _) = api.post(RELEASE_PATH, &fenced_body("gave-back", new)).await;
+    assert_eq!((s, b["state"].as_str()), (200, Some("released")), "{b}");
+    assert_eq!(
+        api.claim("gave-back", &fp(9), None).await,
+        ClaimResponse::Unknown
+    );
+    let (_, rec) = api.record("gave-back", "alice").await;
+    assert_eq!(rec["state"], "unknown");
+    // A key that never had an unknown outcome is freed by a release, as before.
+    let plain = token_of(&api.claim("freed", &fp(9), Some(60_000)).await);
+    api.post(RELEASE_PATH, &fenced_body("freed", plain)).await;
+    assert!(matches!(
+        api.claim("freed", &fp(9), None).await,
+        ClaimResponse::Claimed {
+            reclaimed: false,
+            ..
+        }
+    ));
 }
 
 #[tokio::test]

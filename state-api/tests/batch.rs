@@ -80,6 +80,7 @@ fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
         fingerprint: fingerprint.into(),
         lease_ms,
         retention_ms: api.state.config().retention_ms(),
+        take_over_unknown: true,
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use clap::Parser as _;
-use contract::wire::{ClaimRequest, ClaimResponse, StoredResponse, CLAIM_PATH};
+use contract::wire::{ClaimRequest, ClaimResponse, OnUnknown, StoredResponse, CLAIM_PATH};
 use serde_json::{json, Value};
 use state_api::{AppState, Config};
 use tokio::sync::oneshot;
@@ -206,12 +206,16 @@ impl Api {
             .await
     }
 
-    /// A key claimed with a 1 s lease that runs out, then reclaimed by a second claim:
-    /// (the stale owner's token, the new owner's token).
+    /// A key claimed with a 1 s lease that runs out (its outcome unknown), then taken over by
+    /// a second claim that asks to: (the stale owner's token, the new owner's token).
     pub async fn claim_then_reclaim(&self, key: &str, fingerprint: &str) -> (i64, i64) {
         let stale = token_of(&self.claim(key, fingerprint, Some(1_000)).await);
         tokio::time::sleep(Duration::from_millis(1_200)).await;
-        match self.claim(key, fingerprint, Some(60_000)).await {
+        let take_over = ClaimRequest {
+            on_unknown: OnUnknown::TakeOver,
+            ..claim_req(key, "alice", fingerprint, Some(60_000))
+        };
+        match self.claim_with(&take_over).await {
             ClaimResponse::Claimed {
                 token,
                 reclaimed: true,
@@ -267,6 +271,7 @@ pub fn claim_req(
         fingerprint: fingerprint.into(),
         fingerprint_alg: ALG.into(),
         lease_ms,
+        on_unknown: Default::default(),
     }
 }
 
