@@ -92,6 +92,49 @@ pub enum On5xx {
     Release,
 }
 
+/// What a retry of a request whose outcome is unknown (forwarded, never stored) gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnUnknown {
+    /// 409 `outcome-unknown` until the owner stores its outcome or an operator resolves it.
+    #[default]
+    Hold,
+    /// Ask the upstream what became of the key (`reconcile` below): replay what it did, 409 while
+    /// it runs, run the request once more (with a larger token) if it never did.
+    Reconcile,
+    /// Run it again with a larger fencing token: only for an upstream that dedupes on the
+    /// forwarded key and token itself.
+    Reexecute,
+}
+
+/// Where the upstream tells what became of a key (the `on_unknown: "reconcile"` route's
+/// `reconcile`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconcile {
+    /// The Envoy cluster of the upstream.
+    pub cluster: String,
+    pub authority: String,
+    pub method: String,
+    /// The path, with `{key}` where the key goes (percent-encoded).
+    pub path: String,
+    pub timeout_ms: u64,
+}
+
+impl Reconcile {
+    /// The path for `key`.
+    pub fn path_for(&self, key: &str) -> String {
+        let encoded: String = key
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        self.path.replace("{key}", &encoded)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnStateUnavailable {
     /// 503 + Retry-After, nothing forwarded.
@@ -111,6 +154,9 @@ pub struct Route {
     pub key: KeyPolicy,
     pub on_5xx: On5xx,
     pub on_state_unavailable: OnStateUnavailable,
+    pub on_unknown: OnUnknown,
+    /// With `on_unknown: reconcile`.
+    pub reconcile: Option<Reconcile>,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -137,7 +183,10 @@ const ROUTE_FIELDS: &[&str] = &[
     "key",
     "on_5xx",
     "on_state_unavailable",
+    "on_unknown",
+    "reconcile",
 ];
+const RECONCILE_FIELDS: &[&str] = &["cluster", "authority", "method", "path", "timeout_ms"];
 
 impl Config {
     /// The configuration as written, before [`Config::validate`].
@@ -216,6 +265,30 @@ impl Route {
                 ],
                 Some(OnStateUnavailable::FailClosed),
             )?,
+            on_unknown: r.variant(
+                "on_unknown",
+                &[
+                    ("hold", OnUnknown::Hold),
+                    ("reconcile", OnUnknown::Reconcile),
+                    ("reexecute", OnUnknown::Reexecute),
+                ],
+                Some(OnUnknown::Hold),
+            )?,
+            reconcile: match r.get("reconcile") {
+                None => None,
+                Some(v) => {
+                    let what = format!("{what}.reconcile");
+                    let f = Fields::of(v, &what)?;
+                    f.deny_unknown(RECONCILE_FIELDS)?;
+                    Some(Reconcile {
+                        cluster: f.str("cluster")?.to_owned(),
+                        authority: f.str("authority")?.to_owned(),
+                        method: f.opt_str("method")?.unwrap_or("GET").to_owned(),
+                        path: f.str("path")?.to_owned(),
+                        timeout_ms: f.u64_or("timeout_ms", DEFAULT_TIMEOUT_MS)?,
+                    })
+                }
+            },
         })
     }
 }
@@ -297,6 +370,40 @@ impl Config {
                     }
                 }
                 _ => return err(format!("routes[{i}] needs exactly one of path or prefix")),
+            }
+            match (r.on_unknown, &mut r.reconcile) {
+                (OnUnknown::Reconcile, Some(rc)) => {
+                    if rc.cluster.is_empty() || rc.authority.is_empty() {
+                        return err(format!(
+                            "routes[{i}].reconcile needs a cluster and an authority"
+                        ));
+                    }
+                    if !is_token(&rc.method) {
+                        return err(format!(
+                            "routes[{i}].reconcile.method must be an HTTP method"
+                        ));
+                    }
+                    rc.method = rc.method.to_ascii_uppercase();
+                    if !rc.path.starts_with('/') || !rc.path.contains("{key}") {
+                        return err(format!(
+                            "routes[{i}].reconcile.path must start with '/' and hold {{key}}"
+                        ));
+                    }
+                    if rc.timeout_ms == 0 || rc.timeout_ms > u64::from(u32::MAX) {
+                        return err(format!("routes[{i}].reconcile.timeout_ms must be > 0"));
+                    }
+                }
+                (OnUnknown::Reconcile, None) => {
+                    return err(format!(
+                        "routes[{i}]: on_unknown \"reconcile\" needs a reconcile endpoint"
+                    ))
+                }
+                (_, Some(_)) => {
+                    return err(format!(
+                        "routes[{i}].reconcile is only used with on_unknown \"reconcile\""
+                    ))
+                }
+                (_, None) => {}
             }
         }
         if self.max_request_body_bytes == 0 {

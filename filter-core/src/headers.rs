@@ -47,6 +47,8 @@ pub fn never_replayed(name: &str) -> bool {
         "b3",
         "idempotent-replayed",
         contract::wire::FENCING_TOKEN_HEADER,
+        contract::wire::OUTCOME_HEADER,
+        contract::wire::SUBJECT_HEADER,
         "retry-after",
         "www-authenticate",
         "authorization",

@@ -58,10 +58,24 @@ pub enum Metric {
     /// The state API refused a complete (a 4xx): a minimal outcome (status, not replayable) was
     /// stored instead.
     CompleteRefused,
+    /// A forwarded request whose outcome the filter never saw (its stream ended first, or Envoy
+    /// answered a reset or timeout for the upstream): its record was marked unknown.
+    OutcomeUnknown,
+    /// 409 `outcome-unknown`: a retry of a request whose outcome is unknown, on a `hold` route.
+    OutcomeUnknown409,
+    /// Reconciliations by what the upstream said: it executed (its outcome is stored and
+    /// replayed), it is still running (409), it never ran (the request runs now), or it could
+    /// not tell (503).
+    ReconcileExecuted,
+    ReconcileRunning,
+    ReconcileNotExecuted,
+    ReconcileFailed,
+    /// A request whose outcome was unknown, run again on a `reexecute` route.
+    Reexecuted,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 24] = [
+    pub const ALL: [Metric; 31] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -86,6 +100,13 @@ impl Metric {
         Metric::EndpointTooLong414,
         Metric::ClaimRefused,
         Metric::CompleteRefused,
+        Metric::OutcomeUnknown,
+        Metric::OutcomeUnknown409,
+        Metric::ReconcileExecuted,
+        Metric::ReconcileRunning,
+        Metric::ReconcileNotExecuted,
+        Metric::ReconcileFailed,
+        Metric::Reexecuted,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -114,6 +135,13 @@ impl Metric {
             Metric::EndpointTooLong414 => "idempotency.endpoint_too_long_414",
             Metric::ClaimRefused => "idempotency.claim_refused",
             Metric::CompleteRefused => "idempotency.complete_refused",
+            Metric::OutcomeUnknown => "idempotency.outcome_unknown",
+            Metric::OutcomeUnknown409 => "idempotency.outcome_unknown_409",
+            Metric::ReconcileExecuted => "idempotency.reconcile_executed",
+            Metric::ReconcileRunning => "idempotency.reconcile_running",
+            Metric::ReconcileNotExecuted => "idempotency.reconcile_not_executed",
+            Metric::ReconcileFailed => "idempotency.reconcile_failed",
+            Metric::Reexecuted => "idempotency.reexecuted",
         }
     }
 

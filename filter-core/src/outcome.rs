@@ -4,10 +4,10 @@
 //! then a retry cannot execute the operation twice. Envoy tells us through the stream's
 //! `response.code_details` (and `response.flags`): the router's local replies for "no healthy
 //! upstream", "cluster not found", "no route", an upstream circuit breaker overflow, or a reset
-//! *before the connection existed* (connect refused or timed out). Everything else — a real
-//! response, a timeout or a reset after the request may have been sent — is an outcome: stored
-//! (2xx, 3xx, 4xx always; 5xx and resets by default) or released where the route says its
-//! upstream dedupes on the forwarded key (`on_5xx: "release"`).
+//! *before the connection existed* (connect refused or timed out). A real response is an
+//! outcome: stored (2xx, 3xx, 4xx always; 5xx by default) or released where the route says its
+//! upstream dedupes on the forwarded key (`on_5xx: "release"`). A timeout or a reset after the
+//! request may have been sent is Envoy's answer, not the upstream's: the outcome is *unknown*.
 
 use crate::config::On5xx;
 
@@ -31,6 +31,9 @@ pub enum Outcome {
     Store,
     /// Give the key back: a retry may run the operation.
     Release,
+    /// Envoy answered for an upstream that was reached (a reset, a timeout): what the upstream
+    /// did is unknown. The answer goes to the client; the record is marked unknown.
+    Unknown,
 }
 
 /// Code details (or their reset reasons) that mean no byte of the request left Envoy.
@@ -64,17 +67,24 @@ fn never_reached(details: &str) -> bool {
     false
 }
 
+/// An answer Envoy made itself (its router's reset, timeout or overflow replies), not the
+/// upstream's: its status says nothing of what the upstream did.
+fn from_envoy(details: &str) -> bool {
+    !details.is_empty() && details != "via_upstream"
+}
+
 /// Classify the upstream's answer. `details`/`flags` are Envoy's `response.code_details` and
 /// `response.flags` (empty / 0 when unavailable).
 pub fn classify(status: u16, details: &str, flags: u64, on_5xx: On5xx) -> Outcome {
     if never_reached(details) && flags & flags::REACHED == 0 {
         return Outcome::Release;
     }
-    if status >= 500 {
-        return match on_5xx {
-            On5xx::Store => Outcome::Store,
-            On5xx::Release => Outcome::Release,
-        };
+    if status >= 500 && on_5xx == On5xx::Release {
+        // The upstream dedupes on the forwarded key itself: running again is safe.
+        return Outcome::Release;
+    }
+    if from_envoy(details) && status >= 500 {
+        return Outcome::Unknown;
     }
     Outcome::Store
 }
@@ -107,6 +117,7 @@ mod tests {
             classify(503, "via_upstream", 0, On5xx::Release),
             Outcome::Release
         );
+        // Envoy's own answers after the request was sent: the upstream's outcome is unknown.
         assert_eq!(
             classify(
                 504,
@@ -114,7 +125,7 @@ mod tests {
                 flags::UPSTREAM_REQUEST_TIMEOUT,
                 On5xx::Store
             ),
-            Outcome::Store
+            Outcome::Unknown
         );
         let after_send = "upstream_reset_before_response_started{connection_termination}";
         assert_eq!(
@@ -124,7 +135,7 @@ mod tests {
                 flags::UPSTREAM_CONNECTION_TERMINATION,
                 On5xx::Store
             ),
-            Outcome::Store
+            Outcome::Unknown
         );
         assert_eq!(
             classify(
@@ -133,8 +144,19 @@ mod tests {
                 0x10,
                 On5xx::Store
             ),
+            Outcome::Unknown
+        );
+        // Where the upstream dedupes itself, a 5xx of any kind gives the key back.
+        assert_eq!(
+            classify(504, "upstream_response_timeout", 0x4, On5xx::Release),
+            Outcome::Release
+        );
+        // The upstream's own 5xx is its answer; a details-less one too.
+        assert_eq!(
+            classify(503, "via_upstream", 0, On5xx::Store),
             Outcome::Store
         );
+        assert_eq!(classify(503, "", 0, On5xx::Store), Outcome::Store);
     }
 
     #[test]
@@ -158,6 +180,6 @@ mod tests {
         // Envoy retried after a connect failure; a later try was reset after sending.
         let d = "upstream_reset_before_response_started{connection_failure}";
         let f = flags::UPSTREAM_CONNECTION_FAILURE | flags::UPSTREAM_REMOTE_RESET;
-        assert_eq!(classify(503, d, f, On5xx::Store), Outcome::Store);
+        assert_eq!(classify(503, d, f, On5xx::Store), Outcome::Unknown);
     }
 }

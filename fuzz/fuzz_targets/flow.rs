@@ -32,14 +32,8 @@ fn answers(b: u8, rest: &[u8]) -> CalloutResult {
     ];
     match b % 10 {
         8 => CalloutResult::Failed("x".into()),
-        9 => CalloutResult::Response {
-            status: 409,
-            body: rest.to_vec(),
-        },
-        i => CalloutResult::Response {
-            status: 200,
-            body: canned[usize::from(i)].to_vec(),
-        },
+        9 => CalloutResult::answer(409, rest.to_vec()),
+        i => CalloutResult::answer(200, canned[usize::from(i)].to_vec()),
     }
 }
 

@@ -2,7 +2,7 @@
 //! once, or answer the duplicate.
 
 use super::{Claimed, Fingerprinted, Flow, Note, State, Turn};
-use crate::config::{Config, OnStateUnavailable};
+use crate::config::{Config, OnStateUnavailable, OnUnknown};
 use crate::key;
 use crate::metrics::Metric;
 use crate::reply;
@@ -60,15 +60,15 @@ impl Flow {
             ));
         };
         let parsed = match &answer {
-            CalloutResult::Response { status, body } if (200..300).contains(status) => {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
                 ClaimResponse::read(body).map_err(|e| format!("unreadable claim answer: {e}"))
             }
-            CalloutResult::Response { status, body }
+            CalloutResult::Response { status, body, .. }
                 if (400..500).contains(status) && *status != 408 && *status != 429 =>
             {
                 return self.refused(&req, *status, body);
             }
-            CalloutResult::Response { status, body } => Err(format!(
+            CalloutResult::Response { status, body, .. } => Err(format!(
                 "claim answered HTTP {status}: {}",
                 String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
             )),
@@ -88,8 +88,57 @@ impl Flow {
                     lease_ms,
                     max_body: max_body_bytes,
                 };
-                self.forward(cfg, claimed, reclaimed)
+                let policy = cfg.routes.get(claimed.req.req.route).map(|r| r.on_unknown);
+                match (reclaimed, policy) {
+                    // An earlier attempt's outcome was unknown and this claim took it over.
+                    (true, Some(OnUnknown::Reconcile)) => self.reconcile(cfg, claimed),
+                    (true, Some(OnUnknown::Reexecute)) => {
+                        let log = Flow::log(
+                            Level::Warn,
+                            format!(
+                                "outcome unknown: subject {}, {}, token {}: run again (the route re-executes)",
+                                claimed.req.req.subject,
+                                claimed.endpoint(),
+                                claimed.token
+                            ),
+                        );
+                        let mut t = self.forward(cfg, claimed);
+                        t.outs.insert(0, log);
+                        t.with(Effect::Count(Metric::Reexecuted))
+                    }
+                    // A held route takes a record over only past its retention: a new request.
+                    (true, _) => {
+                        let log = Flow::log(
+                            Level::Info,
+                            format!(
+                                "subject {}, {}, token {}: a record past its retention, whose outcome was never stored, is reused",
+                                claimed.req.req.subject,
+                                claimed.endpoint(),
+                                claimed.token
+                            ),
+                        );
+                        let mut t = self.forward(cfg, claimed);
+                        t.outs.insert(0, log);
+                        t
+                    }
+                    (false, _) => self.forward(cfg, claimed),
+                }
             }
+            Ok(ClaimResponse::Unknown) => self
+                .reply(
+                    Some(Metric::OutcomeUnknown409),
+                    LocalReply::problem(
+                        ProblemKind::OutcomeUnknown,
+                        "a request with this key was forwarded and its outcome is unknown; it is held until it is resolved: do not retry with a new key",
+                    ),
+                )
+                .with(Flow::log(
+                    Level::Info,
+                    format!(
+                        "outcome unknown: subject {}, {}: held",
+                        req.req.subject, req.req.endpoint
+                    ),
+                )),
             Ok(ClaimResponse::InProgress {
                 retry_after_s,
                 lease_remaining_ms,
@@ -180,7 +229,7 @@ impl Flow {
     }
 
     /// The key is ours: the request goes upstream with the key and the fencing token.
-    fn forward(&mut self, cfg: &Config, claimed: Claimed, reclaimed: bool) -> Turn {
+    pub(super) fn forward(&mut self, cfg: &Config, claimed: Claimed) -> Turn {
         let mut t = Turn::pause();
         let token = claimed.token;
         if claimed.lease_ms < cfg.lease_ms {
@@ -191,15 +240,6 @@ impl Flow {
                     claimed.lease_ms,
                     claimed.endpoint(),
                     cfg.lease_ms
-                ),
-            ));
-        }
-        if reclaimed {
-            t.push(Flow::log(
-                Level::Info,
-                format!(
-                    "key of {} reclaimed after an expired lease (token {token})",
-                    claimed.endpoint()
                 ),
             ));
         }

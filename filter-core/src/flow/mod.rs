@@ -19,6 +19,7 @@
 //! answer), [`response`] (the upstream's response), [`write`] (storing the outcome).
 
 mod claim;
+mod reconcile;
 mod request;
 mod response;
 mod write;
@@ -65,6 +66,13 @@ pub enum Call {
     },
     Release {
         body: Vec<u8>,
+    },
+    /// Ask the upstream what became of an earlier attempt (`on_unknown: reconcile`).
+    Reconcile {
+        cluster: String,
+        /// Pseudo-headers included.
+        headers: Vec<(String, String)>,
+        timeout_ms: u64,
     },
 }
 
@@ -229,6 +237,9 @@ enum Write {
         fallback: Option<Vec<u8>>,
         attempts: u8,
         record: Box<Completed>,
+        /// A reconciled outcome: once stored it is the client's answer (a replay), as there is
+        /// no upstream response to let go.
+        reply: bool,
     },
     Release {
         body: Vec<u8>,
@@ -239,8 +250,13 @@ enum Write {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
     Passthrough,
-    Buffering { req: Request, body_size: usize },
+    Buffering {
+        req: Request,
+        body_size: usize,
+    },
     Claiming(Fingerprinted),
+    /// Holding a record whose outcome was unknown, asking the upstream about it.
+    Reconciling(Claimed),
     Upstream(Claimed),
     Capturing(Claimed, Capture),
     Writing(Claimed, Write),
@@ -302,6 +318,7 @@ impl Flow {
             State::Passthrough => "passthrough",
             State::Buffering { .. } => "buffering",
             State::Claiming(_) => "claiming",
+            State::Reconciling(_) => "reconciling",
             State::Upstream(_) => "upstream",
             State::Capturing(..) => "capturing",
             State::Writing(..) => "writing",

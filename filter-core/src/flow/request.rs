@@ -2,7 +2,7 @@
 //! fingerprint; then the claim.
 
 use super::{Call, Fingerprinted, Flow, Request, State, Turn};
-use crate::config::{Config, KeyPolicy, SubjectSource};
+use crate::config::{Config, KeyPolicy, OnUnknown, SubjectSource};
 use crate::key::{self, parse_key_header};
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
@@ -280,6 +280,12 @@ impl Flow {
             fingerprint: fingerprint.hex.clone(),
             fingerprint_alg: fingerprint.alg.to_owned(),
             lease_ms: Some(cfg.lease_ms),
+            on_unknown: match cfg.routes.get(req.route).map(|r| r.on_unknown) {
+                Some(OnUnknown::Reconcile | OnUnknown::Reexecute) => {
+                    contract::wire::OnUnknown::TakeOver
+                }
+                _ => contract::wire::OnUnknown::Hold,
+            },
         });
         let call = Call::Claim {
             body,

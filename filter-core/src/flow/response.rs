@@ -1,8 +1,9 @@
 //! The response phase: what the upstream answered, and capturing it to store it before the
 //! client receives it.
 
+use super::reconcile::mark_unknown;
 use super::request::to_json;
-use super::{Call, Capture, Claimed, Flow, State, Turn, Write};
+use super::{Call, Capture, Claimed, Flow, Note, State, Turn, Write};
 use crate::config::Config;
 use crate::headers;
 use crate::metrics::Metric;
@@ -72,14 +73,29 @@ impl Flow {
                 );
                 Turn::pause().with(log).with(Call::Release { body })
             }
+            Outcome::Unknown => {
+                // Envoy answers for an upstream that had the request (a reset, a timeout): the
+                // client gets Envoy's answer, the record is marked unknown.
+                let log = Flow::log(
+                    Level::Warn,
+                    format!(
+                        "outcome unknown: subject {}, {}, token {}: HTTP {status} from Envoy ({})",
+                        claimed.req.req.subject,
+                        claimed.endpoint(),
+                        claimed.token,
+                        head.details
+                    ),
+                );
+                let mark = mark_unknown(&claimed);
+                self.state = State::Finished;
+                Turn::cont()
+                    .with(Effect::Count(Metric::OutcomeUnknown))
+                    .with(log)
+                    .with(Note::Unregister(claimed.token))
+                    .with(mark)
+            }
             Outcome::Store => {
-                let kept = headers::stored(head.headers, &cfg.replay_extra_headers);
-                let capture = Capture {
-                    status,
-                    headers: kept.headers,
-                    headers_complete: kept.complete,
-                    size: 0,
-                };
+                let capture = capture_of(cfg, status, head.headers, 0);
                 if end_of_stream {
                     return self.complete(claimed, capture, Some(Vec::new()));
                 }
@@ -175,8 +191,24 @@ impl Flow {
     }
 }
 
+/// A response about to be captured: its status and the headers kept to replay.
+pub(super) fn capture_of(
+    cfg: &Config,
+    status: u16,
+    response_headers: &[(String, String)],
+    size: usize,
+) -> Capture {
+    let kept = headers::stored(response_headers, &cfg.replay_extra_headers);
+    Capture {
+        status,
+        headers: kept.headers,
+        headers_complete: kept.complete,
+        size,
+    }
+}
+
 /// The largest body kept to replay: the configured one, or the state API's if it is smaller.
-fn stored_body_limit(cfg: &Config, claimed: &Claimed) -> usize {
+pub(super) fn stored_body_limit(cfg: &Config, claimed: &Claimed) -> usize {
     let max = claimed.max_body.map_or(cfg.max_stored_body_bytes, |m| {
         m.min(cfg.max_stored_body_bytes)
     });
@@ -186,7 +218,11 @@ fn stored_body_limit(cfg: &Config, claimed: &Claimed) -> usize {
 /// The write that stores a captured response, and the record a replay of it gives. Not
 /// replayable (status and headers only) when the body is not kept, a header that would be
 /// replayed could not be kept, or the status is not three digits (stored as 502 then).
-fn outcome(claimed: &Claimed, cap: Capture, body: Option<Vec<u8>>) -> (Write, Completed) {
+pub(super) fn outcome(
+    claimed: &Claimed,
+    cap: Capture,
+    body: Option<Vec<u8>>,
+) -> (Write, Completed) {
     let status_ok = contract::limits::STATUS.contains(&cap.status);
     let status = if status_ok { cap.status } else { 502 };
     let body = body.filter(|_| cap.headers_complete && status_ok);
@@ -209,6 +245,7 @@ fn outcome(claimed: &Claimed, cap: Capture, body: Option<Vec<u8>>) -> (Write, Co
         body: payload,
         attempts: 1,
         record: Box::new(record.clone()),
+        reply: false,
     };
     (write, record)
 }

@@ -3,10 +3,12 @@
 //! outcome, a released key (the upstream certainly never saw it), or a key that stays held:
 //! never in a key free to run again.
 
+use super::reconcile::mark_unknown;
 use super::response::cut_short;
-use super::{Call, Claimed, Flow, Note, Out, State, Turn, Write, WRITE_ATTEMPTS};
+use super::{completed_reply, Call, Claimed, Flow, Note, Out, State, Turn, Write, WRITE_ATTEMPTS};
 use crate::config::Config;
 use crate::metrics::Metric;
+use crate::reply::{self, LocalReply};
 use crate::worker::writes::{PendingWrite, WriteVerdict};
 use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{COMPLETE_PATH, RELEASE_PATH};
@@ -52,9 +54,11 @@ impl Flow {
                 let mut t = Turn::cont()
                     .with(Effect::Count(ok_metric))
                     .with(Note::ForgetRunning(id));
-                if let (Write::Complete { record, .. }, Some(expires_in_ms)) =
-                    (write, expires_in_ms)
-                {
+                let Write::Complete { record, reply, .. } = write else {
+                    return self.done(t, token);
+                };
+                let answer = reply.then(|| completed_reply(cfg, &record));
+                if let Some(expires_in_ms) = expires_in_ms {
                     t.push(Note::Remember {
                         id,
                         record,
@@ -62,7 +66,10 @@ impl Flow {
                         expires_in_ms,
                     });
                 }
-                return self.done(t, token);
+                return match answer {
+                    None => self.done(t, token),
+                    Some(answer) => self.answer_reconciled(t.with(Note::Unregister(token)), answer),
+                };
             }
             WriteVerdict::FencedOut => {
                 let log = Flow::log(
@@ -72,17 +79,21 @@ impl Flow {
                         claimed.endpoint()
                     ),
                 );
-                return self.done(
-                    Turn::cont()
-                        .with(Effect::Count(Metric::FencedOut))
-                        .with(log),
-                    token,
-                );
+                let t = Turn::cont()
+                    .with(Effect::Count(Metric::FencedOut))
+                    .with(log);
+                if write.replies() {
+                    // A newer claim reconciles the key now: this retry is told to wait.
+                    let t = t.with(Note::Unregister(token));
+                    return self.answer_reconciled(t, Err("fenced out".into()));
+                }
+                return self.done(t, token);
             }
             WriteVerdict::Refused(_) => {
                 if let Write::Complete {
                     fallback: Some(minimal),
                     record,
+                    reply,
                     ..
                 } = write
                 {
@@ -113,6 +124,7 @@ impl Flow {
                             fallback: None,
                             attempts: 1,
                             record,
+                            reply,
                         },
                     );
                     return t;
@@ -124,11 +136,11 @@ impl Flow {
                 t.push(Flow::log(
                     Level::Error,
                     format!(
-                        "{what} for {} refused ({why}); the key stays in progress until its lease runs out",
+                        "{what} for {} refused ({why}); {UNSTORED}",
                         claimed.endpoint()
                     ),
                 ));
-                return self.done(t, token);
+                return self.give_up(cfg, t, token, write);
             }
             WriteVerdict::Failed => {}
         }
@@ -140,6 +152,7 @@ impl Flow {
                 fallback,
                 attempts,
                 record,
+                reply,
             } if attempts < WRITE_ATTEMPTS => {
                 t.push(Call::Complete {
                     body: body.clone(),
@@ -153,6 +166,7 @@ impl Flow {
                     fallback,
                     attempts: attempts + 1,
                     record,
+                    reply,
                 }
             }
             Write::Release { body, attempts } if attempts < WRITE_ATTEMPTS => {
@@ -170,9 +184,13 @@ impl Flow {
                         claimed.endpoint()
                     ),
                 ));
+                let answer = write.replies().then(|| write.record_reply(cfg));
                 t.push(hand_over(&claimed, write));
-                t.push(self.effect(|stream| Effect::ResumeResponse { stream }));
-                return t;
+                return match answer {
+                    // The worker keeps the claim's lease while it stores the outcome.
+                    Some(answer) => self.answer_reconciled(t, answer),
+                    None => t.with(self.effect(|stream| Effect::ResumeResponse { stream })),
+                };
             }
             write => {
                 if matches!(write, Write::Complete { .. }) {
@@ -181,11 +199,11 @@ impl Flow {
                 t.push(Flow::log(
                     Level::Error,
                     format!(
-                        "{what} for {} failed ({why}); the key stays in progress until its lease runs out",
+                        "{what} for {} failed ({why}); {UNSTORED}",
                         claimed.endpoint()
                     ),
                 ));
-                return self.done(t, token);
+                return self.give_up(cfg, t, token, write);
             }
         };
         t.outs.insert(
@@ -206,10 +224,43 @@ impl Flow {
         t
     }
 
+    /// A write that will not be stored: the heartbeat stops. A reconciled outcome is still
+    /// the client's answer (the upstream said so); the record stays the claim's until its
+    /// lease runs out, and then unknown again.
+    fn give_up(&mut self, cfg: &Config, t: Turn, token: i64, write: Write) -> Turn {
+        if write.replies() {
+            let answer = write.record_reply(cfg);
+            return self.answer_reconciled(t.with(Note::Unregister(token)), answer);
+        }
+        self.done(t, token)
+    }
+
+    /// The end of a reconciliation that found the outcome: the client gets it (a replay), or
+    /// 409 when it cannot be given. There is no upstream response to let go.
+    fn answer_reconciled(
+        &mut self,
+        mut t: Turn,
+        answer: Result<(Metric, LocalReply), String>,
+    ) -> Turn {
+        let (metric, reply) = match answer {
+            Ok((metric, reply)) => (Some(metric), reply),
+            Err(why) => {
+                t.push(Flow::log(
+                    Level::Warn,
+                    format!("the reconciled outcome cannot be replayed ({why})"),
+                ));
+                (Some(Metric::InProgress409), reply::in_progress(1))
+            }
+        };
+        let mut r = self.reply(metric, reply);
+        r.outs.splice(0..0, t.outs);
+        r
+    }
+
     /// The stream is over (`on_done`; Envoy cancels its callouts). A write on its way, or the
     /// status and headers of a response cut short in its body, are handed over to the worker,
     /// so the outcome is stored all the same. Before any response the upstream may have acted:
-    /// the heartbeat stops and the key stays `in_progress` until its lease runs out.
+    /// the heartbeat stops and the record is marked unknown.
     pub fn on_stream_done(&mut self, cfg: &Config) -> Turn {
         match self.take() {
             State::Claiming(f) => Turn::cont().with(Flow::log(
@@ -245,7 +296,28 @@ impl Flow {
                     .with(log)
                     .with(hand_over(&c, write))
             }
-            State::Upstream(c) | State::Capturing(c, _) | State::Writing(c, _) => Turn::cont()
+            State::Upstream(c) => {
+                // Forwarded, and no answer seen: what the upstream did is unknown, and the state
+                // API is told so at once (a retry must not run it again without proof).
+                let log = Flow::log(
+                    Level::Warn,
+                    format!(
+                        "outcome unknown: subject {}, {}, token {}: the stream ended before the upstream answered",
+                        c.req.req.subject,
+                        c.endpoint(),
+                        c.token
+                    ),
+                );
+                Turn::cont()
+                    .with(Effect::Count(Metric::OutcomeUnknown))
+                    .with(log)
+                    .with(Note::Unregister(c.token))
+                    .with(mark_unknown(&c))
+            }
+            State::Reconciling(c) => Turn::cont()
+                .with(Note::Unregister(c.token))
+                .with(mark_unknown(&c)),
+            State::Capturing(c, _) | State::Writing(c, _) => Turn::cont()
                 .with(Note::Unregister(c.token))
                 .with(ended_before_outcome(&c)),
             _ => Turn::cont(),
@@ -276,11 +348,30 @@ fn hand_over(claimed: &Claimed, write: Write) -> Out {
     })
 }
 
+impl Write {
+    /// Its outcome is the client's answer once stored (a reconciled one).
+    fn replies(&self) -> bool {
+        matches!(self, Write::Complete { reply: true, .. })
+    }
+
+    /// The replay of the outcome it stores.
+    fn record_reply(&self, cfg: &Config) -> Result<(Metric, LocalReply), String> {
+        match self {
+            Write::Complete { record, .. } => completed_reply(cfg, record),
+            Write::Release { .. } => Err("a release has no outcome".into()),
+        }
+    }
+}
+
+/// What the log says of a write that will not be stored.
+const UNSTORED: &str =
+    "the key stays held until its lease runs out, and then its outcome is unknown";
+
 fn ended_before_outcome(c: &Claimed) -> Out {
     Flow::log(
         Level::Warn,
         format!(
-            "stream of {} ended before its outcome was stored (token {}); the key stays in progress until its lease runs out",
+            "stream of {} ended before its outcome was stored (token {}); {UNSTORED}",
             c.endpoint(),
             c.token
         ),

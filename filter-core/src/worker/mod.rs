@@ -22,7 +22,9 @@ use crate::config::Config;
 use crate::flow::{Call, Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
-use contract::wire::{HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH};
+use contract::wire::{
+    HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
+};
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
@@ -45,14 +47,41 @@ pub enum CalloutResult {
     /// Could not be dispatched, was reset or timed out before any response.
     Failed(String),
     /// The other side answered (any status).
-    Response { status: u16, body: Vec<u8> },
+    Response {
+        status: u16,
+        /// Its headers, pseudo-headers aside (read by the reconcile answer only).
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+    },
+}
+
+impl CalloutResult {
+    /// An answer without headers (the state API's, as the worker reads them).
+    pub fn answer(status: u16, body: Vec<u8>) -> Self {
+        Self::Response {
+            status,
+            headers: Vec::new(),
+            body,
+        }
+    }
+
+    /// A header of an answer.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        match self {
+            Self::Response { headers, .. } => headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str()),
+            Self::Failed(_) => None,
+        }
+    }
 }
 
 impl CalloutResult {
     /// For logs: the failure, or the status and the start of the body.
     pub fn describe(&self) -> String {
         match self {
-            CalloutResult::Response { status, body } => format!(
+            CalloutResult::Response { status, body, .. } => format!(
                 "HTTP {status}: {}",
                 String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
             ),
@@ -157,6 +186,8 @@ enum Purpose {
     Claim(StreamId),
     /// A complete or release the stream holds its response for.
     StreamWrite(StreamId),
+    /// The stream asks the upstream what became of an unknown outcome.
+    Reconcile(StreamId),
     Heartbeat(i64),
     /// A handed-over write (by fencing token).
     Write(i64),
@@ -165,7 +196,7 @@ enum Purpose {
 impl Purpose {
     fn stream(self) -> Option<StreamId> {
         match self {
-            Purpose::Claim(s) | Purpose::StreamWrite(s) => Some(s),
+            Purpose::Claim(s) | Purpose::StreamWrite(s) | Purpose::Reconcile(s) => Some(s),
             Purpose::Heartbeat(_) | Purpose::Write(_) => None,
         }
     }
@@ -466,7 +497,30 @@ impl Worker {
                 );
                 None
             }
+            Call::Reconcile {
+                cluster,
+                headers,
+                timeout_ms,
+            } => {
+                let id = self.call_id(Purpose::Reconcile(stream));
+                effects.push(Effect::Dispatch(Dispatch {
+                    id,
+                    owner: Owner::Stream(stream),
+                    cluster,
+                    headers,
+                    body: Vec::new(),
+                    timeout_ms,
+                }));
+                None
+            }
         }
+    }
+
+    fn call_id(&mut self, purpose: Purpose) -> CallId {
+        self.next_call += 1;
+        let id = CallId(self.next_call);
+        self.calls.insert(id, purpose);
+        id
     }
 
     fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
@@ -520,9 +574,10 @@ impl Worker {
     ) {
         let claim = write.claim.clone();
         let untried = write.untried;
+        let keeps_lease = write.keeps_lease();
         match self.writes.add(write, now_ms) {
             Ok(()) => {
-                if !self.registry.contains(claim.token) {
+                if keeps_lease && !self.registry.contains(claim.token) {
                     // The stream ended before: keep the lease alive all the same.
                     self.registry
                         .register(claim.clone(), self.cfg.lease_ms, now_ms);
@@ -540,6 +595,13 @@ impl Worker {
                     effects.push(Effect::Wake);
                 }
             }
+            Err(why) if !keeps_lease => effects.push(Effect::Log(
+                Level::Warn,
+                format!(
+                    "the unknown outcome of {} is not sent ({why}); the state API finds it unknown when its lease runs out",
+                    claim.endpoint
+                ),
+            )),
             Err(why) => {
                 self.registry.remove(claim.token);
                 effects.push(Effect::Count(Metric::CompleteGaveUp));
@@ -562,9 +624,7 @@ impl Worker {
         body: Vec<u8>,
         effects: &mut Vec<Effect>,
     ) {
-        self.next_call += 1;
-        let id = CallId(self.next_call);
-        self.calls.insert(id, purpose);
+        let id = self.call_id(purpose);
         let api = &self.cfg.state_api;
         effects.push(Effect::Dispatch(Dispatch {
             id,
@@ -598,14 +658,14 @@ impl Worker {
             };
         };
         match purpose {
-            Purpose::Claim(stream) | Purpose::StreamWrite(stream) => {
+            Purpose::Claim(stream) | Purpose::StreamWrite(stream) | Purpose::Reconcile(stream) => {
                 let Some(flow) = self.flows.get_mut(&stream) else {
                     return Step::cont();
                 };
-                let turn = if matches!(purpose, Purpose::Claim(_)) {
-                    flow.on_claim_answer(&self.cfg, result)
-                } else {
-                    flow.on_write_answer(&self.cfg, result)
+                let turn = match purpose {
+                    Purpose::Claim(_) => flow.on_claim_answer(&self.cfg, result),
+                    Purpose::Reconcile(_) => flow.on_reconcile_answer(&self.cfg, result),
+                    _ => flow.on_write_answer(&self.cfg, result),
                 };
                 self.run(stream, turn, now_ms)
             }
@@ -627,7 +687,7 @@ impl Worker {
     fn heartbeat_answered(&mut self, token: i64, result: CalloutResult) -> Vec<Effect> {
         self.registry.answered(token);
         match result {
-            CalloutResult::Response { status, body } if (200..300).contains(&status) => {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(&status) => {
                 if let Ok(hb) = HeartbeatResponse::read(&body) {
                     self.registry.granted(token, hb.lease_ms);
                     vec![Effect::Count(Metric::Heartbeats)]
@@ -737,11 +797,11 @@ impl Worker {
                 attempts,
                 untried,
             } => {
-                effects.push(Effect::Count(if path == RELEASE_PATH {
-                    Metric::Released
-                } else {
-                    Metric::Completed
-                }));
+                match path {
+                    RELEASE_PATH => effects.push(Effect::Count(Metric::Released)),
+                    COMPLETE_PATH => effects.push(Effect::Count(Metric::Completed)),
+                    _ => {}
+                }
                 // An untried write stored at its first attempt is the normal case.
                 let retries = attempts.saturating_sub(u32::from(untried));
                 if retries > 0 {
@@ -768,6 +828,22 @@ impl Worker {
                 claim,
                 attempts,
                 why,
+                path,
+            } if path == UNKNOWN_PATH => {
+                effects.push(Effect::Count(Metric::StateApiErrors));
+                effects.push(Effect::Log(
+                    Level::Warn,
+                    format!(
+                        "the unknown outcome of {} was not stored after {attempts} attempts ({why}; token {token}); the state API finds it unknown when its lease runs out",
+                        claim.endpoint
+                    ),
+                ));
+            }
+            WriteDone::GaveUp {
+                claim,
+                attempts,
+                why,
+                ..
             } => {
                 effects.push(Effect::Count(Metric::StateApiErrors));
                 effects.push(Effect::Count(Metric::CompleteGaveUp));

@@ -6,7 +6,8 @@ use super::*;
 use crate::flow::{RequestHead, ResponseHead, Verdict};
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, ReleaseRequest, StoredResponse,
-    WriteResponse, FENCING_TOKEN_HEADER,
+    UnknownRequest, WriteResponse, FENCING_TOKEN_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER,
+    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER,
 };
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -51,17 +52,11 @@ fn req_headers(path: &str, extra: &[(&str, &str)]) -> Vec<(String, String)> {
 }
 
 fn answer<T: serde::Serialize>(v: &T) -> CalloutResult {
-    CalloutResult::Response {
-        status: 200,
-        body: serde_json::to_vec(v).unwrap(),
-    }
+    CalloutResult::answer(200, serde_json::to_vec(v).unwrap())
 }
 
 fn status(status: u16, body: &[u8]) -> CalloutResult {
-    CalloutResult::Response {
-        status,
-        body: body.to_vec(),
-    }
+    CalloutResult::answer(status, body.to_vec())
 }
 
 fn written() -> CalloutResult {
@@ -1411,14 +1406,323 @@ fn fenced_out_write_is_counted_and_the_response_goes_on() {
 }
 
 #[test]
-fn client_gone_stops_the_heartbeat_and_leaves_the_lease() {
+fn client_gone_after_forwarding_marks_the_outcome_unknown() {
     let mut t = Harness::new(CONFIG);
     let (s, _) = t.claimed("/checkout", b"{}", 42);
     let step = t.done(s);
     assert!(step.dispatches(RELEASE_PATH).is_empty());
     assert!(step.dispatches(COMPLETE_PATH).is_empty());
+    assert_eq!(step.counts(), vec![Metric::OutcomeUnknown]);
+    assert!(step.effects.contains(&Effect::Wake), "sent at once");
     let u = t.w.usage();
-    assert_eq!((u.streams, u.claims, u.writes), (0, 0, 0));
+    assert_eq!(
+        (u.streams, u.claims, u.writes),
+        (0, 0, 1),
+        "no heartbeat: only the mark waits"
+    );
+    let step: Seen = t.w.on_wake(t.now).into();
+    let d = step.dispatch(UNKNOWN_PATH).clone();
+    assert_eq!(d.owner, Owner::Worker);
+    let mark: UnknownRequest = serde_json::from_slice(&d.body).unwrap();
+    assert_eq!((mark.key.as_str(), mark.token), ("k1", 42));
+    let step = t.answer(&d, answer(&WriteResponse::unknown()));
+    assert!(step.counts().is_empty(), "not a complete: {step:?}");
+    assert_eq!(t.w.usage().writes, 0);
+    // The state API down for good: given up without calling it a lost complete.
+    let (s, _) = t.claimed("/checkout", b"{}", 43);
+    t.done(s);
+    let step: Seen = t.w.on_wake(t.now).into();
+    let d = step.dispatch(UNKNOWN_PATH).clone();
+    t.answer(&d, CalloutResult::Failed("reset".into()));
+    t.advance(700_000);
+    let step = t.tick();
+    assert!(!step.counts().contains(&Metric::CompleteGaveUp), "{step:?}");
+    assert_eq!(t.w.usage().writes, 0);
+}
+
+#[test]
+fn envoys_own_5xx_after_forwarding_is_an_unknown_outcome() {
+    let mut t = Harness::new(CONFIG);
+    let (s, _) = t.claimed("/checkout", b"{}", 42);
+    let step = t.response_headers(
+        s,
+        &h(&[(":status", "504")]),
+        "upstream_response_timeout",
+        crate::outcome::flags::UPSTREAM_REQUEST_TIMEOUT,
+        false,
+    );
+    assert_eq!(step.verdict, Verdict::Continue, "Envoy's answer goes on");
+    assert_eq!(step.counts(), vec![Metric::OutcomeUnknown]);
+    assert!(step.dispatches(COMPLETE_PATH).is_empty());
+    assert_eq!(t.w.usage().claims, 0);
+    let step: Seen = t.w.on_wake(t.now).into();
+    assert_eq!(step.dispatches(UNKNOWN_PATH).len(), 1);
+    // Before the connection existed: released, as before.
+    let (s, _) = t.claimed("/checkout", b"{}", 43);
+    let step = t.response_headers(
+        s,
+        &h(&[(":status", "503")]),
+        "upstream_reset_before_response_started{remote_connection_failure}",
+        crate::outcome::flags::UPSTREAM_CONNECTION_FAILURE,
+        false,
+    );
+    assert_eq!(step.dispatches(RELEASE_PATH).len(), 1);
+}
+
+const RECONCILING: &str = r#"{
+  "state_api": {"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": 1000},
+  "subject": {"header": "x-jwt-sub"},
+  "routes": [
+    {"method": "POST", "path": "/checkout", "key": "required", "on_unknown": "reconcile",
+     "reconcile": {"cluster": "checkout", "authority": "checkout", "path": "/checkout/attempts/{key}", "timeout_ms": 700}},
+    {"method": "POST", "path": "/refunds", "key": "required"},
+    {"method": "POST", "path": "/pay", "key": "required", "on_unknown": "reexecute"}
+  ],
+  "max_request_body_bytes": 100,
+  "max_stored_body_bytes": 100
+}"#;
+
+fn took_over(token: i64) -> CalloutResult {
+    answer(&ClaimResponse::Claimed {
+        token,
+        lease_ms: 30_000,
+        reclaimed: true,
+        max_body_bytes: None,
+    })
+}
+
+fn reconcile_answer(
+    status: u16,
+    outcome: &str,
+    extra: &[(&str, &str)],
+    body: &[u8],
+) -> CalloutResult {
+    let mut headers = h(extra);
+    headers.push((OUTCOME_HEADER.into(), outcome.into()));
+    CalloutResult::Response {
+        status,
+        headers,
+        body: body.to_vec(),
+    }
+}
+
+impl Harness {
+    /// A request of `path` whose claim took an unknown outcome over with `token`.
+    fn taken_over(&mut self, path: &str, token: i64) -> (StreamId, Seen) {
+        let s = self.stream();
+        let hs = req_headers(path, &[("idempotency-key", "k1")]);
+        self.headers(s, &hs, false);
+        let step = self.body(s, b"{}");
+        assert_eq!(step.claim().on_unknown, contract::wire::OnUnknown::TakeOver);
+        let step = self.answer_claim(&step, took_over(token));
+        (s, step)
+    }
+}
+
+#[test]
+fn the_held_route_answers_409_outcome_unknown() {
+    let mut t = Harness::new(RECONCILING);
+    let s = t.stream();
+    t.headers(
+        s,
+        &req_headers("/refunds", &[("idempotency-key", "k1")]),
+        false,
+    );
+    let step = t.body(s, b"{}");
+    assert_eq!(step.claim().on_unknown, contract::wire::OnUnknown::Hold);
+    let step = t.answer_claim(&step, answer(&ClaimResponse::Unknown));
+    let r = step.reply();
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (409, "/problems/outcome-unknown")
+    );
+    assert!(String::from_utf8_lossy(&r.body).contains("do not retry with a new key"));
+    assert_eq!(step.counts(), vec![Metric::OutcomeUnknown409]);
+    assert!(!step.resumes_request());
+}
+
+#[test]
+fn a_reconciled_execution_is_stored_and_replayed_without_forwarding() {
+    let mut t = Harness::new(RECONCILING);
+    let (s, step) = t.taken_over("/checkout", 77);
+    assert!(
+        !step.resumes_request(),
+        "nothing forwarded before the upstream tells"
+    );
+    let d = step
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(d.owner, Owner::Stream(s));
+    assert_eq!(d.header(":method"), Some("GET"));
+    assert_eq!(d.header(":path"), Some("/checkout/attempts/k1"));
+    assert_eq!(d.header(":authority"), Some("checkout"));
+    assert_eq!(d.header("idempotency-key"), Some("k1"));
+    assert_eq!(d.header(FENCING_TOKEN_HEADER), Some("77"));
+    assert_eq!(d.header(SUBJECT_HEADER), Some("user-1"));
+    assert_eq!(d.timeout_ms, 700);
+    assert_eq!(
+        t.w.usage().claims,
+        1,
+        "the lease is kept while the upstream answers"
+    );
+    let step = t.answer(
+        &d,
+        reconcile_answer(
+            201,
+            OUTCOME_EXECUTED,
+            &[("location", "/charges/9")],
+            b"{\"id\":9}",
+        ),
+    );
+    assert!(!step.replied(), "stored first");
+    let complete = step.complete();
+    assert_eq!(complete.token, 77);
+    assert_eq!(complete.response.status, 201);
+    assert_eq!(complete.response.headers, h(&[("location", "/charges/9")]));
+    assert_eq!(step.counts(), vec![Metric::ReconcileExecuted]);
+    let step = t.answer(step.dispatch(COMPLETE_PATH), written());
+    let r = step.reply();
+    assert_eq!(
+        (r.status, r.body.as_slice()),
+        (201, b"{\"id\":9}".as_slice())
+    );
+    assert_eq!(header(r, "idempotent-replayed"), Some("true"));
+    assert_eq!(header(r, OUTCOME_HEADER), None);
+    assert!(!step.resumes_request());
+    assert_eq!(t.w.usage().claims, 0);
+}
+
+#[test]
+fn a_running_or_unverifiable_reconcile_answers_without_forwarding_and_marks_it_unknown() {
+    for (answer_, status, kind, metric) in [
+        (
+            reconcile_answer(409, OUTCOME_RUNNING, &[("retry-after", "4")], b""),
+            409,
+            "/problems/request-in-progress",
+            Metric::ReconcileRunning,
+        ),
+        (
+            reconcile_answer(200, "perhaps", &[], b"<html>"),
+            503,
+            "/problems/reconcile-unavailable",
+            Metric::ReconcileFailed,
+        ),
+        (
+            CalloutResult::answer(503, b"no healthy upstream".to_vec()),
+            503,
+            "/problems/reconcile-unavailable",
+            Metric::ReconcileFailed,
+        ),
+        (
+            CalloutResult::Failed("timeout".into()),
+            503,
+            "/problems/reconcile-unavailable",
+            Metric::ReconcileFailed,
+        ),
+    ] {
+        let mut t = Harness::new(RECONCILING);
+        let (s, step) = t.taken_over("/checkout", 77);
+        let d = step
+            .effects
+            .iter()
+            .find_map(|e| match e {
+                Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
+                _ => None,
+            })
+            .unwrap();
+        let step = t.answer(&d, answer_);
+        let r = step.reply();
+        assert_eq!((r.status, problem_type(r).as_str()), (status, kind));
+        assert!(header(r, "retry-after").is_some());
+        if metric == Metric::ReconcileRunning {
+            assert_eq!(header(r, "retry-after"), Some("4"));
+        }
+        assert_eq!(step.counts(), vec![metric]);
+        assert!(!step.resumes_request());
+        assert_eq!(t.w.usage().claims, 0);
+        t.done(s);
+        let step: Seen = t.w.on_wake(t.now).into();
+        let mark: UnknownRequest =
+            serde_json::from_slice(&step.dispatch(UNKNOWN_PATH).body).unwrap();
+        assert_eq!(mark.token, 77, "fenced by the new token");
+    }
+}
+
+#[test]
+fn never_executed_runs_once_with_the_new_token() {
+    let mut t = Harness::new(RECONCILING);
+    let (s, step) = t.taken_over("/checkout", 77);
+    let d = step
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let step = t.answer(&d, reconcile_answer(404, OUTCOME_NOT_EXECUTED, &[], b""));
+    assert!(step.resumes_request());
+    assert!(step.effects.contains(&Effect::SetRequestHeader {
+        stream: s,
+        name: FENCING_TOKEN_HEADER,
+        value: "77".into()
+    }));
+    assert_eq!(
+        step.counts(),
+        vec![Metric::Claimed, Metric::ReconcileNotExecuted]
+    );
+    assert!(t.w.awaits_response(s));
+    // The stream ending while the reconcile is asked: marked unknown again.
+    let (s, _) = t.taken_over("/checkout", 78);
+    let step = t.done(s);
+    assert!(step.effects.contains(&Effect::Wake));
+}
+
+#[test]
+fn the_reexecuting_route_runs_a_taken_over_key_again() {
+    let mut t = Harness::new(RECONCILING);
+    let (_, step) = t.taken_over("/pay", 77);
+    assert!(step.resumes_request());
+    assert!(step.counts().contains(&Metric::Reexecuted));
+}
+
+#[test]
+fn a_reconciled_outcome_the_state_api_cannot_take_is_still_the_answer() {
+    let mut t = Harness::new(RECONCILING);
+    let (_, step) = t.taken_over("/checkout", 77);
+    let d = step
+        .effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let step = t.answer(&d, reconcile_answer(200, OUTCOME_EXECUTED, &[], b"{}"));
+    let step = t.answer(
+        step.dispatch(COMPLETE_PATH),
+        CalloutResult::Failed("reset".into()),
+    );
+    let step = t.answer(
+        step.dispatch(COMPLETE_PATH),
+        CalloutResult::Failed("reset".into()),
+    );
+    let r = step.reply();
+    assert_eq!(
+        (r.status, header(r, "idempotent-replayed")),
+        (200, Some("true"))
+    );
+    let u = t.w.usage();
+    assert_eq!(
+        (u.writes, u.claims),
+        (1, 1),
+        "the worker stores it, the lease kept"
+    );
 }
 
 #[test]

@@ -39,6 +39,14 @@ pub struct PendingWrite {
     pub untried: bool,
 }
 
+impl PendingWrite {
+    /// A complete or release keeps the claim's lease alive until it is stored; marking an
+    /// outcome unknown does not (the record is unknown either way once the lease runs out).
+    pub fn keeps_lease(&self) -> bool {
+        self.path != contract::wire::UNKNOWN_PATH
+    }
+}
+
 /// What the state API made of one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteVerdict {
@@ -57,7 +65,7 @@ impl WriteVerdict {
     /// carried one.
     pub fn of(result: &CalloutResult) -> (Self, Option<u64>) {
         match result {
-            CalloutResult::Response { status, body } if (200..300).contains(status) => {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
                 match WriteResponse::read(body) {
                     Ok(w) => (Self::Stored, w.expires_in_ms),
                     Err(_) => (Self::Failed, None),
@@ -90,6 +98,7 @@ pub enum WriteDone {
     /// Given up: the key stays in progress until its lease runs out.
     GaveUp {
         claim: HeldClaim,
+        path: &'static str,
         attempts: u32,
         why: String,
     },
@@ -270,6 +279,7 @@ impl PendingWrites {
         for token in expired {
             if let Some(e) = self.take(token) {
                 gave_up.push(WriteDone::GaveUp {
+                    path: e.pending.path,
                     claim: e.pending.claim,
                     attempts: e.attempts,
                     why: format!("still failing after {} ms", self.max_ms),
@@ -343,6 +353,7 @@ impl PendingWrites {
             WriteVerdict::Refused(status) => {
                 let e = self.take(token)?;
                 Some(WriteDone::GaveUp {
+                    path: e.pending.path,
                     claim: e.pending.claim,
                     attempts: e.attempts,
                     why: format!("refused with HTTP {status}"),
@@ -538,10 +549,7 @@ mod tests {
 
     #[test]
     fn answers_are_judged() {
-        let r = |status: u16, body: &[u8]| CalloutResult::Response {
-            status,
-            body: body.to_vec(),
-        };
+        let r = |status: u16, body: &[u8]| CalloutResult::answer(status, body.to_vec());
         assert_eq!(
             WriteVerdict::of(&r(200, br#"{"state":"completed","expires_in_ms":5}"#)),
             (WriteVerdict::Stored, Some(5))

@@ -336,7 +336,15 @@ pub(crate) fn callout_result(num_headers: usize, body_size: usize) -> CalloutRes
             Err(e) => return CalloutResult::Failed(format!("cannot read the answer's body: {e}")),
         }
     };
-    CalloutResult::Response { status, body }
+    let headers = headers
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with(':'))
+        .collect();
+    CalloutResult::Response {
+        status,
+        headers,
+        body,
+    }
 }
 
 /// The callout a context made with this token, taken out of its list.

@@ -122,9 +122,8 @@ impl RootContext for Root {
                 cfg.summary()
             ),
         );
-        if cfg.complete_in_background {
-            self.register_wake_queue();
-        }
+        // Writes handed over untried (complete_in_background, unknown outcomes) go at once.
+        self.register_wake_queue();
         if let SubjectSource::Metadata(path) = &cfg.subject {
             *self.shared.metadata_path.borrow_mut() = Some(path.clone());
         }
