@@ -1,17 +1,20 @@
 //! The invariants, checked after every step (and at each execution and answer):
 //!
 //! 1. the upstream executes each (key, subject, endpoint) at most once, unless the state API
-//!    released the key (the upstream was certainly not reached, or the route releases 5xx), and
-//!    then only with a strictly larger fencing token; a request forwarded without a claim is
-//!    allowed only where the route fails open *and* the state API could not be used; no request
-//!    reaches the upstream with a fencing token the state API did not issue for its scope;
+//!    released the key (the upstream was certainly not reached, or the route releases 5xx) or
+//!    the route re-executes unknown outcomes and the state API handed the key over as one, and
+//!    then only with a strictly larger fencing token: an expired lease alone never lets a
+//!    request run again; a request forwarded without a claim is allowed only where the route
+//!    fails open *and* the state API could not be used; no request reaches the upstream with a
+//!    fencing token the state API did not issue for its scope;
 //! 2. every replay equals an outcome the upstream (or Envoy's router for it) really produced
 //!    for that scope, byte for byte: status, replayed headers, body, content encoding;
 //! 3. no answer crosses subjects or endpoints, and a changed request never gets a replay;
 //! 4. no panic, and the worker's memory stays within the configured bounds;
 //!
 //! and once the schedule is drained (no faults, every lease run out): a request whose client
-//! received the upstream's whole answer gets that answer back when it is retried.
+//! received the upstream's whole answer gets that answer back when it is retried (on a route
+//! that holds unknown outcomes, 409 `outcome-unknown` if its outcome was never stored).
 
 use crate::state_api::Scope;
 use crate::upstream::{Produced, Sent};
@@ -20,15 +23,15 @@ use contract::wire::FENCING_TOKEN_HEADER;
 
 /// A request reaches the upstream (`stream` is its attempt).
 pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize) {
-    // A route that releases 5xx lets a key whose execution answered 5xx run again.
-    let releases_5xx = w
+    // A route that re-executes unknown outcomes runs a key again once it was handed over so.
+    let reexecutes = w
         .cfg
         .route("POST", scope.2.trim_start_matches("POST "))
-        .is_some_and(|r| r.on_5xx == filter_core::config::On5xx::Release);
-    let earlier: Vec<(Option<i64>, usize, u16)> = w
+        .is_some_and(|r| r.on_unknown == filter_core::config::OnUnknown::Reexecute);
+    let earlier: Vec<(Option<i64>, usize)> = w
         .upstream
         .of_scope(scope)
-        .map(|e| (e.token, e.stream, e.plan.response.status))
+        .map(|e| (e.token, e.stream))
         .collect();
     match token {
         None => {
@@ -44,16 +47,14 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
                     "1: stream {stream} reached the upstream with fencing token {t}, which the state API never issued for this scope"
                 ));
             }
-            for (prior, prior_stream, prior_status) in earlier {
+            let handed_over = reexecutes && w.api.took_over_unknown.get(&t) == Some(scope);
+            for (prior, prior_stream) in earlier {
                 let Some(prior) = prior else { continue };
-                let answered_5xx = releases_5xx
-                    && prior_status >= 500
-                    && w.streams[prior_stream].resp_head.is_some();
                 if t <= prior {
                     w.violations.push(format!(
                         "1: stream {stream} executed {scope:?} again with token {t}, not larger than the earlier {prior}"
                     ));
-                } else if !w.released.contains(&prior) && !answered_5xx {
+                } else if !w.released.contains(&prior) && !handed_over {
                     let seen = &w.streams[prior_stream].client;
                     let earlier_client = match (seen.status, seen.complete) {
                         (None, _) => "nothing".to_owned(),
@@ -202,6 +203,8 @@ pub fn final_answers(w: &mut World) {
                 .then(|| exec.plan.response.clone())
         });
         let release_route = w.ops[op].path == "/refunds";
+        let route = w.cfg.route("POST", &w.ops[op].path).map(|r| r.on_unknown);
+        let unknown = w.api.outcome_unknown(&scope, w.now);
         let Some(delivered) = delivered else {
             // Still run the retry: it must not execute a second time (checked at execution).
             let _ = w.final_retry(op);
@@ -218,6 +221,26 @@ pub fn final_answers(w: &mut World) {
         };
         if !w.violations.is_empty() {
             return;
+        }
+        let reexecuted = w.upstream.of_scope(&scope).any(|e| {
+            e.token
+                .is_some_and(|t| w.api.took_over_unknown.contains_key(&t))
+        });
+        if route == Some(filter_core::config::OnUnknown::Reexecute) && reexecuted {
+            // The route chose to run it again: the later execution's answer is the outcome.
+            continue;
+        }
+        if unknown {
+            use filter_core::config::OnUnknown;
+            let held = view.status == Some(409)
+                && crate::world::problem_type(&view.body)
+                    == contract::ProblemKind::OutcomeUnknown.type_uri();
+            match route {
+                // The answer was delivered but never stored: held, or run again by choice.
+                Some(OnUnknown::Hold) if held => continue,
+                Some(OnUnknown::Reexecute) => continue,
+                _ => {}
+            }
         }
         let max_body = w
             .setup

@@ -1,6 +1,7 @@
 //! Running many schedules over a few threads, and reporting a failure readably.
 
 use crate::{run_seed, shrink, Outcome, Params};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -48,9 +49,28 @@ pub struct Report {
     /// Runs that broke an invariant the caller asked to ignore.
     pub ignored: u64,
     pub failure: Option<Failure>,
+    /// In how many schedules each event happened at least once.
+    pub reached: BTreeMap<&'static str, u64>,
 }
 
 impl Report {
+    /// The events reached, with the share of schedules that reached each.
+    pub fn coverage(&self) -> String {
+        let total = self.schedules.max(1) as f64;
+        self.reached
+            .iter()
+            .map(|(e, n)| {
+                format!(
+                    "  {:<44} {:>8} schedules ({:.2}%)",
+                    e.trim_start_matches("idempotency."),
+                    n,
+                    *n as f64 * 100.0 / total
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     pub fn per_second(&self) -> f64 {
         self.schedules as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
@@ -108,6 +128,7 @@ pub fn run_many_ignoring(
     let stop = AtomicBool::new(false);
     let ignored = AtomicU64::new(0);
     let failure: Mutex<Option<(u64, Outcome)>> = Mutex::new(None);
+    let reached: Mutex<BTreeMap<&'static str, u64>> = Mutex::new(BTreeMap::new());
     std::thread::scope(|scope| {
         for _ in 0..threads.max(1) {
             scope.spawn(|| loop {
@@ -125,6 +146,11 @@ pub fn run_many_ignoring(
                 done.fetch_add(1, Ordering::Relaxed);
                 total_steps.fetch_add(o.steps as u64, Ordering::Relaxed);
                 longest.fetch_max(o.trace.len() as u64, Ordering::Relaxed);
+                if let Ok(mut r) = reached.lock() {
+                    for e in o.reached.keys() {
+                        *r.entry(*e).or_default() += 1;
+                    }
+                }
                 if let Some(v) = &o.violation {
                     let wanted = ignore
                         .iter()
@@ -168,5 +194,6 @@ pub fn run_many_ignoring(
         longest_trace: longest.load(Ordering::Relaxed) as usize,
         ignored: ignored.load(Ordering::Relaxed),
         failure,
+        reached: reached.into_inner().unwrap_or_default(),
     }
 }

@@ -30,6 +30,8 @@ pub struct Outcome {
     /// Every choice the run took (replaying them replays the run).
     pub choices: Vec<u32>,
     pub steps: usize,
+    /// What the run reached (the filter's counters by name, the model's events).
+    pub reached: std::collections::BTreeMap<&'static str, u64>,
 }
 
 impl Outcome {
@@ -66,6 +68,7 @@ pub fn run(choices: Choices, p: Params) -> Outcome {
         trace: std::mem::take(&mut w.trace),
         choices: w.c.taken.clone(),
         steps: w.steps,
+        reached: std::mem::take(&mut w.reached),
     }
 }
 

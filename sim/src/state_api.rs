@@ -1,13 +1,13 @@
 //! A model of the state API with the real one's semantics (`state-api/src/store.rs` and
 //! `http.rs`): the same validation and limits, the same claim decisions (read-or-insert,
-//! mismatch before state, reclaim of an expired lease, take-over past retention), fenced
-//! heartbeats, completes and releases, one token sequence. Time is the database clock: the
-//! simulation's global time.
+//! mismatch before state, an expired lease is an unknown outcome, held or taken over as the
+//! claim asks, take-over past retention), fenced heartbeats, completes, releases and unknown
+//! marks, one token sequence. Time is the database clock: the simulation's global time.
 
 use contract::wire::{
-    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse,
-    ReleaseRequest, StoredResponse, WriteResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
-    RELEASE_PATH,
+    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
+    ReleaseRequest, StoredResponse, UnknownRequest, WriteResponse, CLAIM_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind};
 use std::collections::BTreeMap;
@@ -28,7 +28,12 @@ pub struct Stored {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
-    InProgress { lease_until: u64, lease_ms: u64 },
+    InProgress {
+        lease_until: u64,
+        lease_ms: u64,
+    },
+    /// Forwarded, never stored: its owner said so, or a claim found its lease run out.
+    Unknown,
     Completed(Stored),
 }
 
@@ -39,6 +44,8 @@ pub struct Record {
     pub token: i64,
     pub state: RecordState,
     pub expires_at: u64,
+    /// An attempt's outcome was unknown once: a release makes it unknown again, not free.
+    pub unknown_before: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -49,6 +56,8 @@ pub struct StateApiConfig {
     pub max_lease_ms: u64,
     pub retention_ms: u64,
     pub max_body_bytes: usize,
+    /// Whether claim answers say `max_body_bytes` (state APIs older than the field do not).
+    pub advertises_max_body: bool,
     pub retry_after_cap_s: u64,
 }
 
@@ -62,6 +71,9 @@ pub struct ModelStateApi {
     pub started_at: u64,
     /// Tokens handed out, with their scope.
     pub issued: BTreeMap<i64, Scope>,
+    /// Tokens handed out by taking over an unknown outcome (a re-execution may follow on a
+    /// route that chose so).
+    pub took_over_unknown: BTreeMap<i64, Scope>,
 }
 
 /// An answer: HTTP status and JSON body.
@@ -91,6 +103,7 @@ impl ModelStateApi {
             next_token: 0,
             started_at: 0,
             issued: BTreeMap::new(),
+            took_over_unknown: BTreeMap::new(),
         }
     }
 
@@ -98,6 +111,12 @@ impl ModelStateApi {
         self.next_token += 1;
         self.issued.insert(self.next_token, scope.clone());
         self.next_token
+    }
+
+    fn advertised_max_body(&self) -> Option<u64> {
+        self.cfg
+            .advertises_max_body
+            .then_some(self.cfg.max_body_bytes as u64)
     }
 
     fn lease_for(&self, requested: Option<u64>) -> u64 {
@@ -135,6 +154,10 @@ impl ModelStateApi {
                 Ok(r) => self.release(r),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
+            UNKNOWN_PATH => match serde_json::from_slice::<UnknownRequest>(body) {
+                Ok(r) => self.owner_unknown(r),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
             _ => problem(ProblemKind::NotFound, "no such route"),
         }
     }
@@ -162,6 +185,7 @@ impl ModelStateApi {
                 lease_ms,
             },
             expires_at: now + retention,
+            unknown_before: false,
         };
         let Some(rec) = self.records.get(&scope).cloned() else {
             let rec = fresh(self, &scope);
@@ -173,7 +197,7 @@ impl ModelStateApi {
                     token,
                     lease_ms,
                     reclaimed: false,
-                    max_body_bytes: Some(self.cfg.max_body_bytes as u64),
+                    max_body_bytes: self.advertised_max_body(),
                 },
             );
         };
@@ -182,13 +206,16 @@ impl ModelStateApi {
         };
         let retention_expired = rec.expires_at <= now
             && match rec.state {
-                RecordState::Completed(_) => true,
+                RecordState::Completed(_) | RecordState::Unknown => true,
                 RecordState::InProgress { lease_until, .. } => lease_until <= now,
             };
         if retention_expired {
-            let was_in_progress = matches!(rec.state, RecordState::InProgress { .. });
+            let was_in_progress = !matches!(rec.state, RecordState::Completed(_));
             let rec = fresh(self, &scope);
             let token = rec.token;
+            if was_in_progress {
+                self.took_over_unknown.insert(token, scope.clone());
+            }
             self.records.insert(scope, rec);
             return json(
                 200,
@@ -196,7 +223,7 @@ impl ModelStateApi {
                     token,
                     lease_ms,
                     reclaimed: was_in_progress,
-                    max_body_bytes: Some(self.cfg.max_body_bytes as u64),
+                    max_body_bytes: self.advertised_max_body(),
                 },
             );
         }
@@ -227,11 +254,23 @@ impl ModelStateApi {
                     },
                 )
             }
-            RecordState::InProgress { .. } => {
-                // Reclaim: a new token, the rest of the record kept.
+            RecordState::InProgress { .. } | RecordState::Unknown
+                if r.on_unknown != OnUnknown::TakeOver =>
+            {
+                // Its lease ran out without an outcome: unknown, held.
+                if let Some(r) = self.records.get_mut(&scope) {
+                    r.state = RecordState::Unknown;
+                    r.unknown_before = true;
+                }
+                json(200, &ClaimResponse::Unknown)
+            }
+            RecordState::InProgress { .. } | RecordState::Unknown => {
+                // Taken over: a new token, the rest of the record kept.
                 let token = self.token(&scope);
+                self.took_over_unknown.insert(token, scope.clone());
                 if let Some(r) = self.records.get_mut(&scope) {
                     r.token = token;
+                    r.unknown_before = true;
                     r.state = RecordState::InProgress {
                         lease_until: now + lease_ms,
                         lease_ms,
@@ -243,7 +282,7 @@ impl ModelStateApi {
                         token,
                         lease_ms,
                         reclaimed: true,
-                        max_body_bytes: Some(self.cfg.max_body_bytes as u64),
+                        max_body_bytes: self.advertised_max_body(),
                     },
                 )
             }
@@ -261,9 +300,8 @@ impl ModelStateApi {
         };
         let lease_ms = self.lease_for(r.lease_ms);
         match self.records.get_mut(&scope) {
-            Some(rec)
-                if rec.token == r.token && matches!(rec.state, RecordState::InProgress { .. }) =>
-            {
+            // The owner is alive after all: an unknown record it still holds runs again.
+            Some(rec) if rec.token == r.token && rec.state.open() => {
                 rec.state = RecordState::InProgress {
                     lease_until: now + lease_ms,
                     lease_ms,
@@ -326,7 +364,7 @@ impl ModelStateApi {
         let retention = self.cfg.retention_ms;
         match self.records.get_mut(&scope) {
             Some(rec) if rec.token == r.token => match rec.state {
-                RecordState::InProgress { .. } => {
+                RecordState::InProgress { .. } | RecordState::Unknown => {
                     rec.state = RecordState::Completed(stored);
                     rec.expires_at = now + retention;
                     json(200, &WriteResponse::completed(retention))
@@ -346,14 +384,61 @@ impl ModelStateApi {
             Ok(s) => s,
             Err(a) => return a,
         };
-        match self.records.get(&scope) {
-            Some(rec)
-                if rec.token == r.token && matches!(rec.state, RecordState::InProgress { .. }) =>
-            {
+        match self.records.get_mut(&scope) {
+            // Taken over from an unknown outcome: only this attempt certainly did not run.
+            Some(rec) if rec.token == r.token && rec.state.open() && rec.unknown_before => {
+                rec.state = RecordState::Unknown;
+                json(200, &WriteResponse::released())
+            }
+            Some(rec) if rec.token == r.token && rec.state.open() => {
                 self.records.remove(&scope);
                 json(200, &WriteResponse::released())
             }
             _ => Self::fenced(),
         }
+    }
+
+    /// The owner lost sight of its forwarded request.
+    fn owner_unknown(&mut self, r: UnknownRequest) -> Answer {
+        let scope = match Self::scope(&r.key, &r.subject, &r.endpoint) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        match self.records.get_mut(&scope) {
+            Some(rec) if rec.token == r.token && rec.state.open() => {
+                rec.state = RecordState::Unknown;
+                rec.unknown_before = true;
+                json(200, &WriteResponse::unknown())
+            }
+            // Completed by this owner already: that stands.
+            Some(rec) if rec.token == r.token => json(
+                200,
+                &WriteResponse {
+                    state: "completed".into(),
+                    expires_in_ms: None,
+                },
+            ),
+            _ => Self::fenced(),
+        }
+    }
+
+    /// Whether the record of `scope` has an unknown outcome as of `now` (marked so, or a lease
+    /// that ran out).
+    pub fn outcome_unknown(&self, scope: &Scope, now: u64) -> bool {
+        match self.records.get(scope).map(|r| &r.state) {
+            Some(RecordState::Unknown) => true,
+            Some(RecordState::InProgress {
+                lease_until,
+                lease_ms,
+            }) => *lease_until <= now && self.started_at + lease_ms <= now,
+            _ => false,
+        }
+    }
+}
+
+impl RecordState {
+    /// In progress or unknown: its owner may still heartbeat, complete or release it.
+    fn open(&self) -> bool {
+        matches!(self, RecordState::InProgress { .. } | RecordState::Unknown)
     }
 }

@@ -182,6 +182,10 @@ pub struct Stream {
     pub resp_paused: bool,
     pub resp_chunks_sent: usize,
     pub router_reply: bool,
+    /// The upstream refused its fencing token (nothing ran).
+    pub refused_by_upstream: bool,
+    /// Sent upstream, not received yet.
+    pub in_transit: bool,
     pub client: ClientView,
     pub ended: bool,
 }
@@ -214,7 +218,10 @@ pub struct Callout {
     pub generation: u32,
     pub owner: Owner,
     pub stream: Option<usize>,
+    /// The Envoy cluster: the state API's, or the upstream's (a reconcile).
+    pub cluster: String,
     pub path: String,
+    pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
     pub deadline: u64,
     /// The state API's answer once it handled the call.
@@ -255,9 +262,13 @@ pub struct World {
     quiet: bool,
     pub kinds: Faults,
     pub steps: usize,
+    /// What the run reached: the filter's counters (by name) and the model's own events.
+    pub reached: std::collections::BTreeMap<&'static str, u64>,
 }
 
 const SUBJECTS: [&str; 2] = ["alice", "bob"];
+/// The cluster of the upstream (its reconcile endpoint is asked through it).
+const UPSTREAM_CLUSTER: &str = "upstream";
 
 fn long_path() -> String {
     format!("/pay/{}", "p".repeat(1100))
@@ -281,9 +292,10 @@ impl World {
   "state_api": {{"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": 1000}},
   "subject": {{"header": "x-jwt-sub"}},
   "routes": [
-    {{"method": "POST", "path": "/checkout", "key": "required"}},
+    {{"method": "POST", "path": "/checkout", "key": "required", "on_unknown": "reconcile",
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/checkout/attempts/{{key}}", "timeout_ms": 1000}}}},
     {{"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release"}},
-    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open"}}
+    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open", "on_unknown": "reexecute"}}
   ],
   "max_request_body_bytes": 4096,
   "max_stored_body_bytes": {max_stored},
@@ -313,6 +325,8 @@ impl World {
                 },
                 retention_ms: 86_400_000,
                 max_body_bytes: if small_api_body { 48 } else { 1 << 20 },
+                // An older state API does not say its limit: the filter learns it from a refusal.
+                advertises_max_body: !(small_api_body && c.chance(50)),
                 retry_after_cap_s: 2,
             },
         };
@@ -380,7 +394,12 @@ impl World {
             quiet: false,
             kinds,
             steps: 0,
+            reached: std::collections::BTreeMap::new(),
         }
+    }
+
+    fn reach(&mut self, event: &'static str) {
+        *self.reached.entry(event).or_default() += 1;
     }
 
     fn fault(&self, kind: u32) -> bool {
@@ -453,6 +472,18 @@ impl World {
                 actions.push((6, Action::UpstreamPart(i)));
             }
         }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.in_transit {
+                actions.push((4, Action::Arrive(i)));
+            }
+        }
+        for (e, x) in self.upstream.executions.iter().enumerate() {
+            let caller = &self.streams[x.stream];
+            if !x.finished && (caller.ended || caller.router_reply) {
+                // Its caller left: it works on, and finishes in its own time.
+                actions.push((2, Action::UpstreamFinish(e)));
+            }
+        }
         for (i, w) in self.workers.iter().enumerate() {
             if w.w.is_some() {
                 actions.push((2, Action::Tick(i)));
@@ -472,6 +503,9 @@ impl World {
         if self.fault(Faults::SKEW) {
             actions.push((1, Action::SkewClock));
         }
+        if self.fault(Faults::UPSTREAM) {
+            actions.push((1, Action::ToggleUpstream));
+        }
         actions.push((3, Action::Advance));
         let weights: Vec<u32> = actions.iter().map(|a| a.0).collect();
         let pick = self.c.weighted(&weights);
@@ -485,6 +519,7 @@ impl World {
             Action::NewAttempt(op) => self.new_attempt(op, None),
             Action::SendPart(s) => self.send_part(s),
             Action::GiveUp(s) => {
+                self.reach("sim.client_gave_up");
                 self.log(format!("client gives up on stream {s}"));
                 self.end_stream(s, true);
             }
@@ -492,6 +527,18 @@ impl World {
             Action::Deliver(i) => self.deliver(i),
             Action::FailCallout(i) => self.fail_callout(i),
             Action::UpstreamPart(s) => self.upstream_part(s),
+            Action::Arrive(s) => {
+                self.log(format!("stream {s}: the request reaches the upstream"));
+                self.arrive(s);
+            }
+            Action::UpstreamFinish(e) => {
+                self.reach("sim.finished_after_caller_left");
+                self.upstream.executions[e].finished = true;
+                self.log(format!(
+                    "the execution of stream {} finishes, its caller gone",
+                    self.upstream.executions[e].stream
+                ));
+            }
             Action::Tick(w) => self.tick(w),
             Action::Wake(w) => self.wake(w),
             Action::Kill(w) => self.kill(w),
@@ -501,6 +548,13 @@ impl World {
                 self.log(format!(
                     "state API {}",
                     if self.api_up { "up" } else { "down" }
+                ));
+            }
+            Action::ToggleUpstream => {
+                self.upstream_down = !self.upstream_down;
+                self.log(format!(
+                    "upstream {}",
+                    if self.upstream_down { "down" } else { "up" }
                 ));
             }
             Action::SkewClock => {
@@ -717,6 +771,8 @@ impl World {
             resp_paused: false,
             resp_chunks_sent: 0,
             router_reply: false,
+            refused_by_upstream: false,
+            in_transit: false,
             client: ClientView::default(),
             ended: false,
         });
@@ -742,7 +798,7 @@ impl World {
         let now = self.worker_now(w);
         let part = st.parts_sent;
         self.streams[s].parts_sent += 1;
-        let forwarded = st.forwarded.is_some();
+        let forwarded = st.forwarded.is_some() || st.in_transit;
         let step = if part == 0 {
             let end = st.chunks.is_empty() && !st.trailers;
             let head = RequestHead {
@@ -766,6 +822,9 @@ impl World {
                     wk.on_request_body(st.sid, size, end, &mut |n| read(&body, n), now)
                 })
             }
+        } else if forwarded {
+            // Passed on already: nothing is buffered for the filter.
+            self.call(w, |wk| wk.on_request_trailers(st.sid, &mut |_| None, now))
         } else {
             let size = st.req_buffered;
             let body = st.request.body.clone();
@@ -785,9 +844,34 @@ impl World {
     /// The request goes upstream (with the headers the filter set).
     fn forward(&mut self, s: usize) {
         let st = &self.streams[s];
-        if st.forwarded.is_some() || st.ended || st.client.status.is_some() {
+        if st.forwarded.is_some() || st.in_transit || st.ended || st.client.status.is_some() {
             return;
         }
+        if self.upstream_down && self.c.chance(50) {
+            self.log(format!("stream {s}: upstream refuses the connection"));
+            self.router_reply(
+                s,
+                503,
+                "upstream_reset_before_response_started{remote_connection_failure}",
+                flags::UPSTREAM_CONNECTION_FAILURE,
+            );
+            return;
+        }
+        if self.fault(Faults::UPSTREAM) && self.c.chance(15) {
+            // Sent, not yet received: it may arrive after its stream, or its Envoy, is gone.
+            self.log(format!(
+                "stream {s}: the request is on its way to the upstream"
+            ));
+            self.streams[s].in_transit = true;
+            return;
+        }
+        self.arrive(s);
+    }
+
+    /// The request reaches the upstream, which executes it (or refuses a fenced token).
+    fn arrive(&mut self, s: usize) {
+        self.streams[s].in_transit = false;
+        let st = &self.streams[s];
         let op = &self.ops[st.op];
         let scope = op.scope();
         let token = st
@@ -802,14 +886,27 @@ impl World {
             .map(|(_, v)| v.clone());
         let request = st.request.clone();
         let protected = self.cfg.route_index("POST", &request.path).is_some();
-        if self.upstream_down && self.c.chance(50) {
-            self.log(format!("stream {s}: upstream refuses the connection"));
-            self.router_reply(
-                s,
-                503,
-                "upstream_reset_before_response_started{remote_connection_failure}",
-                flags::UPSTREAM_CONNECTION_FAILURE,
-            );
+        if protected && self.upstream.refuses(&scope, token) {
+            // The careful upstream promised a reconcile to refuse this token: nothing runs.
+            self.log(format!(
+                "stream {s}: the upstream refuses token {token:?} (a reconcile fenced it)"
+            ));
+            let refused = Produced {
+                status: 409,
+                headers: vec![("content-type".into(), "application/problem+json".into())],
+                body: b"{\"type\":\"stale-fencing-token\"}".to_vec(),
+            };
+            let mut hs = vec![(":status".to_owned(), "409".to_owned())];
+            hs.extend(refused.headers.iter().cloned());
+            self.streams[s].refused_by_upstream = true;
+            self.reach("sim.upstream_refused_stale_token");
+            if self.streams[s].ended {
+                return;
+            }
+            self.response_headers(s, refused.clone(), &hs, "via_upstream", 0, false);
+            if !self.streams[s].ended {
+                self.response_body(s, refused.body, true);
+            }
             return;
         }
         let plan = self.plan_response();
@@ -836,6 +933,7 @@ impl World {
             plan,
             at: self.now,
             stream: s,
+            finished: false,
         });
         self.streams[s].forwarded = Some(index);
     }
@@ -925,6 +1023,7 @@ impl World {
                 return;
             }
             let end = plan.chunks.is_empty() && plan.ending == Ending::WithLastChunk;
+            self.upstream.executions[e].finished = true;
             let mut hs = vec![(":status".to_owned(), plan.response.status.to_string())];
             hs.extend(plan.response.headers.iter().cloned());
             self.log(format!(
@@ -976,14 +1075,7 @@ impl World {
             body: body.clone(),
         };
         self.log(format!("stream {s}: router answers {status} ({details})"));
-        if let Some(e) = self.streams[s].forwarded {
-            // Stored like an outcome today: record it as produced for this execution.
-            self.upstream.executions[e].plan.response = produced.clone();
-            self.upstream.executions[e].plan.chunks = vec![body.len()];
-            self.upstream.executions[e].plan.ending = Ending::WithLastChunk;
-        } else {
-            // Never reached: nothing executed, but the answer is the stream's.
-        }
+        // An execution the router answered for goes on, and finishes on its own.
         let mut hs = vec![(":status".to_owned(), status.to_string())];
         hs.extend(produced.headers.iter().cloned());
         self.response_headers(s, produced, &hs, details, fl, false);
@@ -1158,7 +1250,9 @@ impl World {
 
     fn process(&mut self, i: usize) {
         let c = self.callouts[i].clone();
-        let result = if !self.api_up {
+        let result = if c.cluster == UPSTREAM_CLUSTER {
+            self.reconcile(&c)
+        } else if !self.api_up {
             CalloutResult::Failed("connection refused".into())
         } else {
             let (status, body) = self.api.handle(&c.path, &c.body, self.now);
@@ -1167,14 +1261,19 @@ impl World {
                     self.released.insert(r.token);
                 }
             }
-            CalloutResult::Response { status, body }
+            CalloutResult::answer(status, body)
         };
         let routine = self.quiet
             && c.path == contract::wire::HEARTBEAT_PATH
             && !matches!(result, CalloutResult::Response { status: 409, .. });
         if !routine {
             self.log(format!(
-                "state API {} from worker {}{}: {}",
+                "{} {} from worker {}{}: {}",
+                if c.cluster == UPSTREAM_CLUSTER {
+                    "upstream reconcile"
+                } else {
+                    "state API"
+                },
                 c.path,
                 c.worker,
                 if c.orphan { " (nobody waits)" } else { "" },
@@ -1185,6 +1284,59 @@ impl World {
             self.callouts.remove(i);
         } else {
             self.callouts[i].answer = Some(result);
+        }
+    }
+
+    /// The upstream's reconcile endpoint (through Envoy: down, it is the router's 503).
+    fn reconcile(&mut self, c: &Callout) -> CalloutResult {
+        let header = |name: &str| {
+            c.headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        let (Some(key), Some(subject), Some(token)) = (
+            header("idempotency-key"),
+            header(contract::wire::SUBJECT_HEADER),
+            header(FENCING_TOKEN_HEADER).and_then(|t| t.parse::<i64>().ok()),
+        ) else {
+            self.violations.push(format!(
+                "a reconcile without its key, subject or token: {:?}",
+                c.headers
+            ));
+            return CalloutResult::Failed("bad reconcile".into());
+        };
+        let Some(op) = self
+            .ops
+            .iter()
+            .find(|o| o.key == key && o.subject == subject)
+        else {
+            self.violations
+                .push(format!("a reconcile for a key no client sent: {key}"));
+            return CalloutResult::Failed("bad reconcile".into());
+        };
+        if c.path != format!("/checkout/attempts/{key}") {
+            self.violations
+                .push(format!("a reconcile at {} for key {key}", c.path));
+        }
+        if self.upstream_down {
+            return CalloutResult::answer(503, b"upstream connect error".to_vec());
+        }
+        if self.fault(Faults::UPSTREAM) && self.c.chance(5) {
+            // A reconcile endpoint that answers garbage.
+            self.reach("sim.reconcile_garbage");
+            return CalloutResult::Response {
+                status: 200,
+                headers: vec![(contract::wire::OUTCOME_HEADER.into(), "perhaps".into())],
+                body: b"<html>".to_vec(),
+            };
+        }
+        let scope = op.scope();
+        let a = self.upstream.reconcile(&scope, token);
+        CalloutResult::Response {
+            status: a.status,
+            headers: a.headers,
+            body: a.body,
         }
     }
 
@@ -1250,10 +1402,7 @@ impl World {
             self.callouts[i].orphan = true;
         }
         let result = if why == "503" {
-            CalloutResult::Response {
-                status: 503,
-                body: b"upstream connect error".to_vec(),
-            }
+            CalloutResult::answer(503, b"upstream connect error".to_vec())
         } else {
             CalloutResult::Failed(why.to_owned())
         };
@@ -1285,6 +1434,7 @@ impl World {
     /// Envoy is killed: its memory is gone, its streams vanish without `on_done`, its callouts'
     /// answers go nowhere (the calls may still reach the state API).
     fn kill(&mut self, w: usize) {
+        self.reach("sim.worker_killed");
         self.log(format!("worker {w} is killed"));
         self.workers[w].w = None;
         self.workers[w].wake_requested = false;
@@ -1447,7 +1597,9 @@ impl World {
                         generation: self.workers[w].generation,
                         owner: d.owner,
                         stream,
+                        cluster: d.cluster.clone(),
                         path,
+                        headers: d.headers.clone(),
                         body: d.body,
                         deadline: self.now + d.timeout_ms,
                         answer: None,
@@ -1476,7 +1628,7 @@ impl World {
                     self.callouts.push(c);
                 }
                 Effect::Wake => self.workers[w].wake_requested = true,
-                Effect::Count(_) => {}
+                Effect::Count(m) => self.reach(m.name()),
                 Effect::Log(level, msg) => {
                     let routine = self.quiet && msg.starts_with("heartbeat failed");
                     if !routine
@@ -1527,6 +1679,9 @@ impl World {
             }) {
                 self.send_part(s);
                 busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| self.streams[s].in_transit) {
+                self.arrive(s);
+                busy = true;
             } else if let Some(s) = (0..self.streams.len()).find(|&s| {
                 let st = &self.streams[s];
                 st.forwarded.is_some() && !st.ended && !st.resp_end_seen && !st.router_reply
@@ -1560,8 +1715,12 @@ impl World {
             }
             check::after_step(self);
         }
-        // Past every lease: a dead owner's key is decided by the state API now.
+        // Past every lease: a dead owner's key is decided by the state API now, and every
+        // execution whose caller left has finished.
         self.now += crate::state_api::MAX_LEASE_MS + 1;
+        for x in self.upstream.executions.iter_mut() {
+            x.finished = true;
+        }
         for w in 0..self.workers.len() {
             self.workers[w].skew_ms = 0;
         }
@@ -1584,6 +1743,8 @@ impl World {
                 self.deliver(i);
             } else if self.streams[s].parts_sent < self.streams[s].request_parts() {
                 self.send_part(s);
+            } else if self.streams[s].in_transit {
+                self.arrive(s);
             } else if self.streams[s].forwarded.is_some() && !self.streams[s].resp_end_seen {
                 self.upstream_part(s);
             } else {
@@ -1603,11 +1764,14 @@ enum Action {
     Deliver(usize),
     FailCallout(usize),
     UpstreamPart(usize),
+    Arrive(usize),
+    UpstreamFinish(usize),
     Tick(usize),
     Wake(usize),
     Kill(usize),
     Restart(usize),
     ToggleApi,
+    ToggleUpstream,
     SkewClock,
     Advance,
 }
@@ -1669,7 +1833,7 @@ fn short(path: &str) -> String {
     }
 }
 
-fn problem_type(body: &[u8]) -> String {
+pub fn problem_type(body: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
@@ -1679,10 +1843,19 @@ fn problem_type(body: &[u8]) -> String {
 pub fn describe(r: &CalloutResult) -> String {
     match r {
         CalloutResult::Failed(why) => format!("failed ({why})"),
-        CalloutResult::Response { status, body } => {
+        CalloutResult::Response {
+            status,
+            headers,
+            body,
+        } => {
+            let outcome = headers
+                .iter()
+                .find(|(n, _)| n == contract::wire::OUTCOME_HEADER)
+                .map(|(_, v)| format!("{}: {v} ", contract::wire::OUTCOME_HEADER))
+                .unwrap_or_default();
             let text = String::from_utf8_lossy(body);
             let text: String = text.chars().take(140).collect();
-            format!("{status} {text}")
+            format!("{status} {outcome}{text}")
         }
     }
 }

@@ -69,6 +69,10 @@ fn main() {
     let report =
         sim::driver::run_many_ignoring(args.start, args.seeds, limit, threads, p, &args.ignore);
     println!("{}", report.summary());
+    println!(
+        "reached (schedules in which each happened at least once):\n{}",
+        report.coverage()
+    );
     if let Some(f) = report.failure {
         println!("{}", f.render());
         std::process::exit(1);
