@@ -1,14 +1,22 @@
 //! The demo checkout upstream: what the idempotency layer protects.
 //!
-//! It records every execution in an in-memory ledger, so the tests and the demo can count how
-//! many times a payment really ran. It deliberately does NOT deduplicate anything itself.
+//! It records every execution in an in-memory ledger (`GET /charges`), so the tests and the
+//! demo can count how many times a payment really ran. It does not deduplicate retries itself
+//! (the edge does), but it behaves like a careful payment service towards the edge
+//! ([`attempts`]): it records each attempt with its fencing token before executing, refuses a
+//! token lower than one already seen for the key, and answers the reconcile endpoint
+//! (`GET /checkout/attempts/{key}`, `GET /refunds/attempts/{key}`) that tells the edge what
+//! became of a key whose outcome it never saw.
+
+pub mod attempts;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use attempts::{Attempts, Produced, Reconciled};
 use axum::body::Bytes;
-use axum::extract::{Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -45,6 +53,7 @@ pub struct LedgerEntry {
 pub struct Ledger {
     next_id: AtomicU64,
     entries: Mutex<Vec<LedgerEntry>>,
+    attempts: Mutex<Attempts>,
 }
 
 impl Ledger {
@@ -59,6 +68,23 @@ impl Ledger {
     pub fn entries(&self) -> Vec<LedgerEntry> {
         self.entries.lock().map(|e| e.clone()).unwrap_or_default()
     }
+
+    fn attempts<T>(&self, f: impl FnOnce(&mut Attempts) -> T) -> Option<T> {
+        self.attempts.lock().ok().map(|mut a| f(&mut a))
+    }
+}
+
+/// An attempt on its way: if its handler is dropped before the commit (the caller left and
+/// the execution was not detached), it is recorded as abandoned: nothing ran.
+struct AttemptGuard {
+    ledger: Arc<Ledger>,
+    id: u64,
+}
+
+impl Drop for AttemptGuard {
+    fn drop(&mut self) {
+        self.ledger.attempts(|a| a.abandoned(self.id));
+    }
 }
 
 pub fn app(ledger: Arc<Ledger>) -> Router {
@@ -66,6 +92,9 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
         .route("/checkout", post(checkout))
         .route("/refunds", post(refund))
         .route("/charges", get(list_charges))
+        .route("/attempts", get(list_attempts))
+        .route("/checkout/attempts/{key}", get(reconcile_charge))
+        .route("/refunds/attempts/{key}", get(reconcile_refund))
         .route("/echo", post(echo))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(ledger)
@@ -91,14 +120,13 @@ async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: 
     let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
     let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
     let response = if detach {
-        let task =
-            tokio::spawn(async move { execute(&ledger, kind, &headers, &body, reset).await });
+        let task = tokio::spawn(async move { attempt(ledger, kind, &headers, &body, reset).await });
         match task.await {
             Ok(r) => r,
             Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         }
     } else {
-        execute(&ledger, kind, &headers, &body, reset).await
+        attempt(ledger, kind, &headers, &body, reset).await
     };
     if reset {
         // Unwinding out of the handler ends the connection's task: hyper drops the socket
@@ -160,33 +188,192 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
     }
 }
 
-async fn execute(
+/// One attempt: recorded before it runs when it carries a key (refused with 409 if its fencing
+/// token is stale), executed after its processing delay unless a larger token was seen
+/// meanwhile, and its response kept for the reconcile endpoint.
+async fn attempt(
+    ledger: Arc<Ledger>,
+    kind: &'static str,
+    headers: &HeaderMap,
+    body: &[u8],
+    reset: bool,
+) -> Response {
+    let delay = Duration::from_millis(
+        header(headers, "x-demo-delay-ms")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            .min(MAX_DELAY_MS),
+    );
+    let token = header(headers, FENCING_TOKEN_HEADER).and_then(|v| v.parse::<i64>().ok());
+    let guard = match header(headers, "idempotency-key") {
+        None => None,
+        Some(key) => {
+            let subject = header(headers, "x-jwt-sub").unwrap_or_default();
+            let started = ledger.attempts(|a| a.start((kind, subject, key), token, delay));
+            let Some((id, verdict)) = started else {
+                return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+            };
+            let guard = AttemptGuard {
+                ledger: Arc::clone(&ledger),
+                id,
+            };
+            if let Err(stale) = verdict {
+                return stale_token(token, stale.seen);
+            }
+            Some(guard)
+        }
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    if let Some(g) = &guard {
+        if let Some(Err(stale)) = ledger.attempts(|a| a.may_commit(g.id)) {
+            return stale_token(token, stale.seen);
+        }
+    }
+    let (entry, produced) = execute(&ledger, kind, headers, body, reset);
+    let produced = finish(headers, produced);
+    if let Some(g) = &guard {
+        ledger.attempts(|a| a.executed(g.id, entry.id, produced.clone()));
+    }
+    transport(headers, produced)
+}
+
+/// 409: a fencing token lower than one this checkout has seen for the key. Nothing ran.
+fn stale_token(token: Option<i64>, seen: i64) -> Response {
+    tracing::warn!(?token, seen, "refused: a stale fencing token");
+    problem(
+        StatusCode::CONFLICT,
+        "stale-fencing-token",
+        &format!(
+            "fencing token {} is lower than {seen}, already seen for this key; nothing was charged",
+            token.unwrap_or(0)
+        ),
+    )
+}
+
+fn problem(status: StatusCode, kind: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": format!("/problems/{kind}"),
+        "title": kind.replace('-', " "),
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut r = (status, Json(body)).into_response();
+    r.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    r
+}
+
+/// The header the filter sends the fencing token in.
+const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
+/// The reconcile contract's answer header and the subject it is asked with (see the edge's
+/// `contract::wire`).
+const OUTCOME_HEADER: &str = "idempotency-outcome";
+const SUBJECT_HEADER: &str = "idempotency-subject";
+
+async fn reconcile_charge(
+    State(ledger): State<Arc<Ledger>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    reconcile(&ledger, "charge", key, &headers)
+}
+
+async fn reconcile_refund(
+    State(ledger): State<Arc<Ledger>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    reconcile(&ledger, "refund", key, &headers)
+}
+
+/// The reconcile endpoint: what became of `key` for the subject, asked with the new owner's
+/// fencing token. `executed` answers with the response the attempt produced.
+fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderMap) -> Response {
+    let (Some(subject), Some(token)) = (
+        header(headers, SUBJECT_HEADER),
+        header(headers, FENCING_TOKEN_HEADER).and_then(|v| v.parse::<i64>().ok()),
+    ) else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "bad-reconcile",
+            "a reconcile needs the idempotency-subject and idempotency-fencing-token headers",
+        );
+    };
+    let said = ledger.attempts(|a| a.reconcile((kind, subject, key), token));
+    let mut r = match said {
+        Some(Reconciled::Executed(p)) => {
+            let mut r = transport(&HeaderMap::new(), p);
+            r.headers_mut()
+                .insert(OUTCOME_HEADER, HeaderValue::from_static("executed"));
+            return r;
+        }
+        Some(Reconciled::Running { retry_after }) => {
+            let mut r = problem(
+                StatusCode::CONFLICT,
+                "attempt-running",
+                "an attempt with this key is still running",
+            );
+            let secs = retry_after.as_secs_f64().ceil().clamp(1.0, 120.0) as u64;
+            r.headers_mut()
+                .insert("retry-after", HeaderValue::from(secs));
+            r.headers_mut()
+                .insert(OUTCOME_HEADER, HeaderValue::from_static("running"));
+            r
+        }
+        Some(Reconciled::NotExecuted) => {
+            let mut r = problem(
+                StatusCode::NOT_FOUND,
+                "not-executed",
+                "no attempt with this key ran; attempts with a lower fencing token are refused from now on",
+            );
+            r.headers_mut()
+                .insert(OUTCOME_HEADER, HeaderValue::from_static("not-executed"));
+            r
+        }
+        Some(Reconciled::Stale) => problem(
+            StatusCode::CONFLICT,
+            "stale-fencing-token",
+            "an attempt with this key has a fencing token at least as large",
+        ),
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    };
+    r.headers_mut()
+        .insert("cache-control", HeaderValue::from_static("no-store"));
+    r
+}
+
+/// `GET /attempts`: every attempt the checkout recorded (running, executed, fenced, abandoned).
+async fn list_attempts(State(ledger): State<Arc<Ledger>>) -> Json<Vec<attempts::Attempt>> {
+    Json(ledger.attempts(|a| a.list()).unwrap_or_default())
+}
+
+/// Executes the charge (or refund): the ledger entry and the response it produced.
+fn execute(
     ledger: &Ledger,
     kind: &str,
     headers: &HeaderMap,
     body: &[u8],
     reset: bool,
-) -> Response {
-    let delay_ms = header(headers, "x-demo-delay-ms")
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    if delay_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(delay_ms.min(MAX_DELAY_MS))).await;
-    }
+) -> (LedgerEntry, Produced) {
     let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
     let forced_failure = header(headers, "x-demo-fail").and_then(|v| v.parse::<u16>().ok());
     let (status, outcome) = match (&parsed, forced_failure) {
-        _ if reset => (0, "reset"),
         (_, Some(code)) if (500..600).contains(&code) => (code, "failed"),
         (None, _) => (400, "invalid"),
         (Some(v), _) if card_number(v) == Some(DECLINED_CARD) => (402, "declined"),
         (Some(_), _) => (201, "succeeded"),
     };
+    // A reset drops the connection after the charge: it ran, nothing was sent (status 0 in the
+    // ledger); its attempt keeps the response it produced.
     let entry = ledger.record(LedgerEntry {
         id: 0,
         kind: kind.to_owned(),
-        outcome: outcome.to_owned(),
-        status,
+        outcome: if reset { "reset" } else { outcome }.to_owned(),
+        status: if reset { 0 } else { status },
         amount: parsed.as_ref().and_then(|v| v.get("amount").cloned()),
         subject: header(headers, "x-jwt-sub"),
         idempotency_key: header(headers, "idempotency-key"),
@@ -194,9 +381,8 @@ async fn execute(
         body_sha256: sha256_hex(body),
         body_len: body.len(),
     });
-    tracing::info!(id = entry.id, kind, outcome, status, "executed");
+    tracing::info!(id = entry.id, kind, outcome, status, reset, "executed");
 
-    let status_code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = match outcome {
         "succeeded" => {
             serde_json::json!({ "id": entry.id, "kind": kind, "status": "succeeded", "amount": entry.amount })
@@ -205,8 +391,7 @@ async fn execute(
         "invalid" => serde_json::json!({ "error": "invalid_json" }),
         _ => serde_json::json!({ "error": "internal_error" }),
     };
-    let mut response = (status_code, Json(body)).into_response();
-    let h = response.headers_mut();
+    let mut h: Vec<(String, String)> = vec![("content-type".into(), "application/json".into())];
     if outcome == "succeeded" {
         let path = if kind == "refund" {
             "refunds"
@@ -218,69 +403,74 @@ async fn execute(
             .and_then(|v| v.parse::<usize>().ok())
             .map(|n| format!("?return={}", "r".repeat(n.min(MAX_LOCATION_BYTES))))
             .unwrap_or_default();
-        if let Ok(v) = HeaderValue::from_str(&format!("/{path}/{}{padding}", entry.id)) {
-            h.insert("location", v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&format!("\"{}-{}\"", kind, entry.id)) {
-            h.insert("etag", v);
-        }
+        h.push(("location".into(), format!("/{path}/{}{padding}", entry.id)));
+        h.push(("etag".into(), format!("\"{}-{}\"", kind, entry.id)));
     }
     // Headers that must never be replayed to another request: a cookie and a per-request id.
-    if let Ok(v) = HeaderValue::from_str(&format!("demo_session={}; Path=/; HttpOnly", entry.id)) {
-        h.insert("set-cookie", v);
-    }
-    if let Ok(v) = HeaderValue::from_str(&format!("req-{}", entry.id)) {
-        h.insert("x-request-id", v);
-    }
-    shape(headers, response).await
+    h.push((
+        "set-cookie".into(),
+        format!("demo_session={}; Path=/; HttpOnly", entry.id),
+    ));
+    h.push(("x-request-id".into(), format!("req-{}", entry.id)));
+    let produced = Produced {
+        status,
+        headers: h,
+        body: serde_json::to_vec(&body).unwrap_or_default(),
+    };
+    (entry, produced)
 }
 
 /// The longest Location `x-demo-location-bytes` makes.
 const MAX_LOCATION_BYTES: usize = 65_536;
 
-/// The shape of the answer, for tests of how a response reaches Envoy:
+/// The response as produced, for tests of what is stored and replayed:
 /// * `x-demo-status: N` answers with status N (any three digits) instead;
-/// * `x-demo-gzip: 1` sends the body gzip-compressed (`content-encoding: gzip`, `vary`);
-/// * `x-demo-empty-chunked: 1` sends no body, chunked: the headers, then an empty last chunk;
-/// * `x-demo-reset-body: 1` sends the headers and half of the body, then drops the connection.
-async fn shape(headers: &HeaderMap, response: Response) -> Response {
-    use axum::body::Body;
-    use futures::stream;
-    let (mut parts, body) = response.into_parts();
+/// * `x-demo-gzip: 1` sends the body gzip-compressed (`content-encoding: gzip`, `vary`).
+fn finish(headers: &HeaderMap, mut p: Produced) -> Produced {
     if let Some(code) = header(headers, "x-demo-status")
         .and_then(|v| v.parse::<u16>().ok())
-        .and_then(|c| StatusCode::from_u16(c).ok())
+        .filter(|c| StatusCode::from_u16(*c).is_ok())
     {
-        parts.status = code;
+        p.status = code;
     }
-    let bytes = axum::body::to_bytes(body, usize::MAX)
-        .await
-        .unwrap_or_default();
-    let flag = |name: &str| header(headers, name).as_deref() == Some("1");
-    if flag("x-demo-empty-chunked") {
-        parts.headers.remove(axum::http::header::CONTENT_LENGTH);
-        let empty = stream::iter(Vec::<Result<Bytes, std::io::Error>>::new());
-        return Response::from_parts(parts, Body::from_stream(empty));
-    }
-    let bytes = if flag("x-demo-gzip") {
+    if header(headers, "x-demo-gzip").as_deref() == Some("1") {
         use flate2::write::GzEncoder;
         use std::io::Write as _;
         let mut gz = GzEncoder::new(Vec::new(), flate2::Compression::default());
-        let compressed = gz.write_all(&bytes).and_then(|()| gz.finish());
-        let Ok(compressed) = compressed else {
-            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-        };
-        parts
-            .headers
-            .insert("content-encoding", HeaderValue::from_static("gzip"));
-        parts
-            .headers
-            .insert("vary", HeaderValue::from_static("accept-encoding"));
-        Bytes::from(compressed)
-    } else {
-        bytes
-    };
-    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+        if let Ok(compressed) = gz.write_all(&p.body).and_then(|()| gz.finish()) {
+            p.body = compressed;
+            p.headers.push(("content-encoding".into(), "gzip".into()));
+            p.headers.push(("vary".into(), "accept-encoding".into()));
+        }
+    }
+    p
+}
+
+/// How the response travels, for tests of how a response reaches Envoy:
+/// * `x-demo-empty-chunked: 1` sends no body, chunked: the headers, then an empty last chunk;
+/// * `x-demo-reset-body: 1` sends the headers and half of the body, then drops the connection.
+fn transport(headers: &HeaderMap, p: Produced) -> Response {
+    use axum::body::Body;
+    use futures::stream;
+    let mut response = Response::new(Body::empty());
+    *response.status_mut() =
+        StatusCode::from_u16(p.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    for (n, v) in &p.headers {
+        if let (Ok(n), Ok(v)) = (
+            axum::http::HeaderName::from_bytes(n.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            response.headers_mut().append(n, v);
+        }
+    }
+    let (parts, _) = response.into_parts();
+    let mut parts = parts;
+    let bytes = Bytes::from(p.body);
+    let flag = |name: &str| header(headers, name).as_deref() == Some("1");
+    if flag("x-demo-empty-chunked") {
+        let empty = stream::iter(Vec::<Result<Bytes, std::io::Error>>::new());
+        return Response::from_parts(parts, Body::from_stream(empty));
+    }
     if flag("x-demo-reset-body") {
         // The headers and half the body go out, then an error: hyper drops the connection.
         use futures::StreamExt as _;

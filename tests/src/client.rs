@@ -84,6 +84,12 @@ impl Request {
         self
     }
 
+    /// The same request to another path.
+    pub fn path(mut self, path: &str) -> Self {
+        self.path = path.into();
+        self
+    }
+
     pub fn token(self, token: &str) -> Self {
         self.header("authorization", &format!("Bearer {token}"))
     }
@@ -116,17 +122,26 @@ pub struct Client {
 
 impl Client {
     pub fn new(base: &str) -> Self {
-        Self::with(base, reqwest::Client::builder())
+        Self::with(base, reqwest::Client::builder(), Duration::from_secs(60))
+    }
+
+    /// A client that gives up on an answer after `timeout` (it drops the connection).
+    pub fn impatient(base: &str, timeout: Duration) -> Self {
+        Self::with(base, reqwest::Client::builder(), timeout)
     }
 
     /// HTTP/2 without TLS (prior knowledge), as gRPC-style clients talk to Envoy.
     pub fn http2(base: &str) -> Self {
-        Self::with(base, reqwest::Client::builder().http2_prior_knowledge())
+        Self::with(
+            base,
+            reqwest::Client::builder().http2_prior_knowledge(),
+            Duration::from_secs(60),
+        )
     }
 
-    fn with(base: &str, builder: reqwest::ClientBuilder) -> Self {
+    fn with(base: &str, builder: reqwest::ClientBuilder, timeout: Duration) -> Self {
         let http = builder
-            .timeout(Duration::from_secs(60))
+            .timeout(timeout)
             .pool_max_idle_per_host(64)
             .build()
             .unwrap_or_else(|e| panic!("cannot build an HTTP client: {e}"));

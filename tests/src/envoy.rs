@@ -80,6 +80,15 @@ pub struct EnvoyParams {
     pub jwks_path: String,
     /// Routes the tests add (none in the demo).
     pub extra_routes: Vec<ExtraRoute>,
+    /// Clusters the tests add (a reconcile endpoint they control, say).
+    pub extra_clusters: Vec<ExtraCluster>,
+}
+
+/// A cluster a test adds: one endpoint on loopback.
+#[derive(Debug, Clone)]
+pub struct ExtraCluster {
+    pub name: String,
+    pub port: u16,
 }
 
 /// A route a test adds: its Envoy route (to the checkout cluster) and, when it is protected,
@@ -92,6 +101,8 @@ pub struct ExtraRoute {
     pub method: String,
     /// The filter's route object (JSON), `None` for an unprotected route.
     pub filter: Option<String>,
+    /// The checkout path it goes to instead (Envoy's `prefix_rewrite`), e.g. `/checkout`.
+    pub rewrite: Option<&'static str>,
 }
 
 impl EnvoyParams {
@@ -99,9 +110,26 @@ impl EnvoyParams {
         self.extra_routes
             .iter()
             .map(|r| {
+                let rewrite = r
+                    .rewrite
+                    .map(|to| format!(", prefix_rewrite: \"{to}\""))
+                    .unwrap_or_default();
                 format!(
-                    "\n              - match: {{ {}: \"{}\", headers: [{{ name: \":method\", string_match: {{ exact: {} }} }}] }}\n                route: {{ cluster: checkout, timeout: 120s }}",
+                    "\n              - match: {{ {}: \"{}\", headers: [{{ name: \":method\", string_match: {{ exact: {} }} }}] }}\n                route: {{ cluster: checkout, timeout: 120s{rewrite} }}",
                     r.match_kind, r.path, r.method
+                )
+            })
+            .collect()
+    }
+
+    fn extra_clusters(&self) -> String {
+        self.extra_clusters
+            .iter()
+            .map(|c| {
+                format!(
+                    "\n  - name: {name}\n    type: STATIC\n    connect_timeout: 0.5s\n    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - lb_endpoints:\n        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }} }}",
+                    name = c.name,
+                    port = c.port
                 )
             })
             .collect()
@@ -142,6 +170,7 @@ impl EnvoyParams {
             ("JWKS_PATH", self.jwks_path.clone()),
             ("EXTRA_ENVOY_ROUTES", self.extra_envoy_routes()),
             ("EXTRA_FILTER_ROUTES", self.extra_filter_routes()),
+            ("EXTRA_CLUSTERS", self.extra_clusters()),
         ])
     }
 }
@@ -166,6 +195,7 @@ pub fn docker_params() -> EnvoyParams {
         filter_wasm: "/etc/envoy/filter.wasm".into(),
         jwks_path: "/etc/envoy/demo-jwks.json".into(),
         extra_routes: Vec::new(),
+        extra_clusters: Vec::new(),
     }
 }
 
@@ -391,6 +421,7 @@ mod tests {
             filter_wasm: "/f.wasm".into(),
             jwks_path: "/j.json".into(),
             extra_routes: Vec::new(),
+            extra_clusters: Vec::new(),
         }
     }
 

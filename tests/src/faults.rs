@@ -101,7 +101,13 @@ pub enum ProxyMode {
     Blackhole,
     /// Close connections (new ones at once, pooled ones at their next chunk).
     HangUp,
+    /// Answer every new connection's request with [`GARBAGE_ANSWER`] itself, then close: a
+    /// service that answers, but not what was asked (pooled connections pass on).
+    Garbage,
 }
+
+/// What [`ProxyMode::Garbage`] answers: an HTML page with a nonsensical reconcile header.
+pub const GARBAGE_ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\nidempotency-outcome: perhaps\r\ncontent-length: 14\r\nconnection: close\r\n\r\n<html></html>\n";
 
 /// A loopback TCP proxy to `127.0.0.1:<target>` whose behaviour can be switched at any time.
 /// The mode is read when a connection is accepted and again for every chunk either way, so a
@@ -155,6 +161,13 @@ fn read_mode(m: &Mutex<ProxyMode>) -> ProxyMode {
 async fn proxy_connection(mut client: TcpStream, target: u16, mode: Arc<Mutex<ProxyMode>>) {
     match read_mode(&mode) {
         ProxyMode::HangUp => return,
+        ProxyMode::Garbage => {
+            let mut buf = [0u8; 8192];
+            let _ = tokio::time::timeout(Duration::from_secs(2), client.read(&mut buf)).await;
+            let _ = client.write_all(GARBAGE_ANSWER).await;
+            let _ = client.shutdown().await;
+            return;
+        }
         ProxyMode::Blackhole => {
             let mut buf = [0u8; 8192];
             let _ = tokio::time::timeout(MAX_HOLD, async {
@@ -204,7 +217,7 @@ async fn proxy_connection(mut client: TcpStream, target: u16, mode: Arc<Mutex<Pr
                 ProxyMode::DelayAnswers(d) => tokio::time::sleep(d.min(MAX_HOLD)).await,
                 ProxyMode::HangUp => return true,
                 ProxyMode::Blackhole => continue,
-                ProxyMode::Pass => {}
+                ProxyMode::Pass | ProxyMode::Garbage => {}
             }
             if cw.write_all(&buf[..n]).await.is_err() {
                 break;

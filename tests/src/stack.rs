@@ -27,6 +27,8 @@ pub struct StackOptions {
     pub envoy_workers: u32,
     /// Routes besides the demo's.
     pub extra_routes: Vec<crate::envoy::ExtraRoute>,
+    /// Clusters besides the demo's.
+    pub extra_clusters: Vec<crate::envoy::ExtraCluster>,
 }
 
 impl Default for StackOptions {
@@ -39,6 +41,7 @@ impl Default for StackOptions {
             complete_in_background: false,
             envoy_workers: 1,
             extra_routes: Vec::new(),
+            extra_clusters: Vec::new(),
         }
     }
 }
@@ -129,6 +132,7 @@ impl Stack {
                 .display()
                 .to_string(),
             extra_routes: options.extra_routes.clone(),
+            extra_clusters: options.extra_clusters.clone(),
         })
     }
 

@@ -71,6 +71,51 @@ pub async fn executions(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
         .await
 }
 
+/// The checkout's attempts for `key` (`GET /attempts`), oldest first: each with its `state`
+/// (`running`, `executed`, `fenced`, `abandoned`) and `fencing_token`.
+pub async fn attempts(stack: &Stack, key: &str) -> Vec<serde_json::Value> {
+    let all = Client::new(&stack.checkout.url(""))
+        .send(Request::get("/attempts"))
+        .await
+        .json();
+    all.as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|x| x["idempotency_key"] == key)
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The states of the checkout's attempts for `key`, oldest first.
+pub async fn attempt_states(stack: &Stack, key: &str) -> Vec<String> {
+    attempts(stack, key)
+        .await
+        .iter()
+        .filter_map(|a| a["state"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The state of alice's record of `key` on `endpoint` at the state API (`GET /v1/records`):
+/// `in_progress`, `unknown`, `completed`, or what went wrong.
+pub async fn record_state(stack: &Stack, key: &str, endpoint: &str) -> String {
+    let path = format!(
+        "{}?key={}&subject=alice&endpoint={}",
+        contract::wire::RECORDS_PATH,
+        crate::client::urlencode(key),
+        crate::client::urlencode(endpoint)
+    );
+    let a = Client::new(&stack.state_api.url(""))
+        .try_send(Request::get(&path).token(crate::stack::TEST_API_TOKEN))
+        .await;
+    match a {
+        Ok(a) if a.status == 200 => a.json()["state"].as_str().unwrap_or("?").to_owned(),
+        Ok(a) => format!("HTTP {}", a.status),
+        Err(e) => format!("unreachable: {e}"),
+    }
+}
+
 /// True for a problem document of this status whose type ends with `type_suffix`.
 pub fn is_problem(answer: &Answer, status: u16, type_suffix: &str) -> bool {
     answer.status == status

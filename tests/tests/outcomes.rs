@@ -19,6 +19,7 @@ fn echo_route() -> ExtraRoute {
         path: "/echo".into(),
         method: "POST".into(),
         filter: None,
+        rewrite: None,
     }
 }
 
@@ -92,6 +93,7 @@ fn main() {
                         r#"{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open"}"#
                             .into(),
                     ),
+                    rewrite: None,
                 }],
                 ..StackOptions::default()
             },

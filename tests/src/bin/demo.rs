@@ -66,6 +66,7 @@ fn envoy_params() -> Result<EnvoyParams, String> {
             .display()
             .to_string(),
         extra_routes: Vec::new(),
+        extra_clusters: Vec::new(),
     })
 }
 
