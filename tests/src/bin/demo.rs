@@ -121,8 +121,15 @@ Try it (another terminal, from {root}):
   # 4. the same key with a different body: 422
   curl -si http://127.0.0.1:{ENVOY_PORT}/checkout -H "authorization: Bearer $TOKEN" -H 'idempotency-key: order-1' -H 'content-type: application/json' -d '{{"amount":9990,"currency":"BRL","card":{{"number":"4242424242424242","exp":"12/30"}}}}'
 
-  # what the checkout really executed: one charge per key
+  # 5. the seeds' story: a 20 s checkout that keeps going when the app gives up after 2 s; the
+  #    retries get 409 while it runs (the edge asks the checkout), then the real outcome, replayed
+  curl -s -m 2 http://127.0.0.1:{ENVOY_PORT}/checkout -H "authorization: Bearer $TOKEN" -H 'idempotency-key: order-3' -H 'x-demo-delay-ms: 20000' -H 'x-demo-detach: 1' -H 'content-type: application/json' -d "$BODY"
+  for i in $(seq 10); do sleep 3; curl -s -o /dev/null -w '%{{http_code}} ' http://127.0.0.1:{ENVOY_PORT}/checkout -H "authorization: Bearer $TOKEN" -H 'idempotency-key: order-3' -H 'content-type: application/json' -d "$BODY"; done; echo
+
+  # what the checkout really executed: one charge per key; and every attempt it saw, with its
+  # fencing token (running, executed, fenced, abandoned)
   curl -s http://127.0.0.1:{ENVOY_PORT}/charges -H "authorization: Bearer $TOKEN"
+  curl -s http://127.0.0.1:{CHECKOUT_PORT}/attempts
 
 Ctrl-C stops everything."#,
         db = demo.database_url.split('@').next_back().unwrap_or_default(),
