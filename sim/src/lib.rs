@@ -129,3 +129,44 @@ pub fn shrink(failing: &Outcome, p: Params, budget: usize) -> Outcome {
     }
     best
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_replays_the_same_run_and_its_choices_replay_it_too() {
+        let p = Params::default();
+        for seed in [1, 7, 14_292] {
+            let a = run_seed(seed, p);
+            let b = run_seed(seed, p);
+            assert_eq!(a.trace, b.trace, "seed {seed}");
+            assert_eq!(a.choices, b.choices);
+            let again = replay(a.choices.clone(), p);
+            assert_eq!(
+                again.trace, a.trace,
+                "the recorded choices replay seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn faults_are_named_added_and_removed() {
+        assert_eq!(Faults::parse("all").unwrap(), Faults::ALL);
+        let f = Faults::parse("all,-kill,-give-up").unwrap();
+        assert!(!f.has(Faults::KILL) && !f.has(Faults::GIVE_UP) && f.has(Faults::CALLOUT));
+        assert_eq!(f.to_string(), "api-down,callout,skew,upstream,client");
+        assert!(Faults::parse("kill,nonsense").is_err());
+        // Without faults nothing is killed and nobody gives up.
+        let o = run_seed(
+            3,
+            Params {
+                steps: STEPS,
+                faults: Faults(0),
+            },
+        );
+        assert!(o.violation.is_none());
+        assert!(!o.reached.contains_key("sim.worker_killed"));
+        assert!(!o.reached.contains_key("sim.client_gave_up"));
+    }
+}

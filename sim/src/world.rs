@@ -8,6 +8,7 @@ use crate::choice::Choices;
 use crate::state_api::{ModelStateApi, Scope, StateApiConfig};
 use crate::upstream::{Ending, Execution, Plan, Produced, Sent, Upstream};
 use contract::wire::{CLAIM_PATH, FENCING_TOKEN_HEADER};
+use contract::ProblemKind;
 use filter_core::config::Config;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
 use filter_core::outcome::flags;
@@ -256,6 +257,9 @@ pub struct World {
     pub violations: Vec<String>,
     /// Tokens released by the state API: a re-execution after one is allowed.
     pub released: BTreeSet<i64>,
+    /// Scopes a complete of which the state API refused (their outcome may be stored as its
+    /// status alone).
+    pub refused_completes: BTreeSet<Scope>,
     /// Whether faults may still be injected (off while draining).
     faults: bool,
     /// Inside a quiet tick: routine heartbeats are not traced.
@@ -390,6 +394,7 @@ impl World {
             trace: Vec::new(),
             violations: Vec::new(),
             released: BTreeSet::new(),
+            refused_completes: BTreeSet::new(),
             faults: true,
             quiet: false,
             kinds,
@@ -1384,8 +1389,35 @@ impl World {
     }
 
     fn fail_callout(&mut self, i: usize) {
-        let why = *self.c.pick(&["reset", "timeout", "503"]);
-        self.fail_callout_with(i, why);
+        let why = *self.c.pick(&["reset", "timeout", "503", "refused"]);
+        if why == "refused" {
+            self.refuse_callout(i);
+        } else {
+            self.fail_callout_with(i, why);
+        }
+    }
+
+    /// The state API refuses a call it has not handled (a 4xx: a misconfigured token, a
+    /// contract mismatch): nothing changed there, and the caller is told so.
+    fn refuse_callout(&mut self, i: usize) {
+        let c = self.callouts[i].clone();
+        if c.orphan || c.answer.is_some() || c.cluster == UPSTREAM_CLUSTER {
+            return self.fail_callout_with(i, "reset");
+        }
+        self.callouts.remove(i);
+        self.log(format!(
+            "state API refuses {} from worker {} (401)",
+            c.path, c.worker
+        ));
+        if c.path == contract::wire::COMPLETE_PATH {
+            if let Ok(r) = serde_json::from_slice::<contract::wire::CompleteRequest>(&c.body) {
+                // Its status alone may be stored instead: not replayable, by design.
+                self.refused_completes
+                    .insert((r.key, r.subject, r.endpoint));
+            }
+        }
+        let problem = contract::Problem::new(ProblemKind::Unauthenticated, "refused").to_json();
+        self.deliver_result(&c, CalloutResult::answer(401, problem));
     }
 
     /// Envoy reports the callout failed; a call not handled yet may still reach the state API

@@ -10,6 +10,7 @@ const MUST_REACH: &[&str] = &[
     "idempotency.mismatch_422",
     "idempotency.stored_without_body",
     "idempotency.complete_refused",
+    "idempotency.claim_refused",
     "idempotency.complete_gave_up",
     "idempotency.fenced_out",
     "idempotency.released",
