@@ -1,7 +1,7 @@
 //! The claim's answer, from the state API or from the worker's memory: forward the request
 //! once, or answer the duplicate.
 
-use super::{Claimed, Fingerprinted, Flow, Note, State, Turn};
+use super::{Claimed, Fingerprinted, Flow, Note, Out, State, Turn};
 use crate::config::{Config, OnStateUnavailable, OnUnknown};
 use crate::key;
 use crate::metrics::Metric;
@@ -93,33 +93,17 @@ impl Flow {
                     // An earlier attempt's outcome was unknown and this claim took it over.
                     (true, Some(OnUnknown::Reconcile)) => self.reconcile(cfg, claimed),
                     (true, Some(OnUnknown::Reexecute)) => {
-                        let log = Flow::log(
-                            Level::Warn,
-                            format!(
-                                "outcome unknown: subject {}, {}, token {}: run again (the route re-executes)",
-                                claimed.req.req.subject,
-                                claimed.endpoint(),
-                                claimed.token
-                            ),
-                        );
-                        let mut t = self.forward(cfg, claimed);
-                        t.outs.insert(0, log);
-                        t.with(Effect::Count(Metric::Reexecuted))
+                        let log = claimed.unknown_log(Level::Warn, "run again (the route re-executes)");
+                        self.forward_logged(cfg, claimed, log)
+                            .with(Effect::Count(Metric::Reexecuted))
                     }
                     // A held route takes a record over only past its retention: a new request.
                     (true, _) => {
-                        let log = Flow::log(
+                        let log = claimed.unknown_log(
                             Level::Info,
-                            format!(
-                                "subject {}, {}, token {}: a record past its retention, whose outcome was never stored, is reused",
-                                claimed.req.req.subject,
-                                claimed.endpoint(),
-                                claimed.token
-                            ),
+                            "a record past its retention, whose outcome was never stored, is reused",
                         );
-                        let mut t = self.forward(cfg, claimed);
-                        t.outs.insert(0, log);
-                        t
+                        self.forward_logged(cfg, claimed, log)
                     }
                     (false, _) => self.forward(cfg, claimed),
                 }
@@ -226,6 +210,13 @@ impl Flow {
         )
         .with(Effect::Count(Metric::StateApiErrors))
         .with(log)
+    }
+
+    /// [`Flow::forward`], with the line that says why first.
+    pub(super) fn forward_logged(&mut self, cfg: &Config, claimed: Claimed, log: Out) -> Turn {
+        let mut t = self.forward(cfg, claimed);
+        t.outs.insert(0, log);
+        t
     }
 
     /// The key is ours: the request goes upstream with the key and the fencing token.

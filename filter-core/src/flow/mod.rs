@@ -214,6 +214,19 @@ impl Claimed {
     fn endpoint(&self) -> &str {
         &self.req.req.endpoint
     }
+
+    /// The log line of an unknown outcome: its subject, endpoint and token, never the key.
+    fn unknown_log(&self, level: Level, what: impl std::fmt::Display) -> Out {
+        Flow::log(
+            level,
+            format!(
+                "outcome unknown: subject {}, {}, token {}: {what}",
+                self.req.req.subject,
+                self.endpoint(),
+                self.token
+            ),
+        )
+    }
 }
 
 /// The upstream's response, while its body is held.

@@ -96,14 +96,9 @@ impl Flow {
                     record: Box::new(record),
                     first: false,
                 };
-                let log = Flow::log(
+                let log = claimed.unknown_log(
                     Level::Info,
-                    format!(
-                        "outcome unknown: subject {}, {}, token {}: the upstream executed it (HTTP {status}); stored and replayed",
-                        claimed.req.req.subject,
-                        claimed.endpoint(),
-                        claimed.token
-                    ),
+                    format!("the upstream executed it (HTTP {status}); stored and replayed"),
                 );
                 let write = match write {
                     Write::Complete {
@@ -133,15 +128,7 @@ impl Flow {
                     .and_then(|v| v.trim().parse::<u32>().ok())
                     .unwrap_or(1)
                     .clamp(1, 30);
-                let log = Flow::log(
-                    Level::Info,
-                    format!(
-                        "outcome unknown: subject {}, {}, token {}: the upstream is still running it",
-                        claimed.req.req.subject,
-                        claimed.endpoint(),
-                        claimed.token
-                    ),
-                );
+                let log = claimed.unknown_log(Level::Info, "the upstream is still running it");
                 let mark = mark_unknown(&claimed);
                 self.reply(
                     Some(Metric::ReconcileRunning),
@@ -152,18 +139,10 @@ impl Flow {
                 .with(mark)
             }
             (CalloutResult::Response { .. }, Some(OUTCOME_NOT_EXECUTED)) => {
-                let log = Flow::log(
-                    Level::Info,
-                    format!(
-                        "outcome unknown: subject {}, {}, token {}: the upstream never ran it; it runs now",
-                        claimed.req.req.subject,
-                        claimed.endpoint(),
-                        claimed.token
-                    ),
-                );
-                let mut t = self.forward(cfg, claimed);
-                t.outs.insert(0, log);
-                t.with(Effect::Count(Metric::ReconcileNotExecuted))
+                let log =
+                    claimed.unknown_log(Level::Info, "the upstream never ran it; it runs now");
+                self.forward_logged(cfg, claimed, log)
+                    .with(Effect::Count(Metric::ReconcileNotExecuted))
             }
             _ => {
                 let why = match said {
@@ -177,14 +156,9 @@ impl Flow {
 
     /// The upstream could not tell: 503, nothing forwarded, the record unknown again.
     fn unverifiable(&mut self, claimed: Claimed, why: String) -> Turn {
-        let log = Flow::log(
+        let log = claimed.unknown_log(
             Level::Warn,
-            format!(
-                "outcome unknown: subject {}, {}, token {}: the reconcile endpoint did not tell ({why}); nothing forwarded",
-                claimed.req.req.subject,
-                claimed.endpoint(),
-                claimed.token
-            ),
+            format!("the reconcile endpoint did not tell ({why}); nothing forwarded"),
         );
         let mark = mark_unknown(&claimed);
         self.reply(

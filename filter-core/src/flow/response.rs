@@ -76,15 +76,9 @@ impl Flow {
             Outcome::Unknown => {
                 // Envoy answers for an upstream that had the request (a reset, a timeout): the
                 // client gets Envoy's answer, the record is marked unknown.
-                let log = Flow::log(
+                let log = claimed.unknown_log(
                     Level::Warn,
-                    format!(
-                        "outcome unknown: subject {}, {}, token {}: HTTP {status} from Envoy ({})",
-                        claimed.req.req.subject,
-                        claimed.endpoint(),
-                        claimed.token,
-                        head.details
-                    ),
+                    format!("HTTP {status} from Envoy ({})", head.details),
                 );
                 let mark = mark_unknown(&claimed);
                 self.state = State::Finished;

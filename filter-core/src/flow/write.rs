@@ -299,15 +299,8 @@ impl Flow {
             State::Upstream(c) => {
                 // Forwarded, and no answer seen: what the upstream did is unknown, and the state
                 // API is told so at once (a retry must not run it again without proof).
-                let log = Flow::log(
-                    Level::Warn,
-                    format!(
-                        "outcome unknown: subject {}, {}, token {}: the stream ended before the upstream answered",
-                        c.req.req.subject,
-                        c.endpoint(),
-                        c.token
-                    ),
-                );
+                let log =
+                    c.unknown_log(Level::Warn, "the stream ended before the upstream answered");
                 Turn::cont()
                     .with(Effect::Count(Metric::OutcomeUnknown))
                     .with(log)

@@ -202,6 +202,15 @@ impl Purpose {
     }
 }
 
+/// A callout's request, before it has an id and an owner.
+struct Outgoing {
+    cluster: String,
+    /// Pseudo-headers included.
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    timeout_ms: u64,
+}
+
 /// How much memory the worker holds, for the limits the configuration sets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -502,25 +511,42 @@ impl Worker {
                 headers,
                 timeout_ms,
             } => {
-                let id = self.call_id(Purpose::Reconcile(stream));
-                effects.push(Effect::Dispatch(Dispatch {
-                    id,
-                    owner: Owner::Stream(stream),
+                let call = Outgoing {
                     cluster,
                     headers,
                     body: Vec::new(),
                     timeout_ms,
-                }));
+                };
+                self.dispatch(
+                    Owner::Stream(stream),
+                    Purpose::Reconcile(stream),
+                    call,
+                    effects,
+                );
                 None
             }
         }
     }
 
-    fn call_id(&mut self, purpose: Purpose) -> CallId {
+    /// Makes a callout and remembers what it is for.
+    fn dispatch(
+        &mut self,
+        owner: Owner,
+        purpose: Purpose,
+        call: Outgoing,
+        effects: &mut Vec<Effect>,
+    ) {
         self.next_call += 1;
         let id = CallId(self.next_call);
         self.calls.insert(id, purpose);
-        id
+        effects.push(Effect::Dispatch(Dispatch {
+            id,
+            owner,
+            cluster: call.cluster,
+            headers: call.headers,
+            body: call.body,
+            timeout_ms: call.timeout_ms,
+        }));
     }
 
     fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
@@ -624,23 +650,22 @@ impl Worker {
         body: Vec<u8>,
         effects: &mut Vec<Effect>,
     ) {
-        let id = self.call_id(purpose);
         let api = &self.cfg.state_api;
-        effects.push(Effect::Dispatch(Dispatch {
-            id,
-            owner,
+        let headers = vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), path.into()),
+            (":authority".into(), api.authority.clone()),
+            ("authorization".into(), format!("Bearer {}", api.token)),
+            ("content-type".into(), "application/json".into()),
+            ("accept".into(), "application/json".into()),
+        ];
+        let call = Outgoing {
             cluster: api.cluster.clone(),
-            headers: vec![
-                (":method".into(), "POST".into()),
-                (":path".into(), path.into()),
-                (":authority".into(), api.authority.clone()),
-                ("authorization".into(), format!("Bearer {}", api.token)),
-                ("content-type".into(), "application/json".into()),
-                ("accept".into(), "application/json".into()),
-            ],
+            headers,
             body,
             timeout_ms: api.timeout_ms,
-        }));
+        };
+        self.dispatch(owner, purpose, call, effects);
     }
 
     // -----------------------------------------------------------------------------------------

@@ -1506,6 +1506,22 @@ fn reconcile_answer(
     }
 }
 
+impl Seen {
+    /// The one callout to the upstream's reconcile endpoint (cluster `checkout`).
+    fn reconcile(&self) -> Dispatch {
+        let all: Vec<&Dispatch> = self
+            .effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Dispatch(d) if d.cluster == "checkout" => Some(d),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(all.len(), 1, "one reconcile in {self:?}");
+        all[0].clone()
+    }
+}
+
 impl Harness {
     /// A request of `path` whose claim took an unknown outcome over with `token`.
     fn taken_over(&mut self, path: &str, token: i64) -> (StreamId, Seen) {
@@ -1549,14 +1565,7 @@ fn a_reconciled_execution_is_stored_and_replayed_without_forwarding() {
         !step.resumes_request(),
         "nothing forwarded before the upstream tells"
     );
-    let d = step
-        .effects
-        .iter()
-        .find_map(|e| match e {
-            Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let d = step.reconcile();
     assert_eq!(d.owner, Owner::Stream(s));
     assert_eq!(d.header(":method"), Some("GET"));
     assert_eq!(d.header(":path"), Some("/checkout/attempts/k1"));
@@ -1627,14 +1636,7 @@ fn a_running_or_unverifiable_reconcile_answers_without_forwarding_and_marks_it_u
     ] {
         let mut t = Harness::new(RECONCILING);
         let (s, step) = t.taken_over("/checkout", 77);
-        let d = step
-            .effects
-            .iter()
-            .find_map(|e| match e {
-                Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
-                _ => None,
-            })
-            .unwrap();
+        let d = step.reconcile();
         let step = t.answer(&d, answer_);
         let r = step.reply();
         assert_eq!((r.status, problem_type(r).as_str()), (status, kind));
@@ -1657,14 +1659,7 @@ fn a_running_or_unverifiable_reconcile_answers_without_forwarding_and_marks_it_u
 fn never_executed_runs_once_with_the_new_token() {
     let mut t = Harness::new(RECONCILING);
     let (s, step) = t.taken_over("/checkout", 77);
-    let d = step
-        .effects
-        .iter()
-        .find_map(|e| match e {
-            Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let d = step.reconcile();
     let step = t.answer(&d, reconcile_answer(404, OUTCOME_NOT_EXECUTED, &[], b""));
     assert!(step.resumes_request());
     assert!(step.effects.contains(&Effect::SetRequestHeader {
@@ -1695,14 +1690,7 @@ fn the_reexecuting_route_runs_a_taken_over_key_again() {
 fn a_reconciled_outcome_the_state_api_cannot_take_is_still_the_answer() {
     let mut t = Harness::new(RECONCILING);
     let (_, step) = t.taken_over("/checkout", 77);
-    let d = step
-        .effects
-        .iter()
-        .find_map(|e| match e {
-            Effect::Dispatch(d) if d.cluster == "checkout" => Some(d.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let d = step.reconcile();
     let step = t.answer(&d, reconcile_answer(200, OUTCOME_EXECUTED, &[], b"{}"));
     let step = t.answer(
         step.dispatch(COMPLETE_PATH),
