@@ -157,6 +157,10 @@ pub struct Route {
     pub on_unknown: OnUnknown,
     /// With `on_unknown: reconcile`.
     pub reconcile: Option<Reconcile>,
+    /// This route's own lease, heartbeat and request body limit (the global ones when absent).
+    pub lease_ms: Option<u64>,
+    pub heartbeat_ms: Option<u64>,
+    pub max_request_body_bytes: Option<u64>,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -185,6 +189,9 @@ const ROUTE_FIELDS: &[&str] = &[
     "on_state_unavailable",
     "on_unknown",
     "reconcile",
+    "lease_ms",
+    "heartbeat_ms",
+    "max_request_body_bytes",
 ];
 const RECONCILE_FIELDS: &[&str] = &["cluster", "authority", "method", "path", "timeout_ms"];
 
@@ -289,6 +296,9 @@ impl Route {
                     })
                 }
             },
+            lease_ms: r.opt_u64("lease_ms")?,
+            heartbeat_ms: r.opt_u64("heartbeat_ms")?,
+            max_request_body_bytes: r.opt_u64("max_request_body_bytes")?,
         })
     }
 }
@@ -306,6 +316,23 @@ impl std::error::Error for ConfigError {}
 
 fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError(msg.into()))
+}
+
+/// A lease the state API grants, and a heartbeat at most half of it (a lease outlives a lost
+/// heartbeat). `what` prefixes the field names (`routes[2].`).
+fn check_lease(what: &str, lease_ms: u64, heartbeat_ms: u64) -> Result<(), ConfigError> {
+    let dot = if what.is_empty() { "" } else { "." };
+    if !(limits::MIN_LEASE_MS..=limits::MAX_LEASE_MS).contains(&lease_ms) {
+        return err(format!(
+            "{what}{dot}lease_ms must be {} to {} (the leases the state API grants)",
+            limits::MIN_LEASE_MS,
+            limits::MAX_LEASE_MS
+        ));
+    }
+    if heartbeat_ms == 0 || heartbeat_ms.saturating_mul(2) > lease_ms {
+        return err(format!("{what}{dot}heartbeat_ms must be > 0 and at most half of lease_ms (a lease outlives a lost heartbeat)"));
+    }
+    Ok(())
 }
 
 fn is_token(s: &str) -> bool {
@@ -409,6 +436,13 @@ impl Config {
         if self.max_request_body_bytes == 0 {
             return err("max_request_body_bytes must be > 0");
         }
+        for i in 0..self.routes.len() {
+            let what = format!("routes[{i}]");
+            check_lease(&what, self.lease_for(i), self.heartbeat_for(i))?;
+            if self.max_request_body_for(i) == 0 {
+                return err(format!("{what}.max_request_body_bytes must be > 0"));
+            }
+        }
         if self.max_stored_body_bytes == 0
             || self.max_stored_body_bytes > limits::MAX_STORED_BODY_BYTES
         {
@@ -417,16 +451,7 @@ impl Config {
                 limits::MAX_STORED_BODY_BYTES
             ));
         }
-        if !(limits::MIN_LEASE_MS..=limits::MAX_LEASE_MS).contains(&self.lease_ms) {
-            return err(format!(
-                "lease_ms must be {} to {} (the leases the state API grants)",
-                limits::MIN_LEASE_MS,
-                limits::MAX_LEASE_MS
-            ));
-        }
-        if self.heartbeat_ms == 0 || self.heartbeat_ms.saturating_mul(2) > self.lease_ms {
-            return err("heartbeat_ms must be > 0 and at most half of lease_ms (a lease outlives a lost heartbeat)");
-        }
+        check_lease("", self.lease_ms, self.heartbeat_ms)?;
         if self.in_flight_cache_ms > MAX_IN_FLIGHT_CACHE_MS {
             return err(format!(
                 "in_flight_cache_ms must be at most {MAX_IN_FLIGHT_CACHE_MS}"
@@ -445,6 +470,30 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The lease claims of route `i` ask for.
+    pub fn lease_for(&self, i: usize) -> u64 {
+        self.routes
+            .get(i)
+            .and_then(|r| r.lease_ms)
+            .unwrap_or(self.lease_ms)
+    }
+
+    /// How often claims of route `i` are heartbeaten (at most).
+    pub fn heartbeat_for(&self, i: usize) -> u64 {
+        self.routes
+            .get(i)
+            .and_then(|r| r.heartbeat_ms)
+            .unwrap_or(self.heartbeat_ms)
+    }
+
+    /// The largest request body of route `i`.
+    pub fn max_request_body_for(&self, i: usize) -> u64 {
+        self.routes
+            .get(i)
+            .and_then(|r| r.max_request_body_bytes)
+            .unwrap_or(self.max_request_body_bytes)
     }
 
     /// The first route matching this method and path (query already removed).
@@ -491,9 +540,15 @@ impl Config {
         )
     }
 
-    /// How often the root context looks for leases to extend (ms).
+    /// How often the root context looks for leases to extend (ms): a quarter of the shortest
+    /// heartbeat of any route.
     pub fn tick_period_ms(&self) -> u64 {
-        (self.heartbeat_ms / 4).max(50)
+        let shortest = (0..self.routes.len())
+            .map(|i| self.heartbeat_for(i))
+            .chain([self.heartbeat_ms])
+            .min()
+            .unwrap_or(self.heartbeat_ms);
+        (shortest / 4).max(50)
     }
 }
 
@@ -575,6 +630,37 @@ mod tests {
         assert_eq!(
             (r.on_5xx, r.on_state_unavailable),
             (On5xx::Store, OnStateUnavailable::FailClosed)
+        );
+    }
+
+    #[test]
+    fn a_route_may_have_its_own_lease_heartbeat_and_body_limit() {
+        let c = with(|v| {
+            v["routes"][1]["lease_ms"] = 4_000.into();
+            v["routes"][1]["heartbeat_ms"] = 1_000.into();
+            v["routes"][1]["max_request_body_bytes"] = 64.into();
+        })
+        .unwrap();
+        assert_eq!((c.lease_for(0), c.heartbeat_for(0)), (30_000, 10_000));
+        assert_eq!((c.lease_for(1), c.heartbeat_for(1)), (4_000, 1_000));
+        assert_eq!(
+            (c.max_request_body_for(0), c.max_request_body_for(1)),
+            (1 << 20, 64)
+        );
+        assert_eq!(
+            c.tick_period_ms(),
+            250,
+            "a quarter of the shortest heartbeat"
+        );
+        // Checked as the global ones are, and named by route.
+        let e = with(|v| v["routes"][1]["heartbeat_ms"] = 20_000.into()).unwrap_err();
+        assert!(e.to_string().contains("routes[1].heartbeat_ms"), "{e}");
+        let e = with(|v| v["routes"][0]["lease_ms"] = 999.into()).unwrap_err();
+        assert!(e.to_string().contains("routes[0].lease_ms"), "{e}");
+        let e = with(|v| v["routes"][0]["max_request_body_bytes"] = 0.into()).unwrap_err();
+        assert!(
+            e.to_string().contains("routes[0].max_request_body_bytes"),
+            "{e}"
         );
     }
 

@@ -223,14 +223,15 @@ impl Flow {
     pub(super) fn forward(&mut self, cfg: &Config, claimed: Claimed) -> Turn {
         let mut t = Turn::pause();
         let token = claimed.token;
-        if claimed.lease_ms < cfg.lease_ms {
+        let asked = cfg.lease_for(claimed.req.req.route);
+        if claimed.lease_ms < asked {
             t.push(Flow::log(
                 Level::Warn,
                 format!(
                     "the state API granted a {} ms lease for {} ({} ms asked): heartbeats follow the grant",
                     claimed.lease_ms,
                     claimed.endpoint(),
-                    cfg.lease_ms
+                    asked
                 ),
             ));
         }
@@ -245,10 +246,7 @@ impl Flow {
             name: FENCING_TOKEN_HEADER,
             value: token.to_string(),
         }));
-        t.push(Note::Register {
-            claim: claimed.held(),
-            lease_ms: claimed.lease_ms,
-        });
+        t.push(claimed.register(cfg));
         t.push(Effect::Count(Metric::Claimed));
         t.push(Note::ForgetRunning(claimed.req.req.id()));
         t.push(self.effect(|stream| Effect::ResumeRequest { stream }));

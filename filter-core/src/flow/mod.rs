@@ -79,10 +79,12 @@ pub enum Call {
 /// What the worker keeps or forgets for a stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Note {
-    /// A claim won: extend its lease (`lease_ms`, as granted) until [`Note::Unregister`].
+    /// A claim won: extend its lease (`lease_ms`, as granted) until [`Note::Unregister`], on
+    /// its route's terms.
     Register {
         claim: HeldClaim,
         lease_ms: u64,
+        terms: crate::worker::registry::Terms,
     },
     Unregister(i64),
     /// The state API reported the key in progress elsewhere (answer duplicates from memory).
@@ -213,6 +215,19 @@ impl Claimed {
     }
     fn endpoint(&self) -> &str {
         &self.req.req.endpoint
+    }
+
+    /// The registration of this claim for heartbeats, on its route's terms.
+    fn register(&self, cfg: &crate::config::Config) -> Note {
+        let route = self.req.req.route;
+        Note::Register {
+            claim: self.held(),
+            lease_ms: self.lease_ms,
+            terms: crate::worker::registry::Terms {
+                lease_ms: cfg.lease_for(route),
+                heartbeat_ms: cfg.heartbeat_for(route),
+            },
+        }
     }
 
     /// The log line of an unknown outcome: its subject, endpoint and token, never the key.

@@ -55,10 +55,7 @@ impl Flow {
             headers,
             timeout_ms: rc.timeout_ms,
         };
-        let register = Note::Register {
-            claim: claimed.held(),
-            lease_ms: claimed.lease_ms,
-        };
+        let register = claimed.register(cfg);
         self.state = State::Reconciling(claimed);
         Turn::pause().with(register).with(call)
     }

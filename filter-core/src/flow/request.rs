@@ -153,9 +153,9 @@ impl Flow {
         if head
             .first("content-length")
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .is_some_and(|len| len > cfg.max_request_body_bytes)
+            .is_some_and(|len| len > cfg.max_request_body_for(route_idx))
         {
-            return self.too_large(cfg);
+            return self.too_large(cfg.max_request_body_for(route_idx));
         }
 
         let req = Request {
@@ -175,8 +175,7 @@ impl Flow {
         Turn::pause()
     }
 
-    fn too_large(&mut self, cfg: &Config) -> Turn {
-        let max = cfg.max_request_body_bytes;
+    fn too_large(&mut self, max: u64) -> Turn {
         self.reply(
             Some(Metric::TooLarge413),
             LocalReply::problem(
@@ -197,14 +196,16 @@ impl Flow {
         now_ms: u64,
     ) -> Turn {
         let State::Buffering {
-            body_size: seen, ..
+            body_size: seen,
+            req,
         } = &mut self.state
         else {
             return Turn::cont();
         };
         *seen = body_size;
-        if body_size as u64 > cfg.max_request_body_bytes {
-            return self.too_large(cfg);
+        let max = cfg.max_request_body_for(req.route);
+        if body_size as u64 > max {
+            return self.too_large(max);
         }
         if !end_of_stream {
             return Turn::pause();
@@ -279,7 +280,7 @@ impl Flow {
             endpoint: req.endpoint.clone(),
             fingerprint: fingerprint.hex.clone(),
             fingerprint_alg: fingerprint.alg.to_owned(),
-            lease_ms: Some(cfg.lease_ms),
+            lease_ms: Some(cfg.lease_for(req.route)),
             on_unknown: match cfg.routes.get(req.route).map(|r| r.on_unknown) {
                 Some(OnUnknown::Reconcile | OnUnknown::Reexecute) => {
                     contract::wire::OnUnknown::TakeOver

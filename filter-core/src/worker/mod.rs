@@ -276,9 +276,7 @@ impl Worker {
     /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
     /// write that comes due. Ticks before it only drop expired memory.
     pub fn next_due(&self) -> Option<u64> {
-        let heartbeat = self
-            .registry
-            .next_due(self.cfg.heartbeat_ms, self.cfg.tick_period_ms());
+        let heartbeat = self.registry.next_due(self.cfg.tick_period_ms());
         match (heartbeat, self.writes.next_due()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -551,7 +549,11 @@ impl Worker {
 
     fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
         match note {
-            Note::Register { claim, lease_ms } => self.registry.register(claim, lease_ms, now_ms),
+            Note::Register {
+                claim,
+                lease_ms,
+                terms,
+            } => self.registry.register(claim, lease_ms, terms, now_ms),
             Note::Unregister(token) => self.registry.remove(token),
             Note::HoldRunning {
                 id,
@@ -605,8 +607,12 @@ impl Worker {
             Ok(()) => {
                 if keeps_lease && !self.registry.contains(claim.token) {
                     // The stream ended before: keep the lease alive all the same.
+                    let terms = registry::Terms {
+                        lease_ms: self.cfg.lease_ms,
+                        heartbeat_ms: self.cfg.heartbeat_ms,
+                    };
                     self.registry
-                        .register(claim.clone(), self.cfg.lease_ms, now_ms);
+                        .register(claim.clone(), self.cfg.lease_ms, terms, now_ms);
                 }
                 if let Some(rec) = record {
                     if self.answerable(&rec) {
@@ -892,12 +898,7 @@ impl Worker {
         self.replays.purge_expired(now_ms);
         self.in_flight.purge_expired(now_ms);
         if !self.registry.is_empty() {
-            let due = self.registry.due(
-                now_ms,
-                self.cfg.heartbeat_ms,
-                self.cfg.tick_period_ms(),
-                self.cfg.lease_ms,
-            );
+            let due = self.registry.due(now_ms, self.cfg.tick_period_ms());
             for hb in due {
                 let token = hb.token;
                 let body = crate::flow::to_json(&hb);

@@ -21,10 +21,19 @@ struct Entry {
     claim: HeldClaim,
     /// The lease the state API granted last.
     lease_ms: u64,
+    /// What the claim's route asks for, and how often it is heartbeaten at most.
+    terms: Terms,
     /// When the lease was last set (claim or heartbeat sent), in ms since the epoch.
     last_ms: u64,
     /// A heartbeat for it is awaiting its answer.
     pending: bool,
+}
+
+/// The lease a claim's route asks for and its heartbeat interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Terms {
+    pub lease_ms: u64,
+    pub heartbeat_ms: u64,
 }
 
 /// A plain list: a worker holds a few hundred claims at most, and a map type would cost the
@@ -40,11 +49,12 @@ impl Registry {
     }
 
     /// Registers the claim (again: its lease of `lease_ms` was just granted).
-    pub fn register(&mut self, claim: HeldClaim, lease_ms: u64, now_ms: u64) {
+    pub fn register(&mut self, claim: HeldClaim, lease_ms: u64, terms: Terms, now_ms: u64) {
         let token = claim.token;
         let entry = Entry {
             claim,
             lease_ms,
+            terms,
             last_ms: now_ms,
             pending: false,
         };
@@ -73,24 +83,19 @@ impl Registry {
     /// How often a claim's lease is extended: every `heartbeat_ms`, or every half of the lease
     /// the state API granted when that is shorter (so one lost heartbeat never lets it run out).
     /// Ticking every `tick_ms`, a heartbeat goes `tick_ms` early so the gap never exceeds it.
-    fn threshold(e: &Entry, heartbeat_ms: u64, tick_ms: u64) -> u64 {
-        heartbeat_ms.min(e.lease_ms / 2).saturating_sub(tick_ms)
+    fn threshold(e: &Entry, tick_ms: u64) -> u64 {
+        e.terms
+            .heartbeat_ms
+            .min(e.lease_ms / 2)
+            .saturating_sub(tick_ms)
     }
 
-    /// Heartbeats to send now (asking for `lease_ms`), for claims with no heartbeat on its way.
-    /// They are marked as sent.
-    pub fn due(
-        &mut self,
-        now_ms: u64,
-        heartbeat_ms: u64,
-        tick_ms: u64,
-        lease_ms: u64,
-    ) -> Vec<HeartbeatRequest> {
+    /// Heartbeats to send now (each asking for its route's lease), for claims with no
+    /// heartbeat on its way. They are marked as sent.
+    pub fn due(&mut self, now_ms: u64, tick_ms: u64) -> Vec<HeartbeatRequest> {
         let mut out = Vec::new();
         for e in self.entries.iter_mut() {
-            if !e.pending
-                && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, heartbeat_ms, tick_ms)
-            {
+            if !e.pending && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms) {
                 e.pending = true;
                 e.last_ms = now_ms;
                 out.push(HeartbeatRequest {
@@ -98,7 +103,7 @@ impl Registry {
                     subject: e.claim.subject.clone(),
                     endpoint: e.claim.endpoint.clone(),
                     token: e.claim.token,
-                    lease_ms: Some(lease_ms),
+                    lease_ms: Some(e.terms.lease_ms),
                 });
             }
         }
@@ -106,15 +111,20 @@ impl Registry {
     }
 
     /// When the next heartbeat comes due ([`Registry::due`]); `None` while none can.
-    pub fn next_due(&self, heartbeat_ms: u64, tick_ms: u64) -> Option<u64> {
+    pub fn next_due(&self, tick_ms: u64) -> Option<u64> {
         self.entries
             .iter()
             .filter(|e| !e.pending)
-            .map(|e| {
-                e.last_ms
-                    .saturating_add(Self::threshold(e, heartbeat_ms, tick_ms))
-            })
+            .map(|e| e.last_ms.saturating_add(Self::threshold(e, tick_ms)))
             .min()
+    }
+
+    /// The terms of the claim holding `token`.
+    pub fn terms(&self, token: i64) -> Option<Terms> {
+        self.entries
+            .iter()
+            .find(|e| e.claim.token == token)
+            .map(|e| e.terms)
     }
 
     /// A heartbeat was answered with the lease granted.
@@ -139,6 +149,11 @@ mod tests {
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
+    const TERMS: Terms = Terms {
+        lease_ms: 30_000,
+        heartbeat_ms: 10_000,
+    };
+
     fn claim(token: i64) -> HeldClaim {
         HeldClaim {
             key: "k".into(),
@@ -151,21 +166,18 @@ mod tests {
     #[test]
     fn heartbeats_come_due_and_are_not_doubled() {
         let mut r = Registry::default();
-        r.register(claim(1), 30_000, 1_000);
-        r.register(claim(2), 30_000, 5_000);
+        r.register(claim(1), 30_000, TERMS, 1_000);
+        r.register(claim(2), 30_000, TERMS, 5_000);
         // heartbeat 10s, tick 2.5s: due once 7.5s have passed.
-        assert!(r.due(8_000, 10_000, 2_500, 30_000).is_empty());
-        let due = r.due(8_500, 10_000, 2_500, 30_000);
+        assert!(r.due(8_000, 2_500).is_empty());
+        let due = r.due(8_500, 2_500);
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].token, 1);
         assert_eq!(due[0].lease_ms, Some(30_000));
         // Still pending: not sent again, even much later.
-        assert!(r
-            .due(20_000, 10_000, 2_500, 30_000)
-            .iter()
-            .all(|hb| hb.token != 1));
+        assert!(r.due(20_000, 2_500).iter().all(|hb| hb.token != 1));
         r.answered(1);
-        assert_eq!(r.due(28_500, 10_000, 2_500, 30_000).len(), 1); // 2 was already sent at 20s: pending
+        assert_eq!(r.due(28_500, 2_500).len(), 1); // 2 was already sent at 20s: pending
         r.remove(1);
         r.remove(2);
         assert!(r.is_empty());
@@ -176,12 +188,29 @@ mod tests {
     fn a_shorter_lease_granted_brings_heartbeats_forward() {
         let mut r = Registry::default();
         // Asked for 30 s, granted 4 s: a heartbeat every 2 s (minus a tick), not every 10 s.
-        r.register(claim(1), 4_000, 0);
-        assert_eq!(r.next_due(10_000, 500), Some(1_500));
-        assert!(r.due(1_499, 10_000, 500, 30_000).is_empty());
-        assert_eq!(r.due(1_500, 10_000, 500, 30_000).len(), 1);
+        r.register(claim(1), 4_000, TERMS, 0);
+        assert_eq!(r.next_due(500), Some(1_500));
+        assert!(r.due(1_499, 500).is_empty());
+        assert_eq!(r.due(1_500, 500).len(), 1);
         r.answered(1);
         r.granted(1, 30_000);
-        assert_eq!(r.next_due(10_000, 500), Some(1_500 + 9_500));
+        assert_eq!(r.next_due(500), Some(1_500 + 9_500));
+    }
+
+    #[test]
+    fn each_claim_follows_its_own_route_terms() {
+        let mut r = Registry::default();
+        let short = Terms {
+            lease_ms: 4_000,
+            heartbeat_ms: 1_000,
+        };
+        r.register(claim(1), 30_000, TERMS, 0);
+        r.register(claim(2), 4_000, short, 0);
+        assert_eq!(r.next_due(250), Some(750), "the short route's claim first");
+        let due = r.due(750, 250);
+        assert_eq!(due.len(), 1);
+        assert_eq!((due[0].token, due[0].lease_ms), (2, Some(4_000)));
+        assert_eq!(r.terms(2), Some(short));
+        assert_eq!(r.due(9_750, 250)[0].lease_ms, Some(30_000));
     }
 }

@@ -1764,6 +1764,38 @@ fn heartbeats_extend_the_leases_of_held_claims() {
 }
 
 #[test]
+fn a_route_asks_for_its_own_lease_heartbeats_on_its_terms_and_limits_its_body() {
+    let cfg = CONFIG.replacen(
+        r#"{"method": "POST", "path": "/checkout", "key": "required"}"#,
+        r#"{"method": "POST", "path": "/checkout", "key": "required", "lease_ms": 4000, "heartbeat_ms": 1000, "max_request_body_bytes": 8}"#,
+        1,
+    );
+    let mut t = Harness::new(&cfg);
+    assert_eq!(t.w.tick_period_ms(), 250);
+    let s = t.stream();
+    t.headers(
+        s,
+        &req_headers("/checkout", &[("idempotency-key", "k1")]),
+        false,
+    );
+    let step = t.body(s, b"{\"a\":1234}");
+    assert_eq!(step.reply().status, 413, "over this route's 8 bytes");
+    let (_, claim) = t.claimed("/checkout", b"{}", 5);
+    assert_eq!(claim.lease_ms, Some(4_000));
+    t.advance(750);
+    let step = t.tick();
+    let hb: HeartbeatRequest = serde_json::from_slice(&step.dispatch(HEARTBEAT_PATH).body).unwrap();
+    assert_eq!(
+        hb.lease_ms,
+        Some(4_000),
+        "every 1 s, less a tick, asking for 4 s"
+    );
+    // Another route keeps the global terms.
+    let (_, refund) = t.claimed("/refunds", b"{}", 6);
+    assert_eq!(refund.lease_ms, Some(30_000));
+}
+
+#[test]
 fn a_fenced_out_heartbeat_stops_the_claim_and_drops_its_pending_complete() {
     let mut t = Harness::new(CONFIG);
     let (s, _) = t.claimed("/checkout", b"{}", 5);
