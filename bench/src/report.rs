@@ -300,7 +300,7 @@ impl Report {
                 "envoy_templates",
                 format!(
                     "filter: {}; jwt-only: {}; plain: envoy/envoy-plain.yaml.tmpl",
-                    std::env::var("BENCH_ENVOY_TEMPLATE").unwrap_or_else(|_| "envoy/envoy.yaml.tmpl".into()),
+                    std::env::var("BENCH_ENVOY_TEMPLATE").unwrap_or_else(|_| "examples/demo.toml, rendered by edge".into()),
                     std::env::var("BENCH_JWT_TEMPLATE").unwrap_or_else(|_| "bench/envoy-jwt.yaml.tmpl".into())
                 ),
             ),

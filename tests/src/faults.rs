@@ -24,14 +24,14 @@ use tokio::net::{TcpListener, TcpStream};
 const MAX_HOLD: Duration = Duration::from_secs(60);
 
 /// A server thread with its own runtime, stopped on drop.
-struct Background {
+pub(crate) struct Background {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Background {
     /// Binds 127.0.0.1:0 and runs `serve(listener)` until dropped.
-    fn spawn<F, Fut>(name: &str, serve: F) -> Result<(Self, u16), String>
+    pub(crate) fn spawn<F, Fut>(name: &str, serve: F) -> Result<(Self, u16), String>
     where
         F: FnOnce(TcpListener) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + 'static,

@@ -8,9 +8,8 @@
 pub mod client;
 pub mod envoy;
 pub mod faults;
-pub mod net;
-pub mod postgres;
-pub mod process;
-pub mod services;
+/// The runtime pieces the harness shares with `edge run`.
+pub use edge::{net, postgres, process, services};
 pub mod stack;
 pub mod testkit;
+pub mod upstream;

@@ -25,10 +25,8 @@ pub struct StackOptions {
     pub complete_in_background: bool,
     /// Envoy's worker threads.
     pub envoy_workers: u32,
-    /// Routes besides the demo's.
-    pub extra_routes: Vec<crate::envoy::ExtraRoute>,
-    /// Clusters besides the demo's.
-    pub extra_clusters: Vec<crate::envoy::ExtraCluster>,
+    /// A change to the demo's configuration (`examples/demo.toml`): routes, policies.
+    pub tweak: Option<crate::envoy::Tweak>,
 }
 
 impl Default for StackOptions {
@@ -40,8 +38,7 @@ impl Default for StackOptions {
             state_api_env: Vec::new(),
             complete_in_background: false,
             envoy_workers: 1,
-            extra_routes: Vec::new(),
-            extra_clusters: Vec::new(),
+            tweak: None,
         }
     }
 }
@@ -100,6 +97,7 @@ impl Stack {
             database_url: database_url.to_owned(),
             api_token: TEST_API_TOKEN.into(),
             key_secret: TEST_KEY_SECRET.into(),
+            listen: None,
             extra_env: options.state_api_env.clone(),
         }
     }
@@ -131,8 +129,7 @@ impl Stack {
                 .join("envoy/demo-jwks.json")
                 .display()
                 .to_string(),
-            extra_routes: options.extra_routes.clone(),
-            extra_clusters: options.extra_clusters.clone(),
+            tweak: options.tweak.clone(),
         })
     }
 

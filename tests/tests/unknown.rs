@@ -7,9 +7,10 @@
 
 use std::time::{Duration, Instant};
 
+use edge::config::{Endpoint, OnUnknown, Reconcile};
 use libtest_mimic::{Arguments, Trial};
 use stack::client::{unique_key, Answer, Client};
-use stack::envoy::{Envoy, ExtraCluster, ExtraRoute};
+use stack::envoy::{Envoy, Tweak};
 use stack::faults::{record_figures, DelayProxy, ProxyMode};
 use stack::stack::{Stack, StackOptions};
 use stack::testkit::*;
@@ -31,22 +32,23 @@ fn main() {
         ),
         own(
             "a_reconcile_endpoint_down_slow_or_answering_garbage_is_503_nothing_forwarded_key_kept",
-            StackOptions::default(),
+            // A short lease: a claim still on its way as the client left becomes unknown soon.
+            StackOptions {
+                lease_ms: 3_000,
+                heartbeat_ms: 1_000,
+                ..StackOptions::default()
+            },
             broken_reconcile_endpoint,
         ),
         own(
             "a_late_orphan_with_a_stale_fencing_token_cannot_charge_after_a_re_executed_attempt",
             StackOptions {
-                extra_routes: vec![ExtraRoute {
-                    match_kind: "path",
-                    path: "/checkout-again".into(),
-                    method: "POST".into(),
-                    filter: Some(
-                        r#"{"method": "POST", "path": "/checkout-again", "key": "required", "on_unknown": "reexecute"}"#
-                            .into(),
-                    ),
-                    rewrite: Some("/checkout"),
-                }],
+                // POST /checkout re-executes unknown outcomes here (it reconciles in the demo).
+                tweak: Some(Tweak::new(|c| {
+                    let route = &mut c.routes[0];
+                    route.on_unknown = OnUnknown::Reexecute;
+                    route.reconcile = None;
+                })),
                 ..StackOptions::default()
             },
             late_orphan_is_fenced,
@@ -228,34 +230,43 @@ async fn broken_reconcile_endpoint(stack: Stack) {
     // route asks the checkout through it.
     let proxy =
         DelayProxy::start(stack.checkout.port, ProxyMode::HangUp).unwrap_or_else(|e| panic!("{e}"));
+    let proxy_port = proxy.port;
     let options = StackOptions {
-        extra_routes: vec![ExtraRoute {
-            match_kind: "path",
-            path: "/checkout-guarded".into(),
-            method: "POST".into(),
-            filter: Some(
-                r#"{"method": "POST", "path": "/checkout-guarded", "key": "required", "on_unknown": "reconcile",
-                    "reconcile": {"cluster": "reconcile_proxy", "authority": "checkout", "path": "/checkout/attempts/{key}", "timeout_ms": 1000}}"#
-                    .into(),
-            ),
-            rewrite: Some("/checkout"),
-        }],
-        extra_clusters: vec![ExtraCluster {
-            name: "reconcile_proxy".into(),
-            port: proxy.port,
-        }],
+        // POST /checkout asks the checkout through the proxy: a reconcile endpoint of its own.
+        tweak: Some(Tweak::new(move |c| {
+            c.routes[0].reconcile = Some(Reconcile {
+                method: "GET".into(),
+                path: "/checkout/attempts/{key}".into(),
+                upstream: Some(Endpoint {
+                    tls: false,
+                    host: "127.0.0.1".into(),
+                    port: proxy_port,
+                }),
+                timeout_ms: 1000,
+            });
+        })),
         ..stack.options.clone()
     };
     let params = Stack::envoy_params_for(&options, stack.state_api.port, stack.checkout.port)
         .unwrap_or_else(|e| panic!("{e}"));
     let envoy = Envoy::start(params, &stack.dir, "envoy-guarded").unwrap_or_else(|e| panic!("{e}"));
-    let guarded = |key: &str| checkout(key, "alice", &charge_body(300)).path("/checkout-guarded");
+    let guarded = |key: &str| checkout(key, "alice", &charge_body(300));
     let key = unique_key("guarded");
     // The client leaves before the checkout commits (not detached: the checkout drops it).
     let impatient = Client::impatient(&envoy.url(""), Duration::from_millis(800));
     let first = impatient.try_send(guarded(&key).delay_ms(3_000)).await;
     assert!(first.is_err(), "{:?}", first.map(|a| a.describe()));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Marked unknown as the client left (or, had the claim still been on its way, once its
+    // lease ran out).
+    let waited = Instant::now();
+    while record_state(&stack, &key, "POST /checkout").await != "unknown" {
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "never unknown\n{}",
+            envoy.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let c = Client::new(&envoy.url(""));
     let mut figures = serde_json::Map::new();
     for (mode, label) in [
@@ -315,7 +326,7 @@ async fn broken_reconcile_endpoint(stack: Stack) {
 async fn late_orphan_is_fenced(stack: Stack) {
     let key = unique_key("orphan-fenced");
     let body = charge_body(99);
-    let again = || checkout(&key, "alice", &body).path("/checkout-again");
+    let again = || checkout(&key, "alice", &body);
     // The orphan: still running (detached) when its client leaves, so its outcome is unknown.
     give_up_after(
         &stack,
@@ -323,13 +334,17 @@ async fn late_orphan_is_fenced(stack: Stack) {
         again().delay_ms(4_000).header("x-demo-detach", "1"),
     )
     .await;
-    // The filter says so at once (not at its next tick, 2.5 s away with these settings).
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        record_state(&stack, &key, "POST /checkout-again").await,
-        "unknown",
-        "marked unknown as the client left"
-    );
+    // The filter says so at once (not at its next tick, 2.5 s away with these settings; the
+    // lease is 30 s).
+    let waited = Instant::now();
+    while record_state(&stack, &key, "POST /checkout").await != "unknown" {
+        assert!(
+            waited.elapsed() < Duration::from_secs(2),
+            "not marked unknown as the client left\n{}",
+            stack.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The route re-executes unknown outcomes: the retry runs now, with a larger token.
     let c = client(&stack);
     let retry = c.send(again()).await;

@@ -1,11 +1,11 @@
-//! The project's own services as real processes: the state API and the demo checkout.
+//! The project's own services as real processes: the state API (and, for the demo and the
+//! tests, the demo checkout).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::envoy::http_get_blocking;
-use crate::net::wait_for_port;
+use crate::net::{http_get_blocking, wait_for_port};
 use crate::process::{workspace_binary, ChildGuard};
 
 /// A running service binary of this workspace on a loopback port.
@@ -17,7 +17,7 @@ pub struct Service {
 }
 
 impl Service {
-    fn start(
+    pub fn start(
         name: &str,
         port: u16,
         envs: &[(&str, String)],
@@ -94,6 +94,11 @@ impl Service {
         self.child.kill();
     }
 
+    /// SIGTERM, then SIGKILL after `grace`.
+    pub fn terminate(&mut self, grace: Duration) {
+        self.child.terminate(grace);
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.child.is_running()
     }
@@ -106,13 +111,19 @@ pub struct StateApiSettings {
     pub database_url: String,
     pub api_token: String,
     pub key_secret: String,
+    /// Where it binds (`127.0.0.1:<port>` when `None`); it is probed on 127.0.0.1:`port`.
+    pub listen: Option<std::net::SocketAddr>,
     pub extra_env: Vec<(String, String)>,
 }
 
 pub fn start_state_api(s: &StateApiSettings, dir: &Path) -> Result<Service, String> {
     let mut envs = vec![
         ("DATABASE_URL", s.database_url.clone()),
-        ("LISTEN_ADDR", format!("127.0.0.1:{}", s.port)),
+        (
+            "LISTEN_ADDR",
+            s.listen
+                .map_or_else(|| format!("127.0.0.1:{}", s.port), |a| a.to_string()),
+        ),
         ("STATE_API_TOKEN", s.api_token.clone()),
         ("IDEM_KEY_SECRET", s.key_secret.clone()),
     ];

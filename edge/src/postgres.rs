@@ -1,4 +1,5 @@
-//! A throwaway Postgres cluster for tests (or the one in `DATABASE_URL`).
+//! A Postgres cluster of our own: throwaway for tests (or the one in `DATABASE_URL`), or kept
+//! across runs in a folder for `edge run` and the demo ([`TempCluster::start_at`]).
 //!
 //! `TempCluster::start()` uses `DATABASE_URL` when it is set; otherwise it runs `initdb` into a
 //! fresh temporary directory and starts `postgres` on a free loopback port (`fsync` left on,
@@ -247,6 +248,30 @@ impl TempCluster {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Whether the server runs (an external one: always, as far as this process knows). A
+    /// server that exited is reaped.
+    pub fn is_running(&mut self) -> bool {
+        match &mut self.inner {
+            Inner::Local(l) => l.server.as_mut().is_some_and(ChildGuard::is_running),
+            Inner::External { .. } => true,
+        }
+    }
+
+    /// Creates database `name` unless it exists; its URL.
+    pub fn ensure_database(&self, name: &str) -> Result<String, String> {
+        let exists = self.psql(
+            "postgres",
+            &format!(
+                "SELECT 1 FROM pg_database WHERE datname = '{}'",
+                name.replace('\'', "")
+            ),
+        )?;
+        if exists.trim() == "1" {
+            return Ok(self.url_for(name));
+        }
+        self.create_database(name)
     }
 
     /// Fast shutdown (private clusters only); `restart` starts it again.
@@ -582,6 +607,7 @@ fn external_port(url: &str) -> u16 {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
     #[test]

@@ -72,12 +72,24 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// A built binary of this workspace (`target/<profile>/<name>`, profile from `STACK_PROFILE`,
-/// default `debug`), honouring CARGO_TARGET_DIR and an override in `<NAME>_BIN` (e.g. `STATE_API_BIN`).
+/// A built binary of this workspace: `<NAME>_BIN` (e.g. `STATE_API_BIN`) when set; else the one
+/// beside the running executable (unless `STACK_PROFILE` names a profile); else
+/// `target/<profile>/<name>` (profile from `STACK_PROFILE`, default `debug`, honouring
+/// CARGO_TARGET_DIR).
 pub fn workspace_binary(name: &str) -> Result<PathBuf, String> {
     let env_name = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
     if let Ok(p) = std::env::var(&env_name) {
         return Ok(PathBuf::from(p));
+    }
+    // Installed side by side (`edge` and `state-api` in one folder, as cargo builds them).
+    if std::env::var("STACK_PROFILE").is_err() {
+        if let Some(beside) = std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|d| d.join(name)))
+            .filter(|p| p.is_file())
+        {
+            return Ok(beside);
+        }
     }
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)

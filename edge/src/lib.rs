@@ -1,0 +1,12 @@
+//! Put the idempotency layer in front of your own API: one configuration file
+//! ([`config`]), the Envoy configuration it renders ([`render`]), and `edge run`, which starts
+//! and supervises Postgres (embedded, unless the file names one), the state API and Envoy.
+
+pub mod config;
+pub mod envoy;
+pub mod net;
+pub mod postgres;
+pub mod process;
+pub mod render;
+pub mod run;
+pub mod services;

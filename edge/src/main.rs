@@ -1,0 +1,177 @@
+//! `edge check|render|run --config FILE`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use edge::config::Config;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "The idempotency layer in front of your own API")]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Check the file and say what it protects.
+    Check {
+        #[arg(long, short, env = "CONFIG")]
+        config: PathBuf,
+    },
+    /// Print the Envoy configuration (YAML) and the state API's environment for your own Envoy.
+    Render {
+        #[arg(long, short, env = "CONFIG")]
+        config: PathBuf,
+        /// Where your Envoy finds filter.wasm.
+        #[arg(long, default_value = "/etc/envoy/filter.wasm")]
+        wasm: PathBuf,
+        /// The CA bundle for https:// upstreams.
+        #[arg(long, default_value = edge::render::DEFAULT_CA_FILE)]
+        ca_file: String,
+    },
+    /// Start Postgres (embedded unless the file names one), the state API and Envoy; restart a
+    /// part that dies; stop everything on Ctrl-C or SIGTERM.
+    Run {
+        #[arg(long, short, env = "CONFIG")]
+        config: PathBuf,
+        /// The run folder (default: .run/<the file's name>).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The filter module (default: FILTER_WASM, or the one `make build-filter` builds).
+        #[arg(long)]
+        wasm: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match args.command {
+        Command::Check { config } => match Config::load(&config) {
+            Ok(cfg) => {
+                println!(
+                    "{}: {} protected route(s), upstream {}, listen {}",
+                    config.display(),
+                    cfg.routes.len(),
+                    cfg.upstream.authority(),
+                    cfg.listen
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Render {
+            config,
+            wasm,
+            ca_file,
+        } => match Config::load(&config) {
+            Ok(cfg) => {
+                print!("{}", render(&cfg, wasm, ca_file));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Run { config, dir, wasm } => run(&config, dir, wasm),
+    }
+}
+
+/// The Envoy YAML, then the state API's environment as comments.
+fn render(cfg: &Config, wasm: PathBuf, ca_file: String) -> String {
+    let token = cfg
+        .state
+        .token
+        .clone()
+        .unwrap_or_else(|| "SET-state.token-IN-THE-FILE".into());
+    let key_secret = cfg
+        .state
+        .key_secret
+        .clone()
+        .unwrap_or_else(|| "SET-state.key_secret-IN-THE-FILE".into());
+    let database_url = cfg
+        .state
+        .database_url
+        .clone()
+        .unwrap_or_else(|| "postgres://USER:PASSWORD@HOST:5432/DATABASE".into());
+    let inputs = edge::render::Inputs {
+        wasm,
+        state_token: token.clone(),
+        ca_file,
+    };
+    let mut out = edge::render::envoy_yaml(cfg, &inputs);
+    out.push_str(
+        "# The state API this Envoy talks to runs with this environment
+",
+    );
+    out.push_str(
+        "# (`state-api --help` lists every setting):
+",
+    );
+    for (k, v) in edge::render::state_api_env(cfg, &database_url, &token, &key_secret) {
+        out.push_str(&format!(
+            "#   {k}={v}
+"
+        ));
+    }
+    out
+}
+
+fn run(config: &std::path::Path, dir: Option<PathBuf>, wasm: Option<PathBuf>) -> ExitCode {
+    let cfg = match Config::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let wasm = match wasm.map_or_else(edge::envoy::filter_wasm, Ok) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let dir = dir.unwrap_or_else(|| {
+        let name = config
+            .file_stem()
+            .map_or("edge".into(), |s| s.to_string_lossy().into_owned());
+        PathBuf::from(".run").join(name)
+    });
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut running = match edge::run::Running::start(cfg, edge::run::Options { dir, wasm }) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(match e {
+                edge::run::RunError::Config(_) => 2,
+                _ => 1,
+            });
+        }
+    };
+    println!("{}", running.ready_line());
+    let result = runtime.block_on(edge::run::until_signal(&mut running, Vec::new));
+    eprintln!("stopping");
+    running.stop();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,547 @@
+//! What a [`Config`] becomes: the Envoy configuration (YAML: the listener, the filters in order,
+//! the clusters), the filter's JSON plugin configuration inside it, and the state API's
+//! environment. `edge render` prints them for teams that run their own Envoy; `edge run` writes
+//! them to its run folder and starts the processes with them.
+//!
+//! The request path it renders, for every request on the listener:
+//!
+//! 1. `header_mutation` (with a JWT subject): the subject header is removed from every client
+//!    request, so only a verified token can set it, on any route;
+//! 2. `jwt_authn` (with a JWT subject): on the protected routes a token is required and verified,
+//!    and its claim is written to the subject header;
+//! 3. the idempotency filter (Wasm): protected routes are claimed at the state API, everything
+//!    else passes untouched;
+//! 4. the router: every path goes to the upstream, with `upstream_timeout_ms`.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use yaml_rust2::yaml::Hash;
+use yaml_rust2::{Yaml, YamlEmitter};
+
+use crate::config::{Config, Endpoint, Jwks, Match, OnUnknown, Subject};
+use filter_core::config::{KeyPolicy, On5xx, OnStateUnavailable};
+
+/// What the rendering needs besides the file: where Envoy finds the module, the token the filter
+/// presents to the state API, and the CA bundle for `https://` upstreams.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    pub wasm: PathBuf,
+    pub state_token: String,
+    pub ca_file: String,
+}
+
+/// The CA bundle of Debian and Ubuntu (and the distroless images built from them).
+pub const DEFAULT_CA_FILE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// The cluster names the rendered configuration uses.
+pub const UPSTREAM_CLUSTER: &str = "upstream";
+pub const STATE_API_CLUSTER: &str = "state_api";
+pub const JWKS_CLUSTER: &str = "jwks";
+/// The jwt_authn provider.
+pub const JWT_PROVIDER: &str = "edge";
+
+fn s(v: impl Into<String>) -> Yaml {
+    Yaml::String(v.into())
+}
+
+fn n(v: u64) -> Yaml {
+    Yaml::Integer(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+fn map(pairs: Vec<(&str, Yaml)>) -> Yaml {
+    let mut h = Hash::new();
+    for (k, v) in pairs {
+        h.insert(s(k), v);
+    }
+    Yaml::Hash(h)
+}
+
+fn typed(type_name: &str, mut pairs: Vec<(&str, Yaml)>) -> Yaml {
+    pairs.insert(0, ("@type", s(format!("type.googleapis.com/{type_name}"))));
+    map(pairs)
+}
+
+/// Envoy's duration syntax (`1.500s`).
+fn duration(ms: u64) -> Yaml {
+    if ms.is_multiple_of(1000) {
+        s(format!("{}s", ms / 1000))
+    } else {
+        s(format!("{}.{:03}s", ms / 1000, ms % 1000))
+    }
+}
+
+fn socket_address(addr: SocketAddr) -> Yaml {
+    map(vec![(
+        "socket_address",
+        map(vec![
+            ("address", s(addr.ip().to_string())),
+            ("port_value", n(u64::from(addr.port()))),
+        ]),
+    )])
+}
+
+/// Where Envoy reaches a service that listens on `addr` (a wildcard address is this host).
+fn reachable(addr: SocketAddr) -> Endpoint {
+    let host = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_owned(),
+        IpAddr::V6(ip) if ip.is_unspecified() => "::1".to_owned(),
+        ip => ip.to_string(),
+    };
+    Endpoint {
+        tls: false,
+        host,
+        port: addr.port(),
+    }
+}
+
+fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> Yaml {
+    let mut pairs = vec![
+        ("name", s(name)),
+        ("type", s("STRICT_DNS")),
+        ("connect_timeout", duration(connect_timeout_ms)),
+        (
+            "load_assignment",
+            map(vec![
+                ("cluster_name", s(name)),
+                (
+                    "endpoints",
+                    Yaml::Array(vec![map(vec![(
+                        "lb_endpoints",
+                        Yaml::Array(vec![map(vec![(
+                            "endpoint",
+                            map(vec![(
+                                "address",
+                                map(vec![(
+                                    "socket_address",
+                                    map(vec![
+                                        ("address", s(e.host.clone())),
+                                        ("port_value", n(u64::from(e.port))),
+                                    ]),
+                                )]),
+                            )]),
+                        )])]),
+                    )])]),
+                ),
+            ]),
+        ),
+    ];
+    if e.tls {
+        let san_type = if e.host.parse::<IpAddr>().is_ok() {
+            "IP_ADDRESS"
+        } else {
+            "DNS"
+        };
+        pairs.push((
+            "transport_socket",
+            map(vec![
+                ("name", s("envoy.transport_sockets.tls")),
+                (
+                    "typed_config",
+                    typed(
+                        "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                        vec![
+                            ("sni", s(e.host.clone())),
+                            (
+                                "common_tls_context",
+                                map(vec![(
+                                    "validation_context",
+                                    map(vec![
+                                        ("trusted_ca", map(vec![("filename", s(ca_file))])),
+                                        (
+                                            "match_typed_subject_alt_names",
+                                            Yaml::Array(vec![map(vec![
+                                                ("san_type", s(san_type)),
+                                                (
+                                                    "matcher",
+                                                    map(vec![("exact", s(e.host.clone()))]),
+                                                ),
+                                            ])]),
+                                        ),
+                                    ]),
+                                )]),
+                            ),
+                        ],
+                    ),
+                ),
+            ]),
+        ));
+    }
+    map(pairs)
+}
+
+/// The cluster of route `i`'s reconcile endpoint when it is another service than the upstream.
+fn reconcile_cluster(i: usize) -> String {
+    format!("reconcile_{i}")
+}
+
+/// The filter's plugin configuration (JSON), with `token` for the state API.
+pub fn filter_json(cfg: &Config, token: &str) -> String {
+    let routes: Vec<serde_json::Value> = cfg
+        .routes
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let mut v = serde_json::json!({ "method": r.method });
+            match &r.matcher {
+                Match::Path(p) => v["path"] = p.clone().into(),
+                Match::Prefix(p) => v["prefix"] = p.clone().into(),
+            }
+            v["key"] = match r.key {
+                KeyPolicy::Required => "required",
+                KeyPolicy::Optional => "optional",
+            }
+            .into();
+            if r.on_5xx == On5xx::Release {
+                v["on_5xx"] = "release".into();
+            }
+            if r.on_state_unavailable == OnStateUnavailable::FailOpen {
+                v["on_state_unavailable"] = "fail_open".into();
+            }
+            match r.on_unknown {
+                OnUnknown::Hold => {}
+                OnUnknown::Reconcile => v["on_unknown"] = "reconcile".into(),
+                OnUnknown::Reexecute => v["on_unknown"] = "reexecute".into(),
+            }
+            if let Some(rc) = &r.reconcile {
+                let (cluster, endpoint) = match &rc.upstream {
+                    Some(e) => (reconcile_cluster(i), e),
+                    None => (UPSTREAM_CLUSTER.to_owned(), &cfg.upstream),
+                };
+                v["reconcile"] = serde_json::json!({
+                    "cluster": cluster,
+                    "authority": endpoint.authority(),
+                    "method": rc.method,
+                    "path": rc.path,
+                    "timeout_ms": rc.timeout_ms,
+                });
+            }
+            for (name, value) in [
+                ("lease_ms", r.lease_ms),
+                ("heartbeat_ms", r.heartbeat_ms),
+                ("max_request_body_bytes", r.max_request_body_bytes),
+            ] {
+                if let Some(x) = value {
+                    v[name] = x.into();
+                }
+            }
+            v
+        })
+        .collect();
+    let subject_header = match &cfg.subject {
+        Subject::Jwt(j) => j.header.clone(),
+        Subject::Header(h) => h.clone(),
+    };
+    let f = &cfg.filter;
+    let doc = serde_json::json!({
+        "state_api": {
+            "cluster": STATE_API_CLUSTER,
+            "authority": reachable(cfg.state.listen).authority(),
+            "token": token,
+            "timeout_ms": cfg.state.timeout_ms,
+        },
+        "subject": { "header": subject_header },
+        "routes": routes,
+        "max_request_body_bytes": f.max_request_body_bytes,
+        "max_stored_body_bytes": f.max_stored_body_bytes,
+        "lease_ms": f.lease_ms,
+        "heartbeat_ms": f.heartbeat_ms,
+        "replay_extra_headers": f.replay_extra_headers,
+        "replay_cache_bytes": f.replay_cache_bytes,
+        "replay_cache_ttl_ms": f.replay_cache_ttl_ms,
+        "in_flight_cache_ms": f.in_flight_cache_ms,
+        "complete_retry_ms": f.complete_retry_ms,
+        "complete_retry_bytes": f.complete_retry_bytes,
+        "complete_in_background": f.complete_in_background,
+    });
+    serde_json::to_string_pretty(&doc).unwrap_or_default()
+}
+
+/// The jwt_authn rule of a protected route: a verified token is required.
+fn jwt_rule(route: &crate::config::Route) -> Yaml {
+    let (kind, p) = match &route.matcher {
+        Match::Path(p) => ("path", p),
+        Match::Prefix(p) => ("prefix", p),
+    };
+    map(vec![
+        (
+            "match",
+            map(vec![
+                (kind, s(p.clone())),
+                (
+                    "headers",
+                    Yaml::Array(vec![map(vec![
+                        ("name", s(":method")),
+                        (
+                            "string_match",
+                            map(vec![("exact", s(route.method.clone()))]),
+                        ),
+                    ])]),
+                ),
+            ]),
+        ),
+        ("requires", map(vec![("provider_name", s(JWT_PROVIDER))])),
+    ])
+}
+
+fn http_filters(cfg: &Config, inputs: &Inputs) -> Vec<Yaml> {
+    let mut out = Vec::new();
+    if let Subject::Jwt(jwt) = &cfg.subject {
+        out.push(map(vec![
+            ("name", s("envoy.filters.http.header_mutation")),
+            (
+                "typed_config",
+                typed(
+                    "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                    vec![(
+                        "mutations",
+                        map(vec![(
+                            "request_mutations",
+                            Yaml::Array(vec![map(vec![("remove", s(jwt.header.clone()))])]),
+                        )]),
+                    )],
+                ),
+            ),
+        ]));
+        let jwks = match &jwt.jwks {
+            Jwks::File(path) => (
+                "local_jwks",
+                map(vec![("filename", s(path.display().to_string()))]),
+            ),
+            Jwks::Url { endpoint, path } => (
+                "remote_jwks",
+                map(vec![
+                    (
+                        "http_uri",
+                        map(vec![
+                            (
+                                "uri",
+                                s(format!(
+                                    "{}://{}{path}",
+                                    if endpoint.tls { "https" } else { "http" },
+                                    endpoint.authority()
+                                )),
+                            ),
+                            ("cluster", s(JWKS_CLUSTER)),
+                            ("timeout", duration(5_000)),
+                        ]),
+                    ),
+                    ("cache_duration", duration(300_000)),
+                ]),
+            ),
+        };
+        let provider = map(vec![
+            ("issuer", s(jwt.issuer.clone())),
+            (
+                "audiences",
+                Yaml::Array(jwt.audiences.iter().map(|a| s(a.clone())).collect()),
+            ),
+            jwks,
+            ("forward", Yaml::Boolean(jwt.forward_token)),
+            ("jwt_cache_config", map(vec![("jwt_cache_size", n(1000))])),
+            (
+                "claim_to_headers",
+                Yaml::Array(vec![map(vec![
+                    ("header_name", s(jwt.header.clone())),
+                    ("claim_name", s(jwt.claim.clone())),
+                ])]),
+            ),
+        ]);
+        out.push(map(vec![
+            ("name", s("envoy.filters.http.jwt_authn")),
+            (
+                "typed_config",
+                typed(
+                    "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+                    vec![
+                        ("providers", map(vec![(JWT_PROVIDER, provider)])),
+                        (
+                            "rules",
+                            Yaml::Array(cfg.routes.iter().map(jwt_rule).collect()),
+                        ),
+                    ],
+                ),
+            ),
+        ]));
+    }
+    out.push(map(vec![
+        ("name", s("envoy.filters.http.wasm")),
+        (
+            "typed_config",
+            typed(
+                "envoy.extensions.filters.http.wasm.v3.Wasm",
+                vec![(
+                    "config",
+                    map(vec![
+                        ("name", s("idempotency")),
+                        ("root_id", s("idempotency")),
+                        // The filter holds the headers while it reads the body (Envoy >= 1.35).
+                        ("allow_on_headers_stop_iteration", Yaml::Boolean(true)),
+                        (
+                            "vm_config",
+                            map(vec![
+                                ("vm_id", s("idempotency")),
+                                ("runtime", s("envoy.wasm.runtime.v8")),
+                                (
+                                    "code",
+                                    map(vec![(
+                                        "local",
+                                        map(vec![(
+                                            "filename",
+                                            s(inputs.wasm.display().to_string()),
+                                        )]),
+                                    )]),
+                                ),
+                            ]),
+                        ),
+                        (
+                            "configuration",
+                            typed(
+                                "google.protobuf.StringValue",
+                                vec![("value", s(filter_json(cfg, &inputs.state_token)))],
+                            ),
+                        ),
+                    ]),
+                )],
+            ),
+        ),
+    ]));
+    out.push(map(vec![
+        ("name", s("envoy.filters.http.router")),
+        (
+            "typed_config",
+            typed("envoy.extensions.filters.http.router.v3.Router", vec![]),
+        ),
+    ]));
+    out
+}
+
+/// The Envoy configuration (YAML).
+pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
+    let largest_body = cfg
+        .routes
+        .iter()
+        .filter_map(|r| r.max_request_body_bytes)
+        .chain([cfg.filter.max_request_body_bytes])
+        .max()
+        .unwrap_or(cfg.filter.max_request_body_bytes);
+    // Above the largest body the filter reads, so it answers 413 itself before Envoy would.
+    let buffer_limit = largest_body
+        .saturating_mul(2)
+        .saturating_add(1 << 20)
+        .max(4 << 20);
+    let hcm = typed(
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        vec![
+            ("stat_prefix", s("edge")),
+            ("codec_type", s("AUTO")),
+            (
+                "route_config",
+                map(vec![
+                    ("name", s("edge")),
+                    (
+                        "virtual_hosts",
+                        Yaml::Array(vec![map(vec![
+                            ("name", s("upstream")),
+                            ("domains", Yaml::Array(vec![s("*")])),
+                            (
+                                "routes",
+                                Yaml::Array(vec![map(vec![
+                                    ("match", map(vec![("prefix", s("/"))])),
+                                    (
+                                        "route",
+                                        map(vec![
+                                            ("cluster", s(UPSTREAM_CLUSTER)),
+                                            ("timeout", duration(cfg.upstream_timeout_ms)),
+                                        ]),
+                                    ),
+                                ])]),
+                            ),
+                        ])]),
+                    ),
+                ]),
+            ),
+            ("http_filters", Yaml::Array(http_filters(cfg, inputs))),
+        ],
+    );
+    let listener = map(vec![
+        ("name", s("edge")),
+        ("address", socket_address(cfg.listen)),
+        ("per_connection_buffer_limit_bytes", n(buffer_limit)),
+        (
+            "filter_chains",
+            Yaml::Array(vec![map(vec![(
+                "filters",
+                Yaml::Array(vec![map(vec![
+                    ("name", s("envoy.filters.network.http_connection_manager")),
+                    ("typed_config", hcm),
+                ])]),
+            )])]),
+        ),
+    ]);
+    let mut clusters = vec![
+        cluster(UPSTREAM_CLUSTER, &cfg.upstream, 1_000, &inputs.ca_file),
+        cluster(
+            STATE_API_CLUSTER,
+            &reachable(cfg.state.listen),
+            500,
+            &inputs.ca_file,
+        ),
+    ];
+    if let Subject::Jwt(j) = &cfg.subject {
+        if let Jwks::Url { endpoint, .. } = &j.jwks {
+            clusters.push(cluster(JWKS_CLUSTER, endpoint, 2_000, &inputs.ca_file));
+        }
+    }
+    for (i, r) in cfg.routes.iter().enumerate() {
+        if let Some(e) = r.reconcile.as_ref().and_then(|rc| rc.upstream.as_ref()) {
+            clusters.push(cluster(&reconcile_cluster(i), e, 1_000, &inputs.ca_file));
+        }
+    }
+    let mut top = Vec::new();
+    if let Some(admin) = cfg.admin {
+        top.push(("admin", map(vec![("address", socket_address(admin))])));
+    }
+    top.push((
+        "static_resources",
+        map(vec![
+            ("listeners", Yaml::Array(vec![listener])),
+            ("clusters", Yaml::Array(clusters)),
+        ]),
+    ));
+    let doc = map(top);
+    let mut out = String::new();
+    let mut emitter = YamlEmitter::new(&mut out);
+    emitter.multiline_strings(true);
+    if emitter.dump(&doc).is_err() {
+        return String::new();
+    }
+    out.push('\n');
+    out
+}
+
+/// The state API's environment for this configuration (its flags' variables).
+pub fn state_api_env(
+    cfg: &Config,
+    database_url: &str,
+    token: &str,
+    key_secret: &str,
+) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("DATABASE_URL".to_owned(), database_url.to_owned()),
+        ("LISTEN_ADDR".to_owned(), cfg.state.listen.to_string()),
+        ("STATE_API_TOKEN".to_owned(), token.to_owned()),
+        ("IDEM_KEY_SECRET".to_owned(), key_secret.to_owned()),
+    ];
+    if let Some(r) = cfg.state.retention_s {
+        env.push(("STATE_API_RETENTION_S".to_owned(), r.to_string()));
+    }
+    if cfg.filter.max_stored_body_bytes > filter_core::config::DEFAULT_MAX_BODY {
+        // The state API stores 1 MiB by default: as much as the filter keeps.
+        env.push((
+            "STATE_API_MAX_BODY_BYTES".to_owned(),
+            cfg.filter.max_stored_body_bytes.to_string(),
+        ));
+    }
+    env
+}

@@ -1,0 +1,318 @@
+//! The configuration file: what it accepts, and the one clear error (field and line) for each
+//! kind of mistake.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+
+use edge::config::{Config, ConfigError, Jwks, Match, OnUnknown, Subject};
+
+/// A folder with a JWKS file, for files that name one.
+fn folder() -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "edge-config-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("jwks.json"),
+        r#"{"keys": [{"kty": "RSA", "n": "x", "e": "AQAB"}]}"#,
+    )
+    .unwrap();
+    dir
+}
+
+const GOOD: &str = r#"listen = "127.0.0.1:10000"
+upstream = "http://127.0.0.1:3000"
+
+[subject.jwt]
+issuer = "https://issuer.example"
+audiences = ["orders"]
+jwks_file = "jwks.json"
+
+[[route]]
+method = "POST"
+path = "/orders"
+key = "required"
+"#;
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(text, "edge.toml", &folder())
+}
+
+/// The error's line and message.
+fn error(text: &str) -> (usize, String) {
+    match parse(text) {
+        Err(ConfigError::At {
+            line,
+            message,
+            file,
+        }) => {
+            assert_eq!(file, "edge.toml");
+            (line, message)
+        }
+        other => panic!("expected an error with a line, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_smallest_file_gets_the_filter_defaults() {
+    let c = parse(GOOD).unwrap();
+    assert_eq!(c.listen.to_string(), "127.0.0.1:10000");
+    assert_eq!(c.admin, None);
+    assert_eq!(
+        (c.upstream.host.as_str(), c.upstream.port, c.upstream.tls),
+        ("127.0.0.1", 3000, false)
+    );
+    assert_eq!(c.state.listen.to_string(), "127.0.0.1:8081");
+    assert!(c.embedded_postgres());
+    assert_eq!(c.state.postgres_port, 54330);
+    assert_eq!((c.filter.lease_ms, c.filter.heartbeat_ms), (30_000, 10_000));
+    let Subject::Jwt(j) = &c.subject else {
+        panic!("a JWT subject")
+    };
+    assert_eq!(
+        (j.header.as_str(), j.claim.as_str(), j.forward_token),
+        ("x-jwt-sub", "sub", true)
+    );
+    assert!(matches!(&j.jwks, Jwks::File(p) if p.ends_with("jwks.json") && p.is_absolute()));
+    assert_eq!(c.routes.len(), 1);
+    assert_eq!(c.routes[0].matcher, Match::Path("/orders".into()));
+    assert_eq!(c.routes[0].on_unknown, OnUnknown::Hold);
+}
+
+#[test]
+fn the_committed_examples_load() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    for f in ["examples/demo.toml", "examples/own-api.toml"] {
+        Config::load(&root.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+}
+
+#[test]
+fn every_option_is_read() {
+    let text = GOOD.replace(
+        "[[route]]",
+        r#"[filter]
+lease_ms = 20000
+heartbeat_ms = 5000
+max_request_body_bytes = 4096
+complete_in_background = true
+replay_extra_headers = ["X-Charge-Id"]
+
+[[route]]
+method = "POST"
+prefix = "/payments/"
+key = "optional"
+on_5xx = "release"
+on_state_unavailable = "fail_open"
+on_unknown = "reconcile"
+reconcile = { path = "/payments/attempts/{key}", upstream = "https://ledger.example:8443", timeout_ms = 500 }
+lease_ms = 60000
+heartbeat_ms = 20000
+max_request_body_bytes = 100
+
+[[route]]"#,
+    );
+    let c = parse(&text).unwrap();
+    assert_eq!(c.filter.replay_extra_headers, ["x-charge-id"]);
+    assert!(c.filter.complete_in_background);
+    let r = &c.routes[0];
+    assert_eq!(r.matcher, Match::Prefix("/payments/".into()));
+    assert_eq!(
+        (r.lease_ms, r.heartbeat_ms, r.max_request_body_bytes),
+        (Some(60_000), Some(20_000), Some(100))
+    );
+    let rc = r.reconcile.as_ref().unwrap();
+    assert_eq!(rc.method, "GET");
+    let up = rc.upstream.as_ref().unwrap();
+    assert_eq!(
+        (up.tls, up.host.as_str(), up.port),
+        (true, "ledger.example", 8443)
+    );
+    // What the filter makes of it: its own parser accepts the rendered JSON.
+    let json = edge::render::filter_json(&c, "t0ken-t0ken-t0ken");
+    let f = filter_core::config::Config::parse(json.as_bytes()).unwrap();
+    assert_eq!(f.lease_for(0), 60_000);
+    assert_eq!(
+        f.routes[0].reconcile.as_ref().map(|r| r.cluster.as_str()),
+        Some("reconcile_0")
+    );
+}
+
+#[test]
+fn a_missing_upstream_is_named() {
+    let (line, msg) = error(&GOOD.replace("upstream = \"http://127.0.0.1:3000\"\n", ""));
+    assert!(msg.contains("missing field `upstream`"), "{msg}");
+    assert_eq!(line, 1);
+}
+
+#[test]
+fn a_route_with_both_path_and_prefix_is_refused_at_its_line() {
+    let (line, msg) =
+        error(&GOOD.replace("key = \"required\"", "key = \"required\"\nprefix = \"/o/\""));
+    assert_eq!(line, 13, "{msg}");
+    assert!(msg.contains("either path or prefix, not both"), "{msg}");
+}
+
+#[test]
+fn a_lease_shorter_than_two_heartbeats_is_refused() {
+    let (line, msg) = error(&GOOD.replace(
+        "key = \"required\"",
+        "key = \"required\"\nlease_ms = 5000\nheartbeat_ms = 3000",
+    ));
+    assert_eq!(line, 14, "{msg}");
+    assert!(msg.contains("shorter than two heartbeats"), "{msg}");
+    let (line, msg) =
+        error(&GOOD.replace("[[route]]", "[filter]\nheartbeat_ms = 20000\n\n[[route]]"));
+    assert_eq!(line, 10, "{msg}");
+    assert!(
+        msg.contains("filter.lease_ms (30000 ms) is shorter than two heartbeats"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn an_unreadable_jwks_is_refused_at_its_line() {
+    let (line, msg) = error(&GOOD.replace("jwks.json", "missing.json"));
+    assert_eq!(line, 7);
+    assert!(
+        msg.contains("subject.jwt.jwks_file") && msg.contains("cannot read"),
+        "{msg}"
+    );
+    let dir = folder();
+    std::fs::write(dir.join("bad.json"), "{\"not\": \"a jwks\"}").unwrap();
+    let e = Config::parse(&GOOD.replace("jwks.json", "bad.json"), "edge.toml", &dir).unwrap_err();
+    assert!(e.to_string().contains("no \"keys\""), "{e}");
+}
+
+#[test]
+fn a_port_in_use_is_refused_at_its_line_before_anything_starts() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let c = parse(&GOOD.replace("127.0.0.1:10000", &format!("127.0.0.1:{port}"))).unwrap();
+    let e = edge::run::check_ports(&c).unwrap_err();
+    match e {
+        ConfigError::At { line, message, .. } => {
+            assert_eq!(line, 1);
+            assert!(
+                message.contains("listen") && message.contains("in use"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn other_mistakes_are_named_too() {
+    let cases: &[(&str, &str, usize, &str)] = &[
+        (
+            "listen = \"127.0.0.1:10000\"",
+            "listen = \"localhost\"",
+            1,
+            "listen must be an address and port",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:3000\"",
+            "upstream = \"ftp://x\"",
+            2,
+            "http:// or https://",
+        ),
+        (
+            "upstream = \"http://127.0.0.1:3000\"",
+            "upstream = \"http://x/api\"",
+            2,
+            "without a path",
+        ),
+        (
+            "key = \"required\"",
+            "key = \"always\"",
+            12,
+            "unknown variant `always`",
+        ),
+        (
+            "key = \"required\"",
+            "key = \"required\"\nmethods = \"GET\"",
+            13,
+            "unknown field `methods`",
+        ),
+        (
+            "path = \"/orders\"",
+            "path = \"orders\"",
+            11,
+            "must start with '/'",
+        ),
+        (
+            "key = \"required\"",
+            "key = \"required\"\non_unknown = \"reconcile\"",
+            13,
+            "needs reconcile",
+        ),
+        (
+            "key = \"required\"",
+            "key = \"required\"\nreconcile = { path = \"/x/{key}\" }",
+            13,
+            "only used with on_unknown",
+        ),
+        (
+            "key = \"required\"",
+            "key = \"required\"\non_unknown = \"reconcile\"\nreconcile = { path = \"/x\" }",
+            14,
+            "hold {key}",
+        ),
+        (
+            "audiences = [\"orders\"]",
+            "audiences = []",
+            6,
+            "at least one audience",
+        ),
+        (
+            "[subject.jwt]",
+            "[subject]\nheader = \"x-user\"\n\n[subject.jwt]",
+            4,
+            "exactly one of",
+        ),
+        (
+            "jwks_file = \"jwks.json\"",
+            "jwks_file = \"jwks.json\"\njwks_url = \"https://issuer.example/jwks\"",
+            4,
+            "exactly one of jwks_file or jwks_url",
+        ),
+    ];
+    for (from, to, want_line, want) in cases {
+        let (line, msg) = error(&GOOD.replace(from, to));
+        assert!(msg.contains(want), "{to:?}: {msg}");
+        assert_eq!(line, *want_line, "{to:?}: {msg}");
+    }
+    // No route at all, a route twice.
+    let (_, msg) = error(GOOD.split("[[route]]").next().unwrap());
+    assert!(msg.contains("no [[route]]"), "{msg}");
+    let twice =
+        format!("{GOOD}\n[[route]]\nmethod = \"post\"\npath = \"/orders\"\nkey = \"optional\"\n");
+    let (line, msg) = error(&twice);
+    assert_eq!(line, 14, "{msg}");
+    assert!(msg.contains("already configured"), "{msg}");
+    // The same port twice.
+    let (_, msg) = match parse(&GOOD.replace(
+        "[subject.jwt]",
+        "[state]\nlisten = \"127.0.0.1:10000\"\n\n[subject.jwt]",
+    )) {
+        Err(ConfigError::At { line, message, .. }) => (line, message),
+        other => panic!("{other:?}"),
+    };
+    assert!(msg.contains("same address as listen"), "{msg}");
+}
+
+#[test]
+fn a_header_subject_is_allowed() {
+    let text = GOOD.replace(
+        "[subject.jwt]\nissuer = \"https://issuer.example\"\naudiences = [\"orders\"]\njwks_file = \"jwks.json\"",
+        "[subject]\nheader = \"X-User-Id\"",
+    );
+    let c = parse(&text).unwrap();
+    assert_eq!(c.subject, Subject::Header("x-user-id".into()));
+}

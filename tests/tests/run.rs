@@ -1,0 +1,586 @@
+//! `edge run` and `edge render` in front of an API that is not the demo checkout (issue 14):
+//! the real `edge` binary, starting the real Postgres (embedded, or an existing one), state API
+//! and Envoy, with a configuration file written the way a user writes one.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use stack::client::{unique_key, Client, Request};
+use stack::net::free_port;
+use stack::postgres::TempCluster;
+use stack::process::{workspace_binary, workspace_root};
+use stack::stack::token;
+use stack::testkit::{block_on, replayed};
+use stack::upstream::OwnApi;
+
+fn main() {
+    let args = Arguments::from_args();
+    let trials = vec![
+        Trial::test(
+            "edge_run_protects_an_api_that_is_not_the_demo_checkout",
+            || block_on(protects_own_api()),
+        ),
+        Trial::test(
+            "edge_run_uses_an_existing_postgres_from_database_url",
+            || block_on(existing_postgres()),
+        ),
+        Trial::test("rendered_configurations_pass_envoy_validate", || {
+            rendered_configs_validate().map_err(Failed::from)
+        }),
+        Trial::test(
+            "a_bad_file_gets_one_error_naming_its_field_and_line_and_starts_nothing",
+            || bad_files_start_nothing().map_err(Failed::from),
+        ),
+    ];
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// A folder for one test's file, JWKS and run folder.
+fn folder(label: &str) -> PathBuf {
+    let dir = workspace_root().join("target/edge-runs").join(format!(
+        "{label}-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::copy(
+        workspace_root().join("envoy/demo-jwks.json"),
+        dir.join("jwks.json"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    dir
+}
+
+struct Ports {
+    listen: u16,
+    admin: u16,
+    state: u16,
+    postgres: u16,
+}
+
+impl Ports {
+    fn free() -> Self {
+        Self {
+            listen: free_port(),
+            admin: free_port(),
+            state: free_port(),
+            postgres: free_port(),
+        }
+    }
+}
+
+/// A user's file: an order route, a payments prefix, the demo issuer's tokens from a JWKS file.
+fn own_file(p: &Ports, upstream: &str, state_extra: &str) -> String {
+    format!(
+        r#"listen = "127.0.0.1:{listen}"
+admin = "127.0.0.1:{admin}"
+upstream = "{upstream}"
+
+[state]
+listen = "127.0.0.1:{state}"
+{state_extra}
+
+[subject.jwt]
+issuer = "https://demo-issuer.edge-idempotency.invalid"
+audiences = ["checkout"]
+jwks_file = "jwks.json"
+
+[[route]]
+method = "POST"
+path = "/orders"
+key = "required"
+
+[[route]]
+method = "POST"
+prefix = "/payments/"
+key = "required"
+lease_ms = 6000
+heartbeat_ms = 2000
+"#,
+        listen = p.listen,
+        admin = p.admin,
+        state = p.state,
+    )
+}
+
+/// `edge run` as a child process, up to its `ready:` line.
+struct EdgeRun {
+    child: Child,
+    ready: String,
+    stderr: PathBuf,
+}
+
+impl EdgeRun {
+    fn start(config: &Path, dir: &Path) -> Result<Self, String> {
+        let bin = workspace_binary("edge")?;
+        let stderr = dir.join("edge.stderr");
+        let err = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
+        let mut child = Command::new(&bin)
+            .args(["run", "--config"])
+            .arg(config)
+            .arg("--dir")
+            .arg(dir.join("run"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while Instant::now() < deadline {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) if line.starts_with("ready: ") => {
+                    return Ok(Self {
+                        child,
+                        ready: line,
+                        stderr,
+                    })
+                }
+                Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "edge run exited ({status}) before ready:\n{}",
+                    std::fs::read_to_string(&stderr).unwrap_or_default()
+                ));
+            }
+        }
+        let _ = child.kill();
+        Err(format!(
+            "edge run was not ready in 90 s:\n{}",
+            std::fs::read_to_string(&stderr).unwrap_or_default()
+        ))
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// SIGTERM, and it ends by itself, cleanly.
+    fn stop(mut self) -> Result<(), String> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!("edge run ended with {status}:\n{}", self.stderr()))
+                };
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err("edge run did not stop within 30 s of SIGTERM".into())
+    }
+}
+
+impl Drop for EdgeRun {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn listening(port: u16) -> bool {
+    std::net::TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(200),
+    )
+    .is_ok()
+}
+
+fn order(key: &str, amount: u64) -> Request {
+    Request::post("/orders")
+        .token(&token("alice"))
+        .key(key)
+        .json(&serde_json::json!({"amount": amount, "items": [{"sku": "a", "qty": 1}]}))
+}
+
+async fn executions(api: &OwnApi, key: &str) -> u64 {
+    Client::new(&api.url())
+        .send(Request::get(&format!("/executions?key={key}")))
+        .await
+        .text()
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+async fn protects_own_api() {
+    let api = OwnApi::start().unwrap_or_else(|e| panic!("{e}"));
+    let dir = folder("own-api");
+    let p = Ports::free();
+    let config = dir.join("edge.toml");
+    std::fs::write(
+        &config,
+        own_file(&p, &api.url(), &format!("postgres_port = {}", p.postgres)),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let edge = EdgeRun::start(&config, &dir).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        edge.ready
+            .contains(&format!("http://127.0.0.1:{}", p.listen))
+            && edge.ready.contains("embedded Postgres"),
+        "{}",
+        edge.ready
+    );
+    let c = Client::new(&format!("http://127.0.0.1:{}", p.listen));
+
+    // A protected route: 201, a replay, 422 for another body; one execution.
+    let key = unique_key("order");
+    let first = c.send(order(&key, 10)).await;
+    assert_eq!(first.status, 201, "{}\n{}", first.describe(), edge.stderr());
+    assert_eq!(
+        first.json()["subject"],
+        "alice",
+        "the verified subject reaches the API"
+    );
+    let again = c.send(order(&key, 10)).await;
+    assert!(
+        replayed(&again) && again.body == first.body,
+        "{}",
+        again.describe()
+    );
+    let other = c.send(order(&key, 11)).await;
+    assert_eq!(other.status, 422, "{}", other.describe());
+    assert_eq!(executions(&api, &key).await, 1);
+    // 409 at once while the first still runs.
+    let slow_key = unique_key("slow");
+    let slow = {
+        let c = c.clone();
+        let req = order(&slow_key, 5).header("x-delay-ms", "1500");
+        tokio::spawn(async move { c.send(req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let dup = c.send(order(&slow_key, 5)).await;
+    assert_eq!(dup.status, 409, "{}", dup.describe());
+    assert!(dup.header("retry-after").is_some());
+    assert_eq!(slow.await.map(|a| a.status).ok(), Some(201));
+    assert_eq!(executions(&api, &slow_key).await, 1);
+    // Without a token a protected route is refused by jwt_authn.
+    let bare = c
+        .send(
+            Request::post("/orders")
+                .key(&unique_key("bare"))
+                .json(&serde_json::json!({})),
+        )
+        .await;
+    assert_eq!(bare.status, 401, "{}", bare.describe());
+
+    // A prefix route, with its own lease.
+    let pay = unique_key("pay");
+    let send_pay = || {
+        Request::post("/payments/abc")
+            .token(&token("bob"))
+            .key(&pay)
+            .json(&serde_json::json!({"amount": 3}))
+    };
+    let a = c.send(send_pay()).await;
+    assert_eq!(a.status, 201, "{}", a.describe());
+    assert_eq!(a.json()["subject"], "bob");
+    assert!(replayed(&c.send(send_pay()).await));
+    assert_eq!(executions(&api, &pay).await, 1);
+
+    // Everything else passes through untouched: method, path, query, headers, body, no token
+    // needed; a client-made subject header never reaches the API.
+    let echo = c
+        .send(
+            Request {
+                method: reqwest::Method::PUT,
+                ..Request::post("/things/42?b=2&a=1&a=%2F")
+            }
+            .header("x-custom", "Value With  Spaces")
+            .header("x-custom", "second")
+            .header("x-jwt-sub", "mallory")
+            .body(vec![7u8; 70_000]),
+        )
+        .await;
+    assert_eq!(echo.status, 200, "{}", echo.describe());
+    let e = echo.json();
+    assert_eq!(e["method"], "PUT");
+    assert_eq!(e["path_and_query"], "/things/42?b=2&a=1&a=%2F");
+    assert_eq!(e["body_len"], 70_000);
+    assert_eq!(e["body_sha256"], stack::testkit::sha256_hex(&[7u8; 70_000]));
+    let headers: Vec<(String, String)> = e["headers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| Some((p[0].as_str()?.to_owned(), p[1].as_str()?.to_owned())))
+        .collect();
+    let custom: Vec<&str> = headers
+        .iter()
+        .filter(|(n, _)| n == "x-custom")
+        .map(|(_, v)| v.as_str())
+        .collect();
+    assert_eq!(custom, ["Value With  Spaces", "second"], "{headers:?}");
+    assert!(
+        !headers.iter().any(|(n, _)| n == "x-jwt-sub"),
+        "{headers:?}"
+    );
+    // A streamed (chunked) answer arrives whole.
+    let streamed = c.send(Request::get("/stream?chunks=5")).await;
+    assert_eq!(
+        streamed.text(),
+        (0..5).map(|i| format!("chunk {i}\n")).collect::<String>()
+    );
+
+    // A killed Postgres is restarted (and reaped): requests work again.
+    let pid_file = dir.join("run/postgres/data/postmaster.pid");
+    let pid = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|t| t.lines().next().map(str::to_owned))
+        .unwrap_or_else(|| panic!("no {}", pid_file.display()));
+    let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    let recovered = Instant::now();
+    let mut back = None;
+    while recovered.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let a = c.send(order(&unique_key("after-kill"), 1)).await;
+        if a.status == 201 {
+            back = Some(recovered.elapsed());
+            break;
+        }
+        assert_eq!(a.status, 503, "fail closed meanwhile: {}", a.describe());
+    }
+    assert!(
+        back.is_some(),
+        "Postgres was not restarted:\n{}",
+        edge.stderr()
+    );
+    assert!(
+        edge.stderr().contains("Postgres died; restarting it"),
+        "{}",
+        edge.stderr()
+    );
+    // The stored outcome survived the crash.
+    assert!(replayed(&c.send(order(&key, 10)).await));
+
+    // SIGTERM stops everything.
+    edge.stop().unwrap_or_else(|e| panic!("{e}"));
+    for (what, port) in [
+        ("Envoy", p.listen),
+        ("the admin", p.admin),
+        ("the state API", p.state),
+        ("Postgres", p.postgres),
+    ] {
+        assert!(
+            !listening(port),
+            "{what} still listens on {port} after SIGTERM"
+        );
+    }
+}
+
+async fn existing_postgres() {
+    let api = OwnApi::start().unwrap_or_else(|e| panic!("{e}"));
+    let pg = TempCluster::start().unwrap_or_else(|e| panic!("{e}"));
+    let url = pg
+        .fresh_database("edge_run")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dir = folder("database-url");
+    let p = Ports::free();
+    let config = dir.join("edge.toml");
+    std::fs::write(
+        &config,
+        own_file(&p, &api.url(), &format!("database_url = \"{url}\"")),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let edge = EdgeRun::start(&config, &dir).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!edge.ready.contains("embedded"), "{}", edge.ready);
+    assert!(
+        !dir.join("run/postgres").exists(),
+        "no embedded cluster was made"
+    );
+    let c = Client::new(&format!("http://127.0.0.1:{}", p.listen));
+    let key = unique_key("existing");
+    assert_eq!(c.send(order(&key, 1)).await.status, 201);
+    assert!(replayed(&c.send(order(&key, 1)).await));
+    // The record is in that database.
+    let db = url.rsplit('/').next().unwrap_or_default();
+    let rows = pg
+        .psql(
+            db,
+            "SELECT count(*) FROM idempotency_records WHERE state = 'completed'",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(rows, "1");
+    edge.stop().unwrap_or_else(|e| panic!("{e}"));
+}
+
+fn validate(yaml_path: &Path) -> Result<(), String> {
+    let envoy = stack::envoy::envoy_binary()?;
+    let out = Command::new(envoy)
+        .args(["--mode", "validate", "-c"])
+        .arg(yaml_path)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "envoy --mode validate refused {}:\n{}{}",
+            yaml_path.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+fn rendered_configs_validate() -> Result<(), String> {
+    let edge = workspace_binary("edge")?;
+    let wasm = stack::envoy::filter_wasm()?;
+    let dir = folder("render");
+    // Every feature the renderer has: a remote JWKS over TLS, a reconcile service of its own
+    // over TLS, per-route options; and a header subject.
+    let full = format!(
+        "{}\n[filter]\ncomplete_in_background = true\nreplay_extra_headers = [\"x-order-id\"]\n",
+        own_file(&Ports::free(), "https://api.example:8443", "timeout_ms = 500")
+            .replace("jwks_file = \"jwks.json\"", "jwks_url = \"https://issuer.example/.well-known/jwks.json\"")
+            .replace(
+                "path = \"/orders\"\nkey = \"required\"",
+                "path = \"/orders\"\nkey = \"required\"\non_unknown = \"reconcile\"\nreconcile = { path = \"/orders/attempts/{key}\", upstream = \"https://ledger.internal\" }",
+            )
+    );
+    let header = own_file(&Ports::free(), "http://127.0.0.1:3000", "").replace(
+        "[subject.jwt]\nissuer = \"https://demo-issuer.edge-idempotency.invalid\"\naudiences = [\"checkout\"]\njwks_file = \"jwks.json\"",
+        "[subject]\nheader = \"x-user-id\"",
+    );
+    let files = [("full.toml", full), ("header.toml", header)];
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).map_err(|e| e.to_string())?;
+    }
+    for config in [
+        dir.join("full.toml"),
+        dir.join("header.toml"),
+        workspace_root().join("examples/own-api.toml"),
+        workspace_root().join("examples/demo.toml"),
+    ] {
+        let out = Command::new(&edge)
+            .args(["render", "--config"])
+            .arg(&config)
+            .arg("--wasm")
+            .arg(&wasm)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!(
+                "edge render {}: {}",
+                config.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let yaml = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !yaml.contains("#   STATE_API_TOKEN=") || !yaml.contains("#   DATABASE_URL=") {
+            return Err(format!("the state API's environment is missing:\n{yaml}"));
+        }
+        let path = dir.join(format!(
+            "{}.yaml",
+            config
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        ));
+        std::fs::write(&path, &yaml).map_err(|e| e.to_string())?;
+        validate(&path)?;
+    }
+    Ok(())
+}
+
+fn bad_files_start_nothing() -> Result<(), String> {
+    let edge = workspace_binary("edge")?;
+    let dir = folder("bad");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let taken_port = taken.local_addr().map_err(|e| e.to_string())?.port();
+    let p = Ports::free();
+    let good = own_file(
+        &p,
+        "http://127.0.0.1:3000",
+        &format!("postgres_port = {}", p.postgres),
+    );
+    let cases: Vec<(&str, String, &str, usize)> = vec![
+        (
+            "missing upstream",
+            good.replace("upstream = \"http://127.0.0.1:3000\"\n", ""),
+            "missing field `upstream`",
+            1,
+        ),
+        (
+            "path and prefix",
+            good.replace("path = \"/orders\"", "path = \"/orders\"\nprefix = \"/o/\""),
+            "either path or prefix, not both",
+            17,
+        ),
+        (
+            "a lease shorter than two heartbeats",
+            good.replace("heartbeat_ms = 2000", "heartbeat_ms = 4000"),
+            "shorter than two heartbeats",
+            24,
+        ),
+        (
+            "an unreadable JWKS",
+            good.replace("jwks.json", "no-such-jwks.json"),
+            "subject.jwt.jwks_file",
+            12,
+        ),
+        (
+            "a port in use",
+            good.replace(
+                &format!("127.0.0.1:{}\"\nadmin", p.listen),
+                &format!("127.0.0.1:{taken_port}\"\nadmin"),
+            ),
+            "is in use",
+            1,
+        ),
+    ];
+    for (what, text, want, line) in cases {
+        let config = dir.join("bad.toml");
+        std::fs::write(&config, &text).map_err(|e| e.to_string())?;
+        let out = Command::new(&edge)
+            .args(["run", "--config"])
+            .arg(&config)
+            .arg("--dir")
+            .arg(dir.join("run"))
+            .output()
+            .map_err(|e| e.to_string())?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let first = stderr.lines().next().unwrap_or_default();
+        if out.status.code() != Some(2)
+            || !first.contains(want)
+            || !first.starts_with(&format!("{}:{line}: ", config.display()))
+        {
+            return Err(format!(
+                "{what}: want exit 2 and `{}:{line}: ...{want}...`, got {:?}: {stderr}",
+                config.display(),
+                out.status.code()
+            ));
+        }
+        if stderr.lines().count() != 1 {
+            return Err(format!("{what}: one error, got:\n{stderr}"));
+        }
+        for port in [p.listen, p.admin, p.state, p.postgres] {
+            if listening(port) {
+                return Err(format!(
+                    "{what}: something listens on {port}: it started anyway"
+                ));
+            }
+        }
+        if dir.join("run/postgres").exists() {
+            return Err(format!("{what}: an embedded cluster was made"));
+        }
+    }
+    drop(taken);
+    Ok(())
+}
