@@ -1,14 +1,35 @@
-# One image per Rust service of the workspace: docker build --build-arg BIN=state-api (or checkout).
-# The filter is not built here: docker-compose mounts target/wasm32-wasip1/release/filter.wasm
-# (build it with `make build-filter`).
+# Everything `docker compose up` runs, built from this source tree with nothing but Docker:
+#   target `edge`:     edge run (Envoy with the filter, the state API, an embedded Postgres),
+#   target `checkout`: the demo checkout.
+# The filter module is built here too (wasm32-wasip1), in the build stage.
 FROM rust:1.95-bookworm AS build
-ARG BIN
 WORKDIR /src
+RUN rustup target add wasm32-wasip1
 COPY . .
-RUN cargo build --locked --release -p ${BIN} && cp target/release/${BIN} /usr/local/bin/service
+RUN cargo build --locked --release -p filter --target wasm32-wasip1 \
+ && cargo build --locked --release -p state-api -p edge -p checkout
 
-FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/*
-COPY --from=build /usr/local/bin/service /usr/local/bin/service
+# Envoy, as the project tests it (1.40.0).
+FROM envoyproxy/envoy:v1.40.0 AS envoy
+
+FROM debian:bookworm-slim AS edge
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates postgresql-15 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --home-dir /var/lib/edge --create-home edge
+COPY --from=envoy /usr/local/bin/envoy /usr/local/bin/envoy
+COPY --from=build /src/target/release/edge /src/target/release/state-api /usr/local/bin/
+COPY --from=build /src/target/wasm32-wasip1/release/filter.wasm /usr/local/lib/edge/filter.wasm
+ENV ENVOY_BIN=/usr/local/bin/envoy \
+    STATE_API_BIN=/usr/local/bin/state-api \
+    FILTER_WASM=/usr/local/lib/edge/filter.wasm \
+    PG_BIN=/usr/lib/postgresql/15/bin
+USER edge
+WORKDIR /var/lib/edge
+ENTRYPOINT ["/usr/local/bin/edge"]
+CMD ["run", "--config", "/etc/edge/edge.toml", "--dir", "/var/lib/edge/run"]
+
+FROM debian:bookworm-slim AS checkout
+COPY --from=build /src/target/release/checkout /usr/local/bin/checkout
 USER 65534:65534
-ENTRYPOINT ["/usr/local/bin/service"]
+ENTRYPOINT ["/usr/local/bin/checkout"]

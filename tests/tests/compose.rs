@@ -1,7 +1,9 @@
-//! No Docker engine runs here, so docker-compose.yml is checked as far as this machine allows:
-//! it parses, it names the four services on the demo's public addresses, and every file it
-//! mounts or builds from exists.
+//! No Docker engine runs here, so docker-compose.yml and the Dockerfile are checked as far as
+//! this machine allows: the compose file parses, runs `edge run` on the same configuration file
+//! as `make demo` (whose addresses are the public contract), mounts only files that exist, and
+//! builds from Dockerfile targets that exist, the filter module included.
 
+use edge::config::Config;
 use stack::process::workspace_root;
 use yaml_rust2::{Yaml, YamlLoader};
 
@@ -23,64 +25,98 @@ fn strings(y: &Yaml) -> Vec<String> {
         .unwrap_or_default()
 }
 
-#[test]
-fn services_publish_the_demo_addresses() {
-    let c = compose();
-    let services = &c["services"];
-    let expected = [
-        ("postgres", "127.0.0.1:54329:5432"),
-        ("state-api", "127.0.0.1:8081:8081"),
-        ("checkout", "127.0.0.1:8082:8082"),
-        ("envoy", "127.0.0.1:10000:10000"),
-    ];
-    for (name, port) in expected {
-        let ports = strings(&services[name]["ports"]);
-        assert!(
-            ports.iter().any(|p| p == port),
-            "service {name} must publish {port}: {ports:?}"
-        );
-    }
+fn dockerfile() -> String {
+    std::fs::read_to_string(workspace_root().join("Dockerfile")).unwrap_or_default()
 }
 
 #[test]
-fn mounted_and_built_files_exist() {
+fn edge_runs_the_demo_configuration_on_the_demo_addresses() {
+    let c = compose();
+    let edge = &c["services"]["edge"];
+    let command = strings(&edge["command"]);
+    let at = command
+        .iter()
+        .position(|a| a == "--config")
+        .and_then(|i| command.get(i + 1))
+        .unwrap_or_else(|| panic!("edge runs no --config: {command:?}"));
+    assert_eq!(command.first().map(String::as_str), Some("run"));
+    // The file it runs is examples/demo.toml, mounted where the command reads it.
+    let mounts = strings(&edge["volumes"]);
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m == &format!("./examples/demo.toml:{at}:ro")),
+        "{mounts:?}"
+    );
+    let demo = Config::load(&workspace_root().join("examples/demo.toml"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(demo.listen.to_string(), "127.0.0.1:10000");
+    assert_eq!(
+        demo.admin.map(|a| a.to_string()).as_deref(),
+        Some("127.0.0.1:9901")
+    );
+    assert_eq!(demo.state.listen.to_string(), "127.0.0.1:8081");
+    assert_eq!(demo.upstream.authority(), "127.0.0.1:8082");
+    assert_eq!(demo.state.postgres_port, 54329);
+    // Host networking: those addresses are the host's, as with `make demo`.
+    for svc in ["edge", "checkout"] {
+        assert_eq!(
+            c["services"][svc]["network_mode"].as_str(),
+            Some("host"),
+            "{svc}"
+        );
+    }
+    let checkout_env = &c["services"]["checkout"]["environment"];
+    assert_eq!(
+        checkout_env["CHECKOUT_LISTEN"].as_str(),
+        Some("127.0.0.1:8082")
+    );
+}
+
+#[test]
+fn mounted_files_exist_and_the_jwks_is_where_the_configuration_looks() {
     let c = compose();
     let root = workspace_root();
-    for volume in strings(&c["services"]["envoy"]["volumes"]) {
+    for volume in strings(&c["services"]["edge"]["volumes"]) {
         let host = volume.split(':').next().unwrap_or_default();
-        // The filter module is a build output (make build-filter); the rest are committed files.
-        if host.ends_with("filter.wasm") {
-            continue;
+        if !host.starts_with("./") {
+            continue; // a named volume
         }
         assert!(
             root.join(host).is_file(),
             "docker-compose mounts {host}, which does not exist"
         );
     }
-    assert!(root.join("Dockerfile").is_file());
-    for svc in ["state-api", "checkout"] {
-        let bin = c["services"][svc]["build"]["args"]["BIN"]
-            .as_str()
-            .unwrap_or_default();
-        assert!(
-            root.join(bin).join("Cargo.toml").is_file(),
-            "{svc} builds crate {bin}, which is not in the workspace"
-        );
-    }
+    // demo.toml reads ../envoy/demo-jwks.json from its own folder.
+    assert!(strings(&c["services"]["edge"]["volumes"])
+        .iter()
+        .any(|m| m.starts_with("./envoy/demo-jwks.json:/etc/edge/envoy/demo-jwks.json")));
 }
 
 #[test]
-fn state_api_settings_match_the_envoy_config() {
+fn the_images_build_everything_from_source_with_docker_alone() {
     let c = compose();
-    let env = &c["services"]["state-api"]["environment"];
-    let token = env["STATE_API_TOKEN"].as_str().unwrap_or_default();
-    let envoy = std::fs::read_to_string(workspace_root().join("envoy/envoy-docker.yaml"))
-        .unwrap_or_default();
+    let file = dockerfile();
+    for svc in ["edge", "checkout"] {
+        let target = c["services"][svc]["build"]["target"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(
+            file.contains(&format!(" AS {target}")),
+            "service {svc} builds target {target:?}, which the Dockerfile does not have"
+        );
+    }
+    // The module is built in a stage, not mounted from a host build.
+    assert!(file.contains("rustup target add wasm32-wasip1"));
+    assert!(file.contains("-p filter --target wasm32-wasip1"));
+    assert!(file.contains(&format!(
+        "envoyproxy/envoy:v{}",
+        stack::envoy::ENVOY_VERSION
+    )));
+    let ignore =
+        std::fs::read_to_string(workspace_root().join(".dockerignore")).unwrap_or_default();
     assert!(
-        !token.is_empty() && envoy.contains(&format!("\"token\": \"{token}\"")),
-        "Envoy must present the state API's token"
+        ignore.lines().any(|l| l == "target"),
+        "the build context leaves target/ out"
     );
-    assert!(env["DATABASE_URL"]
-        .as_str()
-        .is_some_and(|u| u.contains("@postgres:5432/")));
 }
