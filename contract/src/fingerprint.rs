@@ -414,10 +414,6 @@ fn canonical_number(written: &str) -> Result<Cow<'_, str>, CanonError> {
     if frac.0 == frac.1 && at == int_start + int_len && int_len <= 21 && written != "-0" {
         return Ok(Cow::Borrowed(written));
     }
-    if written.parse::<f64>().map_or(true, |v| v.is_infinite()) {
-        return Err(CanonError::NumberOutOfRange);
-    }
-
     // Exact decimal: value = 0.DIGITS × 10^point, DIGITS without leading/trailing zeros.
     let int_digits = b.get(int_start..int_start + int_len).unwrap_or(b"");
     let frac_digits = b.get(frac.0..frac.1).unwrap_or(b"");
@@ -431,7 +427,24 @@ fn canonical_number(written: &str) -> Result<Cow<'_, str>, CanonError> {
     let digits = all.get(first..=last).unwrap_or(b"1");
     // Position of the decimal point relative to the first significant digit.
     let point = int_len as i64 - first as i64 + exp;
+    if beyond_double(digits, point) {
+        return Err(CanonError::NumberOutOfRange);
+    }
     Ok(Cow::Owned(format_es(negative, digits, point)))
+}
+
+/// 2^1024 − 2^970, the smallest magnitude a double rounds to infinity, as 0.DIGITS × 10^309.
+const DOUBLE_OVERFLOW: &[u8] = b"179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792";
+
+/// Whether 0.`digits` × 10^`point` is beyond a double's range (what `str::parse::<f64>` reads
+/// as infinite), decided on the decimal digits: no float parsing in the module.
+fn beyond_double(digits: &[u8], point: i64) -> bool {
+    match point.cmp(&309) {
+        std::cmp::Ordering::Less => false,
+        std::cmp::Ordering::Greater => true,
+        // Both without trailing zeros: a digit string compares as the fraction it spells.
+        std::cmp::Ordering::Equal => digits >= DOUBLE_OVERFLOW,
+    }
 }
 
 /// ECMAScript Number::toString layout for the decimal 0.`digits` × 10^`n` (digits non-empty,

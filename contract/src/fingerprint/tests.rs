@@ -544,6 +544,20 @@ mod props {
             prop_assert_eq!(utf16_cmp(&a, &b), a.encode_utf16().cmp(b.encode_utf16()));
         }
 
+        /// The range check on decimal digits agrees with the float parser it replaced, most of
+        /// all next to the overflow threshold (2^1024 − 2^970 ≈ 1.7976931348623158e308).
+        #[test]
+        fn the_range_check_agrees_with_parsing_a_double(
+            mantissa in "1\\.797693134862315[0-9]{0,30}|[1-9]\\.[0-9]{0,20}",
+            exp in 300i64..320,
+            minus in any::<bool>(),
+        ) {
+            let text = format!("{}{mantissa}e{exp}", if minus { "-" } else { "" });
+            let parsed_infinite = text.parse::<f64>().map_or(true, |v| v.is_infinite());
+            let refused = matches!(canonical_number(&text), Err(CanonError::NumberOutOfRange));
+            prop_assert_eq!(refused, parsed_infinite, "{}", text);
+        }
+
         #[test]
         fn integers_are_exact(a in any::<i128>(), b in any::<i128>()) {
             prop_assume!(a != b);
@@ -599,5 +613,27 @@ mod props {
         let theirs = serde_json::from_slice::<Value>(s).is_ok();
         prop_assert_eq!(ours, theirs, "{:?}", String::from_utf8_lossy(s));
         Ok(())
+    }
+}
+
+#[test]
+fn the_overflow_threshold_itself_and_its_neighbours() {
+    let t = std::str::from_utf8(super::DOUBLE_OVERFLOW).unwrap_or_default();
+    let at = |digits: &str| format!("0.{digits}e309");
+    for (text, out) in [
+        (at(t), true),
+        (format!("{}1", at(t).trim_end_matches("e309")) + "e309", true),
+        (at(&t[..t.len() - 1]), false),
+        ("1.7976931348623157e308".to_owned(), false),
+        ("1.7976931348623159e308".to_owned(), true),
+        ("1e309".to_owned(), true),
+        ("9.99e307".to_owned(), false),
+    ] {
+        let refused = matches!(
+            super::canonical_number(&text),
+            Err(super::CanonError::NumberOutOfRange)
+        );
+        let parsed = text.parse::<f64>().map_or(true, |v| v.is_infinite());
+        assert_eq!((refused, parsed), (out, out), "{text}");
     }
 }
