@@ -331,6 +331,31 @@ async fn protects_own_api() {
         !headers.iter().any(|(n, _)| n == "x-jwt-sub"),
         "{headers:?}"
     );
+    // A streamed (chunked) request body passes whole, chunk boundaries aside.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        (0..8).map(|i| Ok(vec![i as u8; 9_000])).collect();
+    let all: Vec<u8> = (0..8u8).flat_map(|i| vec![i; 9_000]).collect();
+    let streamed_in = c
+        .send(
+            Request::post("/upload")
+                .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks))),
+        )
+        .await;
+    assert_eq!(
+        streamed_in.json()["body_len"],
+        72_000,
+        "{}",
+        streamed_in.describe()
+    );
+    assert_eq!(
+        streamed_in.json()["body_sha256"],
+        stack::testkit::sha256_hex(&all)
+    );
+    assert!(streamed_in.json()["headers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|p| p[0] == "transfer-encoding" && p[1] == "chunked"));
     // A streamed (chunked) answer arrives whole.
     let streamed = c.send(Request::get("/stream?chunks=5")).await;
     assert_eq!(

@@ -622,7 +622,10 @@ fn the_overflow_threshold_itself_and_its_neighbours() {
     let at = |digits: &str| format!("0.{digits}e309");
     for (text, out) in [
         (at(t), true),
-        (format!("{}1", at(t).trim_end_matches("e309")) + "e309", true),
+        (
+            format!("{}1", at(t).trim_end_matches("e309")) + "e309",
+            true,
+        ),
         (at(&t[..t.len() - 1]), false),
         ("1.7976931348623157e308".to_owned(), false),
         ("1.7976931348623159e308".to_owned(), true),
