@@ -3,6 +3,7 @@
 //! Nothing here calls a host or does I/O, so it compiles for `wasm32-wasip1` (the filter),
 //! `wasm32-unknown-unknown` (the wasm-bindgen tests) and natively (state API, tests).
 
+pub mod admin;
 pub mod fingerprint;
 pub mod json;
 pub mod key;

@@ -20,6 +20,18 @@ pub const MIN_LEASE_MS: u64 = 1_000;
 pub const MAX_LEASE_MS: u64 = 600_000;
 /// The largest stored response body a state API may be configured to accept.
 pub const MAX_STORED_BODY_BYTES: u64 = 16 * 1024 * 1024;
+/// Longest namespace (a deployment's part of every record's scope).
+pub const MAX_NAMESPACE_LEN: usize = 64;
+/// The longest a claim may wait for a running key's outcome (`Prefer: wait`).
+pub const MAX_WAIT_MS: u64 = 60_000;
+
+/// A namespace: empty (none), or at most [`MAX_NAMESPACE_LEN`] of `a-z 0-9 . _ -`.
+pub fn valid_namespace(ns: &str) -> bool {
+    ns.len() <= MAX_NAMESPACE_LEN
+        && ns
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+}
 
 /// A header name the state API stores: an HTTP token (RFC 9110) of at most
 /// [`MAX_HEADER_NAME_LEN`] bytes.

@@ -36,6 +36,12 @@ pub enum ProblemKind {
     FencedOut,
     /// The record asked for does not exist.
     NotFound,
+    /// The caller is known but may not do this (the filter's token on the admin API).
+    Forbidden,
+    /// An operator action on a record whose owner's lease is still live (`force` overrides).
+    LeaseLive,
+    /// An operator resolve of a record that is already completed (`force` overrides).
+    AlreadyCompleted,
     /// The state API (or its database) cannot be reached: nothing was forwarded.
     StateUnavailable,
     /// An unexpected failure inside the state API.
@@ -49,11 +55,14 @@ impl ProblemKind {
                 400
             }
             Self::Unauthenticated => 401,
+            Self::Forbidden => 403,
             Self::NotFound => 404,
             Self::InProgress
             | Self::FencedOut
             | Self::OutcomeNotReplayable
-            | Self::OutcomeUnknown => 409,
+            | Self::OutcomeUnknown
+            | Self::LeaseLive
+            | Self::AlreadyCompleted => 409,
             Self::PayloadTooLarge => 413,
             Self::EndpointTooLong => 414,
             Self::KeyReuseMismatch => 422,
@@ -78,6 +87,9 @@ impl ProblemKind {
             Self::ReconcileUnavailable => "reconcile-unavailable",
             Self::FencedOut => "fenced-out",
             Self::NotFound => "not-found",
+            Self::Forbidden => "forbidden",
+            Self::LeaseLive => "lease-live",
+            Self::AlreadyCompleted => "already-completed",
             Self::StateUnavailable => "idempotency-state-unavailable",
             Self::Internal => "internal-error",
         }
@@ -103,6 +115,9 @@ impl ProblemKind {
             }
             Self::FencedOut => "The claim was taken over by a newer owner",
             Self::NotFound => "No such record",
+            Self::Forbidden => "This credential may not do that",
+            Self::LeaseLive => "The record's owner still holds a live lease",
+            Self::AlreadyCompleted => "The record is already completed",
             Self::StateUnavailable => "Idempotency state is unavailable",
             Self::Internal => "Internal error",
         }

@@ -58,6 +58,16 @@ pub struct ClaimRequest {
     /// lease ran out): answer `unknown`, or take it over with a new token.
     #[serde(default, skip_serializing_if = "OnUnknown::is_hold")]
     pub on_unknown: OnUnknown,
+    /// The deployment the record belongs to: part of its scope (`""`: none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+    /// How long the record is kept; the state API's default when absent, its maximum at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention_s: Option<u64>,
+    /// When the key is in progress, wait up to this long for its outcome before answering
+    /// (`Prefer: wait`); the state API's maximum at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
 }
 
 /// A claim's choice for a record whose outcome is unknown.
@@ -100,6 +110,9 @@ pub enum ClaimResponse {
         /// replayable). Absent from state APIs older than this field.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_body_bytes: Option<u64>,
+        /// How long the record is kept, as applied (the request's, capped by the maximum).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retention_s: Option<u64>,
     },
     /// Another owner holds a live lease: answer 409 at once.
     InProgress {
@@ -162,6 +175,8 @@ pub struct HeartbeatRequest {
     pub key: String,
     pub subject: String,
     pub endpoint: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
     pub token: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
@@ -178,6 +193,8 @@ pub struct CompleteRequest {
     pub key: String,
     pub subject: String,
     pub endpoint: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
     pub token: i64,
     pub response: StoredResponse,
 }
@@ -188,6 +205,8 @@ pub struct ReleaseRequest {
     pub key: String,
     pub subject: String,
     pub endpoint: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
     pub token: i64,
 }
 
@@ -286,6 +305,7 @@ impl ClaimResponse {
                 lease_ms: f.u64("lease_ms")?,
                 reclaimed: f.bool("reclaimed")?,
                 max_body_bytes: f.opt_u64("max_body_bytes")?,
+                retention_s: f.opt_u64("retention_s")?,
             },
             "in_progress" => ClaimResponse::InProgress {
                 retry_after_s: u32::try_from(f.u64("retry_after_s")?)
@@ -357,12 +377,14 @@ mod tests {
                 lease_ms: 30_000,
                 reclaimed: true,
                 max_body_bytes: Some(1 << 20),
+                retention_s: Some(86_400),
             },
             ClaimResponse::Claimed {
                 token: 1,
                 lease_ms: 1_000,
                 reclaimed: false,
                 max_body_bytes: None,
+                retention_s: None,
             },
             ClaimResponse::InProgress {
                 retry_after_s: 2,

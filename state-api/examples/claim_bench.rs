@@ -77,6 +77,9 @@ fn claim_req(key: String) -> ClaimRequest {
         fingerprint_alg: "sha256-jcs-v2".into(),
         lease_ms: Some(60_000),
         on_unknown: Default::default(),
+        namespace: String::new(),
+        retention_s: None,
+        wait_ms: None,
     }
 }
 
@@ -95,6 +98,7 @@ async fn claim(t: &Target, key: &str) -> ClaimResponse {
 
 async fn complete(t: &Target, key: &str, token: i64) {
     let body = CompleteRequest {
+        namespace: String::new(),
         key: key.into(),
         subject: "bench".into(),
         endpoint: "POST /checkout".into(),

@@ -62,6 +62,7 @@ pub struct ClaimJob {
     pub lease_ms: u64,
     pub retention_ms: i64,
     pub take_over_unknown: bool,
+    pub namespace: String,
 }
 
 impl ClaimJob {
@@ -75,6 +76,7 @@ impl ClaimJob {
             lease_ms: self.lease_ms,
             retention_ms: self.retention_ms,
             take_over_unknown: self.take_over_unknown,
+            namespace: &self.namespace,
         }
     }
 }

@@ -96,9 +96,28 @@ pub struct Config {
     #[arg(long, env = "STATE_API_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
 
-    /// How long a record is kept (completed: from completion; in progress: from the claim).
+    /// How long a record is kept (completed: from completion; in progress: from the claim),
+    /// unless its claim asks for another retention.
     #[arg(long, env = "STATE_API_RETENTION_S", default_value_t = 86_400)]
     pub retention_s: u64,
+
+    /// The longest retention a claim may ask for (a longer one is cut to this, and the answer
+    /// says so).
+    #[arg(long, env = "STATE_API_MAX_RETENTION_S", default_value_t = 30 * 86_400)]
+    pub max_retention_s: u64,
+
+    /// The longest a claim may wait for a running key's outcome (`Prefer: wait`); 0: never.
+    #[arg(long, env = "STATE_API_MAX_WAIT_MS", default_value_t = 30_000)]
+    pub max_wait_ms: u64,
+
+    /// Claims waiting at once in this process; more are answered at once (counted).
+    #[arg(long, env = "STATE_API_MAX_WAITERS", default_value_t = 256)]
+    pub max_waiters: usize,
+
+    /// Bearer token of the admin API (/v1/admin/*); none: the admin API answers 401. Never the
+    /// filter's token (refused at start).
+    #[arg(long, env = "STATE_API_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<Secret>,
 
     /// Upper bound of the Retry-After hint given with `in_progress`.
     #[arg(long, env = "STATE_API_RETRY_AFTER_CAP_S", default_value_t = 2)]
@@ -153,8 +172,12 @@ pub enum ConfigError {
     EmptyApiToken,
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
-    #[error("--retention-s must be at most {MAX_RETENTION_S} (ten years)")]
+    #[error("--retention-s and --max-retention-s must be at most {MAX_RETENTION_S} (ten years)")]
     RetentionTooLong,
+    #[error("--max-wait-ms must be at most {} ms", contract::limits::MAX_WAIT_MS)]
+    WaitTooLong,
+    #[error("the admin token must be at least 16 characters and differ from --api-token")]
+    WeakAdminToken,
     #[error("--batch-max must be at most {MAX_BATCH}")]
     BatchTooLarge,
     #[error(
@@ -191,8 +214,16 @@ impl Config {
                 return Err(ConfigError::Zero(name));
             }
         }
-        if self.retention_s > MAX_RETENTION_S {
+        if self.retention_s > MAX_RETENTION_S || self.max_retention_s > MAX_RETENTION_S {
             return Err(ConfigError::RetentionTooLong);
+        }
+        if self.max_wait_ms > contract::limits::MAX_WAIT_MS {
+            return Err(ConfigError::WaitTooLong);
+        }
+        if let Some(admin) = &self.admin_token {
+            if admin.expose().len() < 16 || admin.expose() == self.api_token.expose() {
+                return Err(ConfigError::WeakAdminToken);
+            }
         }
         if self.batch_max > MAX_BATCH {
             return Err(ConfigError::BatchTooLarge);
@@ -212,6 +243,20 @@ impl Config {
 
     pub fn retention_ms(&self) -> i64 {
         i64::try_from(self.retention_s.saturating_mul(1000)).unwrap_or(i64::MAX)
+    }
+
+    /// The retention a claim gets (seconds): what it asks for, or the default, at most the
+    /// maximum (a default over the maximum stays: the operator chose both).
+    pub fn retention_for(&self, requested_s: Option<u64>) -> u64 {
+        match requested_s {
+            Some(r) => r.clamp(1, self.max_retention_s.max(1)),
+            None => self.retention_s,
+        }
+    }
+
+    /// How long a claim waits for a running key: what it asks, at most the maximum.
+    pub fn wait_for(&self, requested_ms: Option<u64>) -> u64 {
+        requested_ms.unwrap_or(0).min(self.max_wait_ms)
     }
 
     pub fn batch_limits(&self) -> crate::batch::BatchLimits {

@@ -47,6 +47,7 @@ pub fn app(state: AppState) -> Router {
     let limit = state.config().http_body_limit();
     Router::new()
         .merge(v1)
+        .merge(crate::admin::router(state.clone()))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -98,7 +99,7 @@ impl IntoResponse for ApiError {
 
 /// Maps a store failure to 503 (database unreachable, overloaded) or 500, counts and logs it.
 /// The detail never carries the database's message.
-fn store_error(state: &AppState, op: &'static str, e: StoreError) -> ApiError {
+pub(crate) fn store_error(state: &AppState, op: &'static str, e: StoreError) -> ApiError {
     if e.is_unavailable() {
         state.metrics().db_unavailable();
         tracing::warn!(op, error = %e, "database unavailable");
@@ -184,7 +185,7 @@ async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Res
 // ---------------------------------------------------------------------------------------------
 // Validation
 
-fn bad(detail: impl Into<String>) -> ApiError {
+pub(crate) fn bad(detail: impl Into<String>) -> ApiError {
     ApiError::new(ProblemKind::BadRequest, detail)
 }
 
@@ -204,8 +205,9 @@ fn check_text(name: &str, v: &str) -> Result<(), ApiError> {
 }
 
 /// Validates (key, subject, endpoint) and returns the record's address.
-fn scope_of(
+pub(crate) fn scope_of(
     state: &AppState,
+    namespace: &str,
     key: &str,
     subject: &str,
     endpoint: &str,
@@ -213,7 +215,13 @@ fn scope_of(
     validate_key(key).map_err(|e| ApiError::new(ProblemKind::InvalidKey, e.to_string()))?;
     check_text("subject", subject)?;
     check_text("endpoint", endpoint)?;
-    Ok(state.scoper().hash(key, subject, endpoint))
+    if !limits::valid_namespace(namespace) {
+        return Err(bad(format!(
+            "`namespace` must be at most {} of a-z 0-9 . _ -",
+            limits::MAX_NAMESPACE_LEN
+        )));
+    }
+    Ok(state.scoper().hash_in(namespace, key, subject, endpoint))
 }
 
 fn check_fingerprint(fingerprint: &str, alg: &str) -> Result<(), ApiError> {
@@ -241,7 +249,7 @@ fn check_token(token: i64) -> Result<(), ApiError> {
 }
 
 /// Checks and decodes the response to store. Over the body limit: 413, nothing written.
-fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError> {
+pub(crate) fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError> {
     if !limits::STATUS.contains(&r.status) {
         return Err(bad("`response.status` must be 100 to 999"));
     }
@@ -288,7 +296,7 @@ fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError
     })
 }
 
-fn ms(v: i64) -> u64 {
+pub(crate) fn ms(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
@@ -299,9 +307,17 @@ async fn claim(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ClaimRequest>,
 ) -> Result<Json<ClaimResponse>, ApiError> {
-    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    let scope = scope_of(
+        &state,
+        &req.namespace,
+        &req.key,
+        &req.subject,
+        &req.endpoint,
+    )?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
     let config = state.config();
+    let retention_s = config.retention_for(req.retention_s);
+    let wait_ms = config.wait_for(req.wait_ms);
     let job = ClaimJob {
         scope,
         subject: req.subject,
@@ -309,14 +325,18 @@ async fn claim(
         fingerprint_alg: req.fingerprint_alg,
         fingerprint: req.fingerprint,
         lease_ms: config.lease_for(req.lease_ms),
-        retention_ms: config.retention_ms(),
+        retention_ms: i64::try_from(retention_s.saturating_mul(1000)).unwrap_or(i64::MAX),
         take_over_unknown: req.on_unknown == OnUnknown::TakeOver,
+        namespace: req.namespace,
     };
-    let outcome = state
+    let mut outcome = state
         .batcher()
-        .claim(job)
+        .claim(job.clone())
         .await
         .map_err(|e| store_error(&state, "claim", e))?;
+    if wait_ms > 0 && matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
+        outcome = wait_for_outcome(&state, job, outcome, wait_ms).await?;
+    }
     let (answer, label) = match outcome {
         store::ClaimOutcome::Claimed {
             token,
@@ -328,6 +348,7 @@ async fn claim(
                 lease_ms,
                 reclaimed,
                 max_body_bytes: Some(config.max_body_bytes as u64),
+                retention_s: Some(retention_s),
             },
             if reclaimed {
                 metrics::ClaimOutcome::Reclaimed
@@ -363,11 +384,58 @@ async fn claim(
     Ok(Json(answer))
 }
 
+/// The key is in progress and the claim may wait (`Prefer: wait`): it looks again when a write
+/// of this process settles the record, or every [`crate::waiters::POLL`], until it is no
+/// longer in progress or `wait_ms` have passed. Over `--max-waiters`: the first answer, at once.
+async fn wait_for_outcome(
+    state: &AppState,
+    job: ClaimJob,
+    first: store::ClaimOutcome,
+    wait_ms: u64,
+) -> Result<store::ClaimOutcome, ApiError> {
+    let Some(slot) = state.waiters().enter(job.scope) else {
+        state.metrics().wait(metrics::WaitEnd::Refused);
+        return Ok(first);
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
+    let mut outcome = first;
+    loop {
+        let woken = slot.notify.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            state.metrics().wait(metrics::WaitEnd::TimedOut);
+            return Ok(outcome);
+        }
+        let nap = (deadline - now).min(crate::waiters::POLL);
+        tokio::select! {
+            _ = &mut woken => {}
+            _ = tokio::time::sleep(nap) => {}
+        }
+        outcome = state
+            .batcher()
+            .claim(job.clone())
+            .await
+            .map_err(|e| store_error(state, "claim", e))?;
+        if !matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
+            state.metrics().wait(metrics::WaitEnd::Settled);
+            return Ok(outcome);
+        }
+    }
+}
+
 async fn heartbeat(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<HeartbeatRequest>,
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
-    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    let scope = scope_of(
+        &state,
+        &req.namespace,
+        &req.key,
+        &req.subject,
+        &req.endpoint,
+    )?;
     check_token(req.token)?;
     let lease_ms = state.config().lease_for(req.lease_ms);
     let ok = state
@@ -386,7 +454,13 @@ async fn complete(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<CompleteRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
-    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    let scope = scope_of(
+        &state,
+        &req.namespace,
+        &req.key,
+        &req.subject,
+        &req.endpoint,
+    )?;
     check_token(req.token)?;
     let row = stored_row(&state, req.response)?;
     let job = CompleteJob {
@@ -403,6 +477,7 @@ async fn complete(
     match result {
         WriteResult::Done { expires_in_ms } => {
             state.metrics().write_ok(WriteOp::Complete);
+            state.waiters().settled(&scope);
             Ok(Json(WriteResponse::completed(expires_in_ms)))
         }
         WriteResult::AlreadyDone { expires_in_ms } => {
@@ -416,7 +491,13 @@ async fn release(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ReleaseRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
-    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    let scope = scope_of(
+        &state,
+        &req.namespace,
+        &req.key,
+        &req.subject,
+        &req.endpoint,
+    )?;
     check_token(req.token)?;
     let ok = state
         .store()
@@ -427,6 +508,7 @@ async fn release(
         return Err(fenced_out(&state, WriteOp::Release, &scope));
     }
     state.metrics().write_ok(WriteOp::Release);
+    state.waiters().settled(&scope);
     Ok(Json(WriteResponse::released()))
 }
 
@@ -435,7 +517,13 @@ async fn outcome_unknown(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<UnknownRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
-    let scope = scope_of(&state, &req.key, &req.subject, &req.endpoint)?;
+    let scope = scope_of(
+        &state,
+        &req.namespace,
+        &req.key,
+        &req.subject,
+        &req.endpoint,
+    )?;
     check_token(req.token)?;
     let marked = state
         .store()
@@ -445,6 +533,7 @@ async fn outcome_unknown(
     match marked {
         Some(true) => {
             state.metrics().write_ok(WriteOp::Unknown);
+            state.waiters().settled(&scope);
             tracing::warn!(scope = %log_label(&scope), token = req.token, endpoint = %req.endpoint, "outcome unknown: its owner lost sight of the request after forwarding it");
             Ok(Json(WriteResponse::unknown()))
         }
@@ -472,6 +561,8 @@ fn fenced_out(state: &AppState, op: WriteOp, scope: &ScopeHash) -> ApiError {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RecordQuery {
+    #[serde(default)]
+    namespace: String,
     key: String,
     subject: String,
     endpoint: String,
@@ -482,7 +573,7 @@ async fn record(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<RecordView>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
-    let scope = scope_of(&state, &q.key, &q.subject, &q.endpoint)?;
+    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
     let row = state
         .store()
         .record(&scope)

@@ -5,12 +5,14 @@
 //! committed row (never by waiting on the first request); writes of an owner are fenced by a
 //! token from one sequence. See `docs/state-api.md` and `GET /openapi.json`.
 
+pub mod admin;
 pub mod batch;
 pub mod config;
 pub mod http;
 pub mod metrics;
 pub mod scope;
 pub mod store;
+pub mod waiters;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -49,6 +51,9 @@ struct Inner {
     scoper: Scoper,
     metrics: Arc<Metrics>,
     token_digest: [u8; 32],
+    /// `None`: no admin token configured (the admin API answers 401).
+    admin_digest: Option<[u8; 32]>,
+    waiters: waiters::Waiters,
 }
 
 /// Everything a request needs, cheap to clone.
@@ -77,6 +82,11 @@ impl AppState {
         )
         .map_err(StartError::DatabaseUrl)?;
         let token_digest = token_digest(config.api_token.expose());
+        let admin_digest = config
+            .admin_token
+            .as_ref()
+            .map(|t| crate::token_digest(t.expose()));
+        let waiters = waiters::Waiters::new(config.max_waiters);
         let store = Store::new(pool);
         let metrics = Arc::new(Metrics::default());
         let batcher = Batcher::new(store.clone(), metrics.clone(), config.batch_limits());
@@ -88,6 +98,8 @@ impl AppState {
                 scoper,
                 metrics,
                 token_digest,
+                admin_digest,
+                waiters,
             }),
         })
     }
@@ -108,8 +120,14 @@ impl AppState {
     pub fn metrics(&self) -> &Metrics {
         &self.inner.metrics
     }
-    fn token_digest(&self) -> &[u8; 32] {
+    pub(crate) fn token_digest(&self) -> &[u8; 32] {
         &self.inner.token_digest
+    }
+    pub(crate) fn admin_digest(&self) -> Option<&[u8; 32]> {
+        self.inner.admin_digest.as_ref()
+    }
+    pub fn waiters(&self) -> &waiters::Waiters {
+        &self.inner.waiters
     }
 }
 

@@ -66,6 +66,47 @@ impl WriteOp {
     }
 }
 
+/// How a waiting claim (`Prefer: wait`) ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// The record settled (completed, released, unknown) while it waited.
+    Settled,
+    /// Still in progress at the deadline.
+    TimedOut,
+    /// As many claims waited already: answered at once.
+    Refused,
+}
+
+impl WaitEnd {
+    const ALL: [Self; 3] = [Self::Settled, Self::TimedOut, Self::Refused];
+    fn label(self) -> &'static str {
+        match self {
+            Self::Settled => "settled",
+            Self::TimedOut => "timed_out",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// Operator actions of the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminOp {
+    Release,
+    Resolve,
+    Purge,
+}
+
+impl AdminOp {
+    const ALL: [Self; 3] = [Self::Release, Self::Resolve, Self::Purge];
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Release => "release",
+            Self::Resolve => "resolve",
+            Self::Purge => "purge",
+        }
+    }
+}
+
 /// Routes measured by the latency histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
@@ -213,6 +254,8 @@ pub struct Metrics {
     latency: [Histogram; Route::ALL.len()],
     batch_sizes: SizeHistogram,
     batch_single: [[AtomicU64; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
+    waits: [AtomicU64; WaitEnd::ALL.len()],
+    admin: [AtomicU64; AdminOp::ALL.len()],
 }
 
 /// The pool's state at scrape time.
@@ -238,6 +281,15 @@ impl Metrics {
             WriteOp::Unknown => &self.unknowns,
         }
         .fetch_add(1, Relaxed);
+    }
+    pub fn wait(&self, end: WaitEnd) {
+        self.waits[end as usize].fetch_add(1, Relaxed);
+    }
+    pub fn waits_total(&self, end: WaitEnd) -> u64 {
+        self.waits[end as usize].load(Relaxed)
+    }
+    pub fn admin(&self, op: AdminOp) {
+        self.admin[op as usize].fetch_add(1, Relaxed);
     }
     pub fn purged(&self, rows: u64) {
         self.purged_rows.fetch_add(rows, Relaxed);
@@ -327,6 +379,26 @@ impl Metrics {
                 "state_api_writes_total{{op=\"{}\"}} {}",
                 op.label(),
                 c.load(Relaxed)
+            )?;
+        }
+        writeln!(out, "# HELP state_api_waits_total Claims that waited for a running key (Prefer: wait), by how the wait ended.")?;
+        writeln!(out, "# TYPE state_api_waits_total counter")?;
+        for end in WaitEnd::ALL {
+            writeln!(
+                out,
+                "state_api_waits_total{{end=\"{}\"}} {}",
+                end.label(),
+                self.waits_total(end)
+            )?;
+        }
+        writeln!(out, "# HELP state_api_admin_actions_total Operator actions of the admin API (each one audited).")?;
+        writeln!(out, "# TYPE state_api_admin_actions_total counter")?;
+        for op in AdminOp::ALL {
+            writeln!(
+                out,
+                "state_api_admin_actions_total{{action=\"{}\"}} {}",
+                op.label(),
+                self.admin[op as usize].load(Relaxed)
             )?;
         }
         writeln!(

@@ -23,8 +23,13 @@ impl Scoper {
     }
 
     pub fn hash(&self, key: &str, subject: &str, endpoint: &str) -> ScopeHash {
+        self.hash_in("", key, subject, endpoint)
+    }
+
+    /// The address in a namespace (the empty one: [`Scoper::hash`]).
+    pub fn hash_in(&self, namespace: &str, key: &str, subject: &str, endpoint: &str) -> ScopeHash {
         let mut mac = self.mac.clone();
-        contract::scope::frame(&mut mac, key, subject, endpoint);
+        contract::scope::frame_in(&mut mac, namespace, key, subject, endpoint);
         mac.finalize().into_bytes().into()
     }
 }

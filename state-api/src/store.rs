@@ -165,6 +165,8 @@ pub struct NewClaim<'a> {
     pub retention_ms: i64,
     /// Take an unknown record over (`true`), or answer `Unknown`.
     pub take_over_unknown: bool,
+    /// Kept with the record (it is part of `scope` already).
+    pub namespace: &'a str,
 }
 
 /// One row as the claim sees it, with durations computed by the database at read time.
@@ -215,11 +217,12 @@ const CLAIM_SQL: &str = concat!(
     ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
-             lease_ms, lease_expires_at, created_at, expires_at)
+             lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms)
         SELECT $1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
                clock_timestamp() + $6::bigint * interval '1 millisecond',
                clock_timestamp(),
-               clock_timestamp() + $7::bigint * interval '1 millisecond'
+               clock_timestamp() + $7::bigint * interval '1 millisecond',
+               $8, $7
         WHERE NOT EXISTS (SELECT 1 FROM existing)
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
@@ -299,6 +302,7 @@ const TAKE_OVER_SQL: &str = "
         created_at = clock_timestamp(),
         completed_at = NULL,
         expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond',
+        retention_ms = $8, namespace = $9,
         response_status = NULL, response_headers = NULL, response_body = NULL,
         response_replayable = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
@@ -328,7 +332,8 @@ const COMPLETE_SQL: &str = concat!(
     SET state = 'completed',
         response_status = $3, response_headers = $4, response_body = $5, response_replayable = $6,
         completed_at = clock_timestamp(),
-        expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
+        -- The record's own retention (its claim's), else this process's default.
+        expires_at = clock_timestamp() + COALESCE(retention_ms, $7::bigint) * interval '1 millisecond'
     WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING ",
     expires_in_ms!()
@@ -337,18 +342,18 @@ const COMPLETE_SQL: &str = concat!(
 /// Claims and completes of many requests (distinct scope hashes) in one statement and one
 /// commit: `CLAIM_SQL` and `COMPLETE_SQL` over arrays, with the same conditions.
 ///
-/// Claims ($1..$7): existing rows are read first and only the missing keys are INSERTed (in
+/// Claims ($1..$8): existing rows are read first and only the missing keys are INSERTed (in
 /// scope-hash order, so two such statements, even from two processes, take their locks in the
 /// same order); one row per claim that was inserted or found, none for a claim that lost a race
-/// with a concurrent inserter. Completes ($8..$14): the fenced UPDATE; one row per complete that
+/// with a concurrent inserter. Completes ($9..$15): the fenced UPDATE; one row per complete that
 /// matched. Each row carries its kind and the 1-based index `idx` of its input. No scope is in
 /// both halves (the batcher sees to it), so neither half depends on the other's writes.
 const WRITE_BATCH_SQL: &str = concat!(
     "WITH input AS (
         SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[],
-                             $6::bigint[], $7::bigint[])
+                             $6::bigint[], $7::bigint[], $8::text[])
             WITH ORDINALITY AS t(scope_hash, subject, endpoint, fingerprint_alg, fingerprint,
-                                 lease_ms, retention_ms, idx)
+                                 lease_ms, retention_ms, namespace, idx)
     ),
     existing AS (
         SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.scope_hash
@@ -356,12 +361,13 @@ const WRITE_BATCH_SQL: &str = concat!(
     ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
-             lease_ms, lease_expires_at, created_at, expires_at)
+             lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms)
         SELECT i.scope_hash, i.subject, i.endpoint, i.fingerprint_alg, i.fingerprint, 'in_progress',
                nextval('idempotency_fencing_token_seq'), i.lease_ms,
                clock_timestamp() + i.lease_ms * interval '1 millisecond',
                clock_timestamp(),
-               clock_timestamp() + i.retention_ms * interval '1 millisecond'
+               clock_timestamp() + i.retention_ms * interval '1 millisecond',
+               i.namespace, i.retention_ms
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
         ORDER BY i.scope_hash
@@ -374,9 +380,10 @@ const WRITE_BATCH_SQL: &str = concat!(
             response_status = i.status, response_headers = i.headers, response_body = i.body,
             response_replayable = i.replayable,
             completed_at = clock_timestamp(),
-            expires_at = clock_timestamp() + i.retention_ms * interval '1 millisecond'
-        FROM unnest($8::bytea[], $9::bigint[], $10::int[], $11::jsonb[], $12::bytea[],
-                    $13::bool[], $14::bigint[])
+            expires_at = clock_timestamp()
+                + COALESCE(r.retention_ms, i.retention_ms) * interval '1 millisecond'
+        FROM unnest($9::bytea[], $10::bigint[], $11::int[], $12::jsonb[], $13::bytea[],
+                    $14::bool[], $15::bigint[])
             WITH ORDINALITY AS i(scope_hash, token, status, headers, body, replayable,
                                  retention_ms, idx)
         WHERE r.scope_hash = i.scope_hash AND r.fencing_token = i.token
@@ -632,6 +639,7 @@ impl Store {
                         .bind(c.fingerprint)
                         .bind(lease)
                         .bind(c.retention_ms)
+                        .bind(c.namespace)
                         .fetch_optional(&self.pool)
                         .await?;
                     match inserted_or_found {
@@ -664,6 +672,7 @@ impl Store {
                     .bind(c.fingerprint)
                     .bind(lease)
                     .bind(c.retention_ms)
+                    .bind(c.namespace)
                     .fetch_optional(&self.pool)
                     .await?
                     .map(|token| (token, was_in_progress)),
@@ -707,6 +716,7 @@ impl Store {
         let mut fingerprints = Vec::with_capacity(n);
         let mut leases = Vec::with_capacity(n);
         let mut retentions = Vec::with_capacity(n);
+        let mut namespaces = Vec::with_capacity(n);
         for c in claims {
             scopes.push(&c.scope[..]);
             subjects.push(c.subject);
@@ -715,6 +725,7 @@ impl Store {
             fingerprints.push(c.fingerprint);
             leases.push(i64::try_from(c.lease_ms).unwrap_or(i64::MAX));
             retentions.push(c.retention_ms);
+            namespaces.push(c.namespace);
         }
         let m = completes.len();
         let mut c_scopes = Vec::with_capacity(m);
@@ -741,6 +752,7 @@ impl Store {
             .bind(fingerprints)
             .bind(leases)
             .bind(retentions)
+            .bind(namespaces)
             .bind(c_scopes)
             .bind(tokens)
             .bind(statuses)
@@ -936,6 +948,7 @@ mod tests {
             lease_ms: 30_000,
             retention_ms: 1000,
             take_over_unknown: false,
+            namespace: "",
         }
     }
 

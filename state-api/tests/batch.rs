@@ -81,6 +81,7 @@ fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
         lease_ms,
         retention_ms: api.state.config().retention_ms(),
         take_over_unknown: true,
+        namespace: String::new(),
     }
 }
 

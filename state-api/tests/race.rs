@@ -64,6 +64,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
                     lease_ms: 60_000,
                     retention_ms: 60_000,
                     take_over_unknown: false,
+                    namespace: "",
                 };
                 store.claim(&claim).await.unwrap()
             })

@@ -272,6 +272,9 @@ pub fn claim_req(
         fingerprint_alg: ALG.into(),
         lease_ms,
         on_unknown: Default::default(),
+        namespace: String::new(),
+        retention_s: None,
+        wait_ms: None,
     }
 }
 

@@ -1,0 +1,430 @@
+//! The admin API: on-call engineers see and resolve records without SQL. It has its own bearer
+//! token (`--admin-token`): the filter's token gets 403, anything else 401. Every action is
+//! written to the append-only `idempotency_audit` table in the transaction of the action, with
+//! the actor, the reason (required) and the record before and after (never its body).
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use contract::admin::{
+    AdminAction, AdminActionResult, AdminRecord, AuditEntry, ListedRecord, ADMIN_PURGE_PATH,
+    ADMIN_RECORDS_PATH, ADMIN_RECORD_PATH, ADMIN_RELEASE_PATH, ADMIN_RESOLVE_PATH,
+};
+use contract::wire::RecordView;
+use contract::ProblemKind;
+use serde::Deserialize;
+use sqlx::types::Json as SqlJson;
+use sqlx::Row as _;
+use subtle::ConstantTimeEq as _;
+
+use crate::http::{bad, ms, scope_of, store_error, stored_row, ApiError, ApiJson};
+use crate::metrics::AdminOp;
+use crate::scope::{log_label, ScopeHash};
+use crate::AppState;
+
+/// Longest `actor` and `reason` accepted.
+const MAX_ACTOR_LEN: usize = 128;
+const MAX_REASON_LEN: usize = 2_000;
+/// Most records one listing returns.
+const MAX_LIST: i64 = 1_000;
+
+pub fn router(state: AppState) -> Router<AppState> {
+    Router::new()
+        .route(ADMIN_RECORD_PATH, get(show))
+        .route(ADMIN_RECORDS_PATH, get(list))
+        .route(ADMIN_RELEASE_PATH, post(release))
+        .route(ADMIN_RESOLVE_PATH, post(resolve))
+        .route(ADMIN_PURGE_PATH, post(purge))
+        .route_layer(middleware::from_fn_with_state(state, require_admin_token))
+}
+
+/// The admin token, compared in constant time (both sides hashed): the filter's own token is
+/// recognised and refused with 403, so a leaked filter token cannot act as an operator.
+async fn require_admin_token(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| crate::token_digest(token.trim()));
+    let Some(presented) = presented else {
+        return unauthenticated(&state).into_response();
+    };
+    if let Some(admin) = state.admin_digest() {
+        if bool::from(presented.ct_eq(admin)) {
+            return next.run(req).await;
+        }
+    }
+    if bool::from(presented.ct_eq(state.token_digest())) {
+        return ApiError::new(
+            ProblemKind::Forbidden,
+            "the filter's token cannot use the admin API: use the admin token",
+        )
+        .into_response();
+    }
+    unauthenticated(&state).into_response()
+}
+
+fn unauthenticated(state: &AppState) -> ApiError {
+    if state.admin_digest().is_none() {
+        return ApiError::new(
+            ProblemKind::Unauthenticated,
+            "the admin API is off: start the state API with STATE_API_ADMIN_TOKEN",
+        );
+    }
+    ApiError::new(
+        ProblemKind::Unauthenticated,
+        "a valid admin bearer token is required",
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordQuery {
+    #[serde(default)]
+    namespace: String,
+    key: String,
+    subject: String,
+    endpoint: String,
+    /// Include the stored body (base64) of a replayable completed record.
+    #[serde(default)]
+    body: bool,
+}
+
+fn hex(scope: &ScopeHash) -> String {
+    scope.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+const AUDIT_SQL: &str = "
+    SELECT id, to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS at,
+           actor, action, reason, forced, before, after
+    FROM idempotency_audit WHERE scope_hash = $1 ORDER BY id";
+
+async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>, ApiError> {
+    let rows = sqlx::query(AUDIT_SQL)
+        .bind(&scope[..])
+        .fetch_all(state.store().pool())
+        .await
+        .map_err(|e| store_error(state, "audit", e.into()))?;
+    rows.iter()
+        .map(|r| {
+            Ok(AuditEntry {
+                id: r.try_get("id")?,
+                at: r.try_get("at")?,
+                actor: r.try_get("actor")?,
+                action: r.try_get("action")?,
+                reason: r.try_get("reason")?,
+                forced: r.try_get("forced")?,
+                before: r
+                    .try_get::<Option<SqlJson<serde_json::Value>>, _>("before")?
+                    .map(|j| j.0),
+                after: r
+                    .try_get::<Option<SqlJson<serde_json::Value>>, _>("after")?
+                    .map(|j| j.0),
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(|e| store_error(state, "audit", e.into()))
+}
+
+async fn show(
+    State(state): State<AppState>,
+    query: Result<Query<RecordQuery>, QueryRejection>,
+) -> Result<Json<AdminRecord>, ApiError> {
+    let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
+    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
+    let row = state
+        .store()
+        .record(&scope)
+        .await
+        .map_err(|e| store_error(&state, "record", e))?;
+    let audit = audit_of(&state, &scope).await?;
+    if row.is_none() && audit.is_empty() {
+        return Err(ApiError::new(
+            ProblemKind::NotFound,
+            "no record and no audit trail for this key, subject and endpoint",
+        ));
+    }
+    let body_base64 = if q.body {
+        sqlx::query_scalar::<_, Option<Vec<u8>>>(
+            "SELECT response_body FROM idempotency_records WHERE scope_hash = $1 AND state = 'completed' AND response_replayable",
+        )
+        .bind(&scope[..])
+        .fetch_optional(state.store().pool())
+        .await
+        .map_err(|e| store_error(&state, "record", e.into()))?
+        .flatten()
+        .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
+    } else {
+        None
+    };
+    Ok(Json(AdminRecord {
+        scope: hex(&scope),
+        namespace: q.namespace,
+        record: row.map(|r| RecordView {
+            state: r.state,
+            subject: r.subject,
+            endpoint: r.endpoint,
+            fingerprint_alg: r.fingerprint_alg,
+            token: r.fencing_token,
+            lease_remaining_ms: ms(r.lease_remaining_ms),
+            age_ms: ms(r.age_ms),
+            completed_age_ms: r.completed_age_ms.map(ms),
+            response_status: r.response_status.and_then(|s| u16::try_from(s).ok()),
+            replayable: r.response_replayable,
+            expires_in_ms: ms(r.expires_in_ms),
+        }),
+        body_base64,
+        audit,
+    }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    /// `in_progress`, `unknown` or `completed`; all when absent.
+    state: Option<String>,
+    namespace: Option<String>,
+    /// Only records created at least this long ago.
+    #[serde(default)]
+    older_than_s: u64,
+    limit: Option<i64>,
+}
+
+const LIST_SQL: &str = "
+    SELECT encode(r.scope_hash, 'hex') AS scope, r.namespace, r.subject, r.endpoint, r.state,
+        r.fencing_token,
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.created_at)) * 1000))::bigint AS age_ms,
+        CASE WHEN r.state = 'in_progress'
+             THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
+             ELSE 0 END AS lease_remaining_ms,
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms
+    FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    WHERE ($1::text IS NULL OR r.state = $1)
+      AND ($2::text IS NULL OR r.namespace = $2)
+      AND r.created_at <= c.now - $3::bigint * interval '1 second'
+    ORDER BY r.created_at
+    LIMIT $4";
+
+async fn list(
+    State(state): State<AppState>,
+    query: Result<Query<ListQuery>, QueryRejection>,
+) -> Result<Json<Vec<ListedRecord>>, ApiError> {
+    let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
+    if let Some(s) = &q.state {
+        if !matches!(s.as_str(), "in_progress" | "unknown" | "completed") {
+            return Err(bad("`state` must be in_progress, unknown or completed"));
+        }
+    }
+    let limit = q.limit.unwrap_or(100).clamp(1, MAX_LIST);
+    let older = i64::try_from(q.older_than_s).unwrap_or(i64::MAX);
+    let rows = sqlx::query(LIST_SQL)
+        .bind(q.state)
+        .bind(q.namespace)
+        .bind(older)
+        .bind(limit)
+        .fetch_all(state.store().pool())
+        .await
+        .map_err(|e| store_error(&state, "list", e.into()))?;
+    rows.iter()
+        .map(|r| {
+            Ok(ListedRecord {
+                scope: r.try_get("scope")?,
+                namespace: r.try_get("namespace")?,
+                subject: r.try_get("subject")?,
+                endpoint: r.try_get("endpoint")?,
+                state: r.try_get("state")?,
+                token: r.try_get("fencing_token")?,
+                age_ms: ms(r.try_get("age_ms")?),
+                lease_remaining_ms: ms(r.try_get("lease_remaining_ms")?),
+                expires_in_ms: ms(r.try_get("expires_in_ms")?),
+            })
+        })
+        .collect::<Result<Vec<_>, sqlx::Error>>()
+        .map(Json)
+        .map_err(|e| store_error(&state, "list", e.into()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Actions
+
+/// The record as the audit trail keeps it (never the body), read locked for the action.
+const SNAPSHOT_SQL: &str = "
+    SELECT jsonb_build_object(
+            'state', r.state, 'token', r.fencing_token, 'fingerprint_alg', r.fingerprint_alg,
+            'lease_remaining_ms', CASE WHEN r.state = 'in_progress'
+                THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - clock_timestamp())) * 1000))::bigint
+                ELSE 0 END,
+            'response_status', r.response_status, 'replayable', r.response_replayable,
+            'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
+        ) AS snapshot,
+        (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS lease_live,
+        r.namespace, r.subject, r.endpoint
+    FROM idempotency_records r WHERE r.scope_hash = $1
+    FOR UPDATE";
+
+const AUDIT_INSERT_SQL: &str = "
+    INSERT INTO idempotency_audit
+        (actor, action, reason, forced, scope_hash, namespace, subject, endpoint, before, after)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+    RETURNING id";
+
+const RESOLVE_SQL: &str = "
+    UPDATE idempotency_records
+    SET state = 'completed',
+        response_status = $2, response_headers = $3, response_body = $4, response_replayable = $5,
+        completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
+    WHERE scope_hash = $1";
+
+fn check_action(a: &AdminAction) -> Result<(), ApiError> {
+    let text = |name: &str, v: &str, max: usize| {
+        if v.trim().is_empty() || v.len() > max || v.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "`{name}` is required: 1 to {max} characters, no control characters"
+            )));
+        }
+        Ok(())
+    };
+    text("reason", &a.reason, MAX_REASON_LEN)?;
+    text("actor", &a.actor, MAX_ACTOR_LEN)
+}
+
+/// One action, in one transaction: the record locked and read, the change, the audit row.
+async fn act(
+    state: &AppState,
+    op: AdminOp,
+    a: AdminAction,
+) -> Result<Json<AdminActionResult>, ApiError> {
+    check_action(&a)?;
+    let scope = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint)?;
+    let stored = match (op, a.response) {
+        (AdminOp::Resolve, Some(r)) => Some(stored_row(state, r)?),
+        (AdminOp::Resolve, None) => {
+            return Err(bad("resolve needs `response`: the outcome to store"))
+        }
+        (_, Some(_)) => return Err(bad("`response` is only used by resolve")),
+        (_, None) => None,
+    };
+    let db = |e: sqlx::Error| store_error(state, op.label(), e.into());
+    let mut tx = state.store().pool().begin().await.map_err(db)?;
+    let row = sqlx::query(SNAPSHOT_SQL)
+        .bind(&scope[..])
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?;
+    let Some(row) = row else {
+        return Err(ApiError::new(
+            ProblemKind::NotFound,
+            "no record for this key, subject and endpoint",
+        ));
+    };
+    let before: SqlJson<serde_json::Value> = row.try_get("snapshot").map_err(db)?;
+    let lease_live: bool = row.try_get("lease_live").map_err(db)?;
+    let (namespace, subject, endpoint): (String, String, String) = (
+        row.try_get("namespace").map_err(db)?,
+        row.try_get("subject").map_err(db)?,
+        row.try_get("endpoint").map_err(db)?,
+    );
+    if lease_live && !a.force {
+        return Err(ApiError::new(
+            ProblemKind::LeaseLive,
+            "the record's owner still holds a live lease (its request may be running): wait, or pass force",
+        ));
+    }
+    if op == AdminOp::Resolve && before.0["state"] == "completed" && !a.force {
+        return Err(ApiError::new(
+            ProblemKind::AlreadyCompleted,
+            "the record is already completed with an outcome: pass force to replace it",
+        ));
+    }
+    let after: Option<serde_json::Value> = match (op, stored) {
+        (AdminOp::Resolve, Some(r)) => {
+            sqlx::query(RESOLVE_SQL)
+                .bind(&scope[..])
+                .bind(i32::from(r.status))
+                .bind(SqlJson(&r.headers))
+                .bind(&r.body[..])
+                .bind(r.replayable)
+                .bind(state.config().retention_ms())
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            let again = sqlx::query(SNAPSHOT_SQL)
+                .bind(&scope[..])
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db)?;
+            Some(
+                again
+                    .try_get::<SqlJson<serde_json::Value>, _>("snapshot")
+                    .map_err(db)?
+                    .0,
+            )
+        }
+        _ => {
+            sqlx::query("DELETE FROM idempotency_records WHERE scope_hash = $1")
+                .bind(&scope[..])
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            None
+        }
+    };
+    let replaced = op == AdminOp::Resolve && before.0["state"] == "completed";
+    let forced = a.force && (lease_live || replaced);
+    let audit_id: i64 = sqlx::query_scalar(AUDIT_INSERT_SQL)
+        .bind(a.actor.trim())
+        .bind(op.label())
+        .bind(a.reason.trim())
+        .bind(forced)
+        .bind(&scope[..])
+        .bind(&namespace)
+        .bind(&subject)
+        .bind(&endpoint)
+        .bind(&before)
+        .bind(after.as_ref().map(SqlJson))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    state.metrics().admin(op);
+    state.waiters().settled(&scope);
+    tracing::warn!(scope = %log_label(&scope), action = op.label(), audit_id, forced, actor = %a.actor.trim(), "operator action");
+    Ok(Json(AdminActionResult {
+        action: op.label().to_owned(),
+        audit_id,
+        before: Some(before.0),
+        after,
+    }))
+}
+
+async fn release(
+    State(state): State<AppState>,
+    ApiJson(a): ApiJson<AdminAction>,
+) -> Result<Json<AdminActionResult>, ApiError> {
+    act(&state, AdminOp::Release, a).await
+}
+
+async fn resolve(
+    State(state): State<AppState>,
+    ApiJson(a): ApiJson<AdminAction>,
+) -> Result<Json<AdminActionResult>, ApiError> {
+    act(&state, AdminOp::Resolve, a).await
+}
+
+async fn purge(
+    State(state): State<AppState>,
+    ApiJson(a): ApiJson<AdminAction>,
+) -> Result<Json<AdminActionResult>, ApiError> {
+    act(&state, AdminOp::Purge, a).await
+}
