@@ -335,6 +335,9 @@ fn claim_body(key: &str) -> Req {
         fingerprint_alg: "sha256-jcs-v2".into(),
         lease_ms: Some(30_000),
         on_unknown: Default::default(),
+        namespace: String::new(),
+        retention_s: None,
+        wait_ms: None,
     };
     Req::post(
         CLAIM_PATH,
@@ -391,6 +394,7 @@ async fn claim_complete(conn: &mut Conn, key: String) -> Result<Outcome, String>
         Err(e) => return Ok(Outcome::Wrong(format!("claim body: {e}"))),
     };
     let complete = CompleteRequest {
+        namespace: String::new(),
         key,
         subject: "bench".into(),
         endpoint: "POST /checkout".into(),

@@ -54,8 +54,9 @@ const MAX_EXPONENT_DIGITS: usize = 9;
 /// A request fingerprint and the algorithm that made it (stored and compared together).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fingerprint {
-    /// [`ALG_JCS`] or [`ALG_RAW`].
-    pub alg: &'static str,
+    /// [`ALG_JCS`] or [`ALG_RAW`]; with a [`Selection`], `sha256-jcs-v2;ignore=…` or
+    /// `…;include=…` (the selection's own hash).
+    pub alg: Cow<'static, str>,
     /// Lower-case hex SHA-256, 64 characters.
     pub hex: String,
 }
@@ -126,22 +127,125 @@ pub fn fingerprint(
     content_type: Option<&str>,
     body: &[u8],
 ) -> Result<Fingerprint, FingerprintError> {
+    fingerprint_with(method, path, query, content_type, body, &Selection::Whole)
+}
+
+/// [`fingerprint`] over what `selection` covers of a JSON body (other bodies are hashed whole,
+/// as without one).
+pub fn fingerprint_with(
+    method: &str,
+    path: &str,
+    query: &str,
+    content_type: Option<&str>,
+    body: &[u8],
+    selection: &Selection,
+) -> Result<Fingerprint, FingerprintError> {
     let media = content_type.map(media_type_essence).unwrap_or_default();
     let request = [method, path, query, media.as_str()];
     if content_type.is_some_and(is_json_content_type) {
-        match canonicalize(body) {
-            Ok(canonical) => return Ok(hash(ALG_JCS, request, &canonical)),
+        match canonicalize_with(body, selection, None) {
+            Ok((canonical, _)) => return Ok(hash(selection.alg(), request, &canonical)),
             Err(CanonError::DuplicateMember(name)) => {
                 return Err(FingerprintError::DuplicateMember(name))
             }
             Err(_) => {}
         }
     }
-    Ok(hash(ALG_RAW, request, body))
+    Ok(hash(Cow::Borrowed(ALG_RAW), request, body))
+}
+
+/// The string at `pointer` in a JSON body (a route's `key_from`); `None` when the body is not
+/// JSON, or holds no string there.
+pub fn string_at(body: &[u8], pointer: &Pointer) -> Option<String> {
+    canonicalize_with(body, &Selection::Whole, Some(pointer))
+        .ok()
+        .and_then(|(_, found)| found)
+}
+
+/// A JSON pointer (RFC 6901) into a request body: `/card/number`, `/items/0`. The root (`""`)
+/// and the end-of-array token `-` select nothing and are refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pointer {
+    text: String,
+    tokens: Vec<String>,
+}
+
+impl Pointer {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let Some(rest) = text.strip_prefix('/') else {
+            return Err(format!(
+                "{text:?} is not a JSON pointer: it starts with '/' (RFC 6901)"
+            ));
+        };
+        let mut tokens = Vec::new();
+        for raw in rest.split('/') {
+            let mut t = String::with_capacity(raw.len());
+            let mut chars = raw.chars();
+            while let Some(c) = chars.next() {
+                match (c, c == '~') {
+                    (_, false) => t.push(c),
+                    (_, true) => match chars.next() {
+                        Some('0') => t.push('~'),
+                        Some('1') => t.push('/'),
+                        _ => return Err(format!("{text:?}: '~' is written ~0, and '/' ~1")),
+                    },
+                }
+            }
+            if t == "-" {
+                return Err(format!(
+                    "{text:?}: '-' (past the end of an array) selects nothing: name an index"
+                ));
+            }
+            tokens.push(t);
+        }
+        Ok(Self {
+            text: text.to_owned(),
+            tokens,
+        })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+/// What of a JSON body a fingerprint covers: all of it, all but some members, or only some.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Selection {
+    #[default]
+    Whole,
+    /// Everything except the values at these pointers (a timestamp, a trace id).
+    Ignore(Vec<Pointer>),
+    /// Only the values at these pointers, in their places (missing ones are left out).
+    Include(Vec<Pointer>),
+}
+
+impl Selection {
+    /// The algorithm name: the selection's kind and a hash of its pointers (in any order), so
+    /// that changing the list never lets an older record match.
+    pub fn alg(&self) -> Cow<'static, str> {
+        let (kind, pointers) = match self {
+            Selection::Whole => return Cow::Borrowed(ALG_JCS),
+            Selection::Ignore(p) => ("ignore", p),
+            Selection::Include(p) => ("include", p),
+        };
+        let mut texts: Vec<&[u8]> = pointers.iter().map(|p| p.text.as_bytes()).collect();
+        texts.sort_unstable();
+        texts.dedup();
+        let mut h = Sha256::new();
+        crate::scope::frame_parts(&mut h, &texts);
+        let digest = h.finalize();
+        let mut out = format!("{ALG_JCS};{kind}=");
+        for b in digest.iter().take(6) {
+            out.push(HEX[usize::from(b >> 4)] as char);
+            out.push(HEX[usize::from(b & 0x0f)] as char);
+        }
+        Cow::Owned(out)
+    }
 }
 
 /// SHA-256 of the framed (algorithm, method, path, query, media type, body).
-fn hash(alg: &'static str, request: [&str; 4], body: &[u8]) -> Fingerprint {
+fn hash(alg: Cow<'static, str>, request: [&str; 4], body: &[u8]) -> Fingerprint {
     let mut h = Sha256::new();
     let [method, path, query, media] = request;
     crate::scope::frame_parts(
@@ -193,6 +297,15 @@ enum Frame<'a> {
 
 /// The canonical form of a JSON text (see the module documentation), or why there is none.
 pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, CanonError> {
+    canonicalize_with(input, &Selection::Whole, None).map(|(c, _)| c)
+}
+
+/// The canonical form of what `selection` covers, and the string at `key_at` if asked.
+fn canonicalize_with(
+    input: &[u8],
+    selection: &Selection,
+    key_at: Option<&Pointer>,
+) -> Result<(Vec<u8>, Option<String>), CanonError> {
     let mut p = json::Parser::new(input, MAX_DEPTH).map_err(canon_error)?;
     let mut nodes: Vec<Node> = Vec::new();
     let mut stack: Vec<Frame> = Vec::new();
@@ -260,7 +373,106 @@ pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, CanonError> {
     if let Some(name) = duplicate {
         return Err(CanonError::DuplicateMember(name));
     }
-    Ok(serialize(&nodes, root, input.len()))
+    let key = key_at.and_then(|p| match resolve(&nodes, root, p).last() {
+        Some(&(_, _, child)) => match nodes.get(child) {
+            Some(Node::Str(s)) => Some(s.to_string()),
+            _ => None,
+        },
+        None => None,
+    });
+    let filter = Filter::of(&nodes, root, selection);
+    Ok((serialize(&nodes, root, input.len(), &filter), key))
+}
+
+/// The steps from the root to a pointer's target: (container, slot in it, child), all of them
+/// when it resolves, none when it does not (a member or index missing, a scalar on the way).
+fn resolve(nodes: &[Node<'_>], root: usize, p: &Pointer) -> Vec<(usize, usize, usize)> {
+    let mut steps = Vec::with_capacity(p.tokens.len());
+    let mut at = root;
+    for token in &p.tokens {
+        let found = match nodes.get(at) {
+            Some(Node::Object(members)) => members
+                .iter()
+                .position(|(name, _)| name == token)
+                .map(|slot| (slot, members[slot].1)),
+            Some(Node::Array(items)) => index(token)
+                .filter(|i| *i < items.len())
+                .map(|i| (i, items[i])),
+            _ => None,
+        };
+        let Some((slot, child)) = found else {
+            return Vec::new();
+        };
+        steps.push((at, slot, child));
+        at = child;
+    }
+    steps
+}
+
+/// An array index as RFC 6901 writes it: `0`, or digits without a leading zero.
+fn index(token: &str) -> Option<usize> {
+    let ok = token == "0"
+        || (!token.is_empty()
+            && !token.starts_with('0')
+            && token.bytes().all(|b| b.is_ascii_digit()));
+    ok.then(|| token.parse().ok()).flatten()
+}
+
+/// Which slots of which containers are written.
+enum Filter {
+    All,
+    /// These (container, slot) pairs are left out.
+    Skip(std::collections::HashSet<(usize, usize)>),
+    /// Only these (container, slot) pairs are written in the containers on a path; the nodes
+    /// in `whole` are written whole.
+    Keep {
+        on_path: std::collections::HashSet<(usize, usize)>,
+        whole: std::collections::HashSet<usize>,
+    },
+}
+
+impl Filter {
+    fn of(nodes: &[Node<'_>], root: usize, selection: &Selection) -> Self {
+        match selection {
+            Selection::Whole => Filter::All,
+            Selection::Ignore(pointers) => Filter::Skip(
+                pointers
+                    .iter()
+                    .filter_map(|p| resolve(nodes, root, p).last().map(|&(c, s, _)| (c, s)))
+                    .collect(),
+            ),
+            Selection::Include(pointers) => {
+                let mut on_path = std::collections::HashSet::new();
+                let mut whole = std::collections::HashSet::new();
+                for p in pointers {
+                    let steps = resolve(nodes, root, p);
+                    if let Some(&(_, _, target)) = steps.last() {
+                        whole.insert(target);
+                        on_path.extend(steps.iter().map(|&(c, s, _)| (c, s)));
+                    }
+                }
+                Filter::Keep { on_path, whole }
+            }
+        }
+    }
+
+    /// Whether slot `slot` of container `node` is written, given whether `node` is inside a
+    /// subtree written whole.
+    fn keeps(&self, node: usize, slot: usize, whole: bool) -> bool {
+        match self {
+            Filter::All => true,
+            Filter::Skip(skip) => !skip.contains(&(node, slot)),
+            Filter::Keep { on_path, .. } => whole || on_path.contains(&(node, slot)),
+        }
+    }
+
+    /// Whether `child` is written whole (its parent's state carried down).
+    fn whole(&self, child: usize, parent_whole: bool) -> bool {
+        match self {
+            Filter::Keep { whole, .. } => parent_whole || whole.contains(&child),
+            _ => true,
+        }
+    }
 }
 
 fn canon_error(e: json::Error) -> CanonError {
@@ -306,26 +518,33 @@ fn utf16_cmp(a: &str, b: &str) -> Ordering {
 }
 
 enum Work<'a> {
-    Node(usize),
+    /// A node, and whether it is inside a subtree written whole.
+    Node(usize, bool),
     Byte(u8),
     Name(&'a str),
 }
 
-fn serialize(nodes: &[Node<'_>], root: usize, hint: usize) -> Vec<u8> {
+fn serialize(nodes: &[Node<'_>], root: usize, hint: usize, filter: &Filter) -> Vec<u8> {
     let mut out = Vec::with_capacity(hint);
-    let mut work = vec![Work::Node(root)];
+    let mut work = vec![Work::Node(root, filter.whole(root, false))];
     while let Some(w) = work.pop() {
         match w {
             Work::Byte(b) => out.push(b),
             Work::Name(s) => write_string(&mut out, s),
-            Work::Node(i) => match nodes.get(i) {
+            Work::Node(i, whole) => match nodes.get(i) {
                 Some(Node::Literal(l)) => out.extend_from_slice(l.as_bytes()),
                 Some(Node::Number(n)) => out.extend_from_slice(n.as_bytes()),
                 Some(Node::Str(s)) => write_string(&mut out, s),
                 Some(Node::Array(items)) => {
                     work.push(Work::Byte(b']'));
-                    for (j, item) in items.iter().enumerate().rev() {
-                        work.push(Work::Node(*item));
+                    let kept: Vec<(usize, usize)> = items
+                        .iter()
+                        .enumerate()
+                        .filter(|(slot, _)| filter.keeps(i, *slot, whole))
+                        .map(|(slot, item)| (slot, *item))
+                        .collect();
+                    for (j, (_, item)) in kept.iter().enumerate().rev() {
+                        work.push(Work::Node(*item, filter.whole(*item, whole)));
                         if j > 0 {
                             work.push(Work::Byte(b','));
                         }
@@ -334,8 +553,14 @@ fn serialize(nodes: &[Node<'_>], root: usize, hint: usize) -> Vec<u8> {
                 }
                 Some(Node::Object(members)) => {
                     work.push(Work::Byte(b'}'));
-                    for (j, (name, value)) in members.iter().enumerate().rev() {
-                        work.push(Work::Node(*value));
+                    let kept: Vec<&(Cow<'_, str>, usize)> = members
+                        .iter()
+                        .enumerate()
+                        .filter(|(slot, _)| filter.keeps(i, *slot, whole))
+                        .map(|(_, m)| m)
+                        .collect();
+                    for (j, (name, value)) in kept.iter().enumerate().rev() {
+                        work.push(Work::Node(*value, filter.whole(*value, whole)));
                         work.push(Work::Byte(b':'));
                         work.push(Work::Name(name));
                         if j > 0 {

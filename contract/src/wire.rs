@@ -118,6 +118,11 @@ pub enum ClaimResponse {
     InProgress {
         retry_after_s: u32,
         lease_remaining_ms: u64,
+        /// The claim asked to wait and waited this long before the key was still in progress
+        /// (absent: it did not wait, because it did not ask or the state API's waiters were
+        /// at their bound).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        waited_ms: Option<u64>,
     },
     /// The first request finished: replay this.
     Completed {
@@ -127,6 +132,9 @@ pub enum ClaimResponse {
         /// then. Absent from state APIs older than this field (the filter then does not cache).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         expires_in_ms: Option<u64>,
+        /// The claim found the key in progress and waited this long for it to complete.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        waited_ms: Option<u64>,
     },
     /// The key was used with a different request fingerprint: answer 422.
     Mismatch,
@@ -311,10 +319,12 @@ impl ClaimResponse {
                 retry_after_s: u32::try_from(f.u64("retry_after_s")?)
                     .map_err(|_| AnswerError("retry_after_s is out of range".into()))?,
                 lease_remaining_ms: f.u64("lease_remaining_ms")?,
+                waited_ms: f.opt_u64("waited_ms")?,
             },
             "completed" => ClaimResponse::Completed {
                 response: StoredResponse::read(&Fields::of(f.required("response")?, "response")?)?,
                 expires_in_ms: f.opt_u64("expires_in_ms")?,
+                waited_ms: f.opt_u64("waited_ms")?,
             },
             "mismatch" => ClaimResponse::Mismatch,
             "unknown" => ClaimResponse::Unknown,
@@ -389,6 +399,12 @@ mod tests {
             ClaimResponse::InProgress {
                 retry_after_s: 2,
                 lease_remaining_ms: 1_500,
+                waited_ms: None,
+            },
+            ClaimResponse::InProgress {
+                retry_after_s: 1,
+                lease_remaining_ms: 900,
+                waited_ms: Some(10_000),
             },
             ClaimResponse::Completed {
                 response: StoredResponse::new(
@@ -401,10 +417,12 @@ mod tests {
                     true,
                 ),
                 expires_in_ms: Some(86_399_999),
+                waited_ms: None,
             },
             ClaimResponse::Completed {
                 response: StoredResponse::new(201, vec![], b"", false),
                 expires_in_ms: None,
+                waited_ms: None,
             },
             ClaimResponse::Mismatch,
             ClaimResponse::Unknown,
@@ -416,6 +434,7 @@ mod tests {
         let json = serde_json::to_string(&ClaimResponse::InProgress {
             retry_after_s: 2,
             lease_remaining_ms: 1500,
+            waited_ms: None,
         })
         .unwrap();
         assert_eq!(
@@ -483,6 +502,7 @@ mod tests {
         let new = ClaimResponse::Completed {
             response: StoredResponse::new(200, vec![], b"", true),
             expires_in_ms: Some(86_399_000),
+            waited_ms: None,
         };
         let json = serde_json::to_string(&new).unwrap();
         assert!(json.ends_with(r#","expires_in_ms":86399000}"#), "{json}");

@@ -3,6 +3,7 @@
 //! message names the field at fault.
 
 use crate::headers;
+pub use contract::fingerprint::{Pointer, Selection};
 use contract::json::{self, Fields, Value};
 use contract::limits;
 use std::fmt;
@@ -18,6 +19,8 @@ pub const DEFAULT_IN_FLIGHT_CACHE_MS: u64 = 500;
 /// Longest `in_flight_cache_ms` accepted: a key finished elsewhere is replayed by this worker
 /// at most that late (its retries get 409 with Retry-After meanwhile).
 pub const MAX_IN_FLIGHT_CACHE_MS: u64 = 10_000;
+/// A bound on `max_waiters` (each waiter holds a buffered request and a callout).
+pub const MAX_WAITERS: u64 = 10_000;
 pub const DEFAULT_COMPLETE_RETRY_MS: u64 = 600_000;
 pub const DEFAULT_COMPLETE_RETRY_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -51,7 +54,16 @@ pub struct Config {
     /// holding it until `/v1/complete` has answered (`false`, the default). Needs the worker's
     /// complete retries (`complete_retry_ms` and `complete_retry_bytes` above 0).
     pub complete_in_background: bool,
+    /// This deployment's part of every record's scope (`""`: none), so that several can share
+    /// one state API and database without their keys ever meeting.
+    pub namespace: String,
+    /// Requests of this worker that wait for a running key at once (`Prefer: wait`); more
+    /// get 409 at once (counted).
+    pub max_waiters: u64,
 }
+
+pub const DEFAULT_MAX_WAIT_S: u64 = 10;
+pub const DEFAULT_MAX_WAITERS: u64 = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateApi {
@@ -161,6 +173,14 @@ pub struct Route {
     pub lease_ms: Option<u64>,
     pub heartbeat_ms: Option<u64>,
     pub max_request_body_bytes: Option<u64>,
+    /// How long its records are kept (the state API's default when absent).
+    pub retention_s: Option<u64>,
+    /// The longest a retry with `Prefer: wait=N` waits for a running key (0: never).
+    pub max_wait_s: u64,
+    /// What of a JSON body the fingerprint covers (all of it by default).
+    pub fingerprint: Selection,
+    /// Take the key from this body member instead of the `Idempotency-Key` header.
+    pub key_from: Option<Pointer>,
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -178,6 +198,8 @@ const CONFIG_FIELDS: &[&str] = &[
     "complete_retry_ms",
     "complete_retry_bytes",
     "complete_in_background",
+    "namespace",
+    "max_waiters",
 ];
 const STATE_API_FIELDS: &[&str] = &["cluster", "authority", "token", "timeout_ms"];
 const ROUTE_FIELDS: &[&str] = &[
@@ -192,6 +214,10 @@ const ROUTE_FIELDS: &[&str] = &[
     "lease_ms",
     "heartbeat_ms",
     "max_request_body_bytes",
+    "retention_s",
+    "max_wait_s",
+    "fingerprint",
+    "key_from",
 ];
 const RECONCILE_FIELDS: &[&str] = &["cluster", "authority", "method", "path", "timeout_ms"];
 
@@ -239,6 +265,8 @@ impl Config {
             complete_retry_bytes: top
                 .u64_or("complete_retry_bytes", DEFAULT_COMPLETE_RETRY_BYTES)?,
             complete_in_background: top.bool_or("complete_in_background", false)?,
+            namespace: top.opt_str("namespace")?.unwrap_or("").to_owned(),
+            max_waiters: top.u64_or("max_waiters", DEFAULT_MAX_WAITERS)?,
         })
     }
 }
@@ -299,6 +327,39 @@ impl Route {
             lease_ms: r.opt_u64("lease_ms")?,
             heartbeat_ms: r.opt_u64("heartbeat_ms")?,
             max_request_body_bytes: r.opt_u64("max_request_body_bytes")?,
+            retention_s: r.opt_u64("retention_s")?,
+            max_wait_s: r.u64_or("max_wait_s", DEFAULT_MAX_WAIT_S)?,
+            fingerprint: match r.get("fingerprint") {
+                None => Selection::Whole,
+                Some(v) => {
+                    let what = format!("{what}.fingerprint");
+                    let f = Fields::of(v, &what)?;
+                    f.deny_unknown(&["ignore", "include"])?;
+                    let list = |name: &str| -> Result<Option<Vec<Pointer>>, String> {
+                        if f.get(name).is_none() {
+                            return Ok(None);
+                        }
+                        f.strings(name)?
+                            .iter()
+                            .map(|p| Pointer::parse(p).map_err(|e| format!("{what}.{name}: {e}")))
+                            .collect::<Result<Vec<_>, _>>()
+                            .map(Some)
+                    };
+                    match (list("ignore")?, list("include")?) {
+                        (Some(p), None) if !p.is_empty() => Selection::Ignore(p),
+                        (None, Some(p)) if !p.is_empty() => Selection::Include(p),
+                        _ => {
+                            return Err(format!(
+                                "{what} needs exactly one non-empty list: ignore or include"
+                            ))
+                        }
+                    }
+                }
+            },
+            key_from: match r.opt_str("key_from")? {
+                None => None,
+                Some(p) => Some(Pointer::parse(p).map_err(|e| format!("{what}.key_from: {e}"))?),
+            },
         })
     }
 }
@@ -442,6 +503,17 @@ impl Config {
             if self.max_request_body_for(i) == 0 {
                 return err(format!("{what}.max_request_body_bytes must be > 0"));
             }
+            if let Some(r) = self.routes.get(i) {
+                if r.retention_s == Some(0) {
+                    return err(format!("{what}.retention_s must be > 0"));
+                }
+                if r.max_wait_s.saturating_mul(1000) > limits::MAX_WAIT_MS {
+                    return err(format!(
+                        "{what}.max_wait_s must be at most {}",
+                        limits::MAX_WAIT_MS / 1000
+                    ));
+                }
+            }
         }
         if self.max_stored_body_bytes == 0
             || self.max_stored_body_bytes > limits::MAX_STORED_BODY_BYTES
@@ -452,6 +524,15 @@ impl Config {
             ));
         }
         check_lease("", self.lease_ms, self.heartbeat_ms)?;
+        if !limits::valid_namespace(&self.namespace) {
+            return err(format!(
+                "namespace must be at most {} of a-z 0-9 . _ -",
+                limits::MAX_NAMESPACE_LEN
+            ));
+        }
+        if self.max_waiters > MAX_WAITERS {
+            return err(format!("max_waiters must be at most {MAX_WAITERS}"));
+        }
         if self.in_flight_cache_ms > MAX_IN_FLIGHT_CACHE_MS {
             return err(format!(
                 "in_flight_cache_ms must be at most {MAX_IN_FLIGHT_CACHE_MS}"

@@ -72,10 +72,17 @@ pub enum Metric {
     ReconcileFailed,
     /// A request whose outcome was unknown, run again on a `reexecute` route.
     Reexecuted,
+    /// Retries that asked to wait (`Prefer: wait`) for a running key: answered with the
+    /// replay once it finished (by the state API, or woken by this worker's own complete),
+    /// still running at the deadline (409), or refused a wait over the worker's or the state
+    /// API's bound of waiters (409 at once).
+    WaitReplayed,
+    WaitTimedOut,
+    WaitRefused,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 31] = [
+    pub const ALL: [Metric; 34] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -107,6 +114,9 @@ impl Metric {
         Metric::ReconcileNotExecuted,
         Metric::ReconcileFailed,
         Metric::Reexecuted,
+        Metric::WaitReplayed,
+        Metric::WaitTimedOut,
+        Metric::WaitRefused,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -142,6 +152,9 @@ impl Metric {
             Metric::ReconcileNotExecuted => "idempotency.reconcile_not_executed",
             Metric::ReconcileFailed => "idempotency.reconcile_failed",
             Metric::Reexecuted => "idempotency.reexecuted",
+            Metric::WaitReplayed => "idempotency.wait_replayed",
+            Metric::WaitTimedOut => "idempotency.wait_timed_out",
+            Metric::WaitRefused => "idempotency.wait_refused",
         }
     }
 

@@ -198,6 +198,7 @@ impl ModelStateApi {
                     lease_ms,
                     reclaimed: false,
                     max_body_bytes: self.advertised_max_body(),
+                    retention_s: Some(self.cfg.retention_ms / 1000),
                 },
             );
         };
@@ -224,6 +225,7 @@ impl ModelStateApi {
                     lease_ms,
                     reclaimed: was_in_progress,
                     max_body_bytes: self.advertised_max_body(),
+                    retention_s: Some(self.cfg.retention_ms / 1000),
                 },
             );
         }
@@ -236,6 +238,7 @@ impl ModelStateApi {
                 &ClaimResponse::Completed {
                     response: StoredResponse::new(s.status, s.headers, &s.body, s.replayable),
                     expires_in_ms: Some(rec.expires_at.saturating_sub(now)),
+                    waited_ms: None,
                 },
             ),
             RecordState::InProgress {
@@ -251,6 +254,7 @@ impl ModelStateApi {
                     &ClaimResponse::InProgress {
                         retry_after_s: u32::try_from(secs).unwrap_or(1),
                         lease_remaining_ms: remaining,
+                        waited_ms: None,
                     },
                 )
             }
@@ -283,6 +287,7 @@ impl ModelStateApi {
                         lease_ms,
                         reclaimed: true,
                         max_body_bytes: self.advertised_max_body(),
+                        retention_s: Some(self.cfg.retention_ms / 1000),
                     },
                 )
             }

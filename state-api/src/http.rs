@@ -334,8 +334,9 @@ async fn claim(
         .claim(job.clone())
         .await
         .map_err(|e| store_error(&state, "claim", e))?;
+    let mut waited_ms = None;
     if wait_ms > 0 && matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
-        outcome = wait_for_outcome(&state, job, outcome, wait_ms).await?;
+        (outcome, waited_ms) = wait_for_outcome(&state, job, outcome, wait_ms).await?;
     }
     let (answer, label) = match outcome {
         store::ClaimOutcome::Claimed {
@@ -365,6 +366,7 @@ async fn claim(
                 ClaimResponse::InProgress {
                     retry_after_s,
                     lease_remaining_ms,
+                    waited_ms,
                 },
                 metrics::ClaimOutcome::InProgress,
             )
@@ -373,6 +375,7 @@ async fn claim(
             ClaimResponse::Completed {
                 response: StoredResponse::new(row.status, row.headers, &row.body, row.replayable),
                 expires_in_ms: Some(expires_in_ms),
+                waited_ms,
             },
             metrics::ClaimOutcome::Completed,
         ),
@@ -387,17 +390,19 @@ async fn claim(
 /// The key is in progress and the claim may wait (`Prefer: wait`): it looks again when a write
 /// of this process settles the record, or every [`crate::waiters::POLL`], until it is no
 /// longer in progress or `wait_ms` have passed. Over `--max-waiters`: the first answer, at once.
+/// With the outcome, how long it waited (none: it was refused a wait).
 async fn wait_for_outcome(
     state: &AppState,
     job: ClaimJob,
     first: store::ClaimOutcome,
     wait_ms: u64,
-) -> Result<store::ClaimOutcome, ApiError> {
+) -> Result<(store::ClaimOutcome, Option<u64>), ApiError> {
     let Some(slot) = state.waiters().enter(job.scope) else {
         state.metrics().wait(metrics::WaitEnd::Refused);
-        return Ok(first);
+        return Ok((first, None));
     };
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
+    let started = tokio::time::Instant::now();
+    let deadline = started + std::time::Duration::from_millis(wait_ms);
     let mut outcome = first;
     loop {
         let woken = slot.notify.notified();
@@ -406,7 +411,7 @@ async fn wait_for_outcome(
         let now = tokio::time::Instant::now();
         if now >= deadline {
             state.metrics().wait(metrics::WaitEnd::TimedOut);
-            return Ok(outcome);
+            return Ok((outcome, Some(elapsed_ms(started))));
         }
         let nap = (deadline - now).min(crate::waiters::POLL);
         tokio::select! {
@@ -420,9 +425,13 @@ async fn wait_for_outcome(
             .map_err(|e| store_error(state, "claim", e))?;
         if !matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
             state.metrics().wait(metrics::WaitEnd::Settled);
-            return Ok(outcome);
+            return Ok((outcome, Some(elapsed_ms(started))));
         }
     }
+}
+
+fn elapsed_ms(since: tokio::time::Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 async fn heartbeat(

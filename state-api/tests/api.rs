@@ -19,6 +19,7 @@ fn replay_of(answer: ClaimResponse) -> StoredResponse {
         ClaimResponse::Completed {
             response,
             expires_in_ms: Some(_),
+            ..
         } => response,
         other => panic!("a completed answer with its expiry, not {other:?}"),
     }
@@ -357,6 +358,7 @@ async fn heartbeats_extend_the_lease_even_after_it_ran_out_if_not_reclaimed() {
         ClaimResponse::InProgress {
             lease_remaining_ms,
             retry_after_s,
+            ..
         } => {
             assert!(lease_remaining_ms > 15_000);
             assert_eq!(retry_after_s, 2, "capped by --retry-after-cap-s");

@@ -640,3 +640,110 @@ fn the_overflow_threshold_itself_and_its_neighbours() {
         assert_eq!((refused, parsed), (out, out), "{text}");
     }
 }
+
+fn fp_sel(body: &str, sel: &super::Selection) -> super::Fingerprint {
+    super::fingerprint_with(
+        "POST",
+        "/orders",
+        "",
+        Some("application/json"),
+        body.as_bytes(),
+        sel,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn pointers(list: &[&str]) -> Vec<super::Pointer> {
+    list.iter()
+        .map(|p| super::Pointer::parse(p).unwrap_or_else(|e| panic!("{e}")))
+        .collect()
+}
+
+#[test]
+fn ignored_members_do_not_change_it_anywhere_else_does() {
+    let sel = super::Selection::Ignore(pointers(&["/meta/sent_at", "/trace", "/items/1/note"]));
+    let a = r#"{"amount":5,"meta":{"sent_at":"10:00","v":1},"trace":"t1","items":[{"sku":"a"},{"sku":"b","note":"x"}]}"#;
+    let b = r#"{"trace":"t2","items":[{"sku":"a"},{"note":"y","sku":"b"}],"meta":{"v":1,"sent_at":"10:05"},"amount":5}"#;
+    assert_eq!(
+        fp_sel(a, &sel),
+        fp_sel(b, &sel),
+        "only ignored members differ"
+    );
+    // An ignored member that is absent is the same as any value of it.
+    let c = r#"{"amount":5,"meta":{"v":1},"items":[{"sku":"a"},{"sku":"b"}]}"#;
+    assert_eq!(fp_sel(a, &sel), fp_sel(c, &sel));
+    // Anything else, however deep, still counts.
+    for other in [
+        r#"{"amount":6,"meta":{"sent_at":"10:00","v":1},"trace":"t1","items":[{"sku":"a"},{"sku":"b","note":"x"}]}"#,
+        r#"{"amount":5,"meta":{"sent_at":"10:00","v":2},"trace":"t1","items":[{"sku":"a"},{"sku":"b","note":"x"}]}"#,
+        r#"{"amount":5,"meta":{"sent_at":"10:00","v":1},"trace":"t1","items":[{"sku":"a","note":"x"},{"sku":"b","note":"x"}]}"#,
+    ] {
+        assert_ne!(fp_sel(a, &sel), fp_sel(other, &sel), "{other}");
+    }
+    // The selection is in the algorithm: never equal to the whole body's, and another list is
+    // another algorithm (its order aside).
+    let whole = fp_sel(a, &super::Selection::Whole);
+    assert_ne!(whole.alg, fp_sel(a, &sel).alg);
+    assert!(fp_sel(a, &sel).alg.starts_with("sha256-jcs-v2;ignore="));
+    let reordered =
+        super::Selection::Ignore(pointers(&["/trace", "/items/1/note", "/meta/sent_at"]));
+    assert_eq!(fp_sel(a, &sel).alg, fp_sel(a, &reordered).alg);
+    let fewer = super::Selection::Ignore(pointers(&["/trace"]));
+    assert_ne!(fp_sel(a, &sel).alg, fp_sel(a, &fewer).alg);
+}
+
+#[test]
+fn included_members_are_all_that_counts() {
+    let sel =
+        super::Selection::Include(pointers(&["/amount", "/currency", "/card", "/items/0/sku"]));
+    let a = r#"{"amount":5,"currency":"BRL","card":{"number":"4242","exp":"12/30"},"items":[{"sku":"a","qty":1}],"sent_at":"10:00"}"#;
+    let b = r#"{"sent_at":"11:00","card":{"exp":"12/30","number":"4242"},"currency":"BRL","amount":5,"items":[{"qty":9,"sku":"a"}],"trace":"x"}"#;
+    assert_eq!(fp_sel(a, &sel), fp_sel(b, &sel));
+    for other in [
+        r#"{"amount":5,"currency":"BRL","card":{"number":"0000","exp":"12/30"},"items":[{"sku":"a"}]}"#,
+        r#"{"amount":5,"currency":"USD","card":{"number":"4242","exp":"12/30"},"items":[{"sku":"a"}]}"#,
+        r#"{"amount":5,"currency":"BRL","card":{"number":"4242","exp":"12/30"},"items":[{"sku":"b"}]}"#,
+        r#"{"currency":"BRL","card":{"number":"4242","exp":"12/30"},"items":[{"sku":"a"}]}"#,
+        r#"{"amount":null,"currency":"BRL","card":{"number":"4242","exp":"12/30"},"items":[{"sku":"a"}]}"#,
+    ] {
+        assert_ne!(fp_sel(a, &sel), fp_sel(other, &sel), "{other}");
+    }
+    assert!(fp_sel(a, &sel).alg.starts_with("sha256-jcs-v2;include="));
+    // Non-JSON bodies are hashed whole, as without a selection.
+    let raw =
+        super::fingerprint_with("POST", "/orders", "", Some("text/plain"), b"x", &sel).unwrap();
+    assert_eq!(raw.alg, super::ALG_RAW);
+}
+
+#[test]
+fn pointers_are_rfc_6901_without_the_root_or_the_end_of_an_array() {
+    let p = super::Pointer::parse("/a~1b/c~0d/0").unwrap();
+    let body = r#"{"a/b":{"c~d":["found",2]}}"#;
+    assert_eq!(
+        super::string_at(body.as_bytes(), &p).as_deref(),
+        Some("found")
+    );
+    assert_eq!(
+        super::string_at(br#"{"a/b":{"c~d":[1]}}"#, &p),
+        None,
+        "not a string"
+    );
+    assert_eq!(super::string_at(b"not json", &p), None);
+    for bad in ["", "a/b", "/items/-", "/x~2"] {
+        assert!(super::Pointer::parse(bad).is_err(), "{bad:?}");
+    }
+    // An index is decimal without a leading zero; a member named like one is a member.
+    let body = br#"{"items":["x","y"],"m":{"01":"named"}}"#;
+    assert_eq!(
+        super::string_at(body, &super::Pointer::parse("/items/1").unwrap()).as_deref(),
+        Some("y")
+    );
+    assert_eq!(
+        super::string_at(body, &super::Pointer::parse("/items/01").unwrap()),
+        None
+    );
+    assert_eq!(
+        super::string_at(body, &super::Pointer::parse("/m/01").unwrap()).as_deref(),
+        Some("named")
+    );
+}

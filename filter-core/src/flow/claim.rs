@@ -17,6 +17,8 @@ use contract::ProblemKind;
 pub enum Remembered {
     /// A completed record (its status is one a replay can carry).
     Completed(Completed),
+    /// A record this worker saw complete while the request waited for it (`Prefer: wait`).
+    Woken(Completed),
     /// Reported in progress for this very request a moment ago.
     Running { retry_after_s: u32 },
 }
@@ -30,18 +32,28 @@ impl Flow {
                 "memory answer in an unexpected state".into(),
             ));
         };
+        let woken = matches!(memory, Remembered::Woken(_));
         let (metric, reply, hit) = match memory {
-            Remembered::Completed(rec) if rec.fingerprint != req.fingerprint => (
-                Metric::Mismatch422,
-                reply::mismatch(&req.req.endpoint),
-                Metric::ReplayCacheHits,
-            ),
-            Remembered::Completed(rec) => match completed_reply(cfg, &rec) {
-                Ok((metric, reply)) => (metric, reply, Metric::ReplayCacheHits),
-                // The worker keeps only records a replay can carry, so this does not happen;
-                // if it did, 503 (nothing forwarded) is the safe answer.
-                Err(why) => return self.unavailable(cfg, req, why),
-            },
+            Remembered::Completed(rec) | Remembered::Woken(rec)
+                if rec.fingerprint != req.fingerprint =>
+            {
+                (
+                    Metric::Mismatch422,
+                    reply::mismatch(&req.req.endpoint),
+                    Metric::ReplayCacheHits,
+                )
+            }
+            Remembered::Completed(rec) | Remembered::Woken(rec) => {
+                match completed_reply(cfg, &rec) {
+                    Ok((metric, reply)) if woken => {
+                        (metric, waited(reply, req.req.wait_s), Metric::WaitReplayed)
+                    }
+                    Ok((metric, reply)) => (metric, reply, Metric::ReplayCacheHits),
+                    // The worker keeps only records a replay can carry, so this does not
+                    // happen; if it did, 503 (nothing forwarded) is the safe answer.
+                    Err(why) => return self.unavailable(cfg, req, why),
+                }
+            }
             Remembered::Running { retry_after_s } => (
                 Metric::InProgress409,
                 reply::in_progress(retry_after_s),
@@ -81,6 +93,7 @@ impl Flow {
                 reclaimed,
                 lease_ms,
                 max_body_bytes,
+                ..
             }) => {
                 let claimed = Claimed {
                     req,
@@ -126,6 +139,7 @@ impl Flow {
             Ok(ClaimResponse::InProgress {
                 retry_after_s,
                 lease_remaining_ms,
+                waited_ms,
             }) => {
                 let hold = Note::HoldRunning {
                     id: req.req.id(),
@@ -134,11 +148,24 @@ impl Flow {
                     since_ms: req.sent_ms,
                     lease_remaining_ms,
                 };
-                self.reply(
-                    Some(Metric::InProgress409),
-                    reply::in_progress(retry_after_s),
-                )
-                .with(hold)
+                let asked = req.req.wait_s;
+                let (reply, wait_metric) = match waited_ms {
+                    // Still running at the deadline.
+                    Some(_) => (
+                        waited(reply::in_progress(retry_after_s), asked),
+                        Some(Metric::WaitTimedOut),
+                    ),
+                    // The state API's waiters were at their bound.
+                    None if asked > 0 => {
+                        (reply::in_progress(retry_after_s), Some(Metric::WaitRefused))
+                    }
+                    None => (reply::in_progress(retry_after_s), None),
+                };
+                let mut t = self.reply(Some(Metric::InProgress409), reply).with(hold);
+                if let Some(m) = wait_metric {
+                    t.push(Effect::Count(m));
+                }
+                t
             }
             Ok(ClaimResponse::Mismatch) => self.reply(
                 Some(Metric::Mismatch422),
@@ -147,6 +174,7 @@ impl Flow {
             Ok(ClaimResponse::Completed {
                 response,
                 expires_in_ms,
+                waited_ms,
             }) => {
                 let body = if response.replayable {
                     match response.body() {
@@ -172,7 +200,12 @@ impl Flow {
                 match completed_reply(cfg, &rec) {
                     Ok((metric, reply)) => {
                         let id = req.req.id();
-                        let mut t = self.reply(Some(metric), reply);
+                        let mut t = match waited_ms {
+                            Some(_) => self
+                                .reply(Some(metric), waited(reply, req.req.wait_s))
+                                .with(Effect::Count(Metric::WaitReplayed)),
+                            None => self.reply(Some(metric), reply),
+                        };
                         // No expiry (an older state API): nothing to bound the entry by.
                         if let Some(expires_in_ms) = expires_in_ms {
                             t.push(Note::Remember {
@@ -282,6 +315,21 @@ impl Flow {
         }
         self.reply(Some(Metric::StateApiErrors), reply::state_unavailable())
             .with(log)
+    }
+}
+
+/// An answer given after waiting for the key (RFC 7240: the preference was applied).
+fn waited(reply: LocalReply, wait_s: u64) -> LocalReply {
+    reply.with_header("preference-applied", format!("wait={wait_s}"))
+}
+
+impl Flow {
+    /// The worker's waiters are at their bound: this claim does not wait, and its answer does
+    /// not say it did.
+    pub fn wait_refused(&mut self) {
+        if let State::Claiming(req) = &mut self.state {
+            req.req.wait_s = 0;
+        }
     }
 }
 

@@ -20,7 +20,7 @@
 
 mod claim;
 mod reconcile;
-mod request;
+pub(crate) mod request;
 mod response;
 mod write;
 
@@ -48,8 +48,9 @@ pub enum Verdict {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Call {
     Claim {
-        /// The `/v1/claim` JSON body.
-        body: Vec<u8>,
+        /// The `/v1/claim` request (the worker sends it without its wait when its waiters are
+        /// at their bound).
+        request: Box<contract::wire::ClaimRequest>,
         /// The record's address in the worker's memory, and the request's fingerprint.
         id: crate::worker::ids::Id,
         fingerprint: Fingerprint,
@@ -176,6 +177,11 @@ pub struct Request {
     pub path: String,
     pub query: String,
     pub content_type: Option<String>,
+    /// The deployment's namespace (part of the record's scope at the state API).
+    pub namespace: String,
+    /// How long the client asked to wait for a running key (`Prefer: wait`), capped by the
+    /// route's `max_wait_s`; 0: answer 409 at once.
+    pub wait_s: u64,
 }
 
 impl Request {

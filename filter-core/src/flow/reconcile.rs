@@ -181,6 +181,7 @@ pub(super) fn mark_unknown(claimed: &Claimed) -> Out {
             claim: claimed.held(),
             path: UNKNOWN_PATH,
             payload: super::to_json(&UnknownRequest {
+                namespace: req.namespace.clone(),
                 key: req.key.clone(),
                 subject: req.subject.clone(),
                 endpoint: req.endpoint.clone(),

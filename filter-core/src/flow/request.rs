@@ -2,7 +2,7 @@
 //! fingerprint; then the claim.
 
 use super::{Call, Fingerprinted, Flow, Request, State, Turn};
-use crate::config::{Config, KeyPolicy, OnUnknown, SubjectSource};
+use crate::config::{Config, KeyPolicy, OnUnknown, Selection, SubjectSource};
 use crate::key::{self, parse_key_header};
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
@@ -38,6 +38,26 @@ impl RequestHead<'_> {
 
 fn valid_subject(s: &str) -> bool {
     contract::limits::valid_field(s)
+}
+
+/// The seconds of a `Prefer: wait=N` preference (RFC 7240), the first one that parses; other
+/// preferences and their parameters are ignored.
+pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
+    values
+        .iter()
+        .flat_map(|v| v.split(','))
+        .filter_map(|pref| {
+            let head = pref.split(';').next()?.trim();
+            let (name, value) = head.split_once('=')?;
+            if !name.trim().eq_ignore_ascii_case("wait") {
+                return None;
+            }
+            let value = value.trim().trim_matches('"');
+            (!value.is_empty() && value.len() <= 6 && value.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| value.parse().ok())
+                .flatten()
+        })
+        .next()
 }
 
 pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -94,7 +114,7 @@ impl Flow {
             return unforge(self, Turn::cont());
         };
         let key_values = head.values(key::HEADER);
-        if key_values.is_empty() && route.key == KeyPolicy::Optional {
+        if key_values.is_empty() && route.key == KeyPolicy::Optional && route.key_from.is_none() {
             // Not protected without a key.
             return unforge(self, Turn::cont());
         }
@@ -132,6 +152,8 @@ impl Flow {
         };
 
         let key = match parse_key_header(&key_values) {
+            // Read from the body once it is there.
+            _ if route.key_from.is_some() => String::new(),
             Ok(Some(k)) => k,
             Ok(None) => {
                 return self.reply(
@@ -167,6 +189,8 @@ impl Flow {
             path,
             query,
             content_type: head.first("content-type").map(str::to_owned),
+            namespace: cfg.namespace.clone(),
+            wait_s: prefer_wait(&head.values("prefer")).map_or(0, |w| w.min(route.max_wait_s)),
         };
         if end_of_stream {
             return self.fingerprint(cfg, req, &[], now_ms);
@@ -258,13 +282,49 @@ impl Flow {
     }
 
     /// Fingerprints the request and asks to claim its key.
-    fn fingerprint(&mut self, cfg: &Config, req: Request, body: &[u8], now_ms: u64) -> Turn {
-        let fingerprint = match fingerprint::fingerprint(
+    fn fingerprint(&mut self, cfg: &Config, mut req: Request, body: &[u8], now_ms: u64) -> Turn {
+        let route = cfg.routes.get(req.route);
+        if let Some(pointer) = route.and_then(|r| r.key_from.as_ref()) {
+            match fingerprint::string_at(body, pointer) {
+                Some(k) => match contract::validate_key(&k) {
+                    Ok(()) => req.key = k,
+                    Err(e) => {
+                        return self.reply(
+                            Some(Metric::BadKey400),
+                            LocalReply::problem(
+                                ProblemKind::InvalidKey,
+                                format!("the key in {}: {e}", pointer.as_str()),
+                            ),
+                        )
+                    }
+                },
+                None if route.is_some_and(|r| r.key == KeyPolicy::Optional) => {
+                    // Not protected without a key: the buffered body goes on.
+                    self.state = State::Passthrough;
+                    return Turn::cont()
+                        .with(self.effect(|stream| Effect::ResumeRequest { stream }));
+                }
+                None => return self.reply(
+                    Some(Metric::BadKey400),
+                    LocalReply::problem(
+                        ProblemKind::MissingKey,
+                        format!(
+                            "{} requires its idempotency key as a string at {} in the JSON body",
+                            req.endpoint,
+                            pointer.as_str()
+                        ),
+                    ),
+                ),
+            }
+        }
+        let selection = route.map(|r| &r.fingerprint).unwrap_or(&Selection::Whole);
+        let fingerprint = match fingerprint::fingerprint_with(
             &req.method,
             &req.path,
             &req.query,
             req.content_type.as_deref(),
             body,
+            selection,
         ) {
             Ok(fp) => fp,
             Err(e @ FingerprintError::DuplicateMember(_)) => {
@@ -274,13 +334,16 @@ impl Flow {
                 )
             }
         };
-        let body = to_json(&ClaimRequest {
+        let request = Box::new(ClaimRequest {
             key: req.key.clone(),
             subject: req.subject.clone(),
             endpoint: req.endpoint.clone(),
             fingerprint: fingerprint.hex.clone(),
-            fingerprint_alg: fingerprint.alg.to_owned(),
+            fingerprint_alg: fingerprint.alg.to_string(),
             lease_ms: Some(cfg.lease_for(req.route)),
+            namespace: req.namespace.clone(),
+            retention_s: route.and_then(|r| r.retention_s),
+            wait_ms: (req.wait_s > 0).then_some(req.wait_s.saturating_mul(1000)),
             on_unknown: match cfg.routes.get(req.route).map(|r| r.on_unknown) {
                 Some(OnUnknown::Reconcile | OnUnknown::Reexecute) => {
                     contract::wire::OnUnknown::TakeOver
@@ -289,7 +352,7 @@ impl Flow {
             },
         });
         let call = Call::Claim {
-            body,
+            request,
             id: req.id(),
             fingerprint: fingerprint.clone(),
         };

@@ -51,6 +51,7 @@ impl Flow {
         match classify(status, head.details, head.flags, on_5xx) {
             Outcome::Release => {
                 let body = to_json(&ReleaseRequest {
+                    namespace: claimed.req.req.namespace.clone(),
                     key: claimed.req.req.key.clone(),
                     subject: claimed.req.req.subject.clone(),
                     endpoint: claimed.req.req.endpoint.clone(),
@@ -246,6 +247,7 @@ pub(super) fn outcome(
 
 fn complete_payload(claimed: &Claimed, response: StoredResponse) -> Vec<u8> {
     to_json(&CompleteRequest {
+        namespace: claimed.req.req.namespace.clone(),
         key: claimed.req.req.key.clone(),
         subject: claimed.req.req.subject.clone(),
         endpoint: claimed.req.req.endpoint.clone(),

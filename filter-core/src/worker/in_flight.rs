@@ -109,7 +109,7 @@ mod tests {
 
     fn fp(alg: &'static str, hex: &str) -> Fingerprint {
         Fingerprint {
-            alg,
+            alg: alg.into(),
             hex: hex.repeat(32),
         }
     }

@@ -221,6 +221,8 @@ pub struct Usage {
     pub write_bytes: usize,
     pub replay_bytes: usize,
     pub running_keys: usize,
+    /// Streams whose claim waits for a running key.
+    pub waiters: usize,
 }
 
 #[derive(Debug)]
@@ -235,6 +237,18 @@ pub struct Worker {
     in_flight: InFlightMemory,
     /// A wake was asked for and has not come yet: writes handed over meanwhile go with it.
     wake_pending: bool,
+    /// Streams whose claim waits at the state API for a running key (`Prefer: wait`), at
+    /// most `max_waiters`: answered at once when this worker sees the key complete.
+    waiting: Vec<Waiter>,
+}
+
+/// A stream whose claim waits for a running key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Waiter {
+    stream: StreamId,
+    id: ids::Id,
+    /// Its claim callout (whose late answer is then dropped).
+    call: CallId,
 }
 
 impl Worker {
@@ -248,6 +262,7 @@ impl Worker {
             calls: HashMap::new(),
             next_call: 0,
             wake_pending: false,
+            waiting: Vec::new(),
             cfg,
         }
     }
@@ -270,6 +285,7 @@ impl Worker {
             write_bytes: self.writes.bytes(),
             replay_bytes: self.replays.bytes(),
             running_keys: self.in_flight.len(),
+            waiters: self.waiting.len(),
         }
     }
 
@@ -384,6 +400,7 @@ impl Worker {
             return Vec::new();
         };
         self.calls.retain(|_, p| p.stream() != Some(stream));
+        self.waiting.retain(|w| w.stream != stream);
         let turn = flow.on_stream_done(&self.cfg);
         let mut step = Step::cont();
         self.apply(&mut flow, turn, now_ms, &mut step);
@@ -431,30 +448,50 @@ impl Worker {
         let stream = flow.stream();
         match call {
             Call::Claim {
-                body,
+                mut request,
                 id,
                 fingerprint,
             } => {
+                let waits = request.wait_ms.is_some();
                 if self.replays.enabled() {
                     if let Some(rec) = self.replays.get(&id, now_ms) {
                         let rec = rec.clone();
                         return Some(flow.on_remembered(&self.cfg, Remembered::Completed(rec)));
                     }
-                    if let Some(retry_after_s) =
-                        self.in_flight.retry_after(&id, &fingerprint, now_ms)
+                    // A retry that asks to wait is not answered 409 from memory.
+                    if let Some(retry_after_s) = (!waits)
+                        .then(|| self.in_flight.retry_after(&id, &fingerprint, now_ms))
+                        .flatten()
                     {
                         return Some(
                             flow.on_remembered(&self.cfg, Remembered::Running { retry_after_s }),
                         );
                     }
                 }
-                self.dispatch_state_api(
-                    Owner::Stream(stream),
-                    Purpose::Claim(stream),
-                    CLAIM_PATH,
-                    body,
-                    effects,
-                );
+                if waits && self.waiting.len() as u64 >= self.cfg.max_waiters {
+                    request.wait_ms = None;
+                    flow.wait_refused();
+                    effects.push(Effect::Count(Metric::WaitRefused));
+                    effects.push(Effect::Log(
+                        Level::Debug,
+                        format!(
+                            "{} retries already wait on this worker (max_waiters): this one is answered at once",
+                            self.waiting.len()
+                        ),
+                    ));
+                }
+                let wait_ms = request.wait_ms.unwrap_or(0);
+                let body = crate::flow::to_json(&*request);
+                let call = self.state_api_call(CLAIM_PATH, body, wait_ms);
+                let call_id =
+                    self.dispatch(Owner::Stream(stream), Purpose::Claim(stream), call, effects);
+                if wait_ms > 0 {
+                    self.waiting.push(Waiter {
+                        stream,
+                        id,
+                        call: call_id,
+                    });
+                }
                 None
             }
             Call::Complete {
@@ -533,7 +570,7 @@ impl Worker {
         purpose: Purpose,
         call: Outgoing,
         effects: &mut Vec<Effect>,
-    ) {
+    ) -> CallId {
         self.next_call += 1;
         let id = CallId(self.next_call);
         self.calls.insert(id, purpose);
@@ -545,6 +582,7 @@ impl Worker {
             body: call.body,
             timeout_ms: call.timeout_ms,
         }));
+        id
     }
 
     fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
@@ -579,9 +617,35 @@ impl Worker {
                 self.in_flight.forget(&id);
                 if self.answerable(&record) {
                     self.replays.insert(id, *record, since_ms, expires_in_ms);
+                    self.wake_waiters(id, now_ms, effects);
                 }
             }
             Note::HandOver { write, record } => self.hand_over(write, record, now_ms, effects),
+        }
+    }
+
+    /// The streams waiting for `id` get the replay this worker now holds, without waiting for
+    /// the state API to tell them; their claims' answers are dropped when they come.
+    fn wake_waiters(&mut self, id: ids::Id, now_ms: u64, effects: &mut Vec<Effect>) {
+        if !self.waiting.iter().any(|w| w.id == id) {
+            return;
+        }
+        let Some(rec) = self.replays.get(&id, now_ms).cloned() else {
+            return;
+        };
+        let (woken, still): (Vec<Waiter>, Vec<Waiter>) =
+            self.waiting.iter().partition(|w| w.id == id);
+        self.waiting = still;
+        for waiter in woken {
+            self.calls.remove(&waiter.call);
+            let Some(mut flow) = self.flows.remove(&waiter.stream) else {
+                continue;
+            };
+            let turn = flow.on_remembered(&self.cfg, Remembered::Woken(rec.clone()));
+            let mut step = Step::cont();
+            self.apply(&mut flow, turn, now_ms, &mut step);
+            effects.append(&mut step.effects);
+            self.flows.insert(waiter.stream, flow);
         }
     }
 
@@ -616,10 +680,9 @@ impl Worker {
                 }
                 if let Some(rec) = record {
                     if self.answerable(&rec) {
-                        self.replays.insert_pending(
-                            ids::id(&claim.key, &claim.subject, &claim.endpoint),
-                            *rec,
-                        );
+                        let id = ids::id(&claim.key, &claim.subject, &claim.endpoint);
+                        self.replays.insert_pending(id, *rec);
+                        self.wake_waiters(id, now_ms, effects);
                     }
                 }
                 if untried && !self.wake_pending {
@@ -656,6 +719,12 @@ impl Worker {
         body: Vec<u8>,
         effects: &mut Vec<Effect>,
     ) {
+        let call = self.state_api_call(path, body, 0);
+        self.dispatch(owner, purpose, call, effects);
+    }
+
+    /// A call to the state API; one that may wait there `wait_ms` has that much more time.
+    fn state_api_call(&self, path: &str, body: Vec<u8>, wait_ms: u64) -> Outgoing {
         let api = &self.cfg.state_api;
         let headers = vec![
             (":method".into(), "POST".into()),
@@ -665,13 +734,12 @@ impl Worker {
             ("content-type".into(), "application/json".into()),
             ("accept".into(), "application/json".into()),
         ];
-        let call = Outgoing {
+        Outgoing {
             cluster: api.cluster.clone(),
             headers,
             body,
-            timeout_ms: api.timeout_ms,
-        };
-        self.dispatch(owner, purpose, call, effects);
+            timeout_ms: api.timeout_ms.saturating_add(wait_ms),
+        }
     }
 
     // -----------------------------------------------------------------------------------------
@@ -680,14 +748,18 @@ impl Worker {
     /// The answer to a callout (or its failure, also a failure to dispatch it).
     pub fn on_callout_answer(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
         let Some(purpose) = self.calls.remove(&id) else {
+            // A waiting claim whose stream was answered when this worker saw its key complete.
             return Step {
                 verdict: Verdict::Continue,
                 effects: vec![Effect::Log(
-                    Level::Warn,
-                    format!("unexpected callout answer {}", id.0),
+                    Level::Debug,
+                    format!("the answer to callout {} is no longer wanted", id.0),
                 )],
             };
         };
+        if let Purpose::Claim(stream) = purpose {
+            self.waiting.retain(|w| w.stream != stream);
+        }
         match purpose {
             Purpose::Claim(stream) | Purpose::StreamWrite(stream) | Purpose::Reconcile(stream) => {
                 let Some(flow) = self.flows.get_mut(&stream) else {
@@ -898,7 +970,9 @@ impl Worker {
         self.replays.purge_expired(now_ms);
         self.in_flight.purge_expired(now_ms);
         if !self.registry.is_empty() {
-            let due = self.registry.due(now_ms, self.cfg.tick_period_ms());
+            let due = self
+                .registry
+                .due(now_ms, self.cfg.tick_period_ms(), &self.cfg.namespace);
             for hb in due {
                 let token = hb.token;
                 let body = crate::flow::to_json(&hb);

@@ -92,13 +92,14 @@ impl Registry {
 
     /// Heartbeats to send now (each asking for its route's lease), for claims with no
     /// heartbeat on its way. They are marked as sent.
-    pub fn due(&mut self, now_ms: u64, tick_ms: u64) -> Vec<HeartbeatRequest> {
+    pub fn due(&mut self, now_ms: u64, tick_ms: u64, namespace: &str) -> Vec<HeartbeatRequest> {
         let mut out = Vec::new();
         for e in self.entries.iter_mut() {
             if !e.pending && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms) {
                 e.pending = true;
                 e.last_ms = now_ms;
                 out.push(HeartbeatRequest {
+                    namespace: namespace.to_owned(),
                     key: e.claim.key.clone(),
                     subject: e.claim.subject.clone(),
                     endpoint: e.claim.endpoint.clone(),
@@ -169,15 +170,15 @@ mod tests {
         r.register(claim(1), 30_000, TERMS, 1_000);
         r.register(claim(2), 30_000, TERMS, 5_000);
         // heartbeat 10s, tick 2.5s: due once 7.5s have passed.
-        assert!(r.due(8_000, 2_500).is_empty());
-        let due = r.due(8_500, 2_500);
+        assert!(r.due(8_000, 2_500, "").is_empty());
+        let due = r.due(8_500, 2_500, "");
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].token, 1);
         assert_eq!(due[0].lease_ms, Some(30_000));
         // Still pending: not sent again, even much later.
-        assert!(r.due(20_000, 2_500).iter().all(|hb| hb.token != 1));
+        assert!(r.due(20_000, 2_500, "").iter().all(|hb| hb.token != 1));
         r.answered(1);
-        assert_eq!(r.due(28_500, 2_500).len(), 1); // 2 was already sent at 20s: pending
+        assert_eq!(r.due(28_500, 2_500, "").len(), 1); // 2 was already sent at 20s: pending
         r.remove(1);
         r.remove(2);
         assert!(r.is_empty());
@@ -190,8 +191,8 @@ mod tests {
         // Asked for 30 s, granted 4 s: a heartbeat every 2 s (minus a tick), not every 10 s.
         r.register(claim(1), 4_000, TERMS, 0);
         assert_eq!(r.next_due(500), Some(1_500));
-        assert!(r.due(1_499, 500).is_empty());
-        assert_eq!(r.due(1_500, 500).len(), 1);
+        assert!(r.due(1_499, 500, "").is_empty());
+        assert_eq!(r.due(1_500, 500, "").len(), 1);
         r.answered(1);
         r.granted(1, 30_000);
         assert_eq!(r.next_due(500), Some(1_500 + 9_500));
@@ -207,10 +208,10 @@ mod tests {
         r.register(claim(1), 30_000, TERMS, 0);
         r.register(claim(2), 4_000, short, 0);
         assert_eq!(r.next_due(250), Some(750), "the short route's claim first");
-        let due = r.due(750, 250);
+        let due = r.due(750, 250, "");
         assert_eq!(due.len(), 1);
         assert_eq!((due[0].token, due[0].lease_ms), (2, Some(4_000)));
         assert_eq!(r.terms(2), Some(short));
-        assert_eq!(r.due(9_750, 250)[0].lease_ms, Some(30_000));
+        assert_eq!(r.due(9_750, 250, "")[0].lease_ms, Some(30_000));
     }
 }

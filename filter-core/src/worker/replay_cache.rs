@@ -271,7 +271,7 @@ mod tests {
     fn rec(body_len: usize) -> Completed {
         Completed {
             fingerprint: Fingerprint {
-                alg: "sha256-jcs-v2",
+                alg: "sha256-jcs-v2".into(),
                 hex: "ab".repeat(32),
             },
             status: 201,

@@ -69,6 +69,7 @@ fn claimed(token: i64) -> CalloutResult {
         lease_ms: 30_000,
         reclaimed: false,
         max_body_bytes: None,
+        retention_s: None,
     })
 }
 
@@ -547,6 +548,7 @@ fn claim_carries_key_subject_endpoint_and_canonical_fingerprint() {
             lease_ms: 30_000,
             reclaimed: true,
             max_body_bytes: None,
+            retention_s: None,
         }),
     );
     assert!(step.effects.contains(&Effect::SetRequestHeader {
@@ -638,6 +640,7 @@ fn in_progress_is_409_with_retry_after() {
         answer(&ClaimResponse::InProgress {
             retry_after_s: 0,
             lease_remaining_ms: 10,
+            waited_ms: None,
         }),
     );
     let r = step.reply();
@@ -668,6 +671,7 @@ fn completed_is_replayed_with_allowlisted_headers() {
         answer(&ClaimResponse::Completed {
             response: stored_201(),
             expires_in_ms: None,
+            waited_ms: None,
         }),
     );
     let r = step.reply();
@@ -695,6 +699,7 @@ fn completed_but_not_replayable_is_409_with_location() {
         answer(&ClaimResponse::Completed {
             response: stored,
             expires_in_ms: None,
+            waited_ms: None,
         }),
     );
     let r = step.reply();
@@ -722,6 +727,7 @@ fn state_api_trouble_fails_closed_with_503() {
                 replayable: true,
             },
             expires_in_ms: None,
+            waited_ms: None,
         }),
     ] {
         let mut t = Harness::new(CONFIG);
@@ -831,7 +837,7 @@ fn a_claim_that_cannot_be_dispatched_is_answered_as_failed() {
     let step = t.answer(&d, written());
     assert!(matches!(
         step.effects.as_slice(),
-        [Effect::Log(Level::Warn, _)]
+        [Effect::Log(Level::Debug, _)]
     ));
 }
 
@@ -1299,6 +1305,7 @@ fn a_response_the_state_api_would_refuse_is_stored_not_replayable_at_once() {
             lease_ms: 30_000,
             reclaimed: false,
             max_body_bytes: Some(4),
+            retention_s: None,
         }),
     );
     t.ok_response(s, "200", false);
@@ -1488,6 +1495,7 @@ fn took_over(token: i64) -> CalloutResult {
         lease_ms: 30_000,
         reclaimed: true,
         max_body_bytes: None,
+        retention_s: None,
     })
 }
 
@@ -1745,6 +1753,7 @@ fn heartbeats_extend_the_leases_of_held_claims() {
     assert_eq!(
         serde_json::from_slice::<HeartbeatRequest>(&d.body).unwrap(),
         HeartbeatRequest {
+            namespace: String::new(),
             key: "k1".into(),
             subject: "user-1".into(),
             endpoint: "POST /checkout".into(),
@@ -1830,6 +1839,7 @@ fn a_completed_claim_fills_the_cache_and_replays_need_no_callout() {
         answer(&ClaimResponse::Completed {
             response: stored_201(),
             expires_in_ms: Some(86_400_000),
+            waited_ms: None,
         }),
     );
     assert_eq!(step.counts(), vec![Metric::Replayed]);
@@ -1889,6 +1899,7 @@ fn the_cache_never_outlives_the_record() {
         answer(&ClaimResponse::Completed {
             response: stored_201(),
             expires_in_ms: Some(2_000),
+            waited_ms: None,
         }),
     );
     t.now = claimed_at + 1_999;
@@ -1916,6 +1927,7 @@ fn without_an_expiry_or_a_cache_nothing_is_kept() {
                 answer(&ClaimResponse::Completed {
                     response: stored_201(),
                     expires_in_ms: expires,
+                    waited_ms: None,
                 }),
             );
             assert_eq!(step.counts(), vec![Metric::Replayed]);
@@ -1976,6 +1988,7 @@ fn an_own_complete_fills_the_cache_with_what_a_state_api_replay_would_give() {
         answer(&ClaimResponse::Completed {
             response: stored,
             expires_in_ms: Some(30_000),
+            waited_ms: None,
         }),
     );
     assert_eq!(cached.reply(), via_api.reply());
@@ -2069,6 +2082,7 @@ fn a_reported_in_progress_key_is_answered_409_from_memory_for_a_short_time() {
         answer(&ClaimResponse::InProgress {
             retry_after_s: 2,
             lease_remaining_ms: 29_000,
+            waited_ms: None,
         }),
     );
     let from_api = step.reply().clone();
@@ -2114,6 +2128,7 @@ fn a_409_from_memory_never_outlives_the_reported_lease() {
         answer(&ClaimResponse::InProgress {
             retry_after_s: 1,
             lease_remaining_ms: 40,
+            waited_ms: None,
         }),
     );
     t.advance(39);
@@ -2131,6 +2146,7 @@ fn a_409_from_memory_never_outlives_the_reported_lease() {
             lease_ms: 30_000,
             reclaimed: true,
             max_body_bytes: None,
+            retention_s: None,
         }),
     );
     assert!(step.resumes_request());
@@ -2154,6 +2170,7 @@ fn a_key_completed_or_released_here_is_no_longer_answered_409_from_memory() {
             answer(&ClaimResponse::InProgress {
                 retry_after_s: 2,
                 lease_remaining_ms: 30_000,
+                waited_ms: None,
             }),
         );
         assert_eq!(t.w.usage().running_keys, 1);
@@ -2202,9 +2219,12 @@ fn without_the_replay_cache_or_with_in_flight_cache_ms_0_every_duplicate_asks() 
             answer(&ClaimResponse::InProgress {
                 retry_after_s: 2,
                 lease_remaining_ms: 30_000,
+                waited_ms: None,
             }),
         );
         let s = t.stream();
         assert!(t.send(s, "/checkout", "user-1", body).claims(), "{patch}");
     }
 }
+
+mod features;
