@@ -96,13 +96,26 @@ fn replays(view: &ClientView, p: &Produced) -> bool {
     }
     view.headers
         .iter()
-        .filter(|(n, _)| n != "idempotent-replayed")
+        .filter(|(n, _)| n != "idempotent-replayed" && n != "preference-applied")
         .all(|(n, v)| p.header(n) == Some(v.as_str()))
 }
 
 /// A client has its whole answer.
 pub fn answered(w: &mut World, s: usize) {
     let st = w.streams[s].clone();
+    if let Some(applied) = st.client.header("preference-applied") {
+        // Route max_wait_s is the default 10 s.
+        let asked = w.ops[st.op].wait_s.min(10);
+        let answer = st.client.status;
+        if asked == 0
+            || applied != format!("wait={asked}")
+            || !(st.client.replayed() || answer == Some(409))
+        {
+            w.violations.push(format!(
+                "stream {s} got Preference-Applied: {applied} with {answer:?} (asked to wait {asked} s)"
+            ));
+        }
+    }
     if !st.client.replayed() {
         return;
     }

@@ -59,6 +59,11 @@ pub struct StateApiConfig {
     /// Whether claim answers say `max_body_bytes` (state APIs older than the field do not).
     pub advertises_max_body: bool,
     pub retry_after_cap_s: u64,
+    /// Claims that may wait for a running key at once (`--max-waiters`); more are answered
+    /// at once.
+    pub max_waiters: usize,
+    /// The longest a claim waits (`--max-wait-ms`).
+    pub max_wait_ms: u64,
 }
 
 /// The model, and every token it handed out (for the invariants).
@@ -425,6 +430,16 @@ impl ModelStateApi {
             ),
             _ => Self::fenced(),
         }
+    }
+
+    /// Whether the record of `scope` is held by a live lease as of `now` (a claim finds it in
+    /// progress).
+    pub fn running(&self, scope: &Scope, now: u64) -> bool {
+        matches!(
+            self.records.get(scope).map(|r| &r.state),
+            Some(RecordState::InProgress { lease_until, lease_ms })
+                if !(*lease_until <= now && self.started_at + lease_ms <= now)
+        )
     }
 
     /// Whether the record of `scope` has an unknown outcome as of `now` (marked so, or a lease

@@ -107,6 +107,8 @@ pub struct Op {
     pub attempts_left: u32,
     pub active: Option<usize>,
     pub next_at: u64,
+    /// Its attempts send `Prefer: wait=N` (0: they do not).
+    pub wait_s: u64,
 }
 
 impl Op {
@@ -229,6 +231,16 @@ pub struct Callout {
     pub answer: Option<CalloutResult>,
     /// Nobody waits for the answer any more (the stream ended, timed out, or the worker died).
     pub orphan: bool,
+    /// A claim that waits at the state API for its running key (`Prefer: wait`).
+    pub parked: Option<Parked>,
+}
+
+/// A claim waiting at the state API: answered when its key settles (any later processing
+/// models a wakeup or a poll) or at `until` with the in-progress answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Parked {
+    pub since: u64,
+    pub until: u64,
 }
 
 /// Where effects are carried out (see the glue's `Current`).
@@ -307,8 +319,10 @@ impl World {
   "heartbeat_ms": {heartbeat_ms},
   "replay_cache_bytes": {cache_bytes},
   "complete_retry_bytes": 4096,
-  "complete_in_background": {background}
+  "complete_in_background": {background},
+  "max_waiters": {max_waiters}
 }}"#,
+            max_waiters = c.pick(&[0u32, 1, 64]),
             cache_bytes = if cache { 8192 } else { 0 },
         );
         let setup = Setup {
@@ -332,6 +346,8 @@ impl World {
                 // An older state API does not say its limit: the filter learns it from a refusal.
                 advertises_max_body: !(small_api_body && c.chance(50)),
                 retry_after_cap_s: 2,
+                max_waiters: *c.pick(&[0usize, 1, 8]),
+                max_wait_ms: 30_000,
             },
         };
         let cfg = match Config::parse(setup.filter_config.as_bytes()) {
@@ -375,6 +391,7 @@ impl World {
                 attempts_left: 1 + c.below(4),
                 active: None,
                 next_at: 0,
+                wait_s: *c.pick(&[0, 0, 1, 5, 30]),
             });
         }
         let api = ModelStateApi::new(setup.state_api.clone());
@@ -595,6 +612,9 @@ impl World {
                 if !c.orphan {
                     next = next.min(c.deadline.max(self.now));
                 }
+                if let Some(p) = c.parked {
+                    next = next.min(p.until.max(self.now));
+                }
             }
             for st in &self.streams {
                 if let (Some(e), false, None, false) =
@@ -664,6 +684,14 @@ impl World {
     /// Callouts past their deadline fail (Envoy's callout timeout); the route timeout answers
     /// 504 for requests whose upstream has not answered.
     fn timeouts(&mut self) {
+        // Waits that reach their end are answered first (the state API's own deadline).
+        while let Some(i) = self
+            .callouts
+            .iter()
+            .position(|c| c.parked.is_some_and(|p| p.until <= self.now))
+        {
+            self.process(i);
+        }
         while let Some(i) = self
             .callouts
             .iter()
@@ -724,6 +752,9 @@ impl World {
             ("idempotency-key".to_owned(), o.key.clone()),
             ("content-type".to_owned(), content_type.clone()),
         ];
+        if o.wait_s > 0 {
+            headers.push(("prefer".to_owned(), format!("wait={}", o.wait_s)));
+        }
         if self.fault(Faults::CLIENT) && self.c.chance(5) {
             // A client that tries to set its own fencing token.
             headers.push((FENCING_TOKEN_HEADER.to_owned(), "999999".to_owned()));
@@ -1266,7 +1297,11 @@ impl World {
                     self.released.insert(r.token);
                 }
             }
-            CalloutResult::answer(status, body)
+            match self.waited(i, status, body) {
+                Some(answer) => answer,
+                // Parked: it waits for its key.
+                None => return,
+            }
         };
         let routine = self.quiet
             && c.path == contract::wire::HEARTBEAT_PATH
@@ -1288,8 +1323,101 @@ impl World {
         if c.orphan {
             self.callouts.remove(i);
         } else {
+            self.callouts[i].parked = None;
             self.callouts[i].answer = Some(result);
         }
+    }
+
+    /// A claim that asked to wait and found its key in progress waits (`None`), within the
+    /// state API's bound of waiters; once parked, the answer that ends its wait says how long
+    /// it waited (as `http.rs` does).
+    fn waited(&mut self, i: usize, status: u16, body: Vec<u8>) -> Option<CalloutResult> {
+        use contract::wire::{ClaimRequest, ClaimResponse};
+        let c = &self.callouts[i];
+        let wait_ms = (c.path == CLAIM_PATH && status == 200)
+            .then(|| serde_json::from_slice::<ClaimRequest>(&c.body).ok())
+            .flatten()
+            .and_then(|r| r.wait_ms)
+            .map_or(0, |w| w.min(self.setup.state_api.max_wait_ms));
+        let answer = ClaimResponse::read(&body).ok();
+        let running = matches!(answer, Some(ClaimResponse::InProgress { .. }));
+        let parked = c.parked;
+        let waiters = self
+            .callouts
+            .iter()
+            .filter(|c| c.parked.is_some() && !c.orphan)
+            .count();
+        let waited_ms = match parked {
+            None if wait_ms > 0 && running && waiters < self.setup.state_api.max_waiters => {
+                self.reach("sim.claim_waits");
+                self.log(format!(
+                    "state API {CLAIM_PATH} from worker {}: in progress, waits up to {wait_ms} ms",
+                    self.callouts[i].worker
+                ));
+                self.callouts[i].parked = Some(Parked {
+                    since: self.now,
+                    until: self.now + wait_ms,
+                });
+                return None;
+            }
+            None => return Some(CalloutResult::answer(status, body)),
+            Some(p) if running && self.now < p.until => return None,
+            Some(p) => self.now - p.since,
+        };
+        self.callouts[i].parked = None;
+        let answer = match answer {
+            Some(ClaimResponse::InProgress {
+                retry_after_s,
+                lease_remaining_ms,
+                ..
+            }) => {
+                self.reach("sim.wait_timed_out");
+                ClaimResponse::InProgress {
+                    retry_after_s,
+                    lease_remaining_ms,
+                    waited_ms: Some(waited_ms),
+                }
+            }
+            Some(ClaimResponse::Completed {
+                response,
+                expires_in_ms,
+                ..
+            }) => {
+                self.reach("sim.wait_settled");
+                ClaimResponse::Completed {
+                    response,
+                    expires_in_ms,
+                    waited_ms: Some(waited_ms),
+                }
+            }
+            Some(other) => {
+                self.reach("sim.wait_settled");
+                other
+            }
+            None => return Some(CalloutResult::answer(status, body)),
+        };
+        Some(CalloutResult::answer(
+            status,
+            serde_json::to_vec(&answer).unwrap_or_default(),
+        ))
+    }
+
+    /// Whether processing callout `i` now would answer it (a parked claim waits on while its
+    /// key runs and its wait lasts).
+    fn answerable(&self, i: usize) -> bool {
+        let c = &self.callouts[i];
+        let Some(p) = c.parked else { return true };
+        if self.now >= p.until || !self.api_up {
+            return true;
+        }
+        serde_json::from_slice::<contract::wire::ClaimRequest>(&c.body)
+            .map(|r| !self.api.running(&(r.key, r.subject, r.endpoint), self.now))
+            .unwrap_or(true)
+    }
+
+    /// The first callout the state API has to handle and can answer now.
+    fn ready_callout(&self) -> Option<usize> {
+        (0..self.callouts.len()).find(|&i| self.callouts[i].answer.is_none() && self.answerable(i))
     }
 
     /// The upstream's reconcile endpoint (through Envoy: down, it is the router's 503).
@@ -1636,6 +1764,7 @@ impl World {
                         deadline: self.now + d.timeout_ms,
                         answer: None,
                         orphan: false,
+                        parked: None,
                     };
                     if self.fault(Faults::CALLOUT) && self.c.chance(2) {
                         // dispatch_http_call itself fails: the glue answers at once.
@@ -1699,10 +1828,14 @@ impl World {
         }
         for _ in 0..400 {
             let mut busy = false;
-            if let Some(i) = self.callouts.iter().position(|c| c.answer.is_none()) {
+            if let Some(i) = self.ready_callout() {
                 self.process(i);
                 busy = true;
-            } else if let Some(i) = self.callouts.iter().position(|c| !c.orphan) {
+            } else if let Some(i) = self
+                .callouts
+                .iter()
+                .position(|c| !c.orphan && c.answer.is_some())
+            {
                 self.deliver(i);
                 busy = true;
             } else if let Some(s) = (0..self.streams.len()).find(|&s| {
@@ -1769,9 +1902,13 @@ impl World {
             if self.streams[s].client.complete || self.streams[s].ended {
                 break;
             }
-            if let Some(i) = self.callouts.iter().position(|c| c.answer.is_none()) {
+            if let Some(i) = self.ready_callout() {
                 self.process(i);
-            } else if let Some(i) = self.callouts.iter().position(|c| !c.orphan) {
+            } else if let Some(i) = self
+                .callouts
+                .iter()
+                .position(|c| !c.orphan && c.answer.is_some())
+            {
                 self.deliver(i);
             } else if self.streams[s].parts_sent < self.streams[s].request_parts() {
                 self.send_part(s);

@@ -304,17 +304,19 @@ impl Flow {
                     return Turn::cont()
                         .with(self.effect(|stream| Effect::ResumeRequest { stream }));
                 }
-                None => return self.reply(
-                    Some(Metric::BadKey400),
-                    LocalReply::problem(
-                        ProblemKind::MissingKey,
-                        format!(
+                None => {
+                    return self.reply(
+                        Some(Metric::BadKey400),
+                        LocalReply::problem(
+                            ProblemKind::MissingKey,
+                            format!(
                             "{} requires its idempotency key as a string at {} in the JSON body",
                             req.endpoint,
                             pointer.as_str()
                         ),
-                    ),
-                ),
+                        ),
+                    )
+                }
             }
         }
         let selection = route.map(|r| &r.fingerprint).unwrap_or(&Selection::Whole);
