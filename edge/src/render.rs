@@ -20,7 +20,7 @@ use yaml_rust2::yaml::Hash;
 use yaml_rust2::{Yaml, YamlEmitter};
 
 use crate::config::{Config, Endpoint, Jwks, Match, OnUnknown, Subject};
-use filter_core::config::{KeyPolicy, On5xx, OnStateUnavailable};
+use filter_core::config::{KeyPolicy, On5xx, OnStateUnavailable, Selection};
 
 /// What the rendering needs besides the file: where Envoy finds the module, the token the filter
 /// presents to the state API, and the CA bundle for `https://` upstreams.
@@ -220,10 +220,27 @@ pub fn filter_json(cfg: &Config, token: &str) -> String {
                 ("lease_ms", r.lease_ms),
                 ("heartbeat_ms", r.heartbeat_ms),
                 ("max_request_body_bytes", r.max_request_body_bytes),
+                ("retention_s", r.retention_s),
             ] {
                 if let Some(x) = value {
                     v[name] = x.into();
                 }
+            }
+            v["max_wait_s"] = r.max_wait_s.into();
+            let pointers = |l: &[filter_core::config::Pointer]| -> Vec<String> {
+                l.iter().map(|p| p.as_str().to_owned()).collect()
+            };
+            match &r.fingerprint {
+                Selection::Whole => {}
+                Selection::Ignore(l) => {
+                    v["fingerprint"] = serde_json::json!({ "ignore": pointers(l) })
+                }
+                Selection::Include(l) => {
+                    v["fingerprint"] = serde_json::json!({ "include": pointers(l) })
+                }
+            }
+            if let Some(k) = &r.key_from {
+                v["key_from"] = k.as_str().into();
             }
             v
         })
@@ -253,6 +270,8 @@ pub fn filter_json(cfg: &Config, token: &str) -> String {
         "complete_retry_ms": f.complete_retry_ms,
         "complete_retry_bytes": f.complete_retry_bytes,
         "complete_in_background": f.complete_in_background,
+        "max_waiters": f.max_waiters,
+        "namespace": cfg.namespace,
     });
     serde_json::to_string_pretty(&doc).unwrap_or_default()
 }
@@ -535,6 +554,12 @@ pub fn state_api_env(
     ];
     if let Some(r) = cfg.state.retention_s {
         env.push(("STATE_API_RETENTION_S".to_owned(), r.to_string()));
+    }
+    if let Some(r) = cfg.state.max_retention_s {
+        env.push(("STATE_API_MAX_RETENTION_S".to_owned(), r.to_string()));
+    }
+    if let Some(t) = &cfg.state.admin_token {
+        env.push(("STATE_API_ADMIN_TOKEN".to_owned(), t.clone()));
     }
     if cfg.filter.max_stored_body_bytes > filter_core::config::DEFAULT_MAX_BODY {
         // The state API stores 1 MiB by default: as much as the filter keeps.

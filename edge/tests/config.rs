@@ -316,3 +316,114 @@ fn a_header_subject_is_allowed() {
     let c = parse(&text).unwrap();
     assert_eq!(c.subject, Subject::Header("x-user-id".into()));
 }
+
+#[test]
+fn the_options_users_ask_for_are_read_and_rendered() {
+    let text = GOOD
+        .replace(
+            "upstream = \"http://127.0.0.1:3000\"",
+            "upstream = \"http://127.0.0.1:3000\"\nnamespace = \"shop-eu\"",
+        )
+        .replace(
+            "[subject.jwt]",
+            "[state]\nadmin_token = \"operators-0123456789\"\nmax_retention_s = 604800\n\n[filter]\nmax_waiters = 8\n\n[subject.jwt]",
+        )
+        .replace(
+            "key = \"required\"",
+            r#"key = "required"
+retention_s = 3600
+max_wait_s = 5
+fingerprint = { ignore = ["/meta/sent_at", "/items/0/trace"] }
+key_from = "/idempotency_key""#,
+        );
+    let c = parse(&text).unwrap();
+    assert_eq!(c.namespace, "shop-eu");
+    assert_eq!(c.state.admin_token.as_deref(), Some("operators-0123456789"));
+    assert_eq!(c.state.max_retention_s, Some(604_800));
+    assert_eq!(c.filter.max_waiters, 8);
+    let r = &c.routes[0];
+    assert_eq!((r.retention_s, r.max_wait_s), (Some(3_600), 5));
+    assert_eq!(
+        r.key_from.as_ref().map(|p| p.as_str()),
+        Some("/idempotency_key")
+    );
+    let json = edge::render::filter_json(&c, "t0ken-t0ken-t0ken");
+    let f = filter_core::config::Config::parse(json.as_bytes()).unwrap();
+    assert_eq!((f.namespace.as_str(), f.max_waiters), ("shop-eu", 8));
+    let fr = &f.routes[0];
+    assert_eq!((fr.retention_s, fr.max_wait_s), (Some(3_600), 5));
+    assert_eq!(fr.fingerprint, r.fingerprint);
+    assert!(matches!(&fr.fingerprint, filter_core::config::Selection::Ignore(l) if l.len() == 2));
+    assert_eq!(fr.key_from, r.key_from);
+    // The state API gets the admin token and the retention bound.
+    let env = edge::render::state_api_env(&c, "postgres://x", "filter-token-0123456", "secret");
+    assert!(env.contains(&(
+        "STATE_API_ADMIN_TOKEN".into(),
+        "operators-0123456789".into()
+    )));
+    assert!(env.contains(&("STATE_API_MAX_RETENTION_S".into(), "604800".into())));
+    // Without them: no namespace, no admin API, the route's defaults.
+    let c = parse(GOOD).unwrap();
+    assert_eq!(
+        (c.namespace.as_str(), c.state.admin_token.as_ref()),
+        ("", None)
+    );
+    assert_eq!(c.routes[0].max_wait_s, 10);
+    assert!(
+        !edge::render::state_api_env(&c, "postgres://x", "filter-token-0123456", "s")
+            .iter()
+            .any(|(k, _)| k == "STATE_API_ADMIN_TOKEN")
+    );
+}
+
+#[test]
+fn the_new_options_refuse_what_cannot_work_at_their_line() {
+    let route = |extra: &str| {
+        GOOD.replace(
+            "key = \"required\"",
+            &format!("key = \"required\"\n{extra}"),
+        )
+    };
+    let cases: Vec<(String, usize, &str)> = vec![
+        (route("fingerprint = { ignore = [\"meta\"] }"), 13, "JSON pointer"),
+        (route("fingerprint = { ignore = [] }"), 13, "exactly one non-empty list"),
+        (
+            route("fingerprint = { ignore = [\"/a\"], include = [\"/b\"] }"),
+            13,
+            "exactly one non-empty list",
+        ),
+        (route("fingerprint = { only = [\"/a\"] }"), 13, "unknown field `only`"),
+        (route("key_from = \"idempotency_key\""), 13, "route.key_from"),
+        (route("max_wait_s = 61"), 13, "max_wait_s must be at most 60"),
+        (route("retention_s = 0"), 13, "retention_s must be > 0"),
+        (route("retention_s = 99999999"), 13, "over state.max_retention_s"),
+        (
+            GOOD.replace("upstream = \"http://127.0.0.1:3000\"", "upstream = \"http://127.0.0.1:3000\"\nnamespace = \"Shop EU\""),
+            3,
+            "namespace must be",
+        ),
+        (
+            GOOD.replace("[subject.jwt]", "[state]\nadmin_token = \"short\"\n\n[subject.jwt]"),
+            5,
+            "admin_token must be at least 16",
+        ),
+        (
+            GOOD.replace(
+                "[subject.jwt]",
+                "[state]\ntoken = \"same-token-0123456789\"\nadmin_token = \"same-token-0123456789\"\n\n[subject.jwt]",
+            ),
+            6,
+            "must not be the filter's token",
+        ),
+        (
+            GOOD.replace("[subject.jwt]", "[filter]\nmax_waiters = 100000\n\n[subject.jwt]"),
+            5,
+            "max_waiters must be at most",
+        ),
+    ];
+    for (text, want_line, want) in cases {
+        let (line, msg) = error(&text);
+        assert!(msg.contains(want), "{want}: {msg}");
+        assert_eq!(line, want_line, "{want}: {msg}");
+    }
+}
