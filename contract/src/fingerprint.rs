@@ -174,29 +174,31 @@ impl Pointer {
     pub fn parse(text: &str) -> Result<Self, String> {
         let Some(rest) = text.strip_prefix('/') else {
             return Err(format!(
-                "{text:?} is not a JSON pointer: it starts with '/' (RFC 6901)"
+                "`{text}` is not a JSON pointer: it starts with '/' (RFC 6901)"
             ));
         };
         let mut tokens = Vec::new();
         for raw in rest.split('/') {
-            let mut t = String::with_capacity(raw.len());
+            let mut token = String::with_capacity(raw.len());
             let mut chars = raw.chars();
             while let Some(c) = chars.next() {
-                match (c, c == '~') {
-                    (_, false) => t.push(c),
+                // Every '~' is an escape: ~0 for '~', ~1 for '/'.
+                let c = match (c, c == '~') {
+                    (_, false) => c,
                     (_, true) => match chars.next() {
-                        Some('0') => t.push('~'),
-                        Some('1') => t.push('/'),
-                        _ => return Err(format!("{text:?}: '~' is written ~0, and '/' ~1")),
+                        Some('0') => '~',
+                        Some('1') => '/',
+                        _ => return Err(format!("`{text}`: '~' is written ~0, and '/' ~1")),
                     },
-                }
+                };
+                token.push(c);
             }
-            if t == "-" {
+            if token == "-" {
                 return Err(format!(
-                    "{text:?}: '-' (past the end of an array) selects nothing: name an index"
+                    "`{text}`: '-' (past the end of an array) selects nothing: name an index"
                 ));
             }
-            tokens.push(t);
+            tokens.push(token);
         }
         Ok(Self {
             text: text.to_owned(),
@@ -230,8 +232,7 @@ impl Selection {
             Selection::Include(p) => ("include", p),
         };
         let mut texts: Vec<&[u8]> = pointers.iter().map(|p| p.text.as_bytes()).collect();
-        texts.sort_unstable();
-        texts.dedup();
+        sort_dedup(&mut texts);
         let mut h = Sha256::new();
         crate::scope::frame_parts(&mut h, &texts);
         let digest = h.finalize();
@@ -418,17 +419,31 @@ fn index(token: &str) -> Option<usize> {
     ok.then(|| token.parse().ok()).flatten()
 }
 
-/// Which slots of which containers are written.
+/// Which slots of which containers are written. Plain `Vec`s searched in order rather than
+/// hash sets: a selection names a handful of members, and the filter's module stays smaller.
 enum Filter {
     All,
     /// These (container, slot) pairs are left out.
-    Skip(std::collections::HashSet<(usize, usize)>),
+    Skip(Vec<(usize, usize)>),
     /// Only these (container, slot) pairs are written in the containers on a path; the nodes
     /// in `whole` are written whole.
     Keep {
-        on_path: std::collections::HashSet<(usize, usize)>,
-        whole: std::collections::HashSet<usize>,
+        on_path: Vec<(usize, usize)>,
+        whole: Vec<usize>,
     },
+}
+
+/// Sorts and dedups a handful of items by insertion: `sort_unstable` would add a quicksort
+/// instantiation (3 to 9 KiB) per item type to the filter's module.
+fn sort_dedup<T: PartialOrd>(v: &mut Vec<T>) {
+    for i in 1..v.len() {
+        let mut j = i;
+        while j > 0 && v[j - 1] > v[j] {
+            v.swap(j - 1, j);
+            j -= 1;
+        }
+    }
+    v.dedup();
 }
 
 impl Filter {
@@ -442,12 +457,12 @@ impl Filter {
                     .collect(),
             ),
             Selection::Include(pointers) => {
-                let mut on_path = std::collections::HashSet::new();
-                let mut whole = std::collections::HashSet::new();
+                let mut on_path = Vec::new();
+                let mut whole = Vec::new();
                 for p in pointers {
                     let steps = resolve(nodes, root, p);
                     if let Some(&(_, _, target)) = steps.last() {
-                        whole.insert(target);
+                        whole.push(target);
                         on_path.extend(steps.iter().map(|&(c, s, _)| (c, s)));
                     }
                 }

@@ -726,17 +726,28 @@ async fn leases_are_clamped_and_metrics_and_openapi_are_served() {
         .json()
         .await
         .unwrap();
+    use contract::admin::*;
     for path in [
         CLAIM_PATH,
         HEARTBEAT_PATH,
         COMPLETE_PATH,
         RELEASE_PATH,
         RECORDS_PATH,
+        contract::wire::UNKNOWN_PATH,
+        ADMIN_RECORD_PATH,
+        ADMIN_RECORDS_PATH,
+        ADMIN_RELEASE_PATH,
+        ADMIN_RESOLVE_PATH,
+        ADMIN_PURGE_PATH,
     ] {
         assert!(
             doc["paths"][path].is_object(),
             "{path} missing from openapi.json"
         );
+    }
+    let claim = &doc["components"]["schemas"]["ClaimRequest"]["properties"];
+    for field in ["namespace", "retention_s", "wait_ms"] {
+        assert!(claim[field].is_object(), "ClaimRequest.{field} missing");
     }
 }
 
