@@ -11,6 +11,7 @@ mod load;
 mod pgbench;
 mod procfs;
 mod report;
+mod waiting;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -809,6 +810,43 @@ fn real_main() -> Result<(), String> {
         }
     }
 
+    // What retries that wait for a running key cost, against the same clients retrying at
+    // Retry-After (one request a second each, no wait).
+    let mut waiting_results = Vec::new();
+    if wanted("waiting") {
+        let held = format!("{run_id}-waited");
+        let hold_ms = 2 * hold_secs(warmup_s, measure_s) * 1000 + 10_000;
+        let slow_req = checkout_req(&held).header("x-demo-delay-ms", &hold_ms.to_string());
+        let handle = bench.rt.spawn(async move {
+            let mut conn = Conn::open(envoy_addr).await?;
+            conn.send(&slow_req).await.map(|a| a.status)
+        });
+        slow.push(handle);
+        std::thread::sleep(Duration::from_millis(500));
+        let waiters = env_u64("BENCH_WAITERS", 16) as usize;
+        let wait_s = 5;
+        let runs = [
+            (
+                "wait",
+                checkout_req(&held).header("prefer", &format!("wait={wait_s}")),
+                Duration::ZERO,
+            ),
+            ("poll", checkout_req(&held), Duration::from_secs(1)),
+        ];
+        for (mode, req, pause) in runs {
+            let r = waiting::measure(&bench, envoy_addr, mode, waiters, wait_s, req, pause)?;
+            eprintln!(
+                "  {:<22} waiters={:<3} {:>6.3} claims/waiter/s  {:>6.3} ms CPU/waiter/s  ({} answers)",
+                format!("retries ({mode})"),
+                r.waiters,
+                r.claims_per_waiter_s,
+                r.total_cpu_ms_per_waiter_s,
+                r.answers
+            );
+            waiting_results.push(r);
+        }
+    }
+
     // pgbench on the same cluster.
     let mut pg_results = Vec::new();
     if wanted("pgbench") {
@@ -905,6 +943,7 @@ fn real_main() -> Result<(), String> {
         state_api_env,
         storage,
         envoy_stats,
+        waiting: waiting_results,
     });
     println!("{}", rep.text_table());
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;

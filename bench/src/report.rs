@@ -31,6 +31,7 @@ pub struct Inputs {
     pub state_api_env: Vec<(String, String)>,
     pub storage: Option<Storage>,
     pub envoy_stats: BTreeMap<String, BTreeMap<String, u64>>,
+    pub waiting: Vec<crate::waiting::WaitCost>,
 }
 
 /// Size of the state API's table after the run.
@@ -82,6 +83,8 @@ pub struct Report {
     pub notes: Option<String>,
     /// Connection and request counters of the clusters, per Envoy (keep-alive check).
     pub envoy_cluster_stats: BTreeMap<String, BTreeMap<String, u64>>,
+    /// What retries that wait for a running key cost (`Prefer: wait`), and polling ones.
+    pub waiting: Vec<crate::waiting::WaitCost>,
 }
 
 fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a ScenarioResult> {
@@ -336,6 +339,7 @@ impl Report {
             total_s: i.total_s,
             storage: i.storage,
             envoy_cluster_stats: i.envoy_stats,
+            waiting: i.waiting,
             notes: std::fs::read_to_string(stack::process::workspace_root().join("bench/NOTES.md"))
                 .ok(),
         }
@@ -597,6 +601,42 @@ impl Report {
                     .unwrap_or_else(|| "-".into()),
             );
         }
+        if !self.waiting.is_empty() {
+            let _ = writeln!(out, "\n## Waiting retries\n");
+            let _ = writeln!(
+                out,
+                "A slow request holds a key while each client keeps retrying it: `wait` sends \
+                 `Prefer: wait=N` and asks again when its wait ends at the deadline (409); `poll` retries \
+                 without it once a second (its `Retry-After`), answered 409 at once (from the worker's \
+                 in-flight memory for 500 ms after each state API answer). Per client and second: claim \
+                 callouts Envoy made, and milliseconds of CPU (thousandths of a core) by process. While \
+                 it waits, the state API looks again every 250 ms (a read-only claim, no commit): that is \
+                 the Postgres and state API share of `wait`.\n"
+            );
+            let _ = writeln!(out, "| retries | clients | wait s | claim callouts per client·s | Envoy | state API | Postgres | load gen | irq | total CPU ms per client·s |");
+            let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for w in &self.waiting {
+                let c = |k: &str| f(w.cpu_ms_per_waiter_s.get(k).copied().unwrap_or(0.0), 3);
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    w.mode,
+                    w.waiters,
+                    if w.mode == "wait" {
+                        w.wait_s.to_string()
+                    } else {
+                        "-".into()
+                    },
+                    f(w.claims_per_waiter_s, 3),
+                    c("envoy"),
+                    c("state-api"),
+                    c("postgres"),
+                    c("bench"),
+                    c("irq"),
+                    f(w.total_cpu_ms_per_waiter_s, 3)
+                );
+            }
+        }
         if let Some(notes) = &self.notes {
             let _ = writeln!(out, "\n{}", notes.trim_end());
         }
@@ -614,7 +654,8 @@ impl Report {
             out,
             "Run it with `make bench` (builds the release binaries and the filter first). Knobs, as environment \
              variables: `BENCH_SECONDS` (8), `BENCH_WARMUP_SECONDS` (2), `BENCH_CONNECTIONS` (1,16), \
-             `BENCH_SCENARIOS` (plain,jwt,new,replay,inflight,state_api_dup,state_api,pgbench), \
+             `BENCH_SCENARIOS` (plain,jwt,new,replay,inflight,state_api_dup,state_api,waiting,pgbench), \
+             `BENCH_WAITERS` (16: clients of the waiting scenario), \
              `BENCH_STATE_API_ENV` (e.g. STATE_API_POOL_PING=false), `BENCH_QUIET_WAIT_SECONDS` (90: how long to \
              wait for a quiet machine first), `BENCH_OUT` (docs).\n"
         );

@@ -2,6 +2,8 @@
 //! fingerprint covers, the key from the body, retention per route, a namespace.
 
 use super::*;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 /// The configuration with these routes instead of the default ones.
 fn routes(routes: &str) -> String {
