@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod envoy;
+pub mod ha;
 pub mod net;
 pub mod postgres;
 pub mod process;

@@ -516,7 +516,7 @@ fn psql_on_path() -> PathBuf {
 }
 
 /// When we are root: the uid and gid of `postgres` (initdb and postgres refuse root).
-fn unprivileged_ids() -> Result<Option<(u32, u32)>, String> {
+pub(crate) fn unprivileged_ids() -> Result<Option<(u32, u32)>, String> {
     if id(&["-u"])? != 0 {
         return Ok(None);
     }
@@ -541,7 +541,7 @@ fn id(args: &[&str]) -> Result<u32, String> {
         .map_err(|e| format!("id {args:?}: {e}"))
 }
 
-fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), String> {
+pub(crate) fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), String> {
     let status = Command::new("chown")
         .arg("-R")
         .arg(format!("{uid}:{gid}"))
@@ -554,7 +554,7 @@ fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), String> {
     Ok(())
 }
 
-fn unique_temp_dir() -> Result<PathBuf, String> {
+pub(crate) fn unique_temp_dir() -> Result<PathBuf, String> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -569,7 +569,7 @@ fn unique_temp_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-fn tail(path: &Path, lines: usize) -> String {
+pub(crate) fn tail(path: &Path, lines: usize) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")

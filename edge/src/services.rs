@@ -102,6 +102,24 @@ impl Service {
     pub fn is_running(&mut self) -> bool {
         self.child.is_running()
     }
+
+    /// Sends `signal` (`-STOP`, `-CONT`, ...): a process frozen alive, as a long GC pause or
+    /// a stalled host would leave it.
+    pub fn signal(&self, signal: &str) -> Result<(), String> {
+        let pid = self
+            .child
+            .pid()
+            .ok_or_else(|| format!("{} is not running", self.name))?;
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .map_err(|e| format!("cannot run kill: {e}"))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("kill {signal} {pid} failed"))
+        }
+    }
 }
 
 /// Settings of a state API process.

@@ -25,7 +25,7 @@ use subtle::ConstantTimeEq as _;
 use crate::batch::{ClaimJob, CompleteJob};
 use crate::metrics::{self, Route, WriteOp};
 use crate::scope::{log_label, ScopeHash};
-use crate::store::{self, StoreError, StoredRow, WriteResult};
+use crate::store::{self, Readiness, StoreError, StoredRow, WriteResult};
 use crate::AppState;
 
 /// The hand-written OpenAPI document of this API.
@@ -613,13 +613,37 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(state): State<AppState>) -> Result<&'static str, ApiError> {
-    state
-        .store()
-        .ping()
-        .await
-        .map_err(|e| store_error(&state, "readyz", e))?;
-    Ok("ready\n")
+/// 200 when the database takes writes, saying what it is (a primary, its timeline, its
+/// synchronous standbys); 503 when it is unreachable or read-only (a failover under way).
+async fn readyz(State(state): State<AppState>) -> Result<String, ApiError> {
+    match state.store().readiness().await {
+        Ok(Readiness::Primary {
+            timeline,
+            synchronous,
+            sync_standbys,
+            standbys,
+        }) => {
+            let replication = match (synchronous, sync_standbys) {
+                (false, _) if standbys == 0 => "no standby".to_owned(),
+                (false, _) => format!("{standbys} asynchronous standby(s)"),
+                (true, 0) => {
+                    "synchronous standby configured but none connected: commits wait".to_owned()
+                }
+                (true, n) => format!("{n} synchronous standby(s)"),
+            };
+            Ok(format!(
+                "ready: database primary, timeline {timeline}, {replication}\n"
+            ))
+        }
+        Ok(Readiness::ReadOnly) => {
+            state.metrics().db_unavailable();
+            Err(ApiError::new(
+                ProblemKind::StateUnavailable,
+                "the database is read-only (a standby, or a failover under way); nothing can be recorded",
+            ))
+        }
+        Err(e) => Err(store_error(&state, "readyz", e)),
+    }
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Response {

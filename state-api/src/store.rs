@@ -54,10 +54,15 @@ impl StoreError {
                     // 08: connection exception; 57P0x: shutdown / cannot connect now;
                     // 53: insufficient resources; 57014: statement timeout; 55P03: lock timeout;
                     // 40001/40P01: serialization failure / deadlock (retryable).
+                    // 25006: read-only (a standby, or a primary being demoted in a failover);
+                    // 55000: "recovery is in progress" (the WAL functions on a standby).
                     code.starts_with("08")
                         || code.starts_with("53")
                         || code.starts_with("57P")
-                        || matches!(code.as_ref(), "57014" | "55P03" | "40001" | "40P01")
+                        || matches!(
+                            code.as_ref(),
+                            "57014" | "55P03" | "40001" | "40P01" | "25006" | "55000"
+                        )
                 }
                 _ => false,
             },
@@ -109,7 +114,8 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
     let mut options = PgPoolOptions::new()
         .max_connections(s.max_connections)
         .acquire_timeout(s.acquire_timeout)
-        .test_before_acquire(false);
+        .test_before_acquire(false)
+        .after_connect(|conn, _| Box::pin(register_timeline(conn)));
     if let Some(idle) = s.ping_when_idle {
         options = options.before_acquire(move |conn, meta| {
             Box::pin(async move {
@@ -121,6 +127,41 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
         });
     }
     Ok(options.connect_lazy_with(opts))
+}
+
+/// Records when this primary's timeline was first seen (the lease guard across a failover:
+/// `idempotency_serving_since()`), on every new connection: after a failover, the first one
+/// to the promoted standby. A server that cannot write (a standby) refuses the connection, so
+/// that nothing is answered from it. Before the migrations have run there is nothing to record.
+async fn register_timeline(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO idempotency_timelines (timeline_id) VALUES (idempotency_current_timeline()) \
+         ON CONFLICT DO NOTHING",
+    )
+    .execute(&mut *conn)
+    .await;
+    match done {
+        Err(sqlx::Error::Database(db))
+            if matches!(db.code().as_deref(), Some("42P01" | "42883")) =>
+        {
+            Ok(())
+        }
+        other => other.map(drop),
+    }
+}
+
+/// What `/readyz` reports of the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    Primary {
+        timeline: i64,
+        /// `synchronous_standby_names` is set: a commit waits for a standby.
+        synchronous: bool,
+        sync_standbys: i64,
+        standbys: i64,
+    },
+    /// In recovery (a standby): the pool reached a server that cannot write.
+    ReadOnly,
 }
 
 /// A stored upstream response, as in the database.
@@ -191,16 +232,18 @@ struct ClaimRow {
 
 /// The columns of `ClaimRow`, for a row `r` read at time `c.now`.
 ///
-/// A lease counts as run out only once the database server has been up for a whole lease (the
-/// row's own `lease_ms`): after an outage longer than the lease, a live owner gets that long to
-/// heartbeat (or store its outcome) before another edge's retry may reclaim its key and run the
-/// effect again.
+/// A lease counts as run out only once the database server has been the primary for a whole
+/// lease (the row's own `lease_ms`; `idempotency_serving_since()`: the later of the postmaster's
+/// start and the first sight of its timeline, so a promoted standby counts from its promotion):
+/// after an outage or a failover longer than the lease, a live owner gets that long to heartbeat
+/// (or store its outcome) before another edge's retry may reclaim its key and run the effect
+/// again.
 macro_rules! claim_cols {
     () => {
         "r.state, r.fencing_token, r.fingerprint_alg, r.fingerprint, \
          GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint AS lease_remaining_ms, \
          (r.lease_expires_at <= c.now \
-          AND pg_postmaster_start_time() <= c.now - r.lease_ms * interval '1 millisecond') AS lease_expired, \
+          AND idempotency_serving_since() <= c.now - r.lease_ms * interval '1 millisecond') AS lease_expired, \
          (r.expires_at <= c.now AND (r.state = 'completed' OR r.lease_expires_at <= c.now)) AS retention_expired, \
          GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms, \
          r.response_status, r.response_headers, r.response_body, r.response_replayable"
@@ -250,7 +293,7 @@ const READ_SQL: &str = concat!(
 macro_rules! lease_run_out {
     () => {
         "lease_expires_at <= clock_timestamp() \
-         AND pg_postmaster_start_time() <= clock_timestamp() - lease_ms * interval '1 millisecond'"
+         AND idempotency_serving_since() <= clock_timestamp() - lease_ms * interval '1 millisecond'"
     };
 }
 
@@ -619,6 +662,29 @@ impl Store {
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
+    }
+
+    /// What the database behind the pool is: a primary (its timeline, and how many synchronous
+    /// standbys it has, when this user may see them), or a server that cannot take writes.
+    pub async fn readiness(&self) -> Result<Readiness, StoreError> {
+        let row = sqlx::query(
+            "SELECT pg_is_in_recovery() AS standby, \
+               CASE WHEN pg_is_in_recovery() THEN NULL ELSE idempotency_current_timeline() END AS timeline, \
+               (SELECT count(*) FROM pg_stat_replication WHERE sync_state IN ('sync', 'quorum')) AS sync_standbys, \
+               (SELECT count(*) FROM pg_stat_replication) AS standbys, \
+               current_setting('synchronous_standby_names') <> '' AS synchronous",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        if row.try_get::<bool, _>("standby")? {
+            return Ok(Readiness::ReadOnly);
+        }
+        Ok(Readiness::Primary {
+            timeline: row.try_get::<Option<i64>, _>("timeline")?.unwrap_or(0),
+            synchronous: row.try_get("synchronous")?,
+            sync_standbys: row.try_get("sync_standbys")?,
+            standbys: row.try_get("standbys")?,
+        })
     }
 
     /// Claims the key, or tells why not. One round trip when the key is new, in progress,

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use contract::wire::{ClaimResponse, CLAIM_PATH};
+use contract::wire::{ClaimRequest, ClaimResponse, OnUnknown, CLAIM_PATH};
 use stack::postgres::TempCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,5 +75,86 @@ async fn crash_and_recover(extra: &[&str]) {
     assert_eq!(view["token"], token);
     let m = api.metrics().await;
     assert!(metric(&m, "state_api_errors_total{kind=\"unavailable\"}") >= 1.0);
+    api.shutdown().await;
+}
+
+/// The lease guard counts from when this primary's timeline was first seen, not from the
+/// postmaster's start: a promoted standby's postmaster may have started long before it became
+/// the primary. A new timeline (what a promotion makes) is simulated here by removing the row
+/// of the current one; `tests/tests/ha.rs` runs the real failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_runs_out_only_a_whole_lease_after_the_primary_s_timeline_was_first_seen() {
+    let api = Api::start(&[]).await;
+    let pool = api.state.store().pool().clone();
+    let take_over = ClaimRequest {
+        on_unknown: OnUnknown::TakeOver,
+        ..claim_req("promoted", "alice", &fp(1), Some(60_000))
+    };
+    let stale = token_of(&api.claim("promoted", &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+    // "Promoted": the current timeline is first seen now (as the state API records it on every
+    // new connection), long after the postmaster started: still a whole lease to go.
+    sqlx::query("UPDATE idempotency_timelines SET first_seen_at = clock_timestamp()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            api.claim_with(&take_over).await,
+            ClaimResponse::InProgress { .. }
+        ),
+        "a lease ran out less than a lease after the primary's timeline began"
+    );
+    // A timeline nobody has seen yet counts as beginning now (one transaction, one connection).
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("DELETE FROM idempotency_timelines")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let unseen_is_now: bool = sqlx::query_scalar("SELECT idempotency_serving_since() >= now()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(unseen_is_now);
+    tx.rollback().await.unwrap();
+    // Once the owner has had a whole lease on this primary without a heartbeat, it has gone.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    match api.claim_with(&take_over).await {
+        ClaimResponse::Claimed {
+            token,
+            reclaimed: true,
+            ..
+        } => assert!(token > stale),
+        other => panic!("expected a reclaim a whole lease later, got {other:?}"),
+    }
+    // A new connection records the timeline by itself.
+    sqlx::query("DELETE FROM idempotency_timelines")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let fresh = state_api::store::pool(
+        &api.db_url,
+        &state_api::store::PoolSettings {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+            statement_timeout_ms: 5_000,
+            ping_when_idle: None,
+        },
+    )
+    .unwrap();
+    let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_timelines")
+        .fetch_one(&fresh)
+        .await
+        .unwrap();
+    assert_eq!(seen, 1);
+
+    let ready = api.client.get(api.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let text = ready.text().await.unwrap();
+    assert!(
+        text.starts_with("ready: database primary, timeline ") && text.contains("no standby"),
+        "{text}"
+    );
     api.shutdown().await;
 }

@@ -8,6 +8,7 @@
 pub mod client;
 pub mod envoy;
 pub mod faults;
+pub mod ha;
 /// The runtime pieces the harness shares with `edge run`.
 pub use edge::{net, postgres, process, services};
 pub mod stack;
