@@ -20,6 +20,7 @@ CARGO ?= cargo
 .PHONY: help
 help:
 	@echo "make demo    run Envoy (127.0.0.1:10000) + filter + state API (:8081) + checkout (:8082) + Postgres (:54329)"
+	@echo "HA=1 make demo  the same on two Postgres nodes under Patroni (sync standby), HAProxy on :54329"
 	@echo "make test    run every test: native, wasm (wasm-bindgen-test in Node), end-to-end through Envoy"
 	@echo "make run CONFIG=file.toml     the layer in front of your own API (examples/own-api.toml)"
 	@echo "make render CONFIG=file.toml  the Envoy config for your own Envoy, and the state API's environment"
@@ -31,7 +32,13 @@ help:
 # Tools
 
 .PHONY: tools
-tools: tools-run tools-rust-test tools-wasm-bindgen
+tools: tools-run tools-rust-test tools-wasm-bindgen tools-ha
+
+# HA=1 make demo / HA=1 make run: Postgres under Patroni with a synchronous standby, behind HAProxy.
+HA ?=
+ifeq ($(HA),1)
+tools-run: tools-ha
+endif
 
 # What `make demo` and `make run` need: the filter's target, Envoy, Postgres.
 .PHONY: tools-run
@@ -64,6 +71,14 @@ tools-postgres:
 	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ -z "$${PG_BIN:-}" ] && [ -z "$${DATABASE_URL:-}" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq postgresql-15; \
 	  else echo "Postgres server binaries not found: sudo apt-get install postgresql-15, or set PG_BIN or DATABASE_URL"; exit 1; fi; \
+	fi
+
+# Patroni, etcd and HAProxy from Debian's packages: the HA tests (make test) and HA=1 make demo.
+.PHONY: tools-ha
+tools-ha:
+	@if ! command -v patroni >/dev/null || ! command -v etcd >/dev/null || ! { command -v haproxy >/dev/null || test -x /usr/sbin/haproxy; }; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq patroni etcd-server haproxy; \
+	  else echo "Patroni, etcd or HAProxy not found: sudo apt-get install -y patroni etcd-server haproxy"; exit 1; fi; \
 	fi
 
 Cargo.lock:
@@ -121,7 +136,7 @@ lint:
 
 .PHONY: demo
 demo: tools-run build-release
-	$(CARGO) run --locked --release -q -p stack --bin demo
+	HA=$(HA) $(CARGO) run --locked --release -q -p stack --bin demo
 
 .PHONY: clean-demo
 clean-demo:
@@ -149,7 +164,7 @@ WASM ?= $(CURDIR)/$(FILTER_WASM)
 # unless the file names one), the state API and Envoy, supervised, until Ctrl-C.
 .PHONY: run
 run: tools-run build-run
-	target/release/edge run --config $(CONFIG)
+	target/release/edge run --config $(CONFIG) $(if $(filter 1,$(HA)),--ha)
 
 # The Envoy configuration and the state API's environment for your own Envoy.
 .PHONY: render
@@ -177,14 +192,14 @@ bench: tools build-release
 # ---------------------------------------------------------------------------------------------
 # Faults and fuzzing
 
-# The fault suite (SIGKILLs, a slow state API, resets, two Envoys) and the hostile-input suite,
-# alone. `make test` runs both too (test-e2e runs every test binary of the stack crate).
-# The known-gap tests are ignored: `make chaos CHAOS_ARGS=--include-ignored` runs them as well.
+# The fault suite (SIGKILLs, a slow state API, resets, two Envoys), the Postgres failover suite
+# (Patroni) and the hostile-input suite, alone. `make test` runs them too (test-e2e runs every
+# test binary of the stack crate). CHAOS_ARGS go to each test binary (a name filter, --nocapture).
 # Figures of the run: target/fault-figures.jsonl (docs/RELIABILITY.md).
 CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: tools build
-	$(CARGO) test --locked -p stack --test chaos --test hostile -- $(CHAOS_ARGS)
+	$(CARGO) test --locked -p stack --test chaos --test hostile --test ha -- $(CHAOS_ARGS)
 
 # libFuzzer targets in fuzz/ (its own workspace). cargo-fuzz on the stable toolchain:
 # RUSTC_BOOTSTRAP=1 for its -Z flags, and no sanitizer (ASan needs nightly's -Zsanitizer).

@@ -178,14 +178,11 @@ impl HaCluster {
         cluster.watchdog = Some(spawn_watchdog(&cluster.root, throwaway)?);
         cluster.start_etcd()?;
         cluster.start_haproxy()?;
-        // node1 first, so that it bootstraps and node2 clones it (both at once race for the
-        // initialize key, which is harmless but slower to settle).
+        // Both at once: on a fresh folder one wins the initialize key and the other clones it;
+        // on a kept one, the node with the newest data leads (either may have been last).
         cluster.start_node(0)?;
-        cluster.wait_for(Duration::from_secs(60), "a primary", |c| {
-            c.leader().is_some()
-        })?;
         cluster.start_node(1)?;
-        cluster.wait_healthy(Duration::from_secs(90))?;
+        cluster.wait_healthy(Duration::from_secs(120))?;
         Ok(cluster)
     }
 
@@ -588,13 +585,16 @@ listen postgres_primary
         )
     }
 
-    /// Stops everything: HAProxy, both nodes (Patroni stops its Postgres), then etcd.
+    /// Stops everything: HAProxy, the standby, the primary (Patroni stops its Postgres), then
+    /// etcd. The standby first: stopped second, it would take the leader key the primary had
+    /// just released, and the next start would wait for it.
     pub fn stop(&mut self) {
         if let Some(mut h) = self.haproxy.take() {
             h.terminate(Duration::from_secs(5));
         }
-        for node in &mut self.nodes {
-            if let Some(mut p) = node.patroni.take() {
+        let leader = self.leader().unwrap_or(0);
+        for i in [1 - leader, leader] {
+            if let Some(mut p) = self.nodes[i].patroni.take() {
                 // SIGTERM: Patroni shuts its Postgres down (fast) and releases the leader key.
                 p.terminate(Duration::from_secs(20));
             }

@@ -42,6 +42,11 @@ enum Command {
         /// The filter module (default: FILTER_WASM, or the one `make build-filter` builds).
         #[arg(long)]
         wasm: Option<PathBuf>,
+        /// The embedded Postgres highly available: etcd, two nodes under Patroni with a
+        /// synchronous standby, HAProxy on `postgres_port` (Debian's patroni, etcd-server and
+        /// haproxy packages).
+        #[arg(long, env = "HA")]
+        ha: bool,
     },
 }
 
@@ -78,7 +83,12 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Command::Run { config, dir, wasm } => run(&config, dir, wasm),
+        Command::Run {
+            config,
+            dir,
+            wasm,
+            ha,
+        } => run(&config, dir, wasm, ha),
     }
 }
 
@@ -122,7 +132,12 @@ fn render(cfg: &Config, wasm: PathBuf, ca_file: String) -> String {
     out
 }
 
-fn run(config: &std::path::Path, dir: Option<PathBuf>, wasm: Option<PathBuf>) -> ExitCode {
+fn run(
+    config: &std::path::Path,
+    dir: Option<PathBuf>,
+    wasm: Option<PathBuf>,
+    ha: bool,
+) -> ExitCode {
     let cfg = match Config::load(config) {
         Ok(c) => c,
         Err(e) => {
@@ -153,7 +168,7 @@ fn run(config: &std::path::Path, dir: Option<PathBuf>, wasm: Option<PathBuf>) ->
             return ExitCode::FAILURE;
         }
     };
-    let mut running = match edge::run::Running::start(cfg, edge::run::Options { dir, wasm }) {
+    let mut running = match edge::run::Running::start(cfg, edge::run::Options { dir, wasm, ha }) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("{e}");

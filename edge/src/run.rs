@@ -5,6 +5,10 @@
 //!
 //! The run folder (`.run/<config name>/` by default) keeps the embedded cluster's data, the
 //! secrets made for a file that names none, the rendered Envoy configuration and every log.
+//!
+//! With `--ha` (`HA=1 make run`) the embedded Postgres is highly available instead
+//! ([`crate::ha`]): etcd, two nodes under Patroni with a synchronous standby, and HAProxy on
+//! `postgres_port` in front of whichever node is primary; its data is under `<run folder>/ha/`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -12,6 +16,7 @@ use std::time::Duration;
 
 use crate::config::{Config, ConfigError};
 use crate::envoy::EnvoyProcess;
+use crate::ha::{HaCluster, HaPorts};
 use crate::postgres::TempCluster;
 use crate::render;
 use crate::services::{start_state_api, Service, StateApiSettings};
@@ -36,6 +41,16 @@ pub struct Options {
     pub dir: PathBuf,
     /// The filter module.
     pub wasm: PathBuf,
+    /// The embedded Postgres under Patroni, with a synchronous standby and HAProxy.
+    pub ha: bool,
+}
+
+/// Where the state API's records live.
+enum Database {
+    Embedded(TempCluster),
+    Ha(Box<HaCluster>),
+    /// The file's `database_url`: not ours to supervise.
+    External,
 }
 
 /// The secrets the state API and the filter share: from the file, or made once and kept in the
@@ -95,17 +110,23 @@ fn kept_secret(path: &Path) -> Result<String, RunError> {
 
 /// Every address this run will listen on must be free: the first taken one is an error at its
 /// line, before anything starts.
-pub fn check_ports(cfg: &Config) -> Result<(), ConfigError> {
+pub fn check_ports(cfg: &Config, ha: bool) -> Result<(), ConfigError> {
     let mut wanted: Vec<(&str, SocketAddr)> =
         vec![("listen", cfg.listen), ("state.listen", cfg.state.listen)];
     if let Some(a) = cfg.admin {
         wanted.push(("admin", a));
     }
+    let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
     if cfg.embedded_postgres() {
-        wanted.push((
-            "state.postgres_port",
-            SocketAddr::from(([127, 0, 0, 1], cfg.state.postgres_port)),
-        ));
+        wanted.push(("state.postgres_port", loopback(cfg.state.postgres_port)));
+        if ha {
+            // The other parts of the HA cluster sit on fixed ports (HaPorts::demo).
+            for (_, port) in HaPorts::demo(cfg.state.postgres_port).all() {
+                if port != cfg.state.postgres_port {
+                    wanted.push(("state.postgres_port", loopback(port)));
+                }
+            }
+        }
     }
     for (field, addr) in wanted {
         if let Err(e) = TcpListener::bind(addr) {
@@ -124,7 +145,7 @@ pub struct Running {
     pub options: Options,
     pub secrets: Secrets,
     pub database_url: String,
-    postgres: Option<TempCluster>,
+    database: Database,
     pub state_api: Service,
     pub envoy: EnvoyProcess,
 }
@@ -132,13 +153,26 @@ pub struct Running {
 impl Running {
     /// Checks the ports, then starts every part (a part that fails stops the ones started).
     pub fn start(cfg: Config, options: Options) -> Result<Self, RunError> {
-        check_ports(&cfg)?;
+        check_ports(&cfg, options.ha)?;
         std::fs::create_dir_all(options.dir.join("logs")).map_err(|e| {
             RunError::Folder(format!("cannot create {}: {e}", options.dir.display()))
         })?;
         let secrets = Secrets::for_config(&cfg, &options.dir)?;
-        let (postgres, database_url) = match &cfg.state.database_url {
-            Some(url) => (None, url.clone()),
+        let start_err = |why| RunError::Start {
+            part: "Postgres",
+            why,
+        };
+        let (database, database_url) = match &cfg.state.database_url {
+            Some(url) => (Database::External, url.clone()),
+            None if options.ha => {
+                let ha = HaCluster::start_at(
+                    &options.dir.join("ha"),
+                    HaPorts::demo(cfg.state.postgres_port),
+                )
+                .map_err(start_err)?;
+                let url = ha.ensure_database(EMBEDDED_DATABASE).map_err(start_err)?;
+                (Database::Ha(Box::new(ha)), url)
+            }
             None => {
                 let cluster =
                     TempCluster::start_at(&options.dir.join("postgres"), cfg.state.postgres_port)
@@ -153,7 +187,7 @@ impl Running {
                             part: "Postgres",
                             why,
                         })?;
-                (Some(cluster), url)
+                (Database::Embedded(cluster), url)
             }
         };
         let state_api = start_state_api(
@@ -170,7 +204,7 @@ impl Running {
             options,
             secrets,
             database_url,
-            postgres,
+            database,
             state_api,
             envoy,
         })
@@ -183,13 +217,26 @@ impl Running {
             .admin
             .map(|a| format!(" (admin {a})"))
             .unwrap_or_default();
-        let db = match &self.postgres {
-            Some(_) => format!(
+        let db = match &self.database {
+            Database::Embedded(_) => format!(
                 "embedded Postgres 127.0.0.1:{} ({})",
                 self.cfg.state.postgres_port,
                 self.options.dir.join("postgres").display()
             ),
-            None => format!("Postgres {}", redact(&self.database_url)),
+            Database::Ha(ha) => {
+                let p = ha.ports();
+                format!(
+                    "HA Postgres via HAProxy 127.0.0.1:{} (Patroni REST :{}/:{}, Postgres :{}/:{}, etcd :{}; {})",
+                    p.proxy,
+                    p.rest[0],
+                    p.rest[1],
+                    p.postgres[0],
+                    p.postgres[1],
+                    p.etcd_client,
+                    ha.root().display()
+                )
+            }
+            Database::External => format!("Postgres {}", redact(&self.database_url)),
         };
         format!(
             "ready: Envoy http://{}{admin} -> filter -> upstream {}; state API {}; {db}; logs {}",
@@ -203,14 +250,19 @@ impl Running {
     /// Restarts the parts that died; says which, in the order they depend on each other.
     pub fn supervise(&mut self) -> Vec<String> {
         let mut said = Vec::new();
-        if let Some(pg) = self.postgres.as_mut() {
-            if !pg.is_running() {
-                said.push("Postgres died; restarting it (crash recovery runs)".to_owned());
-                if let Err(e) = pg.restart() {
-                    said.push(format!("Postgres restart failed, will retry: {e}"));
-                    return said;
+        match &mut self.database {
+            Database::Embedded(pg) => {
+                if !pg.is_running() {
+                    said.push("Postgres died; restarting it (crash recovery runs)".to_owned());
+                    if let Err(e) = pg.restart() {
+                        said.push(format!("Postgres restart failed, will retry: {e}"));
+                        return said;
+                    }
                 }
             }
+            // Patroni restarts its own Postgres; a part of the cluster that died is restarted.
+            Database::Ha(ha) => said.extend(ha.supervise()),
+            Database::External => {}
         }
         if !self.state_api.is_running() {
             said.push(format!(
@@ -242,7 +294,7 @@ impl Running {
     pub fn stop(mut self) {
         self.envoy.terminate(Duration::from_secs(5));
         self.state_api.terminate(Duration::from_secs(5));
-        drop(self.postgres.take());
+        drop(std::mem::replace(&mut self.database, Database::External));
     }
 }
 

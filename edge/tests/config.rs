@@ -194,7 +194,7 @@ fn a_port_in_use_is_refused_at_its_line_before_anything_starts() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let c = parse(&GOOD.replace("127.0.0.1:10000", &format!("127.0.0.1:{port}"))).unwrap();
-    let e = edge::run::check_ports(&c).unwrap_err();
+    let e = edge::run::check_ports(&c, false).unwrap_err();
     match e {
         ConfigError::At { line, message, .. } => {
             assert_eq!(line, 1);

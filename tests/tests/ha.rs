@@ -284,6 +284,20 @@ async fn storm_through_two_failovers(mut stack: HaStack) {
         stack.logs()
     );
     let replays = assert_once_and_replayed(&stack, &stories).await;
+    // Meanwhile the old primary is down: the new one goes on alone (the storm's probe executed
+    // a new key; synchronous mode, not strict) and its state API says so.
+    let api_port = stack.state_apis[0].port;
+    let alone = blocking(|| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let ready = stack::net::http_get_blocking(api_port, "/readyz").unwrap_or_default();
+            if ready.contains("no standby") || Instant::now() > deadline {
+                return ready;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    assert!(alone.contains("no standby"), "readyz: {alone}");
 
     // The old primary comes back as a standby (rewound), and a second failover goes back to it.
     let rejoin_started = Instant::now();

@@ -3,6 +3,8 @@
 //!
 //! Envoy 127.0.0.1:10000 (admin :9901), state API :8081, checkout :8082, Postgres :54329
 //! (embedded under .run/demo/, or DATABASE_URL). A part that dies is reported and restarted.
+//! `HA=1`: Postgres is two nodes under Patroni (REST :8008/:8009, Postgres :54331/:54332, etcd
+//! :2379) with a synchronous standby, and HAProxy on :54329 (data under .run/demo/ha/).
 
 use edge::config::Config;
 use edge::run::{Options, Running};
@@ -81,7 +83,9 @@ fn start() -> Result<(Running, Service), String> {
     std::fs::create_dir_all(dir.join("logs")).map_err(|e| e.to_string())?;
     let checkout = start_checkout(CHECKOUT_PORT, &dir.join("logs"))?;
     let wasm = edge::envoy::filter_wasm()?;
-    let running = Running::start(cfg, Options { dir, wasm }).map_err(|e| e.to_string())?;
+    // HA=1 make demo: Postgres under Patroni with a synchronous standby, HAProxy on :54329.
+    let ha = std::env::var("HA").is_ok_and(|v| v == "1");
+    let running = Running::start(cfg, Options { dir, wasm, ha }).map_err(|e| e.to_string())?;
     Ok((running, checkout))
 }
 
