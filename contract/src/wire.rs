@@ -22,6 +22,12 @@ pub const UNKNOWN_PATH: &str = "/v1/unknown";
 /// `GET /v1/records?key=..&subject=..&endpoint=..`: operator read of one record (no bodies).
 pub const RECORDS_PATH: &str = "/v1/records";
 
+/// The header the filter sends with every call to the state API: how long (ms) it waits for
+/// the answer. The state API gives up a little before that (its own cap applies too): a job
+/// whose caller gave up is dropped before it reaches Postgres, and a claim committed for a
+/// caller that is gone is released.
+pub const CALLER_TIMEOUT_HEADER: &str = "idempotency-caller-timeout-ms";
+
 /// The name of the header carrying the fencing token to the upstream.
 pub const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
 

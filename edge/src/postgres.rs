@@ -228,6 +228,25 @@ impl TempCluster {
         Ok(())
     }
 
+    /// Freezes every process of the server (`-STOP`: a stalled host or disk, the statements
+    /// in flight hang without an error) or thaws it (`-CONT`). Private clusters only.
+    pub fn signal_all(&mut self, signal: &str) -> Result<(), String> {
+        let pid = self
+            .local_mut()?
+            .server
+            .as_ref()
+            .and_then(ChildGuard::pid)
+            .ok_or("the server is not running")?;
+        let pid = pid.to_string();
+        // The postmaster, then its children (backends, walwriter, checkpointer, ...).
+        let _ = Command::new("kill").args([signal, &pid]).status();
+        let _ = Command::new("pkill")
+            .args([signal, "-P", &pid])
+            .status()
+            .map_err(|e| format!("cannot run pkill: {e}"))?;
+        Ok(())
+    }
+
     /// Starts the server again on the same port and data (after `kill_postmaster` or `stop`);
     /// crash recovery runs as after a real crash.
     pub fn restart(&mut self) -> Result<(), String> {

@@ -103,6 +103,10 @@ impl Service {
         self.child.is_running()
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.child.pid()
+    }
+
     /// Sends `signal` (`-STOP`, `-CONT`, ...): a process frozen alive, as a long GC pause or
     /// a stalled host would leave it.
     pub fn signal(&self, signal: &str) -> Result<(), String> {

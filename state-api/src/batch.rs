@@ -24,14 +24,23 @@
 //! - an error of a batch statement is every request's error (503 when unavailable), and every
 //!   request gets exactly one answer: a runner drains the queue before it stops, and a request
 //!   whose batch vanished without answering gets `StoreError::Unanswered` (503).
+//!
+//! Bounded work: the queue holds at most `max_queued` requests and `max_queued_bytes` of stored
+//! responses (counting the oversize completes running alone); more are answered 503 at once.
+//! Every job has its caller's deadline: it runs on a task of its own (a caller that goes away
+//! does not cut a statement in the middle), the caller is answered 503 at the deadline, a job
+//! still queued then is dropped before it reaches Postgres, and a claim whose answer arrives
+//! after its caller left (a slow or paused Postgres) is released at once: its caller was
+//! answered 503 and nothing was forwarded with it, so it must not own the key for a lease.
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
 
-use crate::metrics::{BatchOp, Metrics, SinglePathReason};
+use crate::metrics::{BatchOp, Metrics, Shed, SinglePathReason};
 use crate::scope::ScopeHash;
 use crate::store::{
     BatchAnswers, BatchedClaim, ClaimOutcome, CompleteItem, NewClaim, Store, StoreError, StoredRow,
@@ -49,6 +58,10 @@ pub struct BatchLimits {
     /// Most bytes of stored responses (bodies and headers) per batch; a larger complete runs
     /// alone on the single path.
     pub max_bytes: usize,
+    /// Most requests waiting in the queue.
+    pub max_queued: usize,
+    /// Most bytes of stored responses waiting in the queue or running alone (oversize).
+    pub max_queued_bytes: usize,
 }
 
 /// A claim as the batcher holds it (owned).
@@ -63,6 +76,8 @@ pub struct ClaimJob {
     pub retention_ms: i64,
     pub take_over_unknown: bool,
     pub namespace: String,
+    /// When its caller stops waiting for the answer.
+    pub deadline: Instant,
 }
 
 impl ClaimJob {
@@ -88,6 +103,8 @@ pub struct CompleteJob {
     pub token: i64,
     pub response: StoredRow,
     pub retention_ms: i64,
+    /// When its caller stops waiting for the answer.
+    pub deadline: Instant,
 }
 
 impl CompleteJob {
@@ -146,11 +163,28 @@ impl Pending {
         }
     }
 
+    fn deadline(&self) -> Instant {
+        match self {
+            Self::Claim(j, _) => j.deadline,
+            Self::Complete(j, _) => j.deadline,
+        }
+    }
+
+    /// Its caller gave up already (its answer would go nowhere).
+    fn caller_gone(&self, now: Instant) -> bool {
+        now >= self.deadline()
+            || match self {
+                Self::Claim(_, reply) => reply.is_closed(),
+                Self::Complete(_, reply) => reply.is_closed(),
+            }
+    }
+
     /// The single-row path, exactly as without batching; answers.
-    async fn run_one(self, store: &Store) {
+    async fn run_one(self, store: &Store, metrics: &Metrics) {
         match self {
             Self::Claim(job, reply) => {
-                let _ = reply.send(store.claim(&job.as_new()).await);
+                let answer = store.claim(&job.as_new()).await;
+                deliver_claim(store, metrics, &job, reply, answer).await;
             }
             Self::Complete(job, reply) => {
                 let answer = store
@@ -162,11 +196,11 @@ impl Pending {
     }
 
     /// What the single path does for a request the batch statement did not settle; answers.
-    async fn after_batch(self, store: &Store) {
+    async fn after_batch(self, store: &Store, metrics: &Metrics) {
         match self {
             // Lost a race with a concurrent inserter, or a lease or retention ran out: the
             // whole claim again, which reads, reclaims or takes over as it always does.
-            claim @ Self::Claim(..) => claim.run_one(store).await,
+            claim @ Self::Claim(..) => claim.run_one(store, metrics).await,
             // Not this token's in-progress record: the single path's second step tells a
             // retried complete of the same owner from a fenced-out one.
             Self::Complete(job, reply) => {
@@ -176,7 +210,10 @@ impl Pending {
     }
 
     fn fail(self, e: &Arc<StoreError>) {
-        let e = StoreError::Batch(e.clone());
+        self.answer_err(StoreError::Batch(e.clone()));
+    }
+
+    fn answer_err(self, e: StoreError) {
         match self {
             Self::Claim(_, reply) => {
                 let _ = reply.send(Err(e));
@@ -188,9 +225,31 @@ impl Pending {
     }
 }
 
+/// Answers a claim. An answer its caller no longer waits for (its deadline passed, or its
+/// connection went) that made it the owner is released at once: the caller was answered 503,
+/// so nothing was forwarded with the token, and the key must not stay in progress for a lease.
+async fn deliver_claim(
+    store: &Store,
+    metrics: &Metrics,
+    job: &ClaimJob,
+    reply: Reply<ClaimOutcome>,
+    answer: Result<ClaimOutcome, StoreError>,
+) {
+    let Err(Ok(ClaimOutcome::Claimed { token, .. })) = reply.send(answer) else {
+        return;
+    };
+    match store.release(&job.scope, token).await {
+        Ok(_) => metrics.released_for_gone_caller(),
+        // The lease runs out instead, and the record becomes unknown: held or reconciled.
+        Err(e) => {
+            tracing::warn!(error = %e, "a claim made for a caller that gave up could not be released")
+        }
+    }
+}
+
 /// Runs `batch` (two or more distinct scopes) as one statement and answers every request but
 /// the ones it returns, which go on to `Pending::after_batch`.
-async fn run_batch(mut batch: Vec<Pending>, store: &Store) -> Vec<Pending> {
+async fn run_batch(mut batch: Vec<Pending>, store: &Store, metrics: &Metrics) -> Vec<Pending> {
     // Scope order: the INSERT takes its locks in that order, the UPDATE walks its input so.
     batch.sort_unstable_by_key(|p| *p.scope());
     let mut claims = Vec::new();
@@ -227,7 +286,7 @@ async fn run_batch(mut batch: Vec<Pending>, store: &Store) -> Vec<Pending> {
     for ((job, reply), answer) in claims.into_iter().zip(claimed) {
         match answer {
             BatchedClaim::Answered(outcome) => {
-                let _ = reply.send(Ok(outcome));
+                deliver_claim(store, metrics, &job, reply, Ok(outcome)).await;
             }
             BatchedClaim::Failed(e) => {
                 let _ = reply.send(Err(e));
@@ -298,6 +357,10 @@ pub(crate) fn take_batch<T: Queued>(
 
 struct LaneState {
     queue: VecDeque<Pending>,
+    /// Bytes of stored responses in `queue`.
+    queued_bytes: usize,
+    /// Bytes of the oversize completes running alone.
+    alone_bytes: usize,
     /// Scopes of the batch being run.
     busy: HashSet<ScopeHash>,
     /// Statements running: the runner's, and requests running their single path inline.
@@ -322,6 +385,8 @@ enum Route {
     Inline(Pending, Option<Slot>),
     /// Wait for a runner's answer (after spawning a runner, if `true`).
     Queued(bool),
+    /// The queue is at its bound: 503 at once.
+    Full(Pending),
 }
 
 impl Lane {
@@ -332,6 +397,8 @@ impl Lane {
             limits,
             state: Mutex::new(LaneState {
                 queue: VecDeque::new(),
+                queued_bytes: 0,
+                alone_bytes: 0,
                 busy: HashSet::new(),
                 running: 0,
                 runner: false,
@@ -346,12 +413,30 @@ impl Lane {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Answers `p`, inline or through a batch.
+    /// Answers `p`, inline or through a batch, or at once with 503 when the queue is full.
     async fn submit(self: &Arc<Self>, p: Pending) {
-        if p.bytes() > self.limits.max_bytes {
+        let bytes = p.bytes();
+        if bytes > self.limits.max_bytes {
+            {
+                let mut st = self.lock();
+                if st
+                    .alone_bytes
+                    .saturating_add(st.queued_bytes)
+                    .saturating_add(bytes)
+                    > self.limits.max_queued_bytes
+                {
+                    drop(st);
+                    self.metrics.shed(Shed::QueueFull);
+                    return p.answer_err(StoreError::Overloaded);
+                }
+                st.alone_bytes += bytes;
+            }
             self.metrics
                 .batch_single_path(p.op(), SinglePathReason::Oversize);
-            return p.run_one(&self.store).await;
+            p.run_one(&self.store, &self.metrics).await;
+            let mut st = self.lock();
+            st.alone_bytes = st.alone_bytes.saturating_sub(bytes);
+            return;
         }
         let route = {
             let mut st = self.lock();
@@ -361,9 +446,18 @@ impl Lane {
                 // Nothing to group with: a batch of one, on this task, without a hop.
                 st.running += 1;
                 Route::Inline(p, Some(Slot::new(self.clone(), false)))
+            } else if st.queue.len() >= self.limits.max_queued
+                || st
+                    .queued_bytes
+                    .saturating_add(st.alone_bytes)
+                    .saturating_add(bytes)
+                    > self.limits.max_queued_bytes
+            {
+                Route::Full(p)
             } else {
                 // Queued behind the running statements; a runner takes it with the others.
                 st.queue.push_back(p);
+                st.queued_bytes += bytes;
                 let spawn = !st.runner && st.running < self.limits.in_flight;
                 if spawn {
                     st.running += 1;
@@ -373,11 +467,15 @@ impl Lane {
             }
         };
         match route {
+            Route::Full(p) => {
+                self.metrics.shed(Shed::QueueFull);
+                p.answer_err(StoreError::Overloaded);
+            }
             Route::Inline(p, slot) => {
                 if slot.is_some() {
                     self.metrics.batch_size(1);
                 }
-                p.run_one(&self.store).await;
+                p.run_one(&self.store, &self.metrics).await;
                 // Hands the slot on to a runner if requests queued up meanwhile.
                 drop(slot);
             }
@@ -392,11 +490,12 @@ impl Lane {
     /// batch statement that did not settle it).
     fn single(&self, p: Pending, after_batch: bool) {
         let store = self.store.clone();
+        let metrics = self.metrics.clone();
         tokio::spawn(async move {
             if after_batch {
-                p.after_batch(&store).await;
+                p.after_batch(&store, &metrics).await;
             } else {
-                p.run_one(&store).await;
+                p.run_one(&store, &metrics).await;
             }
         });
     }
@@ -512,8 +611,17 @@ async fn run(lane: Arc<Lane>) {
     loop {
         let Taken { batch, followers } = {
             let mut st = lane.lock();
+            // Jobs whose caller gave up never reach Postgres (dropped: their answer is
+            // `Unanswered`, and nobody waits for it).
+            let now = Instant::now();
+            let before = st.queue.len();
+            st.queue.retain(|p| !p.caller_gone(now));
+            for _ in st.queue.len()..before {
+                lane.metrics.shed(Shed::Deadline);
+            }
             let LaneState { queue, busy, .. } = &mut *st;
             let taken = take_batch(queue, busy, lane.limits.max_items, lane.limits.max_bytes);
+            st.queued_bytes = st.queue.iter().map(Queued::bytes).sum();
             if taken.batch.is_empty() {
                 // The only runner, so nothing is busy: the queue is empty.
                 slot.release(&mut st);
@@ -528,10 +636,10 @@ async fn run(lane: Arc<Lane>) {
         lane.metrics.batch_size(batch.len());
         if batch.len() == 1 {
             for p in batch {
-                p.run_one(&lane.store).await;
+                p.run_one(&lane.store, &lane.metrics).await;
             }
         } else {
-            for p in run_batch(batch, &lane.store).await {
+            for p in run_batch(batch, &lane.store, &lane.metrics).await {
                 lane.metrics
                     .batch_single_path(p.op(), SinglePathReason::AfterBatch);
                 lane.single(p, true);
@@ -549,6 +657,7 @@ async fn run(lane: Arc<Lane>) {
 /// The group commit of claims and completes (see the module documentation).
 pub struct Batcher {
     store: Store,
+    metrics: Arc<Metrics>,
     /// None: batching is off.
     lane: Option<Arc<Lane>>,
 }
@@ -561,9 +670,13 @@ impl Batcher {
                 in_flight: limits.in_flight.max(1),
                 ..limits
             };
-            Arc::new(Lane::new(store.clone(), metrics, limits))
+            Arc::new(Lane::new(store.clone(), metrics.clone(), limits))
         });
-        Self { store, lane }
+        Self {
+            store,
+            metrics,
+            lane,
+        }
     }
 
     /// Requests waiting in the queue for a batch.
@@ -571,27 +684,47 @@ impl Batcher {
         self.lane.as_ref().map_or(0, |l| l.lock().queue.len())
     }
 
-    /// `Store::claim`, grouped with concurrent claims and completes.
+    /// `Store::claim`, grouped with concurrent claims and completes, within its deadline.
     pub async fn claim(&self, job: ClaimJob) -> Result<ClaimOutcome, StoreError> {
-        let Some(lane) = &self.lane else {
-            return self.store.claim(&job.as_new()).await;
-        };
         let (reply, answer) = oneshot::channel();
-        lane.submit(Pending::Claim(job, reply)).await;
-        answer.await.unwrap_or(Err(StoreError::Unanswered))
+        self.answer(Pending::Claim(job, reply), answer).await
     }
 
-    /// `Store::complete`, grouped with concurrent claims and completes.
+    /// `Store::complete`, grouped with concurrent claims and completes, within its deadline.
     pub async fn complete(&self, job: CompleteJob) -> Result<WriteResult, StoreError> {
-        let Some(lane) = &self.lane else {
-            return self
-                .store
-                .complete(&job.scope, job.token, &job.response, job.retention_ms)
-                .await;
-        };
         let (reply, answer) = oneshot::channel();
-        lane.submit(Pending::Complete(job, reply)).await;
-        answer.await.unwrap_or(Err(StoreError::Unanswered))
+        self.answer(Pending::Complete(job, reply), answer).await
+    }
+
+    /// Runs `p` on a task of its own (so that a caller who leaves does not cut its statement
+    /// halfway) and waits for its answer until its deadline.
+    async fn answer<A>(
+        &self,
+        p: Pending,
+        answer: oneshot::Receiver<Result<A, StoreError>>,
+    ) -> Result<A, StoreError> {
+        let deadline = p.deadline();
+        if p.caller_gone(Instant::now()) {
+            self.metrics.shed(Shed::Deadline);
+            return Err(StoreError::CallerGone);
+        }
+        match &self.lane {
+            Some(lane) => {
+                let lane = lane.clone();
+                tokio::spawn(async move { lane.submit(p).await });
+            }
+            None => {
+                let (store, metrics) = (self.store.clone(), self.metrics.clone());
+                tokio::spawn(async move { p.run_one(&store, &metrics).await });
+            }
+        }
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(answered) => answered.unwrap_or(Err(StoreError::Unanswered)),
+            Err(_) => {
+                self.metrics.shed(Shed::Deadline);
+                Err(StoreError::CallerGone)
+            }
+        }
     }
 
     /// Drains: every queued request is answered, then the runners stop. Requests after this

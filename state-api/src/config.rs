@@ -150,6 +150,21 @@ pub struct Config {
     #[arg(long, env = "STATE_API_BATCH_MAX_BYTES", default_value_t = 1_048_576)]
     pub batch_max_bytes: usize,
 
+    /// Group commit: most requests queued for a batch (count); more are answered 503 at once.
+    #[arg(long, env = "STATE_API_BATCH_MAX_QUEUED", default_value_t = 1024)]
+    pub batch_max_queued: usize,
+
+    /// Group commit: most bytes of stored responses queued, or running alone because they are
+    /// over `--batch-max-bytes`; more are answered 503 at once.
+    #[arg(long, env = "STATE_API_BATCH_MAX_QUEUED_BYTES", default_value_t = 64 * 1_048_576)]
+    pub batch_max_queued_bytes: usize,
+
+    /// The longest a claim or complete is worked on for its caller (ms): the caller's own
+    /// timeout (the `idempotency-caller-timeout-ms` header the filter sends) when shorter. A job
+    /// past it is dropped before it reaches Postgres, and answered 503.
+    #[arg(long, env = "STATE_API_MAX_REQUEST_MS", default_value_t = 35_000)]
+    pub max_request_ms: u64,
+
     /// Apply the migrations and exit.
     #[arg(long)]
     pub migrate_only: bool,
@@ -209,6 +224,12 @@ impl Config {
             ("--batch-max", self.batch_max as u64),
             ("--batch-in-flight", self.batch_in_flight as u64),
             ("--batch-max-bytes", self.batch_max_bytes as u64),
+            ("--batch-max-queued", self.batch_max_queued as u64),
+            (
+                "--batch-max-queued-bytes",
+                self.batch_max_queued_bytes as u64,
+            ),
+            ("--max-request-ms", self.max_request_ms),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero(name));
@@ -264,7 +285,19 @@ impl Config {
             max_items: self.batch_max,
             in_flight: self.batch_in_flight,
             max_bytes: self.batch_max_bytes,
+            max_queued: self.batch_max_queued,
+            max_queued_bytes: self.batch_max_queued_bytes,
         }
+    }
+
+    /// How long a request is worked on: the caller's timeout less a margin (so that the state
+    /// API gives up first and knows the answer went nowhere), at most `--max-request-ms`.
+    pub fn request_budget(&self, caller_timeout_ms: Option<u64>) -> Duration {
+        const MARGIN_MS: u64 = 50;
+        let ms = caller_timeout_ms.map_or(self.max_request_ms, |t| {
+            t.saturating_sub(MARGIN_MS).max(1).min(self.max_request_ms)
+        });
+        Duration::from_millis(ms)
     }
 
     pub fn acquire_timeout(&self) -> Duration {

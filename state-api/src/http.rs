@@ -6,7 +6,7 @@ use std::time::Instant;
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, Query, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -303,10 +303,22 @@ pub(crate) fn ms(v: i64) -> u64 {
 // ---------------------------------------------------------------------------------------------
 // Handlers
 
+/// When the caller stops waiting: its `idempotency-caller-timeout-ms` (less a margin), at most
+/// `--max-request-ms`, from now.
+fn caller_deadline(state: &AppState, headers: &HeaderMap) -> tokio::time::Instant {
+    let caller_ms = headers
+        .get(contract::wire::CALLER_TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    tokio::time::Instant::now() + state.config().request_budget(caller_ms)
+}
+
 async fn claim(
     State(state): State<AppState>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<ClaimRequest>,
 ) -> Result<Json<ClaimResponse>, ApiError> {
+    let deadline = caller_deadline(&state, &headers);
     let scope = scope_of(
         &state,
         &req.namespace,
@@ -328,6 +340,7 @@ async fn claim(
         retention_ms: i64::try_from(retention_s.saturating_mul(1000)).unwrap_or(i64::MAX),
         take_over_unknown: req.on_unknown == OnUnknown::TakeOver,
         namespace: req.namespace,
+        deadline,
     };
     let mut outcome = state
         .batcher()
@@ -461,8 +474,10 @@ async fn heartbeat(
 
 async fn complete(
     State(state): State<AppState>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<CompleteRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
+    let deadline = caller_deadline(&state, &headers);
     let scope = scope_of(
         &state,
         &req.namespace,
@@ -477,6 +492,7 @@ async fn complete(
         token: req.token,
         response: row,
         retention_ms: state.config().retention_ms(),
+        deadline,
     };
     let result = state
         .batcher()

@@ -193,6 +193,25 @@ impl SinglePathReason {
     }
 }
 
+/// Why a claim or complete was answered 503 without reaching Postgres.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shed {
+    /// The group commit's queue was at its bound (count or bytes).
+    QueueFull,
+    /// Its caller's time ran out while it waited (queued, or for a pool connection).
+    Deadline,
+}
+
+impl Shed {
+    const ALL: [Self; 2] = [Self::QueueFull, Self::Deadline];
+    fn label(self) -> &'static str {
+        match self {
+            Self::QueueFull => "queue_full",
+            Self::Deadline => "deadline",
+        }
+    }
+}
+
 /// Upper bounds of the batch size histogram (requests per statement).
 const BATCH_BUCKETS: [u64; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
@@ -251,6 +270,8 @@ pub struct Metrics {
     purged_rows: AtomicU64,
     db_unavailable: AtomicU64,
     internal_errors: AtomicU64,
+    shed: [AtomicU64; Shed::ALL.len()],
+    released_for_gone: AtomicU64,
     latency: [Histogram; Route::ALL.len()],
     batch_sizes: SizeHistogram,
     batch_single: [[AtomicU64; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
@@ -299,6 +320,21 @@ impl Metrics {
     }
     pub fn internal_error(&self) {
         self.internal_errors.fetch_add(1, Relaxed);
+    }
+    /// A request answered 503 without reaching Postgres: the queue was full, or its caller's
+    /// time ran out first.
+    pub fn shed(&self, why: Shed) {
+        self.shed[why as usize].fetch_add(1, Relaxed);
+    }
+    pub fn shed_total(&self, why: Shed) -> u64 {
+        self.shed[why as usize].load(Relaxed)
+    }
+    /// A claim committed after its caller had given up, released again.
+    pub fn released_for_gone_caller(&self) {
+        self.released_for_gone.fetch_add(1, Relaxed);
+    }
+    pub fn released_for_gone_total(&self) -> u64 {
+        self.released_for_gone.load(Relaxed)
     }
     pub fn observe(&self, route: Route, d: Duration) {
         self.latency[route as usize].observe(d);
@@ -407,6 +443,32 @@ impl Metrics {
         )?;
         writeln!(out, "# TYPE state_api_purged_rows_total counter")?;
         writeln!(out, "state_api_purged_rows_total {}", self.purged_total())?;
+        writeln!(
+            out,
+            "# HELP state_api_shed_total Claims and completes answered 503 without reaching Postgres: the group commit's queue was full, or the caller's time ran out."
+        )?;
+        writeln!(out, "# TYPE state_api_shed_total counter")?;
+        for why in Shed::ALL {
+            writeln!(
+                out,
+                "state_api_shed_total{{reason=\"{}\"}} {}",
+                why.label(),
+                self.shed_total(why)
+            )?;
+        }
+        writeln!(
+            out,
+            "# HELP state_api_released_for_gone_callers_total Claims committed after their caller had given up (a slow or paused Postgres), released at once: nothing was forwarded with them."
+        )?;
+        writeln!(
+            out,
+            "# TYPE state_api_released_for_gone_callers_total counter"
+        )?;
+        writeln!(
+            out,
+            "state_api_released_for_gone_callers_total {}",
+            self.released_for_gone_total()
+        )?;
         writeln!(out, "# HELP state_api_errors_total Requests answered with 503 (database unavailable) or 500.")?;
         writeln!(out, "# TYPE state_api_errors_total counter")?;
         writeln!(

@@ -35,6 +35,13 @@ pub enum StoreError {
     /// shutting down): whether it was written is unknown, like a connection lost mid-statement.
     #[error("the request's batch ended without an answer")]
     Unanswered,
+    /// The group commit's queue is full (count or bytes): answered at once, nothing written.
+    #[error("too many requests queued for the database")]
+    Overloaded,
+    /// The caller's time ran out before the answer (the job was dropped before it reached
+    /// Postgres, or its answer came too late and a claim it made was released).
+    #[error("the caller's time ran out")]
+    CallerGone,
 }
 
 impl StoreError {
@@ -66,7 +73,7 @@ impl StoreError {
                 }
                 _ => false,
             },
-            Self::Contention | Self::Unanswered => true,
+            Self::Contention | Self::Unanswered | Self::Overloaded | Self::CallerGone => true,
             Self::Batch(e) => e.is_unavailable(),
             Self::Migrate(_) | Self::Corrupt(_) => false,
         }

@@ -82,7 +82,13 @@ fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
         retention_ms: api.state.config().retention_ms(),
         take_over_unknown: true,
         namespace: String::new(),
+        deadline: far(),
     }
+}
+
+/// A deadline no test reaches (the deadline tests set their own).
+fn far() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(120)
 }
 
 fn submit_claim(api: &Api, job: ClaimJob) -> JoinHandle<Result<ClaimOutcome, StoreError>> {
@@ -111,6 +117,7 @@ fn submit_complete(
         token,
         response,
         retention_ms: api.state.config().retention_ms(),
+        deadline: far(),
     };
     tokio::spawn(async move { state.batcher().complete(job).await })
 }
@@ -430,6 +437,7 @@ async fn completes_and_claims_in_one_statement_store_right_tokens_and_fence_out_
             token: twice,
             response: stored(b"first"),
             retention_ms: api.state.config().retention_ms(),
+            deadline: far(),
         })
         .await
         .unwrap();

@@ -726,6 +726,7 @@ impl Worker {
     /// A call to the state API; one that may wait there `wait_ms` has that much more time.
     fn state_api_call(&self, path: &str, body: Vec<u8>, wait_ms: u64) -> Outgoing {
         let api = &self.cfg.state_api;
+        let timeout_ms = api.timeout_ms.saturating_add(wait_ms);
         let headers = vec![
             (":method".into(), "POST".into()),
             (":path".into(), path.into()),
@@ -733,12 +734,17 @@ impl Worker {
             ("authorization".into(), format!("Bearer {}", api.token)),
             ("content-type".into(), "application/json".into()),
             ("accept".into(), "application/json".into()),
+            // The state API drops the job once this caller has given up on it.
+            (
+                contract::wire::CALLER_TIMEOUT_HEADER.into(),
+                timeout_ms.to_string(),
+            ),
         ];
         Outgoing {
             cluster: api.cluster.clone(),
             headers,
             body,
-            timeout_ms: api.timeout_ms.saturating_add(wait_ms),
+            timeout_ms,
         }
     }
 
