@@ -36,6 +36,8 @@ pub enum ProblemKind {
     FencedOut,
     /// The record asked for does not exist.
     NotFound,
+    /// The route exists, not with this method (state API).
+    MethodNotAllowed,
     /// The caller is known but may not do this (the filter's token on the admin API).
     Forbidden,
     /// An operator action on a record whose owner's lease is still live (`force` overrides).
@@ -57,6 +59,7 @@ impl ProblemKind {
             Self::Unauthenticated => 401,
             Self::Forbidden => 403,
             Self::NotFound => 404,
+            Self::MethodNotAllowed => 405,
             Self::InProgress
             | Self::FencedOut
             | Self::OutcomeNotReplayable
@@ -87,6 +90,7 @@ impl ProblemKind {
             Self::ReconcileUnavailable => "reconcile-unavailable",
             Self::FencedOut => "fenced-out",
             Self::NotFound => "not-found",
+            Self::MethodNotAllowed => "method-not-allowed",
             Self::Forbidden => "forbidden",
             Self::LeaseLive => "lease-live",
             Self::AlreadyCompleted => "already-completed",
@@ -115,6 +119,7 @@ impl ProblemKind {
             }
             Self::FencedOut => "The claim was taken over by a newer owner",
             Self::NotFound => "No such record",
+            Self::MethodNotAllowed => "Method not allowed on this route",
             Self::Forbidden => "This credential may not do that",
             Self::LeaseLive => "The record's owner still holds a live lease",
             Self::AlreadyCompleted => "The record is already completed",

@@ -120,6 +120,8 @@ pub struct State {
     pub token: Option<String>,
     /// The HMAC secret for stored keys; `None`: as `token`.
     pub key_secret: Option<String>,
+    /// During a rotation of `key_secret`: the one before (records are looked up under both).
+    pub previous_key_secret: Option<String>,
     /// The filter's call timeout.
     pub timeout_ms: u64,
     /// How long records are kept (the state API's default when `None`).
@@ -322,6 +324,7 @@ struct RawState {
     postgres_port: Option<Spanned<u16>>,
     token: Option<Spanned<String>>,
     key_secret: Option<Spanned<String>>,
+    previous_key_secret: Option<Spanned<String>>,
     timeout_ms: Option<Spanned<u64>>,
     retention_s: Option<Spanned<u64>>,
     max_retention_s: Option<Spanned<u64>>,
@@ -599,6 +602,7 @@ impl Config {
             };
         let token = secret(&st.token, "token")?;
         let key_secret = secret(&st.key_secret, "key_secret")?;
+        let previous_key_secret = secret(&st.previous_key_secret, "previous_key_secret")?;
         let admin_token = secret(&st.admin_token, "admin_token")?;
         if let (Some(a), Some(t)) = (&st.admin_token, &token) {
             if a.get_ref() == t {
@@ -692,6 +696,7 @@ impl Config {
                 postgres_port,
                 token,
                 key_secret,
+                previous_key_secret,
                 timeout_ms,
                 retention_s,
                 max_retention_s,

@@ -561,6 +561,9 @@ pub fn state_api_env(
     if let Some(t) = &cfg.state.admin_token {
         env.push(("STATE_API_ADMIN_TOKEN".to_owned(), t.clone()));
     }
+    if let Some(p) = &cfg.state.previous_key_secret {
+        env.push(("IDEM_PREVIOUS_KEY_SECRET".to_owned(), p.clone()));
+    }
     if cfg.filter.max_stored_body_bytes > filter_core::config::DEFAULT_MAX_BODY {
         // The state API stores 1 MiB by default: as much as the filter keeps.
         env.push((

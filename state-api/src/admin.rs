@@ -22,7 +22,7 @@ use sqlx::types::Json as SqlJson;
 use sqlx::Row as _;
 use subtle::ConstantTimeEq as _;
 
-use crate::http::{bad, ms, scope_of, store_error, stored_row, ApiError, ApiJson};
+use crate::http::{bad, ms, scope_of, stored_row, ApiError, ApiJson};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
 use crate::AppState;
@@ -113,8 +113,7 @@ async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>
     let rows = sqlx::query(AUDIT_SQL)
         .bind(&scope[..])
         .fetch_all(state.store().pool())
-        .await
-        .map_err(|e| store_error(state, "audit", e.into()))?;
+        .await?;
     rows.iter()
         .map(|r| {
             Ok(AuditEntry {
@@ -133,7 +132,7 @@ async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>
             })
         })
         .collect::<Result<_, sqlx::Error>>()
-        .map_err(|e| store_error(state, "audit", e.into()))
+        .map_err(ApiError::from)
 }
 
 async fn show(
@@ -141,12 +140,8 @@ async fn show(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<AdminRecord>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
-    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
-    let row = state
-        .store()
-        .record(&scope)
-        .await
-        .map_err(|e| store_error(&state, "record", e))?;
+    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
+    let row = state.store().record(&scope).await?;
     let audit = audit_of(&state, &scope).await?;
     if row.is_none() && audit.is_empty() {
         return Err(ApiError::new(
@@ -160,8 +155,7 @@ async fn show(
         )
         .bind(&scope[..])
         .fetch_optional(state.store().pool())
-        .await
-        .map_err(|e| store_error(&state, "record", e.into()))?
+        .await?
         .flatten()
         .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
     } else {
@@ -233,8 +227,7 @@ async fn list(
         .bind(older)
         .bind(limit)
         .fetch_all(state.store().pool())
-        .await
-        .map_err(|e| store_error(&state, "list", e.into()))?;
+        .await?;
     rows.iter()
         .map(|r| {
             Ok(ListedRecord {
@@ -251,7 +244,7 @@ async fn list(
         })
         .collect::<Result<Vec<_>, sqlx::Error>>()
         .map(Json)
-        .map_err(|e| store_error(&state, "list", e.into()))
+        .map_err(ApiError::from)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -306,7 +299,7 @@ async fn act(
     a: AdminAction,
 ) -> Result<Json<AdminActionResult>, ApiError> {
     check_action(&a)?;
-    let scope = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint)?;
+    let scope = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint).await?;
     let stored = match (op, a.response) {
         (AdminOp::Resolve, Some(r)) => Some(stored_row(state, r)?),
         (AdminOp::Resolve, None) => {
@@ -315,25 +308,23 @@ async fn act(
         (_, Some(_)) => return Err(bad("`response` is only used by resolve")),
         (_, None) => None,
     };
-    let db = |e: sqlx::Error| store_error(state, op.label(), e.into());
-    let mut tx = state.store().pool().begin().await.map_err(db)?;
+    let mut tx = state.store().pool().begin().await?;
     let row = sqlx::query(SNAPSHOT_SQL)
         .bind(&scope[..])
         .fetch_optional(&mut *tx)
-        .await
-        .map_err(db)?;
+        .await?;
     let Some(row) = row else {
         return Err(ApiError::new(
             ProblemKind::NotFound,
             "no record for this key, subject and endpoint",
         ));
     };
-    let before: SqlJson<serde_json::Value> = row.try_get("snapshot").map_err(db)?;
-    let lease_live: bool = row.try_get("lease_live").map_err(db)?;
+    let before: SqlJson<serde_json::Value> = row.try_get("snapshot")?;
+    let lease_live: bool = row.try_get("lease_live")?;
     let (namespace, subject, endpoint): (String, String, String) = (
-        row.try_get("namespace").map_err(db)?,
-        row.try_get("subject").map_err(db)?,
-        row.try_get("endpoint").map_err(db)?,
+        row.try_get("namespace")?,
+        row.try_get("subject")?,
+        row.try_get("endpoint")?,
     );
     if lease_live && !a.force {
         return Err(ApiError::new(
@@ -357,17 +348,14 @@ async fn act(
                 .bind(r.replayable)
                 .bind(state.config().retention_ms())
                 .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+                .await?;
             let again = sqlx::query(SNAPSHOT_SQL)
                 .bind(&scope[..])
                 .fetch_one(&mut *tx)
-                .await
-                .map_err(db)?;
+                .await?;
             Some(
                 again
-                    .try_get::<SqlJson<serde_json::Value>, _>("snapshot")
-                    .map_err(db)?
+                    .try_get::<SqlJson<serde_json::Value>, _>("snapshot")?
                     .0,
             )
         }
@@ -375,8 +363,7 @@ async fn act(
             sqlx::query("DELETE FROM idempotency_records WHERE scope_hash = $1")
                 .bind(&scope[..])
                 .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+                .await?;
             None
         }
     };
@@ -394,9 +381,8 @@ async fn act(
         .bind(&before)
         .bind(after.as_ref().map(SqlJson))
         .fetch_one(&mut *tx)
-        .await
-        .map_err(db)?;
-    tx.commit().await.map_err(db)?;
+        .await?;
+    tx.commit().await?;
     state.metrics().admin(op);
     state.waiters().settled(&scope);
     tracing::warn!(scope = %log_label(&scope), action = op.label(), audit_id, forced, actor = %a.actor.trim(), "operator action");

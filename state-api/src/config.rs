@@ -71,6 +71,13 @@ pub struct Config {
     #[arg(long, env = "IDEM_KEY_SECRET", hide_env_values = true)]
     pub key_secret: Option<Secret>,
 
+    /// During a rotation of the key secret: the secret records were addressed with before.
+    /// A record is looked up under both (the previous one first when it holds the key); new
+    /// records use `--key-secret`. Drop it once the longest retention has passed since the
+    /// rotation (docs/state-api.md, "Rotating the key secret").
+    #[arg(long, env = "IDEM_PREVIOUS_KEY_SECRET", hide_env_values = true)]
+    pub previous_key_secret: Option<Secret>,
+
     /// Maximum database connections in the pool.
     #[arg(long, env = "STATE_API_POOL_SIZE", default_value_t = 16)]
     pub pool_size: u32,
@@ -183,6 +190,8 @@ pub enum ConfigError {
     MissingKeySecret,
     #[error("the key secret must be at least {MIN_KEY_SECRET_LEN} bytes long")]
     ShortKeySecret,
+    #[error("--previous-key-secret is the same as --key-secret: a rotation needs a new secret")]
+    SamePreviousKeySecret,
     #[error("the API token must not be empty")]
     EmptyApiToken,
     #[error("{0} must be greater than zero")]
@@ -211,6 +220,14 @@ impl Config {
             .ok_or(ConfigError::MissingKeySecret)?;
         if secret.expose().len() < MIN_KEY_SECRET_LEN {
             return Err(ConfigError::ShortKeySecret);
+        }
+        if let Some(previous) = &self.previous_key_secret {
+            if previous.expose().len() < MIN_KEY_SECRET_LEN {
+                return Err(ConfigError::ShortKeySecret);
+            }
+            if previous.expose() == secret.expose() {
+                return Err(ConfigError::SamePreviousKeySecret);
+            }
         }
         if self.api_token.expose().is_empty() {
             return Err(ConfigError::EmptyApiToken);

@@ -97,23 +97,30 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Maps a store failure to 503 (database unreachable, overloaded) or 500, counts and logs it.
-/// The detail never carries the database's message.
-pub(crate) fn store_error(state: &AppState, op: &'static str, e: StoreError) -> ApiError {
-    if e.is_unavailable() {
-        state.metrics().db_unavailable();
-        tracing::warn!(op, error = %e, "database unavailable");
-        ApiError::new(
-            ProblemKind::StateUnavailable,
-            "the idempotency store cannot be reached; nothing was recorded",
-        )
-    } else {
-        state.metrics().internal_error();
-        tracing::error!(op, error = %e, "store failure");
-        ApiError::new(
-            ProblemKind::Internal,
-            "unexpected failure in the idempotency store",
-        )
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        StoreError::from(e).into()
+    }
+}
+
+/// A store failure is a 503 (database unreachable, read-only, overloaded, the caller's time
+/// ran out) or a 500, logged here; the `observe` layer counts both. The detail never carries
+/// the database's message.
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        if e.is_unavailable() {
+            tracing::warn!(error = %e, "database unavailable");
+            Self::new(
+                ProblemKind::StateUnavailable,
+                "the idempotency store cannot be reached; nothing was recorded",
+            )
+        } else {
+            tracing::error!(error = %e, "store failure");
+            Self::new(
+                ProblemKind::Internal,
+                "unexpected failure in the idempotency store",
+            )
+        }
     }
 }
 
@@ -178,6 +185,12 @@ async fn observe(State(state): State<AppState>, req: Request, next: Next) -> Res
     let resp = next.run(req).await;
     let elapsed = start.elapsed();
     state.metrics().observe(route, elapsed);
+    // Every 503 and 500 of this API is a store failure (or a database that cannot write).
+    match resp.status() {
+        StatusCode::SERVICE_UNAVAILABLE => state.metrics().db_unavailable(),
+        StatusCode::INTERNAL_SERVER_ERROR => state.metrics().internal_error(),
+        _ => {}
+    }
     tracing::debug!(%method, route = ?route, status = resp.status().as_u16(), micros = elapsed.as_micros() as u64, "request");
     resp
 }
@@ -204,8 +217,9 @@ fn check_text(name: &str, v: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Validates (key, subject, endpoint) and returns the record's address.
-pub(crate) fn scope_of(
+/// Validates (key, subject, endpoint) and returns the record's address: under the key secret,
+/// or, during a rotation, under the previous one when a record lives there.
+pub(crate) async fn scope_of(
     state: &AppState,
     namespace: &str,
     key: &str,
@@ -221,7 +235,19 @@ pub(crate) fn scope_of(
             limits::MAX_NAMESPACE_LEN
         )));
     }
-    Ok(state.scoper().hash_in(namespace, key, subject, endpoint))
+    let current = state.scoper().hash_in(namespace, key, subject, endpoint);
+    let Some(previous) = state
+        .scoper()
+        .previous_hash_in(namespace, key, subject, endpoint)
+    else {
+        return Ok(current);
+    };
+    let found = state.store().exists(&previous).await?;
+    if found {
+        state.metrics().previous_secret_hit();
+        return Ok(previous);
+    }
+    Ok(current)
 }
 
 fn check_fingerprint(fingerprint: &str, alg: &str) -> Result<(), ApiError> {
@@ -325,7 +351,8 @@ async fn claim(
         &req.key,
         &req.subject,
         &req.endpoint,
-    )?;
+    )
+    .await?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
     let config = state.config();
     let retention_s = config.retention_for(req.retention_s);
@@ -342,11 +369,7 @@ async fn claim(
         namespace: req.namespace,
         deadline,
     };
-    let mut outcome = state
-        .batcher()
-        .claim(job.clone())
-        .await
-        .map_err(|e| store_error(&state, "claim", e))?;
+    let mut outcome = state.batcher().claim(job.clone()).await?;
     let mut waited_ms = None;
     if wait_ms > 0 && matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
         (outcome, waited_ms) = wait_for_outcome(&state, job, outcome, wait_ms).await?;
@@ -431,11 +454,7 @@ async fn wait_for_outcome(
             _ = &mut woken => {}
             _ = tokio::time::sleep(nap) => {}
         }
-        outcome = state
-            .batcher()
-            .claim(job.clone())
-            .await
-            .map_err(|e| store_error(state, "claim", e))?;
+        outcome = state.batcher().claim(job.clone()).await?;
         if !matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
             state.metrics().wait(metrics::WaitEnd::Settled);
             return Ok((outcome, Some(elapsed_ms(started))));
@@ -457,14 +476,11 @@ async fn heartbeat(
         &req.key,
         &req.subject,
         &req.endpoint,
-    )?;
+    )
+    .await?;
     check_token(req.token)?;
     let lease_ms = state.config().lease_for(req.lease_ms);
-    let ok = state
-        .store()
-        .heartbeat(&scope, req.token, lease_ms)
-        .await
-        .map_err(|e| store_error(&state, "heartbeat", e))?;
+    let ok = state.store().heartbeat(&scope, req.token, lease_ms).await?;
     if !ok {
         return Err(fenced_out(&state, WriteOp::Heartbeat, &scope));
     }
@@ -484,7 +500,8 @@ async fn complete(
         &req.key,
         &req.subject,
         &req.endpoint,
-    )?;
+    )
+    .await?;
     check_token(req.token)?;
     let row = stored_row(&state, req.response)?;
     let job = CompleteJob {
@@ -494,11 +511,7 @@ async fn complete(
         retention_ms: state.config().retention_ms(),
         deadline,
     };
-    let result = state
-        .batcher()
-        .complete(job)
-        .await
-        .map_err(|e| store_error(&state, "complete", e))?;
+    let result = state.batcher().complete(job).await?;
     match result {
         WriteResult::Done { expires_in_ms } => {
             state.metrics().write_ok(WriteOp::Complete);
@@ -522,13 +535,10 @@ async fn release(
         &req.key,
         &req.subject,
         &req.endpoint,
-    )?;
+    )
+    .await?;
     check_token(req.token)?;
-    let ok = state
-        .store()
-        .release(&scope, req.token)
-        .await
-        .map_err(|e| store_error(&state, "release", e))?;
+    let ok = state.store().release(&scope, req.token).await?;
     if !ok {
         return Err(fenced_out(&state, WriteOp::Release, &scope));
     }
@@ -548,13 +558,10 @@ async fn outcome_unknown(
         &req.key,
         &req.subject,
         &req.endpoint,
-    )?;
+    )
+    .await?;
     check_token(req.token)?;
-    let marked = state
-        .store()
-        .owner_unknown(&scope, req.token)
-        .await
-        .map_err(|e| store_error(&state, "unknown", e))?;
+    let marked = state.store().owner_unknown(&scope, req.token).await?;
     match marked {
         Some(true) => {
             state.metrics().write_ok(WriteOp::Unknown);
@@ -598,12 +605,8 @@ async fn record(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<RecordView>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
-    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
-    let row = state
-        .store()
-        .record(&scope)
-        .await
-        .map_err(|e| store_error(&state, "record", e))?;
+    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
+    let row = state.store().record(&scope).await?;
     let Some(r) = row else {
         return Err(ApiError::new(
             ProblemKind::NotFound,
@@ -652,13 +655,12 @@ async fn readyz(State(state): State<AppState>) -> Result<String, ApiError> {
             ))
         }
         Ok(Readiness::ReadOnly) => {
-            state.metrics().db_unavailable();
             Err(ApiError::new(
                 ProblemKind::StateUnavailable,
                 "the database is read-only (a standby, or a failover under way); nothing can be recorded",
             ))
         }
-        Err(e) => Err(store_error(&state, "readyz", e)),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -691,9 +693,10 @@ async fn openapi() -> Response {
 }
 
 async fn method_not_allowed() -> ApiError {
-    let mut e = ApiError::new(ProblemKind::BadRequest, "method not allowed on this route");
-    e.problem.status = StatusCode::METHOD_NOT_ALLOWED.as_u16();
-    e
+    ApiError::new(
+        ProblemKind::MethodNotAllowed,
+        "method not allowed on this route",
+    )
 }
 
 async fn not_found() -> ApiError {

@@ -67,8 +67,13 @@ impl AppState {
     /// database yet.
     pub fn new(config: Config) -> Result<Self, StartError> {
         let secret = config.validate()?;
-        let scoper = Scoper::new(secret.expose().as_bytes())
+        let mut scoper = Scoper::new(secret.expose().as_bytes())
             .map_err(|e| StartError::KeySecret(e.to_string()))?;
+        if let Some(previous) = &config.previous_key_secret {
+            scoper = scoper
+                .with_previous(previous.expose().as_bytes())
+                .map_err(|e| StartError::KeySecret(e.to_string()))?;
+        }
         let pool = store::pool(
             config.database_url.expose(),
             &PoolSettings {

@@ -272,6 +272,7 @@ pub struct Metrics {
     internal_errors: AtomicU64,
     shed: [AtomicU64; Shed::ALL.len()],
     released_for_gone: AtomicU64,
+    previous_secret_hits: AtomicU64,
     latency: [Histogram; Route::ALL.len()],
     batch_sizes: SizeHistogram,
     batch_single: [[AtomicU64; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
@@ -332,6 +333,10 @@ impl Metrics {
     /// A claim committed after its caller had given up, released again.
     pub fn released_for_gone_caller(&self) {
         self.released_for_gone.fetch_add(1, Relaxed);
+    }
+    /// A record found under the previous key secret (a rotation still has work to do).
+    pub fn previous_secret_hit(&self) {
+        self.previous_secret_hits.fetch_add(1, Relaxed);
     }
     pub fn released_for_gone_total(&self) -> u64 {
         self.released_for_gone.load(Relaxed)
@@ -468,6 +473,19 @@ impl Metrics {
             out,
             "state_api_released_for_gone_callers_total {}",
             self.released_for_gone_total()
+        )?;
+        writeln!(
+            out,
+            "# HELP state_api_previous_key_secret_hits_total Requests whose record was found under --previous-key-secret (a rotation of the key secret)."
+        )?;
+        writeln!(
+            out,
+            "# TYPE state_api_previous_key_secret_hits_total counter"
+        )?;
+        writeln!(
+            out,
+            "state_api_previous_key_secret_hits_total {}",
+            self.previous_secret_hits.load(Relaxed)
         )?;
         writeln!(out, "# HELP state_api_errors_total Requests answered with 503 (database unavailable) or 500.")?;
         writeln!(out, "# TYPE state_api_errors_total counter")?;

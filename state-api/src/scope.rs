@@ -12,6 +12,8 @@ pub type ScopeHash = [u8; 32];
 #[derive(Clone)]
 pub struct Scoper {
     mac: Hmac<Sha256>,
+    /// The secret before a rotation, while records addressed with it may still be looked up.
+    previous: Option<Hmac<Sha256>>,
 }
 
 impl Scoper {
@@ -19,7 +21,27 @@ impl Scoper {
     pub fn new(secret: &[u8]) -> Result<Self, hmac::digest::InvalidLength> {
         Ok(Self {
             mac: <Hmac<Sha256> as Mac>::new_from_slice(secret)?,
+            previous: None,
         })
+    }
+
+    /// Also looks up records addressed with `previous` (a rotation of the secret).
+    pub fn with_previous(mut self, previous: &[u8]) -> Result<Self, hmac::digest::InvalidLength> {
+        self.previous = Some(<Hmac<Sha256> as Mac>::new_from_slice(previous)?);
+        Ok(self)
+    }
+
+    /// The address under the previous secret, during a rotation.
+    pub fn previous_hash_in(
+        &self,
+        namespace: &str,
+        key: &str,
+        subject: &str,
+        endpoint: &str,
+    ) -> Option<ScopeHash> {
+        let mut mac = self.previous.clone()?;
+        contract::scope::frame_in(&mut mac, namespace, key, subject, endpoint);
+        Some(mac.finalize().into_bytes().into())
     }
 
     pub fn hash(&self, key: &str, subject: &str, endpoint: &str) -> ScopeHash {

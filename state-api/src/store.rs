@@ -974,6 +974,17 @@ impl Store {
         Ok(row.is_some())
     }
 
+    /// Whether a record lives at `scope` (a lookup during a rotation of the key secret).
+    pub async fn exists(&self, scope: &ScopeHash) -> Result<bool, StoreError> {
+        Ok(
+            sqlx::query_scalar::<_, i32>("SELECT 1 FROM idempotency_records WHERE scope_hash = $1")
+                .bind(&scope[..])
+                .fetch_optional(&self.pool)
+                .await?
+                .is_some(),
+        )
+    }
+
     pub async fn record(&self, scope: &ScopeHash) -> Result<Option<RecordRow>, StoreError> {
         Ok(sqlx::query_as::<_, RecordRow>(VIEW_SQL)
             .bind(&scope[..])

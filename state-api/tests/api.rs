@@ -691,7 +691,7 @@ async fn bad_input_is_a_problem_and_writes_nothing() {
     let (s, b) = api.get("/nope").await;
     assert_problem(s, &b, 404, "not-found");
     let (s, b) = api.get(CLAIM_PATH).await;
-    assert_problem(s, &b, 405, "bad-request");
+    assert_problem(s, &b, 405, "method-not-allowed");
 }
 
 #[tokio::test]
