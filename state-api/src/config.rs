@@ -1,8 +1,6 @@
 //! Configuration from flags and environment variables.
 
-use std::fmt;
 use std::net::SocketAddr;
-use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Parser;
@@ -19,34 +17,9 @@ pub const MAX_BATCH: usize = 1_000;
 /// The shortest accepted key secret, in bytes.
 pub const MIN_KEY_SECRET_LEN: usize = 16;
 
-/// A secret string: never printed by `Debug`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl FromStr for Secret {
-    type Err = std::convert::Infallible;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(Self(s.to_owned()))
-    }
-}
-
-impl From<&str> for Secret {
-    fn from(s: &str) -> Self {
-        Self(s.to_owned())
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(..)")
-    }
-}
+/// A secret string (tokens, the key secret, the database URL): never printed by `Debug`,
+/// zeroed when dropped, read only through `ExposeSecret::expose_secret`.
+pub use secrecy::{ExposeSecret, SecretString as Secret};
 
 /// The idempotency state API.
 ///
@@ -218,18 +191,18 @@ impl Config {
             .key_secret
             .as_ref()
             .ok_or(ConfigError::MissingKeySecret)?;
-        if secret.expose().len() < MIN_KEY_SECRET_LEN {
+        if secret.expose_secret().len() < MIN_KEY_SECRET_LEN {
             return Err(ConfigError::ShortKeySecret);
         }
         if let Some(previous) = &self.previous_key_secret {
-            if previous.expose().len() < MIN_KEY_SECRET_LEN {
+            if previous.expose_secret().len() < MIN_KEY_SECRET_LEN {
                 return Err(ConfigError::ShortKeySecret);
             }
-            if previous.expose() == secret.expose() {
+            if previous.expose_secret() == secret.expose_secret() {
                 return Err(ConfigError::SamePreviousKeySecret);
             }
         }
-        if self.api_token.expose().is_empty() {
+        if self.api_token.expose_secret().is_empty() {
             return Err(ConfigError::EmptyApiToken);
         }
         for (name, v) in [
@@ -259,7 +232,9 @@ impl Config {
             return Err(ConfigError::WaitTooLong);
         }
         if let Some(admin) = &self.admin_token {
-            if admin.expose().len() < 16 || admin.expose() == self.api_token.expose() {
+            if admin.expose_secret().len() < 16
+                || admin.expose_secret() == self.api_token.expose_secret()
+            {
                 return Err(ConfigError::WeakAdminToken);
             }
         }

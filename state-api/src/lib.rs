@@ -14,6 +14,7 @@ pub mod scope;
 pub mod store;
 pub mod waiters;
 
+use secrecy::ExposeSecret as _;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,15 +68,15 @@ impl AppState {
     /// database yet.
     pub fn new(config: Config) -> Result<Self, StartError> {
         let secret = config.validate()?;
-        let mut scoper = Scoper::new(secret.expose().as_bytes())
+        let mut scoper = Scoper::new(secret.expose_secret().as_bytes())
             .map_err(|e| StartError::KeySecret(e.to_string()))?;
         if let Some(previous) = &config.previous_key_secret {
             scoper = scoper
-                .with_previous(previous.expose().as_bytes())
+                .with_previous(previous.expose_secret().as_bytes())
                 .map_err(|e| StartError::KeySecret(e.to_string()))?;
         }
         let pool = store::pool(
-            config.database_url.expose(),
+            config.database_url.expose_secret(),
             &PoolSettings {
                 max_connections: config.pool_size,
                 acquire_timeout: config.acquire_timeout(),
@@ -86,11 +87,11 @@ impl AppState {
             },
         )
         .map_err(StartError::DatabaseUrl)?;
-        let token_digest = token_digest(config.api_token.expose());
+        let token_digest = token_digest(config.api_token.expose_secret());
         let admin_digest = config
             .admin_token
             .as_ref()
-            .map(|t| crate::token_digest(t.expose()));
+            .map(|t| crate::token_digest(t.expose_secret()));
         let waiters = waiters::Waiters::new(config.max_waiters);
         let store = Store::new(pool);
         let metrics = Arc::new(Metrics::default());
