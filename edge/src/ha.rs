@@ -657,13 +657,5 @@ fn spawn_watchdog(root: &Path, remove: bool) -> Result<ChildGuard, String> {
         done
         if [ "$3" = remove ]; then rm -rf "$2"; fi
     "#;
-    let mut cmd = Command::new("sh");
-    cmd.args(["-c", script, "edge-ha-watchdog"])
-        .arg(std::process::id().to_string())
-        .arg(root)
-        .arg(if remove { "remove" } else { "keep" })
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    ChildGuard::spawn("HA watchdog", &mut cmd)
+    crate::process::spawn_watchdog("edge-ha-watchdog", script, root, remove)
 }

@@ -474,16 +474,7 @@ fn spawn_watchdog(root: &Path, remove: bool) -> Result<ChildGuard, String> {
         fi
         if [ "$3" = remove ]; then rm -rf "$2"; fi
     "#;
-    let mut cmd = Command::new("sh");
-    cmd.args(["-c", script, "stack-pg-watchdog"])
-        .arg(std::process::id().to_string())
-        .arg(root)
-        .arg(if remove { "remove" } else { "keep" })
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    // `sh -c script name a b c`: $0 = name, $1.. = the rest.
-    ChildGuard::spawn("postgres watchdog", &mut cmd)
+    crate::process::spawn_watchdog("stack-pg-watchdog", script, root, remove)
 }
 
 /// The directory with `initdb`, `postgres`, `pg_isready` and `psql`.

@@ -64,6 +64,28 @@ impl Drop for ChildGuard {
     }
 }
 
+/// A shell running `script` as `sh -c script name <our pid> <root> remove|keep`: it waits for
+/// this process to end, then stops what it was told to and, when asked, removes `root` (a
+/// cluster that lives in a `static` is never dropped).
+pub fn spawn_watchdog(
+    name: &str,
+    script: &str,
+    root: &std::path::Path,
+    remove: bool,
+) -> Result<ChildGuard, String> {
+    use std::process::Stdio;
+    let mut cmd = Command::new("sh");
+    // `sh -c script name a b c`: $0 = name, $1.. = the rest.
+    cmd.args(["-c", script, name])
+        .arg(std::process::id().to_string())
+        .arg(root)
+        .arg(if remove { "remove" } else { "keep" })
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    ChildGuard::spawn(name, &mut cmd)
+}
+
 /// The workspace root (the parent of this crate's folder).
 pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

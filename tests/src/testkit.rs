@@ -154,3 +154,21 @@ pub fn sha256_hex(data: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+/// What a duplicate's answer is: the first execution's 201, its replay, 409 in progress (with
+/// `Retry-After`), 503 state unavailable (with `Retry-After`), or `other`.
+pub fn classify(a: &Answer) -> &'static str {
+    match a.status {
+        _ if replayed(a) => "replay",
+        201 => "executed",
+        409 if is_problem(a, 409, "request-in-progress") && a.header("retry-after").is_some() => {
+            "in_progress_409"
+        }
+        503 if is_problem(a, 503, "idempotency-state-unavailable")
+            && a.header("retry-after").is_some() =>
+        {
+            "unavailable_503"
+        }
+        _ => "other",
+    }
+}

@@ -106,23 +106,6 @@ fn main() {
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// The answers a duplicate may get: the first execution's 201, its replay, or 409 in progress.
-fn classify(a: &Answer) -> &'static str {
-    match a.status {
-        _ if replayed(a) => "replay",
-        201 => "executed",
-        409 if is_problem(a, 409, "request-in-progress") && a.header("retry-after").is_some() => {
-            "in_progress_409"
-        }
-        503 if is_problem(a, 503, "idempotency-state-unavailable")
-            && a.header("retry-after").is_some() =>
-        {
-            "unavailable_503"
-        }
-        _ => "other",
-    }
-}
-
 /// Polls until `key` is no longer in progress (409), up to `limit`; the last answer.
 async fn retry_until_not_409(
     c: &Client,

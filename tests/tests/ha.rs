@@ -91,23 +91,6 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
 // ---------------------------------------------------------------------------------------------
 // The storm
 
-/// What an answer during a switch may be.
-fn classify(a: &Answer) -> &'static str {
-    match a.status {
-        _ if replayed(a) => "replay",
-        201 => "executed",
-        409 if is_problem(a, 409, "request-in-progress") && a.header("retry-after").is_some() => {
-            "in_progress_409"
-        }
-        503 if is_problem(a, 503, "idempotency-state-unavailable")
-            && a.header("retry-after").is_some() =>
-        {
-            "unavailable_503"
-        }
-        _ => "other",
-    }
-}
-
 /// One client's story with one key: it retries on 409 and 503 (after a short pause) until it
 /// gets the outcome, as a well-behaved client does.
 struct Story {
