@@ -137,9 +137,10 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
 }
 
 /// Records when this primary's timeline was first seen (the lease guard across a failover:
-/// `idempotency_serving_since()`), on every new connection: after a failover, the first one
-/// to the promoted standby. A server that cannot write (a standby) refuses the connection, so
-/// that nothing is answered from it. Before the migrations have run there is nothing to record.
+/// `idempotency_serving_since()`, which also records it the first time it is asked), on every
+/// new connection: after a failover, the first one to the promoted standby. A standby has
+/// nothing to record (its writes answer 503, and `/readyz` says it is read-only), and before
+/// the migrations have run there is nowhere to record it.
 async fn register_timeline(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
     let done = sqlx::query(
         "INSERT INTO idempotency_timelines (timeline_id) VALUES (idempotency_current_timeline()) \
@@ -149,7 +150,10 @@ async fn register_timeline(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Er
     .await;
     match done {
         Err(sqlx::Error::Database(db))
-            if matches!(db.code().as_deref(), Some("42P01" | "42883")) =>
+            if matches!(
+                db.code().as_deref(),
+                Some("42P01" | "42883" | "25006" | "55000")
+            ) =>
         {
             Ok(())
         }

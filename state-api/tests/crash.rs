@@ -117,6 +117,13 @@ async fn a_lease_runs_out_only_a_whole_lease_after_the_primary_s_timeline_was_fi
         .await
         .unwrap();
     assert!(unseen_is_now);
+    // ... and the guard recorded it, for the next check (a pool connection opened to this server
+    // while it was a standby recorded nothing).
+    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_timelines")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(recorded, 1);
     tx.rollback().await.unwrap();
     // Once the owner has had a whole lease on this primary without a heartbeat, it has gone.
     tokio::time::sleep(Duration::from_millis(1_200)).await;
