@@ -753,7 +753,7 @@ async fn leases_are_clamped_and_metrics_and_openapi_are_served() {
 
 #[tokio::test]
 async fn pooled_connections_commit_durably_whatever_the_database_default() {
-    let cluster = stack::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let url = cluster.fresh_database("durable").unwrap();
     let db = url.rsplit('/').next().unwrap();
     cluster

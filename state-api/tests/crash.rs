@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use contract::wire::{ClaimRequest, ClaimResponse, OnUnknown, CLAIM_PATH};
-use stack::postgres::TempCluster;
+use edge::postgres::TempCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_503_while_postgres_is_down_and_recovers_by_itself() {

@@ -16,8 +16,8 @@ use contract::wire::{
     ClaimResponse, StoredResponse, CALLER_TIMEOUT_HEADER, CLAIM_PATH, COMPLETE_PATH,
 };
 use serde_json::Value;
-use stack::postgres::TempCluster;
-use stack::services::{start_state_api, Service, StateApiSettings};
+use edge::postgres::TempCluster;
+use edge::services::{start_state_api, Service, StateApiSettings};
 
 const CLIENTS: usize = 16;
 const CALLER_TIMEOUT_MS: u64 = 1_000;
@@ -135,7 +135,7 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
     let db = cluster.create_database("overload").unwrap();
     let dir = std::env::temp_dir().join(format!("overload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let port = stack::net::free_port();
+    let port = edge::net::free_port();
     let api: Service = start_state_api(
         &StateApiSettings {
             port,

@@ -15,7 +15,7 @@ const NEW: &str = "new-key-secret-9876543210";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_key_secret_finds_the_previous_records_and_writes_new_ones_with_the_new() {
-    let cluster = stack::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let db = cluster.fresh_database("rotation").unwrap();
 
     let before = Api::start_on(&db, &["--key-secret", OLD]).await;
