@@ -74,7 +74,7 @@ pub struct ListedRecord {
     pub namespace: String,
     pub subject: String,
     pub endpoint: String,
-    pub state: String,
+    pub state: crate::wire::RecordState,
     pub token: i64,
     pub age_ms: u64,
     pub lease_remaining_ms: u64,

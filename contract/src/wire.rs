@@ -227,11 +227,67 @@ pub struct ReleaseRequest {
 /// `POST /v1/unknown` names the owner's record the same way as a release.
 pub type UnknownRequest = ReleaseRequest;
 
+/// A record's state, as stored and as shown to operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordState {
+    /// Claimed, its request running (or its lease run out, not yet looked at).
+    InProgress,
+    /// Its outcome is stored.
+    Completed,
+    /// Forwarded, and its outcome never seen.
+    Unknown,
+}
+
+impl RecordState {
+    pub const ALL: [Self; 3] = [Self::InProgress, Self::Completed, Self::Unknown];
+
+    /// The name in the database and on the wire.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Completed => "completed",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+/// A state name that is none of [`RecordState`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown record state `{0}`")]
+pub struct UnknownRecordState(pub String);
+
+impl std::str::FromStr for RecordState {
+    type Err = UnknownRecordState;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|state| state.as_str() == s)
+            .ok_or_else(|| UnknownRecordState(s.to_owned()))
+    }
+}
+
+impl TryFrom<String> for RecordState {
+    type Error = UnknownRecordState;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+/// What a complete, release or unknown mark left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WriteState {
+    Completed,
+    /// The record is gone: the key is free.
+    Released,
+    Unknown,
+}
+
 /// Answer to complete and release: what the record is now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct WriteResponse {
-    /// `completed` or `released`.
-    pub state: String,
+    pub state: WriteState,
     /// For `completed`: milliseconds until the record's retention expiry, by the database
     /// clock (absent for `released`, and from state APIs older than this field).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -241,21 +297,21 @@ pub struct WriteResponse {
 impl WriteResponse {
     pub fn completed(expires_in_ms: u64) -> Self {
         Self {
-            state: "completed".into(),
+            state: WriteState::Completed,
             expires_in_ms: Some(expires_in_ms),
         }
     }
 
     pub fn released() -> Self {
         Self {
-            state: "released".into(),
+            state: WriteState::Released,
             expires_in_ms: None,
         }
     }
 
     pub fn unknown() -> Self {
         Self {
-            state: "unknown".into(),
+            state: WriteState::Unknown,
             expires_in_ms: None,
         }
     }
@@ -265,8 +321,7 @@ impl WriteResponse {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecordView {
-    /// `in_progress`, `completed` or `unknown`.
-    pub state: String,
+    pub state: RecordState,
     pub subject: String,
     pub endpoint: String,
     pub fingerprint_alg: String,
@@ -361,8 +416,14 @@ impl WriteResponse {
     pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
         let doc = document(body)?;
         let f = Fields::of(&doc, "the write answer")?;
+        let state = match f.str("state")? {
+            "completed" => WriteState::Completed,
+            "released" => WriteState::Released,
+            "unknown" => WriteState::Unknown,
+            other => return Err(AnswerError(format!("unknown write state `{other}`"))),
+        };
         Ok(Self {
-            state: f.str("state")?.to_owned(),
+            state,
             expires_in_ms: f.opt_u64("expires_in_ms")?,
         })
     }
@@ -526,6 +587,19 @@ mod tests {
     }
 
     #[test]
+    fn record_states_have_one_name_each_in_the_database_and_on_the_wire() {
+        for state in RecordState::ALL {
+            assert_eq!(state.as_str().parse::<RecordState>(), Ok(state));
+            assert_eq!(
+                serde_json::to_string(&state).unwrap_or_default(),
+                format!("\"{}\"", state.as_str())
+            );
+        }
+        assert!("released".parse::<RecordState>().is_err());
+        assert!(WriteResponse::read(br#"{"state":"gone"}"#).is_err());
+    }
+
+    #[test]
     fn answers_tolerate_members_added_later_at_every_level() {
         assert_eq!(
             HeartbeatResponse::read(br#"{"lease_ms":1,"future":[1]}"#),
@@ -538,7 +612,7 @@ mod tests {
         assert_eq!(
             WriteResponse::read(br#"{"state":"completed","expires_in_ms":null,"later":1}"#),
             Ok(WriteResponse {
-                state: "completed".into(),
+                state: WriteState::Completed,
                 expires_in_ms: None
             })
         );

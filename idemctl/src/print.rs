@@ -29,13 +29,13 @@ pub fn record(r: &AdminRecord) -> String {
             let _ = writeln!(out, "  no record (released or purged); its audit trail:");
         }
         Some(v) => {
-            let _ = writeln!(out, "  state        {}", v.state);
+            let _ = writeln!(out, "  state        {}", v.state.as_str());
             let _ = writeln!(out, "  subject      {}", v.subject);
             let _ = writeln!(out, "  endpoint     {}", v.endpoint);
             let _ = writeln!(out, "  token        {}", v.token);
             let _ = writeln!(out, "  fingerprint  {}", v.fingerprint_alg);
             let _ = writeln!(out, "  age          {}", span(v.age_ms));
-            if v.state == "in_progress" {
+            if v.state == contract::wire::RecordState::InProgress {
                 let lease = if v.lease_remaining_ms == 0 {
                     "run out (its outcome is unknown)".to_owned()
                 } else {
@@ -98,7 +98,7 @@ pub fn listing(rows: &[ListedRecord]) -> String {
         "scope", "state", "token", "age", "lease", "subject", "endpoint"
     );
     for r in rows {
-        let lease = if r.state == "in_progress" {
+        let lease = if r.state == contract::wire::RecordState::InProgress {
             span(r.lease_remaining_ms)
         } else {
             "-".into()
@@ -112,7 +112,7 @@ pub fn listing(rows: &[ListedRecord]) -> String {
             out,
             "{:<16} {:<12} {:>8} {:>10} {:>10}  {:<16} {}{ns}",
             r.scope.get(..16).unwrap_or(&r.scope),
-            r.state,
+            r.state.as_str(),
             r.token,
             span(r.age_ms),
             lease,

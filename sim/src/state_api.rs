@@ -424,7 +424,7 @@ impl ModelStateApi {
             Some(rec) if rec.token == r.token => json(
                 200,
                 &WriteResponse {
-                    state: "completed".into(),
+                    state: contract::wire::WriteState::Completed,
                     expires_in_ms: None,
                 },
             ),

@@ -211,7 +211,7 @@ async fn main() {
         Some(u) => (u.trim_end_matches('/').to_owned(), args.token.clone()),
         None => {
             let cluster =
-                stack::postgres::TempCluster::start_private().unwrap_or_else(|e| panic!("{e}"));
+                edge::postgres::TempCluster::start_private().unwrap_or_else(|e| panic!("{e}"));
             let db = cluster
                 .create_database("bench")
                 .unwrap_or_else(|e| panic!("{e}"));

@@ -215,9 +215,8 @@ async fn list(
 ) -> Result<Json<Vec<ListedRecord>>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
     if let Some(s) = &q.state {
-        if !matches!(s.as_str(), "in_progress" | "unknown" | "completed") {
-            return Err(bad("`state` must be in_progress, unknown or completed"));
-        }
+        s.parse::<contract::wire::RecordState>()
+            .map_err(|_| bad("`state` must be in_progress, unknown or completed"))?;
     }
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_LIST);
     let older = i64::try_from(q.older_than_s).unwrap_or(i64::MAX);
@@ -235,7 +234,9 @@ async fn list(
                 namespace: r.try_get("namespace")?,
                 subject: r.try_get("subject")?,
                 endpoint: r.try_get("endpoint")?,
-                state: r.try_get("state")?,
+                state: r.try_get::<String, _>("state")?.parse().map_err(
+                    |e: contract::wire::UnknownRecordState| sqlx::Error::Decode(Box::new(e)),
+                )?,
                 token: r.try_get("fencing_token")?,
                 age_ms: ms(r.try_get("age_ms")?),
                 lease_remaining_ms: ms(r.try_get("lease_remaining_ms")?),

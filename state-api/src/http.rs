@@ -571,7 +571,7 @@ async fn outcome_unknown(
         }
         // Completed by this owner already (a complete that raced the mark): that stands.
         Some(false) => Ok(Json(WriteResponse {
-            state: "completed".into(),
+            state: contract::wire::WriteState::Completed,
             expires_in_ms: None,
         })),
         None => Err(fenced_out(&state, WriteOp::Unknown, &scope)),

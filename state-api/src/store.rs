@@ -9,6 +9,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
+use contract::wire::RecordState;
+
 use crate::scope::ScopeHash;
 
 /// The embedded migrations (`state-api/migrations`).
@@ -225,7 +227,8 @@ pub struct NewClaim<'a> {
 #[derive(Debug, sqlx::FromRow)]
 struct ClaimRow {
     inserted: bool,
-    state: String,
+    #[sqlx(try_from = "String")]
+    state: RecordState,
     fencing_token: i64,
     fingerprint_alg: String,
     fingerprint: String,
@@ -514,7 +517,8 @@ const VIEW_SQL: &str = "
 /// The operator's view of one record (no body).
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RecordRow {
-    pub state: String,
+    #[sqlx(try_from = "String")]
+    pub state: RecordState,
     pub subject: String,
     pub endpoint: String,
     pub fingerprint_alg: String,
@@ -608,14 +612,14 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
         return Ok(Step::TakeOver {
             observed: row.fencing_token,
             // Its outcome was never stored: the caller treats it as unknown.
-            was_in_progress: row.state != "completed",
+            was_in_progress: row.state != RecordState::Completed,
         });
     }
     if row.fingerprint_alg != claim.fingerprint_alg || row.fingerprint != claim.fingerprint {
         return Ok(Step::Answer(ClaimOutcome::Mismatch));
     }
-    match row.state.as_str() {
-        "completed" => {
+    match row.state {
+        RecordState::Completed => {
             let (Some(status), Some(Json(headers)), Some(body), Some(replayable)) = (
                 row.response_status,
                 row.response_headers,
@@ -636,18 +640,21 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
                 expires_in_ms: u64::try_from(row.expires_in_ms).unwrap_or(0),
             }))
         }
-        "in_progress" if !row.lease_expired => Ok(Step::Answer(ClaimOutcome::InProgress {
-            lease_remaining_ms: u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1),
-        })),
+        RecordState::InProgress if !row.lease_expired => {
+            Ok(Step::Answer(ClaimOutcome::InProgress {
+                lease_remaining_ms: u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1),
+            }))
+        }
         // Its lease ran out without an outcome: nobody knows whether it ran.
-        "in_progress" | "unknown" if claim.take_over_unknown => Ok(Step::Reclaim {
+        RecordState::InProgress | RecordState::Unknown if claim.take_over_unknown => {
+            Ok(Step::Reclaim {
+                observed: row.fencing_token,
+            })
+        }
+        RecordState::InProgress => Ok(Step::MarkUnknown {
             observed: row.fencing_token,
         }),
-        "in_progress" => Ok(Step::MarkUnknown {
-            observed: row.fencing_token,
-        }),
-        "unknown" => Ok(Step::Answer(ClaimOutcome::Unknown)),
-        _ => Err(StoreError::Corrupt("unknown state")),
+        RecordState::Unknown => Ok(Step::Answer(ClaimOutcome::Unknown)),
     }
 }
 
@@ -1043,7 +1050,7 @@ mod tests {
     fn row(state: &str) -> ClaimRow {
         ClaimRow {
             inserted: false,
-            state: state.into(),
+            state: state.parse().unwrap(),
             fencing_token: 7,
             fingerprint_alg: "sha256-jcs-v2".into(),
             fingerprint: "aa".into(),
@@ -1167,6 +1174,7 @@ mod tests {
                 was_in_progress: false
             }
         );
-        assert!(decide(row("weird"), &c).is_err());
+        // Any other state cannot come out of the database: the row does not decode.
+        assert!("weird".parse::<RecordState>().is_err());
     }
 }

@@ -15,9 +15,9 @@ use common::*;
 use contract::wire::{
     ClaimResponse, StoredResponse, CALLER_TIMEOUT_HEADER, CLAIM_PATH, COMPLETE_PATH,
 };
-use serde_json::Value;
 use edge::postgres::TempCluster;
 use edge::services::{start_state_api, Service, StateApiSettings};
+use serde_json::Value;
 
 const CLIENTS: usize = 16;
 const CALLER_TIMEOUT_MS: u64 = 1_000;
