@@ -36,9 +36,11 @@ impl ChildGuard {
     /// SIGTERM, then wait up to `grace` for a clean exit, then SIGKILL.
     pub fn terminate(&mut self, grace: std::time::Duration) {
         if let Some(c) = self.child.as_mut() {
+            // Quietly: the process may be gone already (a SIGKILLed postmaster).
             let _ = Command::new("kill")
                 .arg("-TERM")
                 .arg(c.id().to_string())
+                .stderr(std::process::Stdio::null())
                 .status();
             let deadline = std::time::Instant::now() + grace;
             while std::time::Instant::now() < deadline {

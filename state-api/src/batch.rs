@@ -611,14 +611,10 @@ async fn run(lane: Arc<Lane>) {
     loop {
         let Taken { batch, followers } = {
             let mut st = lane.lock();
-            // Jobs whose caller gave up never reach Postgres (dropped: their answer is
-            // `Unanswered`, and nobody waits for it).
+            // Jobs whose caller gave up never reach Postgres (dropped: nobody waits for their
+            // answer; the caller was answered, and counted, at its deadline).
             let now = Instant::now();
-            let before = st.queue.len();
             st.queue.retain(|p| !p.caller_gone(now));
-            for _ in st.queue.len()..before {
-                lane.metrics.shed(Shed::Deadline);
-            }
             let LaneState { queue, busy, .. } = &mut *st;
             let taken = take_batch(queue, busy, lane.limits.max_items, lane.limits.max_bytes);
             st.queued_bytes = st.queue.iter().map(Queued::bytes).sum();
