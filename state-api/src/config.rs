@@ -282,12 +282,12 @@ impl Config {
         }
     }
 
-    /// How long a request is worked on: the caller's timeout less a margin (a tenth of it, at
-    /// least 50 ms: so that the state API gives up first, its 503 reaches the caller in time and
-    /// it knows any later answer goes nowhere), at most `--max-request-ms`.
+    /// How long a request is worked on: the caller's timeout less a margin (a twentieth of it,
+    /// at least 50 ms: so that the state API gives up first and knows that any later answer
+    /// goes nowhere), at most `--max-request-ms`.
     pub fn request_budget(&self, caller_timeout_ms: Option<u64>) -> Duration {
         let ms = caller_timeout_ms.map_or(self.max_request_ms, |t| {
-            let margin = (t / 10).max(50);
+            let margin = (t / 20).max(50);
             t.saturating_sub(margin).max(1).min(self.max_request_ms)
         });
         Duration::from_millis(ms)

@@ -222,9 +222,9 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
         "the freeze was not felt: {}",
         seen.answers_503
     );
-    // The state API gives up a tenth before its caller does (900 ms here); on a loaded 2-core
-    // machine the answer's way back may take longer than that tenth (a few answers then reach
-    // the client just after its own timeout: counted as refused all the same).
+    // The state API gives up 50 ms before its caller does (950 ms here); on a loaded 2-core
+    // machine the answer's way back may take longer than that (a few answers then reach the
+    // client just after its own timeout: counted as refused all the same).
     assert!(
         seen.slowest_503 < Duration::from_millis(CALLER_TIMEOUT_MS + 250),
         "a 503 took {:?}, well over the caller's timeout",

@@ -198,6 +198,11 @@ async fn held_route(stack: Stack) {
             );
             continue;
         }
+        // A claim slower than the filter's callout timeout (this suite runs four stacks on two
+        // cores) is a 503 with nothing forwarded: not a run either.
+        if is_problem(&a, 503, "idempotency-state-unavailable") {
+            continue;
+        }
         // Only the moment between the client leaving and the filter's mark may still be 409
         // in progress; never a run.
         assert_problem(&a, 409, "request-in-progress", &stack);
