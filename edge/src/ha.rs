@@ -348,7 +348,7 @@ impl HaCluster {
             p.kill();
         }
         if let Some(pid) = postmaster {
-            kill("-KILL", pid);
+            let _ = crate::process::signal(pid, "-KILL");
         }
     }
 
@@ -358,7 +358,7 @@ impl HaCluster {
         let pid = self
             .postmaster_pid(i)
             .ok_or_else(|| format!("{} has no postmaster", self.nodes[i].name))?;
-        kill("-KILL", pid);
+        let _ = crate::process::signal(pid, "-KILL");
         Ok(pid)
     }
 
@@ -601,7 +601,7 @@ listen postgres_primary
         }
         for i in 0..2 {
             if let Some(pid) = self.postmaster_pid(i) {
-                kill("-QUIT", pid);
+                let _ = crate::process::signal(pid, "-QUIT");
             }
         }
         if let Some(mut e) = self.etcd.take() {
@@ -620,14 +620,6 @@ impl Drop for HaCluster {
             let _ = fs::remove_dir_all(&self.root);
         }
     }
-}
-
-fn kill(signal: &str, pid: u32) {
-    let _ = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
 }
 
 fn redirect(cmd: &mut Command, log: &Path) -> Result<(), String> {

@@ -237,11 +237,10 @@ impl TempCluster {
             .as_ref()
             .and_then(ChildGuard::pid)
             .ok_or("the server is not running")?;
-        let pid = pid.to_string();
         // The postmaster, then its children (backends, walwriter, checkpointer, ...).
-        let _ = Command::new("kill").args([signal, &pid]).status();
+        let _ = crate::process::signal(pid, signal);
         let _ = Command::new("pkill")
-            .args([signal, "-P", &pid])
+            .args([signal, "-P", &pid.to_string()])
             .status()
             .map_err(|e| format!("cannot run pkill: {e}"))?;
         Ok(())

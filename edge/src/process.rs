@@ -66,6 +66,22 @@ impl Drop for ChildGuard {
     }
 }
 
+/// Sends `signal` (`-KILL`, `-STOP`, ...) to `pid` with the `kill` command, quietly; whether
+/// it was delivered (a process that is gone already is not an error worth printing).
+pub fn signal(pid: u32, signal: &str) -> Result<(), String> {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run kill: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill {signal} {pid} failed"))
+    }
+}
+
 /// A shell running `script` as `sh -c script name <our pid> <root> remove|keep`: it waits for
 /// this process to end, then stops what it was told to and, when asked, removes `root` (a
 /// cluster that lives in a `static` is never dropped).

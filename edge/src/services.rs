@@ -114,15 +114,7 @@ impl Service {
             .child
             .pid()
             .ok_or_else(|| format!("{} is not running", self.name))?;
-        let status = std::process::Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .map_err(|e| format!("cannot run kill: {e}"))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!("kill {signal} {pid} failed"))
-        }
+        crate::process::signal(pid, signal)
     }
 }
 

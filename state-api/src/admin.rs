@@ -15,14 +15,13 @@ use contract::admin::{
     AdminAction, AdminActionResult, AdminRecord, AuditEntry, ListedRecord, ADMIN_PURGE_PATH,
     ADMIN_RECORDS_PATH, ADMIN_RECORD_PATH, ADMIN_RELEASE_PATH, ADMIN_RESOLVE_PATH,
 };
-use contract::wire::RecordView;
 use contract::ProblemKind;
 use serde::Deserialize;
 use sqlx::types::Json as SqlJson;
 use sqlx::Row as _;
 use subtle::ConstantTimeEq as _;
 
-use crate::http::{bad, ms, scope_of, stored_row, ApiError, ApiJson};
+use crate::http::{bad, ms, record_view, scope_of, stored_row, ApiError, ApiJson};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
 use crate::AppState;
@@ -164,19 +163,7 @@ async fn show(
     Ok(Json(AdminRecord {
         scope: hex(&scope),
         namespace: q.namespace,
-        record: row.map(|r| RecordView {
-            state: r.state,
-            subject: r.subject,
-            endpoint: r.endpoint,
-            fingerprint_alg: r.fingerprint_alg,
-            token: r.fencing_token,
-            lease_remaining_ms: ms(r.lease_remaining_ms),
-            age_ms: ms(r.age_ms),
-            completed_age_ms: r.completed_age_ms.map(ms),
-            response_status: r.response_status.and_then(|s| u16::try_from(s).ok()),
-            replayable: r.response_replayable,
-            expires_in_ms: ms(r.expires_in_ms),
-        }),
+        record: row.map(record_view),
         body_base64,
         audit,
     }))

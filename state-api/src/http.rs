@@ -613,7 +613,12 @@ async fn record(
             "no record for this key, subject and endpoint",
         ));
     };
-    Ok(Json(RecordView {
+    Ok(Json(record_view(r)))
+}
+
+/// What operators see of a record (never its body).
+pub(crate) fn record_view(r: store::RecordRow) -> RecordView {
+    RecordView {
         state: r.state,
         subject: r.subject,
         endpoint: r.endpoint,
@@ -625,7 +630,7 @@ async fn record(
         response_status: r.response_status.and_then(|s| u16::try_from(s).ok()),
         replayable: r.response_replayable,
         expires_in_ms: ms(r.expires_in_ms),
-    }))
+    }
 }
 
 async fn healthz() -> &'static str {
