@@ -149,37 +149,56 @@ pub enum ClaimResponse {
     Unknown,
 }
 
-/// The upstream response as stored and replayed.
+/// The upstream response as stored and replayed: the one stored-response type of the filter,
+/// the state API and its store. On the wire the body is standard base64 (`body_base64`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoredResponse {
     pub status: u16,
     /// Allowlisted headers in the order received, names lower-case, multi-value kept as-is.
     pub headers: Vec<(String, String)>,
-    /// Standard base64 of the body bytes; empty when not replayable.
-    #[serde(default)]
-    pub body_base64: String,
+    /// The body bytes; empty when not replayable.
+    #[serde(
+        default,
+        rename = "body_base64",
+        serialize_with = "base64_body::serialize",
+        deserialize_with = "base64_body::deserialize"
+    )]
+    pub body: Vec<u8>,
     /// False when the body was too large to keep: retries get a problem, never a re-run.
     pub replayable: bool,
 }
 
 impl StoredResponse {
+    /// A response as the filter captured it; the body is kept only when replayable.
     pub fn new(status: u16, headers: Vec<(String, String)>, body: &[u8], replayable: bool) -> Self {
-        let body_base64 = if replayable {
-            base64::engine::general_purpose::STANDARD.encode(body)
-        } else {
-            String::new()
-        };
         Self {
             status,
             headers,
-            body_base64,
+            body: if replayable {
+                body.to_vec()
+            } else {
+                Vec::new()
+            },
             replayable,
         }
     }
+}
 
-    pub fn body(&self) -> Result<Vec<u8>, base64::DecodeError> {
-        base64::engine::general_purpose::STANDARD.decode(&self.body_base64)
+/// `body_base64`: the body bytes as standard base64 on the wire.
+mod base64_body {
+    use base64::Engine as _;
+    use serde::{Deserialize as _, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(body: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(body))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = std::borrow::Cow::<'de, str>::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(text.as_bytes())
+            .map_err(|_| serde::de::Error::custom("`body_base64` is not standard base64"))
     }
 }
 
@@ -364,6 +383,61 @@ fn document(body: &[u8]) -> Result<json::Value, AnswerError> {
 }
 
 impl ClaimResponse {
+    /// This caller owns the key (the state API adds its limits before answering).
+    pub fn claimed(token: i64, lease_ms: u64, reclaimed: bool) -> Self {
+        Self::Claimed {
+            token,
+            lease_ms,
+            reclaimed,
+            max_body_bytes: None,
+            retention_s: None,
+        }
+    }
+
+    /// Another owner's lease has `lease_remaining_ms` left: retry when it runs out, at the
+    /// earliest in a second (the state API caps it for pollers).
+    pub fn in_progress(lease_remaining_ms: u64) -> Self {
+        Self::InProgress {
+            retry_after_s: u32::try_from(lease_remaining_ms.div_ceil(1000).max(1))
+                .unwrap_or(u32::MAX),
+            lease_remaining_ms,
+            waited_ms: None,
+        }
+    }
+
+    /// The first request finished with `response`, kept for `expires_in_ms` more.
+    pub fn completed(response: StoredResponse, expires_in_ms: u64) -> Self {
+        Self::Completed {
+            response,
+            expires_in_ms: Some(expires_in_ms),
+            waited_ms: None,
+        }
+    }
+
+    /// Every [`ClaimResponse::label`].
+    pub const LABELS: [&'static str; 6] = [
+        "claimed",
+        "reclaimed",
+        "in_progress",
+        "completed",
+        "mismatch",
+        "unknown",
+    ];
+
+    /// The outcome's name in metrics and logs (a reclaim is told apart from a first claim).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Claimed {
+                reclaimed: true, ..
+            } => "reclaimed",
+            Self::Claimed { .. } => "claimed",
+            Self::InProgress { .. } => "in_progress",
+            Self::Completed { .. } => "completed",
+            Self::Mismatch => "mismatch",
+            Self::Unknown => "unknown",
+        }
+    }
+
     /// Reads the answer to `/v1/claim`.
     pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
         let doc = document(body)?;
@@ -405,7 +479,9 @@ impl StoredResponse {
         Ok(Self {
             status,
             headers: f.string_pairs("headers")?,
-            body_base64: f.opt_str("body_base64")?.unwrap_or("").to_owned(),
+            body: base64::engine::general_purpose::STANDARD
+                .decode(f.opt_str("body_base64")?.unwrap_or(""))
+                .map_err(|_| AnswerError("response.body_base64 is not standard base64".into()))?,
             replayable: f.bool("replayable")?,
         })
     }
@@ -535,6 +611,13 @@ mod tests {
     }
 
     #[test]
+    fn every_claim_answer_has_a_listed_label() {
+        for a in every_claim_answer() {
+            assert!(ClaimResponse::LABELS.contains(&a.label()), "{a:?}");
+        }
+    }
+
+    #[test]
     fn stored_response_round_trips_body_bytes() {
         let body = [0u8, 159, 146, 150, 255];
         let stored = StoredResponse::new(
@@ -545,7 +628,28 @@ mod tests {
         );
         let json = serde_json::to_vec(&stored).unwrap();
         let back: StoredResponse = serde_json::from_slice(&json).unwrap();
-        assert_eq!(back.body().ok(), Some(body.to_vec()));
+        assert_eq!(back.body, body.to_vec());
+        assert!(String::from_utf8_lossy(&json).contains(r#""body_base64":"AJ+Slv8=""#));
+        assert_eq!(
+            ClaimResponse::read(
+                &serde_json::to_vec(&ClaimResponse::Completed {
+                    response: stored.clone(),
+                    expires_in_ms: None,
+                    waited_ms: None
+                })
+                .unwrap()
+            )
+            .ok(),
+            Some(ClaimResponse::Completed {
+                response: stored.clone(),
+                expires_in_ms: None,
+                waited_ms: None
+            })
+        );
+        let bad: Result<StoredResponse, _> = serde_json::from_str(
+            r#"{"status":200,"headers":[],"body_base64":"!!","replayable":true}"#,
+        );
+        assert!(bad.is_err());
         assert_eq!(back, stored);
     }
 
@@ -621,7 +725,7 @@ mod tests {
             br#"{"outcome":"completed","response":{"status":204,"headers":[],"replayable":true,"encoding":"x"}}"#,
         );
         assert!(
-            matches!(&a, Ok(ClaimResponse::Completed { response, .. }) if response.body_base64.is_empty()),
+            matches!(&a, Ok(ClaimResponse::Completed { response, .. }) if response.body.is_empty()),
             "{a:?}"
         );
     }
@@ -638,6 +742,7 @@ mod tests {
             br#"{"outcome":"completed","response":{"status":200,"headers":[["a"]],"replayable":true}}"#,
             br#"{"outcome":"completed","response":{"status":200,"headers":{},"replayable":true}}"#,
             br#"{"outcome":"completed","response":{"status":200,"replayable":true}}"#,
+            br#"{"outcome":"completed","response":{"status":200,"headers":[],"body_base64":"!!","replayable":true}}"#,
             br#"{"outcome":"mismatch","outcome":"claimed"}"#,
             br#"[]"#,
             b"",

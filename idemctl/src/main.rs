@@ -13,7 +13,6 @@
 mod client;
 mod print;
 
-use base64::Engine as _;
 use clap::{Args, Parser, Subcommand};
 use client::{Action, Address, AdminError, Client, Listing};
 use contract::admin::AdminAction;
@@ -230,7 +229,7 @@ async fn run(cli: Cli) -> Result<Output, AdminError> {
             let response = StoredResponse {
                 status,
                 headers,
-                body_base64: base64::engine::general_purpose::STANDARD.encode(&bytes),
+                body: bytes,
                 replayable: !not_replayable,
             };
             acted(&client, Action::Resolve, act.action(Some(response))).await?

@@ -19,14 +19,6 @@ pub use contract::limits::{MAX_LEASE_MS, MIN_LEASE_MS};
 pub type Scope = (String, String, String);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stored {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-    pub replayable: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
     InProgress {
         lease_until: u64,
@@ -34,7 +26,7 @@ pub enum RecordState {
     },
     /// Forwarded, never stored: its owner said so, or a claim found its lease run out.
     Unknown,
-    Completed(Stored),
+    Completed(StoredResponse),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -241,7 +233,7 @@ impl ModelStateApi {
             RecordState::Completed(s) => json(
                 200,
                 &ClaimResponse::Completed {
-                    response: StoredResponse::new(s.status, s.headers, &s.body, s.replayable),
+                    response: s,
                     expires_in_ms: Some(rec.expires_at.saturating_sub(now)),
                     waited_ms: None,
                 },
@@ -322,7 +314,7 @@ impl ModelStateApi {
         }
     }
 
-    fn stored(&self, r: StoredResponse) -> Result<Stored, Answer> {
+    fn stored(&self, r: StoredResponse) -> Result<StoredResponse, Answer> {
         if !contract::limits::STATUS.contains(&r.status) {
             return Err(problem(ProblemKind::BadRequest, "status"));
         }
@@ -339,24 +331,16 @@ impl ModelStateApi {
                 return Err(problem(ProblemKind::BadRequest, "header value"));
             }
         }
-        let Ok(body) = r.body() else {
-            return Err(problem(ProblemKind::BadRequest, "base64"));
-        };
-        if body.len() > self.cfg.max_body_bytes {
+        if r.body.len() > self.cfg.max_body_bytes {
             return Err(problem(ProblemKind::PayloadTooLarge, "body"));
         }
-        if !r.replayable && !body.is_empty() {
+        if !r.replayable && !r.body.is_empty() {
             return Err(problem(
                 ProblemKind::BadRequest,
                 "not replayable with a body",
             ));
         }
-        Ok(Stored {
-            status: r.status,
-            headers: r.headers,
-            body,
-            replayable: r.replayable,
-        })
+        Ok(r)
     }
 
     fn complete(&mut self, r: CompleteRequest, now: u64) -> Answer {

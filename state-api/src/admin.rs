@@ -21,7 +21,7 @@ use sqlx::types::Json as SqlJson;
 use sqlx::Row as _;
 use subtle::ConstantTimeEq as _;
 
-use crate::http::{bad, ms, record_view, scope_of, stored_row, ApiError, ApiJson};
+use crate::http::{bad, checked_response, ms, record_view, scope_of, ApiError, ApiJson};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
 use crate::AppState;
@@ -289,7 +289,7 @@ async fn act(
     check_action(&a)?;
     let scope = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint).await?;
     let stored = match (op, a.response) {
-        (AdminOp::Resolve, Some(r)) => Some(stored_row(state, r)?),
+        (AdminOp::Resolve, Some(r)) => Some(checked_response(state, r)?),
         (AdminOp::Resolve, None) => {
             return Err(bad("resolve needs `response`: the outcome to store"))
         }

@@ -40,11 +40,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
+use contract::wire::{ClaimResponse, StoredResponse};
+
 use crate::metrics::{BatchOp, Metrics, Shed, SinglePathReason};
 use crate::scope::ScopeHash;
 use crate::store::{
-    BatchAnswers, BatchedClaim, ClaimOutcome, CompleteItem, NewClaim, Store, StoreError, StoredRow,
-    WriteResult,
+    BatchAnswers, BatchedClaim, CompleteItem, NewClaim, Store, StoreError, WriteResult,
 };
 
 /// How requests are grouped.
@@ -101,7 +102,7 @@ impl ClaimJob {
 pub struct CompleteJob {
     pub scope: ScopeHash,
     pub token: i64,
-    pub response: StoredRow,
+    pub response: StoredResponse,
     pub retention_ms: i64,
     /// When its caller stops waiting for the answer.
     pub deadline: Instant,
@@ -119,7 +120,7 @@ impl CompleteJob {
 }
 
 /// Bytes a stored response adds to a batch.
-fn response_bytes(r: &StoredRow) -> usize {
+fn response_bytes(r: &StoredResponse) -> usize {
     r.headers.iter().fold(r.body.len(), |n, (k, v)| {
         n.saturating_add(k.len() + v.len())
     })
@@ -129,7 +130,7 @@ type Reply<A> = oneshot::Sender<Result<A, StoreError>>;
 
 /// A request and where its answer goes.
 enum Pending {
-    Claim(ClaimJob, Reply<ClaimOutcome>),
+    Claim(ClaimJob, Reply<ClaimResponse>),
     Complete(CompleteJob, Reply<WriteResult>),
 }
 
@@ -232,10 +233,10 @@ async fn deliver_claim(
     store: &Store,
     metrics: &Metrics,
     job: &ClaimJob,
-    reply: Reply<ClaimOutcome>,
-    answer: Result<ClaimOutcome, StoreError>,
+    reply: Reply<ClaimResponse>,
+    answer: Result<ClaimResponse, StoreError>,
 ) {
-    let Err(Ok(ClaimOutcome::Claimed { token, .. })) = reply.send(answer) else {
+    let Err(Ok(ClaimResponse::Claimed { token, .. })) = reply.send(answer) else {
         return;
     };
     match store.release(&job.scope, token).await {
@@ -681,7 +682,7 @@ impl Batcher {
     }
 
     /// `Store::claim`, grouped with concurrent claims and completes, within its deadline.
-    pub async fn claim(&self, job: ClaimJob) -> Result<ClaimOutcome, StoreError> {
+    pub async fn claim(&self, job: ClaimJob) -> Result<ClaimResponse, StoreError> {
         let (reply, answer) = oneshot::channel();
         self.answer(Pending::Claim(job, reply), answer).await
     }
@@ -843,7 +844,7 @@ mod tests {
 
     #[test]
     fn response_bytes_count_body_and_headers() {
-        let r = StoredRow {
+        let r = StoredResponse {
             status: 200,
             headers: vec![("ab".into(), "cde".into())],
             body: vec![0; 10],

@@ -11,7 +11,6 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine as _;
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
     RecordView, ReleaseRequest, StoredResponse, UnknownRequest, WriteResponse, CLAIM_PATH,
@@ -25,7 +24,7 @@ use subtle::ConstantTimeEq as _;
 use crate::batch::{ClaimJob, CompleteJob};
 use crate::metrics::{self, Route, WriteOp};
 use crate::scope::{log_label, ScopeHash};
-use crate::store::{self, Readiness, StoreError, StoredRow, WriteResult};
+use crate::store::{self, Readiness, StoreError, WriteResult};
 use crate::AppState;
 
 /// The hand-written OpenAPI document of this API.
@@ -274,8 +273,12 @@ fn check_token(token: i64) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Checks and decodes the response to store. Over the body limit: 413, nothing written.
-pub(crate) fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRow, ApiError> {
+/// Checks the response to store. Over the body limit: 413, nothing written. (The HTTP body
+/// limit bounds the base64 decoded while reading the request.)
+pub(crate) fn checked_response(
+    state: &AppState,
+    r: StoredResponse,
+) -> Result<StoredResponse, ApiError> {
     if !limits::STATUS.contains(&r.status) {
         return Err(bad("`response.status` must be 100 to 999"));
     }
@@ -295,31 +298,16 @@ pub(crate) fn stored_row(state: &AppState, r: StoredResponse) -> Result<StoredRo
         }
     }
     let max = state.config().max_body_bytes;
-    let too_large = || {
-        ApiError::new(
+    if r.body.len() > max {
+        return Err(ApiError::new(
             ProblemKind::PayloadTooLarge,
             format!("the stored response body is over {max} bytes: complete it with replayable=false and no body"),
-        )
-    };
-    // Reject before decoding what cannot fit.
-    if r.body_base64.len() > max.div_ceil(3).saturating_mul(4) {
-        return Err(too_large());
+        ));
     }
-    let body = base64::engine::general_purpose::STANDARD
-        .decode(&r.body_base64)
-        .map_err(|_| bad("`response.body_base64` is not standard base64"))?;
-    if body.len() > max {
-        return Err(too_large());
-    }
-    if !r.replayable && !body.is_empty() {
+    if !r.replayable && !r.body.is_empty() {
         return Err(bad("a response with replayable=false has no body"));
     }
-    Ok(StoredRow {
-        status: r.status,
-        headers: r.headers,
-        body,
-        replayable: r.replayable,
-    })
+    Ok(r)
 }
 
 pub(crate) fn ms(v: i64) -> u64 {
@@ -371,56 +359,36 @@ async fn claim(
     };
     let mut outcome = state.batcher().claim(job.clone()).await?;
     let mut waited_ms = None;
-    if wait_ms > 0 && matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
+    if wait_ms > 0 && matches!(outcome, ClaimResponse::InProgress { .. }) {
         (outcome, waited_ms) = wait_for_outcome(&state, job, outcome, wait_ms).await?;
     }
-    let (answer, label) = match outcome {
-        store::ClaimOutcome::Claimed {
-            token,
-            lease_ms,
-            reclaimed,
-        } => (
-            ClaimResponse::Claimed {
-                token,
-                lease_ms,
-                reclaimed,
-                max_body_bytes: Some(config.max_body_bytes as u64),
-                retention_s: Some(retention_s),
-            },
-            if reclaimed {
-                metrics::ClaimOutcome::Reclaimed
-            } else {
-                metrics::ClaimOutcome::Claimed
-            },
-        ),
-        store::ClaimOutcome::InProgress { lease_remaining_ms } => {
-            // Never past the lease (then the key can be reclaimed), never long for a poller.
-            let secs = lease_remaining_ms.div_ceil(1000);
-            let cap = u64::from(config.retry_after_cap_s.max(1));
-            let retry_after_s = u32::try_from(secs.clamp(1, cap)).unwrap_or(1);
-            (
-                ClaimResponse::InProgress {
-                    retry_after_s,
-                    lease_remaining_ms,
-                    waited_ms,
-                },
-                metrics::ClaimOutcome::InProgress,
-            )
+    // The store's answer, with this API's limits and the wait it did.
+    match &mut outcome {
+        ClaimResponse::Claimed {
+            max_body_bytes,
+            retention_s: applied,
+            ..
+        } => {
+            *max_body_bytes = Some(config.max_body_bytes as u64);
+            *applied = Some(retention_s);
         }
-        store::ClaimOutcome::Completed { row, expires_in_ms } => (
-            ClaimResponse::Completed {
-                response: StoredResponse::new(row.status, row.headers, &row.body, row.replayable),
-                expires_in_ms: Some(expires_in_ms),
-                waited_ms,
-            },
-            metrics::ClaimOutcome::Completed,
-        ),
-        store::ClaimOutcome::Mismatch => (ClaimResponse::Mismatch, metrics::ClaimOutcome::Mismatch),
-        store::ClaimOutcome::Unknown => (ClaimResponse::Unknown, metrics::ClaimOutcome::Unknown),
-    };
-    state.metrics().claim(label);
-    tracing::debug!(scope = %log_label(&scope), outcome = ?label, "claim");
-    Ok(Json(answer))
+        // Never past the lease (then the key can be reclaimed), never long for a poller.
+        ClaimResponse::InProgress {
+            retry_after_s,
+            waited_ms: waited,
+            ..
+        } => {
+            *retry_after_s = (*retry_after_s).clamp(1, config.retry_after_cap_s.max(1));
+            *waited = waited_ms;
+        }
+        ClaimResponse::Completed {
+            waited_ms: waited, ..
+        } => *waited = waited_ms,
+        ClaimResponse::Mismatch | ClaimResponse::Unknown => {}
+    }
+    state.metrics().claim(&outcome);
+    tracing::debug!(scope = %log_label(&scope), outcome = outcome.label(), "claim");
+    Ok(Json(outcome))
 }
 
 /// The key is in progress and the claim may wait (`Prefer: wait`): it looks again when a write
@@ -430,9 +398,9 @@ async fn claim(
 async fn wait_for_outcome(
     state: &AppState,
     job: ClaimJob,
-    first: store::ClaimOutcome,
+    first: ClaimResponse,
     wait_ms: u64,
-) -> Result<(store::ClaimOutcome, Option<u64>), ApiError> {
+) -> Result<(ClaimResponse, Option<u64>), ApiError> {
     let Some(slot) = state.waiters().enter(job.scope) else {
         state.metrics().wait(metrics::WaitEnd::Refused);
         return Ok((first, None));
@@ -455,7 +423,7 @@ async fn wait_for_outcome(
             _ = tokio::time::sleep(nap) => {}
         }
         outcome = state.batcher().claim(job.clone()).await?;
-        if !matches!(outcome, store::ClaimOutcome::InProgress { .. }) {
+        if !matches!(outcome, ClaimResponse::InProgress { .. }) {
             state.metrics().wait(metrics::WaitEnd::Settled);
             return Ok((outcome, Some(elapsed_ms(started))));
         }
@@ -503,7 +471,7 @@ async fn complete(
     )
     .await?;
     check_token(req.token)?;
-    let row = stored_row(&state, req.response)?;
+    let row = checked_response(&state, req.response)?;
     let job = CompleteJob {
         scope,
         token: req.token,
@@ -679,7 +647,7 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            HeaderValue::from_static(metrics::CONTENT_TYPE),
         )],
         state.metrics().render(gauges),
     )

@@ -1,43 +1,20 @@
-//! A small Prometheus registry on atomics: a fixed set of counters and one histogram.
+//! The state API's Prometheus metrics, on `prometheus-client`: a fixed set of counters,
+//! gauges and histograms, rendered in the OpenMetrics text format at `GET /metrics`.
 //!
-//! Every label value is known at compile time, so nothing here allocates per request and no
-//! label can carry a key or a subject.
+//! Every label value is known at compile time (no label can carry a key or a subject), and
+//! each labelled series is resolved once, at start: counting a request takes no lock and no
+//! lookup.
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-/// Outcomes of `POST /v1/claim`, as labels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClaimOutcome {
-    Claimed,
-    Reclaimed,
-    InProgress,
-    Completed,
-    Mismatch,
-    Unknown,
-}
-
-impl ClaimOutcome {
-    const ALL: [Self; 6] = [
-        Self::Claimed,
-        Self::Reclaimed,
-        Self::InProgress,
-        Self::Completed,
-        Self::Mismatch,
-        Self::Unknown,
-    ];
-    fn label(self) -> &'static str {
-        match self {
-            Self::Claimed => "claimed",
-            Self::Reclaimed => "reclaimed",
-            Self::InProgress => "in_progress",
-            Self::Completed => "completed",
-            Self::Mismatch => "mismatch",
-            Self::Unknown => "unknown",
-        }
-    }
-}
+use contract::wire::ClaimResponse;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 /// The fenced writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,7 +56,7 @@ pub enum WaitEnd {
 
 impl WaitEnd {
     const ALL: [Self; 3] = [Self::Settled, Self::TimedOut, Self::Refused];
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Settled => "settled",
             Self::TimedOut => "timed_out",
@@ -129,7 +106,7 @@ impl Route {
         Self::Records,
         Self::Other,
     ];
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Claim => "claim",
             Self::Heartbeat => "heartbeat",
@@ -162,7 +139,7 @@ pub enum BatchOp {
 
 impl BatchOp {
     const ALL: [Self; 2] = [Self::Claim, Self::Complete];
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Claim => "claim",
             Self::Complete => "complete",
@@ -184,7 +161,7 @@ pub enum SinglePathReason {
 
 impl SinglePathReason {
     const ALL: [Self; 3] = [Self::Duplicate, Self::Oversize, Self::AfterBatch];
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Duplicate => "duplicate",
             Self::Oversize => "oversize",
@@ -204,7 +181,7 @@ pub enum Shed {
 
 impl Shed {
     const ALL: [Self; 2] = [Self::QueueFull, Self::Deadline];
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::QueueFull => "queue_full",
             Self::Deadline => "deadline",
@@ -213,71 +190,58 @@ impl Shed {
 }
 
 /// Upper bounds of the batch size histogram (requests per statement).
-const BATCH_BUCKETS: [u64; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
-
-#[derive(Default)]
-struct SizeHistogram {
-    buckets: [AtomicU64; BATCH_BUCKETS.len()],
-    count: AtomicU64,
-    sum: AtomicU64,
-}
-
-impl SizeHistogram {
-    fn observe(&self, n: u64) {
-        // Cumulative at render time: one increment per observation here.
-        if let Some(i) = BATCH_BUCKETS.iter().position(|le| n <= *le) {
-            self.buckets[i].fetch_add(1, Relaxed);
-        }
-        self.count.fetch_add(1, Relaxed);
-        self.sum.fetch_add(n, Relaxed);
-    }
-}
+const BATCH_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 
 /// Upper bounds in seconds: the interesting range is 0.2 ms .. 100 ms.
-const BUCKETS: [f64; 12] = [
+const LATENCY_BUCKETS: [f64; 12] = [
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
 ];
 
-#[derive(Default)]
-struct Histogram {
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
+/// One label per series: `(name, value)`.
+type Labels = [(&'static str, &'static str); 1];
+
+/// A labelled family whose series are all created up front, each kept as its own handle.
+fn counters<const N: usize>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    values: [&'static str; N],
+) -> [Counter; N] {
+    let family = Family::<Labels, Counter>::default();
+    registry.register(name, help, family.clone());
+    values.map(|v| family.get_or_create(&[(label, v)]).clone())
 }
 
-impl Histogram {
-    fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        for (i, le) in BUCKETS.iter().enumerate() {
-            if secs <= *le {
-                self.buckets[i].fetch_add(1, Relaxed);
-            }
-        }
-        self.count.fetch_add(1, Relaxed);
-        self.sum_micros
-            .fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Relaxed);
-    }
+fn counter(registry: &mut Registry, name: &str, help: &str) -> Counter {
+    let c = Counter::default();
+    registry.register(name, help, c.clone());
+    c
 }
 
-#[derive(Default)]
+/// The counters, histograms and gauges, and the registry that renders them.
 pub struct Metrics {
-    claims: [AtomicU64; ClaimOutcome::ALL.len()],
-    fenced_out: [AtomicU64; WriteOp::ALL.len()],
-    completes: AtomicU64,
-    releases: AtomicU64,
-    unknowns: AtomicU64,
-    heartbeats: AtomicU64,
-    purged_rows: AtomicU64,
-    db_unavailable: AtomicU64,
-    internal_errors: AtomicU64,
-    shed: [AtomicU64; Shed::ALL.len()],
-    released_for_gone: AtomicU64,
-    previous_secret_hits: AtomicU64,
+    registry: Registry,
+    claims: [Counter; ClaimResponse::LABELS.len()],
+    reclaims: Counter,
+    fenced_out: [Counter; WriteOp::ALL.len()],
+    writes: [Counter; WriteOp::ALL.len()],
+    waits: [Counter; WaitEnd::ALL.len()],
+    admin: [Counter; AdminOp::ALL.len()],
+    purged_rows: Counter,
+    shed: [Counter; Shed::ALL.len()],
+    released_for_gone: Counter,
+    previous_secret_hits: Counter,
+    /// unavailable (503), internal (500)
+    errors: [Counter; 2],
     latency: [Histogram; Route::ALL.len()],
-    batch_sizes: SizeHistogram,
-    batch_single: [[AtomicU64; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
-    waits: [AtomicU64; WaitEnd::ALL.len()],
-    admin: [AtomicU64; AdminOp::ALL.len()],
+    batch_sizes: Histogram,
+    /// The histogram keeps its count and sum to itself: the tests read them from here.
+    batch_statements: AtomicU64,
+    batch_requests: AtomicU64,
+    batch_single: [[Counter; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
+    pool_connections: [Gauge; 2],
+    pool_max: Gauge,
 }
 
 /// The pool's state at scrape time.
@@ -288,306 +252,252 @@ pub struct PoolGauges {
     pub max: u32,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::default();
+        let claims = counters(
+            &mut r,
+            "state_api_claims",
+            "Claims answered, by outcome (reclaimed: took over an expired lease)",
+            "outcome",
+            ClaimResponse::LABELS,
+        );
+        let reclaims = counter(
+            &mut r,
+            "state_api_reclaims",
+            "Claims that took over an in-progress record whose lease had run out",
+        );
+        let fenced_out = counters(
+            &mut r,
+            "state_api_fenced_out",
+            "Writes refused because a newer claim owns the record",
+            "op",
+            WriteOp::ALL.map(WriteOp::label),
+        );
+        let writes = counters(
+            &mut r,
+            "state_api_writes",
+            "Fenced writes that succeeded",
+            "op",
+            WriteOp::ALL.map(WriteOp::label),
+        );
+        let waits = counters(
+            &mut r,
+            "state_api_waits",
+            "Claims that waited for a running key (Prefer: wait), by how the wait ended",
+            "end",
+            WaitEnd::ALL.map(WaitEnd::label),
+        );
+        let admin = counters(
+            &mut r,
+            "state_api_admin_actions",
+            "Operator actions of the admin API (each one audited)",
+            "action",
+            AdminOp::ALL.map(AdminOp::label),
+        );
+        let purged_rows = counter(
+            &mut r,
+            "state_api_purged_rows",
+            "Expired records deleted by the purge",
+        );
+        let shed = counters(
+            &mut r,
+            "state_api_shed",
+            "Claims and completes answered 503 without reaching Postgres: the group commit's queue was full, or the caller's time ran out",
+            "reason",
+            Shed::ALL.map(Shed::label),
+        );
+        let released_for_gone = counter(
+            &mut r,
+            "state_api_released_for_gone_callers",
+            "Claims committed after their caller had given up (a slow or paused Postgres), released at once: nothing was forwarded with them",
+        );
+        let previous_secret_hits = counter(
+            &mut r,
+            "state_api_previous_key_secret_hits",
+            "Requests whose record was found under --previous-key-secret (a rotation of the key secret)",
+        );
+        let errors = counters(
+            &mut r,
+            "state_api_errors",
+            "Requests answered with 503 (database unavailable) or 500",
+            "kind",
+            ["unavailable", "internal"],
+        );
+        let latency_family =
+            Family::<Labels, Histogram>::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS));
+        r.register(
+            "state_api_request_duration_seconds",
+            "Time to answer a request, by route",
+            latency_family.clone(),
+        );
+        let latency = Route::ALL.map(|route| {
+            latency_family
+                .get_or_create(&[("route", route.label())])
+                .clone()
+        });
+        let batch_sizes = Histogram::new(BATCH_BUCKETS);
+        r.register(
+            "state_api_batch_size",
+            "Requests (claims and completes) per statement of the group commit (1: the single-row statements)",
+            batch_sizes.clone(),
+        );
+        let single_family = Family::<[(&'static str, &'static str); 2], Counter>::default();
+        r.register(
+            "state_api_batch_single_path",
+            "Requests of the group commit run on the single-row statements instead, by op and reason",
+            single_family.clone(),
+        );
+        let batch_single = BatchOp::ALL.map(|op| {
+            SinglePathReason::ALL.map(|why| {
+                single_family
+                    .get_or_create(&[("op", op.label()), ("reason", why.label())])
+                    .clone()
+            })
+        });
+        let pool_family = Family::<Labels, Gauge>::default();
+        r.register(
+            "state_api_db_pool_connections",
+            "Database connections, by state",
+            pool_family.clone(),
+        );
+        let pool_connections =
+            ["idle", "in_use"].map(|s| pool_family.get_or_create(&[("state", s)]).clone());
+        let pool_max = Gauge::default();
+        r.register(
+            "state_api_db_pool_max_connections",
+            "The pool's maximum size",
+            pool_max.clone(),
+        );
+        Self {
+            registry: r,
+            claims,
+            reclaims,
+            fenced_out,
+            writes,
+            waits,
+            admin,
+            purged_rows,
+            shed,
+            released_for_gone,
+            previous_secret_hits,
+            errors,
+            latency,
+            batch_sizes,
+            batch_statements: AtomicU64::new(0),
+            batch_requests: AtomicU64::new(0),
+            batch_single,
+            pool_connections,
+            pool_max,
+        }
+    }
+}
+
+fn get(c: &Counter) -> u64 {
+    c.get()
+}
+
 impl Metrics {
-    pub fn claim(&self, o: ClaimOutcome) {
-        self.claims[o as usize].fetch_add(1, Relaxed);
+    pub fn claim(&self, answer: &ClaimResponse) {
+        let label = answer.label();
+        if let Some(i) = ClaimResponse::LABELS.iter().position(|l| *l == label) {
+            self.claims[i].inc();
+        }
+        if matches!(
+            answer,
+            ClaimResponse::Claimed {
+                reclaimed: true,
+                ..
+            }
+        ) {
+            self.reclaims.inc();
+        }
     }
     pub fn fenced_out(&self, op: WriteOp) {
-        self.fenced_out[op as usize].fetch_add(1, Relaxed);
+        self.fenced_out[op as usize].inc();
     }
     pub fn write_ok(&self, op: WriteOp) {
-        match op {
-            WriteOp::Heartbeat => &self.heartbeats,
-            WriteOp::Complete => &self.completes,
-            WriteOp::Release => &self.releases,
-            WriteOp::Unknown => &self.unknowns,
-        }
-        .fetch_add(1, Relaxed);
+        self.writes[op as usize].inc();
     }
     pub fn wait(&self, end: WaitEnd) {
-        self.waits[end as usize].fetch_add(1, Relaxed);
+        self.waits[end as usize].inc();
     }
     pub fn waits_total(&self, end: WaitEnd) -> u64 {
-        self.waits[end as usize].load(Relaxed)
+        get(&self.waits[end as usize])
     }
     pub fn admin(&self, op: AdminOp) {
-        self.admin[op as usize].fetch_add(1, Relaxed);
+        self.admin[op as usize].inc();
     }
     pub fn purged(&self, rows: u64) {
-        self.purged_rows.fetch_add(rows, Relaxed);
+        self.purged_rows.inc_by(rows);
     }
     pub fn db_unavailable(&self) {
-        self.db_unavailable.fetch_add(1, Relaxed);
+        self.errors[0].inc();
     }
     pub fn internal_error(&self) {
-        self.internal_errors.fetch_add(1, Relaxed);
+        self.errors[1].inc();
     }
     /// A request answered 503 without reaching Postgres: the queue was full, or its caller's
     /// time ran out first.
     pub fn shed(&self, why: Shed) {
-        self.shed[why as usize].fetch_add(1, Relaxed);
+        self.shed[why as usize].inc();
     }
     pub fn shed_total(&self, why: Shed) -> u64 {
-        self.shed[why as usize].load(Relaxed)
+        get(&self.shed[why as usize])
     }
     /// A claim committed after its caller had given up, released again.
     pub fn released_for_gone_caller(&self) {
-        self.released_for_gone.fetch_add(1, Relaxed);
+        self.released_for_gone.inc();
+    }
+    pub fn released_for_gone_total(&self) -> u64 {
+        get(&self.released_for_gone)
     }
     /// A record found under the previous key secret (a rotation still has work to do).
     pub fn previous_secret_hit(&self) {
-        self.previous_secret_hits.fetch_add(1, Relaxed);
-    }
-    pub fn released_for_gone_total(&self) -> u64 {
-        self.released_for_gone.load(Relaxed)
+        self.previous_secret_hits.inc();
     }
     pub fn observe(&self, route: Route, d: Duration) {
-        self.latency[route as usize].observe(d);
+        self.latency[route as usize].observe(d.as_secs_f64());
     }
     /// A statement (or, for 1, the single-row statements) run for `n` requests by the group commit.
     pub fn batch_size(&self, n: usize) {
-        self.batch_sizes
-            .observe(u64::try_from(n).unwrap_or(u64::MAX));
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        self.batch_sizes.observe(n as f64);
+        self.batch_statements.fetch_add(1, Relaxed);
+        self.batch_requests.fetch_add(n, Relaxed);
     }
     pub fn batch_single_path(&self, op: BatchOp, why: SinglePathReason) {
-        self.batch_single[op as usize][why as usize].fetch_add(1, Relaxed);
+        self.batch_single[op as usize][why as usize].inc();
     }
     /// (statements, requests) of the group commit.
     pub fn batch_totals(&self) -> (u64, u64) {
-        let h = &self.batch_sizes;
-        (h.count.load(Relaxed), h.sum.load(Relaxed))
-    }
-
-    pub fn claims_total(&self, o: ClaimOutcome) -> u64 {
-        self.claims[o as usize].load(Relaxed)
+        (
+            self.batch_statements.load(Relaxed),
+            self.batch_requests.load(Relaxed),
+        )
     }
     pub fn fenced_out_total(&self, op: WriteOp) -> u64 {
-        self.fenced_out[op as usize].load(Relaxed)
+        get(&self.fenced_out[op as usize])
     }
     pub fn purged_total(&self) -> u64 {
-        self.purged_rows.load(Relaxed)
+        get(&self.purged_rows)
     }
 
-    /// The Prometheus text exposition format (version 0.0.4).
+    /// The OpenMetrics text format, with the pool's state at this moment.
     pub fn render(&self, pool: PoolGauges) -> String {
-        let mut out = String::with_capacity(4096);
+        let [idle, in_use] = &self.pool_connections;
+        idle.set(i64::from(pool.idle));
+        in_use.set(i64::from(pool.size.saturating_sub(pool.idle)));
+        self.pool_max.set(i64::from(pool.max));
+        let mut out = String::with_capacity(8192);
         // Writing to a String cannot fail.
-        let _ = self.render_into(&mut out, pool);
+        let _ = encode(&mut out, &self.registry);
         out
     }
-
-    fn render_into(&self, out: &mut String, pool: PoolGauges) -> std::fmt::Result {
-        writeln!(out, "# HELP state_api_claims_total Claims answered, by outcome (reclaimed: took over an expired lease).")?;
-        writeln!(out, "# TYPE state_api_claims_total counter")?;
-        for o in ClaimOutcome::ALL {
-            writeln!(
-                out,
-                "state_api_claims_total{{outcome=\"{}\"}} {}",
-                o.label(),
-                self.claims_total(o)
-            )?;
-        }
-        writeln!(out, "# HELP state_api_reclaims_total Claims that took over an in-progress record whose lease had run out.")?;
-        writeln!(out, "# TYPE state_api_reclaims_total counter")?;
-        writeln!(
-            out,
-            "state_api_reclaims_total {}",
-            self.claims_total(ClaimOutcome::Reclaimed)
-        )?;
-        writeln!(out, "# HELP state_api_fenced_out_total Writes refused because a newer claim owns the record.")?;
-        writeln!(out, "# TYPE state_api_fenced_out_total counter")?;
-        for op in WriteOp::ALL {
-            writeln!(
-                out,
-                "state_api_fenced_out_total{{op=\"{}\"}} {}",
-                op.label(),
-                self.fenced_out_total(op)
-            )?;
-        }
-        writeln!(
-            out,
-            "# HELP state_api_writes_total Fenced writes that succeeded."
-        )?;
-        writeln!(out, "# TYPE state_api_writes_total counter")?;
-        for (op, c) in [
-            (WriteOp::Heartbeat, &self.heartbeats),
-            (WriteOp::Complete, &self.completes),
-            (WriteOp::Release, &self.releases),
-            (WriteOp::Unknown, &self.unknowns),
-        ] {
-            writeln!(
-                out,
-                "state_api_writes_total{{op=\"{}\"}} {}",
-                op.label(),
-                c.load(Relaxed)
-            )?;
-        }
-        writeln!(out, "# HELP state_api_waits_total Claims that waited for a running key (Prefer: wait), by how the wait ended.")?;
-        writeln!(out, "# TYPE state_api_waits_total counter")?;
-        for end in WaitEnd::ALL {
-            writeln!(
-                out,
-                "state_api_waits_total{{end=\"{}\"}} {}",
-                end.label(),
-                self.waits_total(end)
-            )?;
-        }
-        writeln!(out, "# HELP state_api_admin_actions_total Operator actions of the admin API (each one audited).")?;
-        writeln!(out, "# TYPE state_api_admin_actions_total counter")?;
-        for op in AdminOp::ALL {
-            writeln!(
-                out,
-                "state_api_admin_actions_total{{action=\"{}\"}} {}",
-                op.label(),
-                self.admin[op as usize].load(Relaxed)
-            )?;
-        }
-        writeln!(
-            out,
-            "# HELP state_api_purged_rows_total Expired records deleted by the purge."
-        )?;
-        writeln!(out, "# TYPE state_api_purged_rows_total counter")?;
-        writeln!(out, "state_api_purged_rows_total {}", self.purged_total())?;
-        writeln!(
-            out,
-            "# HELP state_api_shed_total Claims and completes answered 503 without reaching Postgres: the group commit's queue was full, or the caller's time ran out."
-        )?;
-        writeln!(out, "# TYPE state_api_shed_total counter")?;
-        for why in Shed::ALL {
-            writeln!(
-                out,
-                "state_api_shed_total{{reason=\"{}\"}} {}",
-                why.label(),
-                self.shed_total(why)
-            )?;
-        }
-        writeln!(
-            out,
-            "# HELP state_api_released_for_gone_callers_total Claims committed after their caller had given up (a slow or paused Postgres), released at once: nothing was forwarded with them."
-        )?;
-        writeln!(
-            out,
-            "# TYPE state_api_released_for_gone_callers_total counter"
-        )?;
-        writeln!(
-            out,
-            "state_api_released_for_gone_callers_total {}",
-            self.released_for_gone_total()
-        )?;
-        writeln!(
-            out,
-            "# HELP state_api_previous_key_secret_hits_total Requests whose record was found under --previous-key-secret (a rotation of the key secret)."
-        )?;
-        writeln!(
-            out,
-            "# TYPE state_api_previous_key_secret_hits_total counter"
-        )?;
-        writeln!(
-            out,
-            "state_api_previous_key_secret_hits_total {}",
-            self.previous_secret_hits.load(Relaxed)
-        )?;
-        writeln!(out, "# HELP state_api_errors_total Requests answered with 503 (database unavailable) or 500.")?;
-        writeln!(out, "# TYPE state_api_errors_total counter")?;
-        writeln!(
-            out,
-            "state_api_errors_total{{kind=\"unavailable\"}} {}",
-            self.db_unavailable.load(Relaxed)
-        )?;
-        writeln!(
-            out,
-            "state_api_errors_total{{kind=\"internal\"}} {}",
-            self.internal_errors.load(Relaxed)
-        )?;
-
-        writeln!(
-            out,
-            "# HELP state_api_request_duration_seconds Time to answer a request, by route."
-        )?;
-        writeln!(out, "# TYPE state_api_request_duration_seconds histogram")?;
-        for r in Route::ALL {
-            let h = &self.latency[r as usize];
-            for (i, le) in BUCKETS.iter().enumerate() {
-                writeln!(
-                    out,
-                    "state_api_request_duration_seconds_bucket{{route=\"{}\",le=\"{}\"}} {}",
-                    r.label(),
-                    le,
-                    h.buckets[i].load(Relaxed)
-                )?;
-            }
-            let count = h.count.load(Relaxed);
-            writeln!(
-                out,
-                "state_api_request_duration_seconds_bucket{{route=\"{}\",le=\"+Inf\"}} {count}",
-                r.label()
-            )?;
-            let sum = h.sum_micros.load(Relaxed) as f64 / 1e6;
-            writeln!(
-                out,
-                "state_api_request_duration_seconds_sum{{route=\"{}\"}} {sum}",
-                r.label()
-            )?;
-            writeln!(
-                out,
-                "state_api_request_duration_seconds_count{{route=\"{}\"}} {count}",
-                r.label()
-            )?;
-        }
-
-        writeln!(out, "# HELP state_api_batch_size Requests (claims and completes) per statement of the group commit (1: the single-row statements).")?;
-        writeln!(out, "# TYPE state_api_batch_size histogram")?;
-        let h = &self.batch_sizes;
-        let mut cumulative = 0;
-        for (i, le) in BATCH_BUCKETS.iter().enumerate() {
-            cumulative += h.buckets[i].load(Relaxed);
-            writeln!(
-                out,
-                "state_api_batch_size_bucket{{le=\"{le}\"}} {cumulative}"
-            )?;
-        }
-        let count = h.count.load(Relaxed);
-        writeln!(out, "state_api_batch_size_bucket{{le=\"+Inf\"}} {count}")?;
-        writeln!(out, "state_api_batch_size_sum {}", h.sum.load(Relaxed))?;
-        writeln!(out, "state_api_batch_size_count {count}")?;
-        writeln!(out, "# HELP state_api_batch_single_path_total Requests of the group commit run on the single-row statements instead, by op and reason.")?;
-        writeln!(out, "# TYPE state_api_batch_single_path_total counter")?;
-        for op in BatchOp::ALL {
-            for why in SinglePathReason::ALL {
-                writeln!(
-                    out,
-                    "state_api_batch_single_path_total{{op=\"{}\",reason=\"{}\"}} {}",
-                    op.label(),
-                    why.label(),
-                    self.batch_single[op as usize][why as usize].load(Relaxed)
-                )?;
-            }
-        }
-
-        writeln!(
-            out,
-            "# HELP state_api_db_pool_connections Database connections, by state."
-        )?;
-        writeln!(out, "# TYPE state_api_db_pool_connections gauge")?;
-        writeln!(
-            out,
-            "state_api_db_pool_connections{{state=\"idle\"}} {}",
-            pool.idle
-        )?;
-        writeln!(
-            out,
-            "state_api_db_pool_connections{{state=\"in_use\"}} {}",
-            pool.size.saturating_sub(pool.idle)
-        )?;
-        writeln!(
-            out,
-            "# HELP state_api_db_pool_max_connections The pool's maximum size."
-        )?;
-        writeln!(out, "# TYPE state_api_db_pool_max_connections gauge")?;
-        writeln!(out, "state_api_db_pool_max_connections {}", pool.max)?;
-        Ok(())
-    }
 }
+
+/// The content type of [`Metrics::render`].
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -597,8 +507,9 @@ mod tests {
     #[test]
     fn renders_counters_and_cumulative_buckets() {
         let m = Metrics::default();
-        m.claim(ClaimOutcome::Claimed);
-        m.claim(ClaimOutcome::Claimed);
+        m.claim(&ClaimResponse::claimed(1, 1000, false));
+        m.claim(&ClaimResponse::claimed(2, 1000, false));
+        m.claim(&ClaimResponse::claimed(3, 1000, true));
         m.fenced_out(WriteOp::Complete);
         m.observe(Route::Claim, Duration::from_micros(700));
         let text = m.render(PoolGauges {
@@ -606,18 +517,22 @@ mod tests {
             idle: 1,
             max: 16,
         });
-        assert!(text.contains("state_api_claims_total{outcome=\"claimed\"} 2\n"));
-        assert!(text.contains("state_api_fenced_out_total{op=\"complete\"} 1\n"));
-        assert!(text.contains(
-            "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"0.0005\"} 0\n"
-        ));
-        assert!(text.contains(
-            "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"0.001\"} 1\n"
-        ));
-        assert!(text.contains(
-            "state_api_request_duration_seconds_bucket{route=\"claim\",le=\"+Inf\"} 1\n"
-        ));
-        assert!(text.contains("state_api_db_pool_connections{state=\"in_use\"} 2\n"));
+        for line in [
+            "state_api_claims_total{outcome=\"claimed\"} 2\n",
+            "state_api_claims_total{outcome=\"reclaimed\"} 1\n",
+            "state_api_claims_total{outcome=\"mismatch\"} 0\n",
+            "state_api_reclaims_total 1\n",
+            "state_api_fenced_out_total{op=\"complete\"} 1\n",
+            "state_api_request_duration_seconds_bucket{le=\"0.0005\",route=\"claim\"} 0\n",
+            "state_api_request_duration_seconds_bucket{le=\"0.001\",route=\"claim\"} 1\n",
+            "state_api_request_duration_seconds_bucket{le=\"+Inf\",route=\"claim\"} 1\n",
+            "state_api_request_duration_seconds_count{route=\"claim\"} 1\n",
+            "state_api_db_pool_connections{state=\"in_use\"} 2\n",
+            "state_api_db_pool_max_connections 16\n",
+            "# EOF\n",
+        ] {
+            assert!(text.contains(line), "{line} missing in:\n{text}");
+        }
     }
 
     #[test]
@@ -634,13 +549,13 @@ mod tests {
             max: 16,
         });
         for line in [
-            "state_api_batch_size_bucket{le=\"1\"} 2\n",
-            "state_api_batch_size_bucket{le=\"2\"} 2\n",
-            "state_api_batch_size_bucket{le=\"4\"} 3\n",
-            "state_api_batch_size_bucket{le=\"64\"} 4\n",
-            "state_api_batch_size_bucket{le=\"256\"} 4\n",
+            "state_api_batch_size_bucket{le=\"1.0\"} 2\n",
+            "state_api_batch_size_bucket{le=\"2.0\"} 2\n",
+            "state_api_batch_size_bucket{le=\"4.0\"} 3\n",
+            "state_api_batch_size_bucket{le=\"64.0\"} 4\n",
+            "state_api_batch_size_bucket{le=\"256.0\"} 4\n",
             "state_api_batch_size_bucket{le=\"+Inf\"} 5\n",
-            "state_api_batch_size_sum 369\n",
+            "state_api_batch_size_sum 369.0\n",
             "state_api_batch_size_count 5\n",
             "state_api_batch_single_path_total{op=\"complete\",reason=\"after_batch\"} 1\n",
             "state_api_batch_single_path_total{op=\"claim\",reason=\"duplicate\"} 0\n",

@@ -9,7 +9,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
-use contract::wire::RecordState;
+use contract::wire::{ClaimResponse, RecordState, StoredResponse};
 
 use crate::scope::ScopeHash;
 
@@ -175,36 +175,6 @@ pub enum Readiness {
     },
     /// In recovery (a standby): the pool reached a server that cannot write.
     ReadOnly,
-}
-
-/// A stored upstream response, as in the database.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredRow {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-    pub replayable: bool,
-}
-
-/// What a claim found or did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClaimOutcome {
-    Claimed {
-        token: i64,
-        lease_ms: u64,
-        reclaimed: bool,
-    },
-    InProgress {
-        lease_remaining_ms: u64,
-    },
-    Completed {
-        row: StoredRow,
-        /// Until the retention expiry (database clock, rounded down).
-        expires_in_ms: u64,
-    },
-    Mismatch,
-    /// Forwarded and never stored: held (the claim asked to hold unknown outcomes).
-    Unknown,
 }
 
 /// The request of a claim, already validated.
@@ -549,7 +519,7 @@ pub enum WriteResult {
 #[derive(Debug)]
 pub enum BatchedClaim {
     /// Answered from the committed statement, as the single path would.
-    Answered(ClaimOutcome),
+    Answered(ClaimResponse),
     /// To be run on the single path (`Store::claim`): it lost a race with a concurrent inserter,
     /// or its lease or retention ran out (reclaim, take-over).
     SinglePath,
@@ -562,7 +532,7 @@ pub enum BatchedClaim {
 pub struct CompleteItem<'a> {
     pub scope: &'a ScopeHash,
     pub token: i64,
-    pub response: &'a StoredRow,
+    pub response: &'a StoredResponse,
     pub retention_ms: i64,
 }
 
@@ -583,7 +553,7 @@ fn ms(v: i64) -> u64 {
 /// What the claim does next after reading a row.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
-    Answer(ClaimOutcome),
+    Answer(ClaimResponse),
     /// Take an unknown outcome over (the claim asked to).
     Reclaim {
         observed: i64,
@@ -602,11 +572,11 @@ enum Step {
 /// otherwise the fingerprint is compared first, for in_progress and completed alike.
 fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
     if row.inserted {
-        return Ok(Step::Answer(ClaimOutcome::Claimed {
-            token: row.fencing_token,
-            lease_ms: claim.lease_ms,
-            reclaimed: false,
-        }));
+        return Ok(Step::Answer(ClaimResponse::claimed(
+            row.fencing_token,
+            claim.lease_ms,
+            false,
+        )));
     }
     if row.retention_expired {
         return Ok(Step::TakeOver {
@@ -616,7 +586,7 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
         });
     }
     if row.fingerprint_alg != claim.fingerprint_alg || row.fingerprint != claim.fingerprint {
-        return Ok(Step::Answer(ClaimOutcome::Mismatch));
+        return Ok(Step::Answer(ClaimResponse::Mismatch));
     }
     match row.state {
         RecordState::Completed => {
@@ -630,21 +600,19 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
             };
             let status =
                 u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
-            Ok(Step::Answer(ClaimOutcome::Completed {
-                row: StoredRow {
+            Ok(Step::Answer(ClaimResponse::completed(
+                StoredResponse {
                     status,
                     headers,
                     body,
                     replayable,
                 },
-                expires_in_ms: u64::try_from(row.expires_in_ms).unwrap_or(0),
-            }))
+                u64::try_from(row.expires_in_ms).unwrap_or(0),
+            )))
         }
-        RecordState::InProgress if !row.lease_expired => {
-            Ok(Step::Answer(ClaimOutcome::InProgress {
-                lease_remaining_ms: u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1),
-            }))
-        }
+        RecordState::InProgress if !row.lease_expired => Ok(Step::Answer(
+            ClaimResponse::in_progress(u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1)),
+        )),
         // Its lease ran out without an outcome: nobody knows whether it ran.
         RecordState::InProgress | RecordState::Unknown if claim.take_over_unknown => {
             Ok(Step::Reclaim {
@@ -654,7 +622,7 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
         RecordState::InProgress => Ok(Step::MarkUnknown {
             observed: row.fencing_token,
         }),
-        RecordState::Unknown => Ok(Step::Answer(ClaimOutcome::Unknown)),
+        RecordState::Unknown => Ok(Step::Answer(ClaimResponse::Unknown)),
     }
 }
 
@@ -707,7 +675,7 @@ impl Store {
 
     /// Claims the key, or tells why not. One round trip when the key is new, in progress,
     /// completed or mismatched; a reclaim or take-over adds one compare-and-set UPDATE.
-    pub async fn claim(&self, c: &NewClaim<'_>) -> Result<ClaimOutcome, StoreError> {
+    pub async fn claim(&self, c: &NewClaim<'_>) -> Result<ClaimResponse, StoreError> {
         let lease = i64::try_from(c.lease_ms).unwrap_or(i64::MAX);
         // A row read after losing a race, to decide on without inserting again.
         let mut pending: Option<ClaimRow> = None;
@@ -767,17 +735,13 @@ impl Store {
                         .fetch_optional(&self.pool)
                         .await?;
                     if marked.is_some() {
-                        return Ok(ClaimOutcome::Unknown);
+                        return Ok(ClaimResponse::Unknown);
                     }
                     None
                 }
             };
             if let Some((token, reclaimed)) = won {
-                return Ok(ClaimOutcome::Claimed {
-                    token,
-                    lease_ms: c.lease_ms,
-                    reclaimed,
-                });
+                return Ok(ClaimResponse::claimed(token, c.lease_ms, reclaimed));
             }
             // Lost the compare-and-set: decide again on the row as it is now (the winner's).
             pending = self.read(&c.scope).await?;
@@ -913,7 +877,7 @@ impl Store {
         &self,
         scope: &ScopeHash,
         token: i64,
-        response: &StoredRow,
+        response: &StoredResponse,
         retention_ms: i64,
     ) -> Result<WriteResult, StoreError> {
         let done = sqlx::query_scalar::<_, i64>(COMPLETE_SQL)
@@ -1077,17 +1041,11 @@ mod tests {
                 &c
             )
             .unwrap(),
-            Step::Answer(ClaimOutcome::Claimed {
-                token: 7,
-                lease_ms: 30_000,
-                reclaimed: false
-            })
+            Step::Answer(ClaimResponse::claimed(7, 30_000, false))
         );
         assert_eq!(
             decide(row("in_progress"), &c).unwrap(),
-            Step::Answer(ClaimOutcome::InProgress {
-                lease_remaining_ms: 500
-            })
+            Step::Answer(ClaimResponse::in_progress(500))
         );
         assert_eq!(
             decide(
@@ -1118,7 +1076,7 @@ mod tests {
         );
         assert_eq!(
             decide(row("unknown"), &c).unwrap(),
-            Step::Answer(ClaimOutcome::Unknown)
+            Step::Answer(ClaimResponse::Unknown)
         );
         assert_eq!(
             decide(row("unknown"), &take_over).unwrap(),
@@ -1134,7 +1092,7 @@ mod tests {
                 &take_over
             )
             .unwrap(),
-            Step::Answer(ClaimOutcome::Mismatch)
+            Step::Answer(ClaimResponse::Mismatch)
         );
         for state in ["in_progress", "completed"] {
             let mismatch = ClaimRow {
@@ -1143,7 +1101,7 @@ mod tests {
             };
             assert_eq!(
                 decide(mismatch, &c).unwrap(),
-                Step::Answer(ClaimOutcome::Mismatch)
+                Step::Answer(ClaimResponse::Mismatch)
             );
             let other_alg = ClaimRow {
                 fingerprint_alg: "sha256-raw-v2".into(),
@@ -1151,13 +1109,13 @@ mod tests {
             };
             assert_eq!(
                 decide(other_alg, &c).unwrap(),
-                Step::Answer(ClaimOutcome::Mismatch)
+                Step::Answer(ClaimResponse::Mismatch)
             );
         }
         assert!(matches!(
             decide(row("completed"), &c).unwrap(),
-            Step::Answer(ClaimOutcome::Completed {
-                expires_in_ms: 86_400_000,
+            Step::Answer(ClaimResponse::Completed {
+                expires_in_ms: Some(86_400_000),
                 ..
             })
         ));

@@ -88,7 +88,7 @@ async fn completed_claims_replay_the_stored_bytes_and_headers_exactly() {
     match api.claim("bytes", &fp(3), None).await {
         ClaimResponse::Completed { response, .. } => {
             assert_eq!(response, stored);
-            assert_eq!(response.body().unwrap(), body);
+            assert_eq!(response.body, body);
         }
         other => panic!("{other:?}"),
     }

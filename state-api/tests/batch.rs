@@ -16,7 +16,7 @@ use common::*;
 use contract::wire::{ClaimResponse, StoredResponse};
 use sqlx::Connection as _;
 use state_api::batch::{ClaimJob, CompleteJob};
-use state_api::store::{ClaimOutcome, StoreError, StoredRow, WriteResult};
+use state_api::store::{StoreError, WriteResult};
 use tokio::task::JoinHandle;
 
 /// One connection holding a SHARE lock on the table until `release`.
@@ -91,13 +91,13 @@ fn far() -> tokio::time::Instant {
     tokio::time::Instant::now() + Duration::from_secs(120)
 }
 
-fn submit_claim(api: &Api, job: ClaimJob) -> JoinHandle<Result<ClaimOutcome, StoreError>> {
+fn submit_claim(api: &Api, job: ClaimJob) -> JoinHandle<Result<ClaimResponse, StoreError>> {
     let state = api.state.clone();
     tokio::spawn(async move { state.batcher().claim(job).await })
 }
 
-fn stored(body: &[u8]) -> StoredRow {
-    StoredRow {
+fn stored(body: &[u8]) -> StoredResponse {
+    StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), "application/json".into())],
         body: body.to_vec(),
@@ -109,7 +109,7 @@ fn submit_complete(
     api: &Api,
     key: &str,
     token: i64,
-    response: StoredRow,
+    response: StoredResponse,
 ) -> JoinHandle<Result<WriteResult, StoreError>> {
     let state = api.state.clone();
     let job = CompleteJob {
@@ -122,9 +122,9 @@ fn submit_complete(
     tokio::spawn(async move { state.batcher().complete(job).await })
 }
 
-fn claimed(o: &ClaimOutcome) -> (i64, bool) {
+fn claimed(o: &ClaimResponse) -> (i64, bool) {
     match o {
-        ClaimOutcome::Claimed {
+        ClaimResponse::Claimed {
             token, reclaimed, ..
         } => (*token, *reclaimed),
         other => panic!("expected claimed, got {other:?}"),
@@ -189,8 +189,8 @@ async fn distinct_first_claims_share_one_statement_and_are_all_committed() {
     // The blocker alone (the single path), then the N claims in one statement.
     assert_eq!(api.state.metrics().batch_totals(), (2, N as u64 + 1));
     let m = api.metrics().await;
-    assert_eq!(metric(&m, "state_api_batch_size_bucket{le=\"32\"}"), 1.0);
-    assert_eq!(metric(&m, "state_api_batch_size_bucket{le=\"64\"}"), 2.0);
+    assert_eq!(metric(&m, "state_api_batch_size_bucket{le=\"32.0\"}"), 1.0);
+    assert_eq!(metric(&m, "state_api_batch_size_bucket{le=\"64.0\"}"), 2.0);
     assert_eq!(
         metric(&m, "state_api_claims_total{outcome=\"claimed\"}"),
         N as f64
@@ -224,7 +224,9 @@ async fn claims_of_one_key_queued_together_give_one_owner() {
     assert!(!reclaimed);
     for d in duplicates {
         match d.await.unwrap().unwrap() {
-            ClaimOutcome::InProgress { lease_remaining_ms } => {
+            ClaimResponse::InProgress {
+                lease_remaining_ms, ..
+            } => {
                 assert!(lease_remaining_ms > 50_000 && lease_remaining_ms <= 60_000)
             }
             other => panic!("duplicate: {other:?}"),
@@ -232,7 +234,7 @@ async fn claims_of_one_key_queued_together_give_one_owner() {
     }
     assert_eq!(
         other_body.await.unwrap().unwrap(),
-        ClaimOutcome::Mismatch,
+        ClaimResponse::Mismatch,
         "another body for the key"
     );
     for o in others {
@@ -294,13 +296,12 @@ async fn two_processes_batching_the_same_keys_give_one_owner_per_key() {
     answers_b.reverse();
     for (i, (x, y)) in answers_a.iter().zip(&answers_b).enumerate() {
         let (token, loser) = match (x, y) {
-            (ClaimOutcome::Claimed { token, .. }, l) | (l, ClaimOutcome::Claimed { token, .. }) => {
-                (*token, l)
-            }
+            (ClaimResponse::Claimed { token, .. }, l)
+            | (l, ClaimResponse::Claimed { token, .. }) => (*token, l),
             _ => panic!("shared-{i}: no owner: {x:?} / {y:?}"),
         };
         assert!(
-            matches!(loser, ClaimOutcome::InProgress { .. }),
+            matches!(loser, ClaimResponse::InProgress { .. }),
             "shared-{i}: {x:?} / {y:?}"
         );
         assert_eq!(
@@ -353,27 +354,31 @@ async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
     assert!(!claimed(&new1.await.unwrap().unwrap()).1);
     assert!(!claimed(&new2.await.unwrap().unwrap()).1);
     match in_progress.await.unwrap().unwrap() {
-        ClaimOutcome::InProgress { lease_remaining_ms } => {
+        ClaimResponse::InProgress {
+            lease_remaining_ms, ..
+        } => {
             assert!(lease_remaining_ms > 50_000 && lease_remaining_ms <= 60_000)
         }
         other => panic!("held: {other:?}"),
     }
     match completed.await.unwrap().unwrap() {
-        ClaimOutcome::Completed { row, expires_in_ms } => {
-            assert_eq!(
-                StoredResponse::new(row.status, row.headers, &row.body, row.replayable),
-                ok_response()
-            );
-            assert!(expires_in_ms <= 2_000);
+        ClaimResponse::Completed {
+            response,
+            expires_in_ms,
+            ..
+        } => {
+            assert_eq!(response, ok_response());
+            assert!(expires_in_ms.is_some_and(|ms| ms <= 2_000));
         }
         other => panic!("done: {other:?}"),
     }
-    assert_eq!(mismatch.await.unwrap().unwrap(), ClaimOutcome::Mismatch);
+    assert_eq!(mismatch.await.unwrap().unwrap(), ClaimResponse::Mismatch);
     match reclaim.await.unwrap().unwrap() {
-        ClaimOutcome::Claimed {
+        ClaimResponse::Claimed {
             token,
             lease_ms,
             reclaimed,
+            ..
         } => {
             assert!(reclaimed && token > expired);
             assert_eq!(lease_ms, 40_000);
@@ -403,8 +408,8 @@ async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
     assert_eq!(api.state.metrics().batch_totals(), (9, 15));
     let m = api.metrics().await;
     assert_eq!(
-        metric(&m, "state_api_batch_size_bucket{le=\"4\"}") + 1.0,
-        metric(&m, "state_api_batch_size_bucket{le=\"8\"}")
+        metric(&m, "state_api_batch_size_bucket{le=\"4.0\"}") + 1.0,
+        metric(&m, "state_api_batch_size_bucket{le=\"8.0\"}")
     );
     assert_eq!(
         metric(
@@ -496,7 +501,7 @@ async fn completes_and_claims_in_one_statement_store_right_tokens_and_fence_out_
         claimed(&c.await.unwrap().unwrap());
     }
     match claim_after_complete.await.unwrap().unwrap() {
-        ClaimOutcome::Completed { row, .. } => assert_eq!(row.body, b"c-1"),
+        ClaimResponse::Completed { response, .. } => assert_eq!(response.body, b"c-1"),
         other => panic!("claim of c-1 after its complete: {other:?}"),
     }
     // Ten claims and a complete alone (setup), the blocker alone, then one statement for the
@@ -527,7 +532,7 @@ async fn completes_and_claims_in_one_statement_store_right_tokens_and_fence_out_
     );
     match api.claim("twice", &fp(1), None).await {
         ClaimResponse::Completed { response, .. } => {
-            assert_eq!(response.body().unwrap(), b"first")
+            assert_eq!(response.body, b"first")
         }
         other => panic!("{other:?}"),
     }

@@ -151,7 +151,7 @@ async fn a_waiting_claim_gets_the_outcome_once_the_first_request_completes() {
     let ClaimResponse::Completed { response, .. } = answer else {
         panic!("{answer:?}")
     };
-    assert_eq!(response.body().unwrap(), b"{\"done\":true}");
+    assert_eq!(response.body, b"{\"done\":true}");
     // Woken by the complete of this process, not by its next poll.
     assert!(
         started.elapsed() < Duration::from_millis(200),
@@ -411,7 +411,7 @@ async fn operators_release_resolve_and_purge_with_an_audit_row_each() {
     let ClaimResponse::Completed { response, .. } = api.claim("held", &fp(7), None).await else {
         panic!("a replay")
     };
-    assert_eq!(response.body().unwrap(), b"{\"id\":\"ch_1\"}");
+    assert_eq!(response.body, b"{\"id\":\"ch_1\"}");
     // Resolving it again needs force.
     let (s, b) = admin_post(
         &api,

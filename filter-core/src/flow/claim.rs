@@ -176,25 +176,11 @@ impl Flow {
                 expires_in_ms,
                 waited_ms,
             }) => {
-                let body = if response.replayable {
-                    match response.body() {
-                        Ok(b) => b,
-                        Err(e) => {
-                            return self.unavailable(
-                                cfg,
-                                req,
-                                format!("stored body is not base64: {e}"),
-                            )
-                        }
-                    }
-                } else {
-                    Vec::new()
-                };
                 let rec = Completed {
                     fingerprint: req.fingerprint.clone(),
                     status: response.status,
                     headers: response.headers,
-                    body,
+                    body: response.body,
                     replayable: response.replayable,
                 };
                 match completed_reply(cfg, &rec) {
