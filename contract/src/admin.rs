@@ -19,6 +19,7 @@ pub const ADMIN_PURGE_PATH: &str = "/v1/admin/purge";
 
 /// An operator action on one record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct AdminAction {
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -40,6 +41,7 @@ pub struct AdminAction {
 
 /// One row of the audit table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AuditEntry {
     pub id: i64,
     /// RFC 3339, the database clock.
@@ -55,6 +57,7 @@ pub struct AuditEntry {
 
 /// A record as operators see it, with its audit trail.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminRecord {
     /// The record's address (hex of the keyed hash; the key itself is never stored).
     pub scope: String,
@@ -69,6 +72,7 @@ pub struct AdminRecord {
 
 /// A record in a listing (no key: only its address).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListedRecord {
     pub scope: String,
     pub namespace: String,
@@ -83,6 +87,7 @@ pub struct ListedRecord {
 
 /// What an action did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminActionResult {
     pub action: String,
     pub audit_id: i64,

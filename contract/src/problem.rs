@@ -135,6 +135,7 @@ impl ProblemKind {
 
 /// The problem document itself (RFC 9457 members; no extension members).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Problem {
     #[serde(rename = "type")]
     pub type_uri: String,

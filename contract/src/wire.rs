@@ -46,6 +46,7 @@ pub const OUTCOME_NOT_EXECUTED: &str = "not-executed";
 pub const SUBJECT_HEADER: &str = "idempotency-subject";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ClaimRequest {
     pub key: String,
@@ -78,6 +79,7 @@ pub struct ClaimRequest {
 
 /// A claim's choice for a record whose outcome is unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OnUnknown {
     /// Answer [`ClaimResponse::Unknown`]: the caller holds the key (409) until an operator or
@@ -100,6 +102,7 @@ impl OnUnknown {
 /// members added later are ignored, so the state API can gain answer fields without breaking
 /// filters built earlier. Requests are strict (`deny_unknown_fields`): the state API reads them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ClaimResponse {
     /// This caller owns the key: run the effect, then complete or release with `token`.
@@ -152,12 +155,16 @@ pub enum ClaimResponse {
 /// The upstream response as stored and replayed: the one stored-response type of the filter,
 /// the state API and its store. On the wire the body is standard base64 (`body_base64`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct StoredResponse {
+    #[cfg_attr(feature = "openapi", schema(minimum = 100, maximum = 999))]
     pub status: u16,
     /// Allowlisted headers in the order received, names lower-case, multi-value kept as-is.
+    #[cfg_attr(feature = "openapi", schema(schema_with = header_pairs))]
     pub headers: Vec<(String, String)>,
-    /// The body bytes; empty when not replayable.
+    /// The body bytes (standard base64 on the wire); empty when not replayable.
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = Byte))]
     #[serde(
         default,
         rename = "body_base64",
@@ -185,6 +192,22 @@ impl StoredResponse {
     }
 }
 
+/// `[[name, value], ...]`: each pair exactly two strings.
+#[cfg(feature = "openapi")]
+fn header_pairs() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let pair = ArrayBuilder::new()
+        .items(ObjectBuilder::new().schema_type(Type::String))
+        .min_items(Some(2))
+        .max_items(Some(2));
+    ArrayBuilder::new()
+        .items(pair)
+        .description(Some(
+            "Allowlisted headers in the order received: [name, value] pairs, names lower-case.",
+        ))
+        .build()
+}
+
 /// `body_base64`: the body bytes as standard base64 on the wire.
 mod base64_body {
     use base64::Engine as _;
@@ -203,6 +226,7 @@ mod base64_body {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct HeartbeatRequest {
     pub key: String,
@@ -216,11 +240,13 @@ pub struct HeartbeatRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HeartbeatResponse {
     pub lease_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CompleteRequest {
     pub key: String,
@@ -233,6 +259,7 @@ pub struct CompleteRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     pub key: String,
@@ -248,6 +275,7 @@ pub type UnknownRequest = ReleaseRequest;
 
 /// A record's state, as stored and as shown to operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RecordState {
     /// Claimed, its request running (or its lease run out, not yet looked at).
@@ -295,6 +323,7 @@ impl TryFrom<String> for RecordState {
 
 /// What a complete, release or unknown mark left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum WriteState {
     Completed,
@@ -305,6 +334,7 @@ pub enum WriteState {
 
 /// Answer to complete and release: what the record is now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct WriteResponse {
     pub state: WriteState,
     /// For `completed`: milliseconds until the record's retention expiry, by the database
@@ -338,6 +368,7 @@ impl WriteResponse {
 
 /// Operator view of one record: never the stored body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RecordView {
     pub state: RecordState,

@@ -86,9 +86,10 @@ fn unauthenticated(state: &AppState) -> ApiError {
 // ---------------------------------------------------------------------------------------------
 // Reading
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-struct RecordQuery {
+pub(crate) struct RecordQuery {
     #[serde(default)]
     namespace: String,
     key: String,
@@ -134,6 +135,24 @@ async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>
         .map_err(ApiError::from)
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/admin/record",
+    tag = "admin",
+    summary = r#"A record (never its body unless body=true) and its audit trail"#,
+    params(
+        RecordQuery
+    ),
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = r#"The record and its audit trail"#, body = AdminRecord),
+        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn show(
     State(state): State<AppState>,
     query: Result<Query<RecordQuery>, QueryRejection>,
@@ -169,9 +188,10 @@ async fn show(
     }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-struct ListQuery {
+pub(crate) struct ListQuery {
     /// `in_progress`, `unknown` or `completed`; all when absent.
     state: Option<String>,
     namespace: Option<String>,
@@ -196,6 +216,23 @@ const LIST_SQL: &str = "
     ORDER BY r.created_at
     LIMIT $4";
 
+#[utoipa::path(
+    get,
+    path = "/v1/admin/records",
+    tag = "admin",
+    summary = r#"Records by state and age, oldest first (no keys)"#,
+    params(
+        ListQuery
+    ),
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = r#"The records"#, body = Vec<ListedRecord>),
+        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn list(
     State(state): State<AppState>,
     query: Result<Query<ListQuery>, QueryRejection>,
@@ -382,6 +419,23 @@ async fn act(
     }))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/admin/release",
+    tag = "admin",
+    summary = r#"The key may run again: the record is deleted (audited)"#,
+    request_body = AdminAction,
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult),
+        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`): pass `force`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn release(
     State(state): State<AppState>,
     ApiJson(a): ApiJson<AdminAction>,
@@ -389,6 +443,23 @@ async fn release(
     act(&state, AdminOp::Release, a).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/admin/resolve",
+    tag = "admin",
+    summary = r#"The record is completed with `response` (audited)"#,
+    request_body = AdminAction,
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult),
+        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`): pass `force`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn resolve(
     State(state): State<AppState>,
     ApiJson(a): ApiJson<AdminAction>,
@@ -396,6 +467,23 @@ async fn resolve(
     act(&state, AdminOp::Resolve, a).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/admin/purge",
+    tag = "admin",
+    summary = r#"The record is deleted whatever its state (audited)"#,
+    request_body = AdminAction,
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult),
+        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`): pass `force`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn purge(
     State(state): State<AppState>,
     ApiJson(a): ApiJson<AdminAction>,

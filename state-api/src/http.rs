@@ -27,9 +27,6 @@ use crate::scope::{log_label, ScopeHash};
 use crate::store::{self, Readiness, StoreError, WriteResult};
 use crate::AppState;
 
-/// The hand-written OpenAPI document of this API.
-pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
-
 use contract::limits::{self, MAX_ALG_LEN, MAX_FIELD_LEN, MAX_HEADERS};
 
 /// The router: `/v1/*` behind the bearer token; health, readiness, metrics and the OpenAPI
@@ -327,6 +324,26 @@ fn caller_deadline(state: &AppState, headers: &HeaderMap) -> tokio::time::Instan
     tokio::time::Instant::now() + state.config().request_budget(caller_ms)
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/claim",
+    tag = "filter",
+    summary = r#"Claim a key, or learn why not"#,
+    description = r#"Inserts the record (`INSERT ... ON CONFLICT DO NOTHING`, committed before the answer). On conflict the stored fingerprint is always compared (with its algorithm), for in-progress and completed records alike. Outcomes (all with status 200): `claimed` (run the effect, then complete or release with `token`; `reclaimed` when an expired lease was taken over), `in_progress` (another owner holds a live lease: the filter answers 409 with Retry-After = `retry_after_s` = clamp(ceil(remaining lease s), 1, --retry-after-cap-s)), `completed` (replay `response`), `mismatch` (the key was used with a different fingerprint: the filter answers 422). A record past its retention is treated as new."#,
+    request_body = ClaimRequest,
+    params(
+        ("idempotency-caller-timeout-ms" = Option<u64>, Header, description = r#"How long (ms) the caller waits for the answer. The state API works on the request a twentieth (at least 50 ms) less than that (at most --max-request-ms) and answers 503 at that deadline; a claim committed after it is released."#)
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = ClaimResponse),
+        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn claim(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -434,6 +451,24 @@ fn elapsed_ms(since: tokio::time::Instant) -> u64 {
     u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/heartbeat",
+    tag = "filter",
+    summary = r#"Extend the lease of an in-flight claim (fenced)"#,
+    description = r#"Sets the lease to now + lease_ms (database clock) if `token` still owns the in-progress record. An owner whose lease ran out but that was not reclaimed yet is still the owner. Also accepted while the record is `unknown` and still holds this token (the owner was alive after all)."#,
+    request_body = HeartbeatRequest,
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = HeartbeatResponse),
+        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn heartbeat(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<HeartbeatRequest>,
@@ -456,6 +491,27 @@ async fn heartbeat(
     Ok(Json(HeartbeatResponse { lease_ms }))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/complete",
+    tag = "filter",
+    summary = r#"Store the upstream's response (fenced)"#,
+    description = r#"Marks the record completed with the response; retention (--retention-s, default 24 h) starts now. A retried complete by the same token after success answers 200 and changes nothing. A response with `replayable=false` keeps status and headers, no body. Also accepted while the record is `unknown` and still holds this token (the owner was alive after all)."#,
+    request_body = CompleteRequest,
+    params(
+        ("idempotency-caller-timeout-ms" = Option<u64>, Header, description = r#"How long (ms) the caller waits for the answer. The state API works on the request a twentieth (at least 50 ms) less than that (at most --max-request-ms) and answers 503 at that deadline; a claim committed after it is released."#)
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = WriteResponse),
+        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn complete(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -493,6 +549,24 @@ async fn complete(
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/release",
+    tag = "filter",
+    summary = r#"Give the key back (fenced)"#,
+    description = r#"Deletes the in-progress record when the effect certainly did not start: the key is free for a retry."#,
+    request_body = ReleaseRequest,
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = WriteResponse),
+        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn release(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ReleaseRequest>,
@@ -516,6 +590,24 @@ async fn release(
 }
 
 /// The owner lost sight of its forwarded request: the record's outcome is unknown.
+#[utoipa::path(
+    post,
+    path = "/v1/unknown",
+    tag = "filter",
+    summary = r#"Say the outcome is unknown (fenced)"#,
+    description = r#"The owner forwarded its request and lost sight of it before an outcome (the client left, the upstream reset or timed out before answering): the record becomes `unknown` at once, its lease ends, and no claim runs it again unless it takes it over. Marking again is harmless; after the owner's own complete it answers `completed` and changes nothing."#,
+    request_body = ReleaseRequest,
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = WriteResponse),
+        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn outcome_unknown(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<UnknownRequest>,
@@ -558,9 +650,10 @@ fn fenced_out(state: &AppState, op: WriteOp, scope: &ScopeHash) -> ApiError {
     )
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-struct RecordQuery {
+pub(crate) struct RecordQuery {
     #[serde(default)]
     namespace: String,
     key: String,
@@ -568,6 +661,25 @@ struct RecordQuery {
     endpoint: String,
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/records",
+    tag = "filter",
+    summary = r#"Operator read of one record (never the body)"#,
+    params(
+        RecordQuery
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"The record"#, body = RecordView),
+        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 404, description = r#"No record (`/problems/not-found`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
+        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn record(
     State(state): State<AppState>,
     query: Result<Query<RecordQuery>, QueryRejection>,
@@ -601,12 +713,31 @@ pub(crate) fn record_view(r: store::RecordRow) -> RecordView {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    summary = r#"Alive (no database access, no token)"#,
+    responses(
+        (status = 200, description = r#"ok"#, content_type = "text/plain")
+    )
+)]
 async fn healthz() -> &'static str {
     "ok\n"
 }
 
 /// 200 when the database takes writes, saying what it is (a primary, its timeline, its
 /// synchronous standbys); 503 when it is unreachable or read-only (a failover under way).
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    summary = r#"The database takes writes (no token)"#,
+    responses(
+        (status = 200, description = r#"A primary, with its timeline and standbys: `ready: database primary, timeline 3, 1 synchronous standby(s)` (or `no standby`)."#, content_type = "text/plain"),
+        (status = 503, description = r#"Database unreachable, or read-only (a standby, or a failover under way)."#, body = contract::problem::Problem, content_type = "application/problem+json")
+    )
+)]
 async fn readyz(State(state): State<AppState>) -> Result<String, ApiError> {
     match state.store().readiness().await {
         Ok(Readiness::Primary {
@@ -637,6 +768,16 @@ async fn readyz(State(state): State<AppState>) -> Result<String, ApiError> {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    summary = r#"Prometheus text format (no token)"#,
+    description = r#"state_api_claims_total{outcome}, state_api_reclaims_total, state_api_fenced_out_total{op}, state_api_writes_total{op}, state_api_purged_rows_total, state_api_errors_total{kind}, state_api_request_duration_seconds{route} (histogram), state_api_db_pool_connections{state}, state_api_db_pool_max_connections."#,
+    responses(
+        (status = 200, description = r#"metrics"#, content_type = "text/plain")
+    )
+)]
 async fn metrics_text(State(state): State<AppState>) -> Response {
     let pool = state.store().pool();
     let gauges = metrics::PoolGauges {
@@ -654,13 +795,22 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    tag = "operations",
+    summary = r#"This document"#,
+    responses(
+        (status = 200, description = r#"OpenAPI 3.1"#, content_type = "application/json")
+    )
+)]
 async fn openapi() -> Response {
     (
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         )],
-        OPENAPI_JSON,
+        crate::openapi::json(),
     )
         .into_response()
 }

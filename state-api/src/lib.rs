@@ -10,6 +10,7 @@ pub mod batch;
 pub mod config;
 pub mod http;
 pub mod metrics;
+pub mod openapi;
 pub mod scope;
 pub mod store;
 pub mod waiters;

@@ -716,39 +716,112 @@ async fn leases_are_clamped_and_metrics_and_openapi_are_served() {
     );
     assert!(metric(&m, "state_api_db_pool_max_connections") >= 1.0);
     assert!(m.contains("# TYPE state_api_request_duration_seconds histogram"));
+}
 
-    let doc: Value = api
-        .client
-        .get(api.url("/openapi.json"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+/// The served document is a valid OpenAPI 3.1 document generated from the code, lists every
+/// route, and its schemas bite: every answer of this suite is checked against them (see
+/// `common::Contract`), and here they refuse what the handlers refuse.
+#[tokio::test]
+async fn the_served_openapi_document_is_valid_and_says_what_the_handlers_do() {
+    let api = Api::start(&[]).await;
+    let contract = api.contract().await;
+    let doc = contract.doc();
+    assert_eq!(
+        doc,
+        &serde_json::to_value(<state_api::openapi::ApiDoc as utoipa::OpenApi>::openapi()).unwrap(),
+        "served = generated"
+    );
+    let spec = oas3::from_json(doc.to_string()).unwrap_or_else(|e| panic!("not OpenAPI: {e}"));
+    assert_eq!(spec.openapi, "3.1.0");
     use contract::admin::*;
-    for path in [
-        CLAIM_PATH,
-        HEARTBEAT_PATH,
-        COMPLETE_PATH,
-        RELEASE_PATH,
-        RECORDS_PATH,
-        contract::wire::UNKNOWN_PATH,
-        ADMIN_RECORD_PATH,
-        ADMIN_RECORDS_PATH,
-        ADMIN_RELEASE_PATH,
-        ADMIN_RESOLVE_PATH,
-        ADMIN_PURGE_PATH,
+    for (method, path) in [
+        ("post", CLAIM_PATH),
+        ("post", HEARTBEAT_PATH),
+        ("post", COMPLETE_PATH),
+        ("post", RELEASE_PATH),
+        ("post", contract::wire::UNKNOWN_PATH),
+        ("get", RECORDS_PATH),
+        ("get", ADMIN_RECORD_PATH),
+        ("get", ADMIN_RECORDS_PATH),
+        ("post", ADMIN_RELEASE_PATH),
+        ("post", ADMIN_RESOLVE_PATH),
+        ("post", ADMIN_PURGE_PATH),
+        ("get", "/healthz"),
+        ("get", "/readyz"),
+        ("get", "/metrics"),
+        ("get", "/openapi.json"),
     ] {
-        assert!(
-            doc["paths"][path].is_object(),
-            "{path} missing from openapi.json"
-        );
+        let op = &doc["paths"][path][method];
+        assert!(op.is_object(), "{method} {path} missing from openapi.json");
+        if path.starts_with("/v1/") {
+            assert!(op["security"].is_array(), "{method} {path} names no token");
+        }
+    }
+    // Every schema is a valid JSON Schema 2020-12, and every $ref resolves.
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for name in schemas.keys() {
+        contract.validator(&format!("/components/schemas/{name}"));
+    }
+    fn refs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+        match v {
+            Value::Object(m) => m.iter().for_each(|(k, v)| match (k.as_str(), v) {
+                ("$ref", Value::String(r)) => out.push(r),
+                _ => refs(v, out),
+            }),
+            Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(doc, &mut all);
+    assert!(all.len() > 20);
+    for r in all {
+        let pointer = r.strip_prefix('#').unwrap();
+        assert!(doc.pointer(pointer).is_some(), "{r} does not resolve");
     }
     let claim = &doc["components"]["schemas"]["ClaimRequest"]["properties"];
-    for field in ["namespace", "retention_s", "wait_ms"] {
+    for field in ["namespace", "retention_s", "wait_ms", "on_unknown"] {
         assert!(claim[field].is_object(), "ClaimRequest.{field} missing");
     }
+    // The schemas refuse what the handlers refuse, and the checker notices a wrong answer.
+    let request = contract.validator("/components/schemas/ClaimRequest");
+    let mut extra = serde_json::to_value(claim_req("k", "alice", &fp(1), None)).unwrap();
+    assert!(request.is_valid(&extra));
+    extra["surprise"] = json!(1);
+    assert!(!request.is_valid(&extra), "unknown members are refused");
+    let (status, body, _) = api.post(CLAIM_PATH, &extra).await;
+    assert_problem(status, &body, 400, "bad-request");
+    let answer = contract.validator("/components/schemas/ClaimResponse");
+    assert!(!answer.is_valid(&json!({"outcome": "claimed", "lease_ms": 1, "reclaimed": false})));
+    assert!(!answer.is_valid(&json!({"outcome": "maybe"})));
+    let stored = contract.validator("/components/schemas/StoredResponse");
+    assert!(!stored.is_valid(&json!({"status": 200, "headers": [["a"]], "replayable": true})));
+    let wrong = std::panic::catch_unwind(|| {
+        contract.check_answer(
+            "post",
+            CLAIM_PATH,
+            200,
+            "application/json",
+            &json!({"outcome": "in_progress", "lease_remaining_ms": 5}),
+        )
+    });
+    assert!(
+        wrong.is_err(),
+        "an answer missing retry_after_s passed the check"
+    );
+    let unlisted = std::panic::catch_unwind(|| {
+        contract.check_answer(
+            "post",
+            CLAIM_PATH,
+            418,
+            "application/problem+json",
+            &json!({}),
+        )
+    });
+    assert!(
+        unlisted.is_err(),
+        "a status the document does not list passed the check"
+    );
 }
 
 #[tokio::test]

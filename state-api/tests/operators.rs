@@ -242,8 +242,29 @@ async fn admin_post(api: &Api, token: Option<&str>, path: &str, body: &Value) ->
         r = r.bearer_auth(t);
     }
     let r = r.send().await.unwrap();
+    let checked = checked(api, "post", path, r).await;
+    if (200..300).contains(&checked.0) {
+        api.contract()
+            .await
+            .check_accepted_request("post", path, body);
+    }
+    checked
+}
+
+/// Status and JSON body, the answer checked against the served OpenAPI document.
+async fn checked(api: &Api, method: &str, path: &str, r: reqwest::Response) -> (u16, Value) {
     let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
+    let media = r
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let body = r.json().await.unwrap_or(Value::Null);
+    api.contract()
+        .await
+        .check_answer(method, path, status, &media, &body);
+    (status, body)
 }
 
 async fn admin_get(api: &Api, path: &str) -> (u16, Value) {
@@ -254,8 +275,7 @@ async fn admin_get(api: &Api, path: &str) -> (u16, Value) {
         .send()
         .await
         .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
+    checked(api, "get", path, r).await
 }
 
 fn action(key: &str, reason: &str) -> AdminAction {

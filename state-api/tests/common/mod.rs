@@ -2,6 +2,8 @@
 //! (one throwaway cluster per test binary, see `edge::postgres`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser as _;
@@ -27,6 +29,123 @@ pub const ALG: &str = "sha256-jcs-v2";
 pub fn fp(n: u8) -> String {
     format!("{n:02x}").repeat(32)
 }
+
+/// The served OpenAPI document, as a checker: every answer the tests get through [`Api::post`]
+/// and [`Api::get`] must be a status the document lists for its route, with a body its schema
+/// accepts, and every request the state API accepted (2xx) must fit the request schema. So
+/// the whole suite checks that the document says what the handlers do.
+pub struct Contract {
+    doc: Value,
+    validators: Mutex<HashMap<String, Arc<jsonschema::Validator>>>,
+}
+
+impl Contract {
+    pub fn new(doc: Value) -> Self {
+        Self {
+            doc,
+            validators: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn doc(&self) -> &Value {
+        &self.doc
+    }
+
+    /// A validator for the schema at `pointer` in the document (its `$ref`s resolved in it).
+    pub fn validator(&self, pointer: &str) -> Arc<jsonschema::Validator> {
+        let mut cache = self.validators.lock().unwrap();
+        cache
+            .entry(pointer.to_owned())
+            .or_insert_with(|| {
+                let schema = self
+                    .doc
+                    .pointer(pointer)
+                    .unwrap_or_else(|| panic!("openapi.json has nothing at {pointer}"));
+                let root = json!({
+                    "$schema": "https://json-schema.org/draft/2020-12/schema",
+                    "components": self.doc["components"],
+                    "allOf": [schema],
+                });
+                Arc::new(
+                    jsonschema::draft202012::new(&root)
+                        .unwrap_or_else(|e| panic!("schema at {pointer} does not compile: {e}")),
+                )
+            })
+            .clone()
+    }
+
+    fn operation(&self, method: &str, path_and_query: &str) -> String {
+        let path = path_and_query.split('?').next().unwrap_or_default();
+        let escaped = path.replace('~', "~0").replace('/', "~1");
+        format!("/paths/{escaped}/{method}")
+    }
+
+    /// The answer fits the document: its status is listed, its JSON body fits the schema.
+    pub fn check_answer(
+        &self,
+        method: &str,
+        path: &str,
+        status: u16,
+        content_type: &str,
+        body: &Value,
+    ) {
+        let op = self.operation(method, path);
+        if self.doc.pointer(&op).is_none() {
+            // Only the fallbacks answer for what the document does not list: a problem.
+            assert!(
+                matches!(status, 404 | 405),
+                "{method} {path} answered {status} but is not in openapi.json"
+            );
+            let v = self.validator("/components/schemas/Problem");
+            assert!(
+                v.is_valid(body),
+                "{method} {path} {status}: not a problem: {body}"
+            );
+            return;
+        }
+        let response = format!("{op}/responses/{status}");
+        let listed = self.doc.pointer(&response).unwrap_or_else(|| {
+            panic!("{method} {path} answered {status}, which openapi.json does not list")
+        });
+        let media = content_type.split(';').next().unwrap_or_default().trim();
+        let Some(content) = listed.get("content").and_then(|c| c.get(media)) else {
+            panic!("{method} {path} {status}: content type {media} is not in openapi.json");
+        };
+        if content.get("schema").is_some() {
+            let media_escaped = media.replace('/', "~1");
+            let v = self.validator(&format!("{response}/content/{media_escaped}/schema"));
+            let errors: Vec<String> = v
+                .iter_errors(body)
+                .map(|e| format!("{e} at {}", e.instance_path))
+                .collect();
+            assert!(
+                errors.is_empty(),
+                "{method} {path} {status}: the answer does not fit openapi.json: {errors:?}\n{body}"
+            );
+        }
+    }
+
+    /// A request the state API accepted fits the document's request schema.
+    pub fn check_accepted_request(&self, method: &str, path: &str, body: &Value) {
+        let op = self.operation(method, path);
+        let pointer = format!("{op}/requestBody/content/application~1json/schema");
+        if self.doc.pointer(&pointer).is_none() {
+            return;
+        }
+        let v = self.validator(&pointer);
+        let errors: Vec<String> = v
+            .iter_errors(body)
+            .map(|e| format!("{e} at {}", e.instance_path))
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "{method} {path}: the state API accepted a request openapi.json refuses: {errors:?}\n{body}"
+        );
+    }
+}
+
+/// The document served by the first state API of this test binary (they all serve the same).
+static CONTRACT: tokio::sync::OnceCell<Contract> = tokio::sync::OnceCell::const_new();
 
 pub struct Api {
     pub base: String,
@@ -125,11 +244,29 @@ impl Api {
         let status = r.status().as_u16();
         let headers = r.headers().clone();
         let bytes = r.bytes().await.unwrap();
-        (
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-            headers,
-        )
+        let answer = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        let c = self.contract().await;
+        c.check_answer("post", path, status, content_type(&headers), &answer);
+        if (200..300).contains(&status) {
+            c.check_accepted_request("post", path, body);
+        }
+        (status, answer, headers)
+    }
+
+    /// The served document, checking every answer of [`Api::post`] and [`Api::get`].
+    pub async fn contract(&self) -> &'static Contract {
+        CONTRACT
+            .get_or_init(|| async {
+                let r = self
+                    .client
+                    .get(self.url("/openapi.json"))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                Contract::new(r.json().await.unwrap())
+            })
+            .await
     }
 
     pub async fn get(&self, path_and_query: &str) -> (u16, Value) {
@@ -141,11 +278,17 @@ impl Api {
             .await
             .unwrap();
         let status = r.status().as_u16();
+        let headers = r.headers().clone();
         let bytes = r.bytes().await.unwrap();
-        (
+        let answer = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        self.contract().await.check_answer(
+            "get",
+            path_and_query,
             status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        )
+            content_type(&headers),
+            &answer,
+        );
+        (status, answer)
     }
 
     pub async fn claim_with(&self, req: &ClaimRequest) -> ClaimResponse {
@@ -245,6 +388,13 @@ impl Api {
             .await
             .unwrap()
     }
+}
+
+fn content_type(headers: &reqwest::header::HeaderMap) -> &str {
+    headers
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
 }
 
 impl Drop for Api {
