@@ -66,6 +66,15 @@ tools-wasm-bindgen: Cargo.lock
 	  $(CARGO) install --quiet wasm-bindgen-cli --version =$(WASM_BINDGEN_VERSION) --root $(TOOLS); \
 	fi
 
+# sqlx-cli at the sqlx version in Cargo.lock, for `make lint` and `make sqlx-prepare` only.
+SQLX_VERSION = $(shell awk '/^name = "sqlx"$$/ {getline; gsub(/"/, "", $$3); print $$3}' Cargo.lock)
+.PHONY: tools-sqlx
+tools-sqlx: Cargo.lock
+	@if [ "$$(sqlx --version 2>/dev/null | awk '{print $$2}')" != "$(SQLX_VERSION)" ]; then \
+	  echo "installing sqlx-cli $(SQLX_VERSION) into .tools (takes a few minutes once)"; \
+	  $(CARGO) install --quiet sqlx-cli --version =$(SQLX_VERSION) --no-default-features --features postgres,rustls --locked --root $(TOOLS); \
+	fi
+
 .PHONY: tools-postgres
 tools-postgres:
 	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ -z "$${PG_BIN:-}" ] && [ -z "$${DATABASE_URL:-}" ]; then \
@@ -126,10 +135,22 @@ test-e2e: build
 	$(CARGO) test --locked -p stack
 
 .PHONY: lint
-lint:
+lint: tools-sqlx
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --locked -p filter --target wasm32-wasip1 -- -D warnings
+	$(MAKE) -s lint-sql
+
+# The state API's compile-time-checked SQL: the query data committed in state-api/.sqlx must be
+# what a migrated Postgres says today (a throwaway one, started and removed by `edge`).
+# After changing a query or a migration: `make sqlx-prepare`, and commit state-api/.sqlx.
+.PHONY: lint-sql sqlx-prepare
+lint-sql: tools-sqlx
+	$(CARGO) run --locked -q -p edge -- with-postgres -- sh -c \
+	  'sqlx migrate run --source state-api/migrations >/dev/null && cd state-api && cargo sqlx prepare --check -- --all-targets'
+sqlx-prepare: tools-sqlx
+	$(CARGO) run --locked -q -p edge -- with-postgres -- sh -c \
+	  'sqlx migrate run --source state-api/migrations >/dev/null && cd state-api && cargo sqlx prepare -- --all-targets'
 
 # ---------------------------------------------------------------------------------------------
 # Demo

@@ -1,4 +1,4 @@
-//! `edge check|render|run --config FILE`.
+//! `edge check|render|run --config FILE`, and `edge with-postgres -- COMMAND` for the tools.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,6 +15,13 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run COMMAND with DATABASE_URL naming a fresh, empty database on a throwaway Postgres
+    /// (removed afterwards); its exit status is this command's. For tools that need a live
+    /// database, such as `cargo sqlx prepare --check` in `make lint`.
+    WithPostgres {
+        #[arg(required = true, trailing_var_arg = true)]
+        command: Vec<String>,
+    },
     /// Check the file and say what it protects.
     Check {
         #[arg(long, short, env = "CONFIG")]
@@ -53,6 +60,7 @@ enum Command {
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.command {
+        Command::WithPostgres { command } => with_postgres(&command),
         Command::Check { config } => match Config::load(&config) {
             Ok(cfg) => {
                 println!(
@@ -89,6 +97,34 @@ fn main() -> ExitCode {
             wasm,
             ha,
         } => run(&config, dir, wasm, ha),
+    }
+}
+
+fn with_postgres(command: &[String]) -> ExitCode {
+    let started = edge::postgres::TempCluster::start_private()
+        .and_then(|cluster| cluster.fresh_database("tool").map(|url| (cluster, url)));
+    let (cluster, url) = match started {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let Some((program, args)) = command.split_first() else {
+        return ExitCode::from(2);
+    };
+    let status = std::process::Command::new(program)
+        .args(args)
+        .env("DATABASE_URL", &url)
+        .status();
+    drop(cluster);
+    match status {
+        Ok(s) if s.success() => ExitCode::SUCCESS,
+        Ok(s) => ExitCode::from(u8::try_from(s.code().unwrap_or(1)).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("{program}: {e}");
+            ExitCode::from(2)
+        }
     }
 }
 

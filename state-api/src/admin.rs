@@ -18,12 +18,12 @@ use contract::admin::{
 use contract::ProblemKind;
 use serde::Deserialize;
 use sqlx::types::Json as SqlJson;
-use sqlx::Row as _;
 use subtle::ConstantTimeEq as _;
 
 use crate::http::{bad, checked_response, ms, record_view, scope_of, ApiError, ApiJson};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
+use crate::store::StoreError;
 use crate::AppState;
 
 /// Longest `actor` and `reason` accepted.
@@ -104,35 +104,28 @@ fn hex(scope: &ScopeHash) -> String {
     scope.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-const AUDIT_SQL: &str = "
-    SELECT id, to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS at,
-           actor, action, reason, forced, before, after
-    FROM idempotency_audit WHERE scope_hash = $1 ORDER BY id";
-
 async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>, ApiError> {
-    let rows = sqlx::query(AUDIT_SQL)
-        .bind(&scope[..])
-        .fetch_all(state.store().pool())
-        .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(AuditEntry {
-                id: r.try_get("id")?,
-                at: r.try_get("at")?,
-                actor: r.try_get("actor")?,
-                action: r.try_get("action")?,
-                reason: r.try_get("reason")?,
-                forced: r.try_get("forced")?,
-                before: r
-                    .try_get::<Option<SqlJson<serde_json::Value>>, _>("before")?
-                    .map(|j| j.0),
-                after: r
-                    .try_get::<Option<SqlJson<serde_json::Value>>, _>("after")?
-                    .map(|j| j.0),
-            })
+    let rows = sqlx::query!(
+        r#"SELECT id, to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS "at!",
+           actor, action, reason, forced, before, after
+    FROM idempotency_audit WHERE scope_hash = $1 ORDER BY id"#,
+        &scope[..]
+    )
+    .fetch_all(state.store().pool())
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| AuditEntry {
+            id: r.id,
+            at: r.at,
+            actor: r.actor,
+            action: r.action,
+            reason: r.reason,
+            forced: r.forced,
+            before: r.before,
+            after: r.after,
         })
-        .collect::<Result<_, sqlx::Error>>()
-        .map_err(ApiError::from)
+        .collect())
 }
 
 #[utoipa::path(
@@ -168,10 +161,11 @@ async fn show(
         ));
     }
     let body_base64 = if q.body {
-        sqlx::query_scalar::<_, Option<Vec<u8>>>(
-            "SELECT response_body FROM idempotency_records WHERE scope_hash = $1 AND state = 'completed' AND response_replayable",
+        sqlx::query_scalar!(
+            "SELECT response_body FROM idempotency_records
+             WHERE scope_hash = $1 AND state = 'completed' AND response_replayable",
+            &scope[..]
         )
-        .bind(&scope[..])
         .fetch_optional(state.store().pool())
         .await?
         .flatten()
@@ -201,21 +195,6 @@ pub(crate) struct ListQuery {
     limit: Option<i64>,
 }
 
-const LIST_SQL: &str = "
-    SELECT encode(r.scope_hash, 'hex') AS scope, r.namespace, r.subject, r.endpoint, r.state,
-        r.fencing_token,
-        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.created_at)) * 1000))::bigint AS age_ms,
-        CASE WHEN r.state = 'in_progress'
-             THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
-             ELSE 0 END AS lease_remaining_ms,
-        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms
-    FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
-    WHERE ($1::text IS NULL OR r.state = $1)
-      AND ($2::text IS NULL OR r.namespace = $2)
-      AND r.created_at <= c.now - $3::bigint * interval '1 second'
-    ORDER BY r.created_at
-    LIMIT $4";
-
 #[utoipa::path(
     get,
     path = "/v1/admin/records",
@@ -244,65 +223,51 @@ async fn list(
     }
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_LIST);
     let older = i64::try_from(q.older_than_s).unwrap_or(i64::MAX);
-    let rows = sqlx::query(LIST_SQL)
-        .bind(q.state)
-        .bind(q.namespace)
-        .bind(older)
-        .bind(limit)
-        .fetch_all(state.store().pool())
-        .await?;
-    rows.iter()
+    let rows = sqlx::query!(
+        r#"SELECT encode(r.scope_hash, 'hex') AS "scope!", r.namespace, r.subject, r.endpoint, r.state,
+        r.fencing_token,
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.created_at)) * 1000))::bigint AS "age_ms!",
+        CASE WHEN r.state = 'in_progress'
+             THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
+             ELSE 0 END AS "lease_remaining_ms!",
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS "expires_in_ms!"
+    FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    WHERE ($1::text IS NULL OR r.state = $1)
+      AND ($2::text IS NULL OR r.namespace = $2)
+      AND r.created_at <= c.now - $3::bigint * interval '1 second'
+    ORDER BY r.created_at
+    LIMIT $4"#,
+        q.state,
+        q.namespace,
+        older,
+        limit
+    )
+    .fetch_all(state.store().pool())
+    .await?;
+    rows.into_iter()
         .map(|r| {
             Ok(ListedRecord {
-                scope: r.try_get("scope")?,
-                namespace: r.try_get("namespace")?,
-                subject: r.try_get("subject")?,
-                endpoint: r.try_get("endpoint")?,
-                state: r.try_get::<String, _>("state")?.parse().map_err(
-                    |e: contract::wire::UnknownRecordState| sqlx::Error::Decode(Box::new(e)),
-                )?,
-                token: r.try_get("fencing_token")?,
-                age_ms: ms(r.try_get("age_ms")?),
-                lease_remaining_ms: ms(r.try_get("lease_remaining_ms")?),
-                expires_in_ms: ms(r.try_get("expires_in_ms")?),
+                scope: r.scope,
+                namespace: r.namespace,
+                subject: r.subject,
+                endpoint: r.endpoint,
+                state: r
+                    .state
+                    .parse()
+                    .map_err(|_| StoreError::Corrupt("record state"))?,
+                token: r.fencing_token,
+                age_ms: ms(r.age_ms),
+                lease_remaining_ms: ms(r.lease_remaining_ms),
+                expires_in_ms: ms(r.expires_in_ms),
             })
         })
-        .collect::<Result<Vec<_>, sqlx::Error>>()
+        .collect::<Result<Vec<_>, StoreError>>()
         .map(Json)
         .map_err(ApiError::from)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Actions
-
-/// The record as the audit trail keeps it (never the body), read locked for the action.
-const SNAPSHOT_SQL: &str = "
-    SELECT jsonb_build_object(
-            'state', r.state, 'token', r.fencing_token, 'fingerprint_alg', r.fingerprint_alg,
-            'lease_remaining_ms', CASE WHEN r.state = 'in_progress'
-                THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - clock_timestamp())) * 1000))::bigint
-                ELSE 0 END,
-            'response_status', r.response_status, 'replayable', r.response_replayable,
-            'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')
-        ) AS snapshot,
-        (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS lease_live,
-        r.namespace, r.subject, r.endpoint
-    FROM idempotency_records r WHERE r.scope_hash = $1
-    FOR UPDATE";
-
-const AUDIT_INSERT_SQL: &str = "
-    INSERT INTO idempotency_audit
-        (actor, action, reason, forced, scope_hash, namespace, subject, endpoint, before, after)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-    RETURNING id";
-
-const RESOLVE_SQL: &str = "
-    UPDATE idempotency_records
-    SET state = 'completed',
-        response_status = $2, response_headers = $3, response_body = $4, response_replayable = $5,
-        completed_at = clock_timestamp(),
-        expires_at = clock_timestamp() + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
-    WHERE scope_hash = $1";
 
 fn check_action(a: &AdminAction) -> Result<(), ApiError> {
     let text = |name: &str, v: &str, max: usize| {
@@ -334,23 +299,31 @@ async fn act(
         (_, None) => None,
     };
     let mut tx = state.store().pool().begin().await?;
-    let row = sqlx::query(SNAPSHOT_SQL)
-        .bind(&scope[..])
-        .fetch_optional(&mut *tx)
-        .await?;
+    let row = sqlx::query!(
+        r#"SELECT jsonb_build_object(
+            'state', r.state, 'token', r.fencing_token, 'fingerprint_alg', r.fingerprint_alg,
+            'lease_remaining_ms', CASE WHEN r.state = 'in_progress'
+                THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - clock_timestamp())) * 1000))::bigint
+                ELSE 0 END,
+            'response_status', r.response_status, 'replayable', r.response_replayable,
+            'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+        ) AS "snapshot!: SqlJson<serde_json::Value>",
+        (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
+        r.namespace, r.subject, r.endpoint
+    FROM idempotency_records r WHERE r.scope_hash = $1
+    FOR UPDATE"#,
+        &scope[..]
+    )
+    .fetch_optional(&mut *tx)
+    .await?;
     let Some(row) = row else {
         return Err(ApiError::new(
             ProblemKind::NotFound,
             "no record for this key, subject and endpoint",
         ));
     };
-    let before: SqlJson<serde_json::Value> = row.try_get("snapshot")?;
-    let lease_live: bool = row.try_get("lease_live")?;
-    let (namespace, subject, endpoint): (String, String, String) = (
-        row.try_get("namespace")?,
-        row.try_get("subject")?,
-        row.try_get("endpoint")?,
-    );
+    let (before, lease_live) = (row.snapshot, row.lease_live);
+    let (namespace, subject, endpoint) = (row.namespace, row.subject, row.endpoint);
     if lease_live && !a.force {
         return Err(ApiError::new(
             ProblemKind::LeaseLive,
@@ -365,48 +338,71 @@ async fn act(
     }
     let after: Option<serde_json::Value> = match (op, stored) {
         (AdminOp::Resolve, Some(r)) => {
-            sqlx::query(RESOLVE_SQL)
-                .bind(&scope[..])
-                .bind(i32::from(r.status))
-                .bind(SqlJson(&r.headers))
-                .bind(&r.body[..])
-                .bind(r.replayable)
-                .bind(state.config().retention_ms())
-                .execute(&mut *tx)
-                .await?;
-            let again = sqlx::query(SNAPSHOT_SQL)
-                .bind(&scope[..])
-                .fetch_one(&mut *tx)
-                .await?;
-            Some(
-                again
-                    .try_get::<SqlJson<serde_json::Value>, _>("snapshot")?
-                    .0,
+            sqlx::query!(
+                "UPDATE idempotency_records
+    SET state = 'completed',
+        response_status = $2, response_headers = $3, response_body = $4, response_replayable = $5,
+        completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
+    WHERE scope_hash = $1",
+                &scope[..],
+                i32::from(r.status),
+                SqlJson(&r.headers) as _,
+                &r.body[..],
+                r.replayable,
+                state.config().retention_ms()
             )
+            .execute(&mut *tx)
+            .await?;
+            let again = sqlx::query!(
+                r#"SELECT jsonb_build_object(
+                    'state', r.state, 'token', r.fencing_token, 'fingerprint_alg', r.fingerprint_alg,
+                    'lease_remaining_ms', CASE WHEN r.state = 'in_progress'
+                        THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - clock_timestamp())) * 1000))::bigint
+                        ELSE 0 END,
+                    'response_status', r.response_status, 'replayable', r.response_replayable,
+                    'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+                ) AS "snapshot!: SqlJson<serde_json::Value>",
+                (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
+                r.namespace, r.subject, r.endpoint
+            FROM idempotency_records r WHERE r.scope_hash = $1
+            FOR UPDATE"#,
+                &scope[..]
+            )
+            .fetch_one(&mut *tx)
+            .await?;
+            Some(again.snapshot.0)
         }
         _ => {
-            sqlx::query("DELETE FROM idempotency_records WHERE scope_hash = $1")
-                .bind(&scope[..])
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query!(
+                "DELETE FROM idempotency_records WHERE scope_hash = $1",
+                &scope[..]
+            )
+            .execute(&mut *tx)
+            .await?;
             None
         }
     };
     let replaced = op == AdminOp::Resolve && before.0["state"] == "completed";
     let forced = a.force && (lease_live || replaced);
-    let audit_id: i64 = sqlx::query_scalar(AUDIT_INSERT_SQL)
-        .bind(a.actor.trim())
-        .bind(op.label())
-        .bind(a.reason.trim())
-        .bind(forced)
-        .bind(&scope[..])
-        .bind(&namespace)
-        .bind(&subject)
-        .bind(&endpoint)
-        .bind(&before)
-        .bind(after.as_ref().map(SqlJson))
-        .fetch_one(&mut *tx)
-        .await?;
+    let audit_id = sqlx::query_scalar!(
+        "INSERT INTO idempotency_audit
+        (actor, action, reason, forced, scope_hash, namespace, subject, endpoint, before, after)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+    RETURNING id",
+        a.actor.trim(),
+        op.label(),
+        a.reason.trim(),
+        forced,
+        &scope[..],
+        namespace,
+        subject,
+        endpoint,
+        &before as _,
+        after.as_ref().map(SqlJson) as _
+    )
+    .fetch_one(&mut *tx)
+    .await?;
     tx.commit().await?;
     state.metrics().admin(op);
     state.waiters().settled(&scope);

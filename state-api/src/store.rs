@@ -144,9 +144,9 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
 /// nothing to record (its writes answer 503, and `/readyz` says it is read-only), and before
 /// the migrations have run there is nowhere to record it.
 async fn register_timeline(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-    let done = sqlx::query(
-        "INSERT INTO idempotency_timelines (timeline_id) VALUES (idempotency_current_timeline()) \
-         ON CONFLICT DO NOTHING",
+    let done = sqlx::query!(
+        "INSERT INTO idempotency_timelines (timeline_id) VALUES (idempotency_current_timeline())
+         ON CONFLICT DO NOTHING"
     )
     .execute(&mut *conn)
     .await;
@@ -273,78 +273,6 @@ const READ_SQL: &str = concat!(
     WHERE r.scope_hash = $1"
 );
 
-/// A lease that ran out, as of now (see `claim_cols!`).
-macro_rules! lease_run_out {
-    () => {
-        "lease_expires_at <= clock_timestamp() \
-         AND idempotency_serving_since() <= clock_timestamp() - lease_ms * interval '1 millisecond'"
-    };
-}
-
-/// Take over a record whose outcome is unknown (marked so, or an in_progress one whose lease
-/// ran out) for a claim that asked to: compare-and-set on the observed token, with the database
-/// clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
-const RECLAIM_SQL: &str = concat!(
-    "
-    UPDATE idempotency_records
-    SET state = 'in_progress', unknown_before = true,
-        fencing_token = nextval('idempotency_fencing_token_seq'),
-        lease_ms = $3,
-        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2
-      AND (state = 'unknown' OR (state = 'in_progress' AND ",
-    lease_run_out!(),
-    "))
-    RETURNING fencing_token"
-);
-
-/// An in_progress record whose lease ran out is unknown: marked so (compare-and-set on the
-/// observed token) for a claim that holds unknown outcomes.
-const MARK_UNKNOWN_SQL: &str = concat!(
-    "
-    UPDATE idempotency_records SET state = 'unknown', unknown_before = true
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress' AND ",
-    lease_run_out!(),
-    "
-    RETURNING fencing_token"
-);
-
-/// The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
-/// lease ends now: nothing heartbeats it any more.
-const OWNER_UNKNOWN_SQL: &str = "
-    UPDATE idempotency_records
-    SET state = 'unknown', unknown_before = true,
-        lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-    RETURNING fencing_token";
-
-/// Reuse a record past its retention as if it were new (compare-and-set on the observed token).
-const TAKE_OVER_SQL: &str = "
-    UPDATE idempotency_records
-    SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6,
-        state = 'in_progress', unknown_before = false,
-        fencing_token = nextval('idempotency_fencing_token_seq'),
-        lease_ms = $7,
-        lease_expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond',
-        created_at = clock_timestamp(),
-        completed_at = NULL,
-        expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond',
-        retention_ms = $8, namespace = $9,
-        response_status = NULL, response_headers = NULL, response_body = NULL,
-        response_replayable = NULL
-    WHERE scope_hash = $1 AND fencing_token = $2
-      AND expires_at <= clock_timestamp()
-      AND (state = 'completed' OR lease_expires_at <= clock_timestamp())
-    RETURNING fencing_token";
-
-/// The owner is alive after all: an unknown record it still holds is in progress again.
-const HEARTBEAT_SQL: &str = "
-    UPDATE idempotency_records
-    SET state = 'in_progress', lease_ms = $3,
-        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-    RETURNING fencing_token";
-
 /// Until the retention expiry of the row (database clock, rounded down so that a cache that
 /// trusts it never outlives the record).
 macro_rules! expires_in_ms {
@@ -353,18 +281,6 @@ macro_rules! expires_in_ms {
     };
 }
 
-const COMPLETE_SQL: &str = concat!(
-    "
-    UPDATE idempotency_records
-    SET state = 'completed',
-        response_status = $3, response_headers = $4, response_body = $5, response_replayable = $6,
-        completed_at = clock_timestamp(),
-        -- The record's own retention (its claim's), else this process's default.
-        expires_at = clock_timestamp() + COALESCE(retention_ms, $7::bigint) * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-    RETURNING ",
-    expires_in_ms!()
-);
 
 /// Claims and completes of many requests (distinct scope hashes) in one statement and one
 /// commit: `CLAIM_SQL` and `COMPLETE_SQL` over arrays, with the same conditions.
@@ -433,61 +349,9 @@ const WRITE_BATCH_SQL: &str = concat!(
     FROM done d"
 );
 
-/// A retried complete of the same owner (its first answer was lost): the record as stored.
-const COMPLETED_BY_SQL: &str = concat!(
-    "SELECT ",
-    expires_in_ms!(),
-    " FROM idempotency_records WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'"
-);
-
-/// Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
-/// it over): then it is unknown again, since only this owner's attempt certainly did not run.
-const RELEASE_SQL: &str = "
-    WITH kept AS (
-        UPDATE idempotency_records
-        SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
-        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-          AND unknown_before
-        RETURNING fencing_token
-    ), freed AS (
-        DELETE FROM idempotency_records
-        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-          AND NOT unknown_before
-        RETURNING fencing_token
-    )
-    SELECT fencing_token FROM kept UNION ALL SELECT fencing_token FROM freed";
-
-/// Expired rows, a batch at a time. `FOR UPDATE SKIP LOCKED` re-checks the condition on a row
-/// a concurrent claim just renewed, and skips rows being written right now.
-const PURGE_SQL: &str = "
-    DELETE FROM idempotency_records
-    WHERE scope_hash IN (
-        SELECT scope_hash FROM idempotency_records
-        WHERE expires_at < clock_timestamp()
-          AND (state = 'completed' OR lease_expires_at < clock_timestamp())
-        ORDER BY expires_at
-        LIMIT $1
-        FOR UPDATE SKIP LOCKED)";
-
-const VIEW_SQL: &str = "
-    SELECT r.state, r.subject, r.endpoint, r.fingerprint_alg, r.fencing_token,
-        CASE WHEN r.state = 'in_progress'
-             THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
-             ELSE 0 END AS lease_remaining_ms,
-        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.created_at)) * 1000))::bigint AS age_ms,
-        -- GREATEST ignores NULLs: keep NULL for records not completed.
-        CASE WHEN r.completed_at IS NOT NULL
-             THEN GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.completed_at)) * 1000))::bigint
-             END AS completed_age_ms,
-        r.response_status, r.response_replayable,
-        GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms
-    FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
-    WHERE r.scope_hash = $1";
-
 /// The operator's view of one record (no body).
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct RecordRow {
-    #[sqlx(try_from = "String")]
     pub state: RecordState,
     pub subject: String,
     pub endpoint: String,
@@ -646,30 +510,30 @@ impl Store {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        sqlx::query!("SELECT 1 AS one").fetch_one(&self.pool).await?;
         Ok(())
     }
 
     /// What the database behind the pool is: a primary (its timeline, and how many synchronous
     /// standbys it has, when this user may see them), or a server that cannot take writes.
     pub async fn readiness(&self) -> Result<Readiness, StoreError> {
-        let row = sqlx::query(
-            "SELECT pg_is_in_recovery() AS standby, \
-               CASE WHEN pg_is_in_recovery() THEN NULL ELSE idempotency_current_timeline() END AS timeline, \
-               (SELECT count(*) FROM pg_stat_replication WHERE sync_state IN ('sync', 'quorum')) AS sync_standbys, \
-               (SELECT count(*) FROM pg_stat_replication) AS standbys, \
-               current_setting('synchronous_standby_names') <> '' AS synchronous",
+        let row = sqlx::query!(
+            r#"SELECT pg_is_in_recovery() AS "standby!",
+               CASE WHEN pg_is_in_recovery() THEN NULL ELSE idempotency_current_timeline() END AS timeline,
+               (SELECT count(*) FROM pg_stat_replication WHERE sync_state IN ('sync', 'quorum')) AS "sync_standbys!",
+               (SELECT count(*) FROM pg_stat_replication) AS "standbys!",
+               current_setting('synchronous_standby_names') <> '' AS "synchronous!""#
         )
         .fetch_one(&self.pool)
         .await?;
-        if row.try_get::<bool, _>("standby")? {
+        if row.standby {
             return Ok(Readiness::ReadOnly);
         }
         Ok(Readiness::Primary {
-            timeline: row.try_get::<Option<i64>, _>("timeline")?.unwrap_or(0),
-            synchronous: row.try_get("synchronous")?,
-            sync_standbys: row.try_get("sync_standbys")?,
-            standbys: row.try_get("standbys")?,
+            timeline: row.timeline.unwrap_or(0),
+            synchronous: row.synchronous,
+            sync_standbys: row.sync_standbys,
+            standbys: row.standbys,
         })
     }
 
@@ -705,35 +569,81 @@ impl Store {
             let Some(row) = row else { continue };
             let won = match decide(row, c)? {
                 Step::Answer(outcome) => return Ok(outcome),
-                Step::Reclaim { observed } => sqlx::query_scalar::<_, i64>(RECLAIM_SQL)
-                    .bind(&c.scope[..])
-                    .bind(observed)
-                    .bind(lease)
+                Step::Reclaim { observed } => {
+                    // Take over a record whose outcome is unknown (marked so, or an in_progress one whose lease
+                    // ran out) for a claim that asked to: compare-and-set on the observed token, with the database
+                    // clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
+                    sqlx::query_scalar!(
+                        "UPDATE idempotency_records
+                        SET state = 'in_progress', unknown_before = true,
+                            fencing_token = nextval('idempotency_fencing_token_seq'),
+                            lease_ms = $3,
+                            lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+                        WHERE scope_hash = $1 AND fencing_token = $2
+                          AND (state = 'unknown' OR (state = 'in_progress'
+                            AND lease_expires_at <= clock_timestamp()
+                            AND idempotency_serving_since()
+                                <= clock_timestamp() - lease_ms * interval '1 millisecond'))
+                        RETURNING fencing_token",
+                        &c.scope[..],
+                        observed,
+                        lease
+                    )
                     .fetch_optional(&self.pool)
                     .await?
-                    .map(|token| (token, true)),
+                    .map(|token| (token, true))
+                }
                 Step::TakeOver {
                     observed,
                     was_in_progress,
-                } => sqlx::query_scalar::<_, i64>(TAKE_OVER_SQL)
-                    .bind(&c.scope[..])
-                    .bind(observed)
-                    .bind(c.subject)
-                    .bind(c.endpoint)
-                    .bind(c.fingerprint_alg)
-                    .bind(c.fingerprint)
-                    .bind(lease)
-                    .bind(c.retention_ms)
-                    .bind(c.namespace)
+                } => {
+                    // Reuse a record past its retention as if it were new (compare-and-set on the observed token).
+                    sqlx::query_scalar!(
+                        "UPDATE idempotency_records
+    SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6,
+        state = 'in_progress', unknown_before = false,
+        fencing_token = nextval('idempotency_fencing_token_seq'),
+        lease_ms = $7,
+        lease_expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond',
+        created_at = clock_timestamp(),
+        completed_at = NULL,
+        expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond',
+        retention_ms = $8, namespace = $9,
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        response_replayable = NULL
+    WHERE scope_hash = $1 AND fencing_token = $2
+      AND expires_at <= clock_timestamp()
+      AND (state = 'completed' OR lease_expires_at <= clock_timestamp())
+    RETURNING fencing_token",
+                        &c.scope[..],
+                        observed,
+                        c.subject,
+                        c.endpoint,
+                        c.fingerprint_alg,
+                        c.fingerprint,
+                        lease,
+                        c.retention_ms,
+                        c.namespace
+                    )
                     .fetch_optional(&self.pool)
                     .await?
-                    .map(|token| (token, was_in_progress)),
+                    .map(|token| (token, was_in_progress))
+                }
                 Step::MarkUnknown { observed } => {
-                    let marked = sqlx::query_scalar::<_, i64>(MARK_UNKNOWN_SQL)
-                        .bind(&c.scope[..])
-                        .bind(observed)
-                        .fetch_optional(&self.pool)
-                        .await?;
+                    // An in_progress record whose lease ran out is unknown: marked so (compare-and-set on the
+                    // observed token) for a claim that holds unknown outcomes.
+                    let marked = sqlx::query_scalar!(
+                        "UPDATE idempotency_records SET state = 'unknown', unknown_before = true
+                        WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+                          AND lease_expires_at <= clock_timestamp()
+                          AND idempotency_serving_since()
+                              <= clock_timestamp() - lease_ms * interval '1 millisecond'
+                        RETURNING fencing_token",
+                        &c.scope[..],
+                        observed
+                    )
+                    .fetch_optional(&self.pool)
+                    .await?;
                     if marked.is_some() {
                         return Ok(ClaimResponse::Unknown);
                     }
@@ -863,10 +773,12 @@ impl Store {
         lease_ms: u64,
     ) -> Result<bool, StoreError> {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
-        let row = sqlx::query_scalar::<_, i64>(HEARTBEAT_SQL)
-            .bind(&scope[..])
-            .bind(token)
-            .bind(lease)
+        // The owner is alive after all: an unknown record it still holds is in progress again.
+        let row = sqlx::query_scalar!("UPDATE idempotency_records
+    SET state = 'in_progress', lease_ms = $3,
+        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+    RETURNING fencing_token", &scope[..], token, lease)
             .fetch_optional(&self.pool)
             .await?;
         Ok(row.is_some())
@@ -880,16 +792,27 @@ impl Store {
         response: &StoredResponse,
         retention_ms: i64,
     ) -> Result<WriteResult, StoreError> {
-        let done = sqlx::query_scalar::<_, i64>(COMPLETE_SQL)
-            .bind(&scope[..])
-            .bind(token)
-            .bind(i32::from(response.status))
-            .bind(Json(&response.headers))
-            .bind(&response.body[..])
-            .bind(response.replayable)
-            .bind(retention_ms)
-            .fetch_optional(&self.pool)
-            .await?;
+        let done = sqlx::query_scalar!(
+            r#"UPDATE idempotency_records
+            SET state = 'completed',
+                response_status = $3, response_headers = $4, response_body = $5,
+                response_replayable = $6,
+                completed_at = clock_timestamp(),
+                -- The record's own retention (its claim's), else this process's default.
+                expires_at = clock_timestamp()
+                    + COALESCE(retention_ms, $7::bigint) * interval '1 millisecond'
+            WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+            RETURNING GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::bigint AS "expires_in_ms!""#,
+            &scope[..],
+            token,
+            i32::from(response.status),
+            Json(&response.headers) as _,
+            &response.body[..],
+            response.replayable,
+            retention_ms
+        )
+        .fetch_optional(&self.pool)
+        .await?;
         match done {
             Some(expires_in_ms) => Ok(WriteResult::Done {
                 expires_in_ms: ms(expires_in_ms),
@@ -905,11 +828,16 @@ impl Store {
         scope: &ScopeHash,
         token: i64,
     ) -> Result<WriteResult, StoreError> {
-        let same_owner_done = sqlx::query_scalar::<_, i64>(COMPLETED_BY_SQL)
-            .bind(&scope[..])
-            .bind(token)
-            .fetch_optional(&self.pool)
-            .await?;
+        // A retried complete of the same owner (its first answer was lost): the record as stored.
+        let same_owner_done = sqlx::query_scalar!(
+            r#"SELECT GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::bigint AS "expires_in_ms!"
+            FROM idempotency_records
+            WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'"#,
+            &scope[..],
+            token
+        )
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(match same_owner_done {
             Some(expires_in_ms) => WriteResult::AlreadyDone {
                 expires_in_ms: ms(expires_in_ms),
@@ -925,9 +853,13 @@ impl Store {
         scope: &ScopeHash,
         token: i64,
     ) -> Result<Option<bool>, StoreError> {
-        let marked = sqlx::query_scalar::<_, i64>(OWNER_UNKNOWN_SQL)
-            .bind(&scope[..])
-            .bind(token)
+        // The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
+        // lease ends now: nothing heartbeats it any more.
+        let marked = sqlx::query_scalar!("UPDATE idempotency_records
+    SET state = 'unknown', unknown_before = true,
+        lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+    RETURNING fencing_token", &scope[..], token)
             .fetch_optional(&self.pool)
             .await?;
         if marked.is_some() {
@@ -941,9 +873,22 @@ impl Store {
 
     /// Deletes the in-progress record of the owner holding `token`. `false`: fenced out.
     pub async fn release(&self, scope: &ScopeHash, token: i64) -> Result<bool, StoreError> {
-        let row = sqlx::query_scalar::<_, i64>(RELEASE_SQL)
-            .bind(&scope[..])
-            .bind(token)
+        // Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
+        // it over): then it is unknown again, since only this owner's attempt certainly did not run.
+        let row = sqlx::query_scalar!(r#"WITH kept AS (
+        UPDATE idempotency_records
+        SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
+        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+          AND unknown_before
+        RETURNING fencing_token
+    ), freed AS (
+        DELETE FROM idempotency_records
+        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+          AND NOT unknown_before
+        RETURNING fencing_token
+    )
+    SELECT fencing_token AS "fencing_token!" FROM kept
+    UNION ALL SELECT fencing_token FROM freed"#, &scope[..], token)
             .fetch_optional(&self.pool)
             .await?;
         Ok(row.is_some())
@@ -952,25 +897,66 @@ impl Store {
     /// Whether a record lives at `scope` (a lookup during a rotation of the key secret).
     pub async fn exists(&self, scope: &ScopeHash) -> Result<bool, StoreError> {
         Ok(
-            sqlx::query_scalar::<_, i32>("SELECT 1 FROM idempotency_records WHERE scope_hash = $1")
-                .bind(&scope[..])
-                .fetch_optional(&self.pool)
-                .await?
-                .is_some(),
+            sqlx::query_scalar!(
+                "SELECT 1 AS one FROM idempotency_records WHERE scope_hash = $1",
+                &scope[..]
+            )
+            .fetch_optional(&self.pool)
+            .await?
+            .is_some(),
         )
     }
 
     pub async fn record(&self, scope: &ScopeHash) -> Result<Option<RecordRow>, StoreError> {
-        Ok(sqlx::query_as::<_, RecordRow>(VIEW_SQL)
-            .bind(&scope[..])
+        let Some(r) = sqlx::query!(r#"
+    SELECT r.state, r.subject, r.endpoint, r.fingerprint_alg, r.fencing_token,
+        CASE WHEN r.state = 'in_progress'
+             THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
+             ELSE 0 END AS "lease_remaining_ms!",
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.created_at)) * 1000))::bigint AS "age_ms!",
+        -- GREATEST ignores NULLs: keep NULL for records not completed.
+        CASE WHEN r.completed_at IS NOT NULL
+             THEN GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.completed_at)) * 1000))::bigint
+             END AS completed_age_ms,
+        r.response_status, r.response_replayable,
+        GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS "expires_in_ms!"
+    FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
+    WHERE r.scope_hash = $1"#, &scope[..])
             .fetch_optional(&self.pool)
-            .await?)
+            .await?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(RecordRow {
+            state: r
+                .state
+                .parse()
+                .map_err(|_| StoreError::Corrupt("record state"))?,
+            subject: r.subject,
+            endpoint: r.endpoint,
+            fingerprint_alg: r.fingerprint_alg,
+            fencing_token: r.fencing_token,
+            lease_remaining_ms: r.lease_remaining_ms,
+            age_ms: r.age_ms,
+            completed_age_ms: r.completed_age_ms,
+            response_status: r.response_status,
+            response_replayable: r.response_replayable,
+            expires_in_ms: r.expires_in_ms,
+        }))
     }
 
     /// Deletes one batch of expired records; returns how many.
     pub async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(PURGE_SQL)
-            .bind(i64::from(batch))
+        // Expired rows, a batch at a time. `FOR UPDATE SKIP LOCKED` re-checks the condition on a row
+        // a concurrent claim just renewed, and skips rows being written right now.
+        let done = sqlx::query!("DELETE FROM idempotency_records
+    WHERE scope_hash IN (
+        SELECT scope_hash FROM idempotency_records
+        WHERE expires_at < clock_timestamp()
+          AND (state = 'completed' OR lease_expires_at < clock_timestamp())
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED)", i64::from(batch))
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected())
