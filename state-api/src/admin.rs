@@ -23,6 +23,7 @@ use subtle::ConstantTimeEq as _;
 use crate::http::{bad, checked_response, ms, record_view, scope_of, ApiError, ApiJson};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
+use crate::sealing::Sealed;
 use crate::store::StoreError;
 use crate::AppState;
 
@@ -161,15 +162,9 @@ async fn show(
         ));
     }
     let body_base64 = if q.body {
-        sqlx::query_scalar!(
-            "SELECT response_body FROM idempotency_records
-             WHERE scope_hash = $1 AND state = 'completed' AND response_replayable",
-            &scope[..]
-        )
-        .fetch_optional(state.store().pool())
-        .await?
-        .flatten()
-        .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
+        replayable_body(&state, &scope)
+            .await?
+            .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
     } else {
         None
     };
@@ -180,6 +175,35 @@ async fn show(
         body_base64,
         audit,
     }))
+}
+
+/// The body of a replayable completed record, opened with the storage keys.
+async fn replayable_body(state: &AppState, scope: &ScopeHash) -> Result<Option<Vec<u8>>, ApiError> {
+    let Some(r) = sqlx::query!(
+        r#"SELECT fencing_token, response_status AS "status!", response_headers AS "headers!: SqlJson<Vec<(String, String)>>",
+               response_body AS "body!", response_key_id
+        FROM idempotency_records
+        WHERE scope_hash = $1 AND state = 'completed' AND response_replayable"#,
+        &scope[..]
+    )
+    .fetch_optional(state.store().pool())
+    .await?
+    else {
+        return Ok(None);
+    };
+    let status = u16::try_from(r.status).map_err(|_| StoreError::Corrupt("response status"))?;
+    let sealed = Sealed {
+        key_id: r.response_key_id,
+        headers: r.headers.0,
+        body: r.body,
+    };
+    let opened = state
+        .store()
+        .sealer()
+        .open(&scope[..], r.fencing_token, status, true, sealed)
+        .map_err(StoreError::from)
+        .inspect_err(|e| state.metrics().count_unopenable(e))?;
+    Ok(Some(opened.body))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -309,7 +333,7 @@ async fn act(
             'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
         ) AS "snapshot!: SqlJson<serde_json::Value>",
         (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
-        r.namespace, r.subject, r.endpoint
+        r.namespace, r.subject, r.endpoint, r.fencing_token
     FROM idempotency_records r WHERE r.scope_hash = $1
     FOR UPDATE"#,
         &scope[..]
@@ -323,7 +347,8 @@ async fn act(
         ));
     };
     let (before, lease_live) = (row.snapshot, row.lease_live);
-    let (namespace, subject, endpoint) = (row.namespace, row.subject, row.endpoint);
+    let (namespace, subject, endpoint, token) =
+        (row.namespace, row.subject, row.endpoint, row.fencing_token);
     if lease_live && !a.force {
         return Err(ApiError::new(
             ProblemKind::LeaseLive,
@@ -338,19 +363,23 @@ async fn act(
     }
     let after: Option<serde_json::Value> = match (op, stored) {
         (AdminOp::Resolve, Some(r)) => {
+            let sealed = state.store().sealer().seal(&scope[..], token, &r);
             sqlx::query!(
                 "UPDATE idempotency_records
-    SET state = 'completed',
-        response_status = $2, response_headers = $3, response_body = $4, response_replayable = $5,
-        completed_at = clock_timestamp(),
-        expires_at = clock_timestamp() + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
-    WHERE scope_hash = $1",
+                SET state = 'completed',
+                    response_status = $2, response_headers = $3, response_body = $4,
+                    response_replayable = $5, response_key_id = $7,
+                    completed_at = clock_timestamp(),
+                    expires_at = clock_timestamp()
+                        + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
+                WHERE scope_hash = $1",
                 &scope[..],
                 i32::from(r.status),
-                SqlJson(&r.headers) as _,
-                &r.body[..],
+                SqlJson(&sealed.headers) as _,
+                &sealed.body[..],
                 r.replayable,
-                state.config().retention_ms()
+                state.config().retention_ms(),
+                sealed.key_id
             )
             .execute(&mut *tx)
             .await?;

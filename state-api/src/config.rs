@@ -51,6 +51,26 @@ pub struct Config {
     #[arg(long, env = "IDEM_PREVIOUS_KEY_SECRET", hide_env_values = true)]
     pub previous_key_secret: Option<Secret>,
 
+    /// The AES-256 storage key (32 bytes, standard base64: `openssl rand -base64 32`) that
+    /// seals every stored response's headers and body before they are written. Without one,
+    /// responses are stored in clear (a warning at start).
+    #[arg(long, env = "STATE_API_STORAGE_KEY", hide_env_values = true)]
+    pub storage_key: Option<Secret>,
+
+    /// A file holding the storage key instead (base64, surrounding whitespace ignored).
+    #[arg(
+        long,
+        env = "STATE_API_STORAGE_KEY_FILE",
+        conflicts_with = "storage_key"
+    )]
+    pub storage_key_file: Option<std::path::PathBuf>,
+
+    /// During a rotation of the storage key: the key records were sealed with before. It only
+    /// opens them; new records are sealed with `--storage-key`. Drop it once the longest
+    /// retention has passed since the rotation.
+    #[arg(long, env = "STATE_API_PREVIOUS_STORAGE_KEY", hide_env_values = true)]
+    pub previous_storage_key: Option<Secret>,
+
     /// Maximum database connections in the pool.
     #[arg(long, env = "STATE_API_POOL_SIZE", default_value_t = 16)]
     pub pool_size: u32,

@@ -104,7 +104,13 @@ impl From<sqlx::Error> for ApiError {
 /// the database's message.
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
-        if e.is_unavailable() {
+        if e.is_unopenable() {
+            tracing::error!(error = %e, "stored response does not open");
+            Self::new(
+                ProblemKind::Internal,
+                "the stored response for this key cannot be opened with this state API's storage keys; nothing was replayed",
+            )
+        } else if e.is_unavailable() {
             tracing::warn!(error = %e, "database unavailable");
             Self::new(
                 ProblemKind::StateUnavailable,
@@ -374,7 +380,11 @@ async fn claim(
         namespace: req.namespace,
         deadline,
     };
-    let mut outcome = state.batcher().claim(job.clone()).await?;
+    let mut outcome = state
+        .batcher()
+        .claim(job.clone())
+        .await
+        .inspect_err(|e| state.metrics().count_unopenable(e))?;
     let mut waited_ms = None;
     if wait_ms > 0 && matches!(outcome, ClaimResponse::InProgress { .. }) {
         (outcome, waited_ms) = wait_for_outcome(&state, job, outcome, wait_ms).await?;
@@ -439,7 +449,11 @@ async fn wait_for_outcome(
             _ = &mut woken => {}
             _ = tokio::time::sleep(nap) => {}
         }
-        outcome = state.batcher().claim(job.clone()).await?;
+        outcome = state
+            .batcher()
+            .claim(job.clone())
+            .await
+            .inspect_err(|e| state.metrics().count_unopenable(e))?;
         if !matches!(outcome, ClaimResponse::InProgress { .. }) {
             state.metrics().wait(metrics::WaitEnd::Settled);
             return Ok((outcome, Some(elapsed_ms(started))));

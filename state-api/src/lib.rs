@@ -12,6 +12,7 @@ pub mod http;
 pub mod metrics;
 pub mod openapi;
 pub mod scope;
+pub mod sealing;
 pub mod store;
 pub mod waiters;
 
@@ -40,6 +41,10 @@ pub enum StartError {
     DatabaseUrl(sqlx::Error),
     #[error("key secret: {0}")]
     KeySecret(String),
+    #[error("storage key: {0}")]
+    StorageKey(#[from] sealing::KeyError),
+    #[error("--previous-storage-key is the same as the storage key: a rotation needs a new key")]
+    SamePreviousStorageKey,
     #[error("store: {0}")]
     Store(#[from] store::StoreError),
     #[error("listen: {0}")]
@@ -56,6 +61,30 @@ struct Inner {
     /// `None`: no admin token configured (the admin API answers 401).
     admin_digest: Option<[u8; 32]>,
     waiters: waiters::Waiters,
+}
+
+/// The storage keys: the current one (from the flag or its file) and, during a rotation, the
+/// previous one.
+fn sealer(config: &Config) -> Result<sealing::Sealer, StartError> {
+    let current = match (&config.storage_key, &config.storage_key_file) {
+        (Some(k), _) => Some(sealing::StorageKey::from_base64(k.expose_secret())?),
+        (None, Some(path)) => Some(sealing::StorageKey::from_file(path)?),
+        (None, None) => None,
+    };
+    let previous = config
+        .previous_storage_key
+        .as_ref()
+        .map(|k| sealing::StorageKey::from_base64(k.expose_secret()))
+        .transpose()?;
+    if let (Some(c), Some(p)) = (&current, &previous) {
+        if c.id() == p.id() {
+            return Err(StartError::SamePreviousStorageKey);
+        }
+    }
+    if current.is_none() {
+        tracing::warn!("no storage key (--storage-key): stored responses are kept in clear");
+    }
+    Ok(sealing::Sealer::new(current, previous))
 }
 
 /// Everything a request needs, cheap to clone.
@@ -94,7 +123,7 @@ impl AppState {
             .as_ref()
             .map(|t| crate::token_digest(t.expose_secret()));
         let waiters = waiters::Waiters::new(config.max_waiters);
-        let store = Store::new(pool);
+        let store = Store::new(pool, Arc::new(sealer(&config)?));
         let metrics = Arc::new(Metrics::default());
         let batcher = Batcher::new(store.clone(), metrics.clone(), config.batch_limits());
         Ok(Self {

@@ -232,6 +232,7 @@ pub struct Metrics {
     shed: [Counter; Shed::ALL.len()],
     released_for_gone: Counter,
     previous_secret_hits: Counter,
+    unopenable: Counter,
     /// unavailable (503), internal (500)
     errors: [Counter; 2],
     latency: [Histogram; Route::ALL.len()],
@@ -317,6 +318,11 @@ impl Default for Metrics {
             "state_api_previous_key_secret_hits",
             "Requests whose record was found under --previous-key-secret (a rotation of the key secret)",
         );
+        let unopenable = counter(
+            &mut r,
+            "state_api_unopenable_responses",
+            "Stored responses that did not open under the storage keys (tampered, moved between records, or sealed under a key this process lacks): answered 500, never replayed",
+        );
         let errors = counters(
             &mut r,
             "state_api_errors",
@@ -381,6 +387,7 @@ impl Default for Metrics {
             shed,
             released_for_gone,
             previous_secret_hits,
+            unopenable,
             errors,
             latency,
             batch_sizes,
@@ -455,6 +462,15 @@ impl Metrics {
     /// A record found under the previous key secret (a rotation still has work to do).
     pub fn previous_secret_hit(&self) {
         self.previous_secret_hits.inc();
+    }
+    /// Counts `e` when it is a stored response that did not open.
+    pub fn count_unopenable(&self, e: &crate::store::StoreError) {
+        if e.is_unopenable() {
+            self.unopenable.inc();
+        }
+    }
+    pub fn unopenable_total(&self) -> u64 {
+        get(&self.unopenable)
     }
     pub fn observe(&self, route: Route, d: Duration) {
         self.latency[route as usize].observe(d.as_secs_f64());

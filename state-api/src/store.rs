@@ -3,6 +3,7 @@
 //! held between two requests. All times come from the database clock.
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -12,6 +13,7 @@ use sqlx::{FromRow as _, Row as _};
 use contract::wire::{ClaimResponse, RecordState, StoredResponse};
 
 use crate::scope::ScopeHash;
+use crate::sealing::{OpenError, Sealed, Sealer};
 
 /// The embedded migrations (`state-api/migrations`).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -30,6 +32,10 @@ pub enum StoreError {
     Contention,
     #[error("stored record is inconsistent: {0}")]
     Corrupt(&'static str),
+    /// A stored response that does not open (tampered, moved, or sealed under a storage key
+    /// this process does not have): a 500 for that record, never a replay of something else.
+    #[error("stored response: {0}")]
+    Sealed(#[from] OpenError),
     /// The error of a group-commit statement, given to every request of its batch.
     #[error(transparent)]
     Batch(std::sync::Arc<StoreError>),
@@ -47,6 +53,15 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// True when a stored response did not open under the storage keys.
+    pub fn is_unopenable(&self) -> bool {
+        match self {
+            Self::Sealed(_) => true,
+            Self::Batch(inner) => inner.is_unopenable(),
+            _ => false,
+        }
+    }
+
     /// True when the database cannot be reached or is shutting down or overloaded: the
     /// caller answers 503 and the filter fails closed.
     pub fn is_unavailable(&self) -> bool {
@@ -77,7 +92,7 @@ impl StoreError {
             },
             Self::Contention | Self::Unanswered | Self::Overloaded | Self::CallerGone => true,
             Self::Batch(e) => e.is_unavailable(),
-            Self::Migrate(_) | Self::Corrupt(_) => false,
+            Self::Migrate(_) | Self::Corrupt(_) | Self::Sealed(_) => false,
         }
     }
 }
@@ -212,6 +227,7 @@ struct ClaimRow {
     response_headers: Option<Json<Vec<(String, String)>>>,
     response_body: Option<Vec<u8>>,
     response_replayable: Option<bool>,
+    response_key_id: Option<i64>,
 }
 
 /// The columns of `ClaimRow`, for a row `r` read at time `c.now`.
@@ -230,7 +246,8 @@ macro_rules! claim_cols {
           AND idempotency_serving_since() <= c.now - r.lease_ms * interval '1 millisecond') AS lease_expired, \
          (r.expires_at <= c.now AND (r.state = 'completed' OR r.lease_expires_at <= c.now)) AS retention_expired, \
          GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms, \
-         r.response_status, r.response_headers, r.response_body, r.response_replayable"
+         r.response_status, r.response_headers, r.response_body, r.response_replayable, \
+         r.response_key_id"
     };
 }
 
@@ -281,7 +298,6 @@ macro_rules! expires_in_ms {
     };
 }
 
-
 /// Claims and completes of many requests (distinct scope hashes) in one statement and one
 /// commit: `CLAIM_SQL` and `COMPLETE_SQL` over arrays, with the same conditions.
 ///
@@ -321,14 +337,14 @@ const WRITE_BATCH_SQL: &str = concat!(
         UPDATE idempotency_records r
         SET state = 'completed',
             response_status = i.status, response_headers = i.headers, response_body = i.body,
-            response_replayable = i.replayable,
+            response_replayable = i.replayable, response_key_id = i.key_id,
             completed_at = clock_timestamp(),
             expires_at = clock_timestamp()
                 + COALESCE(r.retention_ms, i.retention_ms) * interval '1 millisecond'
         FROM unnest($9::bytea[], $10::bigint[], $11::int[], $12::jsonb[], $13::bytea[],
-                    $14::bool[], $15::bigint[])
+                    $14::bool[], $15::bigint[], $16::bigint[])
             WITH ORDINALITY AS i(scope_hash, token, status, headers, body, replayable,
-                                 retention_ms, idx)
+                                 retention_ms, key_id, idx)
         WHERE r.scope_hash = i.scope_hash AND r.fencing_token = i.token
           AND r.state IN ('in_progress', 'unknown')
         RETURNING i.idx, ",
@@ -345,7 +361,8 @@ const WRITE_BATCH_SQL: &str = concat!(
     " FROM existing r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
     UNION ALL
     SELECT 'complete', d.idx, NULL, NULL::text, NULL::bigint, NULL::text, NULL::text, NULL::bigint,
-        NULL::bool, NULL::bool, d.expires_in_ms, NULL::int, NULL::jsonb, NULL::bytea, NULL::bool
+        NULL::bool, NULL::bool, d.expires_in_ms, NULL::int, NULL::jsonb, NULL::bytea, NULL::bool,
+        NULL::bigint
     FROM done d"
 );
 
@@ -434,7 +451,7 @@ enum Step {
 
 /// The decision on an existing (or just inserted) row. Order matters: an expired key is new;
 /// otherwise the fingerprint is compared first, for in_progress and completed alike.
-fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
+fn decide(row: ClaimRow, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<Step, StoreError> {
     if row.inserted {
         return Ok(Step::Answer(ClaimResponse::claimed(
             row.fencing_token,
@@ -464,13 +481,15 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
             };
             let status =
                 u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
+            let stored = Sealed {
+                key_id: row.response_key_id,
+                headers,
+                body,
+            };
+            let response =
+                sealer.open(&claim.scope, row.fencing_token, status, replayable, stored)?;
             Ok(Step::Answer(ClaimResponse::completed(
-                StoredResponse {
-                    status,
-                    headers,
-                    body,
-                    replayable,
-                },
+                response,
                 u64::try_from(row.expires_in_ms).unwrap_or(0),
             )))
         }
@@ -493,11 +512,17 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
 #[derive(Clone)]
 pub struct Store {
     pool: PgPool,
+    sealer: Arc<Sealer>,
 }
 
 impl Store {
-    pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+    pub fn new(pool: PgPool, sealer: Arc<Sealer>) -> Self {
+        Self { pool, sealer }
+    }
+
+    /// The storage keys that seal and open stored responses.
+    pub fn sealer(&self) -> &Sealer {
+        &self.sealer
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -510,7 +535,9 @@ impl Store {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query!("SELECT 1 AS one").fetch_one(&self.pool).await?;
+        sqlx::query!("SELECT 1 AS one")
+            .fetch_one(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -567,7 +594,7 @@ impl Store {
             };
             // Still nothing: purged or released meanwhile, so insert again.
             let Some(row) = row else { continue };
-            let won = match decide(row, c)? {
+            let won = match decide(row, c, &self.sealer)? {
                 Step::Answer(outcome) => return Ok(outcome),
                 Step::Reclaim { observed } => {
                     // Take over a record whose outcome is unknown (marked so, or an in_progress one whose lease
@@ -610,7 +637,7 @@ impl Store {
         expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond',
         retention_ms = $8, namespace = $9,
         response_status = NULL, response_headers = NULL, response_body = NULL,
-        response_replayable = NULL
+        response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
       AND expires_at <= clock_timestamp()
       AND (state = 'completed' OR lease_expires_at <= clock_timestamp())
@@ -693,14 +720,20 @@ impl Store {
         let mut bodies = Vec::with_capacity(m);
         let mut replayables = Vec::with_capacity(m);
         let mut c_retentions = Vec::with_capacity(m);
-        for it in completes {
+        let mut key_ids = Vec::with_capacity(m);
+        let sealed: Vec<Sealed> = completes
+            .iter()
+            .map(|it| self.sealer.seal(&it.scope[..], it.token, it.response))
+            .collect();
+        for (it, sealed) in completes.iter().zip(&sealed) {
             c_scopes.push(&it.scope[..]);
             tokens.push(it.token);
             statuses.push(i32::from(it.response.status));
-            headers.push(Json(&it.response.headers));
-            bodies.push(&it.response.body[..]);
+            headers.push(Json(&sealed.headers));
+            bodies.push(&sealed.body[..]);
             replayables.push(it.response.replayable);
             c_retentions.push(it.retention_ms);
+            key_ids.push(sealed.key_id);
         }
         let rows = sqlx::query(WRITE_BATCH_SQL)
             .bind(scopes)
@@ -718,6 +751,7 @@ impl Store {
             .bind(bodies)
             .bind(replayables)
             .bind(c_retentions)
+            .bind(key_ids)
             .fetch_all(&self.pool)
             .await?;
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
@@ -743,7 +777,7 @@ impl Store {
             .map(|(row, c)| match row {
                 // Committed by a concurrent inserter after our snapshot.
                 None => BatchedClaim::SinglePath,
-                Some(row) => match decide(row, c) {
+                Some(row) => match decide(row, c, &self.sealer) {
                     Ok(Step::Answer(outcome)) => BatchedClaim::Answered(outcome),
                     Ok(Step::Reclaim { .. } | Step::TakeOver { .. } | Step::MarkUnknown { .. }) => {
                         BatchedClaim::SinglePath
@@ -774,13 +808,18 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
         // The owner is alive after all: an unknown record it still holds is in progress again.
-        let row = sqlx::query_scalar!("UPDATE idempotency_records
+        let row = sqlx::query_scalar!(
+            "UPDATE idempotency_records
     SET state = 'in_progress', lease_ms = $3,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
     WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-    RETURNING fencing_token", &scope[..], token, lease)
-            .fetch_optional(&self.pool)
-            .await?;
+    RETURNING fencing_token",
+            &scope[..],
+            token,
+            lease
+        )
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(row.is_some())
     }
 
@@ -792,11 +831,12 @@ impl Store {
         response: &StoredResponse,
         retention_ms: i64,
     ) -> Result<WriteResult, StoreError> {
+        let sealed = self.sealer.seal(&scope[..], token, response);
         let done = sqlx::query_scalar!(
             r#"UPDATE idempotency_records
             SET state = 'completed',
                 response_status = $3, response_headers = $4, response_body = $5,
-                response_replayable = $6,
+                response_replayable = $6, response_key_id = $8,
                 completed_at = clock_timestamp(),
                 -- The record's own retention (its claim's), else this process's default.
                 expires_at = clock_timestamp()
@@ -806,10 +846,11 @@ impl Store {
             &scope[..],
             token,
             i32::from(response.status),
-            Json(&response.headers) as _,
-            &response.body[..],
+            Json(&sealed.headers) as _,
+            &sealed.body[..],
             response.replayable,
-            retention_ms
+            retention_ms,
+            sealed.key_id
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -855,13 +896,17 @@ impl Store {
     ) -> Result<Option<bool>, StoreError> {
         // The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
         // lease ends now: nothing heartbeats it any more.
-        let marked = sqlx::query_scalar!("UPDATE idempotency_records
+        let marked = sqlx::query_scalar!(
+            "UPDATE idempotency_records
     SET state = 'unknown', unknown_before = true,
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
     WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
-    RETURNING fencing_token", &scope[..], token)
-            .fetch_optional(&self.pool)
-            .await?;
+    RETURNING fencing_token",
+            &scope[..],
+            token
+        )
+        .fetch_optional(&self.pool)
+        .await?;
         if marked.is_some() {
             return Ok(Some(true));
         }
@@ -875,7 +920,8 @@ impl Store {
     pub async fn release(&self, scope: &ScopeHash, token: i64) -> Result<bool, StoreError> {
         // Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
         // it over): then it is unknown again, since only this owner's attempt certainly did not run.
-        let row = sqlx::query_scalar!(r#"WITH kept AS (
+        let row = sqlx::query_scalar!(
+            r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
         WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
@@ -888,23 +934,24 @@ impl Store {
         RETURNING fencing_token
     )
     SELECT fencing_token AS "fencing_token!" FROM kept
-    UNION ALL SELECT fencing_token FROM freed"#, &scope[..], token)
-            .fetch_optional(&self.pool)
-            .await?;
+    UNION ALL SELECT fencing_token FROM freed"#,
+            &scope[..],
+            token
+        )
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(row.is_some())
     }
 
     /// Whether a record lives at `scope` (a lookup during a rotation of the key secret).
     pub async fn exists(&self, scope: &ScopeHash) -> Result<bool, StoreError> {
-        Ok(
-            sqlx::query_scalar!(
-                "SELECT 1 AS one FROM idempotency_records WHERE scope_hash = $1",
-                &scope[..]
-            )
-            .fetch_optional(&self.pool)
-            .await?
-            .is_some(),
+        Ok(sqlx::query_scalar!(
+            "SELECT 1 AS one FROM idempotency_records WHERE scope_hash = $1",
+            &scope[..]
         )
+        .fetch_optional(&self.pool)
+        .await?
+        .is_some())
     }
 
     pub async fn record(&self, scope: &ScopeHash) -> Result<Option<RecordRow>, StoreError> {
@@ -949,16 +996,19 @@ impl Store {
     pub async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
         // Expired rows, a batch at a time. `FOR UPDATE SKIP LOCKED` re-checks the condition on a row
         // a concurrent claim just renewed, and skips rows being written right now.
-        let done = sqlx::query!("DELETE FROM idempotency_records
+        let done = sqlx::query!(
+            "DELETE FROM idempotency_records
     WHERE scope_hash IN (
         SELECT scope_hash FROM idempotency_records
         WHERE expires_at < clock_timestamp()
           AND (state = 'completed' OR lease_expires_at < clock_timestamp())
         ORDER BY expires_at
         LIMIT $1
-        FOR UPDATE SKIP LOCKED)", i64::from(batch))
-            .execute(&self.pool)
-            .await?;
+        FOR UPDATE SKIP LOCKED)",
+            i64::from(batch)
+        )
+        .execute(&self.pool)
+        .await?;
         Ok(done.rows_affected())
     }
 
@@ -982,6 +1032,11 @@ impl Store {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
+
+    /// The decision with responses in clear (sealing has its own tests).
+    fn decide(row: ClaimRow, claim: &NewClaim<'_>) -> Result<Step, StoreError> {
+        super::decide(row, claim, &Sealer::default())
+    }
 
     fn claim() -> NewClaim<'static> {
         NewClaim {
@@ -1012,6 +1067,7 @@ mod tests {
             response_headers: (state == "completed").then(|| Json(vec![("a".into(), "b".into())])),
             response_body: (state == "completed").then(|| vec![1, 2]),
             response_replayable: (state == "completed").then_some(true),
+            response_key_id: None,
         }
     }
 

@@ -159,12 +159,23 @@ pub struct Api {
     server: Option<tokio::task::JoinHandle<()>>,
 }
 
-/// A config for `db_url` with the test token and secret, the purge off, and `args` on top.
+/// The tests' storage key (32 bytes 0..31): every suite stores its responses sealed.
+pub const STORAGE_KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+/// Not a state API flag: `config` leaves the storage key out (responses kept in clear).
+pub const IN_CLEAR: &str = "--in-clear";
+
+/// A config for `db_url` with the test token, key secret and storage key, the purge off, and
+/// `args` on top.
 pub fn config(db_url: &str, args: &[&str]) -> Config {
     let mut all = vec!["state-api", "--database-url", db_url, "--api-token", TOKEN];
     if !args.contains(&"--key-secret") {
         all.extend_from_slice(&["--key-secret", SECRET]);
     }
+    if !args.contains(&"--storage-key") && !args.contains(&IN_CLEAR) {
+        all.extend_from_slice(&["--storage-key", STORAGE_KEY]);
+    }
+    let args: Vec<&str> = args.iter().copied().filter(|a| *a != IN_CLEAR).collect();
+    let args = &args[..];
     if !args.contains(&"--purge-interval-s") {
         all.extend_from_slice(&["--purge-interval-s", "0"]);
     }
