@@ -104,17 +104,18 @@ impl Stack {
         })
     }
 
-    /// With TLS, it serves `served` (the stack's server certificate when `None`).
+    /// Over TLS (`served`: this CA's certificates, serving this one) when given, else when the
+    /// stack runs over TLS (its server certificate).
     fn state_api_settings(
         options: &StackOptions,
         database_url: &str,
         port: u16,
-        served: Option<&CertFiles>,
+        served: Option<(&TestPki, &CertFiles)>,
     ) -> StateApiSettings {
         let mut extra_env = options.state_api_env.clone();
-        if let Some(pki) = &options.tls {
-            let tls = pki.state_tls(served.unwrap_or(&pki.server));
-            extra_env.extend(edge::render::state_api_tls_env(&tls));
+        let served = served.or_else(|| options.tls.as_deref().map(|pki| (pki, &pki.server)));
+        if let Some((pki, cert)) = served {
+            extra_env.extend(edge::render::state_api_tls_env(&pki.state_tls(cert)));
         }
         StateApiSettings {
             port,
@@ -190,14 +191,21 @@ impl Stack {
         )
     }
 
-    /// Another state API on the same database serving another certificate (a TLS stack only:
-    /// one Envoy must refuse).
-    pub fn start_extra_state_api_serving(&self, served: &CertFiles) -> Result<Service, String> {
-        if self.options.tls.is_none() {
-            return Err("start_extra_state_api_serving needs a stack with tls".into());
-        }
+    /// Another state API on the same database serving HTTPS with `served`, checking client
+    /// certificates against `pki`'s CA (a TLS stack's wrong certificates; the benchmark's TLS
+    /// hop next to a plain stack).
+    pub fn start_extra_state_api_tls(
+        &self,
+        pki: &TestPki,
+        served: &CertFiles,
+    ) -> Result<Service, String> {
         start_state_api(
-            &Self::state_api_settings(&self.options, &self.database_url, free_port(), Some(served)),
+            &Self::state_api_settings(
+                &self.options,
+                &self.database_url,
+                free_port(),
+                Some((pki, served)),
+            ),
             &self.dir,
         )
     }

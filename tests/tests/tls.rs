@@ -260,7 +260,7 @@ async fn state_api_port_answers_mutual_tls_only(stack: Arc<Stack>) {
 /// gets the filter's 503, the checkout sees nothing, and the key is still free afterwards.
 async fn envoy_refuses_the_state_api_serving(stack: Arc<Stack>, served: CertFiles, name: &str) {
     let mut impostor = stack
-        .start_extra_state_api_serving(&served)
+        .start_extra_state_api_tls(&pki(&stack), &served)
         .unwrap_or_else(|e| panic!("{e}"));
     let envoy = stack
         .start_extra_envoy(impostor.port, &format!("envoy-{name}"))
@@ -314,11 +314,13 @@ async fn renewed_certificate_is_served_after_sighup(stack: Arc<Stack>) {
     };
     copy(&pki.expired_server);
     let mut api = stack
-        .start_extra_state_api_serving(&files)
+        .start_extra_state_api_tls(&pki, &files)
         .unwrap_or_else(|e| panic!("{e}"));
     let before = https_get(api.port, "/healthz", &pki.ca, Some(&pki.client)).await;
     assert!(
-        before.as_ref().is_err_and(|e| e.contains("certificate expired")),
+        before
+            .as_ref()
+            .is_err_and(|e| e.contains("certificate expired")),
         "the expired certificate is refused: {before:?}"
     );
     copy(&pki.server);
