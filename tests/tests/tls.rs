@@ -323,20 +323,19 @@ async fn renewed_certificate_is_served_after_sighup(stack: Arc<Stack>) {
             .is_err_and(|e| e.contains("certificate expired")),
         "the expired certificate is refused: {before:?}"
     );
+    // A reload that fails (a half-written key) keeps what is served, and the process.
+    std::fs::write(&files.key, "not a key\n").unwrap_or_else(|e| panic!("{e}"));
+    api.signal("-HUP").unwrap_or_else(|e| panic!("{e}"));
+    wait_for_log(&mut api, "TLS reload failed").await;
+    let kept = https_get(api.port, "/healthz", &pki.ca, Some(&pki.client)).await;
+    assert!(
+        kept.as_ref()
+            .is_err_and(|e| e.contains("certificate expired")),
+        "the certificate in use stays after a failed reload: {kept:?}"
+    );
     copy(&pki.server);
     api.signal("-HUP").unwrap_or_else(|e| panic!("{e}"));
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !api
-        .log()
-        .contains("TLS certificate, key and client CA reloaded")
-    {
-        assert!(
-            std::time::Instant::now() < deadline && api.is_running(),
-            "no reload after SIGHUP:\n{}",
-            api.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_log(&mut api, "TLS certificate, key and client CA reloaded").await;
     let after = https_get(api.port, "/healthz", &pki.ca, Some(&pki.client)).await;
     assert!(
         after.as_ref().is_ok_and(|a| a.starts_with("HTTP/1.1 200")),
@@ -344,4 +343,17 @@ async fn renewed_certificate_is_served_after_sighup(stack: Arc<Stack>) {
         api.log_tail()
     );
     api.kill();
+}
+
+/// Waits (at most 5 s) until the service's log says `line`, the service still running.
+async fn wait_for_log(service: &mut stack::services::Service, line: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !service.log().contains(line) {
+        assert!(
+            std::time::Instant::now() < deadline && service.is_running(),
+            "no {line:?} in the log:\n{}",
+            service.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
