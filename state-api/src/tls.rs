@@ -315,6 +315,78 @@ mod tests {
         assert_eq!(files.map(|f| f.client_ca), Some(Some(PathBuf::from("ca"))));
     }
 
+    /// Two self-signed certificates for localhost, written into a folder of their own.
+    fn two_certificates(label: &str) -> (PathBuf, [(PathBuf, PathBuf); 2]) {
+        let dir =
+            std::env::temp_dir().join(format!("state-api-tls-{label}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut made = Vec::new();
+        for i in 0..2 {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+                .unwrap()
+                .self_signed(&key)
+                .unwrap();
+            let (c, k) = (
+                dir.join(format!("cert{i}.pem")),
+                dir.join(format!("key{i}.pem")),
+            );
+            std::fs::write(&c, cert.pem()).unwrap();
+            std::fs::write(&k, key.serialize_pem()).unwrap();
+            made.push((c, k));
+        }
+        let [a, b]: [(PathBuf, PathBuf); 2] = made.try_into().unwrap();
+        (dir, [a, b])
+    }
+
+    #[test]
+    fn a_key_of_another_certificate_is_refused() {
+        let (dir, [(cert0, _), (_, key1)]) = two_certificates("mismatch");
+        let files = TlsFiles {
+            cert: cert0,
+            key: key1,
+            client_ca: None,
+        };
+        let e = files.server_config().err().map(|e| e.to_string());
+        assert!(
+            e.as_deref().is_some_and(|e| e.contains("KeyMismatch")),
+            "{e:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_reload_swaps_the_configuration_and_a_failed_one_keeps_it() {
+        let (dir, [(cert0, key0), (cert1, key1)]) = two_certificates("reload");
+        let files = TlsFiles {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+            client_ca: Some(cert0.clone()),
+        };
+        std::fs::copy(&cert0, &files.cert).unwrap();
+        std::fs::copy(&key0, &files.key).unwrap();
+        let tls = Reloadable::new(files.clone()).unwrap();
+        let first = tls.current();
+        std::fs::write(&files.key, "not a key").unwrap();
+        assert!(tls.reload().is_err());
+        assert!(
+            Arc::ptr_eq(&first, &tls.current()),
+            "a failed reload keeps the old one"
+        );
+        std::fs::copy(&cert1, &files.cert).unwrap();
+        std::fs::copy(&key1, &files.key).unwrap();
+        tls.reload().unwrap();
+        assert!(
+            !Arc::ptr_eq(&first, &tls.current()),
+            "the new files are in use"
+        );
+        assert_eq!(
+            tls.current().alpn_protocols,
+            [b"h2".to_vec(), b"http/1.1".to_vec()]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn a_missing_or_empty_file_is_named() {
         let dir = std::env::temp_dir().join(format!("state-api-tls-{}", std::process::id()));
