@@ -591,6 +591,23 @@ fn real_main() -> Result<(), String> {
     } else {
         None
     };
+    // The state API hop over mutual TLS (scenario new_tls): a second state API on the same
+    // database serving HTTPS with client certificates required, and a filter Envoy that
+    // verifies it and presents its own (certificates made now, rcgen), next to the plain pair.
+    let tls_hop = if wanted("new_tls") {
+        let pki = stack::tls::TestPki::generate(&stack.dir.join("pki"))?;
+        let api = stack.start_extra_state_api_tls(&pki, &pki.server)?;
+        let mut p = plain_params(&stack);
+        p.state_api_port = api.port;
+        let tls = pki.state_tls(&pki.server);
+        p.tweak = Some(stack::envoy::Tweak::new(move |cfg| {
+            cfg.state.tls = Some(tls.clone())
+        }));
+        let envoy = Envoy::start(p, &stack.dir, "envoy-tls")?;
+        Some((api, envoy))
+    } else {
+        None
+    };
     let wasm_bytes = std::fs::metadata(stack::envoy::filter_wasm()?)
         .map(|m| m.len())
         .map_err(|e| e.to_string())?;
@@ -616,6 +633,14 @@ fn real_main() -> Result<(), String> {
         procs
             .named
             .push(("envoy-bg", find(bg.params.listen_port, "envoy-bg")?));
+    }
+    if let Some((api, envoy)) = &tls_hop {
+        procs
+            .named
+            .push(("envoy-tls", find(envoy.params.listen_port, "envoy-tls")?));
+        procs
+            .named
+            .push(("state-api-tls", find(api.port, "state-api-tls")?));
     }
     eprintln!(
         "bench: stack up in {:.1} s; logs in {}",
@@ -698,6 +723,13 @@ fn real_main() -> Result<(), String> {
                 "POST /checkout, new key, complete_in_background: the response goes on, then the worker stores it",
                 "201, not replayed",
                 background.as_ref(),
+            ),
+            (
+                "new_tls",
+                "new keys, state API over mTLS",
+                "POST /checkout, new key; Envoy -> state API over mutual TLS (a second state API on the same database)",
+                "201, not replayed",
+                tls_hop.as_ref().map(|(_, envoy)| envoy),
             ),
         ];
         for (id, label, op, expect, envoy) in fresh_keys {
@@ -910,6 +942,9 @@ fn real_main() -> Result<(), String> {
     ];
     if let Some(bg) = &background {
         envoys.push(("envoy-bg", bg));
+    }
+    if let Some((_, envoy)) = &tls_hop {
+        envoys.push(("envoy-tls", envoy));
     }
     for (name, envoy) in envoys {
         let body = envoy.admin_get("/stats?filter=^cluster\\.(state_api|checkout)\\.upstream_(cx_total|rq_total|cx_destroy|cx_max_requests|rq_pending_overflow|rq_timeout)$").unwrap_or_default();

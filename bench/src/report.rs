@@ -446,6 +446,18 @@ impl Report {
             self.wasm_bytes,
             self.wasm_bytes as f64 / 1024.0
         );
+        for t in self.tls_cost() {
+            let _ = writeln!(
+                out,
+                "state API hop over mutual TLS, c={}: {} µs of CPU per new key against {} in plain HTTP ({:+} µs; Envoy {:+}, state API {:+})",
+                t.connections,
+                f(t.total_us.1, 0),
+                f(t.total_us.0, 0),
+                (t.total_us.1 - t.total_us.0).round(),
+                (t.envoy_us.1 - t.envoy_us.0).round(),
+                (t.state_api_us.1 - t.state_api_us.0).round(),
+            );
+        }
         let _ = writeln!(out, "machine: {:?}", self.machine);
         out
     }
@@ -550,15 +562,17 @@ impl Report {
                 "plain" => "envoy-plain",
                 "jwt" => "envoy-jwt",
                 "new_bg" => "envoy-bg",
+                "new_tls" => "envoy-tls",
                 _ => "envoy",
             };
+            let state_api_name = state_api_process(&r.scenario);
             let direct = r.scenario.starts_with("state_api");
             let us = |cores: f64| cores / r.rate.max(1e-9) * 1e6;
             let p = |k: &str| r.cpu.processes.get(k).copied().unwrap_or(0.0);
             let envoy = if direct { 0.0 } else { p(envoy_name) };
             let parts = [
                 envoy,
-                p("state-api"),
+                p(state_api_name),
                 p("checkout"),
                 p("postgres"),
                 p("bench"),
@@ -600,6 +614,36 @@ impl Report {
                     .map(|v| f(v, 2))
                     .unwrap_or_else(|| "-".into()),
             );
+        }
+        let tls_rows = self.tls_cost();
+        if !tls_rows.is_empty() {
+            let _ = writeln!(out, "\n## TLS on the state API hop\n");
+            let _ = writeln!(
+                out,
+                "New keys through two filter Envoys in the same run: one calling the state API in plain \
+                 HTTP (`new keys`), one calling a second state API on the same database over mutual TLS \
+                 (`new_tls`: Envoy verifies the state API's certificate and presents its own, the state \
+                 API verifies it). Microseconds of CPU per new key; the connections Envoy keeps to the \
+                 state API are reused, so this is mostly record encryption, handshakes are rare.\n"
+            );
+            let _ = writeln!(out, "| conns | Envoy µs plain | Envoy µs TLS | state API µs plain | state API µs TLS | total µs plain | total µs TLS | TLS costs µs per new key | new keys/s plain | TLS |");
+            let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for t in &tls_rows {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    t.connections,
+                    f(t.envoy_us.0, 0),
+                    f(t.envoy_us.1, 0),
+                    f(t.state_api_us.0, 0),
+                    f(t.state_api_us.1, 0),
+                    f(t.total_us.0, 0),
+                    f(t.total_us.1, 0),
+                    f(t.total_us.1 - t.total_us.0, 0),
+                    f(t.rate.0, 0),
+                    f(t.rate.1, 0),
+                );
+            }
         }
         if !self.waiting.is_empty() {
             let _ = writeln!(out, "\n## Waiting retries\n");
@@ -654,7 +698,7 @@ impl Report {
             out,
             "Run it with `make bench` (builds the release binaries and the filter first). Knobs, as environment \
              variables: `BENCH_SECONDS` (8), `BENCH_WARMUP_SECONDS` (2), `BENCH_CONNECTIONS` (1,16), \
-             `BENCH_SCENARIOS` (plain,jwt,new,replay,inflight,state_api_dup,state_api,waiting,pgbench), \
+             `BENCH_SCENARIOS` (plain,jwt,new,new_bg,new_tls,replay,inflight,state_api_dup,state_api,waiting,pgbench), \
              `BENCH_WAITERS` (16: clients of the waiting scenario), \
              `BENCH_STATE_API_ENV` (e.g. STATE_API_POOL_PING=false), `BENCH_QUIET_WAIT_SECONDS` (90: how long to \
              wait for a quiet machine first), `BENCH_OUT` (docs).\n"
@@ -665,5 +709,61 @@ impl Report {
             }
         }
         out
+    }
+}
+
+/// The state API process a scenario's requests reach.
+fn state_api_process(scenario: &str) -> &'static str {
+    if scenario == "new_tls" {
+        "state-api-tls"
+    } else {
+        "state-api"
+    }
+}
+
+/// One level of the TLS comparison: (plain, TLS) pairs.
+#[derive(Debug, Clone, Serialize)]
+pub struct TlsCost {
+    pub connections: usize,
+    pub envoy_us: (f64, f64),
+    pub state_api_us: (f64, f64),
+    /// Every process and interrupts, per new key.
+    pub total_us: (f64, f64),
+    pub rate: (f64, f64),
+}
+
+impl Report {
+    /// `new` against `new_tls` at each level both ran: CPU per new key.
+    pub fn tls_cost(&self) -> Vec<TlsCost> {
+        let per_key = |r: &ScenarioResult| {
+            let us = |cores: f64| cores / r.rate.max(1e-9) * 1e6;
+            let p = |k: &str| r.cpu.processes.get(k).copied().unwrap_or(0.0);
+            let envoy = p(if r.scenario == "new_tls" {
+                "envoy-tls"
+            } else {
+                "envoy"
+            });
+            let api = p(state_api_process(&r.scenario));
+            let total = envoy + api + p("checkout") + p("postgres") + p("bench") + r.cpu.irq_cores;
+            (us(envoy), us(api), us(total), r.rate)
+        };
+        self.scenarios
+            .iter()
+            .filter(|r| r.scenario == "new")
+            .filter_map(|plain| {
+                let tls = self
+                    .scenarios
+                    .iter()
+                    .find(|r| r.scenario == "new_tls" && r.connections == plain.connections)?;
+                let (a, b) = (per_key(plain), per_key(tls));
+                Some(TlsCost {
+                    connections: plain.connections,
+                    envoy_us: (a.0, b.0),
+                    state_api_us: (a.1, b.1),
+                    total_us: (a.2, b.2),
+                    rate: (a.3, b.3),
+                })
+            })
+            .collect()
     }
 }

@@ -50,11 +50,29 @@ struct Local {
     run_as: Option<(u32, u32)>,
     /// Remove `root` when dropped (not for `start_at`).
     remove_on_drop: bool,
+    /// `ssl=on` with the certificate written into `root` ([`ServerTls`]).
+    ssl: bool,
     server: Option<ChildGuard>,
     watchdog: Option<ChildGuard>,
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A server certificate for a private cluster: it runs with `ssl=on`.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    /// The certificate chain (PEM), the server's first.
+    pub cert_pem: String,
+    /// Its private key (PEM); written readable by the server's user only, as Postgres asks.
+    pub key_pem: String,
+    /// Only TLS connections are accepted (`hostssl` in `pg_hba.conf`): a client that does not
+    /// ask for TLS is refused.
+    pub require: bool,
+}
+
+/// The certificate files' names in the cluster's folder.
+const TLS_CERT_FILE: &str = "server.crt";
+const TLS_KEY_FILE: &str = "server.key";
 
 /// One cluster per test process, started on first use (see the module docs for cleanup).
 pub fn shared() -> Result<&'static TempCluster, String> {
@@ -84,12 +102,28 @@ impl TempCluster {
     /// Always a private throwaway cluster, whatever `DATABASE_URL` says (crash tests need
     /// to kill and restart the server).
     pub fn start_private() -> Result<Self, String> {
+        Self::start_private_with(None)
+    }
+
+    /// A private throwaway cluster with `ssl=on` and this certificate (clients connect with
+    /// `sslmode=verify-full&sslrootcert=<its CA>`).
+    pub fn start_private_tls(tls: &ServerTls) -> Result<Self, String> {
+        Self::start_private_with(Some(tls.clone()))
+    }
+
+    fn start_private_with(tls: Option<ServerTls>) -> Result<Self, String> {
         let bin = find_bin_dir()?;
         let mut last_err = String::new();
         // A free port can be taken between our probe and the server's bind: try a few.
         // (A failed attempt removes its directory when its guard drops.)
         for _ in 0..3 {
-            match Local::create(bin.clone(), unique_temp_dir()?, free_port(), true) {
+            match Local::create(
+                bin.clone(),
+                unique_temp_dir()?,
+                free_port(),
+                true,
+                tls.clone(),
+            ) {
                 Ok(local) => {
                     return Ok(Self {
                         inner: Inner::Local(local),
@@ -109,7 +143,7 @@ impl TempCluster {
         let root = dir
             .canonicalize()
             .map_err(|e| format!("{}: {e}", dir.display()))?;
-        Local::create(bin, root, port, false).map(|local| Self {
+        Local::create(bin, root, port, false, None).map(|local| Self {
             inner: Inner::Local(local),
         })
     }
@@ -312,7 +346,13 @@ impl TempCluster {
 }
 
 impl Local {
-    fn create(bin: PathBuf, root: PathBuf, port: u16, throwaway: bool) -> Result<Self, String> {
+    fn create(
+        bin: PathBuf,
+        root: PathBuf,
+        port: u16,
+        throwaway: bool,
+        tls: Option<ServerTls>,
+    ) -> Result<Self, String> {
         let run_as = unprivileged_ids()?;
         let data = root.join("data");
         let mut local = Self {
@@ -321,6 +361,7 @@ impl Local {
             port,
             run_as,
             remove_on_drop: throwaway,
+            ssl: tls.is_some(),
             server: None,
             watchdog: None,
         };
@@ -329,6 +370,9 @@ impl Local {
         }
         if !data.join("PG_VERSION").is_file() {
             local.initdb(throwaway)?;
+        }
+        if let Some(tls) = &tls {
+            local.write_tls_files(tls)?;
         }
         local.launch()?;
         local.watchdog = Some(spawn_watchdog(&local.root, throwaway)?);
@@ -373,6 +417,40 @@ impl Local {
         Ok(())
     }
 
+    /// The certificate and key for `ssl=on` (the key readable by the server's user only, or
+    /// Postgres refuses it), and `hostssl` instead of `host` when only TLS is accepted.
+    fn write_tls_files(&self, tls: &ServerTls) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let write = |name: &str, text: &str, mode: u32| -> Result<(), String> {
+            let path = self.root.join(name);
+            fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode))
+                .map_err(|e| format!("cannot chmod {}: {e}", path.display()))?;
+            if let Some((uid, gid)) = self.run_as {
+                std::os::unix::fs::chown(&path, Some(uid), Some(gid))
+                    .map_err(|e| format!("cannot chown {}: {e}", path.display()))?;
+            }
+            Ok(())
+        };
+        write(TLS_CERT_FILE, &tls.cert_pem, 0o644)?;
+        write(TLS_KEY_FILE, &tls.key_pem, 0o600)?;
+        if tls.require {
+            let hba = self.root.join("data/pg_hba.conf");
+            let text = fs::read_to_string(&hba)
+                .map_err(|e| format!("cannot read {}: {e}", hba.display()))?;
+            let only_tls: String = text
+                .lines()
+                .map(|l| match l.strip_prefix("host ") {
+                    Some(rest) => format!("hostssl {rest}\n"),
+                    None => format!("{l}\n"),
+                })
+                .collect();
+            fs::write(&hba, only_tls)
+                .map_err(|e| format!("cannot write {}: {e}", hba.display()))?;
+        }
+        Ok(())
+    }
+
     /// Starts the postmaster and waits until it accepts queries.
     fn launch(&mut self) -> Result<(), String> {
         let log_path = self.root.join("postgres.log");
@@ -395,9 +473,20 @@ impl Local {
                 "fsync=on",
                 "-c",
                 "synchronous_commit=on",
-            ])
-            .stdout(log)
-            .stderr(log2);
+            ]);
+        if self.ssl {
+            cmd.args(["-c", "ssl=on", "-c"])
+                .arg(format!(
+                    "ssl_cert_file={}",
+                    self.root.join(TLS_CERT_FILE).display()
+                ))
+                .arg("-c")
+                .arg(format!(
+                    "ssl_key_file={}",
+                    self.root.join(TLS_KEY_FILE).display()
+                ));
+        }
+        cmd.stdout(log).stderr(log2);
         let mut server = ChildGuard::spawn("postgres", &mut cmd)?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

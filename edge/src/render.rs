@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use yaml_rust2::yaml::Hash;
 use yaml_rust2::{Yaml, YamlEmitter};
 
-use crate::config::{Config, Endpoint, Jwks, Match, OnUnknown, Subject};
+use crate::config::{Config, Endpoint, Jwks, Match, OnUnknown, StateTls, Subject};
 use filter_core::config::{KeyPolicy, On5xx, OnStateUnavailable, Selection};
 
 /// What the rendering needs besides the file: where Envoy finds the module, the token the filter
@@ -82,7 +82,7 @@ fn socket_address(addr: SocketAddr) -> Yaml {
 }
 
 /// Where Envoy reaches a service that listens on `addr` (a wildcard address is this host).
-fn reachable(addr: SocketAddr) -> Endpoint {
+pub(crate) fn reachable(addr: SocketAddr) -> Endpoint {
     let host = match addr.ip() {
         IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_owned(),
         IpAddr::V6(ip) if ip.is_unspecified() => "::1".to_owned(),
@@ -168,6 +168,73 @@ fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> 
         ));
     }
     map(pairs)
+}
+
+/// The state API cluster's TLS (`[state.tls]`): SNI and the SAN to expect are `server_name`,
+/// the certificate must chain to `ca_file`, and Envoy presents its client certificate when one
+/// is configured. Envoy reads the files when it starts.
+fn state_api_tls_socket(tls: &StateTls) -> Yaml {
+    let san_type = if tls.server_name.parse::<IpAddr>().is_ok() {
+        "IP_ADDRESS"
+    } else {
+        "DNS"
+    };
+    let file = |p: &std::path::Path| map(vec![("filename", s(p.display().to_string()))]);
+    let mut common = vec![
+        (
+            "tls_params",
+            map(vec![("tls_minimum_protocol_version", s("TLSv1_2"))]),
+        ),
+        (
+            "validation_context",
+            map(vec![
+                ("trusted_ca", file(&tls.ca_file)),
+                (
+                    "match_typed_subject_alt_names",
+                    Yaml::Array(vec![map(vec![
+                        ("san_type", s(san_type)),
+                        ("matcher", map(vec![("exact", s(tls.server_name.clone()))])),
+                    ])]),
+                ),
+            ]),
+        ),
+    ];
+    if let Some(c) = &tls.client_cert {
+        common.push((
+            "tls_certificates",
+            Yaml::Array(vec![map(vec![
+                ("certificate_chain", file(&c.cert_file)),
+                ("private_key", file(&c.key_file)),
+            ])]),
+        ));
+    }
+    map(vec![
+        ("name", s("envoy.transport_sockets.tls")),
+        (
+            "typed_config",
+            typed(
+                "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                vec![
+                    ("sni", s(tls.server_name.clone())),
+                    ("common_tls_context", map(common)),
+                ],
+            ),
+        ),
+    ])
+}
+
+/// The cluster of the state API, over TLS when `[state.tls]` says so.
+fn state_api_cluster(cfg: &Config, ca_file: &str) -> Yaml {
+    let mut c = cluster(
+        STATE_API_CLUSTER,
+        &reachable(cfg.state.listen),
+        500,
+        ca_file,
+    );
+    if let (Some(tls), Yaml::Hash(h)) = (&cfg.state.tls, &mut c) {
+        h.insert(s("transport_socket"), state_api_tls_socket(tls));
+    }
+    c
 }
 
 /// The cluster of route `i`'s reconcile endpoint when it is another service than the upstream.
@@ -500,12 +567,7 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
     ]);
     let mut clusters = vec![
         cluster(UPSTREAM_CLUSTER, &cfg.upstream, 1_000, &inputs.ca_file),
-        cluster(
-            STATE_API_CLUSTER,
-            &reachable(cfg.state.listen),
-            500,
-            &inputs.ca_file,
-        ),
+        state_api_cluster(cfg, &inputs.ca_file),
     ];
     if let Subject::Jwt(j) = &cfg.subject {
         if let Jwks::Url { endpoint, .. } = &j.jwks {
@@ -564,12 +626,28 @@ pub fn state_api_env(
     if let Some(p) = &cfg.state.previous_key_secret {
         env.push(("IDEM_PREVIOUS_KEY_SECRET".to_owned(), p.clone()));
     }
+    if let Some(tls) = &cfg.state.tls {
+        env.extend(state_api_tls_env(tls));
+    }
     if cfg.filter.max_stored_body_bytes > filter_core::config::DEFAULT_MAX_BODY {
         // The state API stores 1 MiB by default: as much as the filter keeps.
         env.push((
             "STATE_API_MAX_BODY_BYTES".to_owned(),
             cfg.filter.max_stored_body_bytes.to_string(),
         ));
+    }
+    env
+}
+
+/// The state API's HTTPS settings for `[state.tls]` (its certificate, key and client CA).
+pub fn state_api_tls_env(tls: &StateTls) -> Vec<(String, String)> {
+    let path = |p: &std::path::Path| p.display().to_string();
+    let mut env = vec![
+        ("STATE_API_TLS_CERT".to_owned(), path(&tls.cert_file)),
+        ("STATE_API_TLS_KEY".to_owned(), path(&tls.key_file)),
+    ];
+    if let Some(ca) = &tls.client_ca_file {
+        env.push(("STATE_API_TLS_CLIENT_CA".to_owned(), path(ca)));
     }
     env
 }

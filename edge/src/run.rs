@@ -238,11 +238,17 @@ impl Running {
             }
             Database::External => format!("Postgres {}", redact(&self.database_url)),
         };
+        let state_api = match &self.cfg.state.tls {
+            Some(t) if t.client_cert.is_some() => {
+                format!("https://{} (mutual TLS)", self.cfg.state.listen)
+            }
+            Some(_) => format!("https://{}", self.cfg.state.listen),
+            None => self.cfg.state.listen.to_string(),
+        };
         format!(
-            "ready: Envoy http://{}{admin} -> filter -> upstream {}; state API {}; {db}; logs {}",
+            "ready: Envoy http://{}{admin} -> filter -> upstream {}; state API {state_api}; {db}; logs {}",
             self.cfg.listen,
             self.cfg.upstream.authority(),
-            self.cfg.state.listen,
             self.options.dir.join("logs").display()
         )
     }

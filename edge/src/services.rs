@@ -16,6 +16,16 @@ pub struct Service {
     child: ChildGuard,
 }
 
+/// When a started service counts as ready.
+#[derive(Debug, Clone, Copy)]
+pub enum Ready<'a> {
+    /// A plain HTTP GET of this path answers 200.
+    Http(&'a str),
+    /// Its port accepts connections (an HTTPS service: the state API binds only once its
+    /// migrations ran and its certificate loaded).
+    Listening,
+}
+
 impl Service {
     pub fn start(
         name: &str,
@@ -23,6 +33,16 @@ impl Service {
         envs: &[(&str, String)],
         dir: &Path,
         ready_path: &str,
+    ) -> Result<Self, String> {
+        Self::start_with(name, port, envs, dir, Ready::Http(ready_path))
+    }
+
+    pub fn start_with(
+        name: &str,
+        port: u16,
+        envs: &[(&str, String)],
+        dir: &Path,
+        ready: Ready<'_>,
     ) -> Result<Self, String> {
         let bin = workspace_binary(name)?;
         let log_path = dir.join(format!("{name}-{port}.log"));
@@ -48,11 +68,11 @@ impl Service {
             log_path,
             child,
         };
-        service.wait_ready(ready_path, Duration::from_secs(30))?;
+        service.wait_ready(ready, Duration::from_secs(30))?;
         Ok(service)
     }
 
-    fn wait_ready(&mut self, path: &str, timeout: Duration) -> Result<(), String> {
+    fn wait_ready(&mut self, ready: Ready<'_>, timeout: Duration) -> Result<(), String> {
         let deadline = std::time::Instant::now() + timeout;
         while std::time::Instant::now() < deadline {
             if !self.child.is_running() {
@@ -62,8 +82,12 @@ impl Service {
                     self.log_tail()
                 ));
             }
-            if wait_for_port(self.port, Duration::from_millis(100)).is_ok()
-                && http_get_blocking(self.port, path).is_ok()
+            let up = wait_for_port(self.port, Duration::from_millis(100)).is_ok();
+            if up
+                && match ready {
+                    Ready::Http(path) => http_get_blocking(self.port, path).is_ok(),
+                    Ready::Listening => true,
+                }
             {
                 return Ok(());
             }
@@ -142,7 +166,13 @@ pub fn start_state_api(s: &StateApiSettings, dir: &Path) -> Result<Service, Stri
         ("IDEM_KEY_SECRET", s.key_secret.clone()),
     ];
     envs.extend(s.extra_env.iter().map(|(k, v)| (k.as_str(), v.clone())));
-    Service::start("state-api", s.port, &envs, dir, "/readyz")
+    // Over HTTPS the plain probe cannot ask /readyz: it waits for the port.
+    let ready = if envs.iter().any(|(k, _)| *k == "STATE_API_TLS_CERT") {
+        Ready::Listening
+    } else {
+        Ready::Http("/readyz")
+    };
+    Service::start_with("state-api", s.port, &envs, dir, ready)
 }
 
 pub fn start_checkout(port: u16, dir: &Path) -> Result<Service, String> {

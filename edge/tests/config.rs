@@ -427,3 +427,149 @@ fn the_new_options_refuse_what_cannot_work_at_their_line() {
         assert_eq!(line, want_line, "{want}: {msg}");
     }
 }
+
+/// `[state.tls]` with PEM files in the folder (only their labels are checked here; the TLS
+/// end-to-end suite, tests/tests/tls.rs, runs real certificates).
+fn tls_folder() -> PathBuf {
+    let dir = folder();
+    for (name, label) in [
+        ("state.pem", "CERTIFICATE"),
+        ("state-key.pem", "PRIVATE KEY"),
+        ("ca.pem", "CERTIFICATE"),
+        ("envoy.pem", "CERTIFICATE"),
+        ("envoy-key.pem", "EC PRIVATE KEY"),
+    ] {
+        std::fs::write(
+            dir.join(name),
+            format!("-----BEGIN {label}-----\nAAAA\n-----END {label}-----\n"),
+        )
+        .unwrap();
+    }
+    dir
+}
+
+fn with_state_tls(tls: &str) -> String {
+    format!("{GOOD}\n[state.tls]\n{tls}")
+}
+
+#[test]
+fn state_tls_is_read_and_rendered_as_an_upstream_tls_context() {
+    let dir = tls_folder();
+    let text = with_state_tls(
+        "cert_file = \"state.pem\"\nkey_file = \"state-key.pem\"\nca_file = \"ca.pem\"\n\
+         server_name = \"state-api.internal\"\nclient_cert_file = \"envoy.pem\"\n\
+         client_key_file = \"envoy-key.pem\"\nclient_ca_file = \"ca.pem\"\n",
+    );
+    let c = Config::parse(&text, "edge.toml", &dir).unwrap();
+    let tls = c.state.tls.clone().unwrap();
+    assert_eq!(tls.server_name, "state-api.internal");
+    assert!(tls.cert_file.is_absolute() && tls.cert_file.ends_with("state.pem"));
+    assert!(tls.client_cert.is_some() && tls.client_ca_file.is_some());
+    let inputs = edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    };
+    let yaml = edge::render::envoy_yaml(&c, &inputs);
+    let state_cluster = &yaml[yaml.find("name: state_api").unwrap()..];
+    let state_cluster =
+        &state_cluster[..state_cluster.find("- name:").unwrap_or(state_cluster.len())];
+    for wanted in [
+        "UpstreamTlsContext",
+        "sni: state-api.internal",
+        "san_type: DNS",
+        "exact: state-api.internal",
+        "tls_certificates",
+        "envoy.pem",
+        "envoy-key.pem",
+        "ca.pem",
+        "tls_minimum_protocol_version: TLSv1_2",
+    ] {
+        assert!(
+            state_cluster.contains(wanted),
+            "{wanted} in\n{state_cluster}"
+        );
+    }
+    let env = edge::render::state_api_env(&c, "postgres://x@h/db", "t", "k");
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    assert!(get("STATE_API_TLS_CERT").is_some_and(|v| v.ends_with("state.pem")));
+    assert!(get("STATE_API_TLS_KEY").is_some_and(|v| v.ends_with("state-key.pem")));
+    assert!(get("STATE_API_TLS_CLIENT_CA").is_some_and(|v| v.ends_with("ca.pem")));
+
+    // Without a name, SNI and the SAN are the state API's address; without a client
+    // certificate, Envoy presents none and the state API asks for none.
+    let text = with_state_tls(
+        "cert_file = \"state.pem\"\nkey_file = \"state-key.pem\"\nca_file = \"ca.pem\"\n",
+    );
+    let c = Config::parse(&text, "edge.toml", &dir).unwrap();
+    let yaml = edge::render::envoy_yaml(&c, &inputs);
+    assert!(yaml.contains("sni: 127.0.0.1") && yaml.contains("san_type: IP_ADDRESS"));
+    assert!(!yaml.contains("tls_certificates"));
+    let env = edge::render::state_api_env(&c, "postgres://x@h/db", "t", "k");
+    assert!(!env.iter().any(|(k, _)| k == "STATE_API_TLS_CLIENT_CA"));
+}
+
+#[test]
+fn plain_http_to_the_state_api_stays_the_default() {
+    let c = parse(GOOD).unwrap();
+    assert_eq!(c.state.tls, None);
+    let inputs = edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    };
+    assert!(!edge::render::envoy_yaml(&c, &inputs).contains("UpstreamTlsContext"));
+    let env = edge::render::state_api_env(&c, "postgres://x@h/db", "t", "k");
+    assert!(!env.iter().any(|(k, _)| k.starts_with("STATE_API_TLS")));
+}
+
+#[test]
+fn state_tls_mistakes_are_refused_at_their_line() {
+    let dir = tls_folder();
+    let err = |tls: &str| match Config::parse(&with_state_tls(tls), "edge.toml", &dir) {
+        Err(ConfigError::At { line, message, .. }) => (line, message),
+        other => panic!("expected an error with a line, got {other:?}"),
+    };
+    // GOOD has 12 lines, then a blank one and [state.tls] (line 14).
+    let base = "cert_file = \"state.pem\"\nkey_file = \"state-key.pem\"\nca_file = \"ca.pem\"\n";
+    let (line, m) = err("cert_file = \"state.pem\"\nkey_file = \"state-key.pem\"\n");
+    assert!(m.contains("needs ca_file"), "{line}: {m}");
+    let (line, m) =
+        err("cert_file = \"missing.pem\"\nkey_file = \"state-key.pem\"\nca_file = \"ca.pem\"\n");
+    assert!(
+        line == 15 && m.contains("state.tls.cert_file") && m.contains("cannot read"),
+        "{line}: {m}"
+    );
+    let (line, m) =
+        err("cert_file = \"state-key.pem\"\nkey_file = \"state-key.pem\"\nca_file = \"ca.pem\"\n");
+    assert!(
+        line == 15 && m.contains("no PEM certificate"),
+        "{line}: {m}"
+    );
+    let (line, m) =
+        err("cert_file = \"state.pem\"\nkey_file = \"state.pem\"\nca_file = \"ca.pem\"\n");
+    assert!(
+        line == 16 && m.contains("no PEM private key"),
+        "{line}: {m}"
+    );
+    let (line, m) = err(&format!(
+        "{base}client_cert_file = \"envoy.pem\"\nclient_ca_file = \"ca.pem\"\n"
+    ));
+    assert!(line == 18 && m.contains("go together"), "{line}: {m}");
+    let (line, m) = err(&format!(
+        "{base}client_cert_file = \"envoy.pem\"\nclient_key_file = \"envoy-key.pem\"\n"
+    ));
+    assert!(
+        line == 18 && m.contains("would not check it"),
+        "{line}: {m}"
+    );
+    let (line, m) = err(&format!("{base}client_ca_file = \"ca.pem\"\n"));
+    assert!(
+        line == 18 && m.contains("would refuse Envoy"),
+        "{line}: {m}"
+    );
+    let (line, m) = err(&format!("{base}server_name = \"bad name\"\n"));
+    assert!(line == 18 && m.contains("server_name"), "{line}: {m}");
+    let (_, m) = err(&format!("{base}sni = \"x\"\n"));
+    assert!(m.contains("unknown field"), "{m}");
+}

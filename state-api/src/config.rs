@@ -165,6 +165,10 @@ pub struct Config {
     #[arg(long, env = "STATE_API_MAX_REQUEST_MS", default_value_t = 35_000)]
     pub max_request_ms: u64,
 
+    /// HTTPS on `--listen` (`--tls-cert`, `--tls-key`, `--tls-client-ca`); plain HTTP without.
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
+
     /// Apply the migrations and exit.
     #[arg(long)]
     pub migrate_only: bool,

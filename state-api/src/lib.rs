@@ -14,6 +14,7 @@ pub mod openapi;
 pub mod scope;
 pub mod sealing;
 pub mod store;
+pub mod tls;
 pub mod waiters;
 
 use secrecy::ExposeSecret as _;
@@ -49,6 +50,8 @@ pub enum StartError {
     Store(#[from] store::StoreError),
     #[error("listen: {0}")]
     Io(#[from] std::io::Error),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
 }
 
 struct Inner {
@@ -194,7 +197,10 @@ fn is_connect_error(e: &store::StoreError) -> bool {
         _ => return false,
     };
     match inner {
-        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => true,
+        // A certificate Postgres presents that does not verify (sslmode=verify-full) comes as
+        // InvalidData: it will not fix itself by waiting.
+        sqlx::Error::Io(io) => io.kind() != std::io::ErrorKind::InvalidData,
+        sqlx::Error::PoolTimedOut => true,
         // 57P03: the database system is starting up.
         sqlx::Error::Database(db) => db.code().as_deref() == Some("57P03"),
         _ => false,
@@ -241,6 +247,19 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
+    serve_on(listener, state, shutdown).await
+}
+
+/// [`serve`] on any listener: a [`TcpListener`] (plain HTTP) or a [`tls::TlsListener`] (HTTPS).
+pub async fn serve_on<L>(
+    listener: L,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
     let (stop_tx, stop_rx) = watch::channel(false);
     let purge = spawn_purge(state.clone(), stop_rx);
     let result = axum::serve(listener, app(state.clone()))

@@ -40,6 +40,11 @@ async fn main() -> ExitCode {
 async fn run(config: Config) -> Result<(), state_api::StartError> {
     let listen = config.listen;
     let migrate_only = config.migrate_only;
+    // Read before anything else: a bad certificate file stops the start at once.
+    let tls = match config.tls.files()? {
+        Some(files) => Some(state_api::tls::Reloadable::new(files)?),
+        None => None,
+    };
     let state = AppState::new(config)?;
     state_api::migrate(&state, Duration::from_secs(15)).await?;
     tracing::info!("migrations applied");
@@ -48,8 +53,24 @@ async fn run(config: Config) -> Result<(), state_api::StartError> {
         return Ok(());
     }
     let listener = tokio::net::TcpListener::bind(listen).await?;
-    tracing::info!(addr = %listener.local_addr()?, "state API listening");
-    state_api::serve(listener, state, state_api::shutdown_signal()).await?;
+    let addr = listener.local_addr()?;
+    match tls {
+        None => {
+            tracing::info!(%addr, "state API listening (plain HTTP)");
+            state_api::serve(listener, state, state_api::shutdown_signal()).await?;
+        }
+        Some(tls) => {
+            let _reloader = tls.reload_on_sighup()?;
+            tracing::info!(
+                %addr,
+                cert = %tls.files().cert.display(),
+                client_certificates = if tls.files().client_ca.is_some() { "required" } else { "not asked" },
+                "state API listening (HTTPS)"
+            );
+            let listener = state_api::tls::TlsListener::new(listener, tls)?;
+            state_api::serve_on(listener, state, state_api::shutdown_signal()).await?;
+        }
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -13,4 +13,5 @@ pub mod ha;
 pub use edge::{net, postgres, process, services};
 pub mod stack;
 pub mod testkit;
+pub mod tls;
 pub mod upstream;

@@ -1,12 +1,14 @@
 //! The whole stack on loopback: Postgres, the state API, the checkout and Envoy with the filter.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::envoy::{filter_wasm, Envoy, EnvoyParams};
 use crate::net::free_port;
 use crate::postgres::TempCluster;
 use crate::process::workspace_root;
 use crate::services::{start_checkout, start_state_api, Service, StateApiSettings};
+use crate::tls::{CertFiles, TestPki};
 
 /// The bearer token Envoy's filter presents to the state API in tests.
 pub const TEST_API_TOKEN: &str = "test-filter-token";
@@ -27,6 +29,10 @@ pub struct StackOptions {
     pub envoy_workers: u32,
     /// A change to the demo's configuration (`examples/demo.toml`): routes, policies.
     pub tweak: Option<crate::envoy::Tweak>,
+    /// TLS on every hop with these certificates: Envoy -> state API with mutual TLS (the
+    /// state API serves `server`), state API -> Postgres with `sslmode=verify-full` (a private
+    /// cluster that accepts TLS connections only). `None`: plain, as the demo.
+    pub tls: Option<Arc<TestPki>>,
 }
 
 impl Default for StackOptions {
@@ -39,6 +45,7 @@ impl Default for StackOptions {
             complete_in_background: false,
             envoy_workers: 1,
             tweak: None,
+            tls: None,
         }
     }
 }
@@ -63,11 +70,21 @@ impl Stack {
 
     pub fn start(options: StackOptions) -> Result<Self, String> {
         let dir = run_dir("stack")?;
-        let postgres = TempCluster::start()?;
+        let postgres = match &options.tls {
+            Some(pki) => TempCluster::start_private_tls(&pki.postgres_tls()?)?,
+            None => TempCluster::start()?,
+        };
         // Its own database, so stacks stay apart even on a shared DATABASE_URL server.
         let database_url = postgres.fresh_database("stack")?;
+        let database_url = match &options.tls {
+            Some(pki) => format!(
+                "{database_url}?sslmode=verify-full&sslrootcert={}",
+                pki.ca.display()
+            ),
+            None => database_url,
+        };
         let state_api = start_state_api(
-            &Self::state_api_settings(&options, &database_url, free_port()),
+            &Self::state_api_settings(&options, &database_url, free_port(), None),
             &dir,
         )?;
         let checkout = start_checkout(free_port(), &dir)?;
@@ -87,18 +104,26 @@ impl Stack {
         })
     }
 
+    /// Over TLS (`served`: this CA's certificates, serving this one) when given, else when the
+    /// stack runs over TLS (its server certificate).
     fn state_api_settings(
         options: &StackOptions,
         database_url: &str,
         port: u16,
+        served: Option<(&TestPki, &CertFiles)>,
     ) -> StateApiSettings {
+        let mut extra_env = options.state_api_env.clone();
+        let served = served.or_else(|| options.tls.as_deref().map(|pki| (pki, &pki.server)));
+        if let Some((pki, cert)) = served {
+            extra_env.extend(edge::render::state_api_tls_env(&pki.state_tls(cert)));
+        }
         StateApiSettings {
             port,
             database_url: database_url.to_owned(),
             api_token: TEST_API_TOKEN.into(),
             key_secret: TEST_KEY_SECRET.into(),
             listen: None,
-            extra_env: options.state_api_env.clone(),
+            extra_env,
         }
     }
 
@@ -129,14 +154,58 @@ impl Stack {
                 .join("envoy/demo-jwks.json")
                 .display()
                 .to_string(),
-            tweak: options.tweak.clone(),
+            tweak: Self::tweak_for(options),
         })
+    }
+
+    /// The options' change to the demo's configuration, with `[state.tls]` first when the
+    /// stack runs over TLS.
+    fn tweak_for(options: &StackOptions) -> Option<crate::envoy::Tweak> {
+        let Some(pki) = &options.tls else {
+            return options.tweak.clone();
+        };
+        let tls = pki.state_tls(&pki.server);
+        let then = options.tweak.clone();
+        Some(crate::envoy::Tweak::new(move |cfg| {
+            cfg.state.tls = Some(tls.clone());
+            if let Some(t) = &then {
+                (t.0)(cfg);
+            }
+        }))
     }
 
     /// Another state API process on the same database (how users scale out).
     pub fn start_extra_state_api(&self) -> Result<Service, String> {
         start_state_api(
-            &Self::state_api_settings(&self.options, &self.database_url, free_port()),
+            &Self::state_api_settings(&self.options, &self.database_url, free_port(), None),
+            &self.dir,
+        )
+    }
+
+    /// Another state API with this stack's options on another `DATABASE_URL` (the same
+    /// database with other TLS settings).
+    pub fn start_extra_state_api_on(&self, database_url: &str) -> Result<Service, String> {
+        start_state_api(
+            &Self::state_api_settings(&self.options, database_url, free_port(), None),
+            &self.dir,
+        )
+    }
+
+    /// Another state API on the same database serving HTTPS with `served`, checking client
+    /// certificates against `pki`'s CA (a TLS stack's wrong certificates; the benchmark's TLS
+    /// hop next to a plain stack).
+    pub fn start_extra_state_api_tls(
+        &self,
+        pki: &TestPki,
+        served: &CertFiles,
+    ) -> Result<Service, String> {
+        start_state_api(
+            &Self::state_api_settings(
+                &self.options,
+                &self.database_url,
+                free_port(),
+                Some((pki, served)),
+            ),
             &self.dir,
         )
     }
@@ -145,7 +214,7 @@ impl Stack {
     pub fn restart_state_api(&mut self) -> Result<(), String> {
         self.state_api.kill();
         let settings =
-            Self::state_api_settings(&self.options, &self.database_url, self.state_api.port);
+            Self::state_api_settings(&self.options, &self.database_url, self.state_api.port, None);
         self.state_api = start_state_api(&settings, &self.dir)?;
         Ok(())
     }

@@ -27,6 +27,9 @@ fn main() {
             "edge_run_uses_an_existing_postgres_from_database_url",
             || block_on(existing_postgres()),
         ),
+        Trial::test("edge_run_talks_to_the_state_api_over_mutual_tls", || {
+            block_on(state_api_over_mutual_tls())
+        }),
         Trial::test("rendered_configurations_pass_envoy_validate", || {
             rendered_configs_validate().map_err(Failed::from)
         }),
@@ -415,6 +418,54 @@ async fn protects_own_api() {
             "{what} still listens on {port} after SIGTERM"
         );
     }
+}
+
+/// `[state.tls]` in the file: `edge run` starts the state API on HTTPS with client
+/// certificates required and Envoy's cluster verifying it and presenting its own (certificates
+/// made by the test, rcgen).
+async fn state_api_over_mutual_tls() {
+    let api = OwnApi::start().unwrap_or_else(|e| panic!("{e}"));
+    let dir = folder("state-tls");
+    let pki = stack::tls::TestPki::generate(&dir.join("pki")).unwrap_or_else(|e| panic!("{e}"));
+    let p = Ports::free();
+    let config = dir.join("edge.toml");
+    let state_extra = format!(
+        "postgres_port = {}\n\n[state.tls]\ncert_file = \"pki/server.pem\"\n\
+         key_file = \"pki/server-key.pem\"\nca_file = \"pki/ca.pem\"\n\
+         client_cert_file = \"pki/envoy-client.pem\"\nclient_key_file = \"pki/envoy-client-key.pem\"\n\
+         client_ca_file = \"pki/ca.pem\"",
+        p.postgres
+    );
+    std::fs::write(&config, own_file(&p, &api.url(), &state_extra))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let edge = EdgeRun::start(&config, &dir).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        edge.ready.contains(&format!(
+            "state API https://127.0.0.1:{} (mutual TLS)",
+            p.state
+        )),
+        "{}",
+        edge.ready
+    );
+    let c = Client::new(&format!("http://127.0.0.1:{}", p.listen));
+    let key = unique_key("tls-order");
+    let first = c.send(order(&key, 10)).await;
+    assert_eq!(first.status, 201, "{}\n{}", first.describe(), edge.stderr());
+    assert!(replayed(&c.send(order(&key, 10)).await));
+    // The state API's port: HTTPS with Envoy's certificate, nothing without one.
+    let ready = stack::tls::https_get(p.state, "/readyz", &pki.ca, Some(&pki.client)).await;
+    assert!(
+        ready.as_ref().is_ok_and(|a| a.starts_with("HTTP/1.1 200")),
+        "{ready:?}"
+    );
+    assert!(
+        stack::envoy::http_get_blocking(p.state, "/readyz").is_err(),
+        "plain HTTP to the state API's TLS port"
+    );
+    assert!(stack::tls::https_get(p.state, "/readyz", &pki.ca, None)
+        .await
+        .is_err());
+    edge.stop().unwrap_or_else(|e| panic!("{e}"));
 }
 
 async fn existing_postgres() {
