@@ -122,6 +122,11 @@ pub struct State {
     pub key_secret: Option<String>,
     /// During a rotation of `key_secret`: the one before (records are looked up under both).
     pub previous_key_secret: Option<String>,
+    /// The AES-256 key (32 bytes, base64) sealing stored responses; `None`: made once and kept
+    /// in the run folder by `edge run` (`edge render` asks for one).
+    pub storage_key: Option<String>,
+    /// During a rotation of `storage_key`: the one before (it only opens old records).
+    pub previous_storage_key: Option<String>,
     /// The filter's call timeout.
     pub timeout_ms: u64,
     /// How long records are kept (the state API's default when `None`).
@@ -351,6 +356,8 @@ struct RawState {
     token: Option<Spanned<String>>,
     key_secret: Option<Spanned<String>>,
     previous_key_secret: Option<Spanned<String>>,
+    storage_key: Option<Spanned<String>>,
+    previous_storage_key: Option<Spanned<String>>,
     timeout_ms: Option<Spanned<u64>>,
     retention_s: Option<Spanned<u64>>,
     max_retention_s: Option<Spanned<u64>>,
@@ -643,6 +650,28 @@ impl Config {
         let key_secret = secret(&st.key_secret, "key_secret")?;
         let previous_key_secret = secret(&st.previous_key_secret, "previous_key_secret")?;
         let admin_token = secret(&st.admin_token, "admin_token")?;
+        let storage_key = |v: &Option<Spanned<String>>, name: &str| match v {
+            Some(k) if !is_storage_key(k.get_ref()) => src.at(
+                k.span(),
+                format!(
+                    "state.{name} must be 32 bytes in standard base64 (openssl rand -base64 32)"
+                ),
+            ),
+            Some(k) => Ok(Some(k.get_ref().trim().to_owned())),
+            None => Ok(None),
+        };
+        let previous_storage_key = storage_key(&st.previous_storage_key, "previous_storage_key")?;
+        let storage_key = storage_key(&st.storage_key, "storage_key")?;
+        if let (Some(k), Some(p)) = (&storage_key, &previous_storage_key) {
+            if k == p {
+                if let Some(span) = st.previous_storage_key.as_ref().map(|p| p.span()) {
+                    return src.at(
+                        span,
+                        "state.previous_storage_key is the same as state.storage_key",
+                    );
+                }
+            }
+        }
         if let (Some(a), Some(t)) = (&st.admin_token, &token) {
             if a.get_ref() == t {
                 return src.at(
@@ -744,6 +773,8 @@ impl Config {
                 token,
                 key_secret,
                 previous_key_secret,
+                storage_key,
+                previous_storage_key,
                 timeout_ms,
                 retention_s,
                 max_retention_s,
@@ -1383,4 +1414,12 @@ fn reconcile(src: &Source<'_>, raw: &Spanned<RawReconcile>) -> Result<Reconcile,
         upstream,
         timeout_ms,
     })
+}
+
+/// A storage key as the state API takes it: 32 bytes in standard base64.
+fn is_storage_key(text: &str) -> bool {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(text.trim())
+        .is_ok_and(|k| k.len() == 32)
 }

@@ -159,7 +159,14 @@ fn render(cfg: &Config, wasm: PathBuf, ca_file: String) -> String {
         "# (`state-api --help` lists every setting):
 ",
     );
-    for (k, v) in edge::render::state_api_env(cfg, &database_url, &token, &key_secret) {
+    let mut env = edge::render::state_api_env(cfg, &database_url, &token, &key_secret);
+    if cfg.state.storage_key.is_none() {
+        env.push((
+            "STATE_API_STORAGE_KEY".into(),
+            "SET-state.storage_key-IN-THE-FILE (openssl rand -base64 32)".into(),
+        ));
+    }
+    for (k, v) in env {
         out.push_str(&format!(
             "#   {k}={v}
 "

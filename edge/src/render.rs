@@ -626,6 +626,12 @@ pub fn state_api_env(
     if let Some(p) = &cfg.state.previous_key_secret {
         env.push(("IDEM_PREVIOUS_KEY_SECRET".to_owned(), p.clone()));
     }
+    if let Some(k) = &cfg.state.storage_key {
+        env.push(("STATE_API_STORAGE_KEY".to_owned(), k.clone()));
+    }
+    if let Some(k) = &cfg.state.previous_storage_key {
+        env.push(("STATE_API_PREVIOUS_STORAGE_KEY".to_owned(), k.clone()));
+    }
     if let Some(tls) = &cfg.state.tls {
         env.extend(state_api_tls_env(tls));
     }

@@ -59,6 +59,8 @@ enum Database {
 pub struct Secrets {
     pub token: String,
     pub key_secret: String,
+    /// The storage key (base64), unless the file names one (then it is in the environment).
+    pub storage_key: Option<String>,
 }
 
 impl Secrets {
@@ -72,6 +74,10 @@ impl Secrets {
                 Some(k) => k.clone(),
                 None => kept_secret(&dir.join("key-secret"))?,
             },
+            storage_key: match &cfg.state.storage_key {
+                Some(_) => None,
+                None => Some(kept_storage_key(&dir.join("storage-key"))?),
+            },
         })
     }
 }
@@ -84,28 +90,48 @@ fn kept_secret(path: &Path) -> Result<String, RunError> {
             return Ok(s);
         }
     }
-    let mut bytes = [0u8; 32];
-    {
-        use std::io::Read as _;
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut bytes))
-            .map_err(|e| RunError::Folder(format!("cannot read /dev/urandom: {e}")))?;
-    }
-    let secret: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    {
-        use std::io::Write as _;
-        use std::os::unix::fs::OpenOptionsExt as _;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .write(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| RunError::Folder(format!("cannot write {}: {e}", path.display())))?;
-        f.write_all(secret.as_bytes())
-            .map_err(|e| RunError::Folder(format!("cannot write {}: {e}", path.display())))?;
-    }
+    let secret: String = random_bytes()?.iter().map(|b| format!("{b:02x}")).collect();
+    keep(path, &secret)?;
     Ok(secret)
+}
+
+/// A random AES-256 storage key (base64) kept in `path` (made on first use, mode 0600).
+fn kept_storage_key(path: &Path) -> Result<String, RunError> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    if let Ok(s) = std::fs::read_to_string(path) {
+        let s = s.trim().to_owned();
+        if b64.decode(&s).is_ok_and(|k| k.len() == 32) {
+            return Ok(s);
+        }
+    }
+    let key = b64.encode(random_bytes()?);
+    keep(path, &key)?;
+    Ok(key)
+}
+
+fn random_bytes() -> Result<[u8; 32], RunError> {
+    use std::io::Read as _;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| RunError::Folder(format!("cannot read /dev/urandom: {e}")))?;
+    Ok(bytes)
+}
+
+/// Writes a secret to `path`, readable by this user only.
+fn keep(path: &Path, secret: &str) -> Result<(), RunError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| RunError::Folder(format!("cannot write {}: {e}", path.display())))?;
+    f.write_all(secret.as_bytes())
+        .map_err(|e| RunError::Folder(format!("cannot write {}: {e}", path.display())))
 }
 
 /// Every address this run will listen on must be free: the first taken one is an error at its
@@ -305,7 +331,10 @@ impl Running {
 }
 
 fn state_settings(cfg: &Config, database_url: &str, secrets: &Secrets) -> StateApiSettings {
-    let env = render::state_api_env(cfg, database_url, &secrets.token, &secrets.key_secret);
+    let mut env = render::state_api_env(cfg, database_url, &secrets.token, &secrets.key_secret);
+    if let Some(k) = &secrets.storage_key {
+        env.push(("STATE_API_STORAGE_KEY".to_owned(), k.clone()));
+    }
     StateApiSettings {
         port: cfg.state.listen.port(),
         database_url: database_url.to_owned(),

@@ -573,3 +573,31 @@ fn state_tls_mistakes_are_refused_at_their_line() {
     let (_, m) = err(&format!("{base}sni = \"x\"\n"));
     assert!(m.contains("unknown field"), "{m}");
 }
+
+#[test]
+fn the_storage_keys_are_checked_and_given_to_the_state_api() {
+    const KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    const OLD: &str = "ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
+    let with = |state: &str| format!("{GOOD}\n[state]\n{state}\n");
+    let c = parse(&with(&format!(
+        "storage_key = \"{KEY}\"\nprevious_storage_key = \"{OLD}\""
+    )))
+    .unwrap();
+    let env = edge::render::state_api_env(&c, "postgres://x", "filter-token-0123456", "s");
+    assert!(env.contains(&("STATE_API_STORAGE_KEY".into(), KEY.into())));
+    assert!(env.contains(&("STATE_API_PREVIOUS_STORAGE_KEY".into(), OLD.into())));
+    // Not 32 bytes of base64, or the same key twice: refused at its line.
+    let text = with("storage_key = \"c2hvcnQ=\"");
+    let (line, message) = error(&text);
+    assert_eq!(
+        text.lines().nth(line - 1),
+        Some("storage_key = \"c2hvcnQ=\"")
+    );
+    assert!(message.contains("32 bytes"), "{message}");
+    let (_, message) = error(&with(&format!(
+        "storage_key = \"{KEY}\"\nprevious_storage_key = \"{KEY}\""
+    )));
+    assert!(message.contains("same"), "{message}");
+    // Without one, `edge run` makes one (the run folder's storage-key) and render asks for it.
+    assert_eq!(parse(GOOD).unwrap().state.storage_key, None);
+}

@@ -42,7 +42,7 @@ impl HaStack {
                     api_token: TEST_API_TOKEN.into(),
                     key_secret: TEST_KEY_SECRET.into(),
                     listen: None,
-                    extra_env: options.state_api_env.clone(),
+                    extra_env: crate::stack::with_storage_key(options.state_api_env.clone()),
                 },
                 &dir,
             )?;

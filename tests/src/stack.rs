@@ -13,6 +13,17 @@ use crate::tls::{CertFiles, TestPki};
 /// The bearer token Envoy's filter presents to the state API in tests.
 pub const TEST_API_TOKEN: &str = "test-filter-token";
 pub const TEST_KEY_SECRET: &str = "test-key-secret-not-for-production";
+/// The end-to-end stacks' storage key (32 bytes, base64; not for production): every stored
+/// response of the suites is sealed.
+pub const TEST_STORAGE_KEY: &str = "dGVzdC1zdG9yYWdlLWtleS1ub3QtZm9yLXByb2QhISE=";
+
+/// `env` with the test storage key unless it names one.
+pub fn with_storage_key(mut env: Vec<(String, String)>) -> Vec<(String, String)> {
+    if !env.iter().any(|(k, _)| k == "STATE_API_STORAGE_KEY") {
+        env.push(("STATE_API_STORAGE_KEY".into(), TEST_STORAGE_KEY.into()));
+    }
+    env
+}
 
 #[derive(Debug, Clone)]
 pub struct StackOptions {
@@ -112,7 +123,7 @@ impl Stack {
         port: u16,
         served: Option<(&TestPki, &CertFiles)>,
     ) -> StateApiSettings {
-        let mut extra_env = options.state_api_env.clone();
+        let mut extra_env = with_storage_key(options.state_api_env.clone());
         let served = served.or_else(|| options.tls.as_deref().map(|pki| (pki, &pki.server)));
         if let Some((pki, cert)) = served {
             extra_env.extend(edge::render::state_api_tls_env(&pki.state_tls(cert)));

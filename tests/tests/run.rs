@@ -501,6 +501,20 @@ async fn existing_postgres() {
         )
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(rows, "1");
+    // Sealed at rest under the storage key edge run made and keeps in the run folder (0600).
+    let sealed = pg
+        .psql(
+            db,
+            "SELECT count(*) FROM idempotency_records WHERE response_key_id IS NOT NULL \
+             AND response_headers = '[]'::jsonb",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(sealed, "1", "the stored response is not sealed");
+    let key_file = dir.join("run/storage-key");
+    let mode = std::fs::metadata(&key_file)
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+        .unwrap_or_else(|e| panic!("{}: {e}", key_file.display()));
+    assert_eq!(mode, 0o600);
     edge.stop().unwrap_or_else(|e| panic!("{e}"));
 }
 
