@@ -10,6 +10,7 @@
 mod load;
 mod pgbench;
 mod procfs;
+mod purge;
 mod report;
 mod waiting;
 
@@ -894,6 +895,35 @@ fn real_main() -> Result<(), String> {
         }
     }
 
+    // The purge against a backlog, after everything else (it deletes rows as fast as it can).
+    let mut purge_result = None;
+    if wanted("purge") {
+        let rows = env_u64("BENCH_PURGE_ROWS", 300_000);
+        let (done, seconds) = purge::measure(&stack, rows)?;
+        let (scenario, rate) = results
+            .iter()
+            .filter(|r| r.scenario.starts_with("new") || r.scenario == "state_api")
+            .map(|r| (format!("{} c={}", r.label, r.connections), r.rate))
+            .fold((String::new(), 0.0), |a, b| if b.1 > a.1 { b } else { a });
+        let p = purge::PurgeCapacity {
+            rows: done,
+            seconds,
+            rows_per_s: done as f64 / seconds,
+            highest_new_keys_per_s: rate,
+            highest_new_keys_scenario: scenario,
+            ratio: if rate > 0.0 {
+                done as f64 / seconds / rate
+            } else {
+                0.0
+            },
+        };
+        eprintln!(
+            "  {:<22} {:>8} rows in {:.1} s: {:>8.0}/s, {:.1}x the highest new-key rate ({:.0}/s, {})",
+            "purge backlog", p.rows, p.seconds, p.rows_per_s, p.ratio, p.highest_new_keys_per_s, p.highest_new_keys_scenario
+        );
+        purge_result = Some(p);
+    }
+
     // The slow requests have finished by now (or finish within their delay): each must be 201.
     let mut slow_statuses = Vec::new();
     for h in slow {
@@ -979,6 +1009,7 @@ fn real_main() -> Result<(), String> {
         storage,
         envoy_stats,
         waiting: waiting_results,
+        purge: purge_result,
     });
     println!("{}", rep.text_table());
     std::fs::create_dir_all(&out_dir).map_err(|e| e.to_string())?;

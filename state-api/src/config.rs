@@ -131,7 +131,12 @@ pub struct Config {
     #[arg(long, env = "STATE_API_PURGE_INTERVAL_S", default_value_t = 10)]
     pub purge_interval_s: u64,
 
-    /// Rows deleted per purge statement.
+    /// The longest one purge pass works (ms); with a backlog left, the next follows after a
+    /// pause as long.
+    #[arg(long, env = "STATE_API_PURGE_PASS_MS", default_value_t = 2_000)]
+    pub purge_pass_ms: u64,
+
+    /// Rows deleted per purge statement (growing up to 16 times that while a backlog lasts).
     #[arg(long, env = "STATE_API_PURGE_BATCH", default_value_t = 500)]
     pub purge_batch: u32,
 
@@ -235,6 +240,7 @@ impl Config {
             ("--retention-s", self.retention_s),
             ("--retry-after-cap-s", u64::from(self.retry_after_cap_s)),
             ("--purge-batch", u64::from(self.purge_batch)),
+            ("--purge-pass-ms", self.purge_pass_ms),
             ("--batch-max", self.batch_max as u64),
             ("--batch-in-flight", self.batch_in_flight as u64),
             ("--batch-max-bytes", self.batch_max_bytes as u64),

@@ -207,7 +207,11 @@ fn is_connect_error(e: &store::StoreError) -> bool {
     }
 }
 
-/// Deletes expired records every `--purge-interval-s`, until `shutdown` turns true.
+/// Deletes expired records every `--purge-interval-s`, until `shutdown` turns true. A pass
+/// works at most `--purge-pass-ms`; when its time ran out with a backlog left, the next pass
+/// follows after a pause as long as the pass (at most half the database's time for the purge),
+/// so retention keeps up with any new-key rate the database can insert, without the purge
+/// ever holding it for long.
 pub fn spawn_purge(
     state: AppState,
     mut shutdown: watch::Receiver<bool>,
@@ -217,22 +221,33 @@ pub fn spawn_purge(
         return None;
     }
     Some(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(every));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let budget = Duration::from_millis(state.config().purge_pass_ms);
+        let mut pause = Duration::from_secs(every);
         loop {
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = shutdown.changed() => return,
             }
+            let started = tokio::time::Instant::now();
+            pause = Duration::from_secs(every);
             match state
                 .store()
-                .purge_expired(state.config().purge_batch, 100)
+                .purge_expired(state.config().purge_batch, budget)
                 .await
             {
-                Ok(0) => {}
-                Ok(n) => {
-                    state.metrics().purged(n);
-                    tracing::info!(rows = n, "purged expired records");
+                Ok(pass) => {
+                    state.metrics().purge_pass(&pass);
+                    if pass.rows > 0 {
+                        tracing::info!(
+                            rows = pass.rows,
+                            statements = pass.statements,
+                            backlog = pass.backlog,
+                            "purged expired records"
+                        );
+                    }
+                    if pass.backlog {
+                        pause = started.elapsed().min(pause);
+                    }
                 }
                 Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
             }

@@ -229,6 +229,8 @@ pub struct Metrics {
     waits: [Counter; WaitEnd::ALL.len()],
     admin: [Counter; AdminOp::ALL.len()],
     purged_rows: Counter,
+    /// Passes that cleared the backlog, passes whose time ran out first.
+    purge_passes: [Counter; 2],
     shed: [Counter; Shed::ALL.len()],
     released_for_gone: Counter,
     previous_secret_hits: Counter,
@@ -300,6 +302,13 @@ impl Default for Metrics {
             &mut r,
             "state_api_purged_rows",
             "Expired records deleted by the purge",
+        );
+        let purge_passes = counters(
+            &mut r,
+            "state_api_purge_passes",
+            "Passes of the purge: cleared (no expired rows left) or backlog (its time ran out first: the next pass follows soon)",
+            "end",
+            ["cleared", "backlog"],
         );
         let shed = counters(
             &mut r,
@@ -384,6 +393,7 @@ impl Default for Metrics {
             waits,
             admin,
             purged_rows,
+            purge_passes,
             shed,
             released_for_gone,
             previous_secret_hits,
@@ -435,8 +445,9 @@ impl Metrics {
     pub fn admin(&self, op: AdminOp) {
         self.admin[op as usize].inc();
     }
-    pub fn purged(&self, rows: u64) {
-        self.purged_rows.inc_by(rows);
+    pub fn purge_pass(&self, pass: &crate::store::PurgePass) {
+        self.purged_rows.inc_by(pass.rows);
+        self.purge_passes[usize::from(pass.backlog)].inc();
     }
     pub fn db_unavailable(&self) {
         self.errors[0].inc();

@@ -382,6 +382,20 @@ pub struct RecordRow {
     pub expires_in_ms: i64,
 }
 
+/// What one pass of the purge did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgePass {
+    pub rows: u64,
+    pub statements: u32,
+    /// Its time ran out with expired rows left: the next pass follows soon.
+    pub backlog: bool,
+}
+
+/// How far the purge's batches grow over `--purge-batch` while a backlog lasts.
+pub const PURGE_BATCH_GROWTH: u32 = 16;
+/// A purge statement faster than this lets the next one grow.
+const PURGE_FAST_STATEMENT: Duration = Duration::from_millis(50);
+
 /// What a complete did. `expires_in_ms`: until the record's retention expiry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteResult {
@@ -1012,19 +1026,38 @@ impl Store {
         Ok(done.rows_affected())
     }
 
-    /// Deletes expired records in batches until a batch comes back short (at most
-    /// `max_batches`, so one tick never runs for long).
-    pub async fn purge_expired(&self, batch: u32, max_batches: u32) -> Result<u64, StoreError> {
-        let mut total = 0;
-        for _ in 0..max_batches {
-            let n = self.purge_batch(batch).await?;
-            total += n;
-            if n < u64::from(batch) {
-                break;
+    /// One pass of the purge: batches until one comes back short (the backlog is gone) or
+    /// `budget` is spent (the work per pass is bounded by time, not rows). While batches come
+    /// back full and fast, they grow (up to [`PURGE_BATCH_GROWTH`] times `batch`): a backlog is
+    /// deleted with fewer statements; a slow one shrinks them again.
+    pub async fn purge_expired(
+        &self,
+        batch: u32,
+        budget: Duration,
+    ) -> Result<PurgePass, StoreError> {
+        let started = tokio::time::Instant::now();
+        let max = batch.saturating_mul(PURGE_BATCH_GROWTH);
+        let mut size = batch.max(1);
+        let mut pass = PurgePass::default();
+        loop {
+            let t = tokio::time::Instant::now();
+            let n = self.purge_batch(size).await?;
+            pass.rows += n;
+            pass.statements += 1;
+            if n < u64::from(size) {
+                return Ok(pass);
             }
+            if started.elapsed() >= budget {
+                pass.backlog = true;
+                return Ok(pass);
+            }
+            size = if t.elapsed() < PURGE_FAST_STATEMENT {
+                size.saturating_mul(2).min(max)
+            } else {
+                (size / 2).max(batch)
+            };
             tokio::task::yield_now().await;
         }
-        Ok(total)
     }
 }
 

@@ -411,7 +411,13 @@ async fn expired_records_are_new_keys_and_the_purge_deletes_them() {
         ClaimResponse::InProgress { .. }
     ));
 
-    let purged = api.state.store().purge_expired(1, 100).await.unwrap();
+    let purged = api
+        .state
+        .store()
+        .purge_expired(1, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .rows;
     assert_eq!(purged, 2, "`gone` and `dead`, one row per batch");
     assert_eq!(api.record("gone", "alice").await.0, 404);
     assert_eq!(api.record("dead", "alice").await.0, 404);
@@ -973,4 +979,55 @@ async fn the_expiry_is_zero_not_negative_once_past_retention() {
         api.claim("exp-past", &fp(8), None).await,
         ClaimResponse::Claimed { .. }
     ));
+}
+
+/// Expired rows made in bulk, straight in the table (what a day of sustained new keys leaves).
+fn expired_rows(api: &Api, n: u32) {
+    let cluster = edge::postgres::shared().unwrap();
+    let db = api.db_url.rsplit('/').next().unwrap();
+    cluster
+        .psql(
+            db,
+            &format!(
+                "INSERT INTO idempotency_records (scope_hash, subject, endpoint, fingerprint_alg, \
+                   fingerprint, state, fencing_token, lease_expires_at, created_at, expires_at, \
+                   completed_at, response_status, response_headers, response_body, response_replayable) \
+                 SELECT sha256(('bulk-' || i)::bytea), 'bulk', 'POST /x', 'a', repeat('ab', 32), \
+                   'completed', nextval('idempotency_fencing_token_seq'), now() - interval '2 hours', \
+                   now() - interval '2 hours', now() - interval '1 minute', now() - interval '2 hours', \
+                   201, '[]', '', true \
+                 FROM generate_series(1, {n}) i"
+            ),
+        )
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_purge_clears_a_backlog_with_growing_batches_and_bounds_each_pass() {
+    let api = Api::start(&[]).await;
+    let live = token_of(&api.claim("live", &fp(1), None).await);
+    expired_rows(&api, 20_000);
+    // A pass with no time to spare stops after its first full batch, saying a backlog is left.
+    let short = api
+        .state
+        .store()
+        .purge_expired(100, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(
+        (short.rows, short.statements, short.backlog),
+        (100, 1, true)
+    );
+    // With time: all of it, in far fewer statements than batches of 100 would take.
+    let pass = api
+        .state
+        .store()
+        .purge_expired(100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!((pass.rows, pass.backlog), (19_900, false));
+    assert!(pass.statements < 60, "{} statements", pass.statements);
+    // Live records stay.
+    let (status, body) = api.record("live", "alice").await;
+    assert_eq!((status, body["token"].as_i64()), (200, Some(live)));
 }

@@ -193,6 +193,17 @@ impl Stack {
         )
     }
 
+    /// Another state API on the same database with `env` on top of this stack's (the
+    /// benchmark's purge).
+    pub fn start_extra_state_api_with(&self, env: &[(&str, &str)]) -> Result<Service, String> {
+        let mut settings =
+            Self::state_api_settings(&self.options, &self.database_url, free_port(), None);
+        settings
+            .extra_env
+            .extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        start_state_api(&settings, &self.dir)
+    }
+
     /// Another state API with this stack's options on another `DATABASE_URL` (the same
     /// database with other TLS settings).
     pub fn start_extra_state_api_on(&self, database_url: &str) -> Result<Service, String> {
