@@ -139,12 +139,7 @@ async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>
     ),
     security(("admin" = [])),
     responses(
-        (status = 200, description = r#"The record and its audit trail"#, body = AdminRecord),
-        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"The record and its audit trail"#, body = AdminRecord)
     )
 )]
 async fn show(
@@ -229,11 +224,7 @@ pub(crate) struct ListQuery {
     ),
     security(("admin" = [])),
     responses(
-        (status = 200, description = r#"The records"#, body = Vec<ListedRecord>),
-        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"The records"#, body = Vec<ListedRecord>)
     )
 )]
 async fn list(
@@ -452,13 +443,7 @@ async fn act(
     request_body = AdminAction,
     security(("admin" = [])),
     responses(
-        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult),
-        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`): pass `force`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult)
     )
 )]
 async fn release(
@@ -476,13 +461,7 @@ async fn release(
     request_body = AdminAction,
     security(("admin" = [])),
     responses(
-        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult),
-        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`): pass `force`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult)
     )
 )]
 async fn resolve(
@@ -500,13 +479,7 @@ async fn resolve(
     request_body = AdminAction,
     security(("admin" = [])),
     responses(
-        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult),
-        (status = 400, description = r#"Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 403, description = r#"The filter's token (`--api-token`): `/problems/forbidden`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 404, description = r#"No record for this key, subject and endpoint: `/problems/not-found`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`): pass `force`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database is unreachable: `/problems/idempotency-state-unavailable`."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"Done; the audit row's id and the record before and after"#, body = AdminActionResult)
     )
 )]
 async fn purge(

@@ -342,12 +342,7 @@ fn caller_deadline(state: &AppState, headers: &HeaderMap) -> tokio::time::Instan
     ),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = r#"OK"#, body = ClaimResponse),
-        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"OK"#, body = ClaimResponse)
     )
 )]
 async fn claim(
@@ -474,13 +469,7 @@ fn elapsed_ms(since: tokio::time::Instant) -> u64 {
     request_body = HeartbeatRequest,
     security(("bearer" = [])),
     responses(
-        (status = 200, description = r#"OK"#, body = HeartbeatResponse),
-        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"OK"#, body = HeartbeatResponse)
     )
 )]
 async fn heartbeat(
@@ -517,13 +506,7 @@ async fn heartbeat(
     ),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = r#"OK"#, body = WriteResponse),
-        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"OK"#, body = WriteResponse)
     )
 )]
 async fn complete(
@@ -572,13 +555,7 @@ async fn complete(
     request_body = ReleaseRequest,
     security(("bearer" = [])),
     responses(
-        (status = 200, description = r#"OK"#, body = WriteResponse),
-        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"OK"#, body = WriteResponse)
     )
 )]
 async fn release(
@@ -613,13 +590,7 @@ async fn release(
     request_body = ReleaseRequest,
     security(("bearer" = [])),
     responses(
-        (status = 200, description = r#"OK"#, body = WriteResponse),
-        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 409, description = r#"Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"OK"#, body = WriteResponse)
     )
 )]
 async fn outcome_unknown(
@@ -685,13 +656,7 @@ pub(crate) struct RecordQuery {
     ),
     security(("bearer" = [])),
     responses(
-        (status = 200, description = r#"The record"#, body = RecordView),
-        (status = 400, description = r#"Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 401, description = r#"Missing or wrong bearer token (`/problems/unauthenticated`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 404, description = r#"No record (`/problems/not-found`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 413, description = r#"Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 500, description = r#"Unexpected failure (`/problems/internal-error`)."#, body = contract::problem::Problem, content_type = "application/problem+json"),
-        (status = 503, description = r#"The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"The record"#, body = RecordView)
     )
 )]
 async fn record(
@@ -748,8 +713,7 @@ async fn healthz() -> &'static str {
     tag = "operations",
     summary = r#"The database takes writes (no token)"#,
     responses(
-        (status = 200, description = r#"A primary, with its timeline and standbys: `ready: database primary, timeline 3, 1 synchronous standby(s)` (or `no standby`)."#, content_type = "text/plain"),
-        (status = 503, description = r#"Database unreachable, or read-only (a standby, or a failover under way)."#, body = contract::problem::Problem, content_type = "application/problem+json")
+        (status = 200, description = r#"A primary, with its timeline and standbys: `ready: database primary, timeline 3, 1 synchronous standby(s)` (or `no standby`)."#, content_type = "text/plain")
     )
 )]
 async fn readyz(State(state): State<AppState>) -> Result<String, ApiError> {

@@ -4,14 +4,19 @@
 use std::sync::LazyLock;
 
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
 
 use crate::{admin, http};
-use contract::admin::{AdminAction, AdminActionResult, AdminRecord, AuditEntry, ListedRecord};
+use contract::admin::{
+    AdminAction, AdminActionResult, AdminRecord, AuditEntry, ListedRecord, ADMIN_PURGE_PATH,
+    ADMIN_RECORDS_PATH, ADMIN_RECORD_PATH, ADMIN_RELEASE_PATH, ADMIN_RESOLVE_PATH,
+};
 use contract::problem::Problem;
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
-    RecordState, RecordView, ReleaseRequest, StoredResponse, WriteResponse, WriteState,
+    RecordState, RecordView, ReleaseRequest, StoredResponse, WriteResponse, WriteState, CLAIM_PATH,
+    COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 
 #[derive(OpenApi)]
@@ -59,7 +64,7 @@ use contract::wire::{
         ListedRecord,
         AdminActionResult,
     )),
-    modifiers(&BearerTokens)
+    modifiers(&BearerTokens, &ProblemAnswers)
 )]
 pub struct ApiDoc;
 
@@ -79,6 +84,92 @@ impl Modify for BearerTokens {
             "admin",
             bearer("The admin token (--admin-token), never the filter's."),
         );
+    }
+}
+
+type Route = (&'static str, &'static str);
+
+const FILTER_ROUTES: &[Route] = &[
+    ("post", CLAIM_PATH),
+    ("post", HEARTBEAT_PATH),
+    ("post", COMPLETE_PATH),
+    ("post", RELEASE_PATH),
+    ("post", UNKNOWN_PATH),
+    ("get", RECORDS_PATH),
+];
+const FENCED_ROUTES: &[Route] = &[
+    ("post", HEARTBEAT_PATH),
+    ("post", COMPLETE_PATH),
+    ("post", RELEASE_PATH),
+    ("post", UNKNOWN_PATH),
+];
+const ADMIN_ROUTES: &[Route] = &[
+    ("get", ADMIN_RECORD_PATH),
+    ("get", ADMIN_RECORDS_PATH),
+    ("post", ADMIN_RELEASE_PATH),
+    ("post", ADMIN_RESOLVE_PATH),
+    ("post", ADMIN_PURGE_PATH),
+];
+const ADMIN_ACTIONS: &[Route] = &[
+    ("post", ADMIN_RELEASE_PATH),
+    ("post", ADMIN_RESOLVE_PATH),
+    ("post", ADMIN_PURGE_PATH),
+];
+const ADMIN_ONE_RECORD: &[Route] = &[
+    ("get", ADMIN_RECORD_PATH),
+    ("post", ADMIN_RELEASE_PATH),
+    ("post", ADMIN_RESOLVE_PATH),
+    ("post", ADMIN_PURGE_PATH),
+];
+
+/// Every problem answer (`application/problem+json`), described once, and the routes that
+/// give it: added to their operations by [`ProblemAnswers`].
+const PROBLEMS: &[(u16, &str, &[Route])] = &[
+    (400, "Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written.", FILTER_ROUTES),
+    (401, "Missing or wrong bearer token (`/problems/unauthenticated`).", FILTER_ROUTES),
+    (404, "No record (`/problems/not-found`).", &[("get", RECORDS_PATH)]),
+    (409, "Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`.", FENCED_ROUTES),
+    (413, "Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written.", FILTER_ROUTES),
+    (500, "Unexpected failure, or a stored response that does not open under this state API's storage keys (`/problems/internal-error`): nothing is replayed.", FILTER_ROUTES),
+    (503, "The database cannot be reached or is overloaded (`/problems/idempotency-state-unavailable`, with `Retry-After: 1`). The filter fails closed.", FILTER_ROUTES),
+    (503, "Database unreachable, or read-only (a standby, or a failover under way).", &[("get", "/readyz")]),
+    (400, "Bad input (`/problems/bad-request`, `/problems/invalid-idempotency-key`): a missing reason or actor, malformed JSON. Nothing written.", ADMIN_ROUTES),
+    (401, "No or another token, or the admin API is off (no --admin-token): `/problems/unauthenticated`.", ADMIN_ROUTES),
+    (403, "The filter's token (`--api-token`): `/problems/forbidden`.", ADMIN_ROUTES),
+    (404, "No record for this key, subject and endpoint: `/problems/not-found`.", ADMIN_ONE_RECORD),
+    (409, "The owner's lease is live (`/problems/lease-live`), or resolving a completed record (`/problems/already-completed`), without `force`. Nothing written.", ADMIN_ACTIONS),
+    (500, "Unexpected failure, or a stored body that does not open under this state API's storage keys (`/problems/internal-error`).", ADMIN_ROUTES),
+    (503, "The database is unreachable: `/problems/idempotency-state-unavailable`.", ADMIN_ROUTES),
+];
+
+struct ProblemAnswers;
+
+impl Modify for ProblemAnswers {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        for (status, description, routes) in PROBLEMS {
+            for (method, path) in *routes {
+                let Some(item) = doc.paths.paths.get_mut(*path) else {
+                    continue;
+                };
+                let op = match *method {
+                    "get" => item.get.as_mut(),
+                    _ => item.post.as_mut(),
+                };
+                let Some(op) = op else { continue };
+                let answer = ResponseBuilder::new()
+                    .description(*description)
+                    .content(
+                        "application/problem+json",
+                        ContentBuilder::new()
+                            .schema(Some(Ref::from_schema_name("Problem")))
+                            .build(),
+                    )
+                    .build();
+                op.responses
+                    .responses
+                    .insert(status.to_string(), answer.into());
+            }
+        }
     }
 }
 
