@@ -2,6 +2,7 @@
 //! demo's requests, and checks on answers.
 
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 
 use libtest_mimic::{Failed, Trial};
 use sha2::{Digest, Sha256};
@@ -18,6 +19,57 @@ pub fn block_on<F: Future<Output = ()>>(f: F) -> Result<(), Failed> {
         .map_err(|e| Failed::from(e.to_string()))?
         .block_on(f);
     Ok(())
+}
+
+/// One stack shared by the tests of a binary: started by the first test that needs it (or why
+/// it could not start, for every test after), stopped by [`SharedStack::run`] at the end.
+pub struct SharedStack {
+    slot: Mutex<Option<Result<Arc<Stack>, String>>>,
+    start: fn() -> Result<Stack, String>,
+}
+
+impl SharedStack {
+    pub const fn new(start: fn() -> Result<Stack, String>) -> Self {
+        Self {
+            slot: Mutex::new(None),
+            start,
+        }
+    }
+
+    pub fn get(&self) -> Result<Arc<Stack>, Failed> {
+        let mut guard = self
+            .slot
+            .lock()
+            .map_err(|_| Failed::from("shared stack lock poisoned"))?;
+        let started = guard.get_or_insert_with(|| (self.start)().map(Arc::new));
+        started.clone().map_err(Failed::from)
+    }
+
+    /// A test on the shared stack.
+    pub fn trial<F, Fut>(&'static self, name: &'static str, body: F) -> Trial
+    where
+        F: FnOnce(Arc<Stack>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()>,
+    {
+        Trial::test(name, move || {
+            let stack = self.get()?;
+            block_on(body(stack))
+        })
+    }
+
+    /// Runs the trials, stops the stack, exits with their conclusion.
+    pub fn run(&self, args: &libtest_mimic::Arguments, trials: Vec<Trial>) -> ! {
+        let conclusion = libtest_mimic::run(args, trials);
+        if let Ok(mut guard) = self.slot.lock() {
+            guard.take();
+        }
+        conclusion.exit();
+    }
+}
+
+/// The demo stack, with the default options.
+pub fn default_stack() -> Result<Stack, String> {
+    Stack::start(StackOptions::default())
 }
 
 /// A test on a stack of its own (for tests that kill a part of it).

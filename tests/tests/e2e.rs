@@ -3,85 +3,64 @@
 //! Most tests share one stack (started on first use, stopped at the end) and stay apart by using
 //! unique keys. Tests that kill a part start a stack of their own.
 
-use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Arguments;
 use serde_json::json;
 use stack::client::{unique_key, Client, Request};
 use stack::stack::{mint_token, token, Stack, StackOptions};
 use stack::testkit::*;
 
-/// The shared stack, or why it could not start (remembered, so it is not tried once per test).
-static SHARED: Mutex<Option<Result<Arc<Stack>, String>>> = Mutex::new(None);
-
-fn shared_stack() -> Result<Arc<Stack>, Failed> {
-    let mut guard = SHARED
-        .lock()
-        .map_err(|_| Failed::from("shared stack lock poisoned"))?;
-    let started = guard.get_or_insert_with(|| Stack::start(StackOptions::default()).map(Arc::new));
-    started.clone().map_err(Failed::from)
-}
-
-fn shared<F, Fut>(name: &'static str, body: F) -> Trial
-where
-    F: FnOnce(Arc<Stack>) -> Fut + Send + 'static,
-    Fut: Future<Output = ()>,
-{
-    Trial::test(name, move || {
-        let stack = shared_stack()?;
-        block_on(body(stack))
-    })
-}
+static SHARED: SharedStack = SharedStack::new(default_stack);
 
 fn main() {
     let args = Arguments::from_args();
     let trials = vec![
-        shared(
+        SHARED.trial(
             "first_request_executes_and_retry_replays",
             first_request_executes_and_retry_replays,
         ),
-        shared(
+        SHARED.trial(
             "duplicates_during_a_slow_request_get_409_at_once",
             duplicates_during_a_slow_request_get_409_at_once,
         ),
-        shared(
+        SHARED.trial(
             "key_order_and_whitespace_do_not_matter_nested_change_is_422",
             key_order_and_whitespace_do_not_matter_nested_change_is_422,
         ),
-        shared(
+        SHARED.trial(
             "subjects_and_endpoints_are_isolated",
             subjects_and_endpoints_are_isolated,
         ),
-        shared(
+        SHARED.trial(
             "forged_subject_header_changes_nothing",
             forged_subject_header_changes_nothing,
         ),
-        shared("bad_keys_get_400_problems", bad_keys_get_400_problems),
-        shared(
+        SHARED.trial("bad_keys_get_400_problems", bad_keys_get_400_problems),
+        SHARED.trial(
             "missing_or_bad_tokens_get_401",
             missing_or_bad_tokens_get_401,
         ),
-        shared(
+        SHARED.trial(
             "bodies_over_the_limit_get_413_and_at_the_limit_pass",
             bodies_over_the_limit_get_413_and_at_the_limit_pass,
         ),
-        shared(
+        SHARED.trial(
             "declined_card_is_replayed_not_rerun",
             declined_card_is_replayed_not_rerun,
         ),
-        shared("multi_chunk_bodies_reach_the_upstream_whole_http1", |s| {
+        SHARED.trial("multi_chunk_bodies_reach_the_upstream_whole_http1", |s| {
             multi_chunk_bodies_arrive_whole(s, false)
         }),
-        shared("multi_chunk_bodies_reach_the_upstream_whole_http2", |s| {
+        SHARED.trial("multi_chunk_bodies_reach_the_upstream_whole_http2", |s| {
             multi_chunk_bodies_arrive_whole(s, true)
         }),
-        shared(
+        SHARED.trial(
             "hostile_bodies_do_not_kill_the_filter",
             hostile_bodies_do_not_kill_the_filter,
         ),
-        shared(
+        SHARED.trial(
             "unprotected_routes_pass_through",
             unprotected_routes_pass_through,
         ),
@@ -134,16 +113,9 @@ fn main() {
             complete_in_background_answers_first_and_stores_right_after,
         ),
     ];
-    let conclusion = libtest_mimic::run(&args, trials);
-    // Stop the shared stack's processes before exiting (statics are never dropped).
-    if let Ok(mut guard) = SHARED.lock() {
-        guard.take();
-    }
-    conclusion.exit();
+    // Stops the shared stack's processes before exiting (statics are never dropped).
+    SHARED.run(&args, trials)
 }
-
-// ---------------------------------------------------------------------------------------------
-// Helpers
 
 // ---------------------------------------------------------------------------------------------
 // Shared-stack tests

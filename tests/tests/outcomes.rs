@@ -2,64 +2,45 @@
 //! shape of answer is stored and replayed faithfully, or stored as not replayable, and never
 //! leaves the key free to run again (the defects the simulation found, issue 12).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use edge::config::{KeyPolicy, Match, OnStateUnavailable, Route};
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::{Arguments, Trial};
 use stack::client::{unique_key, Request};
 use stack::envoy::{Envoy, Tweak};
 use stack::stack::{token, Stack, StackOptions};
 use stack::testkit::*;
 
-static SHARED: Mutex<Option<Result<Arc<Stack>, String>>> = Mutex::new(None);
-
-fn shared_stack() -> Result<Arc<Stack>, Failed> {
-    let mut guard = SHARED
-        .lock()
-        .map_err(|_| Failed::from("shared stack lock poisoned"))?;
-    let started = guard.get_or_insert_with(|| Stack::start(StackOptions::default()).map(Arc::new));
-    started.clone().map_err(Failed::from)
-}
-
-fn shared<F, Fut>(name: &'static str, body: F) -> Trial
-where
-    F: FnOnce(Arc<Stack>) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()>,
-{
-    Trial::test(name, move || {
-        let stack = shared_stack()?;
-        block_on(body(stack))
-    })
-}
+static SHARED: SharedStack = SharedStack::new(default_stack);
 
 fn main() {
     let args = Arguments::from_args();
     let trials = vec![
-        shared(
+        SHARED.trial(
             "a_response_cut_in_its_body_is_stored_not_replayable_and_never_runs_again",
             cut_in_its_body,
         ),
-        shared(
+        SHARED.trial(
             "a_location_too_long_to_store_makes_the_outcome_not_replayable",
             location_too_long,
         ),
-        shared(
+        SHARED.trial(
             "a_gzip_response_is_replayed_with_its_encoding",
             gzip_is_replayed_with_its_encoding,
         ),
-        shared(
+        SHARED.trial(
             "an_empty_body_ended_by_an_empty_chunk_is_replayed",
             empty_chunked_body_is_replayed,
         ),
-        shared(
+        SHARED.trial(
             "a_status_outside_100_599_is_stored_and_replayed",
             three_digit_status,
         ),
-        shared(
+        SHARED.trial(
             "the_same_bytes_as_another_media_type_are_another_request",
             media_type_is_part_of_the_request,
         ),
-        shared(
+        SHARED.trial(
             "a_client_sent_fencing_token_never_reaches_the_upstream",
             forged_fencing_token_is_removed,
         ),
@@ -96,11 +77,7 @@ fn main() {
             || block_on(lease_over_the_maximum_is_refused()),
         ),
     ];
-    let conclusion = libtest_mimic::run(&args, trials);
-    if let Ok(mut guard) = SHARED.lock() {
-        guard.take();
-    }
-    conclusion.exit();
+    SHARED.run(&args, trials)
 }
 
 fn hooked(key: &str, hook: &str, value: &str) -> Request {

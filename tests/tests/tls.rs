@@ -10,17 +10,16 @@
 //! forwarded, the key is not burnt); a client certificate from another CA, none at all, or
 //! plaintext are refused by the state API's port.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Arguments;
 use stack::client::unique_key;
 use stack::stack::{run_dir, Stack, StackOptions};
 use stack::testkit::*;
 use stack::tls::{https_get, plaintext_get, CertFiles, TestPki};
 
-/// The shared TLS stack, or why it could not start.
-static SHARED: Mutex<Option<Result<Arc<Stack>, String>>> = Mutex::new(None);
+static SHARED: SharedStack = SharedStack::new(start_tls_stack);
 
 fn start_tls_stack() -> Result<Stack, String> {
     let pki = TestPki::generate(&run_dir("tls-pki")?.join("pki"))?;
@@ -30,60 +29,41 @@ fn start_tls_stack() -> Result<Stack, String> {
     })
 }
 
-fn shared_stack() -> Result<Arc<Stack>, Failed> {
-    let mut guard = SHARED
-        .lock()
-        .map_err(|_| Failed::from("shared stack lock poisoned"))?;
-    let started = guard.get_or_insert_with(|| start_tls_stack().map(Arc::new));
-    started.clone().map_err(Failed::from)
-}
-
-fn shared<F, Fut>(name: &'static str, body: F) -> Trial
-where
-    F: FnOnce(Arc<Stack>) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()>,
-{
-    Trial::test(name, move || {
-        let stack = shared_stack()?;
-        block_on(body(stack))
-    })
-}
-
 fn main() {
     let args = Arguments::from_args();
     let trials = vec![
-        shared(
+        SHARED.trial(
             "over_tls_a_first_request_runs_and_its_retry_is_replayed",
             first_request_runs_and_retry_is_replayed,
         ),
-        shared(
+        SHARED.trial(
             "over_tls_a_duplicate_during_a_slow_request_gets_409",
             duplicate_during_a_slow_request_gets_409,
         ),
-        shared(
+        SHARED.trial(
             "over_tls_the_same_key_with_another_body_gets_422",
             same_key_other_body_gets_422,
         ),
-        shared(
+        SHARED.trial(
             "the_state_api_reaches_postgres_over_verified_tls_only",
             state_api_reaches_postgres_over_verified_tls_only,
         ),
-        shared(
+        SHARED.trial(
             "the_state_api_port_answers_mutual_tls_only",
             state_api_port_answers_mutual_tls_only,
         ),
-        shared(
+        SHARED.trial(
             "a_renewed_certificate_is_served_after_sighup",
             renewed_certificate_is_served_after_sighup,
         ),
-        shared(
+        SHARED.trial(
             "envoy_refuses_a_state_api_certificate_from_another_ca",
             |s| async move {
                 let pki = pki(&s);
                 envoy_refuses_the_state_api_serving(s, pki.foreign_server, "foreign-ca").await
             },
         ),
-        shared(
+        SHARED.trial(
             "envoy_refuses_an_expired_state_api_certificate",
             |s| async move {
                 let pki = pki(&s);
@@ -91,12 +71,8 @@ fn main() {
             },
         ),
     ];
-    let conclusion = libtest_mimic::run(&args, trials);
-    // Stop the shared stack's processes before exiting (statics are never dropped).
-    if let Ok(mut guard) = SHARED.lock() {
-        guard.take();
-    }
-    conclusion.exit();
+    // Stops the shared stack's processes before exiting (statics are never dropped).
+    SHARED.run(&args, trials)
 }
 
 fn pki(stack: &Stack) -> TestPki {
