@@ -187,11 +187,7 @@ async fn replayable_body(state: &AppState, scope: &ScopeHash) -> Result<Option<V
         return Ok(None);
     };
     let status = u16::try_from(r.status).map_err(|_| StoreError::Corrupt("response status"))?;
-    let sealed = Sealed {
-        key_id: r.response_key_id,
-        headers: r.headers.0,
-        body: r.body,
-    };
+    let sealed = Sealed::read(r.response_key_id, r.headers.0, r.body);
     let opened = state
         .store()
         .sealer()

@@ -9,6 +9,8 @@
 //! sealed a handful of times at most: its complete, an operator's resolve). The record keeps
 //! the storage key's id, so a rotated key still opens what the previous one sealed.
 
+use std::borrow::Cow;
+
 use aes_gcm::aead::{Aead, AeadCore, KeyInit, OsRng, Payload};
 use aes_gcm::{Aes256Gcm, Key, Nonce};
 use base64::Engine as _;
@@ -84,15 +86,27 @@ impl StorageKey {
     }
 }
 
-/// A response as written to the record's columns.
+/// A response as written to the record's columns (in clear, it borrows the response: no copy
+/// of the body on the way to the database).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Sealed {
+pub struct Sealed<'a> {
     /// The storage key's id; `None`: written in clear (no storage key configured).
     pub key_id: Option<i64>,
     /// In clear without a storage key; empty when sealed (they are in `body`).
-    pub headers: Vec<(String, String)>,
+    pub headers: Cow<'a, [(String, String)]>,
     /// The body in clear, or nonce || AES-GCM(headers and body) || tag.
-    pub body: Vec<u8>,
+    pub body: Cow<'a, [u8]>,
+}
+
+impl Sealed<'static> {
+    /// The columns of a stored record, as read.
+    pub fn read(key_id: Option<i64>, headers: Vec<(String, String)>, body: Vec<u8>) -> Self {
+        Self {
+            key_id,
+            headers: Cow::Owned(headers),
+            body: Cow::Owned(body),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -120,12 +134,12 @@ impl Sealer {
         self.current.is_some()
     }
 
-    pub fn seal(&self, scope: &[u8], token: i64, response: &StoredResponse) -> Sealed {
+    pub fn seal<'a>(&self, scope: &[u8], token: i64, response: &'a StoredResponse) -> Sealed<'a> {
         let Some(key) = &self.current else {
             return Sealed {
                 key_id: None,
-                headers: response.headers.clone(),
-                body: response.body.clone(),
+                headers: Cow::Borrowed(&response.headers),
+                body: Cow::Borrowed(&response.body),
             };
         };
         let headers = serde_json::to_vec(&response.headers).unwrap_or_default();
@@ -155,8 +169,8 @@ impl Sealer {
         body.extend_from_slice(&sealed);
         Sealed {
             key_id: Some(key.id),
-            headers: Vec::new(),
-            body,
+            headers: Cow::Borrowed(&[]),
+            body: Cow::Owned(body),
         }
     }
 
@@ -167,13 +181,13 @@ impl Sealer {
         token: i64,
         status: u16,
         replayable: bool,
-        stored: Sealed,
+        stored: Sealed<'_>,
     ) -> Result<StoredResponse, OpenError> {
         let Some(id) = stored.key_id else {
             return Ok(StoredResponse {
                 status,
-                headers: stored.headers,
-                body: stored.body,
+                headers: stored.headers.into_owned(),
+                body: stored.body.into_owned(),
                 replayable,
             });
         };
@@ -240,7 +254,7 @@ mod tests {
         s: &Sealer,
         scope: &[u8],
         token: i64,
-        sealed: Sealed,
+        sealed: Sealed<'_>,
     ) -> Result<StoredResponse, OpenError> {
         s.open(scope, token, 201, true, sealed)
     }
@@ -248,7 +262,8 @@ mod tests {
     #[test]
     fn sealed_responses_open_only_where_they_were_sealed() {
         let s = Sealer::new(Some(key(1)), None);
-        let sealed = s.seal(&[7; 32], 42, &response());
+        let marked = response();
+        let sealed = s.seal(&[7; 32], 42, &marked);
         assert!(sealed.headers.is_empty());
         let text = String::from_utf8_lossy(&sealed.body);
         assert!(
@@ -267,20 +282,21 @@ mod tests {
         );
         let mut flipped = sealed.clone();
         let last = flipped.body.len() - 1;
-        flipped.body[last] ^= 1;
+        flipped.body.to_mut()[last] ^= 1;
         assert_eq!(open(&s, &[7; 32], 42, flipped), Err(OpenError::Tampered));
         assert_eq!(
             s.open(&[7; 32], 42, 200, true, sealed.clone()),
             Err(OpenError::Tampered)
         );
         // Two seals of the same response differ (random nonce).
-        assert_ne!(s.seal(&[7; 32], 42, &response()).body, sealed.body);
+        assert_ne!(s.seal(&[7; 32], 42, &marked).body, sealed.body);
     }
 
     #[test]
     fn a_rotated_key_still_opens_what_the_previous_one_sealed() {
         let old = Sealer::new(Some(key(1)), None);
-        let sealed = old.seal(&[7; 32], 42, &response());
+        let marked = response();
+        let sealed = old.seal(&[7; 32], 42, &marked);
         let rotated = Sealer::new(Some(key(2)), Some(key(1)));
         assert_eq!(open(&rotated, &[7; 32], 42, sealed.clone()), Ok(response()));
         assert_eq!(
@@ -297,9 +313,10 @@ mod tests {
     #[test]
     fn without_a_storage_key_responses_are_kept_in_clear() {
         let s = Sealer::default();
-        let sealed = s.seal(&[7; 32], 42, &response());
+        let marked = response();
+        let sealed = s.seal(&[7; 32], 42, &marked);
         assert_eq!(sealed.key_id, None);
-        assert_eq!(sealed.body, response().body);
+        assert_eq!(&sealed.body[..], &response().body[..]);
         assert_eq!(open(&s, &[7; 32], 42, sealed), Ok(response()));
     }
 

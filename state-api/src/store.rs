@@ -495,11 +495,7 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<Step, 
             };
             let status =
                 u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
-            let stored = Sealed {
-                key_id: row.response_key_id,
-                headers,
-                body,
-            };
+            let stored = Sealed::read(row.response_key_id, headers, body);
             let response =
                 sealer.open(&claim.scope, row.fencing_token, status, replayable, stored)?;
             Ok(Step::Answer(ClaimResponse::completed(
