@@ -884,9 +884,17 @@ fn real_main() -> Result<(), String> {
     let mut pg_results = Vec::new();
     if wanted("pgbench") {
         let pg = pgbench::Pgbench::prepare(&stack.postgres, &stack.dir)?;
+        let postgres_ticks = || bench.procs.postgres.map(procfs::tree_ticks);
         for &c in &levels {
             pg.run(c, 1, "warmup")?;
-            let r = pg.run(c, measure_s, "measure")?;
+            let before = postgres_ticks();
+            let mut r = pg.run(c, measure_s, "measure")?;
+            // Its backends have exited by now: their CPU is the postmaster's reaped children's.
+            std::thread::sleep(Duration::from_millis(200));
+            if let (Some(a), Some(b)) = (before, postgres_ticks()) {
+                let secs = b.saturating_sub(a) as f64 / bench.tck;
+                r.postgres_cpu_us_per_tx = Some(secs * 1e6 / r.transactions.max(1) as f64);
+            }
             eprintln!(
                 "  {:<22} c={:<3} {:>8.0}/s  p50 {:>6.3} ms  p99 {:>6.3} ms  failed {}",
                 "pgbench INSERT", c, r.tps, r.p50_ms, r.p99_ms, r.failed

@@ -32,6 +32,9 @@ pub struct PgbenchResult {
     pub max_ms: f64,
     /// Percentile curve, for the plot: [percentile, ms].
     pub percentiles: Vec<(f64, f64)>,
+    /// Postgres's CPU (postmaster and backends) per transaction, µs: the baseline of the state
+    /// API's Postgres share per new key.
+    pub postgres_cpu_us_per_tx: Option<f64>,
 }
 
 pub struct Pgbench {
@@ -177,6 +180,7 @@ impl Pgbench {
             p99_ms: pct(99.0),
             max_ms: pct(100.0),
             percentiles: crate::PERCENTILES.iter().map(|&p| (p, pct(p))).collect(),
+            postgres_cpu_us_per_tx: None,
         })
     }
 }

@@ -106,8 +106,9 @@ fn main() {
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// Polls until `key` is no longer in progress (409), up to `limit`; the last answer.
-async fn retry_until_not_409(
+/// Polls until `key` is no longer in progress (409) and the state API answers in time (no
+/// 503), up to `limit`: the last answer, and how many 409s came before it.
+async fn retry_until_settled(
     c: &Client,
     req: impl Fn() -> Request,
     limit: Duration,
@@ -116,10 +117,13 @@ async fn retry_until_not_409(
     let mut answers_409 = 0;
     loop {
         let a = c.send(req()).await;
-        if a.status != 409 || started.elapsed() > limit {
+        // A 503 forwarded nothing (the state API too slow to answer in time, as a loaded
+        // machine makes the first claims after a restart): the key is still free, ask again.
+        let unavailable = a.status == 503;
+        if !(a.status == 409 || unavailable) || started.elapsed() > limit {
             return (a, answers_409);
         }
-        answers_409 += 1;
+        answers_409 += u32::from(!unavailable);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -364,7 +368,7 @@ async fn state_api_killed_under_load(mut stack: Stack) {
     let mut after: BTreeMap<&str, usize> = BTreeMap::new();
     let mut held_by_lost_claim = 0;
     for i in &refused {
-        let (a, n409) = retry_until_not_409(
+        let (a, n409) = retry_until_settled(
             &c,
             || checkout(&keys[*i], "alice", &charge_body(*i as u64 + 1)),
             Duration::from_secs(10),
@@ -601,7 +605,7 @@ async fn slow_state_api(stack: Stack) {
         executions(&stack, &key).await.is_empty(),
         "nothing forwarded after a timed-out claim"
     );
-    let (after, held) = retry_until_not_409(
+    let (after, held) = retry_until_settled(
         &c,
         || checkout(&key, "alice", &body),
         Duration::from_secs(10),
@@ -898,7 +902,7 @@ async fn lost_complete_state_api_down(mut stack: Stack, label: &'static str) {
     );
     blocking(|| stack.restart_state_api()).unwrap_or_else(|e| panic!("{e}"));
     let restarted = Instant::now();
-    let (retry, n409) = retry_until_not_409(
+    let (retry, n409) = retry_until_settled(
         &c,
         || checkout(&key, "alice", &body),
         Duration::from_secs(10),
