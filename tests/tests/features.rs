@@ -4,11 +4,11 @@
 //! their audit rows, and namespaces that keep deployments apart on one state API.
 
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use edge::config::{Config, Pointer, Selection};
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::Arguments;
 use serde_json::json;
 use stack::client::{unique_key, Answer, Client, Request};
 use stack::envoy::{Envoy, Tweak};
@@ -51,34 +51,21 @@ fn options() -> StackOptions {
     }
 }
 
-/// The shared stack, or why it could not start (remembered, so it is not tried once per test).
-static SHARED: Mutex<Option<Result<Arc<Stack>, String>>> = Mutex::new(None);
+/// The shared stack: started by the first test that needs it, stopped after the last.
+static SHARED: SharedStack = SharedStack::new(start_features_stack);
 
-fn shared<F, Fut>(name: &'static str, body: F) -> Trial
-where
-    F: FnOnce(Arc<Stack>) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()>,
-{
-    Trial::test(name, move || {
-        let stack = {
-            let mut guard = SHARED
-                .lock()
-                .map_err(|_| Failed::from("shared stack lock poisoned"))?;
-            let started = guard.get_or_insert_with(|| Stack::start(options()).map(Arc::new));
-            started.clone().map_err(Failed::from)?
-        };
-        block_on(body(stack))
-    })
+fn start_features_stack() -> Result<Stack, String> {
+    Stack::start(options())
 }
 
 fn main() {
     let args = Arguments::from_args();
     let trials = vec![
-        shared(
+        SHARED.trial(
             "a_retry_that_prefers_to_wait_gets_the_replay_once_the_first_finishes",
             wait_then_replay,
         ),
-        shared(
+        SHARED.trial(
             "a_retry_still_waiting_at_its_deadline_gets_409_with_retry_after",
             wait_until_deadline,
         ),
@@ -104,36 +91,37 @@ fn main() {
             },
             state_api_waiter_bound,
         ),
-        shared(
+        SHARED.trial(
             "an_ignore_list_lets_a_timestamp_and_a_trace_id_change_nested_members_still_count",
             ignore_list,
         ),
-        shared(
+        SHARED.trial(
             "an_include_list_covers_only_its_members_and_the_key_comes_from_the_body",
             include_list_and_key_from_body,
         ),
-        shared(
+        SHARED.trial(
             "each_route_keeps_its_records_as_long_as_it_asks_within_the_state_apis_bound",
             retention_per_route,
         ),
-        shared(
+        SHARED.trial(
             "an_operator_releases_a_held_unknown_outcome_and_the_audit_row_says_who_and_why",
             admin_release,
         ),
-        shared(
+        SHARED.trial(
             "an_operator_resolves_outcomes_replayable_or_not_and_purges_a_key",
             admin_resolve_and_purge,
         ),
-        shared(
+        SHARED.trial(
             "the_admin_api_refuses_bad_tokens_unknown_records_and_live_leases_unless_forced",
             admin_refusals,
         ),
-        shared(
+        SHARED.trial(
             "two_deployments_with_their_own_namespace_share_a_state_api_without_meeting",
             namespaces,
         ),
     ];
-    libtest_mimic::run(&args, trials).exit();
+    // Stops the shared stack's processes before exiting (statics are never dropped).
+    SHARED.run(&args, trials)
 }
 
 /// A refund whose key is the body's `idempotency_key` (no header).
