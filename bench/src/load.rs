@@ -266,6 +266,6 @@ pub async fn run(
     result
 }
 
-fn short(e: &str) -> String {
+pub fn short(e: &str) -> String {
     e.chars().take(80).collect()
 }

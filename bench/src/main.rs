@@ -8,10 +8,12 @@
 //! (default 2), BENCH_CONNECTIONS (default "1,16"), BENCH_OUT (default docs/).
 
 mod load;
+mod peer;
 mod pgbench;
 mod procfs;
 mod purge;
 mod report;
+mod soak;
 mod waiting;
 
 use std::collections::BTreeMap;
@@ -275,10 +277,15 @@ fn wrong_status(status: u16) -> Outcome {
     Outcome::Wrong(format!("status {status}"))
 }
 
+/// The key `op_created(prefix)` sends as operation `seq` of `client`.
+fn new_key(prefix: &str, client: usize, seq: u64) -> String {
+    format!("{prefix}-{client}-{seq}")
+}
+
 /// A first execution: 201 and not a replay.
 fn op_created(prefix: String) -> OpFn {
     Arc::new(move |conn: &mut Conn, client: usize, seq: u64| {
-        let req = checkout_req(&format!("{prefix}-{client}-{seq}"));
+        let req = checkout_req(&new_key(&prefix, client, seq));
         Box::pin(async move {
             let a = conn.send(&req).await?;
             Ok(if a.status != 201 {
@@ -504,8 +511,11 @@ impl Bench {
 }
 
 fn main() {
-    if let Err(e) = real_main() {
-        eprintln!("bench failed: {e}");
+    // `bench soak` (`make soak`): the long run of src/soak.rs instead of the benchmark.
+    let soak = std::env::args().nth(1).is_some_and(|a| a == "soak");
+    let result = if soak { soak::run() } else { real_main() };
+    if let Err(e) = result {
+        eprintln!("{} failed: {e}", if soak { "soak" } else { "bench" });
         std::process::exit(1);
     }
 }
@@ -609,6 +619,12 @@ fn real_main() -> Result<(), String> {
     } else {
         None
     };
+    // The seeds' own design, on the same Postgres (scenarios seed_new and seed_inflight).
+    let seed = if wanted("seed_new") || wanted("seed_inflight") {
+        Some(peer::SeedNode::start(&stack, &stack.dir)?)
+    } else {
+        None
+    };
     let wasm_bytes = std::fs::metadata(stack::envoy::filter_wasm()?)
         .map(|m| m.len())
         .map_err(|e| e.to_string())?;
@@ -642,6 +658,9 @@ fn real_main() -> Result<(), String> {
         procs
             .named
             .push(("state-api-tls", find(api.port, "state-api-tls")?));
+    }
+    if let Some(s) = &seed {
+        procs.named.push(("seed-node", s.pid));
     }
     eprintln!(
         "bench: stack up in {:.1} s; logs in {}",
@@ -703,45 +722,49 @@ fn real_main() -> Result<(), String> {
         // Scenarios that send a new key with every request: (id, label, what is sent, the
         // expected answer, through which Envoy).
         let fresh_keys = [
-            ("plain", "plain Envoy", "POST /checkout, router only", "201", Some(&plain)),
+            ("plain", "plain Envoy", "POST /checkout, router only", "201", Some(port(&plain))),
             (
                 "jwt",
                 "Envoy + jwt_authn",
                 "POST /checkout, jwt_authn + router (no idempotency filter)",
                 "201",
-                Some(&jwt),
+                Some(port(&jwt)),
             ),
             (
                 "new",
                 "new keys",
                 "POST /checkout, new key: claim, upstream, complete",
                 "201, not replayed",
-                Some(filter_envoy),
+                Some(port(filter_envoy)),
             ),
             (
                 "new_bg",
                 "new keys (background complete)",
                 "POST /checkout, new key, complete_in_background: the response goes on, then the worker stores it",
                 "201, not replayed",
-                background.as_ref(),
+                background.as_ref().map(port),
             ),
             (
                 "new_tls",
                 "new keys, state API over mTLS",
                 "POST /checkout, new key; Envoy -> state API over mutual TLS (a second state API on the same database)",
                 "201, not replayed",
-                tls_hop.as_ref().map(|(_, envoy)| envoy),
+                tls_hop.as_ref().map(|(_, envoy)| port(envoy)),
+            ),
+            (
+                "seed_new",
+                "seed design: new keys",
+                "POST /checkout, new key, to the seeds' in-app claim (Node + pg, same Postgres; no Envoy)",
+                "201, not replayed",
+                seed.as_ref().map(|s| s.port),
             ),
         ];
-        for (id, label, op, expect, envoy) in fresh_keys {
-            let Some(envoy) = envoy.filter(|_| wanted(id)) else {
+        for (id, label, op, expect, target) in fresh_keys {
+            let Some(target) = target.filter(|_| wanted(id)) else {
                 continue;
             };
-            let (r, cpu, n) = bench.measure(
-                addr(envoy.params.listen_port),
-                c,
-                &op_created(format!("{run_id}-{id}-{c}")),
-            );
+            let (r, cpu, n) =
+                bench.measure(addr(target), c, &op_created(format!("{run_id}-{id}-{c}")));
             push(ScenarioResult::new(id, label, op, expect, &r, cpu, n));
         }
         if wanted("replay") {
@@ -757,20 +780,31 @@ fn real_main() -> Result<(), String> {
                 n,
             ));
         }
-        if wanted("inflight") {
+        let inflight = [
+            ("inflight", "in-flight duplicates", Some(envoy_addr)),
+            (
+                "seed_inflight",
+                "seed design: in-flight duplicates",
+                seed.as_ref().map(|s| addr(s.port)),
+            ),
+        ];
+        for (id, label, target) in inflight {
+            let Some(target) = target.filter(|_| wanted(id)) else {
+                continue;
+            };
             // One slow request holds the key while the crowd retries it.
-            let held = format!("{run_id}-held-{c}");
+            let held = format!("{run_id}-{id}-held-{c}");
             let hold_ms = hold_secs(warmup_s, measure_s) * 1000;
             let slow_req = checkout_req(&held).header("x-demo-delay-ms", &hold_ms.to_string());
             let handle = bench.rt.spawn(async move {
-                let mut conn = Conn::open(envoy_addr).await?;
+                let mut conn = Conn::open(target).await?;
                 conn.send(&slow_req).await.map(|a| a.status)
             });
             slow.push(handle);
             // Wait (bounded) until the key is held: a probe answers 409.
             let probe = checkout_req(&held);
             let held_ok = bench.rt.block_on(async {
-                let mut conn = Conn::open(envoy_addr).await?;
+                let mut conn = Conn::open(target).await?;
                 for _ in 0..100 {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     if conn.send(&probe).await?.status == 409 {
@@ -780,13 +814,15 @@ fn real_main() -> Result<(), String> {
                 Ok::<bool, String>(false)
             })?;
             if !held_ok {
-                return Err("the slow request did not hold its key within 2 s".into());
+                return Err(format!(
+                    "{label}: the slow request did not hold its key within 2 s"
+                ));
             }
-            let (r, cpu, n) = bench.measure(envoy_addr, c, &op_inflight(held));
+            let (r, cpu, n) = bench.measure(target, c, &op_inflight(held));
             let op = "POST /checkout, key held by a slow request";
             push(ScenarioResult::new(
-                "inflight",
-                "in-flight duplicates",
+                id,
+                label,
                 op,
                 "409 + Retry-After",
                 &r,
@@ -1028,7 +1064,13 @@ fn real_main() -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let md_path = out_dir.join("BENCH.md");
-    std::fs::write(&md_path, rep.markdown()).map_err(|e| e.to_string())?;
+    // The soak's section (`make soak`) stays: it is a run of its own.
+    let previous = std::fs::read_to_string(&md_path).unwrap_or_default();
+    let markdown = match soak::section_of(&previous) {
+        Some(section) => soak::splice(&rep.markdown(), section),
+        None => rep.markdown(),
+    };
+    std::fs::write(&md_path, markdown).map_err(|e| e.to_string())?;
     let png_path = out_dir.join("bench.png");
     plot(&json_path, &png_path);
     eprintln!(
@@ -1068,6 +1110,10 @@ fn hold_secs(warmup_s: u64, measure_s: u64) -> u64 {
     (warmup_s + measure_s) * 2 + 5
 }
 
+fn port(envoy: &Envoy) -> u16 {
+    envoy.params.listen_port
+}
+
 fn plain_params(stack: &Stack) -> stack::envoy::EnvoyParams {
     let mut p = stack.envoy.params.clone();
     p.listen_port = stack::net::free_port();
@@ -1077,6 +1123,11 @@ fn plain_params(stack: &Stack) -> stack::envoy::EnvoyParams {
 
 /// docs/bench.png with bench/plot.py in the project's .venv (matplotlib), when available.
 fn plot(json: &std::path::Path, png: &std::path::Path) {
+    plot_script("plot.py", json, png);
+}
+
+/// `png` from `json` with bench/`script` in the project's .venv (matplotlib), when available.
+fn plot_script(script: &str, json: &std::path::Path, png: &std::path::Path) {
     let root = stack::process::workspace_root();
     let python = root.join(".venv/bin/python");
     let python = if python.is_file() {
@@ -1084,9 +1135,9 @@ fn plot(json: &std::path::Path, png: &std::path::Path) {
     } else {
         PathBuf::from("python3")
     };
-    match std::process::Command::new(&python).arg(root.join("bench/plot.py")).arg(json).arg(png).status() {
+    match std::process::Command::new(&python).arg(root.join("bench").join(script)).arg(json).arg(png).status() {
         Ok(s) if s.success() => eprintln!("bench: wrote {}", png.display()),
-        Ok(s) => eprintln!("bench: plot.py failed ({s}); is matplotlib installed? `.venv/bin/pip install matplotlib`"),
+        Ok(s) => eprintln!("bench: {script} failed ({s}); is matplotlib installed? `.venv/bin/pip install matplotlib`"),
         Err(e) => eprintln!("bench: cannot run {}: {e}", python.display()),
     }
 }

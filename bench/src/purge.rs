@@ -21,13 +21,16 @@ pub struct PurgeCapacity {
     pub ratio: f64,
 }
 
-fn purged(port: u16) -> u64 {
-    stack::envoy::http_get_blocking(port, "/metrics")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("state_api_purged_rows_total "))
+/// The value of metric `name` (with its labels, e.g. `x_total{end="cleared"}`) in a /metrics text.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+}
+
+fn purged(port: u16) -> u64 {
+    let text = stack::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
+    metric(&text, "state_api_purged_rows_total").map_or(0, |v| v as u64)
 }
 
 pub fn measure(stack: &Stack, rows: u64) -> Result<(u64, f64), String> {

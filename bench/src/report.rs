@@ -96,7 +96,7 @@ fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a Sc
 }
 
 /// The commit the figures belong to, and whether the work tree had changes then.
-fn git_state() -> String {
+pub fn git_state() -> String {
     let root = stack::process::workspace_root();
     let run = |args: &[&str]| {
         std::process::Command::new("git")
@@ -292,6 +292,28 @@ impl Report {
                     p.ratio, p.rows_per_s, p.highest_new_keys_per_s, p.highest_new_keys_scenario
                 ),
                 pass: p.ratio >= 3.0,
+            });
+        }
+        // Against the seeds' in-app design in the same run: ahead on throughput, p50 and p99.
+        for (ours, theirs, c, what) in [
+            ("new", "seed_new", 1, "new keys"),
+            ("new", "seed_new", 16, "new keys"),
+            ("inflight", "seed_inflight", 1, "in-flight duplicates"),
+            ("inflight", "seed_inflight", 16, "in-flight duplicates"),
+        ] {
+            let (Some(a), Some(b)) = (find(&i.results, ours, c), find(&i.results, theirs, c))
+            else {
+                continue;
+            };
+            let (rate, p50, p99) = (a.rate / b.rate, a.p50_ms / b.p50_ms, a.p99_ms / b.p99_ms);
+            goals.push(Goal {
+                goal: format!("{what} at {c} connection(s) vs the seeds' in-app design: req/s, p50, p99"),
+                target: "req/s >= 1.0x, p50 and p99 <= 1.0x".into(),
+                measured: format!(
+                    "{rate:.2}x req/s ({:.0} vs {:.0}), p50 {p50:.2}x ({:.3} vs {:.3} ms), p99 {p99:.2}x ({:.3} vs {:.3} ms)",
+                    a.rate, b.rate, a.p50_ms, b.p50_ms, a.p99_ms, b.p99_ms
+                ),
+                pass: rate >= 1.0 && p50 <= 1.0 && p99 <= 1.0,
             });
         }
         let total_errors: u64 = i.results.iter().map(|r| r.error_count).sum::<u64>()
@@ -616,14 +638,16 @@ impl Report {
                 _ => "envoy",
             };
             let state_api_name = state_api_process(&r.scenario);
-            let direct = r.scenario.starts_with("state_api");
+            // The seed design has no Envoy and no state API: its Node app is in the checkout column.
+            let seed = r.scenario.starts_with("seed_");
+            let direct = r.scenario.starts_with("state_api") || seed;
             let us = |cores: f64| cores / r.rate.max(1e-9) * 1e6;
             let p = |k: &str| r.cpu.processes.get(k).copied().unwrap_or(0.0);
             let envoy = if direct { 0.0 } else { p(envoy_name) };
             let parts = [
                 envoy,
-                p(state_api_name),
-                p("checkout"),
+                if seed { 0.0 } else { p(state_api_name) },
+                p(if seed { "seed-node" } else { "checkout" }),
                 p("postgres"),
                 p("bench"),
                 r.cpu.irq_cores,
