@@ -248,12 +248,17 @@ impl Report {
             "",
             |v| v <= 3.5,
         );
+        // Round one's 3 ms was 2.8x plain Envoy's p99 of that run; a 409 is answered from the
+        // worker's memory, so it should cost no more than twice a proxied request's tail.
         goal(
-            "in-flight duplicate 409 p99 at 16 connections",
-            "<= 3 ms",
-            find(&i.results, "inflight", 16).map(|r| r.p99_ms),
-            " ms",
-            |v| v <= 3.0,
+            "in-flight duplicate 409 p99 at 16 connections vs plain Envoy's p99",
+            "<= 2.0x",
+            over(
+                find(&i.results, "inflight", 16).map(|r| r.p99_ms),
+                find(&i.results, "plain", 16).map(|r| r.p99_ms),
+            ),
+            "",
+            |v| v <= 2.0,
         );
         goal(
             "replay throughput at 16 connections vs plain Envoy",
