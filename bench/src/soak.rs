@@ -399,23 +399,19 @@ async fn drive(
     spawn_streams(Stream::New, rate, settings.connections, new_slot);
     let replay_slot: Slot = Arc::new(Mutex::new(None));
     let conflict_slot: Slot = Arc::new(Mutex::new(None));
-    if settings.replay_rate > 0 {
-        let n = side_connections(settings.replay_rate);
-        spawn_streams(
-            Stream::Replay,
-            settings.replay_rate as f64,
-            n,
-            replay_slot.clone(),
-        );
-    }
-    if settings.inflight_rate > 0 {
-        let n = side_connections(settings.inflight_rate);
-        spawn_streams(
-            Stream::Conflict,
-            settings.inflight_rate as f64,
-            n,
-            conflict_slot.clone(),
-        );
+    // The side loads, each on a few connections of its own.
+    for (stream, side_rate, slot) in [
+        (Stream::Replay, settings.replay_rate, &replay_slot),
+        (Stream::Conflict, settings.inflight_rate, &conflict_slot),
+    ] {
+        if side_rate > 0 {
+            spawn_streams(
+                stream,
+                side_rate as f64,
+                side_connections(side_rate),
+                slot.clone(),
+            );
+        }
     }
     let max_age = Duration::from_secs(settings.retention_s) / 2;
     let refresher = tokio::spawn(refresh_replay_keys(
@@ -1220,33 +1216,33 @@ mod tests {
         }
     }
 
+    /// Whether `figure` passed in the verdict over minutes 1..=3 (the second against the last).
+    fn passed(rows: &[MinuteRow], figure: &str) -> Option<bool> {
+        verdict(rows)
+            .iter()
+            .find(|f| f.figure == figure)
+            .map(|f| f.pass)
+    }
+
+    /// A first minute, a steady second one and `last`.
+    fn ending_with(last: MinuteRow) -> [MinuteRow; 3] {
+        [minute(1, 3, 8.0), minute(60_000, 3, 8.0), last]
+    }
+
     #[test]
     fn verdict_uses_twenty_percent_or_the_floor() {
-        let rows = [
-            minute(1, 3, 8.0),
-            minute(60_000, 3, 8.0),
-            minute(70_000, 5, 8.5),
-        ];
-        let v = verdict(&rows);
-        let of = |name: &str| v.iter().find(|f| f.figure == name).map(|f| f.pass);
+        let steady = ending_with(minute(70_000, 5, 8.5));
         // 60,000 -> 70,000 rows: +16.7 %.
-        assert_eq!(of("rows"), Some(true));
+        assert_eq!(passed(&steady, "rows"), Some(true));
         // 3 -> 5 dead tuples: within the floor of 1,000.
-        assert_eq!(of("dead tuples (peak)"), Some(true));
-        assert_eq!(of("new-key p99"), Some(true));
-        let rows = [
-            minute(1, 3, 8.0),
-            minute(60_000, 3, 8.0),
-            minute(75_000, 3, 11.0),
-        ];
-        let v = verdict(&rows);
-        let of = |name: &str| v.iter().find(|f| f.figure == name).map(|f| f.pass);
-        assert_eq!(of("rows"), Some(false));
-        assert_eq!(of("new-key p99"), Some(false));
+        assert_eq!(passed(&steady, "dead tuples (peak)"), Some(true));
+        assert_eq!(passed(&steady, "new-key p99"), Some(true));
+        let growing = ending_with(minute(75_000, 3, 11.0));
+        assert_eq!(passed(&growing, "rows"), Some(false));
+        assert_eq!(passed(&growing, "new-key p99"), Some(false));
         // A minute without answers has no p50: it fails.
         let mut empty = minute(60_000, 3, f64::NAN);
         empty.p50_ms = f64::NAN;
-        let v = verdict(&[minute(1, 3, 8.0), minute(60_000, 3, 8.0), empty]);
-        assert!(v.iter().any(|f| f.figure == "new-key p50" && !f.pass));
+        assert_eq!(passed(&ending_with(empty), "new-key p50"), Some(false));
     }
 }
