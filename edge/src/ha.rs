@@ -513,6 +513,7 @@ bootstrap:
         synchronous_commit: "on"
         fsync: "on"
         wal_keep_size: 256MB
+        autovacuum_naptime: 10s
   initdb:
     - encoding: UTF8
     - locale: C.UTF-8

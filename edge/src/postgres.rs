@@ -473,6 +473,10 @@ impl Local {
                 "fsync=on",
                 "-c",
                 "synchronous_commit=on",
+                // The records table turns over every retention period: vacuum it often
+                // (with the table's own thresholds, see the migrations), not once a minute.
+                "-c",
+                "autovacuum_naptime=10s",
             ]);
         if self.ssl {
             cmd.args(["-c", "ssl=on", "-c"])
