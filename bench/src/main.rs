@@ -795,29 +795,7 @@ fn real_main() -> Result<(), String> {
             // One slow request holds the key while the crowd retries it.
             let held = format!("{run_id}-{id}-held-{c}");
             let hold_ms = hold_secs(warmup_s, measure_s) * 1000;
-            let slow_req = checkout_req(&held).header("x-demo-delay-ms", &hold_ms.to_string());
-            let handle = bench.rt.spawn(async move {
-                let mut conn = Conn::open(target).await?;
-                conn.send(&slow_req).await.map(|a| a.status)
-            });
-            slow.push(handle);
-            // Wait (bounded) until the key is held: a probe answers 409.
-            let probe = checkout_req(&held);
-            let held_ok = bench.rt.block_on(async {
-                let mut conn = Conn::open(target).await?;
-                for _ in 0..100 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    if conn.send(&probe).await?.status == 409 {
-                        return Ok(true);
-                    }
-                }
-                Ok::<bool, String>(false)
-            })?;
-            if !held_ok {
-                return Err(format!(
-                    "{label}: the slow request did not hold its key within 2 s"
-                ));
-            }
+            slow.push(hold_key(&bench.rt, target, &held, hold_ms, label)?);
             let (r, cpu, n) = bench.measure(target, c, &op_inflight(held));
             let op = "POST /checkout, key held by a slow request";
             push(ScenarioResult::new(
@@ -885,13 +863,13 @@ fn real_main() -> Result<(), String> {
     if wanted("waiting") {
         let held = format!("{run_id}-waited");
         let hold_ms = 2 * hold_secs(warmup_s, measure_s) * 1000 + 10_000;
-        let slow_req = checkout_req(&held).header("x-demo-delay-ms", &hold_ms.to_string());
-        let handle = bench.rt.spawn(async move {
-            let mut conn = Conn::open(envoy_addr).await?;
-            conn.send(&slow_req).await.map(|a| a.status)
-        });
-        slow.push(handle);
-        std::thread::sleep(Duration::from_millis(500));
+        slow.push(hold_key(
+            &bench.rt,
+            envoy_addr,
+            &held,
+            hold_ms,
+            "waiting retries",
+        )?);
         let waiters = env_u64("BENCH_WAITERS", 16) as usize;
         let wait_s = 5;
         let runs = [
@@ -1103,6 +1081,40 @@ fn wait_for_quiet(limit: Duration) {
             return;
         }
         eprintln!("bench: waiting for a quieter machine ({busy:.2} cores busy) ...");
+    }
+}
+
+/// Sends a request that holds `key` for `hold_ms` and waits (bounded) until a probe answers
+/// 409: the key is held. The slow request's own status comes from the returned task.
+fn hold_key(
+    rt: &tokio::runtime::Runtime,
+    target: SocketAddr,
+    key: &str,
+    hold_ms: u64,
+    what: &str,
+) -> Result<tokio::task::JoinHandle<Result<u16, String>>, String> {
+    let slow_req = checkout_req(key).header("x-demo-delay-ms", &hold_ms.to_string());
+    let handle = rt.spawn(async move {
+        let mut conn = Conn::open(target).await?;
+        conn.send(&slow_req).await.map(|a| a.status)
+    });
+    let probe = checkout_req(key);
+    let held = rt.block_on(async {
+        let mut conn = Conn::open(target).await?;
+        for _ in 0..250 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if conn.send(&probe).await?.status == 409 {
+                return Ok(true);
+            }
+        }
+        Ok::<bool, String>(false)
+    })?;
+    if held {
+        Ok(handle)
+    } else {
+        Err(format!(
+            "{what}: the slow request did not hold its key within 5 s"
+        ))
     }
 }
 
