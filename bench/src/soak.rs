@@ -890,7 +890,7 @@ impl SoakReport {
             )
         };
         format!(
-            "{} minutes of {} s. New keys at {:.0}/s ({rate_from}), paced on {} connections; replays at {}/s of keys completed 2 s to {} s before; 409s at {}/s on a key held by a slow request (x-demo-delay-ms, {} s, a new one every {} s: {} in all). State API retention {} s, purge every {} s; Postgres autovacuum at its defaults; readings every {:.0} s.",
+            "{} minutes of {} s. New keys at {:.0}/s ({rate_from}), paced on {} connections; replays at {}/s of keys completed 2 s to {} s before; 409s at {}/s on a key held by a slow request (x-demo-delay-ms, {} s, a new one every {} s: {} in all). State API retention {} s, purge every {} s; Postgres autovacuum with the table's own thresholds (1 % + 1,000 dead rows) and autovacuum_naptime 10 s; readings every {:.0} s.",
             s.minutes,
             s.minute_s,
             self.rate,
