@@ -720,7 +720,7 @@ fn real_main() -> Result<(), String> {
     for &c in &levels {
         eprintln!("bench: {c} connection(s)");
         // Scenarios that send a new key with every request: (id, label, what is sent, the
-        // expected answer, through which Envoy).
+        // expected answer, the port it goes to: an Envoy, or the seed design with no Envoy).
         let fresh_keys = [
             ("plain", "plain Envoy", "POST /checkout, router only", "201", Some(port(&plain))),
             (
