@@ -13,7 +13,7 @@ use sqlx::Connection as _;
 use state_api::store::NewClaim;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers() {
+async fn hundred_concurrent_claims_give_one_owner_and_duplicates_never_wait_on_a_lock() {
     let api = Api::start(&[]).await;
     let key = "race-100";
     // Warm the connection pool and the HTTP clients so the measurement is about the claim.
@@ -122,15 +122,48 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
     in_progress.sort();
     let p50 = in_progress[49];
     let p99 = in_progress[98];
+    // For the reader only: how long an answer takes depends on the machine, so the proof that
+    // duplicates do not wait is the locked row below, not a time.
     eprintln!("100 concurrent claims: duplicates answered p50 {p50:?}, p99 {p99:?}");
-    assert!(
-        p99 < Duration::from_millis(100),
-        "duplicates must not wait: p99 {p99:?}"
-    );
 
     // The claim is committed: a second connection sees it while the owner has not completed.
     let mut conn = sqlx::PgConnection::connect(&api.db_url).await.unwrap();
     let scope = api.state.scoper().hash(key, "alice", ENDPOINT);
+
+    // Duplicates never wait on a lock: while another transaction holds the owner's row
+    // (`FOR UPDATE`, as an operator's action or a complete does), every duplicate is still answered
+    // `in_progress`. Had a claim waited on that row it could not answer before the lock is
+    // released, which happens only after all the answers are in (or fail by lock_timeout).
+    let mut holder = sqlx::PgConnection::connect(&api.db_url).await.unwrap();
+    let mut held = sqlx::Connection::begin(&mut holder).await.unwrap();
+    let locked: i64 = sqlx::query_scalar(
+        "SELECT fencing_token FROM idempotency_records WHERE scope_hash = $1 FOR UPDATE",
+    )
+    .bind(&scope[..])
+    .fetch_one(&mut *held)
+    .await
+    .unwrap();
+    assert_eq!(locked, claimed[0]);
+    let tasks: Vec<_> = (0..20)
+        .map(|_| api.spawn_claim(&claim_req(key, "alice", &fp(1), Some(60_000))))
+        .collect();
+    for t in tasks {
+        let (answer, _) = tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .expect("a duplicate waited for the locked row")
+            .unwrap();
+        assert!(
+            matches!(
+                answer,
+                ClaimResponse::InProgress {
+                    waited_ms: None,
+                    ..
+                }
+            ),
+            "{answer:?}"
+        );
+    }
+    held.rollback().await.unwrap();
     let (state, token): (String, i64) = sqlx::query_as(
         "SELECT state, fencing_token FROM idempotency_records WHERE scope_hash = $1",
     )
@@ -164,7 +197,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
     let m = api.metrics().await;
     assert_eq!(
         metric(&m, "state_api_claims_total{outcome=\"in_progress\"}"),
-        99.0
+        119.0
     );
     assert_eq!(
         metric(&m, "state_api_claims_total{outcome=\"completed\"}"),
@@ -174,7 +207,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_fast_in_progress_answers()
         metric(
             &m,
             "state_api_request_duration_seconds_count{route=\"claim\"}"
-        ) >= 117.0
+        ) >= 137.0
     );
 
     // For comparison, the same burst on the completed key (replays: no lock could be involved).
