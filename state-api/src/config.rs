@@ -114,6 +114,12 @@ pub struct Config {
     #[arg(long, env = "STATE_API_MAX_WAITERS", default_value_t = 256)]
     pub max_waiters: usize,
 
+    /// How often a waiting claim looks again for a write made by another state API process
+    /// (writes of this process wake it at once).
+    #[arg(long, env = "STATE_API_WAIT_POLL_MS", default_value_t = 250,
+          value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub wait_poll_ms: u64,
+
     /// Bearer token of the admin API (/v1/admin/*); none: the admin API answers 401. Never the
     /// filter's token (refused at start).
     #[arg(long, env = "STATE_API_ADMIN_TOKEN", hide_env_values = true)]

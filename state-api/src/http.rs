@@ -414,7 +414,7 @@ async fn claim(
 }
 
 /// The key is in progress and the claim may wait (`Prefer: wait`): it looks again when a write
-/// of this process settles the record, or every [`crate::waiters::POLL`], until it is no
+/// of this process settles the record, or every `--wait-poll-ms`, until it is no
 /// longer in progress or `wait_ms` have passed. Over `--max-waiters`: the first answer, at once.
 /// With the outcome, how long it waited (none: it was refused a wait).
 async fn wait_for_outcome(
@@ -439,7 +439,7 @@ async fn wait_for_outcome(
             state.metrics().wait(metrics::WaitEnd::TimedOut);
             return Ok((outcome, Some(elapsed_ms(started))));
         }
-        let nap = (deadline - now).min(crate::waiters::POLL);
+        let nap = (deadline - now).min(state.waiters().poll());
         tokio::select! {
             _ = &mut woken => {}
             _ = tokio::time::sleep(nap) => {}

@@ -125,7 +125,10 @@ impl AppState {
             .admin_token
             .as_ref()
             .map(|t| crate::token_digest(t.expose_secret()));
-        let waiters = waiters::Waiters::new(config.max_waiters);
+        let waiters = waiters::Waiters::new(
+            config.max_waiters,
+            std::time::Duration::from_millis(config.wait_poll_ms),
+        );
         let store = Store::new(pool, Arc::new(sealer(&config)?));
         let metrics = Arc::new(Metrics::default());
         let batcher = Batcher::new(store.clone(), metrics.clone(), config.batch_limits());

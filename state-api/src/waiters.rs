@@ -1,7 +1,7 @@
 //! Claims that wait for a running key's outcome (`Prefer: wait`), in this process: at most
 //! `--max-waiters` at once. A write that settles a record (complete, release, unknown, an
 //! operator's action) wakes the claims waiting on it at once; for writes made by another state
-//! API process the waiting claims look again every [`POLL`]. That costs one read-only
+//! API process the waiting claims look again every poll (`--wait-poll-ms`). That costs one read-only
 //! statement per waiter per poll, and no database trigger on the write path: a `NOTIFY` from
 //! every complete would take Postgres' notification lock at every commit, waiters or not.
 
@@ -13,12 +13,11 @@ use tokio::sync::Notify;
 
 use crate::scope::ScopeHash;
 
-/// How often a waiting claim looks again for a write it was not told of.
-pub const POLL: Duration = Duration::from_millis(250);
-
 #[derive(Debug)]
 pub struct Waiters {
     max: usize,
+    /// How often a waiting claim looks again for a write it was not told of.
+    poll: Duration,
     by_scope: Mutex<HashMap<ScopeHash, (Arc<Notify>, usize)>>,
     total: std::sync::atomic::AtomicUsize,
 }
@@ -31,12 +30,17 @@ pub struct Slot<'a> {
 }
 
 impl Waiters {
-    pub fn new(max: usize) -> Self {
+    pub fn new(max: usize, poll: Duration) -> Self {
         Self {
             max,
+            poll,
             by_scope: Mutex::new(HashMap::new()),
             total: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    pub fn poll(&self) -> Duration {
+        self.poll
     }
 
     /// Joins the waiters of `scope`; `None` when as many claims as allowed wait already.
@@ -100,7 +104,7 @@ mod tests {
 
     #[tokio::test]
     async fn bounded_and_woken_by_a_settling_write() {
-        let w = Waiters::new(2);
+        let w = Waiters::new(2, Duration::from_millis(250));
         let a = w.enter([1; 32]).unwrap();
         let b = w.enter([1; 32]).unwrap();
         assert!(w.enter([2; 32]).is_none(), "over the bound");
