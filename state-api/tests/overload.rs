@@ -224,9 +224,10 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
     );
     // The state API gives up 50 ms before its caller does (950 ms here); on a loaded 2-core
     // machine the answer's way back may take longer than that (a few answers then reach the
-    // client just after its own timeout: counted as refused all the same).
+    // client just after its own timeout: counted as refused all the same). The freeze lasts
+    // 3 s: a state API that waited it out would answer after it, far past this bound.
     assert!(
-        seen.slowest_503 < Duration::from_millis(CALLER_TIMEOUT_MS + 250),
+        seen.slowest_503 < Duration::from_millis(CALLER_TIMEOUT_MS + 1_000),
         "a 503 took {:?}, well over the caller's timeout",
         seen.slowest_503
     );

@@ -193,9 +193,9 @@ async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {
         );
         slowest = slowest.max(d.elapsed);
     }
-    // They are answered while the first is still running, not after it (4 s).
+    // They are answered while the first is still running (4 s), not after it.
     assert!(
-        slowest < Duration::from_millis(1_500),
+        !slow.is_finished(),
         "a 409 took {slowest:?}: duplicates must not wait for the first request"
     );
     eprintln!("20 concurrent duplicates answered 409, slowest in {slowest:?}");
