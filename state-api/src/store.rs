@@ -254,6 +254,12 @@ macro_rules! claim_cols {
     };
 }
 
+/// A claim's expiry is `created + lease + retention`, and a complete sets
+/// `GREATEST(expiry, now + retention)`: a record is kept at least its retention after it completes,
+/// and one completed within its lease (nearly all) keeps the claim's expiry, so the complete
+/// changes no indexed column and is a HOT update (the row's page has room: fillfactor 80) that
+/// writes neither index again (migration `20261205000000_hot_completes.sql`).
+///
 /// Read-or-insert in one round trip. The existing row is read first, so a duplicate or a replay
 /// never attempts the INSERT (no transaction id, no WAL flush, no fencing token burnt); a new key
 /// is INSERTed and committed before the answer. Two concurrent first claims both see no row:
@@ -268,7 +274,7 @@ const CLAIM_SQL: &str = concat!(
         SELECT $1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
                clock_timestamp() + $6::bigint * interval '1 millisecond',
                clock_timestamp(),
-               clock_timestamp() + $7::bigint * interval '1 millisecond',
+               clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
                $8, $7
         WHERE NOT EXISTS (SELECT 1 FROM existing)
         ON CONFLICT (scope_hash) DO NOTHING
@@ -328,7 +334,7 @@ const WRITE_BATCH_SQL: &str = concat!(
                nextval('idempotency_fencing_token_seq'), i.lease_ms,
                clock_timestamp() + i.lease_ms * interval '1 millisecond',
                clock_timestamp(),
-               clock_timestamp() + i.retention_ms * interval '1 millisecond',
+               clock_timestamp() + (i.lease_ms + i.retention_ms) * interval '1 millisecond',
                i.namespace, i.retention_ms
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
@@ -342,8 +348,8 @@ const WRITE_BATCH_SQL: &str = concat!(
             response_status = i.status, response_headers = i.headers, response_body = i.body,
             response_replayable = i.replayable, response_key_id = i.key_id,
             completed_at = clock_timestamp(),
-            expires_at = clock_timestamp()
-                + COALESCE(r.retention_ms, i.retention_ms) * interval '1 millisecond'
+            expires_at = GREATEST(r.expires_at, clock_timestamp()
+                + COALESCE(r.retention_ms, i.retention_ms) * interval '1 millisecond')
         FROM unnest($9::bytea[], $10::bigint[], $11::int[], $12::jsonb[], $13::bytea[],
                     $14::bool[], $15::bigint[], $16::bigint[])
             WITH ORDINALITY AS i(scope_hash, token, status, headers, body, replayable,
@@ -647,7 +653,7 @@ impl Store {
         lease_expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond',
         created_at = clock_timestamp(),
         completed_at = NULL,
-        expires_at = clock_timestamp() + $8::bigint * interval '1 millisecond',
+        expires_at = clock_timestamp() + ($7::bigint + $8::bigint) * interval '1 millisecond',
         retention_ms = $8, namespace = $9,
         response_status = NULL, response_headers = NULL, response_body = NULL,
         response_replayable = NULL, response_key_id = NULL
@@ -851,9 +857,10 @@ impl Store {
                 response_status = $3, response_headers = $4, response_body = $5,
                 response_replayable = $6, response_key_id = $8,
                 completed_at = clock_timestamp(),
-                -- The record's own retention (its claim's), else this process's default.
-                expires_at = clock_timestamp()
-                    + COALESCE(retention_ms, $7::bigint) * interval '1 millisecond'
+                -- The record's own retention (its claim's), else this process's default;
+                -- within the lease the claim's expiry stands (see expiry_of_a_claim).
+                expires_at = GREATEST(expires_at, clock_timestamp()
+                    + COALESCE(retention_ms, $7::bigint) * interval '1 millisecond')
             WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
             RETURNING GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::bigint AS "expires_in_ms!""#,
             &scope[..],

@@ -385,17 +385,18 @@ async fn release_frees_the_key_once() {
 #[tokio::test]
 async fn expired_records_are_new_keys_and_the_purge_deletes_them() {
     let api = Api::start(&["--retention-s", "1"]).await;
-    let t = token_of(&api.claim("ret", &fp(1), None).await);
+    // Leases of 1 s: each record is kept until claimed + lease + retention, 2 s.
+    let t = token_of(&api.claim("ret", &fp(1), Some(1_000)).await);
     api.post(COMPLETE_PATH, &complete_body("ret", t, &ok_response()))
         .await;
-    let t2 = token_of(&api.claim("gone", &fp(1), None).await);
+    let t2 = token_of(&api.claim("gone", &fp(1), Some(1_000)).await);
     api.post(COMPLETE_PATH, &complete_body("gone", t2, &ok_response()))
         .await;
     // In progress past its retention but with a live lease: kept.
     api.claim("running", &fp(1), Some(60_000)).await;
     // In progress past both: purged.
     api.claim("dead", &fp(1), Some(1_000)).await;
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    tokio::time::sleep(Duration::from_millis(2_300)).await;
 
     // Expired: treated as new, whatever the fingerprint.
     match api.claim("ret", &fp(2), None).await {
@@ -438,7 +439,7 @@ async fn the_background_purge_runs_on_its_interval() {
     .await;
     for i in 0..5 {
         let key = format!("p{i}");
-        let t = token_of(&api.claim(&key, &fp(1), None).await);
+        let t = token_of(&api.claim(&key, &fp(1), Some(1_000)).await);
         api.post(COMPLETE_PATH, &complete_body(&key, t, &ok_response()))
             .await;
     }
@@ -902,7 +903,7 @@ async fn completed_answers_carry_the_expiry_by_the_database_clock() {
     let first = api
         .post(
             CLAIM_PATH,
-            &serde_json::to_value(claim_req("exp", "alice", &fp(8), None)).unwrap(),
+            &serde_json::to_value(claim_req("exp", "alice", &fp(8), Some(1_000))).unwrap(),
         )
         .await
         .1;
@@ -918,13 +919,14 @@ async fn completed_answers_carry_the_expiry_by_the_database_clock() {
     assert_eq!(busy["outcome"], "in_progress");
     assert!(busy.get("expires_in_ms").is_none(), "{busy}");
 
-    // complete answers how long the record is kept: the retention, from now.
+    // complete answers how long the record is kept: within its lease (1 s), until claimed +
+    // lease + retention (60 s).
     let (s, done, _) = api
         .post(COMPLETE_PATH, &complete_body("exp", token, &ok_response()))
         .await;
     assert_eq!((s, &done["state"]), (200, &json!("completed")));
     let at_complete = done["expires_in_ms"].as_u64().unwrap();
-    assert!((55_000..=60_000).contains(&at_complete), "{done}");
+    assert!((55_000..=61_000).contains(&at_complete), "{done}");
 
     // A claim of the completed record: the same expiry, counted down by the database clock.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -961,15 +963,69 @@ async fn completed_answers_carry_the_expiry_by_the_database_clock() {
 }
 
 #[tokio::test]
+async fn a_complete_within_the_lease_rewrites_no_index_and_one_after_it_keeps_its_retention() {
+    let api = Api::start(&["--retention-s", "60", "--purge-interval-s", "0"]).await;
+    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&api.db_url)
+        .await
+        .unwrap();
+    let expiry = |key: &'static str| {
+        let scope = api.state.scoper().hash(key, "alice", ENDPOINT);
+        sqlx::query_scalar::<_, f64>(
+            "SELECT EXTRACT(EPOCH FROM expires_at - created_at)::float8 * 1000
+             FROM idempotency_records WHERE scope_hash = $1",
+        )
+        .bind(scope.to_vec())
+    };
+    // Within its lease (30 s): the claim's expiry (created + lease + retention) stands, so no
+    // indexed column changes and the update is HOT (Postgres' own count says so).
+    let t = token_of(&api.claim("hot", &fp(1), Some(30_000)).await);
+    let at_claim = expiry("hot").fetch_one(&mut conn).await.unwrap();
+    assert!((at_claim - 90_000.0).abs() < 1.0, "{at_claim}");
+    let (s, done, _) = api
+        .post(COMPLETE_PATH, &complete_body("hot", t, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+    assert!(done["expires_in_ms"].as_u64().unwrap() > 85_000, "{done}");
+    assert_eq!(expiry("hot").fetch_one(&mut conn).await.unwrap(), at_claim);
+    let mut hot = (0, 0);
+    for _ in 0..200 {
+        // An idle backend reports its statistics within 10 s (PGSTAT_IDLE_INTERVAL).
+        hot = sqlx::query_as::<_, (i64, i64)>(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'idempotency_records'",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if hot.0 > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(hot, (1, 1), "(updates, HOT updates)");
+
+    // After its lease (1 s) the retention counts from the completion.
+    let late = token_of(&api.claim("late", &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let (s, done, _) = api
+        .post(COMPLETE_PATH, &complete_body("late", late, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+    let kept = done["expires_in_ms"].as_u64().unwrap();
+    assert!((59_000..=60_000).contains(&kept), "{done}");
+    assert!(expiry("late").fetch_one(&mut conn).await.unwrap() > 61_400.0);
+}
+
+#[tokio::test]
 async fn the_expiry_is_zero_not_negative_once_past_retention() {
     let api = Api::start(&["--retention-s", "1", "--purge-interval-s", "0"]).await;
-    let t = token_of(&api.claim("exp-past", &fp(8), None).await);
+    // Lease 1 s, retention 1 s: kept until claimed + 2 s.
+    let t = token_of(&api.claim("exp-past", &fp(8), Some(1_000)).await);
     let (s, done, _) = api
         .post(COMPLETE_PATH, &complete_body("exp-past", t, &ok_response()))
         .await;
     assert_eq!(s, 200);
-    assert!(done["expires_in_ms"].as_u64().unwrap() <= 1_000, "{done}");
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert!(done["expires_in_ms"].as_u64().unwrap() <= 2_000, "{done}");
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
     // Past retention, not yet purged: a retried complete says 0; a claim treats the key as new.
     let (s, again, _) = api
         .post(COMPLETE_PATH, &complete_body("exp-past", t, &ok_response()))

@@ -316,8 +316,9 @@ async fn two_processes_batching_the_same_keys_give_one_owner_per_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
     let api = Api::start(&["--batch-in-flight", "1", "--retention-s", "2"]).await;
-    // Past its retention by the time of the batch: taken over as a new key.
-    let old = token_of(&api.claim("old", &fp(1), None).await);
+    // Past its retention by the time of the batch (claimed + lease 1 s + retention 2 s): taken
+    // over as a new key.
+    let old = token_of(&api.claim("old", &fp(1), Some(1_000)).await);
     api.post(
         contract::wire::COMPLETE_PATH,
         &complete_body("old", old, &ok_response()),
@@ -325,8 +326,8 @@ async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
     .await;
     // A lease that runs out: reclaimed.
     let expired = token_of(&api.claim("expired", &fp(1), Some(1_000)).await);
-    tokio::time::sleep(Duration::from_millis(2_200)).await;
-    let done = token_of(&api.claim("done", &fp(1), None).await);
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
+    let done = token_of(&api.claim("done", &fp(1), Some(1_000)).await);
     let (s, _, _) = api
         .post(
             contract::wire::COMPLETE_PATH,
@@ -368,7 +369,8 @@ async fn a_mixed_batch_answers_each_claim_as_the_single_path_would() {
             ..
         } => {
             assert_eq!(response, ok_response());
-            assert!(expires_in_ms.is_some_and(|ms| ms <= 2_000));
+            // Completed within its 1 s lease: kept until claimed + lease + retention (2 s).
+            assert!(expires_in_ms.is_some_and(|ms| ms <= 3_000));
         }
         other => panic!("done: {other:?}"),
     }
@@ -479,7 +481,8 @@ async fn completes_and_claims_in_one_statement_store_right_tokens_and_fence_out_
     for r in rights {
         match r.await.unwrap().unwrap() {
             WriteResult::Done { expires_in_ms } => {
-                assert!(expires_in_ms > 86_000_000 && expires_in_ms <= 86_400_000)
+                // Within the 30 s lease: claimed + lease + retention (24 h).
+                assert!(expires_in_ms > 86_000_000 && expires_in_ms <= 86_430_000)
             }
             other => panic!("{other:?}"),
         }
