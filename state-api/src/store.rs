@@ -134,6 +134,11 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
             // until the next ANALYZE.
             ("plan_cache_mode", "force_generic_plan"),
             ("enable_seqscan", "off"),
+            // No JIT: nothing here scans enough rows to gain from it, and `enable_seqscan = off`
+            // adds its disable cost (1e10) to any scan that cannot use an index, which is above
+            // every JIT threshold: the lease guard's lookup of the timeline was compiled on every
+            // call, 70-170 ms of Postgres CPU for each claim of an abandoned key (auto_explain).
+            ("jit", "off"),
         ]);
     let mut options = PgPoolOptions::new()
         .max_connections(s.max_connections)

@@ -832,7 +832,7 @@ async fn the_served_openapi_document_is_valid_and_says_what_the_handlers_do() {
 }
 
 #[tokio::test]
-async fn pooled_connections_commit_durably_whatever_the_database_default() {
+async fn pooled_connections_commit_durably_and_never_jit_whatever_the_database_default() {
     let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let url = cluster.fresh_database("durable").unwrap();
     let db = url.rsplit('/').next().unwrap();
@@ -851,6 +851,26 @@ async fn pooled_connections_commit_durably_whatever_the_database_default() {
     .await
     .unwrap();
     assert_eq!((sync.as_str(), timeout.as_str()), ("on", "5s"));
+    // No JIT, whatever the server's default: with `enable_seqscan = off` a query that cannot use
+    // an index carries a cost above every JIT threshold and was compiled on every call.
+    let jit: String = sqlx::query_scalar("SELECT current_setting('jit')")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(jit, "off");
+    // The lease guard's lookup of the timeline uses its primary key.
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT first_seen_at FROM idempotency_timelines
+         WHERE timeline_id = (SELECT idempotency_current_timeline())",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(
+        plan.iter().any(|l| l.contains("Index Scan"))
+            && !plan.iter().any(|l| l.contains("Seq Scan")),
+        "{plan:#?}"
+    );
     api.shutdown().await;
     if cluster.is_external() {
         let _ = cluster.drop_database(db);
