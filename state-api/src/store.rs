@@ -863,7 +863,7 @@ impl Store {
                 response_replayable = $6, response_key_id = $8,
                 completed_at = clock_timestamp(),
                 -- The record's own retention (its claim's), else this process's default;
-                -- within the lease the claim's expiry stands (see expiry_of_a_claim).
+                -- within the lease the claim's expiry stands (see CLAIM_SQL).
                 expires_at = GREATEST(expires_at, clock_timestamp()
                     + COALESCE(retention_ms, $7::bigint) * interval '1 millisecond')
             WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
