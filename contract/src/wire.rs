@@ -10,6 +10,14 @@ use serde::{Deserialize, Serialize};
 
 /// `POST /v1/claim`: claim the key for one execution, or learn why not.
 pub const CLAIM_PATH: &str = "/v1/claim";
+/// `POST /v1/claims`: several claims in one call (a worker's claims that queued while its
+/// previous claim was on its way); each is answered as `/v1/claim` would answer it alone.
+pub const CLAIMS_PATH: &str = "/v1/claims";
+/// `POST /v1/completes`: several completes in one call (a worker's held responses that queued
+/// while its previous complete was on its way); each is answered as `/v1/complete` would.
+pub const COMPLETES_PATH: &str = "/v1/completes";
+/// Most claims (or completes) in one `/v1/claims` (or `/v1/completes`) call.
+pub const MAX_BATCH_CLAIMS: usize = 128;
 /// `POST /v1/heartbeat`: extend the lease of an in-flight claim (fenced).
 pub const HEARTBEAT_PATH: &str = "/v1/heartbeat";
 /// `POST /v1/complete`: store the upstream's response (fenced).
@@ -76,6 +84,53 @@ pub struct ClaimRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_ms: Option<u64>,
 }
+
+/// `POST /v1/claims`: claims that do not wait (`wait_ms` is refused in a batch: one waiting
+/// claim would hold every other answer back).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ClaimBatchRequest {
+    /// 1 to [`MAX_BATCH_CLAIMS`].
+    pub claims: Vec<ClaimRequest>,
+}
+
+/// `POST /v1/completes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CompleteBatchRequest {
+    /// 1 to [`MAX_BATCH_CLAIMS`].
+    pub completes: Vec<CompleteRequest>,
+}
+
+/// The answer to `POST /v1/claims` or `/v1/completes`: one item per request, in order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BatchResponse {
+    pub answers: Vec<BatchItem>,
+}
+
+/// One request's answer in a batch: the status the single call would have answered it with,
+/// and its document (the claim or write answer for a 2xx, the problem document otherwise).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BatchItem {
+    pub status: u16,
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub answer: serde_json::Value,
+}
+
+/// One item of a batch answer, as the filter reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item<T> {
+    pub status: u16,
+    /// A 2xx: the answer, read; otherwise the problem's `detail` (or why it is unreadable).
+    pub answer: Result<T, AnswerError>,
+}
+
+pub type ClaimItem = Item<ClaimResponse>;
+pub type WriteItem = Item<WriteResponse>;
 
 /// A claim's choice for a record whose outcome is unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -471,8 +526,11 @@ impl ClaimResponse {
 
     /// Reads the answer to `/v1/claim`.
     pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
-        let doc = document(body)?;
-        let f = Fields::of(&doc, "the claim answer")?;
+        Self::from_value(&document(body)?)
+    }
+
+    fn from_value(doc: &json::Value) -> Result<Self, AnswerError> {
+        let f = Fields::of(doc, "the claim answer")?;
         Ok(match f.str("outcome")? {
             "claimed" => ClaimResponse::Claimed {
                 token: f.i64("token")?,
@@ -499,6 +557,68 @@ impl ClaimResponse {
     }
 }
 
+impl BatchResponse {
+    /// Reads the answer to `/v1/claims` sent with `claims` claims: one item each, in order.
+    pub fn read_claims(body: &[u8], claims: usize) -> Result<Vec<ClaimItem>, AnswerError> {
+        let doc = document(body)?;
+        Ok(Self::items(&doc, claims)?
+            .into_iter()
+            .map(|(status, answer)| Item {
+                status,
+                answer: answer.and_then(ClaimResponse::from_value),
+            })
+            .collect())
+    }
+
+    /// Reads the answer to `/v1/completes` sent with `completes` completes.
+    pub fn read_writes(body: &[u8], completes: usize) -> Result<Vec<WriteItem>, AnswerError> {
+        let doc = document(body)?;
+        Ok(Self::items(&doc, completes)?
+            .into_iter()
+            .map(|(status, answer)| Item {
+                status,
+                answer: answer.and_then(WriteResponse::from_value),
+            })
+            .collect())
+    }
+
+    /// Each item's status, and its document for a 2xx (its problem's detail otherwise).
+    #[allow(clippy::type_complexity)]
+    fn items(
+        doc: &json::Value,
+        sent: usize,
+    ) -> Result<Vec<(u16, Result<&json::Value, AnswerError>)>, AnswerError> {
+        let f = Fields::of(doc, "the batch answer")?;
+        let json::Value::Array(items) = f.required("answers")? else {
+            return Err(AnswerError("answers is not an array".into()));
+        };
+        if items.len() != sent {
+            return Err(AnswerError(format!(
+                "the batch answer has {} answers for {sent} requests",
+                items.len()
+            )));
+        }
+        items
+            .iter()
+            .map(|item| {
+                let f = Fields::of(item, "a batch answer")?;
+                let status = u16::try_from(f.u64("status")?)
+                    .map_err(|_| AnswerError("status is out of range".into()))?;
+                let doc = f.required("answer")?;
+                let answer = if (200..300).contains(&status) {
+                    Ok(doc)
+                } else {
+                    let problem = Fields::of(doc, "a batch answer's problem")?;
+                    Err(AnswerError(
+                        problem.opt_str("detail")?.unwrap_or("no detail").to_owned(),
+                    ))
+                };
+                Ok((status, answer))
+            })
+            .collect()
+    }
+}
+
 impl StoredResponse {
     /// Reads a stored response inside an answer (members added later are ignored).
     fn read(f: &Fields<'_>) -> Result<Self, AnswerError> {
@@ -521,8 +641,11 @@ impl StoredResponse {
 impl WriteResponse {
     /// Reads the answer to `/v1/complete` or `/v1/release`.
     pub fn read(body: &[u8]) -> Result<Self, AnswerError> {
-        let doc = document(body)?;
-        let f = Fields::of(&doc, "the write answer")?;
+        Self::from_value(&document(body)?)
+    }
+
+    fn from_value(doc: &json::Value) -> Result<Self, AnswerError> {
+        let f = Fields::of(doc, "the write answer")?;
         let state = match f.str("state")? {
             "completed" => WriteState::Completed,
             "released" => WriteState::Released,
@@ -601,6 +724,58 @@ mod tests {
             ClaimResponse::Mismatch,
             ClaimResponse::Unknown,
         ]
+    }
+
+    #[test]
+    fn a_batch_answer_reads_back_as_each_claim_answer_and_problem_in_order() {
+        let mut answers: Vec<BatchItem> = every_claim_answer()
+            .iter()
+            .map(|a| BatchItem {
+                status: 200,
+                answer: serde_json::to_value(a).unwrap(),
+            })
+            .collect();
+        let problem = crate::Problem::new(crate::ProblemKind::BadRequest, "key: too long");
+        answers.push(BatchItem {
+            status: 400,
+            answer: serde_json::from_slice(&problem.to_json()).unwrap(),
+        });
+        let n = answers.len();
+        let body = serde_json::to_vec(&BatchResponse { answers }).unwrap();
+        let items = BatchResponse::read_claims(&body, n).unwrap();
+        for (item, want) in items.iter().zip(every_claim_answer()) {
+            assert_eq!(item.status, 200);
+            assert_eq!(item.answer, Ok(want));
+        }
+        let last = items.last().unwrap();
+        assert_eq!(last.status, 400);
+        assert_eq!(last.answer, Err(AnswerError("key: too long".into())));
+        // A write batch reads the same way.
+        let writes = BatchResponse {
+            answers: vec![
+                BatchItem {
+                    status: 200,
+                    answer: serde_json::to_value(WriteResponse::completed(5_000)).unwrap(),
+                },
+                BatchItem {
+                    status: 409,
+                    answer: serde_json::json!({"detail": "fenced out"}),
+                },
+            ],
+        };
+        let read = BatchResponse::read_writes(&serde_json::to_vec(&writes).unwrap(), 2).unwrap();
+        assert_eq!(read[0].answer, Ok(WriteResponse::completed(5_000)));
+        assert_eq!(
+            (read[1].status, read[1].answer.clone()),
+            (409, Err(AnswerError("fenced out".into())))
+        );
+        // An answer for a different number of claims is refused whole.
+        assert!(BatchResponse::read_claims(&body, n - 1).is_err());
+        assert!(BatchResponse::read_claims(br#"{"answers":{}}"#, 0).is_err());
+        assert!(
+            BatchResponse::read_claims(br#"{"answers":[{"status":70000,"answer":{}}]}"#, 1)
+                .is_err()
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 #![no_main]
 
 use contract::json::{self, Value};
-use contract::wire::{ClaimResponse, HeartbeatResponse, WriteResponse};
+use contract::wire::{BatchResponse, ClaimResponse, HeartbeatResponse, WriteResponse};
 use libfuzzer_sys::fuzz_target;
 
 fn to_serde(v: &Value) -> Option<serde_json::Value> {
@@ -77,6 +77,15 @@ fuzz_target!(|data: &[u8]| {
             Some(write),
             "write answer round trip"
         );
+    }
+    // A batch answer read for 0 to 3 requests: never a panic, and one item per request.
+    for n in 0..4 {
+        if let Ok(items) = BatchResponse::read_claims(data, n) {
+            assert_eq!(items.len(), n, "one item per claim");
+        }
+        if let Ok(items) = BatchResponse::read_writes(data, n) {
+            assert_eq!(items.len(), n, "one item per complete");
+        }
     }
     if let Ok(hb) = HeartbeatResponse::read(data) {
         let again = serde_json::to_vec(&hb).unwrap_or_default();

@@ -12,8 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use contract::wire::{
-    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
-    RecordView, ReleaseRequest, StoredResponse, UnknownRequest, WriteResponse, CLAIM_PATH,
+    BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
+    CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, RecordView, ReleaseRequest,
+    StoredResponse, UnknownRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH,
     COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
@@ -34,8 +35,10 @@ use contract::limits::{self, MAX_ALG_LEN, MAX_FIELD_LEN, MAX_HEADERS};
 pub fn app(state: AppState) -> Router {
     let v1 = Router::new()
         .route(CLAIM_PATH, post(claim))
+        .route(CLAIMS_PATH, post(claims))
         .route(HEARTBEAT_PATH, post(heartbeat))
         .route(COMPLETE_PATH, post(complete))
+        .route(COMPLETES_PATH, post(completes))
         .route(RELEASE_PATH, post(release))
         .route(UNKNOWN_PATH, post(outcome_unknown))
         .route(RECORDS_PATH, get(record))
@@ -351,6 +354,64 @@ async fn claim(
     ApiJson(req): ApiJson<ClaimRequest>,
 ) -> Result<Json<ClaimResponse>, ApiError> {
     let deadline = caller_deadline(&state, &headers);
+    claim_one(&state, req, deadline).await.map(Json)
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/claims",
+    tag = "filter",
+    summary = r#"Several claims in one call"#,
+    description = r#"Each claim is answered exactly as `/v1/claim` would answer it alone (they run together, as one group commit where they can): `answers[i]` is the status and document of `claims[i]` (a claim answer for 200, a problem document otherwise). The call itself answers 200 once every claim is answered, 400 for an empty list, more than 128 claims or a claim with `wait_ms` (a waiting claim would hold every other answer back), and 401/413/503 as the single claim does. The filter sends the claims that queued on a worker while its previous claim was on its way."#,
+    request_body = ClaimBatchRequest,
+    params(
+        ("idempotency-caller-timeout-ms" = Option<u64>, Header, description = r#"As for `/v1/claim`, for the whole call."#)
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = BatchResponse)
+    )
+)]
+async fn claims(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(batch): ApiJson<ClaimBatchRequest>,
+) -> Result<Json<BatchResponse>, ApiError> {
+    let n = batch.claims.len();
+    if n == 0 || n > contract::wire::MAX_BATCH_CLAIMS {
+        return Err(bad(format!(
+            "claims: {n} claims; a batch has 1 to {}",
+            contract::wire::MAX_BATCH_CLAIMS
+        )));
+    }
+    if batch
+        .claims
+        .iter()
+        .any(|c| c.wait_ms.is_some_and(|w| w > 0))
+    {
+        return Err(bad(
+            "claims: wait_ms is not accepted in a batch (send a claim that waits alone)",
+        ));
+    }
+    let deadline = caller_deadline(&state, &headers);
+    // Submitted together, they reach the group commit together.
+    let answers = futures::future::join_all(
+        batch
+            .claims
+            .into_iter()
+            .map(|req| claim_one(&state, req, deadline)),
+    )
+    .await;
+    Ok(Json(batch_answer(answers)))
+}
+
+/// One claim, as `/v1/claim` and each item of `/v1/claims` run it.
+async fn claim_one(
+    state: &AppState,
+    req: ClaimRequest,
+    deadline: tokio::time::Instant,
+) -> Result<ClaimResponse, ApiError> {
+    let state = state.clone();
     let scope = scope_of(
         &state,
         &req.namespace,
@@ -410,7 +471,7 @@ async fn claim(
     }
     state.metrics().claim(&outcome);
     tracing::debug!(scope = %log_label(&scope), outcome = outcome.label(), "claim");
-    Ok(Json(outcome))
+    Ok(outcome)
 }
 
 /// The key is in progress and the claim may wait (`Prefer: wait`): it looks again when a write
@@ -515,6 +576,72 @@ async fn complete(
     ApiJson(req): ApiJson<CompleteRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
     let deadline = caller_deadline(&state, &headers);
+    complete_one(&state, req, deadline).await.map(Json)
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/completes",
+    tag = "filter",
+    summary = r#"Several completes in one call (fenced)"#,
+    description = r#"Each complete is stored exactly as `/v1/complete` would store it alone (together, as one group commit where they can): `answers[i]` is the status and document of `completes[i]` (a write answer for 200, a problem document otherwise, e.g. 409 fenced out). The call answers 200 once every complete is answered, 400 for an empty list or more than 128, and 401/413/503 as the single complete does. The filter sends the held responses that queued on a worker while its previous complete was on its way."#,
+    request_body = CompleteBatchRequest,
+    params(
+        ("idempotency-caller-timeout-ms" = Option<u64>, Header, description = r#"As for `/v1/complete`, for the whole call."#)
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = BatchResponse)
+    )
+)]
+async fn completes(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(batch): ApiJson<CompleteBatchRequest>,
+) -> Result<Json<BatchResponse>, ApiError> {
+    let n = batch.completes.len();
+    if n == 0 || n > contract::wire::MAX_BATCH_CLAIMS {
+        return Err(bad(format!(
+            "completes: {n} completes; a batch has 1 to {}",
+            contract::wire::MAX_BATCH_CLAIMS
+        )));
+    }
+    let deadline = caller_deadline(&state, &headers);
+    let answers = futures::future::join_all(
+        batch
+            .completes
+            .into_iter()
+            .map(|req| complete_one(&state, req, deadline)),
+    )
+    .await;
+    Ok(Json(batch_answer(answers)))
+}
+
+/// One answer per request, in order: the single call's status and document.
+fn batch_answer<T: serde::Serialize>(answers: Vec<Result<T, ApiError>>) -> BatchResponse {
+    let answers = answers
+        .into_iter()
+        .map(|answer| match answer {
+            Ok(doc) => BatchItem {
+                status: 200,
+                answer: serde_json::to_value(doc).unwrap_or_default(),
+            },
+            Err(e) => BatchItem {
+                status: e.problem.status,
+                answer: serde_json::to_value(&e.problem).unwrap_or_default(),
+            },
+        })
+        .collect();
+    BatchResponse { answers }
+}
+
+/// One complete, as `/v1/complete` and each item of `/v1/completes` store it.
+async fn complete_one(
+    state: &AppState,
+    req: CompleteRequest,
+    deadline: tokio::time::Instant,
+) -> Result<WriteResponse, ApiError> {
+    let state = state.clone();
     let scope = scope_of(
         &state,
         &req.namespace,
@@ -537,11 +664,9 @@ async fn complete(
         WriteResult::Done { expires_in_ms } => {
             state.metrics().write_ok(WriteOp::Complete);
             state.waiters().settled(&scope);
-            Ok(Json(WriteResponse::completed(expires_in_ms)))
+            Ok(WriteResponse::completed(expires_in_ms))
         }
-        WriteResult::AlreadyDone { expires_in_ms } => {
-            Ok(Json(WriteResponse::completed(expires_in_ms)))
-        }
+        WriteResult::AlreadyDone { expires_in_ms } => Ok(WriteResponse::completed(expires_in_ms)),
         WriteResult::FencedOut => Err(fenced_out(&state, WriteOp::Complete, &scope)),
     }
 }

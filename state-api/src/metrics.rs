@@ -88,8 +88,10 @@ impl AdminOp {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
     Claim,
+    Claims,
     Heartbeat,
     Complete,
+    Completes,
     Release,
     Unknown,
     Records,
@@ -97,10 +99,12 @@ pub enum Route {
 }
 
 impl Route {
-    const ALL: [Self; 7] = [
+    const ALL: [Self; 9] = [
         Self::Claim,
+        Self::Claims,
         Self::Heartbeat,
         Self::Complete,
+        Self::Completes,
         Self::Release,
         Self::Unknown,
         Self::Records,
@@ -109,8 +113,10 @@ impl Route {
     pub fn label(self) -> &'static str {
         match self {
             Self::Claim => "claim",
+            Self::Claims => "claims",
             Self::Heartbeat => "heartbeat",
             Self::Complete => "complete",
+            Self::Completes => "completes",
             Self::Release => "release",
             Self::Unknown => "unknown",
             Self::Records => "records",
@@ -120,6 +126,8 @@ impl Route {
     pub fn from_path(path: &str) -> Self {
         match path {
             contract::wire::CLAIM_PATH => Self::Claim,
+            contract::wire::CLAIMS_PATH => Self::Claims,
+            contract::wire::COMPLETES_PATH => Self::Completes,
             contract::wire::HEARTBEAT_PATH => Self::Heartbeat,
             contract::wire::COMPLETE_PATH => Self::Complete,
             contract::wire::RELEASE_PATH => Self::Release,

@@ -14,9 +14,10 @@ use contract::admin::{
 };
 use contract::problem::Problem;
 use contract::wire::{
-    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
-    RecordState, RecordView, ReleaseRequest, StoredResponse, WriteResponse, WriteState, CLAIM_PATH,
-    COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
+    CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, RecordState, RecordView,
+    ReleaseRequest, StoredResponse, WriteResponse, WriteState, CLAIMS_PATH, CLAIM_PATH,
+    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 
 #[derive(OpenApi)]
@@ -29,8 +30,10 @@ use contract::wire::{
     servers((url = "http://127.0.0.1:8081", description = "The demo's state API")),
     paths(
         http::claim,
+        http::claims,
         http::heartbeat,
         http::complete,
+        http::completes,
         http::release,
         http::outcome_unknown,
         http::record,
@@ -46,6 +49,10 @@ use contract::wire::{
     ),
     components(schemas(
         ClaimRequest,
+        ClaimBatchRequest,
+        CompleteBatchRequest,
+        BatchResponse,
+        BatchItem,
         OnUnknown,
         ClaimResponse,
         StoredResponse,
@@ -91,8 +98,10 @@ type Route = (&'static str, &'static str);
 
 const FILTER_ROUTES: &[Route] = &[
     ("post", CLAIM_PATH),
+    ("post", CLAIMS_PATH),
     ("post", HEARTBEAT_PATH),
     ("post", COMPLETE_PATH),
+    ("post", COMPLETES_PATH),
     ("post", RELEASE_PATH),
     ("post", UNKNOWN_PATH),
     ("get", RECORDS_PATH),

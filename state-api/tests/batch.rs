@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::*;
-use contract::wire::{ClaimResponse, StoredResponse};
+use contract::wire::{ClaimRequest, ClaimResponse, StoredResponse};
 use sqlx::Connection as _;
 use state_api::batch::{ClaimJob, CompleteJob};
 use state_api::store::{StoreError, WriteResult};
@@ -654,5 +654,150 @@ async fn requests_run_alone_until_in_flight_statements_are_running() {
     }
     // Two statements of one, then one of two.
     assert_eq!(api.state.metrics().batch_totals(), (3, 4));
+    api.shutdown().await;
+}
+
+/// `/v1/claims` answers each claim as `/v1/claim` would answer it alone, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_claims_call_answers_each_claim_as_a_claim_call_would_in_order() {
+    let api = Api::start(&[]).await;
+    // A completed key, for the replay and the mismatch.
+    let done = token_of(
+        &api.claim_with(&claim_req("done", "alice", &fp(1), None))
+            .await,
+    );
+    let (status, _, _) = api
+        .post(
+            contract::wire::COMPLETE_PATH,
+            &complete_body("done", done, &ok_response()),
+        )
+        .await;
+    assert_eq!(status, 200);
+
+    let mut bad_key = claim_req("x", "alice", &fp(1), None);
+    bad_key.key = "k".repeat(300);
+    let claims = vec![
+        claim_req("batch-a", "alice", &fp(1), Some(45_000)),
+        claim_req("batch-b", "alice", &fp(1), None),
+        claim_req("batch-a", "alice", &fp(1), None),
+        claim_req("done", "alice", &fp(1), None),
+        claim_req("done", "alice", &fp(2), None),
+        bad_key,
+    ];
+    let r = api
+        .client
+        .post(api.url(contract::wire::CLAIMS_PATH))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({ "claims": claims }))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let bytes = r.bytes().await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let items = contract::wire::BatchResponse::read_claims(&bytes, 6).unwrap();
+    let answer = |i: usize| items[i].answer.clone().unwrap();
+    // The same key twice in one call: one owner (either), and the other is told it runs.
+    let (owner, other) = match (answer(0), answer(2)) {
+        (c @ ClaimResponse::Claimed { .. }, o) | (o, c @ ClaimResponse::Claimed { .. }) => (c, o),
+        both => panic!("no owner of batch-a: {both:?}"),
+    };
+    assert!(
+        matches!(other, ClaimResponse::InProgress { .. }),
+        "{other:?}"
+    );
+    let a = token_of(&owner);
+    let b = token_of(&answer(1));
+    assert_ne!(a, b);
+    assert_eq!(
+        committed(&api, "batch-a").await,
+        Some(("in_progress".into(), a))
+    );
+    assert_eq!(
+        committed(&api, "batch-b").await,
+        Some(("in_progress".into(), b))
+    );
+    match answer(3) {
+        ClaimResponse::Completed { response, .. } => assert_eq!(response, ok_response()),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(answer(4), ClaimResponse::Mismatch);
+    assert_eq!(items[5].status, 400);
+    assert!(items[5].answer.is_err());
+    // Checked against the served contract too.
+    let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    api.contract().await.check_answer(
+        "post",
+        contract::wire::CLAIMS_PATH,
+        200,
+        "application/json",
+        &value,
+    );
+
+    // Refused whole: empty, too many, or a claim that would wait.
+    for (claims, why) in [
+        (vec![], "1 to 128"),
+        (vec![claim_req("c", "alice", &fp(1), None); 129], "1 to 128"),
+        (
+            vec![ClaimRequest {
+                wait_ms: Some(1_000),
+                ..claim_req("c", "alice", &fp(1), None)
+            }],
+            "wait_ms",
+        ),
+    ] {
+        let (status, body, _) = api
+            .post(
+                contract::wire::CLAIMS_PATH,
+                &serde_json::json!({ "claims": claims }),
+            )
+            .await;
+        assert_problem(status, &body, 400, "bad-request");
+        assert!(body["detail"].as_str().unwrap().contains(why), "{body}");
+    }
+    assert_eq!(committed(&api, "c").await, None);
+    api.shutdown().await;
+}
+
+/// `/v1/completes` stores each complete as `/v1/complete` would, in order: fenced out alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_completes_call_stores_each_complete_as_a_complete_call_would_in_order() {
+    let api = Api::start(&[]).await;
+    let a = token_of(
+        &api.claim_with(&claim_req("wa", "alice", &fp(1), None))
+            .await,
+    );
+    let b = token_of(
+        &api.claim_with(&claim_req("wb", "alice", &fp(1), None))
+            .await,
+    );
+    let completes = serde_json::json!({ "completes": [
+        complete_body("wa", a, &ok_response()),
+        // A token that never owned the key: fenced out, and the others are stored all the same.
+        complete_body("wb", b + 100, &ok_response()),
+        complete_body("wb", b, &ok_response()),
+    ]});
+    let (status, body, _) = api.post(contract::wire::COMPLETES_PATH, &completes).await;
+    assert_eq!(status, 200, "{body}");
+    let items =
+        contract::wire::BatchResponse::read_writes(&serde_json::to_vec(&body).unwrap(), 3).unwrap();
+    assert!(items[0].answer.is_ok() && items[2].answer.is_ok(), "{body}");
+    assert_eq!(items[1].status, 409);
+    assert_eq!(body["answers"][1]["answer"]["type"], "/problems/fenced-out");
+    assert_eq!(committed(&api, "wa").await, Some(("completed".into(), a)));
+    assert_eq!(committed(&api, "wb").await, Some(("completed".into(), b)));
+    // The same call again changes nothing and answers the same (a retried complete).
+    let (status, again, _) = api.post(contract::wire::COMPLETES_PATH, &completes).await;
+    assert_eq!(
+        (status, again["answers"][0]["status"].clone()),
+        (200, 200.into())
+    );
+    let (status, body, _) = api
+        .post(
+            contract::wire::COMPLETES_PATH,
+            &serde_json::json!({ "completes": [] }),
+        )
+        .await;
+    assert_problem(status, &body, 400, "bad-request");
     api.shutdown().await;
 }
