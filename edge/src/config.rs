@@ -211,6 +211,8 @@ pub struct Filter {
     pub complete_in_background: bool,
     /// Retries of one Envoy worker that wait for a running key at once (`Prefer: wait`).
     pub max_waiters: u64,
+    /// Most claims in one `/v1/claims` callout (1: each claim is its own callout).
+    pub batch_max: u64,
 }
 
 impl Default for Filter {
@@ -228,6 +230,7 @@ impl Default for Filter {
             complete_retry_bytes: fc::DEFAULT_COMPLETE_RETRY_BYTES,
             complete_in_background: false,
             max_waiters: fc::DEFAULT_MAX_WAITERS,
+            batch_max: fc::DEFAULT_BATCH_MAX,
         }
     }
 }
@@ -411,6 +414,7 @@ struct RawFilter {
     complete_retry_bytes: Option<u64>,
     complete_in_background: Option<Spanned<bool>>,
     max_waiters: Option<Spanned<u64>>,
+    batch_max: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize, Clone, Copy)]
@@ -1147,7 +1151,15 @@ fn filter(src: &Source<'_>, raw: &RawFilter) -> Result<Filter, ConfigError> {
             .as_ref()
             .is_some_and(|b| *b.get_ref()),
         max_waiters: val(&raw.max_waiters, d.max_waiters),
+        batch_max: val(&raw.batch_max, d.batch_max),
     };
+    let most_batched = contract::wire::MAX_BATCH_CLAIMS as u64;
+    if !(1..=most_batched).contains(&f.batch_max) {
+        return src.at(
+            span(&raw.batch_max),
+            format!("filter.batch_max must be 1 to {most_batched}"),
+        );
+    }
     if f.max_waiters > fc::MAX_WAITERS {
         return src.at(
             span(&raw.max_waiters),

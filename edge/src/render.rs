@@ -338,6 +338,7 @@ pub fn filter_json(cfg: &Config, token: &str) -> String {
         "complete_retry_bytes": f.complete_retry_bytes,
         "complete_in_background": f.complete_in_background,
         "max_waiters": f.max_waiters,
+        "batch_max": f.batch_max,
         "namespace": cfg.namespace,
     });
     serde_json::to_string_pretty(&doc).unwrap_or_default()

@@ -60,7 +60,13 @@ pub struct Config {
     /// Requests of this worker that wait for a running key at once (`Prefer: wait`); more
     /// get 409 at once (counted).
     pub max_waiters: u64,
+    /// Most claims in one `/v1/claims` callout: the claims that queue on this worker while
+    /// its previous claim is on its way go together when it is answered (1: every claim is
+    /// its own callout).
+    pub batch_max: u64,
 }
+
+pub const DEFAULT_BATCH_MAX: u64 = 32;
 
 pub const DEFAULT_MAX_WAIT_S: u64 = 10;
 pub const DEFAULT_MAX_WAITERS: u64 = 64;
@@ -200,6 +206,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "complete_in_background",
     "namespace",
     "max_waiters",
+    "batch_max",
 ];
 const STATE_API_FIELDS: &[&str] = &["cluster", "authority", "token", "timeout_ms"];
 const ROUTE_FIELDS: &[&str] = &[
@@ -267,6 +274,7 @@ impl Config {
             complete_in_background: top.bool_or("complete_in_background", false)?,
             namespace: top.opt_str("namespace")?.unwrap_or("").to_owned(),
             max_waiters: top.u64_or("max_waiters", DEFAULT_MAX_WAITERS)?,
+            batch_max: top.u64_or("batch_max", DEFAULT_BATCH_MAX)?,
         })
     }
 }
@@ -532,6 +540,10 @@ impl Config {
         }
         if self.max_waiters > MAX_WAITERS {
             return err(format!("max_waiters must be at most {MAX_WAITERS}"));
+        }
+        let most = contract::wire::MAX_BATCH_CLAIMS as u64;
+        if !(1..=most).contains(&self.batch_max) {
+            return err(format!("batch_max must be 1 to {most}"));
         }
         if self.in_flight_cache_ms > MAX_IN_FLIGHT_CACHE_MS {
             return err(format!(

@@ -79,10 +79,21 @@ pub enum Metric {
     WaitReplayed,
     WaitTimedOut,
     WaitRefused,
+    /// `/v1/claims` callouts (claims that queued while this worker's previous claim was on
+    /// its way), and the claims they carried.
+    ClaimBatches,
+    ClaimsBatched,
+    /// `/v1/completes` callouts (held responses whose complete queued while another was on
+    /// its way), and the completes they carried.
+    CompleteBatches,
+    CompletesBatched,
+    /// A claim granted for a stream that had ended while its batch was on the way: nothing
+    /// was forwarded, so the key is given back (each also counts in `released` once stored).
+    ClaimedForEndedStream,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 34] = [
+    pub const ALL: [Metric; 39] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -117,6 +128,11 @@ impl Metric {
         Metric::WaitReplayed,
         Metric::WaitTimedOut,
         Metric::WaitRefused,
+        Metric::ClaimBatches,
+        Metric::ClaimsBatched,
+        Metric::CompleteBatches,
+        Metric::CompletesBatched,
+        Metric::ClaimedForEndedStream,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -155,6 +171,11 @@ impl Metric {
             Metric::WaitReplayed => "idempotency.wait_replayed",
             Metric::WaitTimedOut => "idempotency.wait_timed_out",
             Metric::WaitRefused => "idempotency.wait_refused",
+            Metric::ClaimBatches => "idempotency.claim_batches",
+            Metric::ClaimsBatched => "idempotency.claims_batched",
+            Metric::CompleteBatches => "idempotency.complete_batches",
+            Metric::CompletesBatched => "idempotency.completes_batched",
+            Metric::ClaimedForEndedStream => "idempotency.claimed_for_ended_stream",
         }
     }
 

@@ -5,9 +5,10 @@
 //! marks, one token sequence. Time is the database clock: the simulation's global time.
 
 use contract::wire::{
-    ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
-    ReleaseRequest, StoredResponse, UnknownRequest, WriteResponse, CLAIM_PATH, COMPLETE_PATH,
-    HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
+    CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, ReleaseRequest,
+    StoredResponse, UnknownRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH,
+    COMPLETE_PATH, HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind};
 use std::collections::BTreeMap;
@@ -84,6 +85,18 @@ fn problem(kind: ProblemKind, detail: &str) -> Answer {
     (kind.status(), Problem::new(kind, detail).to_json())
 }
 
+/// A batch's answer: each single answer's status and document, in order.
+fn batch(answers: Vec<Answer>) -> Answer {
+    let answers = answers
+        .into_iter()
+        .map(|(status, body)| BatchItem {
+            status,
+            answer: serde_json::from_slice(&body).unwrap_or_default(),
+        })
+        .collect();
+    json(200, &BatchResponse { answers })
+}
+
 fn check_text(v: &str) -> bool {
     !v.is_empty() && v.len() <= MAX_FIELD_LEN && !v.chars().any(char::is_control)
 }
@@ -139,6 +152,14 @@ impl ModelStateApi {
                 Ok(r) => self.claim(r, now),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
+            CLAIMS_PATH => match serde_json::from_slice::<ClaimBatchRequest>(body) {
+                Ok(b) => self.claims(b, now),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            COMPLETES_PATH => match serde_json::from_slice::<CompleteBatchRequest>(body) {
+                Ok(b) => self.completes(b, now),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
             HEARTBEAT_PATH => match serde_json::from_slice::<HeartbeatRequest>(body) {
                 Ok(r) => self.heartbeat(r, now),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
@@ -157,6 +178,32 @@ impl ModelStateApi {
             },
             _ => problem(ProblemKind::NotFound, "no such route"),
         }
+    }
+
+    /// `/v1/claims`: each claim as `/v1/claim` would answer it, one after the other (the real
+    /// one runs them together; for two claims of one scope this is one of its orders).
+    fn claims(&mut self, b: ClaimBatchRequest, now: u64) -> Answer {
+        if b.claims.is_empty() || b.claims.len() > MAX_BATCH_CLAIMS {
+            return problem(ProblemKind::BadRequest, "claims: 1 to 128");
+        }
+        if b.claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
+            return problem(ProblemKind::BadRequest, "claims: wait_ms in a batch");
+        }
+        let answers = b.claims.into_iter().map(|r| self.claim(r, now)).collect();
+        batch(answers)
+    }
+
+    /// `/v1/completes`: each complete as `/v1/complete` would store it, in order.
+    fn completes(&mut self, b: CompleteBatchRequest, now: u64) -> Answer {
+        if b.completes.is_empty() || b.completes.len() > MAX_BATCH_CLAIMS {
+            return problem(ProblemKind::BadRequest, "completes: 1 to 128");
+        }
+        let answers = b
+            .completes
+            .into_iter()
+            .map(|r| self.complete(r, now))
+            .collect();
+        batch(answers)
     }
 
     fn claim(&mut self, r: ClaimRequest, now: u64) -> Answer {

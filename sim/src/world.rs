@@ -7,7 +7,7 @@ use crate::check;
 use crate::choice::Choices;
 use crate::state_api::{ModelStateApi, Scope, StateApiConfig};
 use crate::upstream::{Ending, Execution, Plan, Produced, Sent, Upstream};
-use contract::wire::{CLAIM_PATH, FENCING_TOKEN_HEADER};
+use contract::wire::{CLAIMS_PATH, CLAIM_PATH, FENCING_TOKEN_HEADER};
 use contract::ProblemKind;
 use filter_core::config::Config;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
@@ -1498,6 +1498,9 @@ impl World {
                 }
             }
         }
+        if c.path == CLAIMS_PATH {
+            self.note_refused_in_batch(c, &result);
+        }
         let now = self.worker_now(w);
         let id = c.id;
         let Some(step) = self
@@ -1513,6 +1516,43 @@ impl World {
         self.perform(w, current, step.verdict, step.effects);
         if let Some(s) = c.stream {
             self.end_if_answered(s);
+        }
+    }
+
+    /// The streams of a `/v1/claims` whose claim the state API refused (a 4xx, of the whole
+    /// call or of their item), as for a claim of their own.
+    fn note_refused_in_batch(&mut self, c: &Callout, result: &CalloutResult) {
+        let w = c.worker;
+        let Some(streams) = self.workers[w]
+            .w
+            .as_ref()
+            .and_then(|wk| wk.batch_streams(c.id))
+        else {
+            return;
+        };
+        let refused: Vec<bool> = match result {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
+                contract::wire::BatchResponse::read_claims(body, streams.len())
+                    .map(|items| {
+                        items
+                            .iter()
+                            .map(|i| (400..500).contains(&i.status))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            }
+            CalloutResult::Response { status, .. } if (400..500).contains(status) => {
+                vec![true; streams.len()]
+            }
+            _ => Vec::new(),
+        };
+        for (sid, refused) in streams.into_iter().zip(refused) {
+            let found = self.streams.iter().position(|s| {
+                s.worker == w && s.generation == self.workers[w].generation && s.sid == sid
+            });
+            if let (true, Some(s)) = (refused, found) {
+                self.streams[s].claim_refused = true;
+            }
         }
     }
 
@@ -1542,6 +1582,14 @@ impl World {
                 // Its status alone may be stored instead: not replayable, by design.
                 self.refused_completes
                     .insert((r.key, r.subject, r.endpoint));
+            }
+        }
+        if c.path == contract::wire::COMPLETES_PATH {
+            if let Ok(b) = serde_json::from_slice::<contract::wire::CompleteBatchRequest>(&c.body) {
+                for r in b.completes {
+                    self.refused_completes
+                        .insert((r.key, r.subject, r.endpoint));
+                }
             }
         }
         let problem = contract::Problem::new(ProblemKind::Unauthenticated, "refused").to_json();
@@ -1865,8 +1913,10 @@ impl World {
             }
             if !busy {
                 let pending = self.workers.iter().any(|w| {
-                    w.w.as_ref()
-                        .is_some_and(|wk| wk.usage().writes > 0 || wk.usage().claims > 0)
+                    w.w.as_ref().is_some_and(|wk| {
+                        let u = wk.usage();
+                        u.writes > 0 || u.claims > 0 || u.batched_claims > 0
+                    })
                 });
                 if !pending {
                     break;

@@ -250,6 +250,18 @@ impl Stack {
         )
     }
 
+    /// [`Stack::start_extra_envoy`] with every claim and complete its own callout
+    /// (`batch_max = 1`): for a fake state API that answers the single calls only.
+    pub fn start_extra_envoy_unbatched(
+        &self,
+        state_api_port: u16,
+        name: &str,
+    ) -> Result<Envoy, String> {
+        let mut params = Self::envoy_params_for(&self.options, state_api_port, self.checkout.port)?;
+        params.tweak = Some(crate::envoy::Tweak::new(|cfg| cfg.filter.batch_max = 1));
+        Envoy::start(params, &self.dir, name)
+    }
+
     /// Starts Envoy again with the same config and ports (after a kill).
     pub fn restart_envoy(&mut self) -> Result<(), String> {
         self.envoy.kill();

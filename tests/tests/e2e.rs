@@ -112,6 +112,12 @@ fn main() {
             },
             complete_in_background_answers_first_and_stores_right_after,
         ),
+        own(
+            // One Envoy worker: every claim and complete queues behind the one on its way.
+            "concurrent_new_keys_go_in_batches_and_each_is_charged_once",
+            StackOptions::default(),
+            concurrent_new_keys_go_in_batches_and_each_is_charged_once,
+        ),
     ];
     // Stops the shared stack's processes before exiting (statics are never dropped).
     SHARED.run(&args, trials)
@@ -981,4 +987,63 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
         "{}",
         stack.logs()
     );
+}
+
+/// Concurrent new keys on one Envoy worker, each sent twice at once: the claims and completes
+/// that queue behind the one on their way go as `/v1/claims` and `/v1/completes` callouts of the
+/// worker (answered to their streams from the root context), and every key runs once: one 201,
+/// its twin a 409 or the replay, and every retry afterwards the replay.
+async fn concurrent_new_keys_go_in_batches_and_each_is_charged_once(stack: Stack) {
+    let c = client(&stack);
+    let keys: Vec<String> = (0..48).map(|i| unique_key(&format!("batch-{i}"))).collect();
+    let body = charge_body(1_500);
+    let sends = keys.iter().flat_map(|k| {
+        [
+            checkout(k, "alice", &body).delay_ms(200),
+            checkout(k, "alice", &body).delay_ms(200),
+        ]
+    });
+    let answers = futures::future::join_all(sends.map(|r| c.send(r))).await;
+    for (twins, key) in answers.chunks(2).zip(&keys) {
+        let ran: Vec<_> = twins
+            .iter()
+            .filter(|a| a.status == 201 && a.header("idempotent-replayed").is_none())
+            .collect();
+        assert_eq!(
+            ran.len(),
+            1,
+            "{key}: {:?}",
+            twins.iter().map(|a| a.describe()).collect::<Vec<_>>()
+        );
+        for a in twins {
+            assert!(a.status == 201 || a.status == 409, "{}", a.describe());
+        }
+        assert_eq!(executions(&stack, key).await.len(), 1, "{key}: one charge");
+    }
+    let counter = |name: &str| stack.envoy.filter_counter(name);
+    let (claims, completes) = (counter("claims_batched"), counter("completes_batched"));
+    eprintln!(
+        "96 requests: {claims} claims in {} /v1/claims, {completes} completes in {} /v1/completes",
+        counter("claim_batches"),
+        counter("complete_batches")
+    );
+    assert!(
+        counter("claim_batches") > 0 && claims > 0,
+        "no claim was batched"
+    );
+    assert!(
+        counter("complete_batches") > 0 && completes > 0,
+        "no complete was batched"
+    );
+    assert_eq!(counter("claimed_for_ended_stream"), 0);
+    for key in &keys {
+        let again = c.send(checkout(key, "alice", &body)).await;
+        assert_eq!(again.status, 201, "{}", again.describe());
+        assert_eq!(again.header("idempotent-replayed").as_deref(), Some("true"));
+        assert_eq!(
+            executions(&stack, key).await.len(),
+            1,
+            "{key}: still one charge"
+        );
+    }
 }

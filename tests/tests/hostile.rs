@@ -42,7 +42,9 @@ fn shared_env() -> Result<Arc<Env>, Failed> {
     let started = guard.get_or_insert_with(|| {
         let stack = Stack::start(StackOptions::default())?;
         let fake = FakeStateApi::start()?;
-        let fake_envoy = stack.start_extra_envoy(fake.port, "envoy-fake-state-api")?;
+        // The fake's answers are whole HTTP answers to one claim (a hang, a closed connection,
+        // 8 MiB): each claim is its own callout to it, whatever runs beside it.
+        let fake_envoy = stack.start_extra_envoy_unbatched(fake.port, "envoy-fake-state-api")?;
         Ok(Arc::new(Env {
             stack,
             fake,
@@ -644,7 +646,7 @@ async fn logs_never_contain_keys_bodies_or_tokens() {
     let stack = Stack::start(StackOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     let fake = FakeStateApi::start().unwrap_or_else(|e| panic!("{e}"));
     let fake_envoy = stack
-        .start_extra_envoy(fake.port, "envoy-fake")
+        .start_extra_envoy_unbatched(fake.port, "envoy-fake")
         .unwrap_or_else(|e| panic!("{e}"));
     let c = Client::new(&stack.envoy.url(""));
     let key = unique_key("MARKERKEY7f3a");

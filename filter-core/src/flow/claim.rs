@@ -9,7 +9,7 @@ use crate::reply;
 use crate::reply::LocalReply;
 use crate::worker::replay_cache::Completed;
 use crate::worker::{CalloutResult, Effect, Level};
-use contract::wire::{ClaimResponse, FENCING_TOKEN_HEADER};
+use contract::wire::{ClaimItem, ClaimResponse, FENCING_TOKEN_HEADER};
 use contract::ProblemKind;
 
 /// What the worker's memory knows of a key, instead of asking the state API.
@@ -21,6 +21,73 @@ pub enum Remembered {
     Woken(Completed),
     /// Reported in progress for this very request a moment ago.
     Running { retry_after_s: u32 },
+}
+
+/// A claim's answer as the flow reads it: the same from `/v1/claim` and from an item of
+/// `/v1/claims`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimAnswer {
+    /// A 2xx, read; or why there is no usable answer (a failure, a 5xx, 408, 429, unreadable).
+    Read(Result<ClaimResponse, String>),
+    /// Another 4xx: a configuration or contract error.
+    Refused { status: u16, detail: String },
+}
+
+/// The start of an answer's body, for a log line.
+fn excerpt(body: &[u8]) -> String {
+    String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default()).into_owned()
+}
+
+fn refuses(status: u16) -> bool {
+    (400..500).contains(&status) && status != 408 && status != 429
+}
+
+impl ClaimAnswer {
+    /// The answer of a claim's own callout, or of a whole batch that was not answered item
+    /// by item (then every claim of it gets this one).
+    pub fn of(result: &CalloutResult) -> Self {
+        match result {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
+                Self::Read(
+                    ClaimResponse::read(body).map_err(|e| format!("unreadable claim answer: {e}")),
+                )
+            }
+            CalloutResult::Response { status, body, .. } if refuses(*status) => Self::Refused {
+                status: *status,
+                detail: excerpt(body),
+            },
+            CalloutResult::Response { status, body, .. } => Self::Read(Err(format!(
+                "claim answered HTTP {status}: {}",
+                excerpt(body)
+            ))),
+            CalloutResult::Failed(why) => Self::Read(Err(format!("claim failed: {why}"))),
+        }
+    }
+
+    /// One item of a batch's answer.
+    pub fn of_item(item: ClaimItem) -> Self {
+        match (item.status, item.answer) {
+            (200..=299, answer) => {
+                Self::Read(answer.map_err(|e| format!("unreadable claim answer: {e}")))
+            }
+            (status, answer) if refuses(status) => Self::Refused {
+                status,
+                detail: answer.err().map(|e| e.0).unwrap_or_default(),
+            },
+            (status, answer) => Self::Read(Err(format!(
+                "claim answered HTTP {status}: {}",
+                answer.err().map(|e| e.0).unwrap_or_default()
+            ))),
+        }
+    }
+
+    /// The fencing token of a claim this answer grants.
+    pub fn granted_token(&self) -> Option<i64> {
+        match self {
+            Self::Read(Ok(ClaimResponse::Claimed { token, .. })) => Some(*token),
+            _ => None,
+        }
+    }
 }
 
 impl Flow {
@@ -65,26 +132,20 @@ impl Flow {
 
     /// The answer to `/v1/claim` (or its failure, including a failed dispatch).
     pub fn on_claim_answer(&mut self, cfg: &Config, answer: CalloutResult) -> Turn {
+        self.on_claim(cfg, ClaimAnswer::of(&answer))
+    }
+
+    /// A claim's answer, from its own callout or from a batch's.
+    pub fn on_claim(&mut self, cfg: &Config, answer: ClaimAnswer) -> Turn {
         let State::Claiming(req) = self.take() else {
             return Turn::cont().with(Flow::log(
                 Level::Warn,
                 "claim answer in an unexpected state".into(),
             ));
         };
-        let parsed = match &answer {
-            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                ClaimResponse::read(body).map_err(|e| format!("unreadable claim answer: {e}"))
-            }
-            CalloutResult::Response { status, body, .. }
-                if (400..500).contains(status) && *status != 408 && *status != 429 =>
-            {
-                return self.refused(&req, *status, body);
-            }
-            CalloutResult::Response { status, body, .. } => Err(format!(
-                "claim answered HTTP {status}: {}",
-                String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
-            )),
-            CalloutResult::Failed(why) => Err(format!("claim failed: {why}")),
+        let parsed = match answer {
+            ClaimAnswer::Read(parsed) => parsed,
+            ClaimAnswer::Refused { status, detail } => return self.refused(&req, status, &detail),
         };
         match parsed {
             Err(why) => self.unavailable(cfg, req, why),
@@ -211,13 +272,12 @@ impl Flow {
 
     /// The state API refused the claim (a 4xx): a configuration or contract error, not an
     /// outage, so the request is never forwarded, not even where the route fails open.
-    fn refused(&mut self, req: &Fingerprinted, status: u16, body: &[u8]) -> Turn {
+    fn refused(&mut self, req: &Fingerprinted, status: u16, detail: &str) -> Turn {
         let log = Flow::log(
             Level::Error,
             format!(
-                "the state API refused the claim for {} with HTTP {status}: {}",
+                "the state API refused the claim for {} with HTTP {status}: {detail}",
                 req.req.endpoint,
-                String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
             ),
         );
         self.reply(

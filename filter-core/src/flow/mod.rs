@@ -31,7 +31,7 @@ use crate::worker::{Effect, HeldClaim, Level, PendingWrite, StreamId};
 use contract::fingerprint::Fingerprint;
 
 pub(crate) use claim::completed_reply;
-pub use claim::Remembered;
+pub use claim::{ClaimAnswer, Remembered};
 pub(crate) use request::to_json;
 pub use request::{RequestHead, MAX_SUBJECT_LEN};
 pub use response::ResponseHead;

@@ -9,7 +9,7 @@ use super::{completed_reply, Call, Claimed, Flow, Note, Out, State, Turn, Write,
 use crate::config::Config;
 use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
-use crate::worker::writes::{PendingWrite, WriteVerdict};
+use crate::worker::writes::{PendingWrite, WriteAnswer, WriteVerdict};
 use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{COMPLETE_PATH, RELEASE_PATH};
 
@@ -34,6 +34,11 @@ impl Flow {
 
     /// The answer to `/v1/complete` or `/v1/release` (or its failure).
     pub fn on_write_answer(&mut self, cfg: &Config, answer: CalloutResult) -> Turn {
+        self.on_write(cfg, WriteAnswer::of(&answer))
+    }
+
+    /// A write's answer, from its own callout or from a batch's.
+    pub fn on_write(&mut self, cfg: &Config, answer: WriteAnswer) -> Turn {
         let State::Writing(claimed, write) = self.take() else {
             return Turn::cont().with(Flow::log(
                 Level::Warn,
@@ -45,8 +50,11 @@ impl Flow {
             Write::Release { .. } => ("release", Metric::Released),
         };
         let token = claimed.token;
-        let (verdict, expires_in_ms) = WriteVerdict::of(&answer);
-        let why = answer.describe();
+        let WriteAnswer {
+            verdict,
+            expires_in_ms,
+            why,
+        } = answer;
         match verdict {
             WriteVerdict::Stored => {
                 // Duplicates told "in progress" while this request ran are not any more.

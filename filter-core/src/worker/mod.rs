@@ -11,6 +11,15 @@
 //! ([`Worker::on_tick`], [`Worker::on_wake`], and the answers to the worker's own callouts).
 //! When a stream hands over a write that should go at once, the worker asks to be woken
 //! ([`Effect::Wake`]).
+//!
+//! Claims are batched like the state API's group commit, with no timer: a claim goes as its
+//! stream's own callout when no other claim of this worker is on its way (no added wait at low
+//! load); otherwise it queues, and when the claim on its way is answered the worker is woken
+//! and sends every queued claim as one `/v1/claims` callout of its own (at most
+//! `batch_max`; the tick sends what a lost wake left). A batch's answers reach their
+//! streams from the root context. A stream that ended meanwhile may have been granted its
+//! claim: nothing was forwarded, so the worker releases it. Claims that wait (`Prefer: wait`)
+//! are never batched.
 
 pub mod ids;
 pub mod in_flight;
@@ -19,17 +28,20 @@ pub mod replay_cache;
 pub mod writes;
 
 use crate::config::Config;
-use crate::flow::{Call, Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
+use crate::flow::{
+    Call, ClaimAnswer, Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict,
+};
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use contract::wire::{
-    HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    BatchResponse, ClaimRequest, HeartbeatResponse, ReleaseRequest, CLAIMS_PATH, CLAIM_PATH,
+    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
 use std::collections::HashMap;
-use writes::{PendingWrites, WriteDone, WriteVerdict};
+use writes::{PendingWrites, WriteAnswer, WriteDone, WriteVerdict};
 
 pub use registry::HeldClaim;
 pub use writes::PendingWrite;
@@ -191,15 +203,58 @@ enum Purpose {
     Heartbeat(i64),
     /// A handed-over write (by fencing token).
     Write(i64),
+    /// The worker's `/v1/claims` (its claims are in `Worker::batches`).
+    ClaimBatch,
+    /// The worker's `/v1/completes` (its streams are in `Worker::batches`).
+    CompleteBatch,
 }
 
 impl Purpose {
     fn stream(self) -> Option<StreamId> {
         match self {
             Purpose::Claim(s) | Purpose::StreamWrite(s) | Purpose::Reconcile(s) => Some(s),
-            Purpose::Heartbeat(_) | Purpose::Write(_) => None,
+            Purpose::Heartbeat(_)
+            | Purpose::Write(_)
+            | Purpose::ClaimBatch
+            | Purpose::CompleteBatch => None,
         }
     }
+
+    fn claims(self) -> bool {
+        matches!(self, Purpose::Claim(_) | Purpose::ClaimBatch)
+    }
+
+    /// A held response's write (complete or release).
+    fn holds(self) -> bool {
+        matches!(self, Purpose::StreamWrite(_) | Purpose::CompleteBatch)
+    }
+}
+
+/// Most bytes of completes in one `/v1/completes` (a larger complete goes alone): well inside
+/// the state API's request limit, which is 64 KiB over its largest stored body.
+pub const BATCH_WRITE_BYTES: usize = 60 * 1024;
+
+/// What a batch callout carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Batch {
+    Claims(Vec<BatchedClaim>),
+    /// The streams whose completes a `/v1/completes` carries.
+    Completes(Vec<StreamId>),
+}
+
+/// A held response's complete that waits for the worker's next `/v1/completes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BatchedWrite {
+    stream: StreamId,
+    /// The `/v1/complete` body.
+    body: Vec<u8>,
+}
+
+/// A stream's claim that waits for the worker's next `/v1/claims`, or is in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BatchedClaim {
+    stream: StreamId,
+    request: Box<ClaimRequest>,
 }
 
 /// A callout's request, before it has an id and an owner.
@@ -223,6 +278,10 @@ pub struct Usage {
     pub running_keys: usize,
     /// Streams whose claim waits for a running key.
     pub waiters: usize,
+    /// Claims queued for the next `/v1/claims`, and in the ones on their way.
+    pub batched_claims: usize,
+    /// Completes queued for the next `/v1/completes`, and in the ones on their way.
+    pub batched_writes: usize,
 }
 
 #[derive(Debug)]
@@ -240,6 +299,19 @@ pub struct Worker {
     /// Streams whose claim waits at the state API for a running key (`Prefer: wait`), at
     /// most `max_waiters`: answered at once when this worker sees the key complete.
     waiting: Vec<Waiter>,
+    /// Claims that queued while another claim was on its way, oldest first.
+    claim_queue: Vec<BatchedClaim>,
+    /// Held responses' completes that queued while another was on its way, oldest first.
+    complete_queue: Vec<BatchedWrite>,
+    /// What each `/v1/claims` and `/v1/completes` on its way carries, in the order sent.
+    /// Few at a time, so a list.
+    batches: Vec<(CallId, Batch)>,
+    /// The worker's own callouts on their way (their answers come to the root context): few,
+    /// so a list.
+    worker_calls: Vec<CallId>,
+    /// The answer to one of them is being handled: a stream it drives (a batch's claims, a
+    /// reconcile a batched claim started) makes its callouts as the worker's.
+    in_root: bool,
 }
 
 /// A stream whose claim waits for a running key.
@@ -263,6 +335,11 @@ impl Worker {
             next_call: 0,
             wake_pending: false,
             waiting: Vec::new(),
+            claim_queue: Vec::new(),
+            batches: Vec::new(),
+            complete_queue: Vec::new(),
+            worker_calls: Vec::new(),
+            in_root: false,
             cfg,
         }
     }
@@ -286,12 +363,18 @@ impl Worker {
             replay_bytes: self.replays.bytes(),
             running_keys: self.in_flight.len(),
             waiters: self.waiting.len(),
+            batched_claims: self.claim_queue.len() + self.in_batches(false),
+            batched_writes: self.complete_queue.len() + self.in_batches(true),
         }
     }
 
     /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
-    /// write that comes due. Ticks before it only drop expired memory.
+    /// write that comes due, or queued claims or completes (now). Ticks before it only drop expired memory.
     pub fn next_due(&self) -> Option<u64> {
+        if !self.claim_queue.is_empty() || !self.complete_queue.is_empty() {
+            // Queued claims and completes go at the next tick if no wake sends them first.
+            return Some(0);
+        }
         let heartbeat = self.registry.next_due(self.cfg.tick_period_ms());
         match (heartbeat, self.writes.next_due()) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -302,6 +385,36 @@ impl Worker {
     /// The upstream response of `stream` is wanted (read `response.code_details` and `flags`).
     pub fn awaits_response(&self, stream: StreamId) -> bool {
         self.flows.get(&stream).is_some_and(Flow::awaits_response)
+    }
+
+    /// The streams whose claims a `/v1/claims` callout carries, in order (for the simulation).
+    pub fn batch_streams(&self, call: CallId) -> Option<Vec<StreamId>> {
+        match self
+            .batches
+            .iter()
+            .find(|(id, _)| *id == call)
+            .map(|(_, b)| b)?
+        {
+            Batch::Claims(b) => Some(b.iter().map(|c| c.stream).collect()),
+            Batch::Completes(_) => None,
+        }
+    }
+
+    fn take_batch(&mut self, id: CallId) -> Option<Batch> {
+        let i = self.batches.iter().position(|(b, _)| *b == id)?;
+        Some(self.batches.swap_remove(i).1)
+    }
+
+    /// Requests in the batches on their way: completes, or claims.
+    fn in_batches(&self, completes: bool) -> usize {
+        self.batches
+            .iter()
+            .map(|(_, b)| match b {
+                Batch::Claims(c) if !completes => c.len(),
+                Batch::Completes(s) if completes => s.len(),
+                _ => 0,
+            })
+            .sum()
     }
 
     /// The state of a stream's flow, for logs and tests.
@@ -401,9 +514,14 @@ impl Worker {
         };
         self.calls.retain(|_, p| p.stream() != Some(stream));
         self.waiting.retain(|w| w.stream != stream);
+        // Queued, its claim was never sent; in a batch on its way, its answer is seen to (a
+        // claim granted for it is released). A queued complete is sent all the same.
+        self.claim_queue.retain(|c| c.stream != stream);
         let turn = flow.on_stream_done(&self.cfg);
         let mut step = Step::cont();
         self.apply(&mut flow, turn, now_ms, &mut step);
+        // Its own callout, cancelled, may have been the one a queue waited for.
+        self.wake_for_batches(&mut step.effects);
         step.effects
     }
 
@@ -481,10 +599,15 @@ impl Worker {
                     ));
                 }
                 let wait_ms = request.wait_ms.unwrap_or(0);
+                let behind = self.claims_on_their_way() > 0 || !self.claim_queue.is_empty();
+                if wait_ms == 0 && self.cfg.batch_max > 1 && behind {
+                    self.claim_queue.push(BatchedClaim { stream, request });
+                    return None;
+                }
                 let body = crate::flow::to_json(&*request);
                 let call = self.state_api_call(CLAIM_PATH, body, wait_ms);
                 let call_id =
-                    self.dispatch(Owner::Stream(stream), Purpose::Claim(stream), call, effects);
+                    self.dispatch(self.owner_of(stream), Purpose::Claim(stream), call, effects);
                 if wait_ms > 0 {
                     self.waiting.push(Waiter {
                         stream,
@@ -522,8 +645,13 @@ impl Worker {
                         ),
                     ));
                 }
+                let behind = self.holds_on_their_way() > 0 || !self.complete_queue.is_empty();
+                if self.cfg.batch_max > 1 && behind && body.len() <= BATCH_WRITE_BYTES {
+                    self.complete_queue.push(BatchedWrite { stream, body });
+                    return None;
+                }
                 self.dispatch_state_api(
-                    Owner::Stream(stream),
+                    self.owner_of(stream),
                     Purpose::StreamWrite(stream),
                     COMPLETE_PATH,
                     body,
@@ -533,7 +661,7 @@ impl Worker {
             }
             Call::Release { body } => {
                 self.dispatch_state_api(
-                    Owner::Stream(stream),
+                    self.owner_of(stream),
                     Purpose::StreamWrite(stream),
                     RELEASE_PATH,
                     body,
@@ -553,7 +681,7 @@ impl Worker {
                     timeout_ms,
                 };
                 self.dispatch(
-                    Owner::Stream(stream),
+                    self.owner_of(stream),
                     Purpose::Reconcile(stream),
                     call,
                     effects,
@@ -561,6 +689,203 @@ impl Worker {
                 None
             }
         }
+    }
+
+    /// Who makes a stream's callout: the stream, or the worker when the stream is handled from
+    /// the root context (Envoy answers a callout to the context that made it).
+    fn owner_of(&self, stream: StreamId) -> Owner {
+        if self.in_root {
+            Owner::Worker
+        } else {
+            Owner::Stream(stream)
+        }
+    }
+
+    /// Claim callouts of this worker on their way that a queued claim waits for (a claim that
+    /// waits at the state API for a running key does not count: it may take seconds).
+    fn claims_on_their_way(&self) -> usize {
+        self.calls
+            .values()
+            .filter(|p| p.claims())
+            .count()
+            .saturating_sub(self.waiting.len())
+    }
+
+    /// Held responses' writes of this worker on their way that a queued complete waits for.
+    fn holds_on_their_way(&self) -> usize {
+        self.calls.values().filter(|p| p.holds()).count()
+    }
+
+    /// Asks for a wake when claims or completes are queued and none of their kind is on its
+    /// way any more (batches go from the root context).
+    fn wake_for_batches(&mut self, effects: &mut Vec<Effect>) {
+        let claims = !self.claim_queue.is_empty() && self.claims_on_their_way() == 0;
+        let completes = !self.complete_queue.is_empty() && self.holds_on_their_way() == 0;
+        if (claims || completes) && !self.wake_pending {
+            self.wake_pending = true;
+            effects.push(Effect::Wake);
+        }
+    }
+
+    /// Sends every queued claim and complete (root context only).
+    fn send_batches(&mut self, effects: &mut Vec<Effect>) {
+        self.send_claims(effects);
+        self.send_completes(effects);
+    }
+
+    /// Sends the queued completes as `/v1/completes` callouts of the worker, each within
+    /// `batch_max` completes and [`BATCH_WRITE_BYTES`].
+    fn send_completes(&mut self, effects: &mut Vec<Effect>) {
+        let most = usize::try_from(self.cfg.batch_max)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        while !self.complete_queue.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while let Some(next) = self.complete_queue.get(n) {
+                if n == most || (n > 0 && bytes + next.body.len() > BATCH_WRITE_BYTES) {
+                    break;
+                }
+                bytes += next.body.len() + 1;
+                n += 1;
+            }
+            let batch: Vec<BatchedWrite> = self.complete_queue.drain(..n.max(1)).collect();
+            // The completes are JSON documents already: the batch is their list.
+            let body = json_list("completes", batch.iter().map(|w| w.body.clone()));
+            effects.push(Effect::Count(Metric::CompleteBatches));
+            for _ in 0..batch.len() {
+                effects.push(Effect::Count(Metric::CompletesBatched));
+            }
+            let call = self.state_api_call(COMPLETES_PATH, body, 0);
+            let id = self.dispatch(Owner::Worker, Purpose::CompleteBatch, call, effects);
+            let streams = batch.into_iter().map(|w| w.stream).collect();
+            self.batches.push((id, Batch::Completes(streams)));
+        }
+    }
+
+    /// The answer to a `/v1/completes`: each item goes to its stream as the answer to its own
+    /// complete. A stream that ended meanwhile handed its write over to the worker already.
+    fn completes_answered(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
+        let mut step = Step::cont();
+        let Some(Batch::Completes(streams)) = self.take_batch(id) else {
+            return step;
+        };
+        let answers: Vec<WriteAnswer> = match &result {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
+                match BatchResponse::read_writes(body, streams.len()) {
+                    Ok(items) => items.into_iter().map(WriteAnswer::of_item).collect(),
+                    Err(e) => {
+                        let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
+                        vec![WriteAnswer::of(&failed); streams.len()]
+                    }
+                }
+            }
+            whole => vec![WriteAnswer::of(whole); streams.len()],
+        };
+        for (stream, answer) in streams.into_iter().zip(answers) {
+            if let Some(mut flow) = self.flows.remove(&stream) {
+                let turn = flow.on_write(&self.cfg, answer);
+                let mut one = Step::cont();
+                self.apply(&mut flow, turn, now_ms, &mut one);
+                step.effects.append(&mut one.effects);
+                self.flows.insert(stream, flow);
+            }
+        }
+        self.send_batches(&mut step.effects);
+        step
+    }
+
+    /// Sends the queued claims as `/v1/claims` callouts of the worker (root context only).
+    fn send_claims(&mut self, effects: &mut Vec<Effect>) {
+        let most = usize::try_from(self.cfg.batch_max)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        while !self.claim_queue.is_empty() {
+            let n = self.claim_queue.len().min(most);
+            let batch: Vec<BatchedClaim> = self.claim_queue.drain(..n).collect();
+            let body = json_list(
+                "claims",
+                batch.iter().map(|c| crate::flow::to_json(&*c.request)),
+            );
+            let call = self.state_api_call(CLAIMS_PATH, body, 0);
+            effects.push(Effect::Count(Metric::ClaimBatches));
+            for _ in 0..batch.len() {
+                effects.push(Effect::Count(Metric::ClaimsBatched));
+            }
+            let id = self.dispatch(Owner::Worker, Purpose::ClaimBatch, call, effects);
+            self.batches.push((id, Batch::Claims(batch)));
+        }
+    }
+
+    /// The answer to a `/v1/claims`: each claim's answer goes to its stream, as if it were the
+    /// answer to its own callout. A stream that ended meanwhile and was granted its claim
+    /// forwarded nothing: the key is released.
+    fn claims_answered(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
+        let mut step = Step::cont();
+        let Some(Batch::Claims(batch)) = self.take_batch(id) else {
+            return step;
+        };
+        let answers: Vec<ClaimAnswer> = match &result {
+            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
+                match BatchResponse::read_claims(body, batch.len()) {
+                    Ok(items) => items.into_iter().map(ClaimAnswer::of_item).collect(),
+                    Err(e) => {
+                        let why = format!("unreadable batch answer: {e}");
+                        vec![ClaimAnswer::Read(Err(why)); batch.len()]
+                    }
+                }
+            }
+            whole => vec![ClaimAnswer::of(whole); batch.len()],
+        };
+        for (claim, answer) in batch.into_iter().zip(answers) {
+            match self.flows.remove(&claim.stream) {
+                Some(mut flow) => {
+                    let turn = flow.on_claim(&self.cfg, answer);
+                    let mut one = Step::cont();
+                    self.apply(&mut flow, turn, now_ms, &mut one);
+                    step.effects.append(&mut one.effects);
+                    self.flows.insert(claim.stream, flow);
+                }
+                None => {
+                    if let Some(token) = answer.granted_token() {
+                        self.release_unused(&claim.request, token, now_ms, &mut step.effects);
+                    }
+                }
+            }
+        }
+        self.send_batches(&mut step.effects);
+        step
+    }
+
+    /// A claim granted for a stream that is gone: nothing was forwarded, the key goes back.
+    fn release_unused(
+        &mut self,
+        request: &ClaimRequest,
+        token: i64,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        let release = ReleaseRequest {
+            key: request.key.clone(),
+            subject: request.subject.clone(),
+            endpoint: request.endpoint.clone(),
+            namespace: request.namespace.clone(),
+            token,
+        };
+        effects.push(Effect::Count(Metric::ClaimedForEndedStream));
+        let write = PendingWrite {
+            claim: HeldClaim {
+                key: release.key.clone(),
+                subject: release.subject.clone(),
+                endpoint: release.endpoint.clone(),
+                token,
+            },
+            path: RELEASE_PATH,
+            payload: crate::flow::to_json(&release),
+            fallback: None,
+            untried: true,
+        };
+        self.hand_over(write, None, now_ms, effects);
     }
 
     /// Makes a callout and remembers what it is for.
@@ -574,6 +899,9 @@ impl Worker {
         self.next_call += 1;
         let id = CallId(self.next_call);
         self.calls.insert(id, purpose);
+        if owner == Owner::Worker {
+            self.worker_calls.push(id);
+        }
         effects.push(Effect::Dispatch(Dispatch {
             id,
             owner,
@@ -753,6 +1081,13 @@ impl Worker {
 
     /// The answer to a callout (or its failure, also a failure to dispatch it).
     pub fn on_callout_answer(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
+        let in_root = match self.worker_calls.iter().position(|c| *c == id) {
+            Some(i) => {
+                self.worker_calls.swap_remove(i);
+                true
+            }
+            None => false,
+        };
         let Some(purpose) = self.calls.remove(&id) else {
             // A waiting claim whose stream was answered when this worker saw its key complete.
             return Step {
@@ -766,6 +1101,22 @@ impl Worker {
         if let Purpose::Claim(stream) = purpose {
             self.waiting.retain(|w| w.stream != stream);
         }
+        self.in_root = in_root;
+        let mut step = self.answered(id, purpose, result, now_ms);
+        self.in_root = false;
+        if purpose.claims() || purpose.holds() {
+            self.wake_for_batches(&mut step.effects);
+        }
+        step
+    }
+
+    fn answered(
+        &mut self,
+        id: CallId,
+        purpose: Purpose,
+        result: CalloutResult,
+        now_ms: u64,
+    ) -> Step {
         match purpose {
             Purpose::Claim(stream) | Purpose::StreamWrite(stream) | Purpose::Reconcile(stream) => {
                 let Some(flow) = self.flows.get_mut(&stream) else {
@@ -790,6 +1141,8 @@ impl Worker {
                     effects,
                 }
             }
+            Purpose::ClaimBatch => self.claims_answered(id, result, now_ms),
+            Purpose::CompleteBatch => self.completes_answered(id, result, now_ms),
         }
     }
 
@@ -992,7 +1345,9 @@ impl Worker {
             }
         }
         self.send_writes(now_ms, &mut effects);
-        // A wake lost by the host is made up for here.
+        // A wake lost by the host is made up for here, and claims and completes queued behind
+        // one that takes long go now.
+        self.send_batches(&mut effects);
         self.wake_pending = false;
         effects
     }
@@ -1002,6 +1357,7 @@ impl Worker {
         self.wake_pending = false;
         let mut effects = Vec::new();
         self.send_writes(now_ms, &mut effects);
+        self.send_batches(&mut effects);
         effects
     }
 
@@ -1028,6 +1384,22 @@ impl Worker {
             );
         }
     }
+}
+
+/// A batch's body: `{"<name>":[...]}` around JSON documents.
+fn json_list(name: &str, items: impl Iterator<Item = Vec<u8>>) -> Vec<u8> {
+    let mut body = Vec::new();
+    body.extend_from_slice(b"{\"");
+    body.extend_from_slice(name.as_bytes());
+    body.extend_from_slice(b"\":[");
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(&item);
+    }
+    body.extend_from_slice(b"]}");
+    body
 }
 
 #[cfg(test)]

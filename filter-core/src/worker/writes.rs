@@ -15,7 +15,7 @@
 
 use super::registry::HeldClaim;
 use super::CalloutResult;
-use contract::wire::WriteResponse;
+use contract::wire::{WriteItem, WriteResponse};
 
 /// Writes on their way at once (per worker).
 pub const MAX_IN_FLIGHT: usize = 32;
@@ -78,6 +78,52 @@ impl WriteVerdict {
                 (Self::Refused(*status), None)
             }
             _ => (Self::Failed, None),
+        }
+    }
+}
+
+/// A write's answer as a stream reads it: the same from `/v1/complete` and from an item of
+/// `/v1/completes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteAnswer {
+    pub verdict: WriteVerdict,
+    /// The stored record's expiry, when the answer carried one.
+    pub expires_in_ms: Option<u64>,
+    /// For logs.
+    pub why: String,
+}
+
+impl WriteAnswer {
+    pub fn of(result: &CalloutResult) -> Self {
+        let (verdict, expires_in_ms) = WriteVerdict::of(result);
+        Self {
+            verdict,
+            expires_in_ms,
+            why: result.describe(),
+        }
+    }
+
+    /// One item of a batch's answer (by the same rules as [`WriteVerdict::of`]).
+    pub fn of_item(item: WriteItem) -> Self {
+        let status = item.status;
+        let (verdict, expires_in_ms, why) = match item.answer {
+            Ok(w) if (200..300).contains(&status) => {
+                (WriteVerdict::Stored, w.expires_in_ms, String::new())
+            }
+            answer => {
+                let detail = answer.err().map(|e| e.0).unwrap_or_default();
+                let verdict = match status {
+                    409 => WriteVerdict::FencedOut,
+                    400..=499 if status != 408 && status != 429 => WriteVerdict::Refused(status),
+                    _ => WriteVerdict::Failed,
+                };
+                (verdict, None, format!("HTTP {status}: {detail}"))
+            }
+        };
+        Self {
+            verdict,
+            expires_in_ms,
+            why,
         }
     }
 }

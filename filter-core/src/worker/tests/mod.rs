@@ -12,8 +12,11 @@ use contract::wire::{
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
+/// Every claim is its own callout here (`batch_max: 1`), so a scenario reads each
+/// stream's claim; batching has its scenarios in `batching.rs`.
 const CONFIG: &str = r#"{
   "state_api": {"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": 1000},
+  "batch_max": 1,
   "subject": {"header": "x-jwt-sub"},
   "routes": [
     {"method": "POST", "path": "/checkout", "key": "required"},
@@ -2221,4 +2224,5 @@ fn without_the_replay_cache_or_with_in_flight_cache_ms_0_every_duplicate_asks() 
     }
 }
 
+mod batching;
 mod features;

@@ -1,0 +1,412 @@
+//! Claims batched like the state API's group commit: the claims that queue while one is on
+//! its way go as one `/v1/claims` callout of the worker, and each stream gets its own answer.
+
+use super::*;
+use contract::wire::{BatchItem, BatchResponse, CLAIMS_PATH, COMPLETES_PATH};
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+fn batching(most: u64) -> Harness {
+    Harness::new(&CONFIG.replacen("\"batch_max\": 1,", &format!("\"batch_max\": {most},"), 1))
+}
+
+impl Harness {
+    /// A request to `path` with `key` on a new stream, through its body.
+    fn keyed(&mut self, key: &str, path: &str) -> (StreamId, Seen) {
+        let s = self.stream();
+        let hs = req_headers(
+            path,
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ],
+        );
+        assert_eq!(self.headers(s, &hs, false).verdict, Verdict::Pause);
+        (s, self.body(s, br#"{"amount":1}"#))
+    }
+
+    fn wake(&mut self) -> Seen {
+        self.w.on_wake(self.now).into()
+    }
+}
+
+/// The claims a `/v1/claims` carries.
+fn batched(d: &Dispatch) -> Vec<ClaimRequest> {
+    let v: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
+    serde_json::from_value(v["claims"].clone()).unwrap()
+}
+
+fn batch_answer(items: &[(u16, serde_json::Value)]) -> CalloutResult {
+    let answers = items
+        .iter()
+        .map(|(status, answer)| BatchItem {
+            status: *status,
+            answer: answer.clone(),
+        })
+        .collect();
+    answer(&BatchResponse { answers })
+}
+
+fn granted(token: i64) -> serde_json::Value {
+    serde_json::to_value(ClaimResponse::Claimed {
+        token,
+        lease_ms: 30_000,
+        reclaimed: false,
+        max_body_bytes: None,
+        retention_s: None,
+    })
+    .unwrap()
+}
+
+fn replies_to(step: &Seen, s: StreamId) -> &LocalReply {
+    step.effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Reply { stream, reply } if *stream == s => Some(reply),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no reply to stream {s} in {step:?}"))
+}
+
+fn resumes(step: &Seen, s: StreamId) -> bool {
+    step.effects
+        .iter()
+        .any(|e| matches!(e, Effect::ResumeRequest { stream } if *stream == s))
+}
+
+#[test]
+fn claims_queued_behind_one_on_its_way_go_as_one_worker_callout_and_each_stream_gets_its_answer() {
+    let mut t = batching(32);
+    // Alone: its own callout at once (no added wait at low load).
+    let (a, first) = t.keyed("a", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    assert_eq!(own.owner, Owner::Stream(a));
+    // Behind it: queued, nothing sent.
+    let (b, step_b) = t.keyed("b", "/checkout");
+    let (c, step_c) = t.keyed("c", "/checkout");
+    let (d, step_d) = t.keyed("d", "/checkout");
+    for step in [&step_b, &step_c, &step_d] {
+        assert_eq!(step.verdict, Verdict::Pause);
+        assert!(
+            step.effects
+                .iter()
+                .all(|e| !matches!(e, Effect::Dispatch(_))),
+            "{step:?}"
+        );
+    }
+    assert_eq!(t.w.usage().batched_claims, 3);
+
+    // The first answered: its stream goes on, and the worker asks to be woken.
+    let step = t.answer(&own, claimed(1));
+    assert!(resumes(&step, a));
+    assert!(step.effects.contains(&Effect::Wake), "{step:?}");
+    let step = t.wake();
+    let batch = step.dispatch(CLAIMS_PATH).clone();
+    assert_eq!(batch.owner, Owner::Worker);
+    let keys: Vec<String> = batched(&batch).into_iter().map(|c| c.key).collect();
+    assert_eq!(keys, ["b", "c", "d"]);
+    assert_eq!(t.w.batch_streams(batch.id), Some(vec![b, c, d]));
+    assert_eq!(
+        step.counts(),
+        [
+            Metric::ClaimBatches,
+            Metric::ClaimsBatched,
+            Metric::ClaimsBatched,
+            Metric::ClaimsBatched
+        ]
+    );
+
+    // Each answer reaches its stream, from the root context.
+    let completed = serde_json::to_value(ClaimResponse::completed(stored_201(), 60_000)).unwrap();
+    let running = serde_json::to_value(ClaimResponse::in_progress(1_500)).unwrap();
+    let step = t.answer(
+        &batch,
+        batch_answer(&[(200, granted(2)), (200, completed), (200, running)]),
+    );
+    assert!(resumes(&step, b));
+    assert!(step.effects.contains(&Effect::SetRequestHeader {
+        stream: b,
+        name: FENCING_TOKEN_HEADER,
+        value: "2".into()
+    }));
+    assert!(t.w.awaits_response(b));
+    assert_eq!(
+        header(replies_to(&step, c), "idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(replies_to(&step, d).status, 409);
+    assert!(!resumes(&step, c) && !resumes(&step, d));
+    assert_eq!(t.w.usage().batched_claims, 0);
+    // Nothing was left queued, so nothing more is sent.
+    assert!(t.wake().effects.is_empty());
+}
+
+#[test]
+fn a_claim_granted_after_its_stream_ended_is_released_and_a_queued_one_is_never_sent() {
+    let mut t = batching(32);
+    let (_, first) = t.keyed("a", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    let (b, _) = t.keyed("b", "/checkout");
+    let (c, _) = t.keyed("c", "/checkout");
+    // c's client goes before anything was sent for it.
+    t.done(c);
+    t.answer(&own, claimed(1));
+    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    assert_eq!(t.w.batch_streams(batch.id), Some(vec![b]));
+    // b's client goes while its claim is on the way; the state API grants it all the same.
+    t.done(b);
+    let step = t.answer(&batch, batch_answer(&[(200, granted(7))]));
+    assert!(
+        step.counts().contains(&Metric::ClaimedForEndedStream),
+        "{step:?}"
+    );
+    assert!(!step
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::ResumeRequest { .. } | Effect::Reply { .. })));
+    // Nothing was forwarded: the worker gives the key back.
+    assert!(step.effects.contains(&Effect::Wake));
+    let step = t.wake();
+    let release = step.dispatch(RELEASE_PATH);
+    assert_eq!(release.owner, Owner::Worker);
+    let r: ReleaseRequest = serde_json::from_slice(&release.body).unwrap();
+    assert_eq!((r.key.as_str(), r.token), ("b", 7));
+}
+
+#[test]
+fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
+    let mut t = batching(32);
+    let (_, first) = t.keyed("a", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    let (b, _) = t.keyed("b", "/checkout");
+    // `/refunds` fails open when the state API is unavailable.
+    let (r, _) = t.keyed("r", "/refunds");
+    t.answer(&own, claimed(1));
+    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let step = t.answer(&batch, CalloutResult::Failed("reset".into()));
+    assert_eq!(replies_to(&step, b).status, 503);
+    assert!(resumes(&step, r), "{step:?}");
+    assert!(step.effects.contains(&Effect::RemoveRequestHeader {
+        stream: r,
+        name: FENCING_TOKEN_HEADER
+    }));
+
+    // Refused (a wrong token): never forwarded, not even where the route fails open.
+    let (_, first) = t.keyed("a2", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    let (b, _) = t.keyed("b2", "/checkout");
+    let (r, _) = t.keyed("r2", "/refunds");
+    t.answer(&own, claimed(2));
+    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let step = t.answer(&batch, status(401, br#"{"detail":"wrong token"}"#));
+    assert_eq!(replies_to(&step, b).status, 500);
+    assert_eq!(replies_to(&step, r).status, 500);
+    assert!(!resumes(&step, r));
+
+    // An item refused alone is refused; the others go on.
+    let (_, first) = t.keyed("a3", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    let (b, _) = t.keyed("b3", "/checkout");
+    let (r, _) = t.keyed("r3", "/refunds");
+    t.answer(&own, claimed(3));
+    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let problem = serde_json::json!({"status": 400, "detail": "key: too long"});
+    let step = t.answer(&batch, batch_answer(&[(400, problem), (200, granted(4))]));
+    assert_eq!(replies_to(&step, b).status, 500);
+    assert!(resumes(&step, r));
+    // An answer with the wrong number of items is no answer: 503, and /refunds fails open.
+    let (_, first) = t.keyed("a4", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    let (b, _) = t.keyed("b4", "/checkout");
+    let (r, _) = t.keyed("r4", "/refunds");
+    t.answer(&own, claimed(5));
+    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let step = t.answer(&batch, batch_answer(&[(200, granted(6))]));
+    assert_eq!(replies_to(&step, b).status, 503);
+    assert!(resumes(&step, r));
+}
+
+#[test]
+fn claims_that_wait_go_alone_and_batches_keep_to_their_bound() {
+    let mut t = batching(2);
+    let (_, first) = t.keyed("a", "/checkout");
+    let own = first.dispatch(CLAIM_PATH).clone();
+    // A retry that asks to wait is its own callout even behind another.
+    let s = t.stream();
+    let hs = req_headers(
+        "/checkout",
+        &[
+            ("idempotency-key", "w"),
+            ("content-type", "application/json"),
+            ("prefer", "wait=5"),
+        ],
+    );
+    t.headers(s, &hs, false);
+    let step = t.body(s, br#"{"amount":1}"#);
+    assert!(step.claim().wait_ms.is_some());
+    // It does not hold the queue back: with `a` answered, the queue goes.
+    let queued: Vec<StreamId> = ["b", "c", "d"]
+        .iter()
+        .map(|k| t.keyed(k, "/checkout").0)
+        .collect();
+    t.answer(&own, claimed(1));
+    let step = t.wake();
+    let batches = step.dispatches(CLAIMS_PATH);
+    assert_eq!(batches.len(), 2, "{step:?}");
+    assert_eq!(t.w.batch_streams(batches[0].id), Some(queued[..2].to_vec()));
+    assert_eq!(t.w.batch_streams(batches[1].id), Some(queued[2..].to_vec()));
+}
+
+#[test]
+fn a_claim_queued_behind_a_callout_that_never_answers_goes_at_the_next_tick() {
+    let mut t = batching(32);
+    let (_, first) = t.keyed("a", "/checkout");
+    assert!(first.claims());
+    let (b, _) = t.keyed("b", "/checkout");
+    t.advance(t.w.tick_period_ms());
+    let step = t.tick();
+    let batch = step.dispatch(CLAIMS_PATH);
+    assert_eq!(t.w.batch_streams(batch.id), Some(vec![b]));
+}
+
+fn resumes_response(step: &Seen, s: StreamId) -> bool {
+    step.effects
+        .iter()
+        .any(|e| matches!(e, Effect::ResumeResponse { stream } if *stream == s))
+}
+
+/// The completes a `/v1/completes` carries.
+fn batched_completes(d: &Dispatch) -> Vec<CompleteRequest> {
+    let v: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
+    serde_json::from_value(v["completes"].clone()).unwrap()
+}
+
+#[test]
+fn held_completes_queued_behind_one_on_its_way_go_as_one_worker_callout() {
+    let mut t = batching(32);
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
+    let own = t
+        .ok_response(a, "201", true)
+        .dispatch(COMPLETE_PATH)
+        .clone();
+    assert_eq!(own.owner, Owner::Stream(a));
+    for s in [b, c] {
+        let step = t.ok_response(s, "201", true);
+        assert_eq!(step.verdict, Verdict::Pause, "the response is held");
+        assert!(
+            step.effects
+                .iter()
+                .all(|e| !matches!(e, Effect::Dispatch(_))),
+            "{step:?}"
+        );
+    }
+    assert_eq!(t.w.usage().batched_writes, 2);
+    let step = t.answer(&own, written());
+    assert!(resumes_response(&step, a));
+    assert!(step.effects.contains(&Effect::Wake));
+    let step = t.wake();
+    let batch = step.dispatch(COMPLETES_PATH).clone();
+    assert_eq!(batch.owner, Owner::Worker);
+    let tokens: Vec<i64> = batched_completes(&batch).iter().map(|c| c.token).collect();
+    assert_eq!(tokens, [2, 3]);
+    assert_eq!(
+        step.counts(),
+        [
+            Metric::CompleteBatches,
+            Metric::CompletesBatched,
+            Metric::CompletesBatched
+        ]
+    );
+    // b is stored; c was fenced out (a newer claim owns its key): both responses go on.
+    let fenced = serde_json::json!({"status": 409, "detail": "fenced out"});
+    let stored = serde_json::to_value(WriteResponse::completed(86_400_000)).unwrap();
+    let step = t.answer(&batch, batch_answer(&[(200, stored), (409, fenced)]));
+    assert!(
+        resumes_response(&step, b) && resumes_response(&step, c),
+        "{step:?}"
+    );
+    let counts = step.counts();
+    assert!(counts.contains(&Metric::Completed) && counts.contains(&Metric::FencedOut));
+    assert_eq!(t.w.usage().batched_writes, 0);
+    assert_eq!(t.w.usage().claims, 0, "every heartbeat stops");
+    // b's outcome is in this worker's memory: its retry is replayed without a callout.
+    let (_, retry) = t.keyed("b", "/checkout");
+    assert!(!retry.claims());
+}
+
+#[test]
+fn a_failed_completes_batch_is_retried_by_each_stream_and_a_stream_that_ended_is_stored_still() {
+    let mut t = batching(32);
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
+    let own = t
+        .ok_response(a, "201", true)
+        .dispatch(COMPLETE_PATH)
+        .clone();
+    t.ok_response(b, "201", true);
+    t.ok_response(c, "201", true);
+    t.answer(&own, written());
+    let batch = t.wake().dispatch(COMPLETES_PATH).clone();
+    // c's client goes while its complete is on the way: the worker takes the write over.
+    t.done(c);
+    let step = t.answer(&batch, CalloutResult::Failed("reset".into()));
+    // b tries once more (its own retry, from the root context: the worker's callout).
+    let retry = step.dispatch(COMPLETE_PATH).clone();
+    assert_eq!(retry.owner, Owner::Worker);
+    assert_eq!(
+        serde_json::from_slice::<CompleteRequest>(&retry.body)
+            .unwrap()
+            .token,
+        2
+    );
+    assert!(!resumes_response(&step, b));
+    let step = t.answer(&retry, written());
+    assert!(resumes_response(&step, b));
+    // c's complete is sent by the worker after its first delay.
+    t.advance(writes::FIRST_DELAY_MS);
+    let step = t.tick();
+    let handed = step.dispatch(COMPLETE_PATH);
+    assert_eq!(
+        serde_json::from_slice::<CompleteRequest>(&handed.body)
+            .unwrap()
+            .token,
+        3
+    );
+}
+
+#[test]
+fn a_complete_too_large_to_batch_goes_alone() {
+    let mut t = Harness::new(
+        &CONFIG
+            .replacen("\"batch_max\": 1,", "\"batch_max\": 32,", 1)
+            .replacen(
+                "\"max_stored_body_bytes\": 10",
+                "\"max_stored_body_bytes\": 100000",
+                1,
+            ),
+    );
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
+    let own = t
+        .ok_response(a, "201", true)
+        .dispatch(COMPLETE_PATH)
+        .clone();
+    // A small one queues behind it.
+    assert!(t
+        .ok_response(b, "201", true)
+        .dispatches(COMPLETE_PATH)
+        .is_empty());
+    // One over BATCH_WRITE_BYTES (70,000 bytes, base64 in the complete) goes at once, alone.
+    let big = vec![b'x'; 70_000];
+    t.ok_response(c, "200", false);
+    let step = t.response_body(c, big.len(), true, &mut |n| Some(big[..n].to_vec()));
+    let alone = step.dispatch(COMPLETE_PATH);
+    assert!(alone.body.len() > BATCH_WRITE_BYTES);
+    assert_eq!(alone.owner, Owner::Stream(c));
+    assert_eq!(t.w.usage().batched_writes, 1);
+    assert!(own.body.len() < BATCH_WRITE_BYTES);
+}
