@@ -602,6 +602,15 @@ fn real_main() -> Result<(), String> {
     } else {
         None
     };
+    // The same filter Envoy with every claim its own callout (`batch_max = 1`, scenario
+    // new_single): what batching the claims saves, in the same run.
+    let single = if wanted("new_single") {
+        let mut p = plain_params(&stack);
+        p.tweak = Some(stack::envoy::Tweak::new(|cfg| cfg.filter.batch_max = 1));
+        Some(Envoy::start(p, &stack.dir, "envoy-single")?)
+    } else {
+        None
+    };
     // The state API hop over mutual TLS (scenario new_tls): a second state API on the same
     // database serving HTTPS with client certificates required, and a filter Envoy that
     // verifies it and presents its own (certificates made now, rcgen), next to the plain pair.
@@ -650,6 +659,12 @@ fn real_main() -> Result<(), String> {
         procs
             .named
             .push(("envoy-bg", find(bg.params.listen_port, "envoy-bg")?));
+    }
+    if let Some(one) = &single {
+        procs.named.push((
+            "envoy-single",
+            find(one.params.listen_port, "envoy-single")?,
+        ));
     }
     if let Some((api, envoy)) = &tls_hop {
         procs
@@ -743,6 +758,13 @@ fn real_main() -> Result<(), String> {
                 "POST /checkout, new key, complete_in_background: the response goes on, then the worker stores it",
                 "201, not replayed",
                 background.as_ref().map(port),
+            ),
+            (
+                "new_single",
+                "new keys (claims unbatched)",
+                "POST /checkout, new key, batch_max = 1: every claim its own callout",
+                "201, not replayed",
+                single.as_ref().map(port),
             ),
             (
                 "new_tls",
@@ -994,6 +1016,9 @@ fn real_main() -> Result<(), String> {
     ];
     if let Some(bg) = &background {
         envoys.push(("envoy-bg", bg));
+    }
+    if let Some(one) = &single {
+        envoys.push(("envoy-single", one));
     }
     if let Some((_, envoy)) = &tls_hop {
         envoys.push(("envoy-tls", envoy));

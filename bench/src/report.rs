@@ -639,6 +639,7 @@ impl Report {
                 "plain" => "envoy-plain",
                 "jwt" => "envoy-jwt",
                 "new_bg" => "envoy-bg",
+                "new_single" => "envoy-single",
                 "new_tls" => "envoy-tls",
                 _ => "envoy",
             };
@@ -791,7 +792,7 @@ impl Report {
             out,
             "Run it with `make bench` (builds the release binaries and the filter first). Knobs, as environment \
              variables: `BENCH_SECONDS` (8), `BENCH_WARMUP_SECONDS` (2), `BENCH_CONNECTIONS` (1,16), \
-             `BENCH_SCENARIOS` (plain,jwt,new,new_bg,new_tls,seed_new,replay,inflight,seed_inflight,state_api_dup,state_api,waiting,pgbench,purge; seed_* start the seeds' Node design, which needs node and npm), \
+             `BENCH_SCENARIOS` (plain,jwt,new,new_bg,new_single,new_tls,seed_new,replay,inflight,seed_inflight,state_api_dup,state_api,waiting,pgbench,purge; seed_* start the seeds' Node design, which needs node and npm), \
              `BENCH_PURGE_ROWS` (300000: the purge scenario's backlog), \
              `BENCH_WAITERS` (16: clients of the waiting scenario), \
              `BENCH_STATE_API_ENV` (e.g. STATE_API_POOL_PING=false), `BENCH_QUIET_WAIT_SECONDS` (90: how long to \
