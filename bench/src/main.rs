@@ -1024,7 +1024,8 @@ fn real_main() -> Result<(), String> {
         envoys.push(("envoy-tls", envoy));
     }
     for (name, envoy) in envoys {
-        let body = envoy.admin_get("/stats?filter=^cluster\\.(state_api|checkout)\\.upstream_(cx_total|rq_total|cx_destroy|cx_max_requests|rq_pending_overflow|rq_timeout)$").unwrap_or_default();
+        // With the filter's batch counters: how many claims and completes shared a callout.
+        let body = envoy.admin_get("/stats?filter=^(cluster\\.(state_api|checkout)\\.upstream_(cx_total|rq_total|cx_destroy|cx_max_requests|rq_pending_overflow|rq_timeout)|wasmcustom\\.idempotency\\.(claim_batches|claims_batched|complete_batches|completes_batched|claimed))$").unwrap_or_default();
         let stats: BTreeMap<String, u64> = body
             .lines()
             .filter_map(|l| l.split_once(": "))

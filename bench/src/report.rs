@@ -609,7 +609,7 @@ impl Report {
             self.wasm_bytes as f64 / 1024.0
         );
         if !self.envoy_cluster_stats.is_empty() {
-            let _ = writeln!(out, "Envoy cluster counters at the end of the run (connections opened vs requests sent):\n");
+            let _ = writeln!(out, "Envoy cluster counters at the end of the run (connections opened vs requests sent), and the filter's claims and completes sent in batches (`claims_batched` of `claimed`, in `claim_batches` callouts):\n");
             for (envoy, stats) in &self.envoy_cluster_stats {
                 let list: Vec<String> = stats
                     .iter()
