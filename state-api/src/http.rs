@@ -377,13 +377,7 @@ async fn claims(
     headers: HeaderMap,
     ApiJson(batch): ApiJson<ClaimBatchRequest>,
 ) -> Result<Json<BatchResponse>, ApiError> {
-    let n = batch.claims.len();
-    if n == 0 || n > contract::wire::MAX_BATCH_CLAIMS {
-        return Err(bad(format!(
-            "claims: {n} claims; a batch has 1 to {}",
-            contract::wire::MAX_BATCH_CLAIMS
-        )));
-    }
+    batch_size("claims", batch.claims.len())?;
     if batch
         .claims
         .iter()
@@ -599,13 +593,7 @@ async fn completes(
     headers: HeaderMap,
     ApiJson(batch): ApiJson<CompleteBatchRequest>,
 ) -> Result<Json<BatchResponse>, ApiError> {
-    let n = batch.completes.len();
-    if n == 0 || n > contract::wire::MAX_BATCH_CLAIMS {
-        return Err(bad(format!(
-            "completes: {n} completes; a batch has 1 to {}",
-            contract::wire::MAX_BATCH_CLAIMS
-        )));
-    }
+    batch_size("completes", batch.completes.len())?;
     let deadline = caller_deadline(&state, &headers);
     let answers = futures::future::join_all(
         batch
@@ -615,6 +603,15 @@ async fn completes(
     )
     .await;
     Ok(Json(batch_answer(answers)))
+}
+
+/// A batch holds 1 to [`contract::wire::MAX_BATCH_CLAIMS`] requests.
+fn batch_size(what: &str, n: usize) -> Result<(), ApiError> {
+    let most = contract::wire::MAX_BATCH_CLAIMS;
+    if n == 0 || n > most {
+        return Err(bad(format!("{what}: {n}; a batch has 1 to {most}")));
+    }
+    Ok(())
 }
 
 /// One answer per request, in order: the single call's status and document.

@@ -64,20 +64,14 @@ impl ClaimAnswer {
         }
     }
 
-    /// One item of a batch's answer.
+    /// One item of a batch's answer: as the answer to a claim's own callout with that status.
     pub fn of_item(item: ClaimItem) -> Self {
-        match (item.status, item.answer) {
-            (200..=299, answer) => {
-                Self::Read(answer.map_err(|e| format!("unreadable claim answer: {e}")))
-            }
-            (status, answer) if refuses(status) => Self::Refused {
-                status,
-                detail: answer.err().map(|e| e.0).unwrap_or_default(),
-            },
-            (status, answer) => Self::Read(Err(format!(
-                "claim answered HTTP {status}: {}",
-                answer.err().map(|e| e.0).unwrap_or_default()
-            ))),
+        match item.answer {
+            Ok(answer) if (200..300).contains(&item.status) => Self::Read(Ok(answer)),
+            answer => Self::of(&CalloutResult::answer(
+                item.status,
+                answer.err().map(|e| e.0).unwrap_or_default().into_bytes(),
+            )),
         }
     }
 

@@ -21,8 +21,8 @@ use crate::reply::{self, LocalReply};
 use crate::worker::writes::PendingWrite;
 use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{
-    UnknownRequest, FENCING_TOKEN_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED,
-    OUTCOME_RUNNING, SUBJECT_HEADER, UNKNOWN_PATH,
+    FENCING_TOKEN_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING,
+    SUBJECT_HEADER, UNKNOWN_PATH,
 };
 use contract::ProblemKind;
 
@@ -175,21 +175,8 @@ impl Flow {
 /// The worker tells the state API that the record's outcome is unknown (fenced by the claim's
 /// token): the stream may end before a callout of its own could be answered.
 pub(super) fn mark_unknown(claimed: &Claimed) -> Out {
-    let req = &claimed.req.req;
     Out::Note(Note::HandOver {
-        write: PendingWrite {
-            claim: claimed.held(),
-            path: UNKNOWN_PATH,
-            payload: super::to_json(&UnknownRequest {
-                namespace: req.namespace.clone(),
-                key: req.key.clone(),
-                subject: req.subject.clone(),
-                endpoint: req.endpoint.clone(),
-                token: claimed.token,
-            }),
-            fallback: None,
-            untried: true,
-        },
+        write: PendingWrite::fenced(claimed.held(), &claimed.req.req.namespace, UNKNOWN_PATH),
         record: None,
     })
 }

@@ -9,8 +9,9 @@ use crate::headers;
 use crate::metrics::Metric;
 use crate::outcome::{classify, Outcome};
 use crate::worker::replay_cache::Completed;
+use crate::worker::writes::fenced_body;
 use crate::worker::{Effect, Level};
-use contract::wire::{CompleteRequest, ReleaseRequest, StoredResponse};
+use contract::wire::{CompleteRequest, StoredResponse};
 
 /// What the glue knows when response headers arrive.
 #[derive(Debug, Clone, Copy)]
@@ -50,13 +51,7 @@ impl Flow {
             .unwrap_or_default();
         match classify(status, head.details, head.flags, on_5xx) {
             Outcome::Release => {
-                let body = to_json(&ReleaseRequest {
-                    namespace: claimed.req.req.namespace.clone(),
-                    key: claimed.req.req.key.clone(),
-                    subject: claimed.req.req.subject.clone(),
-                    endpoint: claimed.req.req.endpoint.clone(),
-                    token: claimed.token,
-                });
+                let body = fenced_body(&claimed.held(), &claimed.req.req.namespace);
                 let log = Flow::log(
                     Level::Info,
                     format!(

@@ -34,8 +34,8 @@ use crate::flow::{
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use contract::wire::{
-    BatchResponse, ClaimRequest, HeartbeatResponse, ReleaseRequest, CLAIMS_PATH, CLAIM_PATH,
-    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    BatchResponse, ClaimRequest, HeartbeatResponse, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH,
+    COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
 };
 use in_flight::InFlightMemory;
 use registry::Registry;
@@ -238,8 +238,7 @@ pub const BATCH_WRITE_BYTES: usize = 60 * 1024;
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Batch {
     Claims(Vec<BatchedClaim>),
-    /// The streams whose completes a `/v1/completes` carries.
-    Completes(Vec<StreamId>),
+    Completes(Vec<BatchedWrite>),
 }
 
 /// A held response's complete that waits for the worker's next `/v1/completes`.
@@ -306,6 +305,9 @@ pub struct Worker {
     /// What each `/v1/claims` and `/v1/completes` on its way carries, in the order sent.
     /// Few at a time, so a list.
     batches: Vec<(CallId, Batch)>,
+    /// Claims and completes queue for batches (`batch_max` over 1, and the state API serves
+    /// them: one older than `/v1/claims` answers 404, and batching stops).
+    batching: bool,
     /// The worker's own callouts on their way (their answers come to the root context): few,
     /// so a list.
     worker_calls: Vec<CallId>,
@@ -339,6 +341,7 @@ impl Worker {
             batches: Vec::new(),
             complete_queue: Vec::new(),
             worker_calls: Vec::new(),
+            batching: cfg.batch_max > 1,
             in_root: false,
             cfg,
         }
@@ -600,7 +603,7 @@ impl Worker {
                 }
                 let wait_ms = request.wait_ms.unwrap_or(0);
                 let behind = self.claims_on_their_way() > 0 || !self.claim_queue.is_empty();
-                if wait_ms == 0 && self.cfg.batch_max > 1 && behind {
+                if wait_ms == 0 && self.batching && behind {
                     self.claim_queue.push(BatchedClaim { stream, request });
                     return None;
                 }
@@ -646,7 +649,7 @@ impl Worker {
                     ));
                 }
                 let behind = self.holds_on_their_way() > 0 || !self.complete_queue.is_empty();
-                if self.cfg.batch_max > 1 && behind && body.len() <= BATCH_WRITE_BYTES {
+                if self.batching && behind && body.len() <= BATCH_WRITE_BYTES {
                     self.complete_queue.push(BatchedWrite { stream, body });
                     return None;
                 }
@@ -736,6 +739,13 @@ impl Worker {
     /// Sends the queued completes as `/v1/completes` callouts of the worker, each within
     /// `batch_max` completes and [`BATCH_WRITE_BYTES`].
     fn send_completes(&mut self, effects: &mut Vec<Effect>) {
+        if !self.batching {
+            for w in std::mem::take(&mut self.complete_queue) {
+                let purpose = Purpose::StreamWrite(w.stream);
+                self.dispatch_state_api(Owner::Worker, purpose, COMPLETE_PATH, w.body, effects);
+            }
+            return;
+        }
         let most = usize::try_from(self.cfg.batch_max)
             .unwrap_or(usize::MAX)
             .max(1);
@@ -758,8 +768,7 @@ impl Worker {
             }
             let call = self.state_api_call(COMPLETES_PATH, body, 0);
             let id = self.dispatch(Owner::Worker, Purpose::CompleteBatch, call, effects);
-            let streams = batch.into_iter().map(|w| w.stream).collect();
-            self.batches.push((id, Batch::Completes(streams)));
+            self.batches.push((id, Batch::Completes(batch)));
         }
     }
 
@@ -767,20 +776,26 @@ impl Worker {
     /// complete. A stream that ended meanwhile handed its write over to the worker already.
     fn completes_answered(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
         let mut step = Step::cont();
-        let Some(Batch::Completes(streams)) = self.take_batch(id) else {
+        let Some(Batch::Completes(batch)) = self.take_batch(id) else {
             return step;
         };
+        if self.refuses_batches(&result, COMPLETES_PATH, &mut step.effects) {
+            self.complete_queue.extend(batch);
+            self.send_batches(&mut step.effects);
+            return step;
+        }
+        let streams: Vec<StreamId> = batch.into_iter().map(|w| w.stream).collect();
         let answers: Vec<WriteAnswer> = match &result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
                 match BatchResponse::read_writes(body, streams.len()) {
                     Ok(items) => items.into_iter().map(WriteAnswer::of_item).collect(),
                     Err(e) => {
                         let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
-                        vec![WriteAnswer::of(&failed); streams.len()]
+                        streams.iter().map(|_| WriteAnswer::of(&failed)).collect()
                     }
                 }
             }
-            whole => vec![WriteAnswer::of(whole); streams.len()],
+            whole => streams.iter().map(|_| WriteAnswer::of(whole)).collect(),
         };
         for (stream, answer) in streams.into_iter().zip(answers) {
             if let Some(mut flow) = self.flows.remove(&stream) {
@@ -795,8 +810,36 @@ impl Worker {
         step
     }
 
-    /// Sends the queued claims as `/v1/claims` callouts of the worker (root context only).
+    /// A state API older than batches answers 404: this worker stops batching, and what it
+    /// queued goes one callout each.
+    fn refuses_batches(
+        &mut self,
+        result: &CalloutResult,
+        path: &str,
+        effects: &mut Vec<Effect>,
+    ) -> bool {
+        if !matches!(result, CalloutResult::Response { status: 404, .. }) {
+            return false;
+        }
+        self.batching = false;
+        effects.push(Effect::Log(
+            Level::Warn,
+            format!("the state API has no {path} (404: older): no more batches on this worker"),
+        ));
+        true
+    }
+
+    /// Sends the queued claims as `/v1/claims` callouts of the worker (root context only), or
+    /// one `/v1/claim` each once batching stopped.
     fn send_claims(&mut self, effects: &mut Vec<Effect>) {
+        if !self.batching {
+            for c in std::mem::take(&mut self.claim_queue) {
+                let body = crate::flow::to_json(&*c.request);
+                let purpose = Purpose::Claim(c.stream);
+                self.dispatch_state_api(Owner::Worker, purpose, CLAIM_PATH, body, effects);
+            }
+            return;
+        }
         let most = usize::try_from(self.cfg.batch_max)
             .unwrap_or(usize::MAX)
             .max(1);
@@ -825,17 +868,24 @@ impl Worker {
         let Some(Batch::Claims(batch)) = self.take_batch(id) else {
             return step;
         };
+        if self.refuses_batches(&result, CLAIMS_PATH, &mut step.effects) {
+            let mut batch = batch;
+            batch.retain(|c| self.flows.contains_key(&c.stream));
+            self.claim_queue.extend(batch);
+            self.send_batches(&mut step.effects);
+            return step;
+        }
         let answers: Vec<ClaimAnswer> = match &result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
                 match BatchResponse::read_claims(body, batch.len()) {
                     Ok(items) => items.into_iter().map(ClaimAnswer::of_item).collect(),
                     Err(e) => {
-                        let why = format!("unreadable batch answer: {e}");
-                        vec![ClaimAnswer::Read(Err(why)); batch.len()]
+                        let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
+                        batch.iter().map(|_| ClaimAnswer::of(&failed)).collect()
                     }
                 }
             }
-            whole => vec![ClaimAnswer::of(whole); batch.len()],
+            whole => batch.iter().map(|_| ClaimAnswer::of(whole)).collect(),
         };
         for (claim, answer) in batch.into_iter().zip(answers) {
             match self.flows.remove(&claim.stream) {
@@ -865,26 +915,14 @@ impl Worker {
         now_ms: u64,
         effects: &mut Vec<Effect>,
     ) {
-        let release = ReleaseRequest {
+        effects.push(Effect::Count(Metric::ClaimedForEndedStream));
+        let claim = HeldClaim {
             key: request.key.clone(),
             subject: request.subject.clone(),
             endpoint: request.endpoint.clone(),
-            namespace: request.namespace.clone(),
             token,
         };
-        effects.push(Effect::Count(Metric::ClaimedForEndedStream));
-        let write = PendingWrite {
-            claim: HeldClaim {
-                key: release.key.clone(),
-                subject: release.subject.clone(),
-                endpoint: release.endpoint.clone(),
-                token,
-            },
-            path: RELEASE_PATH,
-            payload: crate::flow::to_json(&release),
-            fallback: None,
-            untried: true,
-        };
+        let write = PendingWrite::fenced(claim, &request.namespace, RELEASE_PATH);
         self.hand_over(write, None, now_ms, effects);
     }
 

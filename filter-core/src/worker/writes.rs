@@ -40,11 +40,34 @@ pub struct PendingWrite {
 }
 
 impl PendingWrite {
+    /// A release or an unknown mark of `claim` (fenced by its token), not tried yet.
+    pub fn fenced(claim: HeldClaim, namespace: &str, path: &'static str) -> Self {
+        let payload = fenced_body(&claim, namespace);
+        Self {
+            claim,
+            path,
+            payload,
+            fallback: None,
+            untried: true,
+        }
+    }
+
     /// A complete or release keeps the claim's lease alive until it is stored; marking an
     /// outcome unknown does not (the record is unknown either way once the lease runs out).
     pub fn keeps_lease(&self) -> bool {
         self.path != contract::wire::UNKNOWN_PATH
     }
+}
+
+/// The body of a release or an unknown mark (`/v1/release`, `/v1/unknown`).
+pub fn fenced_body(claim: &HeldClaim, namespace: &str) -> Vec<u8> {
+    crate::flow::to_json(&contract::wire::ReleaseRequest {
+        key: claim.key.clone(),
+        subject: claim.subject.clone(),
+        endpoint: claim.endpoint.clone(),
+        namespace: namespace.to_owned(),
+        token: claim.token,
+    })
 }
 
 /// What the state API made of one attempt.
@@ -103,27 +126,18 @@ impl WriteAnswer {
         }
     }
 
-    /// One item of a batch's answer (by the same rules as [`WriteVerdict::of`]).
+    /// One item of a batch's answer: as the answer to a write's own callout with that status.
     pub fn of_item(item: WriteItem) -> Self {
-        let status = item.status;
-        let (verdict, expires_in_ms, why) = match item.answer {
-            Ok(w) if (200..300).contains(&status) => {
-                (WriteVerdict::Stored, w.expires_in_ms, String::new())
-            }
-            answer => {
-                let detail = answer.err().map(|e| e.0).unwrap_or_default();
-                let verdict = match status {
-                    409 => WriteVerdict::FencedOut,
-                    400..=499 if status != 408 && status != 429 => WriteVerdict::Refused(status),
-                    _ => WriteVerdict::Failed,
-                };
-                (verdict, None, format!("HTTP {status}: {detail}"))
-            }
-        };
-        Self {
-            verdict,
-            expires_in_ms,
-            why,
+        match item.answer {
+            Ok(w) if (200..300).contains(&item.status) => Self {
+                verdict: WriteVerdict::Stored,
+                expires_in_ms: w.expires_in_ms,
+                why: String::new(),
+            },
+            answer => Self::of(&CalloutResult::answer(
+                item.status,
+                answer.err().map(|e| e.0).unwrap_or_default().into_bytes(),
+            )),
         }
     }
 }

@@ -191,10 +191,7 @@ pub(crate) fn perform(
                     )
                     .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", d.cluster))
                 } else {
-                    Err(format!(
-                        "a callout of {:?} cannot be made from {current:?} (a bug)",
-                        d.owner
-                    ))
+                    Err("a callout made from a context Envoy would not answer it to (a bug)".into())
                 };
                 match result {
                     Ok(token) => pending.push((token, id)),

@@ -11,24 +11,12 @@ fn batching(most: u64) -> Harness {
 }
 
 impl Harness {
-    /// A request to `path` with `key` on a new stream, through its body.
-    fn keyed(&mut self, key: &str, path: &str) -> (StreamId, Seen) {
-        let s = self.stream();
-        let hs = req_headers(
-            path,
-            &[
-                ("idempotency-key", key),
-                ("content-type", "application/json"),
-            ],
-        );
-        assert_eq!(self.headers(s, &hs, false).verdict, Verdict::Pause);
-        (s, self.body(s, br#"{"amount":1}"#))
-    }
-
     fn wake(&mut self) -> Seen {
         self.w.on_wake(self.now).into()
     }
 }
+
+const ONE: &[u8] = br#"{"amount":1}"#;
 
 /// The claims a `/v1/claims` carries.
 fn batched(d: &Dispatch) -> Vec<ClaimRequest> {
@@ -78,13 +66,13 @@ fn resumes(step: &Seen, s: StreamId) -> bool {
 fn claims_queued_behind_one_on_its_way_go_as_one_worker_callout_and_each_stream_gets_its_answer() {
     let mut t = batching(32);
     // Alone: its own callout at once (no added wait at low load).
-    let (a, first) = t.keyed("a", "/checkout");
+    let (a, first) = t.keyed("a", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
     assert_eq!(own.owner, Owner::Stream(a));
     // Behind it: queued, nothing sent.
-    let (b, step_b) = t.keyed("b", "/checkout");
-    let (c, step_c) = t.keyed("c", "/checkout");
-    let (d, step_d) = t.keyed("d", "/checkout");
+    let (b, step_b) = t.keyed("b", "/checkout", ONE);
+    let (c, step_c) = t.keyed("c", "/checkout", ONE);
+    let (d, step_d) = t.keyed("d", "/checkout", ONE);
     for step in [&step_b, &step_c, &step_d] {
         assert_eq!(step.verdict, Verdict::Pause);
         assert!(
@@ -144,10 +132,10 @@ fn claims_queued_behind_one_on_its_way_go_as_one_worker_callout_and_each_stream_
 #[test]
 fn a_claim_granted_after_its_stream_ended_is_released_and_a_queued_one_is_never_sent() {
     let mut t = batching(32);
-    let (_, first) = t.keyed("a", "/checkout");
+    let (_, first) = t.keyed("a", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b", "/checkout");
-    let (c, _) = t.keyed("c", "/checkout");
+    let (b, _) = t.keyed("b", "/checkout", ONE);
+    let (c, _) = t.keyed("c", "/checkout", ONE);
     // c's client goes before anything was sent for it.
     t.done(c);
     t.answer(&own, claimed(1));
@@ -176,11 +164,11 @@ fn a_claim_granted_after_its_stream_ended_is_released_and_a_queued_one_is_never_
 #[test]
 fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
     let mut t = batching(32);
-    let (_, first) = t.keyed("a", "/checkout");
+    let (_, first) = t.keyed("a", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b", "/checkout");
+    let (b, _) = t.keyed("b", "/checkout", ONE);
     // `/refunds` fails open when the state API is unavailable.
-    let (r, _) = t.keyed("r", "/refunds");
+    let (r, _) = t.keyed("r", "/refunds", ONE);
     t.answer(&own, claimed(1));
     let batch = t.wake().dispatch(CLAIMS_PATH).clone();
     let step = t.answer(&batch, CalloutResult::Failed("reset".into()));
@@ -192,10 +180,10 @@ fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
     }));
 
     // Refused (a wrong token): never forwarded, not even where the route fails open.
-    let (_, first) = t.keyed("a2", "/checkout");
+    let (_, first) = t.keyed("a2", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b2", "/checkout");
-    let (r, _) = t.keyed("r2", "/refunds");
+    let (b, _) = t.keyed("b2", "/checkout", ONE);
+    let (r, _) = t.keyed("r2", "/refunds", ONE);
     t.answer(&own, claimed(2));
     let batch = t.wake().dispatch(CLAIMS_PATH).clone();
     let step = t.answer(&batch, status(401, br#"{"detail":"wrong token"}"#));
@@ -204,10 +192,10 @@ fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
     assert!(!resumes(&step, r));
 
     // An item refused alone is refused; the others go on.
-    let (_, first) = t.keyed("a3", "/checkout");
+    let (_, first) = t.keyed("a3", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b3", "/checkout");
-    let (r, _) = t.keyed("r3", "/refunds");
+    let (b, _) = t.keyed("b3", "/checkout", ONE);
+    let (r, _) = t.keyed("r3", "/refunds", ONE);
     t.answer(&own, claimed(3));
     let batch = t.wake().dispatch(CLAIMS_PATH).clone();
     let problem = serde_json::json!({"status": 400, "detail": "key: too long"});
@@ -215,10 +203,10 @@ fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
     assert_eq!(replies_to(&step, b).status, 500);
     assert!(resumes(&step, r));
     // An answer with the wrong number of items is no answer: 503, and /refunds fails open.
-    let (_, first) = t.keyed("a4", "/checkout");
+    let (_, first) = t.keyed("a4", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b4", "/checkout");
-    let (r, _) = t.keyed("r4", "/refunds");
+    let (b, _) = t.keyed("b4", "/checkout", ONE);
+    let (r, _) = t.keyed("r4", "/refunds", ONE);
     t.answer(&own, claimed(5));
     let batch = t.wake().dispatch(CLAIMS_PATH).clone();
     let step = t.answer(&batch, batch_answer(&[(200, granted(6))]));
@@ -229,7 +217,7 @@ fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
 #[test]
 fn claims_that_wait_go_alone_and_batches_keep_to_their_bound() {
     let mut t = batching(2);
-    let (_, first) = t.keyed("a", "/checkout");
+    let (_, first) = t.keyed("a", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
     // A retry that asks to wait is its own callout even behind another.
     let s = t.stream();
@@ -247,7 +235,7 @@ fn claims_that_wait_go_alone_and_batches_keep_to_their_bound() {
     // It does not hold the queue back: with `a` answered, the queue goes.
     let queued: Vec<StreamId> = ["b", "c", "d"]
         .iter()
-        .map(|k| t.keyed(k, "/checkout").0)
+        .map(|k| t.keyed(k, "/checkout", ONE).0)
         .collect();
     t.answer(&own, claimed(1));
     let step = t.wake();
@@ -260,9 +248,9 @@ fn claims_that_wait_go_alone_and_batches_keep_to_their_bound() {
 #[test]
 fn a_claim_queued_behind_a_callout_that_never_answers_goes_at_the_next_tick() {
     let mut t = batching(32);
-    let (_, first) = t.keyed("a", "/checkout");
+    let (_, first) = t.keyed("a", "/checkout", ONE);
     assert!(first.claims());
-    let (b, _) = t.keyed("b", "/checkout");
+    let (b, _) = t.keyed("b", "/checkout", ONE);
     t.advance(t.w.tick_period_ms());
     let step = t.tick();
     let batch = step.dispatch(CLAIMS_PATH);
@@ -332,7 +320,7 @@ fn held_completes_queued_behind_one_on_its_way_go_as_one_worker_callout() {
     assert_eq!(t.w.usage().batched_writes, 0);
     assert_eq!(t.w.usage().claims, 0, "every heartbeat stops");
     // b's outcome is in this worker's memory: its retry is replayed without a callout.
-    let (_, retry) = t.keyed("b", "/checkout");
+    let (_, retry) = t.keyed("b", "/checkout", ONE);
     assert!(!retry.claims());
 }
 
@@ -409,4 +397,77 @@ fn a_complete_too_large_to_batch_goes_alone() {
     assert_eq!(alone.owner, Owner::Stream(c));
     assert_eq!(t.w.usage().batched_writes, 1);
     assert!(own.body.len() < BATCH_WRITE_BYTES);
+}
+
+#[test]
+fn a_state_api_without_batches_gets_each_claim_and_complete_alone_from_then_on() {
+    let mut t = batching(32);
+    let (_, first) = t.keyed("a", "/checkout", ONE);
+    let own = first.dispatch(CLAIM_PATH).clone();
+    let (b, _) = t.keyed("b", "/checkout", ONE);
+    let (c, _) = t.keyed("c", "/checkout", ONE);
+    t.answer(&own, claimed(1));
+    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    t.done(c);
+    // An older state API: 404 for /v1/claims. b's claim goes alone (c's stream is gone).
+    let step = t.answer(&batch, status(404, br#"{"detail":"no route"}"#));
+    let alone = step.dispatch(CLAIM_PATH).clone();
+    assert_eq!(alone.owner, Owner::Worker);
+    assert_eq!(
+        serde_json::from_slice::<ClaimRequest>(&alone.body)
+            .unwrap()
+            .key,
+        "b"
+    );
+    let step = t.answer(&alone, claimed(2));
+    assert!(resumes(&step, b));
+    // From now on nothing queues: a claim behind another is its own callout.
+    let (_, d) = t.keyed("d", "/checkout", ONE);
+    let (_, e) = t.keyed("e", "/checkout", ONE);
+    assert!(d.claims() && e.claims());
+    // Nor a complete behind another.
+    let (x, _) = t.claimed_key("x", "/checkout", b"{}", 5);
+    let (y, _) = t.claimed_key("y", "/checkout", b"{}", 6);
+    assert!(!t
+        .ok_response(x, "201", true)
+        .dispatches(COMPLETE_PATH)
+        .is_empty());
+    assert!(!t
+        .ok_response(y, "201", true)
+        .dispatches(COMPLETE_PATH)
+        .is_empty());
+}
+
+#[test]
+fn completes_refused_as_a_batch_by_an_older_state_api_go_alone() {
+    let mut t = batching(32);
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
+    let own = t
+        .ok_response(a, "201", true)
+        .dispatch(COMPLETE_PATH)
+        .clone();
+    t.ok_response(b, "201", true);
+    t.ok_response(c, "201", true);
+    t.answer(&own, written());
+    let batch = t.wake().dispatch(COMPLETES_PATH).clone();
+    let step = t.answer(&batch, status(404, b""));
+    let alone: Vec<Dispatch> = step
+        .dispatches(COMPLETE_PATH)
+        .into_iter()
+        .cloned()
+        .collect();
+    let tokens: Vec<i64> = alone
+        .iter()
+        .map(|d| {
+            serde_json::from_slice::<CompleteRequest>(&d.body)
+                .unwrap()
+                .token
+        })
+        .collect();
+    assert_eq!(tokens, [2, 3]);
+    assert!(alone.iter().all(|d| d.owner == Owner::Worker));
+    assert!(resumes_response(&t.answer(&alone[0], written()), b));
+    assert!(resumes_response(&t.answer(&alone[1], written()), c));
 }

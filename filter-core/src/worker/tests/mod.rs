@@ -287,6 +287,17 @@ impl Harness {
         body: &[u8],
         token: i64,
     ) -> (StreamId, ClaimRequest) {
+        let (s, step) = self.keyed(key, path, body);
+        assert_eq!(step.verdict, Verdict::Pause);
+        let claim = step.claim();
+        let step = self.answer_claim(&step, claimed(token));
+        assert!(step.resumes_request());
+        assert!(self.w.awaits_response(s));
+        (s, claim)
+    }
+
+    /// A request to `path` with `key` and `body` on a new stream, through its body.
+    fn keyed(&mut self, key: &str, path: &str, body: &[u8]) -> (StreamId, Seen) {
         let s = self.stream();
         let hs = req_headers(
             path,
@@ -296,13 +307,7 @@ impl Harness {
             ],
         );
         assert_eq!(self.headers(s, &hs, false).verdict, Verdict::Pause);
-        let step = self.body(s, body);
-        assert_eq!(step.verdict, Verdict::Pause);
-        let claim = step.claim();
-        let step = self.answer_claim(&step, claimed(token));
-        assert!(step.resumes_request());
-        assert!(self.w.awaits_response(s));
-        (s, claim)
+        (s, self.body(s, body))
     }
 
     fn response_headers(
