@@ -761,7 +761,7 @@ fn real_main() -> Result<(), String> {
             ),
             (
                 "new_single",
-                "new keys (claims unbatched)",
+                "new keys (nothing batched)",
                 "POST /checkout, new key, batch_max = 1: every claim its own callout",
                 "201, not replayed",
                 single.as_ref().map(port),
