@@ -11,6 +11,23 @@ fn batching(most: u64) -> Harness {
 }
 
 impl Harness {
+    /// Three claimed streams (tokens 1, 2, 3) answered 201: the first's complete goes alone,
+    /// and once it is stored the other two go as one `/v1/completes`, returned.
+    fn completes_batched(&mut self) -> (StreamId, StreamId, Dispatch) {
+        let (a, _) = self.claimed_key("a", "/checkout", b"{}", 1);
+        let (b, _) = self.claimed_key("b", "/checkout", b"{}", 2);
+        let (c, _) = self.claimed_key("c", "/checkout", b"{}", 3);
+        let own = self
+            .ok_response(a, "201", true)
+            .dispatch(COMPLETE_PATH)
+            .clone();
+        self.ok_response(b, "201", true);
+        self.ok_response(c, "201", true);
+        self.answer(&own, written());
+        let batch = self.wake().dispatch(COMPLETES_PATH).clone();
+        (b, c, batch)
+    }
+
     fn wake(&mut self) -> Seen {
         self.w.on_wake(self.now).into()
     }
@@ -327,17 +344,7 @@ fn held_completes_queued_behind_one_on_its_way_go_as_one_worker_callout() {
 #[test]
 fn a_failed_completes_batch_is_retried_by_each_stream_and_a_stream_that_ended_is_stored_still() {
     let mut t = batching(32);
-    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
-    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
-    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
-    let own = t
-        .ok_response(a, "201", true)
-        .dispatch(COMPLETE_PATH)
-        .clone();
-    t.ok_response(b, "201", true);
-    t.ok_response(c, "201", true);
-    t.answer(&own, written());
-    let batch = t.wake().dispatch(COMPLETES_PATH).clone();
+    let (b, c, batch) = t.completes_batched();
     // c's client goes while its complete is on the way: the worker takes the write over.
     t.done(c);
     let step = t.answer(&batch, CalloutResult::Failed("reset".into()));
@@ -441,17 +448,7 @@ fn a_state_api_without_batches_gets_each_claim_and_complete_alone_from_then_on()
 #[test]
 fn completes_refused_as_a_batch_by_an_older_state_api_go_alone() {
     let mut t = batching(32);
-    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
-    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
-    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
-    let own = t
-        .ok_response(a, "201", true)
-        .dispatch(COMPLETE_PATH)
-        .clone();
-    t.ok_response(b, "201", true);
-    t.ok_response(c, "201", true);
-    t.answer(&own, written());
-    let batch = t.wake().dispatch(COMPLETES_PATH).clone();
+    let (b, c, batch) = t.completes_batched();
     let step = t.answer(&batch, status(404, b""));
     let alone: Vec<Dispatch> = step
         .dispatches(COMPLETE_PATH)
