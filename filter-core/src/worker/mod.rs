@@ -372,7 +372,8 @@ impl Worker {
     }
 
     /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
-    /// write that comes due, or queued claims or completes (now). Ticks before it only drop expired memory.
+    /// write that comes due, or queued claims or completes (now). Ticks before it only drop
+    /// expired memory.
     pub fn next_due(&self) -> Option<u64> {
         if !self.claim_queue.is_empty() || !self.complete_queue.is_empty() {
             // Queued claims and completes go at the next tick if no wake sends them first.
