@@ -405,9 +405,8 @@ async fn claim_one(
     req: ClaimRequest,
     deadline: tokio::time::Instant,
 ) -> Result<ClaimResponse, ApiError> {
-    let state = state.clone();
     let scope = scope_of(
-        &state,
+        state,
         &req.namespace,
         &req.key,
         &req.subject,
@@ -437,7 +436,7 @@ async fn claim_one(
         .inspect_err(|e| state.metrics().count_unopenable(e))?;
     let mut waited_ms = None;
     if wait_ms > 0 && matches!(outcome, ClaimResponse::InProgress { .. }) {
-        (outcome, waited_ms) = wait_for_outcome(&state, job, outcome, wait_ms).await?;
+        (outcome, waited_ms) = wait_for_outcome(state, job, outcome, wait_ms).await?;
     }
     // The store's answer, with this API's limits and the wait it did.
     match &mut outcome {
@@ -638,9 +637,8 @@ async fn complete_one(
     req: CompleteRequest,
     deadline: tokio::time::Instant,
 ) -> Result<WriteResponse, ApiError> {
-    let state = state.clone();
     let scope = scope_of(
-        &state,
+        state,
         &req.namespace,
         &req.key,
         &req.subject,
@@ -648,7 +646,7 @@ async fn complete_one(
     )
     .await?;
     check_token(req.token)?;
-    let row = checked_response(&state, req.response)?;
+    let row = checked_response(state, req.response)?;
     let job = CompleteJob {
         scope,
         token: req.token,
@@ -664,7 +662,7 @@ async fn complete_one(
             Ok(WriteResponse::completed(expires_in_ms))
         }
         WriteResult::AlreadyDone { expires_in_ms } => Ok(WriteResponse::completed(expires_in_ms)),
-        WriteResult::FencedOut => Err(fenced_out(&state, WriteOp::Complete, &scope)),
+        WriteResult::FencedOut => Err(fenced_out(state, WriteOp::Complete, &scope)),
     }
 }
 
