@@ -378,6 +378,14 @@ impl FakeStateApi {
     }
 
     /// Every call received so far for `key`.
+    /// How many calls reached `path`.
+    pub fn calls_to(&self, path: &str) -> usize {
+        self.calls
+            .lock()
+            .map(|c| c.iter().filter(|x| x.path == path).count())
+            .unwrap_or(0)
+    }
+
     pub fn calls_for(&self, key: &str) -> Vec<FakeCall> {
         self.calls
             .lock()
@@ -479,7 +487,11 @@ async fn fake_connection(
             match path.as_str() {
                 contract::wire::COMPLETE_PATH => json_ok(json!({"state": "completed"})),
                 contract::wire::RELEASE_PATH => json_ok(json!({"state": "released"})),
-                _ => json_ok(json!({"lease_ms": 30_000})),
+                contract::wire::HEARTBEAT_PATH | contract::wire::UNKNOWN_PATH => {
+                    json_ok(json!({"lease_ms": 30_000}))
+                }
+                // Like a state API older than the batch calls (`/v1/claims`, `/v1/completes`).
+                _ => http_answer(404, contract::PROBLEM_CONTENT_TYPE, br#"{"type":"/problems/not-found","title":"Not found","status":404,"detail":"no such route"}"#),
             }
         } else {
             let stored = |status: u16, headers: serde_json::Value, body_base64: &str| {

@@ -868,6 +868,58 @@ fn hmac_sha256(secret: &[u8], data: &[u8]) -> String {
     outer.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A filter that batches, in front of a state API older than `/v1/claims` (the fake answers it
+/// 404): the batch's claims go one callout each, nothing fails, and no batch follows.
+async fn an_older_state_api_gets_each_claim_alone_after_its_404(env: Arc<Env>) {
+    let envoy = env
+        .stack
+        .start_extra_envoy(env.fake.port, "envoy-batching-to-an-older-state-api")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = Client::new(&envoy.url(""));
+    let round = |name: &'static str| {
+        let keys: Vec<String> = (0..24)
+            .map(|i| unique_key(&format!("{name}-{i}")))
+            .collect();
+        keys
+    };
+    let send = |keys: Vec<String>| {
+        let c = c.clone();
+        async move {
+            let sends = keys
+                .iter()
+                .map(|k| c.send(checkout(k, "alice", &charge_body(7)).delay_ms(100)));
+            let answers = futures::future::join_all(sends).await;
+            (keys, answers)
+        }
+    };
+    let (keys, answers) = send(round("older-api")).await;
+    for (k, a) in keys.iter().zip(&answers) {
+        assert_eq!(a.status, 201, "{k}: {}", a.describe());
+        assert_eq!(env.runs(k).await, 1, "{k}: one charge");
+    }
+    let batches = envoy.filter_counter("claim_batches");
+    assert_eq!(
+        batches, 1,
+        "24 claims at once on one worker: one batch, refused"
+    );
+    assert_eq!(env.fake.calls_to(contract::wire::CLAIMS_PATH), 1);
+    // From then on, each claim alone.
+    let (keys, answers) = send(round("older-api-after")).await;
+    for (k, a) in keys.iter().zip(&answers) {
+        assert_eq!(a.status, 201, "{k}: {}", a.describe());
+    }
+    assert_eq!(
+        envoy.filter_counter("claim_batches"),
+        1,
+        "no batch after the 404"
+    );
+    assert_eq!(envoy.filter_counter("complete_batches"), 0);
+    assert!(
+        envoy.log_tail().contains("no more batches on this worker"),
+        "the worker says it stopped batching"
+    );
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut trials = vec![
@@ -879,6 +931,13 @@ fn main() {
             let env = shared_env()?;
             block_on(database_stores_an_hmac_not_the_key(env))
         }),
+        Trial::test(
+            "an_older_state_api_gets_each_claim_alone_after_its_404",
+            || {
+                let env = shared_env()?;
+                block_on(an_older_state_api_gets_each_claim_alone_after_its_404(env))
+            },
+        ),
     ];
     for (i, c) in cases().into_iter().enumerate() {
         trials.push(Trial::test(
