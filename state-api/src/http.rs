@@ -405,14 +405,7 @@ async fn claim_one(
     req: ClaimRequest,
     deadline: tokio::time::Instant,
 ) -> Result<ClaimResponse, ApiError> {
-    let scope = scope_of(
-        state,
-        &req.namespace,
-        &req.key,
-        &req.subject,
-        &req.endpoint,
-    )
-    .await?;
+    let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
     let config = state.config();
     let retention_s = config.retention_for(req.retention_s);
@@ -637,14 +630,7 @@ async fn complete_one(
     req: CompleteRequest,
     deadline: tokio::time::Instant,
 ) -> Result<WriteResponse, ApiError> {
-    let scope = scope_of(
-        state,
-        &req.namespace,
-        &req.key,
-        &req.subject,
-        &req.endpoint,
-    )
-    .await?;
+    let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
     check_token(req.token)?;
     let row = checked_response(state, req.response)?;
     let job = CompleteJob {
