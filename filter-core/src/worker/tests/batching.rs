@@ -11,6 +11,25 @@ fn batching(most: u64) -> Harness {
 }
 
 impl Harness {
+    /// A claim of `first` that goes alone, then `queued` (key, path) queued behind it; once the
+    /// first is granted `token`, the queue goes as one `/v1/claims`, returned with its streams.
+    fn claims_batched(
+        &mut self,
+        first: &str,
+        queued: &[(&str, &str)],
+        token: i64,
+    ) -> (Vec<StreamId>, Dispatch) {
+        let (_, step) = self.keyed(first, "/checkout", ONE);
+        let own = step.dispatch(CLAIM_PATH).clone();
+        let streams = queued
+            .iter()
+            .map(|(key, path)| self.keyed(key, path, ONE).0)
+            .collect();
+        self.answer(&own, claimed(token));
+        let batch = self.wake().dispatch(CLAIMS_PATH).clone();
+        (streams, batch)
+    }
+
     /// Three claimed streams (tokens 1, 2, 3) answered 201: the first's complete goes alone,
     /// and once it is stored the other two go as one `/v1/completes`, returned.
     fn completes_batched(&mut self) -> (StreamId, StreamId, Dispatch) {
@@ -181,13 +200,9 @@ fn a_claim_granted_after_its_stream_ended_is_released_and_a_queued_one_is_never_
 #[test]
 fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
     let mut t = batching(32);
-    let (_, first) = t.keyed("a", "/checkout", ONE);
-    let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b", "/checkout", ONE);
     // `/refunds` fails open when the state API is unavailable.
-    let (r, _) = t.keyed("r", "/refunds", ONE);
-    t.answer(&own, claimed(1));
-    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let (s, batch) = t.claims_batched("a", &[("b", "/checkout"), ("r", "/refunds")], 1);
+    let (b, r) = (s[0], s[1]);
     let step = t.answer(&batch, CalloutResult::Failed("reset".into()));
     assert_eq!(replies_to(&step, b).status, 503);
     assert!(resumes(&step, r), "{step:?}");
@@ -197,35 +212,23 @@ fn a_batch_that_fails_whole_answers_each_claim_as_its_own_failure_would() {
     }));
 
     // Refused (a wrong token): never forwarded, not even where the route fails open.
-    let (_, first) = t.keyed("a2", "/checkout", ONE);
-    let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b2", "/checkout", ONE);
-    let (r, _) = t.keyed("r2", "/refunds", ONE);
-    t.answer(&own, claimed(2));
-    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let (s, batch) = t.claims_batched("a2", &[("b2", "/checkout"), ("r2", "/refunds")], 2);
+    let (b, r) = (s[0], s[1]);
     let step = t.answer(&batch, status(401, br#"{"detail":"wrong token"}"#));
     assert_eq!(replies_to(&step, b).status, 500);
     assert_eq!(replies_to(&step, r).status, 500);
     assert!(!resumes(&step, r));
 
     // An item refused alone is refused; the others go on.
-    let (_, first) = t.keyed("a3", "/checkout", ONE);
-    let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b3", "/checkout", ONE);
-    let (r, _) = t.keyed("r3", "/refunds", ONE);
-    t.answer(&own, claimed(3));
-    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let (s, batch) = t.claims_batched("a3", &[("b3", "/checkout"), ("r3", "/refunds")], 3);
+    let (b, r) = (s[0], s[1]);
     let problem = serde_json::json!({"status": 400, "detail": "key: too long"});
     let step = t.answer(&batch, batch_answer(&[(400, problem), (200, granted(4))]));
     assert_eq!(replies_to(&step, b).status, 500);
     assert!(resumes(&step, r));
     // An answer with the wrong number of items is no answer: 503, and /refunds fails open.
-    let (_, first) = t.keyed("a4", "/checkout", ONE);
-    let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b4", "/checkout", ONE);
-    let (r, _) = t.keyed("r4", "/refunds", ONE);
-    t.answer(&own, claimed(5));
-    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let (s, batch) = t.claims_batched("a4", &[("b4", "/checkout"), ("r4", "/refunds")], 5);
+    let (b, r) = (s[0], s[1]);
     let step = t.answer(&batch, batch_answer(&[(200, granted(6))]));
     assert_eq!(replies_to(&step, b).status, 503);
     assert!(resumes(&step, r));
@@ -237,17 +240,7 @@ fn claims_that_wait_go_alone_and_batches_keep_to_their_bound() {
     let (_, first) = t.keyed("a", "/checkout", ONE);
     let own = first.dispatch(CLAIM_PATH).clone();
     // A retry that asks to wait is its own callout even behind another.
-    let s = t.stream();
-    let hs = req_headers(
-        "/checkout",
-        &[
-            ("idempotency-key", "w"),
-            ("content-type", "application/json"),
-            ("prefer", "wait=5"),
-        ],
-    );
-    t.headers(s, &hs, false);
-    let step = t.body(s, br#"{"amount":1}"#);
+    let (_, step) = t.waiting("wait=5", ONE);
     assert!(step.claim().wait_ms.is_some());
     // It does not hold the queue back: with `a` answered, the queue goes.
     let queued: Vec<StreamId> = ["b", "c", "d"]
@@ -409,12 +402,8 @@ fn a_complete_too_large_to_batch_goes_alone() {
 #[test]
 fn a_state_api_without_batches_gets_each_claim_and_complete_alone_from_then_on() {
     let mut t = batching(32);
-    let (_, first) = t.keyed("a", "/checkout", ONE);
-    let own = first.dispatch(CLAIM_PATH).clone();
-    let (b, _) = t.keyed("b", "/checkout", ONE);
-    let (c, _) = t.keyed("c", "/checkout", ONE);
-    t.answer(&own, claimed(1));
-    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
+    let (s, batch) = t.claims_batched("a", &[("b", "/checkout"), ("c", "/checkout")], 1);
+    let (b, c) = (s[0], s[1]);
     t.done(c);
     // An older state API: 404 for /v1/claims. b's claim goes alone (c's stream is gone).
     let step = t.answer(&batch, status(404, br#"{"detail":"no route"}"#));

@@ -31,7 +31,7 @@ impl Harness {
     }
 
     /// A retry that asks to wait up to `wait` seconds.
-    fn waiting(&mut self, wait: &str, body: &[u8]) -> (StreamId, Seen) {
+    pub(super) fn waiting(&mut self, wait: &str, body: &[u8]) -> (StreamId, Seen) {
         let s = self.stream();
         let step = self.send_with(s, &[("prefer", wait)], body);
         (s, step)
