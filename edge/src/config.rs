@@ -211,7 +211,8 @@ pub struct Filter {
     pub complete_in_background: bool,
     /// Retries of one Envoy worker that wait for a running key at once (`Prefer: wait`).
     pub max_waiters: u64,
-    /// Most claims in one `/v1/claims` callout (1: each claim is its own callout).
+    /// Most claims (or held completes) in one `/v1/claims` (`/v1/completes`) callout (1: each
+    /// is its own callout).
     pub batch_max: u64,
 }
 

@@ -1915,7 +1915,7 @@ impl World {
                 let pending = self.workers.iter().any(|w| {
                     w.w.as_ref().is_some_and(|wk| {
                         let u = wk.usage();
-                        u.writes > 0 || u.claims > 0 || u.batched_claims > 0
+                        u.writes > 0 || u.claims > 0 || u.batched_claims + u.batched_writes > 0
                     })
                 });
                 if !pending {
