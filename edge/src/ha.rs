@@ -200,9 +200,20 @@ impl HaCluster {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.ports.proxy)
     }
 
-    /// Runs one SQL command with `psql` through HAProxy; its unaligned output.
+    /// Runs one SQL command with `psql` through HAProxy; its unaligned output. Right after a
+    /// failover HAProxy may have no primary for a moment: a connection that fails is tried
+    /// again, three times at most (an SQL error is not).
     pub fn psql(&self, db: &str, sql: &str) -> Result<String, String> {
-        self.psql_at(self.ports.proxy, db, sql)
+        let mut tries = 0;
+        loop {
+            match self.psql_at(self.ports.proxy, db, sql) {
+                Err(e) if tries < 3 && e.contains("connection to server") => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                done => return done,
+            }
+        }
     }
 
     /// Runs one SQL command on node `i` directly (a standby answers reads).
@@ -567,14 +578,16 @@ defaults
     timeout connect 2s
     timeout client 1h
     timeout server 1h
-    timeout check 1s
+    # A Patroni REST check on a loaded machine can take more than a second; a primary marked
+    # down by a slow check loses its sessions (below), so a check is given 2 s and 3 tries.
+    timeout check 2s
 listen postgres_primary
     bind 127.0.0.1:{proxy}
     option httpchk GET /primary
     http-check expect status 200
     # A node that stops being primary loses its sessions at once: the state API reconnects
     # to the new one instead of writing into a demoted server.
-    default-server inter 500ms fall 2 rise 1 on-marked-down shutdown-sessions
+    default-server inter 500ms fall 3 rise 1 on-marked-down shutdown-sessions
     server node1 127.0.0.1:{pg1} check port {rest1}
     server node2 127.0.0.1:{pg2} check port {rest2}
 "#,

@@ -387,15 +387,12 @@ async fn lease_guard_across_failover(mut stack: HaStack) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let failover = served_at - lost_at;
-    // By the clock the lease has run out: the guard is what holds the key now.
-    let lease_over: String = stack
-        .psql("SELECT bool_and(lease_expires_at < clock_timestamp()) FROM idempotency_records")
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        lease_over, "t",
+    // By the clock the lease has run out (its last heartbeat came before the freeze): the
+    // guard is what holds the key now.
+    assert!(
+        failover > Duration::from_millis(stack.options.lease_ms),
         "the test needs a failover longer than the lease"
     );
-    assert!(failover > Duration::from_millis(stack.options.lease_ms));
     // More retries within the lease after the promotion: still 409, never a second execution.
     for _ in 0..5 {
         let a = elsewhere.send(checkout(&key, "alice", &body)).await;
@@ -408,6 +405,12 @@ async fn lease_guard_across_failover(mut stack: HaStack) {
         *answers.entry("in_progress_409").or_insert(0) += 1;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The database agrees, read after the retries: a psql through HAProxy right after a
+    // failover may wait for a connection, and the retries above must fall within the guard.
+    let lease_over: String = stack
+        .psql("SELECT bool_and(lease_expires_at < clock_timestamp()) FROM idempotency_records")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(lease_over, "t", "no heartbeat while the owner was frozen");
     // The owner thaws, heartbeats on the new primary, and stores its outcome.
     stack.state_apis[0]
         .signal("-CONT")
