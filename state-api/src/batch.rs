@@ -447,13 +447,7 @@ impl Lane {
                 // Nothing to group with: a batch of one, on this task, without a hop.
                 st.running += 1;
                 Route::Inline(p, Some(Slot::new(self.clone(), false)))
-            } else if st.queue.len() >= self.limits.max_queued
-                || st
-                    .queued_bytes
-                    .saturating_add(st.alone_bytes)
-                    .saturating_add(bytes)
-                    > self.limits.max_queued_bytes
-            {
+            } else if self.queue_is_full(&st, bytes) {
                 Route::Full(p)
             } else {
                 // Queued behind the running statements; a runner takes it with the others.
@@ -485,6 +479,54 @@ impl Lane {
             }
             Route::Queued(false) => {}
         }
+    }
+
+    /// The queue cannot take a request of `bytes` more.
+    fn queue_is_full(&self, st: &LaneState, bytes: usize) -> bool {
+        st.queue.len() >= self.limits.max_queued
+            || st
+                .queued_bytes
+                .saturating_add(st.alone_bytes)
+                .saturating_add(bytes)
+                > self.limits.max_queued_bytes
+    }
+
+    /// Queues requests that arrived in one call (`/v1/claims`, `/v1/completes`) under one lock,
+    /// so that a runner takes them into one statement: each running its single path inline, as
+    /// `submit` lets a lone request do, would make one statement and one commit of each. Returns
+    /// the ones for `submit` (the lane is closed, or a response too large for a batch).
+    fn queue_together(self: &Arc<Self>, group: Vec<Pending>) -> Vec<Pending> {
+        let mut for_submit = Vec::new();
+        let mut refused = Vec::new();
+        let spawn = {
+            let mut st = self.lock();
+            for p in group {
+                let bytes = p.bytes();
+                if st.closed || bytes > self.limits.max_bytes {
+                    for_submit.push(p);
+                } else if self.queue_is_full(&st, bytes) {
+                    refused.push(p);
+                } else {
+                    st.queue.push_back(p);
+                    st.queued_bytes += bytes;
+                }
+            }
+            // Else a running statement's slot is handed on to a runner when it is done.
+            let spawn = !st.runner && !st.queue.is_empty() && st.running < self.limits.in_flight;
+            if spawn {
+                st.running += 1;
+                st.runner = true;
+            }
+            spawn
+        };
+        for p in refused {
+            self.metrics.shed(Shed::QueueFull);
+            p.answer_err(StoreError::Overloaded);
+        }
+        if spawn {
+            tokio::spawn(run(self.clone()));
+        }
+        for_submit
     }
 
     /// Runs `p` on the single path on its own task (`after_batch`: the rest of it, after a
@@ -693,6 +735,25 @@ impl Batcher {
         self.answer(Pending::Complete(job, reply), answer).await
     }
 
+    /// Claims that came in one call: in one statement where the batch limits allow, each
+    /// answered as `claim` answers it.
+    pub async fn claims(&self, jobs: Vec<ClaimJob>) -> Vec<Result<ClaimResponse, StoreError>> {
+        let group = jobs.into_iter().map(|job| {
+            let (reply, answer) = oneshot::channel();
+            (Pending::Claim(job, reply), answer)
+        });
+        self.answer_together(group.collect()).await
+    }
+
+    /// Completes that came in one call, as `claims` runs claims.
+    pub async fn completes(&self, jobs: Vec<CompleteJob>) -> Vec<Result<WriteResult, StoreError>> {
+        let group = jobs.into_iter().map(|job| {
+            let (reply, answer) = oneshot::channel();
+            (Pending::Complete(job, reply), answer)
+        });
+        self.answer_together(group.collect()).await
+    }
+
     /// Runs `p` on a task of its own (so that a caller who leaves does not cut its statement
     /// halfway) and waits for its answer until its deadline.
     async fn answer<A>(
@@ -705,6 +766,48 @@ impl Batcher {
             self.metrics.shed(Shed::Deadline);
             return Err(StoreError::CallerGone);
         }
+        self.dispatch(p);
+        self.wait(deadline, answer).await
+    }
+
+    /// `answer` for requests that came together: queued as one group, so that one statement
+    /// takes them; answers in their order.
+    async fn answer_together<A>(
+        &self,
+        group: Vec<(Pending, oneshot::Receiver<Result<A, StoreError>>)>,
+    ) -> Vec<Result<A, StoreError>> {
+        let now = Instant::now();
+        let mut submitted = Vec::with_capacity(group.len());
+        let mut waits = Vec::with_capacity(group.len());
+        for (p, answer) in group {
+            if p.caller_gone(now) {
+                waits.push(None);
+            } else {
+                waits.push(Some((p.deadline(), answer)));
+                submitted.push(p);
+            }
+        }
+        let alone = match &self.lane {
+            Some(lane) if submitted.len() > 1 => lane.queue_together(submitted),
+            _ => submitted,
+        };
+        for p in alone {
+            self.dispatch(p);
+        }
+        futures::future::join_all(waits.into_iter().map(|w| async move {
+            match w {
+                Some((deadline, answer)) => self.wait(deadline, answer).await,
+                None => {
+                    self.metrics.shed(Shed::Deadline);
+                    Err(StoreError::CallerGone)
+                }
+            }
+        }))
+        .await
+    }
+
+    /// Hands `p` to the lane (or runs it alone when batching is off), on a task of its own.
+    fn dispatch(&self, p: Pending) {
         match &self.lane {
             Some(lane) => {
                 let lane = lane.clone();
@@ -715,6 +818,14 @@ impl Batcher {
                 tokio::spawn(async move { p.run_one(&store, &metrics).await });
             }
         }
+    }
+
+    /// The answer to a dispatched request, or 503 (`CallerGone`) at its deadline.
+    async fn wait<A>(
+        &self,
+        deadline: Instant,
+        answer: oneshot::Receiver<Result<A, StoreError>>,
+    ) -> Result<A, StoreError> {
         match tokio::time::timeout_at(deadline, answer).await {
             Ok(answered) => answered.unwrap_or(Err(StoreError::Unanswered)),
             Err(_) => {

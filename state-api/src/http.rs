@@ -388,28 +388,56 @@ async fn claims(
         ));
     }
     let deadline = caller_deadline(&state, &headers);
-    // Submitted together, they reach the group commit together.
-    let answers = futures::future::join_all(
+    let prepared = futures::future::join_all(
         batch
             .claims
             .into_iter()
-            .map(|req| claim_one(&state, req, deadline)),
+            .map(|req| prepare_claim(&state, req, deadline)),
     )
+    .await;
+    // Those that reach the store go to it together: one statement where they fit in one.
+    let jobs = prepared.iter().flatten().map(|p| p.job.clone()).collect();
+    let mut stored = state.batcher().claims(jobs).await.into_iter();
+    let answers = futures::future::join_all(prepared.into_iter().map(|p| {
+        let answer = p.map(|p| (stored.next().unwrap_or(Err(StoreError::Unanswered)), p));
+        async {
+            let (answer, p) = answer?;
+            finish_claim(&state, p, answer).await
+        }
+    }))
     .await;
     Ok(Json(batch_answer(answers)))
 }
 
-/// One claim, as `/v1/claim` and each item of `/v1/claims` run it.
+/// A claim checked and ready for the store, with what its answer needs.
+struct PreparedClaim {
+    job: ClaimJob,
+    retention_s: u64,
+    wait_ms: u64,
+}
+
+/// One claim, as `/v1/claim` runs it (`/v1/claims` runs the same two steps, with the store's
+/// part of all its claims together).
 async fn claim_one(
     state: &AppState,
     req: ClaimRequest,
     deadline: tokio::time::Instant,
 ) -> Result<ClaimResponse, ApiError> {
+    let prepared = prepare_claim(state, req, deadline).await?;
+    let answer = state.batcher().claim(prepared.job.clone()).await;
+    finish_claim(state, prepared, answer).await
+}
+
+/// The claim's checks and its job for the store.
+async fn prepare_claim(
+    state: &AppState,
+    req: ClaimRequest,
+    deadline: tokio::time::Instant,
+) -> Result<PreparedClaim, ApiError> {
     let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
     let config = state.config();
     let retention_s = config.retention_for(req.retention_s);
-    let wait_ms = config.wait_for(req.wait_ms);
     let job = ClaimJob {
         scope,
         subject: req.subject,
@@ -422,11 +450,27 @@ async fn claim_one(
         namespace: req.namespace,
         deadline,
     };
-    let mut outcome = state
-        .batcher()
-        .claim(job.clone())
-        .await
-        .inspect_err(|e| state.metrics().count_unopenable(e))?;
+    Ok(PreparedClaim {
+        job,
+        retention_s,
+        wait_ms: config.wait_for(req.wait_ms),
+    })
+}
+
+/// The store's answer to a claim, with a wait if it asked for one and this API's limits.
+async fn finish_claim(
+    state: &AppState,
+    prepared: PreparedClaim,
+    answer: Result<ClaimResponse, StoreError>,
+) -> Result<ClaimResponse, ApiError> {
+    let PreparedClaim {
+        job,
+        retention_s,
+        wait_ms,
+    } = prepared;
+    let config = state.config();
+    let scope = job.scope;
+    let mut outcome = answer.inspect_err(|e| state.metrics().count_unopenable(e))?;
     let mut waited_ms = None;
     if wait_ms > 0 && matches!(outcome, ClaimResponse::InProgress { .. }) {
         (outcome, waited_ms) = wait_for_outcome(state, job, outcome, wait_ms).await?;
@@ -587,13 +631,26 @@ async fn completes(
 ) -> Result<Json<BatchResponse>, ApiError> {
     batch_size("completes", batch.completes.len())?;
     let deadline = caller_deadline(&state, &headers);
-    let answers = futures::future::join_all(
+    let prepared = futures::future::join_all(
         batch
             .completes
             .into_iter()
-            .map(|req| complete_one(&state, req, deadline)),
+            .map(|req| prepare_complete(&state, req, deadline)),
     )
     .await;
+    let jobs = prepared.iter().flatten().cloned().collect();
+    let mut stored = state.batcher().completes(jobs).await.into_iter();
+    let answers = prepared
+        .into_iter()
+        .map(|job| {
+            let job = job?;
+            finish_complete(
+                &state,
+                &job.scope,
+                stored.next().unwrap_or(Err(StoreError::Unanswered)),
+            )
+        })
+        .collect();
     Ok(Json(batch_answer(answers)))
 }
 
@@ -624,31 +681,50 @@ fn batch_answer<T: serde::Serialize>(answers: Vec<Result<T, ApiError>>) -> Batch
     BatchResponse { answers }
 }
 
-/// One complete, as `/v1/complete` and each item of `/v1/completes` store it.
+/// One complete, as `/v1/complete` stores it (`/v1/completes` runs the same two steps, with
+/// the store's part of all its completes together).
 async fn complete_one(
     state: &AppState,
     req: CompleteRequest,
     deadline: tokio::time::Instant,
 ) -> Result<WriteResponse, ApiError> {
+    let job = prepare_complete(state, req, deadline).await?;
+    let scope = job.scope;
+    finish_complete(state, &scope, state.batcher().complete(job).await)
+}
+
+/// The complete's checks and its job for the store.
+async fn prepare_complete(
+    state: &AppState,
+    req: CompleteRequest,
+    deadline: tokio::time::Instant,
+) -> Result<CompleteJob, ApiError> {
     let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
     check_token(req.token)?;
     let row = checked_response(state, req.response)?;
-    let job = CompleteJob {
+    Ok(CompleteJob {
         scope,
         token: req.token,
         response: row,
         retention_ms: state.config().retention_ms(),
         deadline,
-    };
-    let result = state.batcher().complete(job).await?;
-    match result {
+    })
+}
+
+/// The store's answer to a complete, for its caller.
+fn finish_complete(
+    state: &AppState,
+    scope: &ScopeHash,
+    result: Result<WriteResult, StoreError>,
+) -> Result<WriteResponse, ApiError> {
+    match result? {
         WriteResult::Done { expires_in_ms } => {
             state.metrics().write_ok(WriteOp::Complete);
-            state.waiters().settled(&scope);
+            state.waiters().settled(scope);
             Ok(WriteResponse::completed(expires_in_ms))
         }
         WriteResult::AlreadyDone { expires_in_ms } => Ok(WriteResponse::completed(expires_in_ms)),
-        WriteResult::FencedOut => Err(fenced_out(state, WriteOp::Complete, &scope)),
+        WriteResult::FencedOut => Err(fenced_out(state, WriteOp::Complete, scope)),
     }
 }
 

@@ -801,3 +801,56 @@ async fn one_completes_call_stores_each_complete_as_a_complete_call_would_in_ord
     assert_problem(status, &body, 400, "bad-request");
     api.shutdown().await;
 }
+
+/// The claims of one `/v1/claims` call go to Postgres together: one statement for all of them,
+/// where each running its single path inline (up to `--batch-in-flight` at once, as lone
+/// requests do) would make a statement and a commit of each. The same for `/v1/completes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_batch_call_is_one_statement() {
+    const N: usize = 8;
+    let api = Api::start(&["--batch-in-flight", "4"]).await;
+    let claims: Vec<_> = (0..N)
+        .map(|i| claim_req(&format!("together-{i}"), "alice", &fp(1), None))
+        .collect();
+    let (status, body, _) = api
+        .post(
+            contract::wire::CLAIMS_PATH,
+            &serde_json::json!({ "claims": claims }),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let items = contract::wire::BatchResponse::read_claims(&bytes, N).unwrap();
+    let tokens: Vec<i64> = items
+        .iter()
+        .map(|item| token_of(item.answer.as_ref().unwrap()))
+        .collect();
+    assert_eq!(tokens.iter().collect::<HashSet<_>>().len(), N);
+    assert_eq!(api.state.metrics().batch_totals(), (1, N as u64));
+
+    let completes: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, token)| complete_body(&format!("together-{i}"), *token, &ok_response()))
+        .collect();
+    let (status, body, _) = api
+        .post(
+            contract::wire::COMPLETES_PATH,
+            &serde_json::json!({ "completes": completes }),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let statuses: Vec<_> = body["answers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["status"].as_u64().unwrap())
+        .collect();
+    assert_eq!(statuses, [200; N]);
+    assert_eq!(api.state.metrics().batch_totals(), (2, 2 * N as u64));
+    for (i, token) in tokens.iter().enumerate() {
+        let stored = committed(&api, &format!("together-{i}")).await;
+        assert_eq!(stored, Some(("completed".into(), *token)));
+    }
+    api.shutdown().await;
+}
