@@ -6,7 +6,9 @@
 //! runner takes everything queued at that moment (up to `max_items`, and up to `max_bytes` of
 //! stored responses), claims and completes alike, runs it as one statement over arrays
 //! (`Store::write_many`), answers each request and takes the next batch, until the queue is
-//! empty. There is no timer: while one batch runs, the next one queues up. There is one runner
+//! empty. There is no timer: while one batch runs, the next one queues up. Requests that came
+//! in one call (`/v1/claims`, `/v1/completes`) skip the inline path and queue together, so
+//! that one statement takes them (`Batcher::claims`, `Batcher::completes`). There is one runner
 //! at a time: on two cores, one batch at a time was faster than two half as large (each
 //! statement costs about as much as seven more rows in it).
 //!
