@@ -740,20 +740,12 @@ impl Batcher {
     /// Claims that came in one call: in one statement where the batch limits allow, each
     /// answered as `claim` answers it.
     pub async fn claims(&self, jobs: Vec<ClaimJob>) -> Vec<Result<ClaimResponse, StoreError>> {
-        let group = jobs.into_iter().map(|job| {
-            let (reply, answer) = oneshot::channel();
-            (Pending::Claim(job, reply), answer)
-        });
-        self.answer_together(group.collect()).await
+        self.answer_together(jobs, Pending::Claim).await
     }
 
     /// Completes that came in one call, as `claims` runs claims.
     pub async fn completes(&self, jobs: Vec<CompleteJob>) -> Vec<Result<WriteResult, StoreError>> {
-        let group = jobs.into_iter().map(|job| {
-            let (reply, answer) = oneshot::channel();
-            (Pending::Complete(job, reply), answer)
-        });
-        self.answer_together(group.collect()).await
+        self.answer_together(jobs, Pending::Complete).await
     }
 
     /// Runs `p` on a task of its own (so that a caller who leaves does not cut its statement
@@ -774,14 +766,17 @@ impl Batcher {
 
     /// `answer` for requests that came together: queued as one group, so that one statement
     /// takes them; answers in their order.
-    async fn answer_together<A>(
+    async fn answer_together<J, A>(
         &self,
-        group: Vec<(Pending, oneshot::Receiver<Result<A, StoreError>>)>,
+        jobs: Vec<J>,
+        pending: fn(J, Reply<A>) -> Pending,
     ) -> Vec<Result<A, StoreError>> {
         let now = Instant::now();
-        let mut submitted = Vec::with_capacity(group.len());
-        let mut waits = Vec::with_capacity(group.len());
-        for (p, answer) in group {
+        let mut submitted = Vec::with_capacity(jobs.len());
+        let mut waits = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let (reply, answer) = oneshot::channel();
+            let p = pending(job, reply);
             if p.caller_gone(now) {
                 waits.push(None);
             } else {
