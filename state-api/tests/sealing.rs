@@ -98,17 +98,25 @@ async fn stored_responses_are_sealed_and_a_rotated_key_still_replays_them() {
             &marked_response(),
         ));
     }
-    // Completed together: the group commit's statement seals them too.
+    // Completed together: the group commit's statement seals them too. One `/v1/completes`
+    // call is one statement (eight concurrent `/v1/complete` calls may each run alone).
     let (statements, _) = first.state.metrics().batch_totals();
-    let completes = bodies.iter().map(|b| first.post(COMPLETE_PATH, b));
-    for (status, body, _) in futures::future::join_all(completes).await {
-        assert_eq!(status, 200, "{body}");
+    let (status, body, _) = first
+        .post(
+            contract::wire::COMPLETES_PATH,
+            &serde_json::json!({ "completes": bodies }),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    for answer in body["answers"].as_array().unwrap() {
+        assert_eq!(answer["status"], 200, "{answer}");
     }
     let (after, requests) = first.state.metrics().batch_totals();
     assert!(
         after - statements < 8,
         "{statements} -> {after} statements for {requests}"
     );
+    assert_eq!(after - statements, 1, "one statement for the one call");
     assert_eq!(replayed(&first, "sealed").await, marked_response());
     let raw = raw_table(&db);
     let sealed = cluster
