@@ -1036,6 +1036,46 @@ async fn a_complete_within_the_lease_rewrites_no_index_and_one_after_it_keeps_it
 }
 
 #[tokio::test]
+async fn the_table_checks_the_states_invariants_and_leaves_field_checks_to_the_api() {
+    let api = Api::start(&[]).await;
+    let pool = api.state.store().pool();
+    // Field checks (lengths, formats, ranges) are made by the API before any write, and
+    // Postgres prepared each CHECK again per statement: only what ties the columns to the
+    // state stays in the table.
+    let mut checks: Vec<String> = sqlx::query_scalar(
+        "SELECT conname::text FROM pg_constraint
+         WHERE conrelid = 'idempotency_records'::regclass AND contype = 'c'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    checks.sort();
+    assert_eq!(
+        checks,
+        ["completed_has_response", "idempotency_records_state_check"]
+    );
+    // And they hold: a record cannot be completed without its response, nor take a state
+    // the state machine does not have.
+    let t = token_of(&api.claim("inv", &fp(1), None).await);
+    let scope = api.state.scoper().hash("inv", "alice", ENDPOINT).to_vec();
+    for set in ["state = 'completed', completed_at = now()", "state = 'released'"] {
+        let refused = sqlx::query(&format!(
+            "UPDATE idempotency_records SET {set} WHERE scope_hash = $1"
+        ))
+        .bind(&scope)
+        .execute(pool)
+        .await
+        .unwrap_err();
+        let code = refused.as_database_error().and_then(|e| e.code());
+        assert_eq!(code.as_deref(), Some("23514"), "{set}: {refused}");
+    }
+    let (s, _, _) = api
+        .post(COMPLETE_PATH, &complete_body("inv", t, &ok_response()))
+        .await;
+    assert_eq!(s, 200);
+}
+
+#[tokio::test]
 async fn the_expiry_is_zero_not_negative_once_past_retention() {
     let api = Api::start(&["--retention-s", "1", "--purge-interval-s", "0"]).await;
     // Lease 1 s, retention 1 s: kept until claimed + 2 s.
