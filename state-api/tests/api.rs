@@ -1058,7 +1058,10 @@ async fn the_table_checks_the_states_invariants_and_leaves_field_checks_to_the_a
     // the state machine does not have.
     let t = token_of(&api.claim("inv", &fp(1), None).await);
     let scope = api.state.scoper().hash("inv", "alice", ENDPOINT).to_vec();
-    for set in ["state = 'completed', completed_at = now()", "state = 'released'"] {
+    for set in [
+        "state = 'completed', completed_at = now()",
+        "state = 'released'",
+    ] {
         let refused = sqlx::query(&format!(
             "UPDATE idempotency_records SET {set} WHERE scope_hash = $1"
         ))
