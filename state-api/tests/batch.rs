@@ -833,20 +833,7 @@ async fn one_batch_call_is_one_statement() {
         .enumerate()
         .map(|(i, token)| complete_body(&format!("together-{i}"), *token, &ok_response()))
         .collect();
-    let (status, body, _) = api
-        .post(
-            contract::wire::COMPLETES_PATH,
-            &serde_json::json!({ "completes": completes }),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let statuses: Vec<_> = body["answers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a["status"].as_u64().unwrap())
-        .collect();
-    assert_eq!(statuses, [200; N]);
+    assert_eq!(api.complete_all(&completes).await, [200; N]);
     assert_eq!(api.state.metrics().batch_totals(), (2, 2 * N as u64));
     for (i, token) in tokens.iter().enumerate() {
         let stored = committed(&api, &format!("together-{i}")).await;

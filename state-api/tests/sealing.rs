@@ -101,16 +101,7 @@ async fn stored_responses_are_sealed_and_a_rotated_key_still_replays_them() {
     // Completed together: the group commit's statement seals them too. One `/v1/completes`
     // call is one statement (eight concurrent `/v1/complete` calls may each run alone).
     let (statements, _) = first.state.metrics().batch_totals();
-    let (status, body, _) = first
-        .post(
-            contract::wire::COMPLETES_PATH,
-            &serde_json::json!({ "completes": bodies }),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
-    for answer in body["answers"].as_array().unwrap() {
-        assert_eq!(answer["status"], 200, "{answer}");
-    }
+    assert_eq!(first.complete_all(&bodies).await, [200; 8]);
     let (after, requests) = first.state.metrics().batch_totals();
     assert!(
         after - statements < 8,

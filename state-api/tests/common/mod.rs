@@ -264,6 +264,24 @@ impl Api {
         (status, answer, headers)
     }
 
+    /// One `/v1/completes` call of `completes` (bodies as for `/v1/complete`), which must
+    /// answer 200; each item's status, in order.
+    pub async fn complete_all(&self, completes: &[Value]) -> Vec<u64> {
+        let (status, body, _) = self
+            .post(
+                contract::wire::COMPLETES_PATH,
+                &json!({ "completes": completes }),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        body["answers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["status"].as_u64().unwrap())
+            .collect()
+    }
+
     /// The served document, checking every answer of [`Api::post`] and [`Api::get`].
     pub async fn contract(&self) -> &'static Contract {
         CONTRACT
