@@ -16,7 +16,11 @@ pub const CLAIMS_PATH: &str = "/v1/claims";
 /// `POST /v1/completes`: several completes in one call (a worker's held responses that queued
 /// while its previous complete was on its way); each is answered as `/v1/complete` would.
 pub const COMPLETES_PATH: &str = "/v1/completes";
-/// Most claims (or completes) in one `/v1/claims` (or `/v1/completes`) call.
+/// `POST /v1/writes`: claims and completes in one call (what queued on a worker while its
+/// previous write was on its way); each is answered as `/v1/claim` or `/v1/complete` would.
+pub const WRITES_PATH: &str = "/v1/writes";
+/// Most claims (or completes) in one `/v1/claims` (or `/v1/completes`) call, and of each in
+/// one `/v1/writes`.
 pub const MAX_BATCH_CLAIMS: usize = 128;
 /// `POST /v1/heartbeat`: extend the lease of an in-flight claim (fenced).
 pub const HEARTBEAT_PATH: &str = "/v1/heartbeat";
@@ -104,7 +108,21 @@ pub struct CompleteBatchRequest {
     pub completes: Vec<CompleteRequest>,
 }
 
-/// The answer to `POST /v1/claims` or `/v1/completes`: one item per request, in order.
+/// `POST /v1/writes`: claims that do not wait and completes, at least one in all.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct WriteBatchRequest {
+    /// 0 to [`MAX_BATCH_CLAIMS`].
+    #[serde(default)]
+    pub claims: Vec<ClaimRequest>,
+    /// 0 to [`MAX_BATCH_CLAIMS`].
+    #[serde(default)]
+    pub completes: Vec<CompleteRequest>,
+}
+
+/// The answer to `POST /v1/claims`, `/v1/completes` or `/v1/writes`: one item per request, in
+/// order (for `/v1/writes`, the claims' then the completes').
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BatchResponse {
@@ -560,26 +578,32 @@ impl ClaimResponse {
 impl BatchResponse {
     /// Reads the answer to `/v1/claims` sent with `claims` claims: one item each, in order.
     pub fn read_claims(body: &[u8], claims: usize) -> Result<Vec<ClaimItem>, AnswerError> {
-        let doc = document(body)?;
-        Ok(Self::items(&doc, claims)?
-            .into_iter()
-            .map(|(status, answer)| Item {
-                status,
-                answer: answer.and_then(ClaimResponse::from_value),
-            })
-            .collect())
+        Ok(Self::read_both(body, claims, 0)?.0)
     }
 
     /// Reads the answer to `/v1/completes` sent with `completes` completes.
     pub fn read_writes(body: &[u8], completes: usize) -> Result<Vec<WriteItem>, AnswerError> {
+        Ok(Self::read_both(body, 0, completes)?.1)
+    }
+
+    /// Reads the answer to `/v1/writes` sent with `claims` claims and `completes` completes.
+    pub fn read_both(
+        body: &[u8],
+        claims: usize,
+        completes: usize,
+    ) -> Result<(Vec<ClaimItem>, Vec<WriteItem>), AnswerError> {
         let doc = document(body)?;
-        Ok(Self::items(&doc, completes)?
-            .into_iter()
-            .map(|(status, answer)| Item {
-                status,
-                answer: answer.and_then(WriteResponse::from_value),
-            })
-            .collect())
+        let mut items = Self::items(&doc, claims.saturating_add(completes))?;
+        let writes = items.split_off(claims);
+        let claims = items.into_iter().map(|(status, answer)| Item {
+            status,
+            answer: answer.and_then(ClaimResponse::from_value),
+        });
+        let writes = writes.into_iter().map(|(status, answer)| Item {
+            status,
+            answer: answer.and_then(WriteResponse::from_value),
+        });
+        Ok((claims.collect(), writes.collect()))
     }
 
     /// Each item's status, and its document for a 2xx (its problem's detail otherwise).
@@ -769,6 +793,25 @@ mod tests {
             (read[1].status, read[1].answer.clone()),
             (409, Err(AnswerError("fenced out".into())))
         );
+        // A `/v1/writes` answer: the claims' items, then the completes'.
+        let mut both = serde_json::to_value(BatchResponse {
+            answers: vec![BatchItem {
+                status: 200,
+                answer: serde_json::to_value(ClaimResponse::Mismatch).unwrap(),
+            }],
+        })
+        .unwrap();
+        let write_items = serde_json::to_value(&writes).unwrap()["answers"].clone();
+        for item in write_items.as_array().unwrap() {
+            both["answers"].as_array_mut().unwrap().push(item.clone());
+        }
+        let both = serde_json::to_vec(&both).unwrap();
+        let (claims, written) = BatchResponse::read_both(&both, 1, 2).unwrap();
+        assert_eq!(claims.len(), 1);
+        assert_eq!(claims[0].answer, Ok(ClaimResponse::Mismatch));
+        assert_eq!(written, read);
+        assert!(BatchResponse::read_both(&both, 2, 2).is_err());
+        assert!(BatchResponse::read_both(&both, 0, 2).is_err());
         // An answer for a different number of claims is refused whole.
         assert!(BatchResponse::read_claims(&body, n - 1).is_err());
         assert!(BatchResponse::read_claims(br#"{"answers":{}}"#, 0).is_err());

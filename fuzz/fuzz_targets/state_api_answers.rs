@@ -86,6 +86,9 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(items) = BatchResponse::read_writes(data, n) {
             assert_eq!(items.len(), n, "one item per complete");
         }
+        if let Ok((claims, writes)) = BatchResponse::read_both(data, n, 3 - n) {
+            assert_eq!((claims.len(), writes.len()), (n, 3 - n), "claims, then completes");
+        }
     }
     if let Ok(hb) = HeartbeatResponse::read(data) {
         let again = serde_json::to_vec(&hb).unwrap_or_default();

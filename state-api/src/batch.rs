@@ -695,6 +695,32 @@ async fn run(lane: Arc<Lane>) {
     }
 }
 
+/// Where a request queued together with others gets its answer: `None` when its caller was
+/// gone before it was queued.
+type Wait<A> = Option<(Instant, oneshot::Receiver<Result<A, StoreError>>)>;
+
+/// The requests of `jobs` whose callers are still there, added to `submitted`, and how each
+/// job gets its answer, in order.
+fn waits_for<J, A>(
+    jobs: Vec<J>,
+    pending: fn(J, Reply<A>) -> Pending,
+    now: Instant,
+    submitted: &mut Vec<Pending>,
+) -> Vec<Wait<A>> {
+    jobs.into_iter()
+        .map(|job| {
+            let (reply, answer) = oneshot::channel();
+            let p = pending(job, reply);
+            if p.caller_gone(now) {
+                return None;
+            }
+            let deadline = p.deadline();
+            submitted.push(p);
+            Some((deadline, answer))
+        })
+        .collect()
+}
+
 /// The group commit of claims and completes (see the module documentation).
 pub struct Batcher {
     store: Store,
@@ -764,6 +790,24 @@ impl Batcher {
         self.wait(deadline, answer).await
     }
 
+    /// Claims and completes that came in one call (`/v1/writes`): queued together, as
+    /// `claims` queues claims, each answered as `claim` or `complete` answers it.
+    pub async fn writes(
+        &self,
+        claims: Vec<ClaimJob>,
+        completes: Vec<CompleteJob>,
+    ) -> (
+        Vec<Result<ClaimResponse, StoreError>>,
+        Vec<Result<WriteResult, StoreError>>,
+    ) {
+        let now = Instant::now();
+        let mut submitted = Vec::with_capacity(claims.len() + completes.len());
+        let claims = waits_for(claims, Pending::Claim, now, &mut submitted);
+        let completes = waits_for(completes, Pending::Complete, now, &mut submitted);
+        self.submit_together(submitted);
+        futures::join!(self.wait_all(claims), self.wait_all(completes))
+    }
+
     /// `answer` for requests that came together: queued as one group, so that one statement
     /// takes them; answers in their order.
     async fn answer_together<J, A>(
@@ -771,19 +815,14 @@ impl Batcher {
         jobs: Vec<J>,
         pending: fn(J, Reply<A>) -> Pending,
     ) -> Vec<Result<A, StoreError>> {
-        let now = Instant::now();
         let mut submitted = Vec::with_capacity(jobs.len());
-        let mut waits = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            let (reply, answer) = oneshot::channel();
-            let p = pending(job, reply);
-            if p.caller_gone(now) {
-                waits.push(None);
-            } else {
-                waits.push(Some((p.deadline(), answer)));
-                submitted.push(p);
-            }
-        }
+        let waits = waits_for(jobs, pending, Instant::now(), &mut submitted);
+        self.submit_together(submitted);
+        self.wait_all(waits).await
+    }
+
+    /// Queues requests that came together as one group (one alone goes as `answer` sends it).
+    fn submit_together(&self, submitted: Vec<Pending>) {
         let alone = match &self.lane {
             Some(lane) if submitted.len() > 1 => lane.queue_together(submitted),
             _ => submitted,
@@ -791,6 +830,10 @@ impl Batcher {
         for p in alone {
             self.dispatch(p);
         }
+    }
+
+    /// The answers to requests queued by `submit_together`, in order.
+    async fn wait_all<A>(&self, waits: Vec<Wait<A>>) -> Vec<Result<A, StoreError>> {
         futures::future::join_all(waits.into_iter().map(|w| async move {
             match w {
                 Some((deadline, answer)) => self.wait(deadline, answer).await,

@@ -14,8 +14,9 @@ use axum::{Json, Router};
 use contract::wire::{
     BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
     CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, RecordView, ReleaseRequest,
-    StoredResponse, UnknownRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH,
-    COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    StoredResponse, UnknownRequest, WriteBatchRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH,
+    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    WRITES_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
 use serde::de::DeserializeOwned;
@@ -39,6 +40,7 @@ pub fn app(state: AppState) -> Router {
         .route(HEARTBEAT_PATH, post(heartbeat))
         .route(COMPLETE_PATH, post(complete))
         .route(COMPLETES_PATH, post(completes))
+        .route(WRITES_PATH, post(writes))
         .route(RELEASE_PATH, post(release))
         .route(UNKNOWN_PATH, post(outcome_unknown))
         .route(RECORDS_PATH, get(record))
@@ -378,35 +380,57 @@ async fn claims(
     ApiJson(batch): ApiJson<ClaimBatchRequest>,
 ) -> Result<Json<BatchResponse>, ApiError> {
     batch_size("claims", batch.claims.len())?;
-    if batch
-        .claims
-        .iter()
-        .any(|c| c.wait_ms.is_some_and(|w| w > 0))
-    {
+    refuse_waits(&batch.claims)?;
+    let deadline = caller_deadline(&state, &headers);
+    let prepared = prepare_claims(&state, batch.claims, deadline).await;
+    // Those that reach the store go to it together: one statement where they fit in one.
+    let jobs = prepared.iter().flatten().map(|p| p.job.clone()).collect();
+    let stored = state.batcher().claims(jobs).await;
+    Ok(Json(batch_answer(
+        finish_claims(&state, prepared, stored).await,
+    )))
+}
+
+/// A claim that waits would hold every other answer of its batch back.
+fn refuse_waits(claims: &[ClaimRequest]) -> Result<(), ApiError> {
+    if claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
         return Err(bad(
             "claims: wait_ms is not accepted in a batch (send a claim that waits alone)",
         ));
     }
-    let deadline = caller_deadline(&state, &headers);
-    let prepared = futures::future::join_all(
-        batch
-            .claims
+    Ok(())
+}
+
+/// Each claim of a batch checked, in order.
+async fn prepare_claims(
+    state: &AppState,
+    claims: Vec<ClaimRequest>,
+    deadline: tokio::time::Instant,
+) -> Vec<Result<PreparedClaim, ApiError>> {
+    futures::future::join_all(
+        claims
             .into_iter()
-            .map(|req| prepare_claim(&state, req, deadline)),
+            .map(|req| prepare_claim(state, req, deadline)),
     )
-    .await;
-    // Those that reach the store go to it together: one statement where they fit in one.
-    let jobs = prepared.iter().flatten().map(|p| p.job.clone()).collect();
-    let mut stored = state.batcher().claims(jobs).await.into_iter();
-    let answers = futures::future::join_all(prepared.into_iter().map(|p| {
+    .await
+}
+
+/// The answers to a batch's claims: `stored` holds the store's answers to those that passed
+/// their checks, in order.
+async fn finish_claims(
+    state: &AppState,
+    prepared: Vec<Result<PreparedClaim, ApiError>>,
+    stored: Vec<Result<ClaimResponse, StoreError>>,
+) -> Vec<Result<ClaimResponse, ApiError>> {
+    let mut stored = stored.into_iter();
+    futures::future::join_all(prepared.into_iter().map(|p| {
         let answer = p.map(|p| (stored.next().unwrap_or(Err(StoreError::Unanswered)), p));
         async {
             let (answer, p) = answer?;
-            finish_claim(&state, p, answer).await
+            finish_claim(state, p, answer).await
         }
     }))
-    .await;
-    Ok(Json(batch_answer(answers)))
+    .await
 }
 
 /// A claim checked and ready for the store, with what its answer needs.
@@ -631,27 +655,89 @@ async fn completes(
 ) -> Result<Json<BatchResponse>, ApiError> {
     batch_size("completes", batch.completes.len())?;
     let deadline = caller_deadline(&state, &headers);
-    let prepared = futures::future::join_all(
-        batch
-            .completes
-            .into_iter()
-            .map(|req| prepare_complete(&state, req, deadline)),
-    )
-    .await;
+    let prepared = prepare_completes(&state, batch.completes, deadline).await;
     let jobs = prepared.iter().flatten().cloned().collect();
-    let mut stored = state.batcher().completes(jobs).await.into_iter();
-    let answers = prepared
+    let stored = state.batcher().completes(jobs).await;
+    Ok(Json(batch_answer(finish_completes(
+        &state, prepared, stored,
+    ))))
+}
+
+/// Each complete of a batch checked, in order.
+async fn prepare_completes(
+    state: &AppState,
+    completes: Vec<CompleteRequest>,
+    deadline: tokio::time::Instant,
+) -> Vec<Result<CompleteJob, ApiError>> {
+    futures::future::join_all(
+        completes
+            .into_iter()
+            .map(|req| prepare_complete(state, req, deadline)),
+    )
+    .await
+}
+
+/// The answers to a batch's completes, as `finish_claims` makes a batch's claim answers.
+fn finish_completes(
+    state: &AppState,
+    prepared: Vec<Result<CompleteJob, ApiError>>,
+    stored: Vec<Result<WriteResult, StoreError>>,
+) -> Vec<Result<WriteResponse, ApiError>> {
+    let mut stored = stored.into_iter();
+    prepared
         .into_iter()
         .map(|job| {
             let job = job?;
             finish_complete(
-                &state,
+                state,
                 &job.scope,
                 stored.next().unwrap_or(Err(StoreError::Unanswered)),
             )
         })
-        .collect();
-    Ok(Json(batch_answer(answers)))
+        .collect()
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/writes",
+    tag = "filter",
+    summary = r#"Claims and completes in one call"#,
+    description = r#"Each claim is answered exactly as `/v1/claim` would answer it alone, and each complete stored exactly as `/v1/complete` would store it (all together, as one group commit where they can): `answers` holds the items of `claims` in order, then those of `completes`, each the status and document of the single call (a claim or write answer for 200, a problem document otherwise). The call answers 200 once every item is answered, 400 when both lists are empty, either holds more than 128 or a claim has `wait_ms`, and 401/413/503 as the single calls do. The filter sends the claims and held responses' completes that queued on a worker while its previous write was on its way."#,
+    request_body = WriteBatchRequest,
+    params(
+        ("idempotency-caller-timeout-ms" = Option<u64>, Header, description = r#"As for `/v1/claim`, for the whole call."#)
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = BatchResponse)
+    )
+)]
+async fn writes(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(batch): ApiJson<WriteBatchRequest>,
+) -> Result<Json<BatchResponse>, ApiError> {
+    let most = contract::wire::MAX_BATCH_CLAIMS;
+    let (claims, completes) = (batch.claims.len(), batch.completes.len());
+    if claims + completes == 0 || claims > most || completes > most {
+        return Err(bad(format!(
+            "writes: {claims} claims and {completes} completes; a batch has 1 to {most} of each, at least one in all"
+        )));
+    }
+    refuse_waits(&batch.claims)?;
+    let deadline = caller_deadline(&state, &headers);
+    let (claims, completes) = futures::join!(
+        prepare_claims(&state, batch.claims, deadline),
+        prepare_completes(&state, batch.completes, deadline)
+    );
+    let claim_jobs = claims.iter().flatten().map(|p| p.job.clone()).collect();
+    let complete_jobs = completes.iter().flatten().cloned().collect();
+    let (stored_claims, stored_completes) = state.batcher().writes(claim_jobs, complete_jobs).await;
+    let mut answers = batch_answer(finish_claims(&state, claims, stored_claims).await);
+    answers
+        .answers
+        .extend(batch_answer(finish_completes(&state, completes, stored_completes)).answers);
+    Ok(Json(answers))
 }
 
 /// A batch holds 1 to [`contract::wire::MAX_BATCH_CLAIMS`] requests.

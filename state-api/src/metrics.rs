@@ -92,6 +92,7 @@ pub enum Route {
     Heartbeat,
     Complete,
     Completes,
+    Writes,
     Release,
     Unknown,
     Records,
@@ -99,12 +100,13 @@ pub enum Route {
 }
 
 impl Route {
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::Claim,
         Self::Claims,
         Self::Heartbeat,
         Self::Complete,
         Self::Completes,
+        Self::Writes,
         Self::Release,
         Self::Unknown,
         Self::Records,
@@ -117,6 +119,7 @@ impl Route {
             Self::Heartbeat => "heartbeat",
             Self::Complete => "complete",
             Self::Completes => "completes",
+            Self::Writes => "writes",
             Self::Release => "release",
             Self::Unknown => "unknown",
             Self::Records => "records",
@@ -128,6 +131,7 @@ impl Route {
             contract::wire::CLAIM_PATH => Self::Claim,
             contract::wire::CLAIMS_PATH => Self::Claims,
             contract::wire::COMPLETES_PATH => Self::Completes,
+            contract::wire::WRITES_PATH => Self::Writes,
             contract::wire::HEARTBEAT_PATH => Self::Heartbeat,
             contract::wire::COMPLETE_PATH => Self::Complete,
             contract::wire::RELEASE_PATH => Self::Release,

@@ -16,8 +16,9 @@ use contract::problem::Problem;
 use contract::wire::{
     BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
     CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, RecordState, RecordView,
-    ReleaseRequest, StoredResponse, WriteResponse, WriteState, CLAIMS_PATH, CLAIM_PATH,
-    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    ReleaseRequest, StoredResponse, WriteBatchRequest, WriteResponse, WriteState, CLAIMS_PATH,
+    CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH,
+    UNKNOWN_PATH, WRITES_PATH,
 };
 
 #[derive(OpenApi)]
@@ -34,6 +35,7 @@ use contract::wire::{
         http::heartbeat,
         http::complete,
         http::completes,
+        http::writes,
         http::release,
         http::outcome_unknown,
         http::record,
@@ -51,6 +53,7 @@ use contract::wire::{
         ClaimRequest,
         ClaimBatchRequest,
         CompleteBatchRequest,
+        WriteBatchRequest,
         BatchResponse,
         BatchItem,
         OnUnknown,
@@ -102,6 +105,7 @@ const FILTER_ROUTES: &[Route] = &[
     ("post", HEARTBEAT_PATH),
     ("post", COMPLETE_PATH),
     ("post", COMPLETES_PATH),
+    ("post", WRITES_PATH),
     ("post", RELEASE_PATH),
     ("post", UNKNOWN_PATH),
     ("get", RECORDS_PATH),

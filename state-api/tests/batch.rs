@@ -841,3 +841,78 @@ async fn one_batch_call_is_one_statement() {
     }
     api.shutdown().await;
 }
+
+/// One `/v1/writes` call: its claims' answers, then its completes', each as the single call
+/// would give it, all in one statement; a wrong token is fenced out and the rest stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_writes_call_answers_its_claims_then_its_completes_in_one_statement() {
+    const N: usize = 4;
+    let api = Api::start(&["--batch-in-flight", "4"]).await;
+    let running = token_of(
+        &api.claim_with(&claim_req("w-running", "alice", &fp(1), None))
+            .await,
+    );
+    let other = token_of(
+        &api.claim_with(&claim_req("w-other", "alice", &fp(1), None))
+            .await,
+    );
+    let before = api.state.metrics().batch_totals();
+    let mut claims: Vec<_> = (0..N)
+        .map(|i| claim_req(&format!("w-new-{i}"), "alice", &fp(1), None))
+        .collect();
+    let mut bad_key = claim_req("x", "alice", &fp(1), None);
+    bad_key.key = "k".repeat(300);
+    claims.push(bad_key);
+    let batch = serde_json::json!({
+        "claims": claims,
+        "completes": [
+            complete_body("w-other", other + 100, &ok_response()),
+            complete_body("w-running", running, &ok_response()),
+        ],
+    });
+    let (status, body, _) = api.post(contract::wire::WRITES_PATH, &batch).await;
+    assert_eq!(status, 200, "{body}");
+    let bytes = serde_json::to_vec(&body).unwrap();
+    let (claimed, written) = contract::wire::BatchResponse::read_both(&bytes, N + 1, 2).unwrap();
+    let tokens: HashSet<i64> = claimed[..N]
+        .iter()
+        .map(|item| token_of(item.answer.as_ref().unwrap()))
+        .collect();
+    assert_eq!(tokens.len(), N);
+    assert_eq!(claimed[N].status, 400, "{body}");
+    assert_eq!(written[0].status, 409, "{body}");
+    assert_eq!(
+        body["answers"][N + 1]["answer"]["type"],
+        "/problems/fenced-out"
+    );
+    assert_eq!(written[1].status, 200, "{body}");
+    assert_eq!(
+        committed(&api, "w-running").await,
+        Some(("completed".into(), running))
+    );
+    assert_eq!(
+        committed(&api, "w-other").await,
+        Some(("in_progress".into(), other))
+    );
+    // Everything that reached the store went in one statement.
+    let after = api.state.metrics().batch_totals();
+    assert_eq!((after.0 - before.0, after.1 - before.1), (1, N as u64 + 2));
+    // Only claims, or only completes, are a batch too; nothing at all, or a waiting claim, is not.
+    let only = serde_json::json!({ "claims": [claim_req("w-only", "alice", &fp(1), None)] });
+    let (status, body, _) = api.post(contract::wire::WRITES_PATH, &only).await;
+    assert_eq!(
+        (status, body["answers"][0]["status"].clone()),
+        (200, 200.into())
+    );
+    let mut waits = claim_req("w-wait", "alice", &fp(1), None);
+    waits.wait_ms = Some(1_000);
+    for refused in [
+        serde_json::json!({}),
+        serde_json::json!({ "claims": [], "completes": [] }),
+        serde_json::json!({ "claims": [waits] }),
+    ] {
+        let (status, body, _) = api.post(contract::wire::WRITES_PATH, &refused).await;
+        assert_problem(status, &body, 400, "bad-request");
+    }
+    api.shutdown().await;
+}
