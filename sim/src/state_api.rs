@@ -7,8 +7,9 @@
 use contract::wire::{
     BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
     CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, ReleaseRequest,
-    StoredResponse, UnknownRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH,
-    COMPLETE_PATH, HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH,
+    StoredResponse, UnknownRequest, WriteBatchRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH,
+    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH,
+    WRITES_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind};
 use std::collections::BTreeMap;
@@ -160,6 +161,10 @@ impl ModelStateApi {
                 Ok(b) => self.completes(b, now),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
+            WRITES_PATH => match serde_json::from_slice::<WriteBatchRequest>(body) {
+                Ok(b) => self.writes(b, now),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
             HEARTBEAT_PATH => match serde_json::from_slice::<HeartbeatRequest>(body) {
                 Ok(r) => self.heartbeat(r, now),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
@@ -203,6 +208,22 @@ impl ModelStateApi {
             .into_iter()
             .map(|r| self.complete(r, now))
             .collect();
+        batch(answers)
+    }
+
+    /// `/v1/writes`: its claims as `/v1/claims` answers them, then its completes in order. The
+    /// real one runs them together, and a scope's second request in one call after the first:
+    /// a claim of a key before a complete of the same key, as here.
+    fn writes(&mut self, b: WriteBatchRequest, now: u64) -> Answer {
+        let (claims, completes) = (b.claims.len(), b.completes.len());
+        if claims + completes == 0 || claims > MAX_BATCH_CLAIMS || completes > MAX_BATCH_CLAIMS {
+            return problem(ProblemKind::BadRequest, "writes: 1 to 128 of each");
+        }
+        if b.claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
+            return problem(ProblemKind::BadRequest, "claims: wait_ms in a batch");
+        }
+        let mut answers: Vec<Answer> = b.claims.into_iter().map(|r| self.claim(r, now)).collect();
+        answers.extend(b.completes.into_iter().map(|r| self.complete(r, now)));
         batch(answers)
     }
 

@@ -7,7 +7,7 @@ use crate::check;
 use crate::choice::Choices;
 use crate::state_api::{ModelStateApi, Scope, StateApiConfig};
 use crate::upstream::{Ending, Execution, Plan, Produced, Sent, Upstream};
-use contract::wire::{CLAIMS_PATH, CLAIM_PATH, FENCING_TOKEN_HEADER};
+use contract::wire::{CLAIM_PATH, FENCING_TOKEN_HEADER, WRITES_PATH};
 use contract::ProblemKind;
 use filter_core::config::Config;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
@@ -1498,7 +1498,7 @@ impl World {
                 }
             }
         }
-        if c.path == CLAIMS_PATH {
+        if c.path == WRITES_PATH {
             self.note_refused_in_batch(c, &result);
         }
         let now = self.worker_now(w);
@@ -1519,11 +1519,11 @@ impl World {
         }
     }
 
-    /// The streams of a `/v1/claims` whose claim the state API refused (a 4xx, of the whole
+    /// The streams of a `/v1/writes` whose claim the state API refused (a 4xx, of the whole
     /// call or of their item), as for a claim of their own.
     fn note_refused_in_batch(&mut self, c: &Callout, result: &CalloutResult) {
         let w = c.worker;
-        let Some(streams) = self.workers[w]
+        let Some((streams, completes)) = self.workers[w]
             .w
             .as_ref()
             .and_then(|wk| wk.batch_streams(c.id))
@@ -1532,8 +1532,8 @@ impl World {
         };
         let refused: Vec<bool> = match result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                contract::wire::BatchResponse::read_claims(body, streams.len())
-                    .map(|items| {
+                contract::wire::BatchResponse::read_both(body, streams.len(), completes.len())
+                    .map(|(items, _)| {
                         items
                             .iter()
                             .map(|i| (400..500).contains(&i.status))
@@ -1584,8 +1584,8 @@ impl World {
                     .insert((r.key, r.subject, r.endpoint));
             }
         }
-        if c.path == contract::wire::COMPLETES_PATH {
-            if let Ok(b) = serde_json::from_slice::<contract::wire::CompleteBatchRequest>(&c.body) {
+        if c.path == WRITES_PATH {
+            if let Ok(b) = serde_json::from_slice::<contract::wire::WriteBatchRequest>(&c.body) {
                 for r in b.completes {
                     self.refused_completes
                         .insert((r.key, r.subject, r.endpoint));

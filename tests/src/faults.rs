@@ -490,7 +490,7 @@ async fn fake_connection(
                 contract::wire::HEARTBEAT_PATH | contract::wire::UNKNOWN_PATH => {
                     json_ok(json!({"lease_ms": 30_000}))
                 }
-                // Like a state API older than the batch calls (`/v1/claims`, `/v1/completes`).
+                // Like a state API older than the batch calls (`/v1/writes`).
                 _ => http_answer(404, contract::PROBLEM_CONTENT_TYPE, br#"{"type":"/problems/not-found","title":"Not found","status":404,"detail":"no such route"}"#),
             }
         } else {

@@ -990,7 +990,7 @@ async fn complete_in_background_answers_first_and_stores_right_after(stack: Stac
 }
 
 /// Concurrent new keys on one Envoy worker, each sent twice at once: the claims and completes
-/// that queue behind the one on their way go as `/v1/claims` and `/v1/completes` callouts of the
+/// that queue behind the one on its way go as `/v1/writes` callouts of the
 /// worker (answered to their streams from the root context), and every key runs once: one 201,
 /// its twin a 409 or the replay, and every retry afterwards the replay.
 async fn concurrent_new_keys_go_in_batches_and_each_is_charged_once(stack: Stack) {
@@ -1023,7 +1023,7 @@ async fn concurrent_new_keys_go_in_batches_and_each_is_charged_once(stack: Stack
     let counter = |name: &str| stack.envoy.filter_counter(name);
     let (claims, completes) = (counter("claims_batched"), counter("completes_batched"));
     eprintln!(
-        "96 requests: {claims} claims in {} /v1/claims, {completes} completes in {} /v1/completes",
+        "96 requests: {claims} claims in {} /v1/writes, {completes} completes in {} /v1/writes",
         counter("claim_batches"),
         counter("complete_batches")
     );

@@ -868,7 +868,7 @@ fn hmac_sha256(secret: &[u8], data: &[u8]) -> String {
     outer.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A filter that batches, in front of a state API older than `/v1/claims` (the fake answers it
+/// A filter that batches, in front of a state API older than `/v1/writes` (the fake answers it
 /// 404): the batch's claims go one callout each, nothing fails, and no batch follows.
 async fn an_older_state_api_gets_each_claim_alone_after_its_404(env: Arc<Env>) {
     let envoy = env
@@ -902,7 +902,7 @@ async fn an_older_state_api_gets_each_claim_alone_after_its_404(env: Arc<Env>) {
         batches, 1,
         "24 claims at once on one worker: one batch, refused"
     );
-    assert_eq!(env.fake.calls_to(contract::wire::CLAIMS_PATH), 1);
+    assert_eq!(env.fake.calls_to(contract::wire::WRITES_PATH), 1);
     // From then on, each claim alone.
     let (keys, answers) = send(round("older-api-after")).await;
     for (k, a) in keys.iter().zip(&answers) {

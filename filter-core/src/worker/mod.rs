@@ -12,14 +12,14 @@
 //! When a stream hands over a write that should go at once, the worker asks to be woken
 //! ([`Effect::Wake`]).
 //!
-//! Claims are batched like the state API's group commit, with no timer: a claim goes as its
-//! stream's own callout when no other claim of this worker is on its way (no added wait at low
-//! load); otherwise it queues, and when the claim on its way is answered the worker is woken
-//! and sends every queued claim as one `/v1/claims` callout of its own (at most
-//! `batch_max`; the tick sends what a lost wake left). A batch's answers reach their
-//! streams from the root context. A stream that ended meanwhile may have been granted its
-//! claim: nothing was forwarded, so the worker releases it. Claims that wait (`Prefer: wait`)
-//! are never batched.
+//! Claims and held responses' completes are batched like the state API's group commit, with
+//! no timer, in one lane: a claim (or complete) goes as its stream's own callout when no other
+//! claim or held complete of this worker is on its way (no added wait at low load); otherwise
+//! it queues, and when the one on its way is answered the worker is woken and sends every
+//! queued claim and complete as one `/v1/writes` callout of its own (at most `batch_max` of
+//! each; the tick sends what a lost wake left). A batch's answers reach their streams from the
+//! root context. A stream that ended meanwhile may have been granted its claim: nothing was
+//! forwarded, so the worker releases it. Claims that wait (`Prefer: wait`) are never batched.
 
 pub mod ids;
 pub mod in_flight;
@@ -34,8 +34,8 @@ use crate::flow::{
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use contract::wire::{
-    BatchResponse, ClaimRequest, HeartbeatResponse, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH,
-    COMPLETE_PATH, HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH,
+    BatchResponse, ClaimRequest, HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
+    RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use in_flight::InFlightMemory;
 use registry::Registry;
@@ -203,45 +203,40 @@ enum Purpose {
     Heartbeat(i64),
     /// A handed-over write (by fencing token).
     Write(i64),
-    /// The worker's `/v1/claims` (its claims are in `Worker::batches`).
-    ClaimBatch,
-    /// The worker's `/v1/completes` (its streams are in `Worker::batches`).
-    CompleteBatch,
+    /// The worker's `/v1/writes` (what it carries is in `Worker::batches`).
+    Batch,
 }
 
 impl Purpose {
     fn stream(self) -> Option<StreamId> {
         match self {
             Purpose::Claim(s) | Purpose::StreamWrite(s) | Purpose::Reconcile(s) => Some(s),
-            Purpose::Heartbeat(_)
-            | Purpose::Write(_)
-            | Purpose::ClaimBatch
-            | Purpose::CompleteBatch => None,
+            Purpose::Heartbeat(_) | Purpose::Write(_) | Purpose::Batch => None,
         }
     }
 
-    fn claims(self) -> bool {
-        matches!(self, Purpose::Claim(_) | Purpose::ClaimBatch)
-    }
-
-    /// A held response's write (complete or release).
-    fn holds(self) -> bool {
-        matches!(self, Purpose::StreamWrite(_) | Purpose::CompleteBatch)
+    /// In the batching lane: a stream's claim or held response's write (complete or
+    /// release), or a batch.
+    fn in_lane(self) -> bool {
+        matches!(
+            self,
+            Purpose::Claim(_) | Purpose::StreamWrite(_) | Purpose::Batch
+        )
     }
 }
 
-/// Most bytes of completes in one `/v1/completes` (a larger complete goes alone): well inside
-/// the state API's request limit, which is 64 KiB over its largest stored body.
+/// Most bytes of claims and completes in one `/v1/writes` (a larger complete goes alone): well
+/// inside the state API's request limit, which is 64 KiB over its largest stored body.
 pub const BATCH_WRITE_BYTES: usize = 60 * 1024;
 
 /// What a batch callout carries.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Batch {
-    Claims(Vec<BatchedClaim>),
-    Completes(Vec<BatchedWrite>),
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Batch {
+    claims: Vec<BatchedClaim>,
+    completes: Vec<BatchedWrite>,
 }
 
-/// A held response's complete that waits for the worker's next `/v1/completes`.
+/// A held response's complete that waits for the worker's next `/v1/writes`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct BatchedWrite {
     stream: StreamId,
@@ -249,7 +244,7 @@ struct BatchedWrite {
     body: Vec<u8>,
 }
 
-/// A stream's claim that waits for the worker's next `/v1/claims`, or is in it.
+/// A stream's claim that waits for the worker's next `/v1/writes`, or is in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct BatchedClaim {
     stream: StreamId,
@@ -277,9 +272,9 @@ pub struct Usage {
     pub running_keys: usize,
     /// Streams whose claim waits for a running key.
     pub waiters: usize,
-    /// Claims queued for the next `/v1/claims`, and in the ones on their way.
+    /// Claims queued for the next `/v1/writes`, and in the ones on their way.
     pub batched_claims: usize,
-    /// Completes queued for the next `/v1/completes`, and in the ones on their way.
+    /// Completes queued for the next `/v1/writes`, and in the ones on their way.
     pub batched_writes: usize,
 }
 
@@ -298,15 +293,14 @@ pub struct Worker {
     /// Streams whose claim waits at the state API for a running key (`Prefer: wait`), at
     /// most `max_waiters`: answered at once when this worker sees the key complete.
     waiting: Vec<Waiter>,
-    /// Claims that queued while another claim was on its way, oldest first.
+    /// Claims that queued while another write was on its way, oldest first.
     claim_queue: Vec<BatchedClaim>,
-    /// Held responses' completes that queued while another was on its way, oldest first.
+    /// Held responses' completes that queued while another write was on its way, oldest first.
     complete_queue: Vec<BatchedWrite>,
-    /// What each `/v1/claims` and `/v1/completes` on its way carries, in the order sent.
-    /// Few at a time, so a list.
+    /// What each `/v1/writes` on its way carries, in the order sent. Few at a time, so a list.
     batches: Vec<(CallId, Batch)>,
     /// Claims and completes queue for batches (`batch_max` over 1, and the state API serves
-    /// them: one older than `/v1/claims` answers 404, and batching stops).
+    /// them: one older than `/v1/writes` answers 404, and batching stops).
     batching: bool,
     /// The worker's own callouts on their way (their answers come to the root context): few,
     /// so a list.
@@ -366,8 +360,18 @@ impl Worker {
             replay_bytes: self.replays.bytes(),
             running_keys: self.in_flight.len(),
             waiters: self.waiting.len(),
-            batched_claims: self.claim_queue.len() + self.in_batches(false),
-            batched_writes: self.complete_queue.len() + self.in_batches(true),
+            batched_claims: self.claim_queue.len()
+                + self
+                    .batches
+                    .iter()
+                    .map(|(_, b)| b.claims.len())
+                    .sum::<usize>(),
+            batched_writes: self.complete_queue.len()
+                + self
+                    .batches
+                    .iter()
+                    .map(|(_, b)| b.completes.len())
+                    .sum::<usize>(),
         }
     }
 
@@ -391,34 +395,19 @@ impl Worker {
         self.flows.get(&stream).is_some_and(Flow::awaits_response)
     }
 
-    /// The streams whose claims a `/v1/claims` callout carries, in order (for the simulation).
-    pub fn batch_streams(&self, call: CallId) -> Option<Vec<StreamId>> {
-        match self
-            .batches
-            .iter()
-            .find(|(id, _)| *id == call)
-            .map(|(_, b)| b)?
-        {
-            Batch::Claims(b) => Some(b.iter().map(|c| c.stream).collect()),
-            Batch::Completes(_) => None,
-        }
+    /// The streams whose claims, and whose completes, a `/v1/writes` callout carries, in
+    /// order (for the simulation).
+    pub fn batch_streams(&self, call: CallId) -> Option<(Vec<StreamId>, Vec<StreamId>)> {
+        let (_, b) = self.batches.iter().find(|(id, _)| *id == call)?;
+        Some((
+            b.claims.iter().map(|c| c.stream).collect(),
+            b.completes.iter().map(|w| w.stream).collect(),
+        ))
     }
 
     fn take_batch(&mut self, id: CallId) -> Option<Batch> {
         let i = self.batches.iter().position(|(b, _)| *b == id)?;
         Some(self.batches.swap_remove(i).1)
-    }
-
-    /// Requests in the batches on their way: completes, or claims.
-    fn in_batches(&self, completes: bool) -> usize {
-        self.batches
-            .iter()
-            .map(|(_, b)| match b {
-                Batch::Claims(c) if !completes => c.len(),
-                Batch::Completes(s) if completes => s.len(),
-                _ => 0,
-            })
-            .sum()
     }
 
     /// The state of a stream's flow, for logs and tests.
@@ -559,6 +548,19 @@ impl Worker {
         }
     }
 
+    /// `apply` for a stream driven from the root context: its verdict is not the root's.
+    fn apply_from_root(
+        &mut self,
+        flow: &mut Flow,
+        turn: Turn,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        let mut one = Step::cont();
+        self.apply(flow, turn, now_ms, &mut one);
+        effects.append(&mut one.effects);
+    }
+
     /// Routes a stream's call: answered from memory, taken over, or dispatched on the stream.
     fn call(
         &mut self,
@@ -603,8 +605,7 @@ impl Worker {
                     ));
                 }
                 let wait_ms = request.wait_ms.unwrap_or(0);
-                let behind = self.claims_on_their_way() > 0 || !self.claim_queue.is_empty();
-                if wait_ms == 0 && self.batching && behind {
+                if wait_ms == 0 && self.batching && self.lane_behind() {
                     self.claim_queue.push(BatchedClaim { stream, request });
                     return None;
                 }
@@ -649,8 +650,7 @@ impl Worker {
                         ),
                     ));
                 }
-                let behind = self.holds_on_their_way() > 0 || !self.complete_queue.is_empty();
-                if self.batching && behind && body.len() <= BATCH_WRITE_BYTES {
+                if self.batching && self.lane_behind() && body.len() <= BATCH_WRITE_BYTES {
                     self.complete_queue.push(BatchedWrite { stream, body });
                     return None;
                 }
@@ -705,42 +705,45 @@ impl Worker {
         }
     }
 
-    /// Claim callouts of this worker on their way that a queued claim waits for (a claim that
-    /// waits at the state API for a running key does not count: it may take seconds).
-    fn claims_on_their_way(&self) -> usize {
+    /// Writes of this worker on their way in the batching lane (a claim that waits at the
+    /// state API for a running key does not count: it may take seconds).
+    fn lane_on_its_way(&self) -> usize {
         self.calls
             .values()
-            .filter(|p| p.claims())
+            .filter(|p| p.in_lane())
             .count()
             .saturating_sub(self.waiting.len())
     }
 
-    /// Held responses' writes of this worker on their way that a queued complete waits for.
-    fn holds_on_their_way(&self) -> usize {
-        self.calls.values().filter(|p| p.holds()).count()
+    /// A claim or held complete made now queues: the lane has a write on its way, or others
+    /// queued before it.
+    fn lane_behind(&self) -> bool {
+        self.lane_on_its_way() > 0 || self.queued()
     }
 
-    /// Asks for a wake when claims or completes are queued and none of their kind is on its
+    fn queued(&self) -> bool {
+        !self.claim_queue.is_empty() || !self.complete_queue.is_empty()
+    }
+
+    /// Asks for a wake when claims or completes are queued and nothing in the lane is on its
     /// way any more (batches go from the root context).
     fn wake_for_batches(&mut self, effects: &mut Vec<Effect>) {
-        let claims = !self.claim_queue.is_empty() && self.claims_on_their_way() == 0;
-        let completes = !self.complete_queue.is_empty() && self.holds_on_their_way() == 0;
-        if (claims || completes) && !self.wake_pending {
+        if self.queued() && self.lane_on_its_way() == 0 && !self.wake_pending {
             self.wake_pending = true;
             effects.push(Effect::Wake);
         }
     }
 
-    /// Sends every queued claim and complete (root context only).
+    /// Sends every queued claim and complete (root context only): as `/v1/writes` callouts
+    /// of the worker, each within `batch_max` claims, `batch_max` completes and
+    /// [`BATCH_WRITE_BYTES`], or one callout each once batching stopped.
     fn send_batches(&mut self, effects: &mut Vec<Effect>) {
-        self.send_claims(effects);
-        self.send_completes(effects);
-    }
-
-    /// Sends the queued completes as `/v1/completes` callouts of the worker, each within
-    /// `batch_max` completes and [`BATCH_WRITE_BYTES`].
-    fn send_completes(&mut self, effects: &mut Vec<Effect>) {
         if !self.batching {
+            for c in std::mem::take(&mut self.claim_queue) {
+                let body = crate::flow::to_json(&*c.request);
+                let purpose = Purpose::Claim(c.stream);
+                self.dispatch_state_api(Owner::Worker, purpose, CLAIM_PATH, body, effects);
+            }
             for w in std::mem::take(&mut self.complete_queue) {
                 let purpose = Purpose::StreamWrite(w.stream);
                 self.dispatch_state_api(Owner::Worker, purpose, COMPLETE_PATH, w.body, effects);
@@ -750,151 +753,89 @@ impl Worker {
         let most = usize::try_from(self.cfg.batch_max)
             .unwrap_or(usize::MAX)
             .max(1);
-        while !self.complete_queue.is_empty() {
-            let mut n = 0;
+        while self.queued() {
+            let claims: Vec<Vec<u8>> = self
+                .claim_queue
+                .iter()
+                .take(most)
+                .map(|c| crate::flow::to_json(&*c.request))
+                .collect();
             let mut bytes = 0;
-            while let Some(next) = self.complete_queue.get(n) {
-                if n == most || (n > 0 && bytes + next.body.len() > BATCH_WRITE_BYTES) {
-                    break;
+            let claimed = fitting(claims.iter().map(Vec::len), &mut bytes);
+            let completes = self.complete_queue.iter().take(most).map(|w| w.body.len());
+            let completed = fitting(completes, &mut bytes);
+            let batch = Batch {
+                claims: self.claim_queue.drain(..claimed).collect(),
+                completes: self.complete_queue.drain(..completed).collect(),
+            };
+            let mut body = json_list("{\"claims\":[", claims.into_iter().take(claimed));
+            body.extend(json_list(
+                "],\"completes\":[",
+                batch.completes.iter().map(|w| w.body.clone()),
+            ));
+            body.extend_from_slice(b"]}");
+            for (n, batches, batched) in [
+                (claimed, Metric::ClaimBatches, Metric::ClaimsBatched),
+                (completed, Metric::CompleteBatches, Metric::CompletesBatched),
+            ] {
+                if n > 0 {
+                    effects.push(Effect::Count(batches));
                 }
-                bytes += next.body.len() + 1;
-                n += 1;
+                for _ in 0..n {
+                    effects.push(Effect::Count(batched));
+                }
             }
-            let batch: Vec<BatchedWrite> = self.complete_queue.drain(..n.max(1)).collect();
-            // The completes are JSON documents already: the batch is their list.
-            let body = json_list("completes", batch.iter().map(|w| w.body.clone()));
-            effects.push(Effect::Count(Metric::CompleteBatches));
-            for _ in 0..batch.len() {
-                effects.push(Effect::Count(Metric::CompletesBatched));
-            }
-            let call = self.state_api_call(COMPLETES_PATH, body, 0);
-            let id = self.dispatch(Owner::Worker, Purpose::CompleteBatch, call, effects);
-            self.batches.push((id, Batch::Completes(batch)));
+            let call = self.state_api_call(WRITES_PATH, body, 0);
+            let id = self.dispatch(Owner::Worker, Purpose::Batch, call, effects);
+            self.batches.push((id, batch));
         }
     }
 
-    /// The answer to a `/v1/completes`: each item goes to its stream as the answer to its own
-    /// complete. A stream that ended meanwhile handed its write over to the worker already.
-    fn completes_answered(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
+    /// The answer to a `/v1/writes`: each claim's and each complete's answer goes to its
+    /// stream, as if it were the answer to its own callout. A stream that ended meanwhile
+    /// and was granted its claim forwarded nothing: the key is released. One that ended with
+    /// its complete on the way handed the write over to the worker already.
+    fn batch_answered(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
         let mut step = Step::cont();
-        let Some(Batch::Completes(batch)) = self.take_batch(id) else {
+        let Some(Batch { claims, completes }) = self.take_batch(id) else {
             return step;
         };
-        if self.refuses_batches(&result, COMPLETES_PATH, &mut step.effects) {
-            self.complete_queue.extend(batch);
+        if matches!(result, CalloutResult::Response { status: 404, .. }) {
+            // A state API older than batches: this worker stops batching, and what it
+            // queued goes one callout each.
+            self.batching = false;
+            step.effects.push(Effect::Log(
+                Level::Warn,
+                format!("the state API has no {WRITES_PATH} (404: older): no more batches on this worker"),
+            ));
+            let live = claims
+                .into_iter()
+                .filter(|c| self.flows.contains_key(&c.stream));
+            self.claim_queue.extend(live);
+            self.complete_queue.extend(completes);
             self.send_batches(&mut step.effects);
             return step;
         }
-        let streams: Vec<StreamId> = batch.into_iter().map(|w| w.stream).collect();
-        let answers: Vec<WriteAnswer> = match &result {
+        let (claim_answers, write_answers): (Vec<ClaimAnswer>, Vec<WriteAnswer>) = match &result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                match BatchResponse::read_writes(body, streams.len()) {
-                    Ok(items) => items.into_iter().map(WriteAnswer::of_item).collect(),
+                match BatchResponse::read_both(body, claims.len(), completes.len()) {
+                    Ok((c, w)) => (
+                        c.into_iter().map(ClaimAnswer::of_item).collect(),
+                        w.into_iter().map(WriteAnswer::of_item).collect(),
+                    ),
                     Err(e) => {
                         let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
-                        streams.iter().map(|_| WriteAnswer::of(&failed)).collect()
+                        every(&claims, &completes, &failed)
                     }
                 }
             }
-            whole => streams.iter().map(|_| WriteAnswer::of(whole)).collect(),
+            whole => every(&claims, &completes, whole),
         };
-        for (stream, answer) in streams.into_iter().zip(answers) {
-            if let Some(mut flow) = self.flows.remove(&stream) {
-                let turn = flow.on_write(&self.cfg, answer);
-                let mut one = Step::cont();
-                self.apply(&mut flow, turn, now_ms, &mut one);
-                step.effects.append(&mut one.effects);
-                self.flows.insert(stream, flow);
-            }
-        }
-        self.send_batches(&mut step.effects);
-        step
-    }
-
-    /// A state API older than batches answers 404: this worker stops batching, and what it
-    /// queued goes one callout each.
-    fn refuses_batches(
-        &mut self,
-        result: &CalloutResult,
-        path: &str,
-        effects: &mut Vec<Effect>,
-    ) -> bool {
-        if !matches!(result, CalloutResult::Response { status: 404, .. }) {
-            return false;
-        }
-        self.batching = false;
-        effects.push(Effect::Log(
-            Level::Warn,
-            format!("the state API has no {path} (404: older): no more batches on this worker"),
-        ));
-        true
-    }
-
-    /// Sends the queued claims as `/v1/claims` callouts of the worker (root context only), or
-    /// one `/v1/claim` each once batching stopped.
-    fn send_claims(&mut self, effects: &mut Vec<Effect>) {
-        if !self.batching {
-            for c in std::mem::take(&mut self.claim_queue) {
-                let body = crate::flow::to_json(&*c.request);
-                let purpose = Purpose::Claim(c.stream);
-                self.dispatch_state_api(Owner::Worker, purpose, CLAIM_PATH, body, effects);
-            }
-            return;
-        }
-        let most = usize::try_from(self.cfg.batch_max)
-            .unwrap_or(usize::MAX)
-            .max(1);
-        while !self.claim_queue.is_empty() {
-            let n = self.claim_queue.len().min(most);
-            let batch: Vec<BatchedClaim> = self.claim_queue.drain(..n).collect();
-            let body = json_list(
-                "claims",
-                batch.iter().map(|c| crate::flow::to_json(&*c.request)),
-            );
-            let call = self.state_api_call(CLAIMS_PATH, body, 0);
-            effects.push(Effect::Count(Metric::ClaimBatches));
-            for _ in 0..batch.len() {
-                effects.push(Effect::Count(Metric::ClaimsBatched));
-            }
-            let id = self.dispatch(Owner::Worker, Purpose::ClaimBatch, call, effects);
-            self.batches.push((id, Batch::Claims(batch)));
-        }
-    }
-
-    /// The answer to a `/v1/claims`: each claim's answer goes to its stream, as if it were the
-    /// answer to its own callout. A stream that ended meanwhile and was granted its claim
-    /// forwarded nothing: the key is released.
-    fn claims_answered(&mut self, id: CallId, result: CalloutResult, now_ms: u64) -> Step {
-        let mut step = Step::cont();
-        let Some(Batch::Claims(batch)) = self.take_batch(id) else {
-            return step;
-        };
-        if self.refuses_batches(&result, CLAIMS_PATH, &mut step.effects) {
-            let mut batch = batch;
-            batch.retain(|c| self.flows.contains_key(&c.stream));
-            self.claim_queue.extend(batch);
-            self.send_batches(&mut step.effects);
-            return step;
-        }
-        let answers: Vec<ClaimAnswer> = match &result {
-            CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                match BatchResponse::read_claims(body, batch.len()) {
-                    Ok(items) => items.into_iter().map(ClaimAnswer::of_item).collect(),
-                    Err(e) => {
-                        let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
-                        batch.iter().map(|_| ClaimAnswer::of(&failed)).collect()
-                    }
-                }
-            }
-            whole => batch.iter().map(|_| ClaimAnswer::of(whole)).collect(),
-        };
-        for (claim, answer) in batch.into_iter().zip(answers) {
+        for (claim, answer) in claims.into_iter().zip(claim_answers) {
             match self.flows.remove(&claim.stream) {
                 Some(mut flow) => {
                     let turn = flow.on_claim(&self.cfg, answer);
-                    let mut one = Step::cont();
-                    self.apply(&mut flow, turn, now_ms, &mut one);
-                    step.effects.append(&mut one.effects);
+                    self.apply_from_root(&mut flow, turn, now_ms, &mut step.effects);
                     self.flows.insert(claim.stream, flow);
                 }
                 None => {
@@ -902,6 +843,13 @@ impl Worker {
                         self.release_unused(&claim.request, token, now_ms, &mut step.effects);
                     }
                 }
+            }
+        }
+        for (write, answer) in completes.into_iter().zip(write_answers) {
+            if let Some(mut flow) = self.flows.remove(&write.stream) {
+                let turn = flow.on_write(&self.cfg, answer);
+                self.apply_from_root(&mut flow, turn, now_ms, &mut step.effects);
+                self.flows.insert(write.stream, flow);
             }
         }
         self.send_batches(&mut step.effects);
@@ -1143,7 +1091,7 @@ impl Worker {
         self.in_root = in_root;
         let mut step = self.answered(id, purpose, result, now_ms);
         self.in_root = false;
-        if purpose.claims() || purpose.holds() {
+        if purpose.in_lane() {
             self.wake_for_batches(&mut step.effects);
         }
         step
@@ -1180,8 +1128,7 @@ impl Worker {
                     effects,
                 }
             }
-            Purpose::ClaimBatch => self.claims_answered(id, result, now_ms),
-            Purpose::CompleteBatch => self.completes_answered(id, result, now_ms),
+            Purpose::Batch => self.batch_answered(id, result, now_ms),
         }
     }
 
@@ -1425,20 +1372,42 @@ impl Worker {
     }
 }
 
-/// A batch's body: `{"<name>":[...]}` around JSON documents.
-fn json_list(name: &str, items: impl Iterator<Item = Vec<u8>>) -> Vec<u8> {
-    let mut body = Vec::new();
-    body.extend_from_slice(b"{\"");
-    body.extend_from_slice(name.as_bytes());
-    body.extend_from_slice(b"\":[");
+/// `opening` and then JSON documents, separated by commas.
+fn json_list(opening: &str, items: impl Iterator<Item = Vec<u8>>) -> Vec<u8> {
+    let mut body = opening.as_bytes().to_vec();
     for (i, item) in items.enumerate() {
         if i > 0 {
             body.push(b',');
         }
         body.extend_from_slice(&item);
     }
-    body.extend_from_slice(b"]}");
     body
+}
+
+/// How many of the next items (by size) fit in a batch that holds `bytes` already, within
+/// [`BATCH_WRITE_BYTES`]; `bytes` grows by theirs. The first item of a batch always goes.
+fn fitting(sizes: impl Iterator<Item = usize>, bytes: &mut usize) -> usize {
+    let mut n = 0;
+    for size in sizes {
+        if *bytes > 0 && *bytes + size > BATCH_WRITE_BYTES {
+            break;
+        }
+        *bytes += size + 1;
+        n += 1;
+    }
+    n
+}
+
+/// The same answer for every claim and complete of a batch (its callout failed whole).
+fn every(
+    claims: &[BatchedClaim],
+    completes: &[BatchedWrite],
+    result: &CalloutResult,
+) -> (Vec<ClaimAnswer>, Vec<WriteAnswer>) {
+    (
+        claims.iter().map(|_| ClaimAnswer::of(result)).collect(),
+        completes.iter().map(|_| WriteAnswer::of(result)).collect(),
+    )
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
-//! Claims batched like the state API's group commit: the claims that queue while one is on
-//! its way go as one `/v1/claims` callout of the worker, and each stream gets its own answer.
+//! Claims and held completes batched like the state API's group commit: those that queue
+//! while one is on its way go as one `/v1/writes` callout of the worker, and each stream gets
+//! its own answer.
 
 use super::*;
-use contract::wire::{BatchItem, BatchResponse, CLAIMS_PATH, COMPLETES_PATH};
+use contract::wire::{BatchItem, BatchResponse, WRITES_PATH};
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -12,7 +13,7 @@ fn batching(most: u64) -> Harness {
 
 impl Harness {
     /// A claim of `first` that goes alone, then `queued` (key, path) queued behind it; once the
-    /// first is granted `token`, the queue goes as one `/v1/claims`, returned with its streams.
+    /// first is granted `token`, the queue goes as one `/v1/writes`, returned with its streams.
     fn claims_batched(
         &mut self,
         first: &str,
@@ -26,12 +27,12 @@ impl Harness {
             .map(|(key, path)| self.keyed(key, path, ONE).0)
             .collect();
         self.answer(&own, claimed(token));
-        let batch = self.wake().dispatch(CLAIMS_PATH).clone();
+        let batch = self.wake().dispatch(WRITES_PATH).clone();
         (streams, batch)
     }
 
     /// Three claimed streams (tokens 1, 2, 3) answered 201: the first's complete goes alone,
-    /// and once it is stored the other two go as one `/v1/completes`, returned.
+    /// and once it is stored the other two go as one `/v1/writes`, returned.
     fn completes_batched(&mut self) -> (StreamId, StreamId, Dispatch) {
         let (a, _) = self.claimed_key("a", "/checkout", b"{}", 1);
         let (b, _) = self.claimed_key("b", "/checkout", b"{}", 2);
@@ -43,7 +44,7 @@ impl Harness {
         self.ok_response(b, "201", true);
         self.ok_response(c, "201", true);
         self.answer(&own, written());
-        let batch = self.wake().dispatch(COMPLETES_PATH).clone();
+        let batch = self.wake().dispatch(WRITES_PATH).clone();
         (b, c, batch)
     }
 
@@ -54,7 +55,7 @@ impl Harness {
 
 const ONE: &[u8] = br#"{"amount":1}"#;
 
-/// The claims a `/v1/claims` carries.
+/// The claims a `/v1/writes` carries.
 fn batched(d: &Dispatch) -> Vec<ClaimRequest> {
     let v: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
     serde_json::from_value(v["claims"].clone()).unwrap()
@@ -125,11 +126,11 @@ fn claims_queued_behind_one_on_its_way_go_as_one_worker_callout_and_each_stream_
     assert!(resumes(&step, a));
     assert!(step.effects.contains(&Effect::Wake), "{step:?}");
     let step = t.wake();
-    let batch = step.dispatch(CLAIMS_PATH).clone();
+    let batch = step.dispatch(WRITES_PATH).clone();
     assert_eq!(batch.owner, Owner::Worker);
     let keys: Vec<String> = batched(&batch).into_iter().map(|c| c.key).collect();
     assert_eq!(keys, ["b", "c", "d"]);
-    assert_eq!(t.w.batch_streams(batch.id), Some(vec![b, c, d]));
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![b, c, d], vec![])));
     assert_eq!(
         step.counts(),
         [
@@ -175,8 +176,8 @@ fn a_claim_granted_after_its_stream_ended_is_released_and_a_queued_one_is_never_
     // c's client goes before anything was sent for it.
     t.done(c);
     t.answer(&own, claimed(1));
-    let batch = t.wake().dispatch(CLAIMS_PATH).clone();
-    assert_eq!(t.w.batch_streams(batch.id), Some(vec![b]));
+    let batch = t.wake().dispatch(WRITES_PATH).clone();
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![b], vec![])));
     // b's client goes while its claim is on the way; the state API grants it all the same.
     t.done(b);
     let step = t.answer(&batch, batch_answer(&[(200, granted(7))]));
@@ -249,10 +250,16 @@ fn claims_that_wait_go_alone_and_batches_keep_to_their_bound() {
         .collect();
     t.answer(&own, claimed(1));
     let step = t.wake();
-    let batches = step.dispatches(CLAIMS_PATH);
+    let batches = step.dispatches(WRITES_PATH);
     assert_eq!(batches.len(), 2, "{step:?}");
-    assert_eq!(t.w.batch_streams(batches[0].id), Some(queued[..2].to_vec()));
-    assert_eq!(t.w.batch_streams(batches[1].id), Some(queued[2..].to_vec()));
+    assert_eq!(
+        t.w.batch_streams(batches[0].id),
+        Some((queued[..2].to_vec(), vec![]))
+    );
+    assert_eq!(
+        t.w.batch_streams(batches[1].id),
+        Some((queued[2..].to_vec(), vec![]))
+    );
 }
 
 #[test]
@@ -263,8 +270,8 @@ fn a_claim_queued_behind_a_callout_that_never_answers_goes_at_the_next_tick() {
     let (b, _) = t.keyed("b", "/checkout", ONE);
     t.advance(t.w.tick_period_ms());
     let step = t.tick();
-    let batch = step.dispatch(CLAIMS_PATH);
-    assert_eq!(t.w.batch_streams(batch.id), Some(vec![b]));
+    let batch = step.dispatch(WRITES_PATH);
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![b], vec![])));
 }
 
 fn resumes_response(step: &Seen, s: StreamId) -> bool {
@@ -273,7 +280,7 @@ fn resumes_response(step: &Seen, s: StreamId) -> bool {
         .any(|e| matches!(e, Effect::ResumeResponse { stream } if *stream == s))
 }
 
-/// The completes a `/v1/completes` carries.
+/// The completes a `/v1/writes` carries.
 fn batched_completes(d: &Dispatch) -> Vec<CompleteRequest> {
     let v: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
     serde_json::from_value(v["completes"].clone()).unwrap()
@@ -305,7 +312,7 @@ fn held_completes_queued_behind_one_on_its_way_go_as_one_worker_callout() {
     assert!(resumes_response(&step, a));
     assert!(step.effects.contains(&Effect::Wake));
     let step = t.wake();
-    let batch = step.dispatch(COMPLETES_PATH).clone();
+    let batch = step.dispatch(WRITES_PATH).clone();
     assert_eq!(batch.owner, Owner::Worker);
     let tokens: Vec<i64> = batched_completes(&batch).iter().map(|c| c.token).collect();
     assert_eq!(tokens, [2, 3]);
@@ -405,7 +412,7 @@ fn a_state_api_without_batches_gets_each_claim_and_complete_alone_from_then_on()
     let (s, batch) = t.claims_batched("a", &[("b", "/checkout"), ("c", "/checkout")], 1);
     let (b, c) = (s[0], s[1]);
     t.done(c);
-    // An older state API: 404 for /v1/claims. b's claim goes alone (c's stream is gone).
+    // An older state API: 404 for /v1/writes. b's claim goes alone (c's stream is gone).
     let step = t.answer(&batch, status(404, br#"{"detail":"no route"}"#));
     let alone = step.dispatch(CLAIM_PATH).clone();
     assert_eq!(alone.owner, Owner::Worker);
@@ -456,4 +463,56 @@ fn completes_refused_as_a_batch_by_an_older_state_api_go_alone() {
     assert!(alone.iter().all(|d| d.owner == Owner::Worker));
     assert!(resumes_response(&t.answer(&alone[0], written()), b));
     assert!(resumes_response(&t.answer(&alone[1], written()), c));
+}
+
+#[test]
+fn claims_and_completes_share_one_lane_and_go_in_one_callout() {
+    let mut t = batching(32);
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
+    let own = t
+        .ok_response(a, "201", true)
+        .dispatch(COMPLETE_PATH)
+        .clone();
+    // A new claim queues behind the held complete on its way, and so does c's complete.
+    let (b, step) = t.keyed("b", "/checkout", ONE);
+    assert!(!step.claims(), "{step:?}");
+    assert!(t
+        .ok_response(c, "201", true)
+        .dispatches(COMPLETE_PATH)
+        .is_empty());
+    let step = t.answer(&own, written());
+    assert!(resumes_response(&step, a));
+    let step = t.wake();
+    let batch = step.dispatch(WRITES_PATH).clone();
+    assert_eq!(batch.owner, Owner::Worker);
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![b], vec![c])));
+    assert_eq!(batched(&batch)[0].key, "b");
+    assert_eq!(batched_completes(&batch)[0].token, 3);
+    assert_eq!(
+        step.counts(),
+        [
+            Metric::ClaimBatches,
+            Metric::ClaimsBatched,
+            Metric::CompleteBatches,
+            Metric::CompletesBatched
+        ]
+    );
+    // The claims' answers come first, then the completes'.
+    let stored = serde_json::to_value(WriteResponse::completed(86_400_000)).unwrap();
+    let step = t.answer(&batch, batch_answer(&[(200, granted(4)), (200, stored)]));
+    assert!(resumes(&step, b) && resumes_response(&step, c), "{step:?}");
+    assert!(t.w.awaits_response(b));
+    // An answer with an item short is no answer: e's claim fails (503).
+    let (d, _) = t.claimed_key("d", "/checkout", b"{}", 5);
+    let own = t
+        .ok_response(d, "201", true)
+        .dispatch(COMPLETE_PATH)
+        .clone();
+    let (e, _) = t.keyed("e", "/checkout", ONE);
+    t.answer(&own, written());
+    let batch = t.wake().dispatch(WRITES_PATH).clone();
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![e], vec![])));
+    let step = t.answer(&batch, batch_answer(&[]));
+    assert_eq!(replies_to(&step, e).status, 503);
 }
