@@ -37,15 +37,26 @@ impl Harness {
         let (a, _) = self.claimed_key("a", "/checkout", b"{}", 1);
         let (b, _) = self.claimed_key("b", "/checkout", b"{}", 2);
         let (c, _) = self.claimed_key("c", "/checkout", b"{}", 3);
-        let own = self
-            .ok_response(a, "201", true)
-            .dispatch(COMPLETE_PATH)
-            .clone();
+        let own = self.own_complete(a);
         self.ok_response(b, "201", true);
         self.ok_response(c, "201", true);
         self.answer(&own, written());
         let batch = self.wake().dispatch(WRITES_PATH).clone();
         (b, c, batch)
+    }
+
+    /// `s` answered 201: its complete, on its way alone (nothing else is in the lane).
+    fn own_complete(&mut self, s: StreamId) -> Dispatch {
+        self.ok_response(s, "201", true)
+            .dispatch(COMPLETE_PATH)
+            .clone()
+    }
+
+    /// `s` answered 201 while the lane is busy: its complete queues.
+    fn queued_complete(&mut self, s: StreamId) -> bool {
+        self.ok_response(s, "201", true)
+            .dispatches(COMPLETE_PATH)
+            .is_empty()
     }
 
     fn wake(&mut self) -> Seen {
@@ -292,10 +303,7 @@ fn held_completes_queued_behind_one_on_its_way_go_as_one_worker_callout() {
     let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
     let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
     let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
-    let own = t
-        .ok_response(a, "201", true)
-        .dispatch(COMPLETE_PATH)
-        .clone();
+    let own = t.own_complete(a);
     assert_eq!(own.owner, Owner::Stream(a));
     for s in [b, c] {
         let step = t.ok_response(s, "201", true);
@@ -386,15 +394,9 @@ fn a_complete_too_large_to_batch_goes_alone() {
     let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
     let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
     let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
-    let own = t
-        .ok_response(a, "201", true)
-        .dispatch(COMPLETE_PATH)
-        .clone();
+    let own = t.own_complete(a);
     // A small one queues behind it.
-    assert!(t
-        .ok_response(b, "201", true)
-        .dispatches(COMPLETE_PATH)
-        .is_empty());
+    assert!(t.queued_complete(b));
     // One over BATCH_WRITE_BYTES (70,000 bytes, base64 in the complete) goes at once, alone.
     let big = vec![b'x'; 70_000];
     t.ok_response(c, "200", false);
@@ -431,14 +433,8 @@ fn a_state_api_without_batches_gets_each_claim_and_complete_alone_from_then_on()
     // Nor a complete behind another.
     let (x, _) = t.claimed_key("x", "/checkout", b"{}", 5);
     let (y, _) = t.claimed_key("y", "/checkout", b"{}", 6);
-    assert!(!t
-        .ok_response(x, "201", true)
-        .dispatches(COMPLETE_PATH)
-        .is_empty());
-    assert!(!t
-        .ok_response(y, "201", true)
-        .dispatches(COMPLETE_PATH)
-        .is_empty());
+    assert!(!t.queued_complete(x));
+    assert!(!t.queued_complete(y));
 }
 
 #[test]
@@ -470,17 +466,11 @@ fn claims_and_completes_share_one_lane_and_go_in_one_callout() {
     let mut t = batching(32);
     let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
     let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
-    let own = t
-        .ok_response(a, "201", true)
-        .dispatch(COMPLETE_PATH)
-        .clone();
+    let own = t.own_complete(a);
     // A new claim queues behind the held complete on its way, and so does c's complete.
     let (b, step) = t.keyed("b", "/checkout", ONE);
     assert!(!step.claims(), "{step:?}");
-    assert!(t
-        .ok_response(c, "201", true)
-        .dispatches(COMPLETE_PATH)
-        .is_empty());
+    assert!(t.queued_complete(c));
     let step = t.answer(&own, written());
     assert!(resumes_response(&step, a));
     let step = t.wake();
@@ -505,10 +495,7 @@ fn claims_and_completes_share_one_lane_and_go_in_one_callout() {
     assert!(t.w.awaits_response(b));
     // An answer with an item short is no answer: e's claim fails (503).
     let (d, _) = t.claimed_key("d", "/checkout", b"{}", 5);
-    let own = t
-        .ok_response(d, "201", true)
-        .dispatch(COMPLETE_PATH)
-        .clone();
+    let own = t.own_complete(d);
     let (e, _) = t.keyed("e", "/checkout", ONE);
     t.answer(&own, written());
     let batch = t.wake().dispatch(WRITES_PATH).clone();
