@@ -721,7 +721,7 @@ async fn writes(
     let (claims, completes) = (batch.claims.len(), batch.completes.len());
     if claims + completes == 0 || claims > most || completes > most {
         return Err(bad(format!(
-            "writes: {claims} claims and {completes} completes; a batch has 1 to {most} of each, at least one in all"
+            "writes: {claims} claims and {completes} completes; a batch has at most {most} of each, and at least one item"
         )));
     }
     refuse_waits(&batch.claims)?;
