@@ -230,7 +230,7 @@ impl Purpose {
 pub const BATCH_WRITE_BYTES: usize = 60 * 1024;
 
 /// What a batch callout carries.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Batch {
     claims: Vec<BatchedClaim>,
     completes: Vec<BatchedWrite>,
