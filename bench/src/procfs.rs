@@ -160,6 +160,11 @@ pub fn irq_ticks() -> u64 {
     nums.get(5).copied().unwrap_or(0) + nums.get(6).copied().unwrap_or(0)
 }
 
+/// Ticks in which the hypervisor ran other guests while this VM's CPUs wanted to run (steal).
+pub fn steal_ticks() -> u64 {
+    machine_cpu_ticks().get(7).copied().unwrap_or(0)
+}
+
 /// Clock ticks per second (`getconf CLK_TCK`, 100 on Linux).
 pub fn clk_tck() -> f64 {
     std::process::Command::new("getconf")

@@ -340,6 +340,11 @@ impl Report {
             .iter()
             .map(|r| r.cpu.other_cores)
             .fold(0.0, f64::max);
+        let max_steal = i
+            .results
+            .iter()
+            .map(|r| r.cpu.steal_cores)
+            .fold(0.0, f64::max);
         let machine = BTreeMap::from([
             ("cpus", crate::procfs::cpu_count().to_string()),
             (
@@ -357,6 +362,7 @@ impl Report {
                 ),
             ),
             ("max_other_work_cores_in_a_run", format!("{max_other:.2}")),
+            ("max_steal_cores_in_a_run", format!("{max_steal:.2}")),
             (
                 "kernel",
                 std::fs::read_to_string("/proc/sys/kernel/osrelease")
@@ -631,10 +637,10 @@ impl Report {
              are its own mean time per request, from its /metrics histogram, and how many claims and \
              completes shared one statement and commit (group commit; 1.00: each ran alone).\n"
         );
-        let _ = writeln!(out, "| scenario | conns | Envoy µs | state API µs | checkout µs | Postgres µs | load gen µs | irq µs | total µs | Envoy worker busy | other work (cores) | state API ms/claim | ms/complete | requests per statement |");
+        let _ = writeln!(out, "| scenario | conns | Envoy µs | state API µs | checkout µs | Postgres µs | load gen µs | irq µs | total µs | Envoy worker busy | other work (cores) | steal (cores) | state API ms/claim | ms/complete | requests per statement |");
         let _ = writeln!(
             out,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for r in &self.scenarios {
             let envoy_name = match r.scenario.as_str() {
@@ -682,13 +688,14 @@ impl Report {
             let cells: Vec<String> = parts.iter().map(|&c| f(us(c), 0)).collect();
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.label,
                 r.connections,
                 cells.join(" | "),
                 f(us(total), 0),
                 worker,
                 f(r.cpu.other_cores, 2),
+                f(r.cpu.steal_cores, 2),
                 m("claim"),
                 m("complete"),
                 r.cpu
@@ -786,11 +793,14 @@ impl Report {
         let _ = writeln!(out, "\n## How quiet the machine was\n");
         let _ = writeln!(
             out,
-            "Load average before: {}; after: {}. Largest share of the machine taken by other work during a run: {} cores \
-             (a run with more than 0.25 is measured again once, the quieter kept).\n",
+            "Load average before: {}; after: {}. Largest share of the machine taken by other work during a run (busy time not taken by our \
+             processes or interrupts, the hypervisor's steal included): {} cores. \
+             The hypervisor's steal alone, at most: {} cores in a run; what of it is not in other work was charged to our processes \
+             (a run with more than 0.25 cores of other work or of steal is measured again once, the quieter kept).\n",
             self.machine.get("load_before").cloned().unwrap_or_default(),
             self.machine.get("load_after").cloned().unwrap_or_default(),
             self.machine.get("max_other_work_cores_in_a_run").cloned().unwrap_or_default(),
+            self.machine.get("max_steal_cores_in_a_run").cloned().unwrap_or_default(),
         );
         let _ = writeln!(out, "## Method\n");
         let _ = writeln!(
