@@ -599,6 +599,21 @@ impl Report {
                 if g.pass { "pass" } else { "**FAIL**" }
             );
         }
+        let noisy = noisy_runs(
+            self.scenarios
+                .iter()
+                .map(|r| (r.label.as_str(), r.connections, &r.cpu)),
+        );
+        if !noisy.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n**Noisy runs**, still above {} cores of other work or steal after their second attempt: {}. \
+                 A goal that compares one of them with another run is not a result of this run: a baseline measured \
+                 while the hypervisor took its CPU costs more per request, and flatters every ratio against it.",
+                crate::NOISY_CORES,
+                noisy.join("; ")
+            );
+        }
         let _ = writeln!(out, "\n## Memory and size\n");
         let _ = writeln!(out, "| process | VmHWM MiB | VmRSS MiB (end) |");
         let _ = writeln!(out, "|---|---:|---:|");
@@ -956,5 +971,48 @@ impl SerialChain {
                 f(new_us / plain_us.max(1e-9), 2),
             );
         }
+    }
+}
+
+/// The runs still above [`crate::NOISY_CORES`] of other work or steal, as the report names them.
+fn noisy_runs<'a>(
+    runs: impl IntoIterator<Item = (&'a str, usize, &'a crate::CpuUse)>,
+) -> Vec<String> {
+    runs.into_iter()
+        .filter(|(_, _, cpu)| cpu.noise_cores() > crate::NOISY_CORES)
+        .map(|(label, connections, cpu)| {
+            format!(
+                "{label} c={connections} (other work {:.2} cores, steal {:.2})",
+                cpu.other_cores, cpu.steal_cores
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuUse;
+
+    #[test]
+    fn a_run_with_steal_or_other_work_over_the_threshold_is_named_noisy() {
+        let cpu = |other_cores, steal_cores| CpuUse {
+            other_cores,
+            steal_cores,
+            ..CpuUse::default()
+        };
+        let (quiet, stolen, busy) = (cpu(0.05, 0.10), cpu(0.02, 0.27), cpu(0.30, 0.0));
+        let named = noisy_runs([
+            ("plain Envoy", 16, &quiet),
+            ("plain Envoy", 1, &stolen),
+            ("new keys", 16, &busy),
+        ]);
+        assert_eq!(
+            named,
+            [
+                "plain Envoy c=1 (other work 0.02 cores, steal 0.27)",
+                "new keys c=16 (other work 0.30 cores, steal 0.00)",
+            ]
+        );
     }
 }

@@ -46,8 +46,6 @@ const REPLAY_KEYS: usize = 100;
 /// How long a slow request holds its key, and how often a new one takes over.
 const HOLD: Duration = Duration::from_secs(60);
 const RENEW: Duration = Duration::from_secs(40);
-/// Other work above this (cores) makes a minute's latency noise (bench's threshold).
-const NOISY_CORES: f64 = 0.25;
 const BEGIN: &str = "<!-- soak -->";
 const END: &str = "<!-- /soak -->";
 
@@ -937,7 +935,7 @@ impl SoakReport {
             // Latency moves with other work on the machine: say when the two minutes had some.
             let busy: Vec<String> = [&self.minutes[1], &self.minutes[self.minutes.len() - 1]]
                 .iter()
-                .filter(|m| m.other_cores.max(m.steal_cores) > NOISY_CORES)
+                .filter(|m| m.other_cores.max(m.steal_cores) > crate::NOISY_CORES)
                 .map(|m| {
                     format!(
                         "minute {}: other work {:.2} cores, steal {:.2}",
