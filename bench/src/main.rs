@@ -152,11 +152,15 @@ pub struct CpuUse {
     pub state_api_requests_per_statement: Option<f64>,
 }
 
+/// How much of the machine was not ours to measure: other work or the hypervisor's steal,
+/// whichever was larger (they overlap), in cores.
+pub fn noise_cores(other_cores: f64, steal_cores: f64) -> f64 {
+    other_cores.max(steal_cores)
+}
+
 impl CpuUse {
-    /// How much of the machine was not ours to measure: other work or the hypervisor's steal,
-    /// whichever was larger (they overlap).
     pub fn noise_cores(&self) -> f64 {
-        self.other_cores.max(self.steal_cores)
+        noise_cores(self.other_cores, self.steal_cores)
     }
 }
 

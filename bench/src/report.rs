@@ -811,11 +811,12 @@ impl Report {
             "Load average before: {}; after: {}. Largest share of the machine taken by other work during a run (busy time not taken by our \
              processes or interrupts, the hypervisor's steal included): {} cores. \
              The hypervisor's steal alone, at most: {} cores in a run; what of it is not in other work was charged to our processes \
-             (a run with more than 0.25 cores of other work or of steal is measured again once, the quieter kept).\n",
+             (a run with more than {} cores of other work or of steal is measured again once, the quieter kept).\n",
             self.machine.get("load_before").cloned().unwrap_or_default(),
             self.machine.get("load_after").cloned().unwrap_or_default(),
             self.machine.get("max_other_work_cores_in_a_run").cloned().unwrap_or_default(),
             self.machine.get("max_steal_cores_in_a_run").cloned().unwrap_or_default(),
+            crate::NOISY_CORES,
         );
         let _ = writeln!(out, "## Method\n");
         let _ = writeln!(

@@ -935,7 +935,7 @@ impl SoakReport {
             // Latency moves with other work on the machine: say when the two minutes had some.
             let busy: Vec<String> = [&self.minutes[1], &self.minutes[self.minutes.len() - 1]]
                 .iter()
-                .filter(|m| m.other_cores.max(m.steal_cores) > crate::NOISY_CORES)
+                .filter(|m| crate::noise_cores(m.other_cores, m.steal_cores) > crate::NOISY_CORES)
                 .map(|m| {
                     format!(
                         "minute {}: other work {:.2} cores, steal {:.2}",
