@@ -1,14 +1,45 @@
 //! Loopback ports.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago on 127.0.0.1 (the OS picks it).
+/// How many ports `free_port` hands out before it starts over.
+static HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+
+/// A loopback port that was free a moment ago, and that no other call in this process has returned.
+///
+/// The ports come from below the kernel's ephemeral range, walked in order from an offset the
+/// process id sets. Asking the OS for port 0 instead can give the same port twice in a row (once the
+/// first listener closes), and a port from the ephemeral range can be taken by any outgoing
+/// connection's local end before the child that was meant to listen binds it: CI once saw HAProxy
+/// fail to bind the port etcd had just been given.
 pub fn free_port() -> u16 {
+    let (low, high) = unclaimed_range();
+    let size = u32::from(high - low);
+    let offset = std::process::id().wrapping_mul(7919) % size;
+    for _ in 0..size {
+        let n = HANDED_OUT.fetch_add(1, Ordering::Relaxed);
+        let port = low + ((offset + n) % size) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or_else(|e| panic!("cannot bind a loopback port: {e}"))
+}
+
+/// Ports no outgoing connection is given: the span below the ephemeral range (Linux's
+/// `ip_local_port_range`, 32768 by default), down to half its start.
+fn unclaimed_range() -> (u16, u16) {
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .filter(|&start| start >= 4096)
+        .unwrap_or(32768);
+    (ephemeral_start / 2, ephemeral_start)
 }
 
 /// Waits until something accepts TCP connections on 127.0.0.1:`port`.
@@ -67,4 +98,20 @@ fn dechunk(mut body: &str) -> String {
         body = rest[size..].trim_start_matches("\r\n");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_and_below_the_ephemeral_range() {
+        let (_, ephemeral_start) = unclaimed_range();
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "a port was handed out twice");
+        assert!(ports.iter().all(|&p| p < ephemeral_start), "{ports:?}");
+    }
 }
