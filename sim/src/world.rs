@@ -1523,16 +1523,19 @@ impl World {
     /// call or of their item), as for a claim of their own.
     fn note_refused_in_batch(&mut self, c: &Callout, result: &CalloutResult) {
         let w = c.worker;
-        let Some((streams, completes)) = self.workers[w]
+        let Some((streams, _)) = self.workers[w]
             .w
             .as_ref()
             .and_then(|wk| wk.batch_streams(c.id))
         else {
             return;
         };
+        // Held responses' completes and those the worker took over, as sent.
+        let completes = serde_json::from_slice::<contract::wire::WriteBatchRequest>(&c.body)
+            .map_or(0, |b| b.completes.len());
         let refused: Vec<bool> = match result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                contract::wire::BatchResponse::read_both(body, streams.len(), completes.len())
+                contract::wire::BatchResponse::read_both(body, streams.len(), completes)
                     .map(|(items, _)| {
                         items
                             .iter()

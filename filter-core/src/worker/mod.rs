@@ -20,6 +20,10 @@
 //! each; the tick sends what a lost wake left). A batch's answers reach their streams from the
 //! root context. A stream that ended meanwhile may have been granted its claim: nothing was
 //! forwarded, so the worker releases it. Claims that wait (`Prefer: wait`) are never batched.
+//! Completes the worker took over (`complete_in_background`, retries) ride in the lane's
+//! batches too: due ones go in the worker's next `/v1/writes`, and one handed over while the
+//! lane is busy waits for that answer's wake instead of asking for its own. A batch of only
+//! such completes is not in the lane (their responses have gone; no claim waits for them).
 
 pub mod ids;
 pub mod in_flight;
@@ -203,15 +207,19 @@ enum Purpose {
     Heartbeat(i64),
     /// A handed-over write (by fencing token).
     Write(i64),
-    /// The worker's `/v1/writes` (what it carries is in `Worker::batches`).
-    Batch,
+    /// The worker's `/v1/writes` (what it carries is in `Worker::batches`). One that carries
+    /// only completes the worker took over is outside the lane: the next claim does not wait
+    /// for a write whose response has gone already.
+    Batch {
+        lane: bool,
+    },
 }
 
 impl Purpose {
     fn stream(self) -> Option<StreamId> {
         match self {
             Purpose::Claim(s) | Purpose::StreamWrite(s) | Purpose::Reconcile(s) => Some(s),
-            Purpose::Heartbeat(_) | Purpose::Write(_) | Purpose::Batch => None,
+            Purpose::Heartbeat(_) | Purpose::Write(_) | Purpose::Batch { .. } => None,
         }
     }
 
@@ -220,7 +228,7 @@ impl Purpose {
     fn in_lane(self) -> bool {
         matches!(
             self,
-            Purpose::Claim(_) | Purpose::StreamWrite(_) | Purpose::Batch
+            Purpose::Claim(_) | Purpose::StreamWrite(_) | Purpose::Batch { lane: true }
         )
     }
 }
@@ -236,12 +244,30 @@ struct Batch {
     completes: Vec<BatchedWrite>,
 }
 
-/// A held response's complete that waits for the worker's next `/v1/writes`.
+/// A complete that waits for the worker's next `/v1/writes`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct BatchedWrite {
-    stream: StreamId,
+    by: Writer,
     /// The `/v1/complete` body.
     body: Vec<u8>,
+}
+
+/// Whose complete it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writer {
+    /// A held response's stream.
+    Stream(StreamId),
+    /// The worker's: one it took over (`complete_in_background`, a retry), by fencing token.
+    Worker(i64),
+}
+
+impl BatchedWrite {
+    fn stream(&self) -> Option<StreamId> {
+        match self.by {
+            Writer::Stream(s) => Some(s),
+            Writer::Worker(_) => None,
+        }
+    }
 }
 
 /// A stream's claim that waits for the worker's next `/v1/writes`, or is in it.
@@ -295,8 +321,14 @@ pub struct Worker {
     waiting: Vec<Waiter>,
     /// Claims that queued while another write was on its way, oldest first.
     claim_queue: Vec<BatchedClaim>,
-    /// Held responses' completes that queued while another write was on its way, oldest first.
+    /// Held responses' completes that queued while another write was on its way, oldest
+    /// first, then the completes the worker took over that are due (those are queued and sent
+    /// in the same root event).
     complete_queue: Vec<BatchedWrite>,
+    /// A complete was handed over untried while the lane had a write on its way: the answer
+    /// to that write wakes the worker (which sends it), not a wake of its own, so completes
+    /// handed over together go in one callout.
+    handed_await_lane: bool,
     /// What each `/v1/writes` on its way carries, in the order sent. Few at a time, so a list.
     batches: Vec<(CallId, Batch)>,
     /// Claims and completes queue for batches (`batch_max` over 1, and the state API serves
@@ -334,6 +366,7 @@ impl Worker {
             claim_queue: Vec::new(),
             batches: Vec::new(),
             complete_queue: Vec::new(),
+            handed_await_lane: false,
             worker_calls: Vec::new(),
             batching: cfg.batch_max > 1,
             in_root: false,
@@ -401,7 +434,10 @@ impl Worker {
         let (_, b) = self.batches.iter().find(|(id, _)| *id == call)?;
         Some((
             b.claims.iter().map(|c| c.stream).collect(),
-            b.completes.iter().map(|w| w.stream).collect(),
+            b.completes
+                .iter()
+                .filter_map(BatchedWrite::stream)
+                .collect(),
         ))
     }
 
@@ -651,7 +687,8 @@ impl Worker {
                     ));
                 }
                 if self.batching && self.lane_behind() && body.len() <= BATCH_WRITE_BYTES {
-                    self.complete_queue.push(BatchedWrite { stream, body });
+                    let by = Writer::Stream(stream);
+                    self.complete_queue.push(BatchedWrite { by, body });
                     return None;
                 }
                 self.dispatch_state_api(
@@ -725,10 +762,14 @@ impl Worker {
         !self.claim_queue.is_empty() || !self.complete_queue.is_empty()
     }
 
-    /// Asks for a wake when claims or completes are queued and nothing in the lane is on its
-    /// way any more (batches go from the root context).
+    /// Asks for a wake when claims or completes are queued, or a handed-over complete waits
+    /// for the lane, and nothing in the lane is on its way any more (batches go from the root
+    /// context).
     fn wake_for_batches(&mut self, effects: &mut Vec<Effect>) {
-        if self.queued() && self.lane_on_its_way() == 0 && !self.wake_pending {
+        if (self.queued() || self.handed_await_lane)
+            && self.lane_on_its_way() == 0
+            && !self.wake_pending
+        {
             self.wake_pending = true;
             effects.push(Effect::Wake);
         }
@@ -745,7 +786,10 @@ impl Worker {
                 self.dispatch_state_api(Owner::Worker, purpose, CLAIM_PATH, body, effects);
             }
             for w in std::mem::take(&mut self.complete_queue) {
-                let purpose = Purpose::StreamWrite(w.stream);
+                let purpose = match w.by {
+                    Writer::Stream(s) => Purpose::StreamWrite(s),
+                    Writer::Worker(token) => Purpose::Write(token),
+                };
                 self.dispatch_state_api(Owner::Worker, purpose, COMPLETE_PATH, w.body, effects);
             }
             return;
@@ -768,11 +812,16 @@ impl Worker {
                 claims: self.claim_queue.drain(..claimed).collect(),
                 completes: self.complete_queue.drain(..completed).collect(),
             };
-            let mut body = json_list("{\"claims\":[", claims.into_iter().take(claimed));
-            body.extend(json_list(
-                "],\"completes\":[",
-                batch.completes.iter().map(|w| w.body.clone()),
-            ));
+            let mut body = b"{\"claims\":[".to_vec();
+            json_list(
+                &mut body,
+                &mut claims.iter().take(claimed).map(Vec::as_slice),
+            );
+            body.extend_from_slice(b"],\"completes\":[");
+            json_list(
+                &mut body,
+                &mut batch.completes.iter().map(|w| w.body.as_slice()),
+            );
             body.extend_from_slice(b"]}");
             for (n, batches, batched) in [
                 (claimed, Metric::ClaimBatches, Metric::ClaimsBatched),
@@ -786,7 +835,8 @@ impl Worker {
                 }
             }
             let call = self.state_api_call(WRITES_PATH, body, 0);
-            let id = self.dispatch(Owner::Worker, Purpose::Batch, call, effects);
+            let lane = claimed > 0 || batch.completes.iter().any(|w| w.stream().is_some());
+            let id = self.dispatch(Owner::Worker, Purpose::Batch { lane }, call, effects);
             self.batches.push((id, batch));
         }
     }
@@ -816,20 +866,21 @@ impl Worker {
             self.send_batches(&mut step.effects);
             return step;
         }
+        let sent = completes.len();
         let (claim_answers, write_answers): (Vec<ClaimAnswer>, Vec<WriteAnswer>) = match &result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                match BatchResponse::read_both(body, claims.len(), completes.len()) {
+                match BatchResponse::read_both(body, claims.len(), sent) {
                     Ok((c, w)) => (
                         c.into_iter().map(ClaimAnswer::of_item).collect(),
                         w.into_iter().map(WriteAnswer::of_item).collect(),
                     ),
                     Err(e) => {
                         let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
-                        every(&claims, &completes, &failed)
+                        every(claims.len(), sent, &failed)
                     }
                 }
             }
-            whole => every(&claims, &completes, whole),
+            whole => every(claims.len(), sent, whole),
         };
         for (claim, answer) in claims.into_iter().zip(claim_answers) {
             match self.flows.remove(&claim.stream) {
@@ -846,10 +897,17 @@ impl Worker {
             }
         }
         for (write, answer) in completes.into_iter().zip(write_answers) {
-            if let Some(mut flow) = self.flows.remove(&write.stream) {
-                let turn = flow.on_write(&self.cfg, answer);
-                self.apply_from_root(&mut flow, turn, now_ms, &mut step.effects);
-                self.flows.insert(write.stream, flow);
+            match write.by {
+                Writer::Stream(stream) => {
+                    if let Some(mut flow) = self.flows.remove(&stream) {
+                        let turn = flow.on_write(&self.cfg, answer);
+                        self.apply_from_root(&mut flow, turn, now_ms, &mut step.effects);
+                        self.flows.insert(stream, flow);
+                    }
+                }
+                Writer::Worker(token) => {
+                    self.write_answered(token, answer, now_ms, &mut step.effects)
+                }
             }
         }
         self.send_batches(&mut step.effects);
@@ -981,6 +1039,7 @@ impl Worker {
     ) {
         let claim = write.claim.clone();
         let untried = write.untried;
+        let write_path = write.path;
         let keeps_lease = write.keeps_lease();
         match self.writes.add(write, now_ms) {
             Ok(()) => {
@@ -1001,8 +1060,14 @@ impl Worker {
                     }
                 }
                 if untried && !self.wake_pending {
-                    self.wake_pending = true;
-                    effects.push(Effect::Wake);
+                    if self.batching && write_path == COMPLETE_PATH && self.lane_on_its_way() > 0
+                    {
+                        // It goes with the batch the lane's answer wakes the worker for.
+                        self.handed_await_lane = true;
+                    } else {
+                        self.wake_pending = true;
+                        effects.push(Effect::Wake);
+                    }
                 }
             }
             Err(why) if !keeps_lease => effects.push(Effect::Log(
@@ -1122,13 +1187,13 @@ impl Worker {
             },
             Purpose::Write(token) => {
                 let mut effects = Vec::new();
-                self.write_answered(token, result, now_ms, &mut effects);
+                self.write_answered(token, WriteAnswer::of(&result), now_ms, &mut effects);
                 Step {
                     verdict: Verdict::Continue,
                     effects,
                 }
             }
-            Purpose::Batch => self.batch_answered(id, result, now_ms),
+            Purpose::Batch { .. } => self.batch_answered(id, result, now_ms),
         }
     }
 
@@ -1177,14 +1242,19 @@ impl Worker {
         }
     }
 
+    /// The answer to a handed-over write: its own callout's, or its item of a `/v1/writes`.
     fn write_answered(
         &mut self,
         token: i64,
-        result: CalloutResult,
+        answer: WriteAnswer,
         now_ms: u64,
         effects: &mut Vec<Effect>,
     ) {
-        let (verdict, expires_in_ms) = WriteVerdict::of(&result);
+        let WriteAnswer {
+            verdict,
+            expires_in_ms,
+            why,
+        } = answer;
         let falls_back = matches!(verdict, WriteVerdict::Refused(_))
             .then(|| self.writes.fallback_of(token))
             .flatten();
@@ -1197,20 +1267,17 @@ impl Worker {
                 Level::Warn,
                 format!(
                     "complete for {} refused ({}); storing its status alone, not replayable (token {token})",
-                    claim.endpoint,
-                    result.describe()
+                    claim.endpoint, why
                 ),
             ));
         }
         match self.writes.answered(token, verdict, now_ms) {
             None if verdict == WriteVerdict::Failed => {
                 effects.push(Effect::Count(Metric::StateApiErrors));
-                if let CalloutResult::Failed(why) = result {
-                    effects.push(Effect::Log(
-                        Level::Debug,
-                        format!("complete retry failed: {why}"),
-                    ));
-                }
+                effects.push(Effect::Log(
+                    Level::Debug,
+                    format!("complete retry failed: {why}"),
+                ));
             }
             None => {}
             Some(done) => self.write_done(done, expires_in_ms, now_ms, effects),
@@ -1330,6 +1397,7 @@ impl Worker {
                 );
             }
         }
+        self.handed_await_lane = false;
         self.send_writes(now_ms, &mut effects);
         // A wake lost by the host is made up for here, and claims and completes queued behind
         // one that takes long go now.
@@ -1341,6 +1409,7 @@ impl Worker {
     /// The root context was woken ([`Effect::Wake`]): the writes handed over meanwhile go now.
     pub fn on_wake(&mut self, now_ms: u64) -> Vec<Effect> {
         self.wake_pending = false;
+        self.handed_await_lane = false;
         let mut effects = Vec::new();
         self.send_writes(now_ms, &mut effects);
         self.send_batches(&mut effects);
@@ -1361,6 +1430,18 @@ impl Worker {
             if !send.first {
                 effects.push(Effect::Count(Metric::CompleteRetries));
             }
+            if self.batching
+                && send.path == COMPLETE_PATH
+                && send.payload.len() <= BATCH_WRITE_BYTES
+            {
+                // Goes in the `/v1/writes` that `send_batches` makes next.
+                let by = Writer::Worker(send.token);
+                self.complete_queue.push(BatchedWrite {
+                    by,
+                    body: send.payload,
+                });
+                continue;
+            }
             self.dispatch_state_api(
                 Owner::Worker,
                 Purpose::Write(send.token),
@@ -1372,16 +1453,14 @@ impl Worker {
     }
 }
 
-/// `opening` and then JSON documents, separated by commas.
-fn json_list(opening: &str, items: impl Iterator<Item = Vec<u8>>) -> Vec<u8> {
-    let mut body = opening.as_bytes().to_vec();
+/// Appends JSON documents, separated by commas (one instance for every list: the module's size).
+fn json_list(body: &mut Vec<u8>, items: &mut dyn Iterator<Item = &[u8]>) {
     for (i, item) in items.enumerate() {
         if i > 0 {
             body.push(b',');
         }
-        body.extend_from_slice(&item);
+        body.extend_from_slice(item);
     }
-    body
 }
 
 /// How many of the next items (by size) fit in a batch that holds `bytes` already, within
@@ -1400,13 +1479,13 @@ fn fitting(sizes: impl Iterator<Item = usize>, bytes: &mut usize) -> usize {
 
 /// The same answer for every claim and complete of a batch (its callout failed whole).
 fn every(
-    claims: &[BatchedClaim],
-    completes: &[BatchedWrite],
+    claims: usize,
+    completes: usize,
     result: &CalloutResult,
 ) -> (Vec<ClaimAnswer>, Vec<WriteAnswer>) {
     (
-        claims.iter().map(|_| ClaimAnswer::of(result)).collect(),
-        completes.iter().map(|_| WriteAnswer::of(result)).collect(),
+        (0..claims).map(|_| ClaimAnswer::of(result)).collect(),
+        (0..completes).map(|_| WriteAnswer::of(result)).collect(),
     )
 }
 

@@ -12,6 +12,9 @@
 //! Memory is bounded by the total payload bytes (`complete_retry_bytes`): a write that would go
 //! over it is refused at once. At most [`MAX_IN_FLIGHT`] are on their way at a time, oldest
 //! first, and when one is stored the others are sent at the next tick (the state API is back).
+//! The worker sends the due completes of this list in its batches when batching is on (see
+//! the worker's module docs); what this list decides (when, how often, when to give up) is the
+//! same either way.
 
 use super::registry::HeldClaim;
 use super::CalloutResult;

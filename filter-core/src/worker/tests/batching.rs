@@ -368,16 +368,11 @@ fn a_failed_completes_batch_is_retried_by_each_stream_and_a_stream_that_ended_is
     assert!(!resumes_response(&step, b));
     let step = t.answer(&retry, written());
     assert!(resumes_response(&step, b));
-    // c's complete is sent by the worker after its first delay.
+    // c's complete is sent by the worker after its first delay (in the lane, as a batch).
     t.advance(writes::FIRST_DELAY_MS);
     let step = t.tick();
-    let handed = step.dispatch(COMPLETE_PATH);
-    assert_eq!(
-        serde_json::from_slice::<CompleteRequest>(&handed.body)
-            .unwrap()
-            .token,
-        3
-    );
+    let handed = step.dispatch(WRITES_PATH);
+    assert_eq!(batched_completes(handed)[0].token, 3);
 }
 
 #[test]
@@ -502,4 +497,119 @@ fn claims_and_completes_share_one_lane_and_go_in_one_callout() {
     assert_eq!(t.w.batch_streams(batch.id), Some((vec![e], vec![])));
     let step = t.answer(&batch, batch_answer(&[]));
     assert_eq!(replies_to(&step, e).status, 503);
+}
+
+fn batching_in_background() -> Harness {
+    let cfg = with(r#""complete_in_background": true,"#);
+    Harness::new(&cfg.replacen("\"batch_max\": 1,", "\"batch_max\": 32,", 1))
+}
+
+#[test]
+fn completes_taken_over_while_the_lane_is_busy_go_as_one_writes_when_it_answers() {
+    let mut t = batching_in_background();
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 3);
+    // d's claim is on its way: the lane is busy.
+    let (d, step) = t.keyed("d", "/checkout", ONE);
+    let own = step.dispatch(CLAIM_PATH).clone();
+    for s in [a, b, c] {
+        // Each response goes on at once; its complete waits for the lane, no wake of its own.
+        let step = t.ok_response(s, "201", true);
+        assert!(step.resumes_response(), "{step:?}");
+        assert!(step.dispatches(COMPLETE_PATH).is_empty(), "{step:?}");
+        assert!(!step.effects.contains(&Effect::Wake), "{step:?}");
+    }
+    let step = t.answer(&own, claimed(4));
+    assert!(resumes(&step, d));
+    assert!(step.effects.contains(&Effect::Wake), "{step:?}");
+    let step = t.wake();
+    let batch = step.dispatch(WRITES_PATH).clone();
+    assert_eq!(batch.owner, Owner::Worker);
+    assert!(step.dispatches(COMPLETE_PATH).is_empty(), "{step:?}");
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![], vec![])));
+    let tokens: Vec<i64> = batched_completes(&batch).iter().map(|c| c.token).collect();
+    assert_eq!(tokens, [1, 2, 3]);
+    assert_eq!(t.w.usage().batched_writes, 3);
+    // a stored, b fenced out (a newer claim owns its key), c failed (sent again later).
+    let stored = serde_json::to_value(WriteResponse::completed(86_400_000)).unwrap();
+    let fenced = serde_json::json!({"type": "about:blank", "title": "fenced", "status": 409});
+    let failed = serde_json::json!({"type": "about:blank", "title": "down", "status": 503});
+    let step = t.answer(
+        &batch,
+        batch_answer(&[(200, stored), (409, fenced), (503, failed)]),
+    );
+    assert_eq!(
+        step.counts(),
+        [Metric::Completed, Metric::FencedOut, Metric::StateApiErrors]
+    );
+    // d's claim and c's still held: their leases are kept alive.
+    assert_eq!(t.w.usage().claims, 2);
+    assert_eq!(t.w.usage().writes, 1);
+    t.now += writes::FIRST_DELAY_MS * 2;
+    let retry = t.tick().dispatch(WRITES_PATH).clone();
+    assert_eq!(batched_completes(&retry)[0].token, 3);
+    let stored = serde_json::to_value(WriteResponse::completed(86_400_000)).unwrap();
+    let step = t.answer(&retry, batch_answer(&[(200, stored)]));
+    assert_eq!(step.counts(), [Metric::Completed]);
+    assert_eq!(t.w.usage().claims, 1);
+    // a's response is replayed from this worker's memory.
+    let (_, step) = t.keyed("a", "/checkout", b"{}");
+    assert!(step.replied() && !step.claims(), "{step:?}");
+}
+
+#[test]
+fn a_complete_taken_over_while_the_lane_is_idle_goes_at_the_wake_and_the_next_claim_does_not_wait_for_it(
+) {
+    let mut t = batching_in_background();
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let step = t.ok_response(a, "201", true);
+    assert!(
+        step.effects.contains(&Effect::Wake),
+        "the lane is idle: {step:?}"
+    );
+    let batch = t.wake().dispatch(WRITES_PATH).clone();
+    assert_eq!(batched_completes(&batch)[0].token, 1);
+    assert_eq!(t.w.batch_streams(batch.id), Some((vec![], vec![])));
+    // Its response has gone: the next client's claim goes at once, not behind it.
+    let (b, step) = t.keyed("b", "/checkout", ONE);
+    assert_eq!(step.dispatch(CLAIM_PATH).owner, Owner::Stream(b));
+    let stored = serde_json::to_value(WriteResponse::completed(86_400_000)).unwrap();
+    let step = t.answer(&batch, batch_answer(&[(200, stored)]));
+    assert_eq!(step.counts(), [Metric::Completed]);
+    assert!(!step.effects.contains(&Effect::Wake), "{step:?}");
+}
+
+#[test]
+fn completes_taken_over_in_a_batch_an_older_state_api_refuses_go_again_one_each() {
+    let mut t = batching_in_background();
+    let (a, _) = t.claimed_key("a", "/checkout", b"{}", 1);
+    let (b, _) = t.claimed_key("b", "/checkout", b"{}", 2);
+    let (_, step) = t.keyed("d", "/checkout", ONE);
+    let own = step.dispatch(CLAIM_PATH).clone();
+    t.ok_response(a, "201", true);
+    t.ok_response(b, "201", true);
+    t.answer(&own, claimed(4));
+    let batch = t.wake().dispatch(WRITES_PATH).clone();
+    let step = t.answer(&batch, status(404, b"not found"));
+    let again: Vec<&Dispatch> = step.dispatches(COMPLETE_PATH);
+    let tokens: Vec<i64> = again
+        .iter()
+        .map(|d| {
+            serde_json::from_slice::<CompleteRequest>(&d.body)
+                .unwrap()
+                .token
+        })
+        .collect();
+    assert_eq!(tokens, [1, 2]);
+    assert!(again.iter().all(|d| d.owner == Owner::Worker));
+    let (again_a, again_b) = (again[0].clone(), again[1].clone());
+    assert_eq!(t.answer(&again_a, written()).counts(), [Metric::Completed]);
+    assert_eq!(t.answer(&again_b, written()).counts(), [Metric::Completed]);
+    // No more batches on this worker: the next complete it takes over goes alone.
+    let (c, _) = t.claimed_key("c", "/checkout", b"{}", 5);
+    t.ok_response(c, "201", true);
+    let step = t.wake();
+    assert!(step.dispatches(WRITES_PATH).is_empty(), "{step:?}");
+    assert_eq!(step.dispatches(COMPLETE_PATH).len(), 1);
 }
