@@ -292,6 +292,16 @@ fn resumes_response(step: &Seen, s: StreamId) -> bool {
 }
 
 /// The completes a `/v1/writes` carries.
+/// The fencing tokens of `/v1/complete` callouts, in order.
+fn complete_tokens<'a>(ds: impl Iterator<Item = &'a Dispatch>) -> Vec<i64> {
+    ds.map(|d| {
+        serde_json::from_slice::<CompleteRequest>(&d.body)
+            .unwrap()
+            .token
+    })
+    .collect()
+}
+
 fn batched_completes(d: &Dispatch) -> Vec<CompleteRequest> {
     let v: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
     serde_json::from_value(v["completes"].clone()).unwrap()
@@ -442,15 +452,7 @@ fn completes_refused_as_a_batch_by_an_older_state_api_go_alone() {
         .into_iter()
         .cloned()
         .collect();
-    let tokens: Vec<i64> = alone
-        .iter()
-        .map(|d| {
-            serde_json::from_slice::<CompleteRequest>(&d.body)
-                .unwrap()
-                .token
-        })
-        .collect();
-    assert_eq!(tokens, [2, 3]);
+    assert_eq!(complete_tokens(alone.iter()), [2, 3]);
     assert!(alone.iter().all(|d| d.owner == Owner::Worker));
     assert!(resumes_response(&t.answer(&alone[0], written()), b));
     assert!(resumes_response(&t.answer(&alone[1], written()), c));
@@ -593,15 +595,7 @@ fn completes_taken_over_in_a_batch_an_older_state_api_refuses_go_again_one_each(
     let batch = t.wake().dispatch(WRITES_PATH).clone();
     let step = t.answer(&batch, status(404, b"not found"));
     let again: Vec<&Dispatch> = step.dispatches(COMPLETE_PATH);
-    let tokens: Vec<i64> = again
-        .iter()
-        .map(|d| {
-            serde_json::from_slice::<CompleteRequest>(&d.body)
-                .unwrap()
-                .token
-        })
-        .collect();
-    assert_eq!(tokens, [1, 2]);
+    assert_eq!(complete_tokens(again.iter().copied()), [1, 2]);
     assert!(again.iter().all(|d| d.owner == Owner::Worker));
     let (again_a, again_b) = (again[0].clone(), again[1].clone());
     assert_eq!(t.answer(&again_a, written()).counts(), [Metric::Completed]);
