@@ -866,21 +866,20 @@ impl Worker {
             self.send_batches(&mut step.effects);
             return step;
         }
-        let sent = completes.len();
         let (claim_answers, write_answers): (Vec<ClaimAnswer>, Vec<WriteAnswer>) = match &result {
             CalloutResult::Response { status, body, .. } if (200..300).contains(status) => {
-                match BatchResponse::read_both(body, claims.len(), sent) {
+                match BatchResponse::read_both(body, claims.len(), completes.len()) {
                     Ok((c, w)) => (
                         c.into_iter().map(ClaimAnswer::of_item).collect(),
                         w.into_iter().map(WriteAnswer::of_item).collect(),
                     ),
                     Err(e) => {
                         let failed = CalloutResult::Failed(format!("unreadable batch answer: {e}"));
-                        every(claims.len(), sent, &failed)
+                        every(claims.len(), completes.len(), &failed)
                     }
                 }
             }
-            whole => every(claims.len(), sent, whole),
+            whole => every(claims.len(), completes.len(), whole),
         };
         for (claim, answer) in claims.into_iter().zip(claim_answers) {
             match self.flows.remove(&claim.stream) {
