@@ -1037,6 +1037,20 @@ impl Worker {
         effects: &mut Vec<Effect>,
     ) {
         let claim = write.claim.clone();
+        if self.registry.is_fenced(claim.token) {
+            // A heartbeat already found a newer claim owning the key: this write can only be
+            // fenced out, and the response it carries is not the key's outcome (it may be the
+            // upstream refusing this stale token), so retries must not be answered with it.
+            self.registry.remove(claim.token);
+            effects.push(Effect::Log(
+                Level::Warn,
+                format!(
+                    "{} for {} not sent: a newer claim owns the key (token {})",
+                    write.path, claim.endpoint, claim.token
+                ),
+            ));
+            return;
+        }
         let untried = write.untried;
         let write_path = write.path;
         let keeps_lease = write.keeps_lease();
@@ -1212,11 +1226,14 @@ impl Worker {
             }
             CalloutResult::Response { status: 409, .. } => {
                 // A newer claim owns the key: stop extending this one, and stop completing it.
-                self.registry.remove(token);
                 let pending = self.writes.remove(token);
                 if let Some(claim) = &pending {
+                    self.registry.remove(token);
                     self.replays
                         .remove(&ids::id(&claim.key, &claim.subject, &claim.endpoint));
+                } else {
+                    // Its stream still runs: what it hands over later is dropped (`hand_over`).
+                    self.registry.fence(token);
                 }
                 vec![
                     Effect::Count(Metric::FencedOut),

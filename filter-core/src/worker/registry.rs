@@ -27,6 +27,9 @@ struct Entry {
     last_ms: u64,
     /// A heartbeat for it is awaiting its answer.
     pending: bool,
+    /// A heartbeat found a newer claim owning the key: no more heartbeats, and whatever the
+    /// claim's stream hands over later can only be fenced out (`Registry::fence`).
+    fenced: bool,
 }
 
 /// The lease a claim's route asks for and its heartbeat interval.
@@ -57,9 +60,15 @@ impl Registry {
             terms,
             last_ms: now_ms,
             pending: false,
+            fenced: false,
         };
         match self.find(token) {
-            Some(e) => *e = entry,
+            // Once fenced, always fenced: no grant makes the token the newest again.
+            Some(e) => {
+                let fenced = e.fenced;
+                *e = entry;
+                e.fenced = fenced;
+            }
             None => self.entries.push(entry),
         }
     }
@@ -80,6 +89,22 @@ impl Registry {
         self.entries.iter().any(|e| e.claim.token == token)
     }
 
+    /// A heartbeat of `token` was fenced out while its stream still runs: the entry stays,
+    /// without heartbeats, until the stream ends, so that what it hands over then is known to
+    /// be a late owner's.
+    pub fn fence(&mut self, token: i64) {
+        if let Some(e) = self.find(token) {
+            e.fenced = true;
+            e.pending = false;
+        }
+    }
+
+    pub fn is_fenced(&self, token: i64) -> bool {
+        self.entries
+            .iter()
+            .any(|e| e.claim.token == token && e.fenced)
+    }
+
     /// How often a claim's lease is extended: every `heartbeat_ms`, or every half of the lease
     /// the state API granted when that is shorter (so one lost heartbeat never lets it run out).
     /// Ticking every `tick_ms`, a heartbeat goes `tick_ms` early so the gap never exceeds it.
@@ -95,7 +120,10 @@ impl Registry {
     pub fn due(&mut self, now_ms: u64, tick_ms: u64, namespace: &str) -> Vec<HeartbeatRequest> {
         let mut out = Vec::new();
         for e in self.entries.iter_mut() {
-            if !e.pending && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms) {
+            if !e.pending
+                && !e.fenced
+                && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms)
+            {
                 e.pending = true;
                 e.last_ms = now_ms;
                 out.push(HeartbeatRequest {
@@ -115,7 +143,7 @@ impl Registry {
     pub fn next_due(&self, tick_ms: u64) -> Option<u64> {
         self.entries
             .iter()
-            .filter(|e| !e.pending)
+            .filter(|e| !e.pending && !e.fenced)
             .map(|e| e.last_ms.saturating_add(Self::threshold(e, tick_ms)))
             .min()
     }

@@ -2070,6 +2070,43 @@ fn a_handed_over_complete_answers_retries_on_this_worker_while_it_waits() {
     assert_eq!(t.send(s, "/checkout", "user-1", b"[]").reply().status, 422);
 }
 
+#[test]
+fn a_late_owner_fenced_by_its_heartbeat_answers_no_retry_with_its_response() {
+    // Found by the simulation (seed 7001329883): the lease ran out, a retry elsewhere took the
+    // key over with a larger token, the upstream refused this stream's stale token with a 409,
+    // and the client left while that 409's complete was on its way. Handed over, the 409 was
+    // replayed to the next retry on this worker although nothing had executed.
+    let mut t = Harness::new(CONFIG);
+    let (s, _) = t.claimed("/checkout", b"{}", 42);
+    t.advance(7_500);
+    let step = t.tick();
+    let hb = step.dispatch(HEARTBEAT_PATH).clone();
+    let step = t.answer(&hb, status(409, b"{}"));
+    assert_eq!(step.counts(), vec![Metric::FencedOut]);
+    assert!(
+        t.tick().dispatches(HEARTBEAT_PATH).is_empty(),
+        "a fenced claim is not extended"
+    );
+    t.response_headers(
+        s,
+        &h(&[
+            (":status", "409"),
+            ("content-type", "application/problem+json"),
+        ]),
+        "via_upstream",
+        0,
+        false,
+    );
+    let step = t.response_body(s, 2, true, &mut |_| Some(b"no".to_vec()));
+    step.dispatch(COMPLETE_PATH);
+    t.done(s);
+    let u = t.w.usage();
+    assert_eq!((u.claims, u.writes, u.replay_bytes), (0, 0, 0));
+    // The retry asks the state API, which knows the newer owner.
+    let s = t.stream();
+    assert!(t.send(s, "/checkout", "user-1", b"{}").claims());
+}
+
 // ---------------------------------------------------------------------------------------------
 // In-progress keys answered from memory
 
