@@ -176,6 +176,14 @@ pub struct Config {
     #[arg(long, env = "STATE_API_MAX_REQUEST_MS", default_value_t = 35_000)]
     pub max_request_ms: u64,
 
+    /// Threads that run requests (0: one per CPU). One by default: the state API waits on
+    /// Postgres far more than it computes (about 50 µs of CPU per new key under load), and with
+    /// two threads each request woke both (the idle one to look for work), which cost a new key
+    /// 15 % of its latency at low load (bench/NOTES.md, sixteenth round). Raise it when one
+    /// state API serves enough Envoys to keep a core busy.
+    #[arg(long, env = "STATE_API_WORKER_THREADS", default_value_t = 1)]
+    pub worker_threads: usize,
+
     /// HTTPS on `--listen` (`--tls-cert`, `--tls-key`, `--tls-client-ca`); plain HTTP without.
     #[command(flatten)]
     pub tls: crate::tls::TlsArgs,
@@ -432,6 +440,12 @@ mod tests {
             ])),
             None
         );
+    }
+
+    #[test]
+    fn one_worker_thread_by_default() {
+        assert_eq!(parse(&[]).worker_threads, 1);
+        assert_eq!(parse(&["--worker-threads", "0"]).worker_threads, 0);
     }
 
     #[test]

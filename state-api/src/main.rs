@@ -23,11 +23,22 @@ fn init_tracing(json: bool) {
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let config = Config::parse();
     init_tracing(config.log_json);
-    match run(config).await {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    // 0: tokio's default (TOKIO_WORKER_THREADS, else one per CPU).
+    if config.worker_threads > 0 {
+        runtime.worker_threads(config.worker_threads);
+    }
+    let runtime = match runtime.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("state-api: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");
