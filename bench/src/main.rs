@@ -674,10 +674,25 @@ fn real_main() -> Result<(), String> {
         None
     };
     // The seeds' own design, on the same Postgres (scenarios seed_new and seed_inflight).
-    let seed = if wanted("seed_new") || wanted("seed_inflight") {
+    let seed = if wanted("seed_new") || wanted("seed_inflight") || wanted("seed_edge") {
         Some(peer::SeedNode::start(&stack, &stack.dir)?)
     } else {
         None
+    };
+    // The seeds' design as it would be deployed by an Envoy user: behind the same Envoy and
+    // jwt_authn as ours, with no idempotency filter (scenario seed_edge).
+    let seed_edge = match &seed {
+        Some(s) if wanted("seed_edge") => {
+            let mut p = plain_params(&stack);
+            p.checkout_port = s.port;
+            Some(Envoy::start_with_template(
+                &jwt_template,
+                p,
+                &stack.dir,
+                "envoy-seed",
+            )?)
+        }
+        _ => None,
     };
     let wasm_bytes = std::fs::metadata(stack::envoy::filter_wasm()?)
         .map(|m| m.len())
@@ -721,6 +736,11 @@ fn real_main() -> Result<(), String> {
     }
     if let Some(s) = &seed {
         procs.named.push(("seed-node", s.pid));
+    }
+    if let Some(e) = &seed_edge {
+        procs
+            .named
+            .push(("envoy-seed", find(e.params.listen_port, "envoy-seed")?));
     }
     eprintln!(
         "bench: stack up in {:.1} s; logs in {}",
@@ -826,6 +846,13 @@ fn real_main() -> Result<(), String> {
                 "POST /checkout, new key, to the seeds' in-app claim (Node + pg, same Postgres; no Envoy)",
                 "201, not replayed",
                 seed.as_ref().map(|s| s.port),
+            ),
+            (
+                "seed_edge",
+                "seed design behind Envoy",
+                "POST /checkout, new key, through an Envoy with jwt_authn (no idempotency filter) to the seeds' in-app claim",
+                "201, not replayed",
+                seed_edge.as_ref().map(port),
             ),
         ];
         for (id, label, op, expect, target) in fresh_keys {
@@ -1070,6 +1097,9 @@ fn real_main() -> Result<(), String> {
     }
     if let Some((_, envoy)) = &tls_hop {
         envoys.push(("envoy-tls", envoy));
+    }
+    if let Some(e) = &seed_edge {
+        envoys.push(("envoy-seed", e));
     }
     for (name, envoy) in envoys {
         // With the filter's batch counters: how many claims and completes shared a callout.

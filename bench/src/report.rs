@@ -664,12 +664,14 @@ impl Report {
                 "new_bg" => "envoy-bg",
                 "new_single" => "envoy-single",
                 "new_tls" => "envoy-tls",
+                "seed_edge" => "envoy-seed",
                 _ => "envoy",
             };
             let state_api_name = state_api_process(&r.scenario);
-            // The seed design has no Envoy and no state API: its Node app is in the checkout column.
+            // The seed design has no state API (and no Envoy but in seed_edge): its Node app is
+            // in the checkout column.
             let seed = r.scenario.starts_with("seed_");
-            let direct = r.scenario.starts_with("state_api") || seed;
+            let direct = r.scenario.starts_with("state_api") || (seed && r.scenario != "seed_edge");
             let us = |cores: f64| cores / r.rate.max(1e-9) * 1e6;
             let p = |k: &str| r.cpu.processes.get(k).copied().unwrap_or(0.0);
             let envoy = if direct { 0.0 } else { p(envoy_name) };
@@ -823,7 +825,7 @@ impl Report {
             out,
             "Run it with `make bench` (builds the release binaries and the filter first). Knobs, as environment \
              variables: `BENCH_SECONDS` (8), `BENCH_WARMUP_SECONDS` (2), `BENCH_CONNECTIONS` (1,16), \
-             `BENCH_SCENARIOS` (plain,jwt,new,new_bg,new_single,new_tls,seed_new,replay,inflight,seed_inflight,state_api_dup,state_api,waiting,pgbench,purge; seed_* start the seeds' Node design, which needs node and npm), \
+             `BENCH_SCENARIOS` (plain,jwt,new,new_bg,new_single,new_tls,seed_new,replay,inflight,seed_inflight,state_api_dup,state_api,waiting,pgbench,purge,seed_edge; seed_* start the seeds' Node design, which needs node and npm), \
              `BENCH_PURGE_ROWS` (300000: the purge scenario's backlog), \
              `BENCH_WAITERS` (16: clients of the waiting scenario), \
              `BENCH_STATE_API_ENV` (e.g. STATE_API_POOL_PING=false), `BENCH_QUIET_WAIT_SECONDS` (90: how long to \
@@ -899,7 +901,8 @@ impl Report {
 /// second (each one wakes it from idle). Both read from this run's 1-connection scenarios.
 #[derive(Debug, Clone)]
 pub struct SerialChain {
-    /// (label, p50 ms, CPU ms per request, machine cores busy) of plain, new keys and the seed.
+    /// (label, p50 ms, CPU ms per request, machine cores busy) of plain, new keys and the seed
+    /// (alone and behind Envoy).
     rows: Vec<(String, f64, f64, f64)>,
     /// The checkout's CPU per request (µs) and requests/s: (plain run, new-key run).
     checkout: Option<((f64, f64), (f64, f64))>,
@@ -913,7 +916,7 @@ impl Report {
                 .find(|r| r.scenario == s && r.connections == 1 && r.rate > 0.0)
         };
         let cpu_ms = |r: &ScenarioResult| (r.cpu.machine_cores - r.cpu.other_cores) / r.rate * 1e3;
-        let rows: Vec<_> = ["plain", "new", "seed_new"]
+        let rows: Vec<_> = ["plain", "new", "seed_new", "seed_edge"]
             .into_iter()
             .filter_map(at1)
             .map(|r| (r.label.clone(), r.p50_ms, cpu_ms(r), r.cpu.machine_cores))
