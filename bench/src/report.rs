@@ -658,23 +658,24 @@ impl Report {
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for r in &self.scenarios {
+            // The Envoy a scenario goes through; none for those sent straight at the state API
+            // or at the seed design.
             let envoy_name = match r.scenario.as_str() {
-                "plain" => "envoy-plain",
-                "jwt" => "envoy-jwt",
-                "new_bg" => "envoy-bg",
-                "new_single" => "envoy-single",
-                "new_tls" => "envoy-tls",
-                "seed_edge" => "envoy-seed",
-                _ => "envoy",
+                "plain" => Some("envoy-plain"),
+                "jwt" => Some("envoy-jwt"),
+                "new_bg" => Some("envoy-bg"),
+                "new_single" => Some("envoy-single"),
+                "new_tls" => Some("envoy-tls"),
+                "seed_edge" => Some("envoy-seed"),
+                s if s.starts_with("state_api") || s.starts_with("seed_") => None,
+                _ => Some("envoy"),
             };
             let state_api_name = state_api_process(&r.scenario);
-            // The seed design has no state API (and no Envoy but in seed_edge): its Node app is
-            // in the checkout column.
+            // The seed design has no state API: its Node app is in the checkout column.
             let seed = r.scenario.starts_with("seed_");
-            let direct = r.scenario.starts_with("state_api") || (seed && r.scenario != "seed_edge");
             let us = |cores: f64| cores / r.rate.max(1e-9) * 1e6;
             let p = |k: &str| r.cpu.processes.get(k).copied().unwrap_or(0.0);
-            let envoy = if direct { 0.0 } else { p(envoy_name) };
+            let envoy = envoy_name.map_or(0.0, p);
             let parts = [
                 envoy,
                 if seed { 0.0 } else { p(state_api_name) },
@@ -692,15 +693,15 @@ impl Report {
                     .map(|v| f(v, 3))
                     .unwrap_or_else(|| "-".into())
             };
-            let worker = if direct {
-                "-".into()
-            } else {
-                r.cpu
+            let worker = match envoy_name {
+                None => "-".into(),
+                Some(name) => r
+                    .cpu
                     .envoy_worker_cores
-                    .get(envoy_name)
+                    .get(name)
                     .copied()
                     .map(|v| f(v, 2))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
             };
             let cells: Vec<String> = parts.iter().map(|&c| f(us(c), 0)).collect();
             let _ = writeln!(

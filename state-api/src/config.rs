@@ -176,7 +176,7 @@ pub struct Config {
     #[arg(long, env = "STATE_API_MAX_REQUEST_MS", default_value_t = 35_000)]
     pub max_request_ms: u64,
 
-    /// Threads that run requests (0: one per CPU). One by default: the state API waits on
+    /// Threads that run requests (0: tokio's default, `TOKIO_WORKER_THREADS` or one per CPU). One by default: the state API waits on
     /// Postgres far more than it computes (about 50 µs of CPU per new key under load), and with
     /// two threads each request woke both (the idle one to look for work), which cost a new key
     /// 15 % of its latency at low load (bench/NOTES.md, sixteenth round). Raise it when one
