@@ -162,7 +162,9 @@ demo: tools-run build-release
 
 .PHONY: clean-demo
 clean-demo:
-	rm -rf .run/demo .demo
+	@$(CARGO) build --locked --release -q -p edge
+	target/release/edge clean --dir .run/demo
+	rm -rf .demo
 
 # Operator actions on the running demo's records, with the demo's admin token (idemctl --help):
 #   make admin ARGS="list --state unknown --older-than 1m"

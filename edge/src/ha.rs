@@ -134,15 +134,17 @@ pub fn check_installed() -> Result<(), String> {
 impl HaCluster {
     /// A throwaway cluster on free ports (tests).
     pub fn start() -> Result<Self, String> {
-        Self::launch(unique_temp_dir()?, HaPorts::free(), true)
+        let root = crate::data_home::throwaway_home(unique_temp_dir()?, unprivileged_ids()?)?;
+        Self::launch(root, HaPorts::free(), true)
     }
 
     /// A cluster in `dir` that keeps its data across runs (the demo, `edge run`).
     pub fn start_at(dir: &Path, ports: HaPorts) -> Result<Self, String> {
-        fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        let root = dir
-            .canonicalize()
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let root = crate::data_home::cluster_home(dir, unprivileged_ids()?, |d| {
+            ["node1", "node2"]
+                .iter()
+                .any(|n| d.join(n).join("data/PG_VERSION").is_file())
+        })?;
         Self::launch(root, ports, false)
     }
 

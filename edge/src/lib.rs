@@ -3,6 +3,7 @@
 //! and supervises Postgres (embedded, unless the file names one), the state API and Envoy.
 
 pub mod config;
+pub mod data_home;
 pub mod envoy;
 pub mod ha;
 pub mod net;

@@ -1,4 +1,5 @@
-//! `edge check|render|run --config FILE`, and `edge with-postgres -- COMMAND` for the tools.
+//! `edge check|render|run --config FILE`, `edge clean --dir DIR`, and `edge with-postgres --
+//! COMMAND` for the tools.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -37,6 +38,12 @@ enum Command {
         /// The CA bundle for https:// upstreams.
         #[arg(long, default_value = edge::render::DEFAULT_CA_FILE)]
         ca_file: String,
+    },
+    /// Remove a run folder (a stopped `edge run`'s) and the cluster data it links to outside
+    /// the tree (as root, when the folder was closed to the `postgres` user).
+    Clean {
+        #[arg(long)]
+        dir: PathBuf,
     },
     /// Start Postgres (embedded unless the file names one), the state API and Envoy; restart a
     /// part that dies; stop everything on Ctrl-C or SIGTERM.
@@ -97,6 +104,18 @@ fn main() -> ExitCode {
             wasm,
             ha,
         } => run(&config, dir, wasm, ha),
+        Command::Clean { dir } => match edge::data_home::remove_run_folder(&dir) {
+            Ok(removed) => {
+                for path in removed {
+                    println!("removed {}", path.display());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
     }
 }
 

@@ -113,13 +113,14 @@ impl TempCluster {
 
     fn start_private_with(tls: Option<ServerTls>) -> Result<Self, String> {
         let bin = find_bin_dir()?;
+        let run_as = unprivileged_ids()?;
         let mut last_err = String::new();
         // A free port can be taken between our probe and the server's bind: try a few.
         // (A failed attempt removes its directory when its guard drops.)
         for _ in 0..3 {
             match Local::create(
                 bin.clone(),
-                unique_temp_dir()?,
+                crate::data_home::throwaway_home(unique_temp_dir()?, run_as)?,
                 free_port(),
                 true,
                 tls.clone(),
@@ -139,10 +140,9 @@ impl TempCluster {
     /// only when `dir` holds no cluster yet. Stopped, not removed, when dropped.
     pub fn start_at(dir: &Path, port: u16) -> Result<Self, String> {
         let bin = find_bin_dir()?;
-        fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        let root = dir
-            .canonicalize()
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
+        let root = crate::data_home::cluster_home(dir, unprivileged_ids()?, |d| {
+            d.join("data/PG_VERSION").is_file()
+        })?;
         Local::create(bin, root, port, false, None).map(|local| Self {
             inner: Inner::Local(local),
         })
@@ -390,6 +390,25 @@ impl Local {
         cmd
     }
 
+    /// Why `program` did not start, and what to do: a missing binary is an install hint; a
+    /// folder the server's user cannot enter is named (it runs in `root`, as that user).
+    fn cannot_run(&self, program: &str, e: &std::io::Error) -> String {
+        let path = self.bin.join(program);
+        if e.kind() == std::io::ErrorKind::NotFound {
+            return format!("cannot run {}: {e} ({INSTALL_HINT})", path.display());
+        }
+        match self.run_as.and_then(|(uid, gid)| {
+            crate::data_home::first_closed(&self.root, uid, gid).map(|c| (uid, c))
+        }) {
+            Some((uid, closed)) => format!(
+                "cannot run {program} as uid {uid}: it cannot enter {closed}, on the way to {}; \
+                 let that user through (chmod o+x) or run from a folder it can reach",
+                self.root.display()
+            ),
+            None => format!("cannot run {}: {e}", path.display()),
+        }
+    }
+
     fn initdb(&self, throwaway: bool) -> Result<(), String> {
         let data = self.root.join("data");
         let mut cmd = self.command("initdb");
@@ -403,9 +422,7 @@ impl Local {
             // Only skips fsync of the freshly made files; the server itself runs with fsync=on.
             cmd.arg("--no-sync");
         }
-        let out = cmd
-            .output()
-            .map_err(|e| format!("cannot run initdb: {e} ({INSTALL_HINT})"))?;
+        let out = cmd.output().map_err(|e| self.cannot_run("initdb", &e))?;
         if !out.status.success() {
             return Err(format!(
                 "initdb failed in {}: {}{}",

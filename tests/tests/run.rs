@@ -30,6 +30,14 @@ fn main() {
         Trial::test("edge_run_talks_to_the_state_api_over_mutual_tls", || {
             block_on(state_api_over_mutual_tls())
         }),
+        closed_folder_trial(
+            "as_root_edge_run_from_a_closed_folder_keeps_postgres_data_outside_it",
+            false,
+        ),
+        closed_folder_trial(
+            "as_root_edge_run_ha_from_a_closed_folder_keeps_patroni_data_outside_it",
+            true,
+        ),
         Trial::test("rendered_configurations_pass_envoy_validate", || {
             rendered_configs_validate().map_err(Failed::from)
         }),
@@ -118,19 +126,24 @@ struct EdgeRun {
 
 impl EdgeRun {
     fn start(config: &Path, dir: &Path) -> Result<Self, String> {
-        let bin = workspace_binary("edge")?;
-        let stderr = dir.join("edge.stderr");
-        let err = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
-        let mut child = Command::new(&bin)
-            .args(["run", "--config"])
+        let mut cmd = Command::new(workspace_binary("edge")?);
+        cmd.args(["run", "--config"])
             .arg(config)
             .arg("--dir")
-            .arg(dir.join("run"))
+            .arg(dir.join("run"));
+        Self::launch(cmd, dir, Duration::from_secs(90))
+    }
+
+    /// `cmd` (an `edge run`), its stderr in `dir/edge.stderr`, up to its `ready:` line.
+    fn launch(mut cmd: Command, dir: &Path, patience: Duration) -> Result<Self, String> {
+        let stderr = dir.join("edge.stderr");
+        let err = std::fs::File::create(&stderr).map_err(|e| e.to_string())?;
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(err)
             .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+            .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -140,7 +153,7 @@ impl EdgeRun {
                 }
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(90);
+        let deadline = Instant::now() + patience;
         while Instant::now() < deadline {
             match rx.recv_timeout(Duration::from_millis(200)) {
                 Ok(line) if line.starts_with("ready: ") => {
@@ -162,7 +175,8 @@ impl EdgeRun {
         }
         let _ = child.kill();
         Err(format!(
-            "edge run was not ready in 90 s:\n{}",
+            "edge run was not ready in {} s:\n{}",
+            patience.as_secs(),
             std::fs::read_to_string(&stderr).unwrap_or_default()
         ))
     }
@@ -681,4 +695,147 @@ fn bad_files_start_nothing() -> Result<(), String> {
     }
     drop(taken);
     Ok(())
+}
+
+/// Issue 33. As root, the embedded cluster runs as the `postgres` user, who cannot enter a
+/// folder of mode 0700 (`/root`, a private temporary folder): a clone there must still run,
+/// with the cluster's data in a folder of its own outside the tree, linked from the run folder,
+/// kept across runs and removed by `edge clean`. Not root: the cluster runs as this user and
+/// nothing is moved, so there is nothing of this to check (the trial says so, as ignored).
+fn closed_folder_trial(name: &'static str, ha: bool) -> Trial {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    let trial = Trial::test(name, move || block_on(from_a_closed_folder(ha)));
+    if root {
+        trial
+    } else {
+        eprintln!("{name}: needs root (as a normal user Postgres runs as that user, in the tree); run `sudo make test`");
+        trial.with_ignored_flag(true)
+    }
+}
+
+async fn from_a_closed_folder(ha: bool) {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let top = std::env::temp_dir().join(format!(
+        "edge-closed-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    std::fs::create_dir_all(&top).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o700))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let project = top.join("project");
+    let cloned = Command::new("git")
+        .args(["clone", "--quiet", "--depth", "1"])
+        .arg(format!("file://{}", workspace_root().display()))
+        .arg(&project)
+        .status();
+    assert!(
+        cloned.is_ok_and(|s| s.success()),
+        "git clone of {} failed: the test clones the project it runs in (install git)",
+        workspace_root().display()
+    );
+    std::fs::copy(
+        project.join("envoy/demo-jwks.json"),
+        project.join("jwks.json"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let api = OwnApi::start().unwrap_or_else(|e| panic!("{e}"));
+    let p = Ports::free();
+    // --ha puts etcd, Patroni and the nodes on the demo's fixed ports around postgres_port.
+    let postgres_port = if ha { 54329 } else { p.postgres };
+    std::fs::write(
+        project.join("edge.toml"),
+        own_file(&p, &api.url(), &format!("postgres_port = {postgres_port}")),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let start = || {
+        let mut cmd = Command::new(workspace_binary("edge").unwrap_or_else(|e| panic!("{e}")));
+        // The user's way: from the project's folder, the default run folder `.run/edge`.
+        cmd.current_dir(&project)
+            .args(["run", "--config", "edge.toml"]);
+        if ha {
+            cmd.arg("--ha");
+        }
+        EdgeRun::launch(
+            cmd,
+            &project,
+            Duration::from_secs(if ha { 240 } else { 90 }),
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let edge = start();
+    let link = project
+        .join(".run/edge")
+        .join(if ha { "ha" } else { "postgres" });
+    let home = std::fs::read_link(&link).unwrap_or_else(|e| {
+        panic!(
+            "{} should link to the cluster's folder outside the closed tree: {e}\n{}",
+            link.display(),
+            edge.stderr()
+        )
+    });
+    assert!(
+        home.starts_with(edge::data_home::OUTSIDE_BASE),
+        "{}",
+        home.display()
+    );
+    let postgres_uid = Command::new("id")
+        .args(["-u", "postgres"])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<u32>()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0);
+    let meta = std::fs::metadata(&home).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        meta.uid(),
+        postgres_uid,
+        "{} is the server user's",
+        home.display()
+    );
+    assert_eq!(
+        std::fs::metadata(&top)
+            .map(|m| m.permissions().mode() & 0o777)
+            .ok(),
+        Some(0o700),
+        "the user's own folder keeps its mode"
+    );
+    assert!(
+        edge.stderr().contains("is closed to uid"),
+        "edge run says where the data went:\n{}",
+        edge.stderr()
+    );
+
+    let c = Client::new(&format!("http://127.0.0.1:{}", p.listen));
+    let key = unique_key("closed");
+    let first = c.send(order(&key, 7)).await;
+    assert_eq!(first.status, 201, "{}\n{}", first.describe(), edge.stderr());
+    edge.stop().unwrap_or_else(|e| panic!("{e}"));
+
+    // A second run finds its data through the link: the record is replayed.
+    let edge = start();
+    let again = c.send(order(&key, 7)).await;
+    assert!(
+        replayed(&again) && again.body == first.body,
+        "{}\n{}",
+        again.describe(),
+        edge.stderr()
+    );
+    assert_eq!(executions(&api, &key).await, 1);
+    edge.stop().unwrap_or_else(|e| panic!("{e}"));
+
+    let cleaned = Command::new(workspace_binary("edge").unwrap_or_else(|e| panic!("{e}")))
+        .current_dir(&project)
+        .args(["clean", "--dir", ".run/edge"])
+        .status();
+    assert!(cleaned.is_ok_and(|s| s.success()));
+    assert!(!home.exists(), "edge clean removes {}", home.display());
+    assert!(!project.join(".run/edge").exists());
+    let _ = std::fs::remove_dir_all(&top);
 }
