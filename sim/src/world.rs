@@ -11,8 +11,13 @@ use contract::wire::{CLAIM_PATH, FENCING_TOKEN_HEADER, WRITES_PATH};
 use contract::ProblemKind;
 use filter_core::config::Config;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
+use filter_core::host::{Current as HostCurrent, Host};
+use filter_core::metrics::Metric;
 use filter_core::outcome::flags;
-use filter_core::worker::{CallId, CalloutResult, Effect, Owner, StreamId, Worker};
+use filter_core::reply::LocalReply;
+use filter_core::worker::{
+    CallId, CalloutResult, Dispatch, Effect, Level, Owner, StreamId, Worker,
+};
 use std::collections::BTreeSet;
 
 /// The kinds of fault a schedule may inject (all by default).
@@ -243,7 +248,7 @@ pub struct Parked {
     pub until: u64,
 }
 
-/// Where effects are carried out (see the glue's `Current`).
+/// Where effects are carried out (the host's [`HostCurrent`], by stream index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Current {
     Request(usize),
@@ -1691,7 +1696,8 @@ impl World {
         }
     }
 
-    /// Carries out effects like the glue does; returns the callback's verdict.
+    /// Carries out effects with the glue's own rules ([`filter_core::host::perform`]), this
+    /// model of Envoy as the host; returns the callback's verdict.
     fn perform(
         &mut self,
         w: usize,
@@ -1699,167 +1705,19 @@ impl World {
         verdict: Verdict,
         effects: Vec<Effect>,
     ) -> Verdict {
-        let mut verdict = verdict;
-        let mut queue: std::collections::VecDeque<Effect> = effects.into();
-        let stream_of = |world: &World, sid: StreamId| {
-            world.streams.iter().position(|s| {
-                s.worker == w && s.generation == world.workers[w].generation && s.sid == sid
-            })
+        let sid = |s: usize| self.streams[s].sid;
+        let current = match current {
+            Current::Request(s) => HostCurrent::Request(sid(s)),
+            Current::Response(s) => HostCurrent::Response(sid(s)),
+            Current::Stream(s) => HostCurrent::Stream(sid(s)),
+            Current::Root(_) => HostCurrent::Root,
         };
-        let cur_stream = match current {
-            Current::Request(s) | Current::Response(s) | Current::Stream(s) => Some(s),
-            Current::Root(_) => None,
+        let mut envoy = Envoy {
+            world: self,
+            w,
+            current,
         };
-        while let Some(effect) = queue.pop_front() {
-            match effect {
-                Effect::Reply { stream, reply } => {
-                    let Some(s) = stream_of(self, stream) else {
-                        continue;
-                    };
-                    if self.streams[s].forwarded.is_some() && self.streams[s].resp_head_passed {
-                        self.violations.push(format!(
-                            "stream {s}: a local reply after the response began"
-                        ));
-                    }
-                    self.log(format!(
-                        "stream {s}: filter answers {} {}{}",
-                        reply.status,
-                        problem_type(&reply.body),
-                        if reply
-                            .headers
-                            .iter()
-                            .any(|(n, _)| n == "idempotent-replayed")
-                        {
-                            " (replay)"
-                        } else {
-                            ""
-                        }
-                    ));
-                    let st = &mut self.streams[s];
-                    st.client = ClientView {
-                        status: Some(reply.status),
-                        headers: reply.headers,
-                        body: reply.body,
-                        complete: true,
-                        local: true,
-                    };
-                    if Some(s) == cur_stream {
-                        verdict = Verdict::Pause;
-                    }
-                }
-                Effect::SetRequestHeader {
-                    stream,
-                    name,
-                    value,
-                } => {
-                    if let Some(s) = stream_of(self, stream) {
-                        let hs = &mut self.streams[s].headers;
-                        hs.retain(|(n, _)| n != name);
-                        hs.push((name.to_owned(), value));
-                    }
-                }
-                Effect::RemoveRequestHeader { stream, name } => {
-                    if let Some(s) = stream_of(self, stream) {
-                        self.streams[s].headers.retain(|(n, _)| n != name);
-                    }
-                }
-                Effect::ResumeRequest { stream } => {
-                    let Some(s) = stream_of(self, stream) else {
-                        continue;
-                    };
-                    if current == Current::Request(s) {
-                        verdict = Verdict::Continue;
-                    } else {
-                        self.forward(s);
-                    }
-                }
-                Effect::ResumeResponse { stream } => {
-                    let Some(s) = stream_of(self, stream) else {
-                        continue;
-                    };
-                    if current == Current::Response(s) {
-                        verdict = Verdict::Continue;
-                    } else {
-                        self.streams[s].resp_paused = false;
-                        self.pass_response(s);
-                        self.end_if_answered(s);
-                    }
-                }
-                Effect::Dispatch(d) => {
-                    let stream = match d.owner {
-                        Owner::Stream(sid) => stream_of(self, sid),
-                        Owner::Worker => None,
-                    };
-                    let made_here = match d.owner {
-                        Owner::Stream(_) => stream.is_some() && stream == cur_stream,
-                        Owner::Worker => matches!(current, Current::Root(_)),
-                    };
-                    if !made_here {
-                        self.violations.push(format!(
-                            "a callout of {:?} made from {current:?} (Envoy would answer it elsewhere)",
-                            d.owner
-                        ));
-                        continue;
-                    }
-                    let path = d.header(":path").unwrap_or("").to_owned();
-                    let c = Callout {
-                        id: d.id,
-                        worker: w,
-                        generation: self.workers[w].generation,
-                        owner: d.owner,
-                        stream,
-                        cluster: d.cluster.clone(),
-                        path,
-                        headers: d.headers.clone(),
-                        body: d.body,
-                        deadline: self.now + d.timeout_ms,
-                        answer: None,
-                        orphan: false,
-                        parked: None,
-                    };
-                    if self.fault(Faults::CALLOUT) && self.c.chance(2) {
-                        // dispatch_http_call itself fails: the glue answers at once.
-                        let now = self.worker_now(w);
-                        if let Some(step) = self
-                            .call(w, |wk| {
-                                Some(wk.on_callout_answer(
-                                    d.id,
-                                    CalloutResult::Failed("dispatch failed".into()),
-                                    now,
-                                ))
-                            })
-                            .flatten()
-                        {
-                            verdict = step.verdict;
-                            for e in step.effects.into_iter().rev() {
-                                queue.push_front(e);
-                            }
-                        }
-                        continue;
-                    }
-                    self.callouts.push(c);
-                }
-                Effect::Wake => self.workers[w].wake_requested = true,
-                Effect::Count(m) => self.reach(m.name()),
-                Effect::Log(level, msg) => {
-                    let routine = self.quiet && msg.starts_with("heartbeat failed");
-                    if !routine
-                        && matches!(
-                            level,
-                            filter_core::worker::Level::Warn | filter_core::worker::Level::Error
-                        )
-                    {
-                        let msg: String = if msg.len() > 240 {
-                            format!("{}…", msg.chars().take(240).collect::<String>())
-                        } else {
-                            msg
-                        };
-                        self.log(format!("worker {w} logs: {msg}"));
-                    }
-                }
-            }
-        }
-        verdict
+        filter_core::host::perform(&mut envoy, verdict, effects)
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1974,6 +1832,154 @@ impl World {
             }
         }
         Some(self.streams[s].client.clone())
+    }
+}
+
+/// Envoy around one callback of worker `w`: the host the shared interpreter carries the
+/// worker's effects out with.
+struct Envoy<'a> {
+    world: &'a mut World,
+    w: usize,
+    current: HostCurrent,
+}
+
+impl Envoy<'_> {
+    /// The index of stream `sid` of this worker (its current life).
+    fn stream_of(&self, sid: StreamId) -> Option<usize> {
+        let world = &*self.world;
+        let w = self.w;
+        world.streams.iter().position(|s| {
+            s.worker == w && s.generation == world.workers[w].generation && s.sid == sid
+        })
+    }
+}
+
+impl Host for Envoy<'_> {
+    fn current(&self) -> HostCurrent {
+        self.current
+    }
+
+    fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
+        let now = self.world.worker_now(self.w);
+        self.world.call(self.w, |wk| f(wk, now))
+    }
+
+    fn reply(&mut self, stream: StreamId, reply: LocalReply) {
+        let Some(s) = self.stream_of(stream) else {
+            return;
+        };
+        let world = &mut *self.world;
+        if world.streams[s].forwarded.is_some() && world.streams[s].resp_head_passed {
+            world.violations.push(format!(
+                "stream {s}: a local reply after the response began"
+            ));
+        }
+        world.log(format!(
+            "stream {s}: filter answers {} {}{}",
+            reply.status,
+            problem_type(&reply.body),
+            if reply
+                .headers
+                .iter()
+                .any(|(n, _)| n == "idempotent-replayed")
+            {
+                " (replay)"
+            } else {
+                ""
+            }
+        ));
+        world.streams[s].client = ClientView {
+            status: Some(reply.status),
+            headers: reply.headers,
+            body: reply.body,
+            complete: true,
+            local: true,
+        };
+    }
+
+    fn set_request_header(&mut self, stream: StreamId, name: &'static str, value: String) {
+        if let Some(s) = self.stream_of(stream) {
+            let hs = &mut self.world.streams[s].headers;
+            hs.retain(|(n, _)| n != name);
+            hs.push((name.to_owned(), value));
+        }
+    }
+
+    fn remove_request_header(&mut self, stream: StreamId, name: &'static str) {
+        if let Some(s) = self.stream_of(stream) {
+            self.world.streams[s].headers.retain(|(n, _)| n != name);
+        }
+    }
+
+    fn resume_request(&mut self, stream: StreamId) {
+        if let Some(s) = self.stream_of(stream) {
+            self.world.forward(s);
+        }
+    }
+
+    fn resume_response(&mut self, stream: StreamId) {
+        if let Some(s) = self.stream_of(stream) {
+            self.world.streams[s].resp_paused = false;
+            self.world.pass_response(s);
+            self.world.end_if_answered(s);
+        }
+    }
+
+    fn dispatch(&mut self, d: Dispatch) -> Result<(), String> {
+        let stream = match d.owner {
+            Owner::Stream(sid) => self.stream_of(sid),
+            Owner::Worker => None,
+        };
+        let world = &mut *self.world;
+        if world.fault(Faults::CALLOUT) && world.c.chance(2) {
+            return Err("dispatch failed".into());
+        }
+        let path = d.header(":path").unwrap_or("").to_owned();
+        world.callouts.push(Callout {
+            id: d.id,
+            worker: self.w,
+            generation: world.workers[self.w].generation,
+            owner: d.owner,
+            stream,
+            cluster: d.cluster,
+            path,
+            headers: d.headers,
+            body: d.body,
+            deadline: world.now + d.timeout_ms,
+            answer: None,
+            orphan: false,
+            parked: None,
+        });
+        Ok(())
+    }
+
+    fn misplaced_callout(&mut self, d: &Dispatch) {
+        let current = self.current;
+        self.world.violations.push(format!(
+            "a callout of {:?} made from {current:?} (Envoy would answer it elsewhere)",
+            d.owner
+        ));
+    }
+
+    fn wake(&mut self) {
+        self.world.workers[self.w].wake_requested = true;
+    }
+
+    fn count(&mut self, m: Metric) {
+        self.world.reach(m.name());
+    }
+
+    fn log(&mut self, level: Level, msg: String) {
+        let world = &mut *self.world;
+        let routine = world.quiet && msg.starts_with("heartbeat failed");
+        if !routine && matches!(level, Level::Warn | Level::Error) {
+            let msg: String = if msg.len() > 240 {
+                format!("{}…", msg.chars().take(240).collect::<String>())
+            } else {
+                msg
+            };
+            world.log(format!("worker {} logs: {msg}", self.w));
+        }
     }
 }
 
