@@ -11,6 +11,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
 use contract::wire::{ClaimResponse, RecordState, StoredResponse};
+use state_rules::Decision;
 
 use crate::scope::ScopeHash;
 use crate::sealing::{OpenError, Sealed, Sealer};
@@ -459,78 +460,62 @@ fn ms(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
-/// What the claim does next after reading a row.
+impl ClaimRow {
+    /// What the claim's decision reads of the row ([`state_rules::Facts`]).
+    fn facts(&self, claim: &NewClaim<'_>) -> state_rules::Facts {
+        state_rules::Facts {
+            inserted: self.inserted,
+            state: self.state,
+            token: self.fencing_token,
+            same_fingerprint: self.fingerprint_alg == claim.fingerprint_alg
+                && self.fingerprint == claim.fingerprint,
+            lease_remaining_ms: ms(self.lease_remaining_ms),
+            lease_expired: self.lease_expired,
+            retention_expired: self.retention_expired,
+        }
+    }
+
+    /// The stored response of a completed row, opened.
+    fn replay(self, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<ClaimResponse, StoreError> {
+        let (Some(status), Some(Json(headers)), Some(body), Some(replayable)) = (
+            self.response_status,
+            self.response_headers,
+            self.response_body,
+            self.response_replayable,
+        ) else {
+            return Err(StoreError::Corrupt("completed record without a response"));
+        };
+        let status = u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
+        let stored = Sealed::read(self.response_key_id, headers, body);
+        let response = sealer.open(&claim.scope, self.fencing_token, status, replayable, stored)?;
+        Ok(ClaimResponse::completed(response, ms(self.expires_in_ms)))
+    }
+}
+
+/// What the claim does next after reading a row: answer, or one of the compare-and-set
+/// updates of [`Decision`] (the rule is [`state_rules::decide`]; the store carries it out).
+fn decide(row: ClaimRow, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<Step, StoreError> {
+    let decision = state_rules::decide(&row.facts(claim), claim.take_over_unknown);
+    Ok(match decision {
+        Decision::Claimed { token } => {
+            Step::Answer(ClaimResponse::claimed(token, claim.lease_ms, false))
+        }
+        Decision::Mismatch => Step::Answer(ClaimResponse::Mismatch),
+        Decision::Replay => Step::Answer(row.replay(claim, sealer)?),
+        Decision::InProgress { lease_remaining_ms } => {
+            Step::Answer(ClaimResponse::in_progress(lease_remaining_ms))
+        }
+        Decision::Unknown => Step::Answer(ClaimResponse::Unknown),
+        update => Step::Update(update),
+    })
+}
+
+/// The claim's next step: an answer, or an update to carry out.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
     Answer(ClaimResponse),
-    /// Take an unknown outcome over (the claim asked to).
-    Reclaim {
-        observed: i64,
-    },
-    /// Mark an in_progress record whose lease ran out as unknown, then answer `Unknown`.
-    MarkUnknown {
-        observed: i64,
-    },
-    TakeOver {
-        observed: i64,
-        was_in_progress: bool,
-    },
-}
-
-/// The decision on an existing (or just inserted) row. Order matters: an expired key is new;
-/// otherwise the fingerprint is compared first, for in_progress and completed alike.
-fn decide(row: ClaimRow, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<Step, StoreError> {
-    if row.inserted {
-        return Ok(Step::Answer(ClaimResponse::claimed(
-            row.fencing_token,
-            claim.lease_ms,
-            false,
-        )));
-    }
-    if row.retention_expired {
-        return Ok(Step::TakeOver {
-            observed: row.fencing_token,
-            // Its outcome was never stored: the caller treats it as unknown.
-            was_in_progress: row.state != RecordState::Completed,
-        });
-    }
-    if row.fingerprint_alg != claim.fingerprint_alg || row.fingerprint != claim.fingerprint {
-        return Ok(Step::Answer(ClaimResponse::Mismatch));
-    }
-    match row.state {
-        RecordState::Completed => {
-            let (Some(status), Some(Json(headers)), Some(body), Some(replayable)) = (
-                row.response_status,
-                row.response_headers,
-                row.response_body,
-                row.response_replayable,
-            ) else {
-                return Err(StoreError::Corrupt("completed record without a response"));
-            };
-            let status =
-                u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
-            let stored = Sealed::read(row.response_key_id, headers, body);
-            let response =
-                sealer.open(&claim.scope, row.fencing_token, status, replayable, stored)?;
-            Ok(Step::Answer(ClaimResponse::completed(
-                response,
-                u64::try_from(row.expires_in_ms).unwrap_or(0),
-            )))
-        }
-        RecordState::InProgress if !row.lease_expired => Ok(Step::Answer(
-            ClaimResponse::in_progress(u64::try_from(row.lease_remaining_ms).unwrap_or(0).max(1)),
-        )),
-        // Its lease ran out without an outcome: nobody knows whether it ran.
-        RecordState::InProgress | RecordState::Unknown if claim.take_over_unknown => {
-            Ok(Step::Reclaim {
-                observed: row.fencing_token,
-            })
-        }
-        RecordState::InProgress => Ok(Step::MarkUnknown {
-            observed: row.fencing_token,
-        }),
-        RecordState::Unknown => Ok(Step::Answer(ClaimResponse::Unknown)),
-    }
+    /// `Reclaim`, `MarkUnknown` or `TakeOver`.
+    Update(Decision),
 }
 
 #[derive(Clone)]
@@ -620,7 +605,7 @@ impl Store {
             let Some(row) = row else { continue };
             let won = match decide(row, c, &self.sealer)? {
                 Step::Answer(outcome) => return Ok(outcome),
-                Step::Reclaim { observed } => {
+                Step::Update(Decision::Reclaim { observed }) => {
                     // Take over a record whose outcome is unknown (marked so, or an in_progress one whose lease
                     // ran out) for a claim that asked to: compare-and-set on the observed token, with the database
                     // clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
@@ -644,10 +629,10 @@ impl Store {
                     .await?
                     .map(|token| (token, true))
                 }
-                Step::TakeOver {
+                Step::Update(Decision::TakeOver {
                     observed,
                     was_in_progress,
-                } => {
+                }) => {
                     // Reuse a record past its retention as if it were new (compare-and-set on the observed token).
                     sqlx::query_scalar!(
                         "UPDATE idempotency_records
@@ -680,7 +665,7 @@ impl Store {
                     .await?
                     .map(|token| (token, was_in_progress))
                 }
-                Step::MarkUnknown { observed } => {
+                Step::Update(Decision::MarkUnknown { observed }) => {
                     // An in_progress record whose lease ran out is unknown: marked so (compare-and-set on the
                     // observed token) for a claim that holds unknown outcomes.
                     let marked = sqlx::query_scalar!(
@@ -699,6 +684,14 @@ impl Store {
                         return Ok(ClaimResponse::Unknown);
                     }
                     None
+                }
+                Step::Update(other) => {
+                    return Err(StoreError::Corrupt(match other {
+                        Decision::Claimed { .. } => {
+                            "a claim decided as inserted that did not insert"
+                        }
+                        _ => "a claim decision the store cannot carry out",
+                    }))
                 }
             };
             if let Some((token, reclaimed)) = won {
@@ -803,9 +796,7 @@ impl Store {
                 None => BatchedClaim::SinglePath,
                 Some(row) => match decide(row, c, &self.sealer) {
                     Ok(Step::Answer(outcome)) => BatchedClaim::Answered(outcome),
-                    Ok(Step::Reclaim { .. } | Step::TakeOver { .. } | Step::MarkUnknown { .. }) => {
-                        BatchedClaim::SinglePath
-                    }
+                    Ok(Step::Update(_)) => BatchedClaim::SinglePath,
                     Err(e) => BatchedClaim::Failed(e),
                 },
             })
@@ -1142,7 +1133,7 @@ mod tests {
                 &c
             )
             .unwrap(),
-            Step::MarkUnknown { observed: 7 },
+            Step::Update(Decision::MarkUnknown { observed: 7 }),
             "a lease run out is an unknown outcome, held"
         );
         let take_over = NewClaim {
@@ -1158,7 +1149,7 @@ mod tests {
                 &take_over
             )
             .unwrap(),
-            Step::Reclaim { observed: 7 }
+            Step::Update(Decision::Reclaim { observed: 7 })
         );
         assert_eq!(
             decide(row("unknown"), &c).unwrap(),
@@ -1166,7 +1157,7 @@ mod tests {
         );
         assert_eq!(
             decide(row("unknown"), &take_over).unwrap(),
-            Step::Reclaim { observed: 7 }
+            Step::Update(Decision::Reclaim { observed: 7 })
         );
         // A changed request is a mismatch first, whatever the state.
         assert_eq!(
@@ -1213,10 +1204,10 @@ mod tests {
         };
         assert_eq!(
             decide(expired, &c).unwrap(),
-            Step::TakeOver {
+            Step::Update(Decision::TakeOver {
                 observed: 7,
                 was_in_progress: false
-            }
+            })
         );
         // Any other state cannot come out of the database: the row does not decode.
         assert!("weird".parse::<RecordState>().is_err());

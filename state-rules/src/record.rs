@@ -1,0 +1,106 @@
+//! One record as the rules see it, and the database clock.
+
+use contract::wire::RecordState;
+
+/// The database's clock as one rule sees it, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Clock {
+    /// Now (`clock_timestamp()`).
+    pub now: u64,
+    /// Since when the database has served as this primary without interruption
+    /// (`idempotency_serving_since()`): a lease counts as run out only once the database has
+    /// served a whole lease since then, so an owner gets that long to be heard after an outage.
+    pub serving_since: u64,
+}
+
+impl Clock {
+    /// A database that has served since the beginning of time.
+    pub fn serving(now: u64) -> Self {
+        Self {
+            now,
+            serving_since: 0,
+        }
+    }
+}
+
+/// A request's fingerprint as stored: its algorithm and value.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Fingerprint {
+    pub alg: String,
+    pub value: String,
+}
+
+/// One record (`idempotency_records`), its times on the database clock. `R` is the stored
+/// response (sealed in the store, in clear in the models).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record<R> {
+    pub state: RecordState,
+    pub fingerprint: Fingerprint,
+    /// The fencing token of the owner (the last claim that won it).
+    pub token: i64,
+    /// The owner's lease, as last granted or extended.
+    pub lease_ms: u64,
+    pub lease_until: u64,
+    /// When the record may go (the purge deletes it; a claim treats it as new).
+    pub expires_at: u64,
+    /// The retention the claim asked for (a complete keeps the record this long).
+    pub retention_ms: u64,
+    /// An attempt's outcome was unknown once: releasing this owner's attempt makes the record
+    /// unknown again, not free.
+    pub unknown_before: bool,
+    /// The stored response (completed records only).
+    pub response: Option<R>,
+}
+
+impl<R> Record<R> {
+    /// A claim's new record: in progress under `token` from `now`.
+    pub fn claimed(
+        fingerprint: Fingerprint,
+        token: i64,
+        lease_ms: u64,
+        retention_ms: u64,
+        now: u64,
+    ) -> Self {
+        Self {
+            state: RecordState::InProgress,
+            fingerprint,
+            token,
+            lease_ms,
+            lease_until: now.saturating_add(lease_ms),
+            // The claim's expiry: created + lease + retention (see the store's CLAIM_SQL).
+            expires_at: now.saturating_add(lease_ms).saturating_add(retention_ms),
+            retention_ms,
+            unknown_before: false,
+            response: None,
+        }
+    }
+
+    /// In progress or unknown: its owner may still heartbeat, complete, mark or release it.
+    pub fn open(&self) -> bool {
+        matches!(self.state, RecordState::InProgress | RecordState::Unknown)
+    }
+
+    /// Its lease has run out, and the database has served a whole lease since it was last
+    /// unavailable (the lease guard).
+    pub fn lease_expired(&self, clock: Clock) -> bool {
+        self.state == RecordState::InProgress
+            && self.lease_until <= clock.now
+            && clock.serving_since.saturating_add(self.lease_ms) <= clock.now
+    }
+
+    /// Past its retention, and (unless completed) past its lease: a claim treats the key as new.
+    pub fn retention_expired(&self, clock: Clock) -> bool {
+        self.expires_at <= clock.now
+            && (self.state == RecordState::Completed || self.lease_until <= clock.now)
+    }
+
+    /// Until the lease runs out, rounded up (0 once past it).
+    pub fn lease_remaining_ms(&self, now: u64) -> u64 {
+        self.lease_until.saturating_sub(now)
+    }
+
+    /// Until the retention expiry, rounded down (0 once past it).
+    pub fn expires_in_ms(&self, now: u64) -> u64 {
+        self.expires_at.saturating_sub(now)
+    }
+}

@@ -1,0 +1,107 @@
+//! What an owner writes to its record, fenced by its token: heartbeats, its outcome, an
+//! unknown mark, a release.
+
+use crate::record::{Clock, Record};
+use contract::wire::RecordState;
+
+/// Extends the lease of the owner holding `token`. `false`: fenced out (another token, or no
+/// record, or completed). An unknown record its owner still holds is in progress again.
+pub fn heartbeat<R>(slot: &mut Option<Record<R>>, token: i64, lease_ms: u64, clock: Clock) -> bool {
+    match slot.as_mut() {
+        Some(r) if r.token == token && r.open() => {
+            r.state = RecordState::InProgress;
+            r.lease_ms = lease_ms;
+            r.lease_until = clock.now.saturating_add(lease_ms);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// What a complete did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// Stored; the record is kept this long.
+    Done { expires_in_ms: u64 },
+    /// The same owner completed before (a retried complete): nothing changed.
+    AlreadyDone { expires_in_ms: u64 },
+    /// Not this owner's record to complete: a newer owner took over, or it is gone.
+    FencedOut,
+}
+
+/// Stores the response of the owner holding `token`. The record is kept at least its
+/// retention (its claim's, else `default_retention_ms`) after the outcome; one completed within
+/// its lease keeps the claim's expiry.
+pub fn complete<R>(
+    slot: &mut Option<Record<R>>,
+    token: i64,
+    response: R,
+    default_retention_ms: u64,
+    clock: Clock,
+) -> Completion {
+    match slot.as_mut() {
+        Some(r) if r.token == token && r.open() => {
+            let retention = if r.retention_ms > 0 {
+                r.retention_ms
+            } else {
+                default_retention_ms
+            };
+            r.state = RecordState::Completed;
+            r.response = Some(response);
+            r.expires_at = r.expires_at.max(clock.now.saturating_add(retention));
+            Completion::Done {
+                expires_in_ms: r.expires_in_ms(clock.now),
+            }
+        }
+        Some(r) if r.token == token && r.state == RecordState::Completed => {
+            Completion::AlreadyDone {
+                expires_in_ms: r.expires_in_ms(clock.now),
+            }
+        }
+        _ => Completion::FencedOut,
+    }
+}
+
+/// What an owner's unknown mark did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marked {
+    /// The record is unknown now; its lease ends at once.
+    Unknown,
+    /// This owner completed it already: that stands.
+    AlreadyCompleted,
+    FencedOut,
+}
+
+/// The owner holding `token` lost sight of its forwarded request (`/v1/unknown`).
+pub fn owner_unknown<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> Marked {
+    match slot.as_mut() {
+        Some(r) if r.token == token && r.open() => {
+            r.state = RecordState::Unknown;
+            r.unknown_before = true;
+            r.lease_until = r.lease_until.min(clock.now);
+            Marked::Unknown
+        }
+        Some(r) if r.token == token && r.state == RecordState::Completed => {
+            Marked::AlreadyCompleted
+        }
+        _ => Marked::FencedOut,
+    }
+}
+
+/// Gives the key back (the owner holding `token` certainly did not reach the upstream):
+/// deleted, unless an earlier attempt's outcome is unknown (this owner took it over), then
+/// unknown again. `false`: fenced out.
+pub fn release<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> bool {
+    match slot.as_mut() {
+        Some(r) if r.token == token && r.open() && r.unknown_before => {
+            r.state = RecordState::Unknown;
+            r.lease_until = r.lease_until.min(clock.now);
+            true
+        }
+        Some(r) if r.token == token && r.open() => {
+            *slot = None;
+            true
+        }
+        _ => false,
+    }
+}
