@@ -1,13 +1,15 @@
 //! The model upstream (the checkout): it executes a request on the first byte it receives and
 //! may keep working after its caller left. Each execution is kept with the request it ran and
 //! the response it produced, so the invariants can compare what clients were told against what
-//! really happened. Like a careful payment service (and the demo checkout), it answers the
-//! reconcile contract: what became of a key, and it refuses a request whose fencing token is
-//! lower than one it promised to refuse.
+//! really happened. It follows the reference upstream's rules by running them: the demo
+//! checkout's record of attempts (`checkout::attempts`) decides which fencing tokens it refuses
+//! (at the start and at the commit), whether an execution charges, and what its reconcile
+//! endpoint says of a key.
 
 use crate::state_api::Scope;
+use checkout::attempts::{Attempts, Reconciled, StaleToken};
 use contract::wire::{OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING};
-use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// A request as it reached the upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,14 +108,24 @@ pub struct Execution {
     /// Its outcome is produced (its response headers left, or it finished after its caller
     /// left); until then a reconcile hears `running`.
     pub finished: bool,
+    /// The reference checkout's attempt (a request with an `Idempotency-Key`).
+    pub attempt: Option<u64>,
+    /// It committed: the charge happened (the reference refuses at the commit an attempt a
+    /// larger token overtook: then nothing is charged, and it answers 409).
+    pub charged: bool,
 }
 
-#[derive(Debug, Default, Clone)]
+/// The model upstream: what it executed, and the reference checkout's record of attempts
+/// (`checkout::attempts`), whose rules decide which tokens it refuses, what commits and what
+/// its reconcile endpoint says.
+#[derive(Debug, Default)]
 pub struct Upstream {
     pub executions: Vec<Execution>,
-    /// Per scope, the token below which requests are refused (set by a `not-executed` answer;
-    /// an execution's token refuses lower ones too).
-    pub fence: BTreeMap<Scope, i64>,
+    /// Requests it refused (a stale fencing token): nothing ran, and it answered 409 (an
+    /// answer it produced, which the filter may store).
+    pub refused: Vec<(Scope, Sent, Produced)>,
+    pub attempts: Attempts,
+    charges: u64,
 }
 
 /// What the reconcile endpoint answers.
@@ -124,54 +136,138 @@ pub struct ReconcileAnswer {
     pub body: Vec<u8>,
 }
 
+/// The reference's kind of operation for an endpoint (its reconcile endpoint serves one kind:
+/// `/checkout/attempts/{key}` the charges, `/shop/attempts/{key}` every `/shop/...` path).
+pub fn kind(path: &str) -> &'static str {
+    let path = path.trim_start_matches("POST ");
+    match path {
+        "/checkout" => "charge",
+        "/refunds" => "refund",
+        "/donate" => "donate",
+        p if p.starts_with("/pay/") => "pay",
+        p if p.starts_with("/shop/") => "shop",
+        _ => "other",
+    }
+}
+
+/// The 409 the reference answers for a stale fencing token: nothing ran.
+pub fn stale_token() -> Produced {
+    Produced {
+        status: 409,
+        headers: vec![("content-type".into(), "application/problem+json".into())],
+        body: b"{\"type\":\"/problems/stale-fencing-token\"}".to_vec(),
+    }
+}
+
 impl Upstream {
     pub fn of_scope<'a>(&'a self, scope: &'a Scope) -> impl Iterator<Item = &'a Execution> + 'a {
         self.executions.iter().filter(move |e| &e.scope == scope)
     }
 
-    /// Whether a request of `scope` with `token` is refused: its token is lower than one the
-    /// upstream has seen for the key (an execution's, or a reconcile's that promised so).
-    pub fn refuses(&self, scope: &Scope, token: Option<i64>) -> bool {
-        let Some(t) = token else { return false };
-        let seen = self
-            .of_scope(scope)
-            .filter_map(|e| e.token)
-            .chain(self.fence.get(scope).copied())
-            .max();
-        seen.is_some_and(|seen| t < seen)
+    /// A request reaches the upstream: the reference records it before it runs when it
+    /// carries a key (`Err`: its token is lower than one seen for the key; nothing runs).
+    pub fn start(
+        &mut self,
+        endpoint: &str,
+        subject: &str,
+        key: Option<&str>,
+        token: Option<i64>,
+    ) -> (Option<u64>, Result<(), StaleToken>) {
+        let Some(key) = key else {
+            return (None, Ok(()));
+        };
+        let scope = (kind(endpoint), subject.to_owned(), key.to_owned());
+        let (id, verdict) = self.attempts.start(scope, token, Duration::ZERO);
+        (Some(id), verdict)
     }
 
-    /// The reconcile endpoint: what became of the key of `scope`, asked with a new `token`.
-    pub fn reconcile(&mut self, scope: &Scope, token: i64) -> ReconcileAnswer {
-        let protected: Vec<&Execution> = self
-            .of_scope(scope)
-            .filter(|e| e.token.is_some_and(|t| t < token))
-            .collect();
-        if let Some(done) = protected.iter().rev().find(|e| e.finished) {
-            let mut headers = done.plan.response.headers.clone();
-            headers.push((OUTCOME_HEADER.into(), OUTCOME_EXECUTED.into()));
-            return ReconcileAnswer {
-                status: done.plan.response.status,
-                headers,
-                body: done.plan.response.body.clone(),
-            };
+    /// Execution `e` commits (its response leaves, or it finishes after its caller left),
+    /// unless a larger token overtook it: then it answers the stale-token 409 and charges
+    /// nothing. Returns whether it charged now.
+    pub fn commit(&mut self, e: usize) -> bool {
+        let Some(x) = self.executions.get(e) else {
+            return false;
+        };
+        if x.finished {
+            return false;
         }
-        if !protected.is_empty() {
-            return ReconcileAnswer {
-                status: 409,
-                headers: vec![
-                    (OUTCOME_HEADER.into(), OUTCOME_RUNNING.into()),
-                    ("retry-after".into(), "1".into()),
-                ],
-                body: Vec::new(),
-            };
+        let attempt = x.attempt;
+        let fenced = attempt.is_some_and(|id| self.attempts.may_commit(id).is_err());
+        let x = &mut self.executions[e];
+        x.finished = true;
+        if fenced {
+            x.plan.response = stale_token();
+            x.plan.chunks = vec![x.plan.response.body.len()];
+            x.plan.ending = Ending::WithLastChunk;
+            return false;
         }
-        let fence = self.fence.entry(scope.clone()).or_insert(token);
-        *fence = (*fence).max(token);
+        x.charged = true;
+        self.charges += 1;
+        if let Some(id) = attempt {
+            let r = &x.plan.response;
+            self.attempts.executed(
+                id,
+                self.charges,
+                checkout::attempts::Produced {
+                    status: r.status,
+                    headers: r.headers.clone(),
+                    body: r.body.clone(),
+                },
+            );
+        }
+        true
+    }
+
+    /// The reconcile endpoint of `kind`: what became of `key` for `subject`, asked with the new
+    /// owner's `token` (as the checkout's handler answers it).
+    pub fn reconcile(
+        &mut self,
+        kind: &'static str,
+        subject: &str,
+        key: &str,
+        token: i64,
+    ) -> ReconcileAnswer {
+        let problem = |status: u16, outcome: Option<&str>| {
+            let mut headers = vec![
+                (
+                    "content-type".to_owned(),
+                    "application/problem+json".to_owned(),
+                ),
+                ("cache-control".to_owned(), "no-store".to_owned()),
+            ];
+            if let Some(o) = outcome {
+                headers.push((OUTCOME_HEADER.into(), o.into()));
+            }
+            (status, headers)
+        };
+        let (status, headers, body) = match self
+            .attempts
+            .reconcile((kind, subject.to_owned(), key.to_owned()), token)
+        {
+            Reconciled::Executed(p) => {
+                let mut headers = p.headers;
+                headers.push((OUTCOME_HEADER.into(), OUTCOME_EXECUTED.into()));
+                (p.status, headers, p.body)
+            }
+            Reconciled::Running { retry_after } => {
+                let (status, mut headers) = problem(409, Some(OUTCOME_RUNNING));
+                let secs = retry_after.as_secs().clamp(1, 120);
+                headers.push(("retry-after".into(), secs.to_string()));
+                (status, headers, b"{}".to_vec())
+            }
+            Reconciled::NotExecuted => {
+                let (status, headers) = problem(404, Some(OUTCOME_NOT_EXECUTED));
+                (status, headers, b"{}".to_vec())
+            }
+            Reconciled::Stale => {
+                let (status, headers) = problem(409, None);
+                (status, headers, b"{}".to_vec())
+            }
+        };
         ReconcileAnswer {
-            status: 404,
-            headers: vec![(OUTCOME_HEADER.into(), OUTCOME_NOT_EXECUTED.into())],
-            body: Vec::new(),
+            status,
+            headers,
+            body,
         }
     }
 }

@@ -408,6 +408,16 @@ impl Worker {
         }
     }
 
+    /// The fencing tokens of the claims this worker heartbeats, and of its pending writes (for
+    /// the simulation's invariants).
+    pub fn held_tokens(&self) -> Vec<i64> {
+        self.registry.tokens()
+    }
+
+    pub fn write_tokens(&self) -> Vec<i64> {
+        self.writes.tokens()
+    }
+
     /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
     /// write that comes due, or queued claims or completes (now). Ticks before it only drop
     /// expired memory.

@@ -85,6 +85,15 @@ impl Registry {
         self.entries.is_empty()
     }
 
+    /// The tokens of the claims it heartbeats (fenced ones aside).
+    pub fn tokens(&self) -> Vec<i64> {
+        self.entries
+            .iter()
+            .filter(|e| !e.fenced)
+            .map(|e| e.claim.token)
+            .collect()
+    }
+
     pub fn contains(&self, token: i64) -> bool {
         self.entries.iter().any(|e| e.claim.token == token)
     }

@@ -245,6 +245,11 @@ impl PendingWrites {
         self.bytes
     }
 
+    /// The tokens of the claims whose writes are pending.
+    pub fn tokens(&self) -> Vec<i64> {
+        self.entries.iter().map(|e| e.pending.claim.token).collect()
+    }
+
     pub fn contains(&self, token: i64) -> bool {
         self.entries.iter().any(|e| e.pending.claim.token == token)
     }
