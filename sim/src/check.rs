@@ -71,6 +71,8 @@ pub struct Evidence {
     pub gave_up_a_write: bool,
     /// Claims the state API committed whose answer never reached the filter, by scope (how).
     pub lost_grants: BTreeMap<Scope, String>,
+    /// How the last record of each scope ended (deleted, or reused past its retention).
+    pub scope_end: BTreeMap<Scope, Freed>,
     /// For each token whose record an operator deleted: how long its owner had been silent,
     /// and its lease.
     pub operator_silent: BTreeMap<i64, (u64, u64)>,
@@ -125,25 +127,11 @@ fn retention_of(w: &World, token: i64) -> u64 {
 }
 
 /// Why the key of a claim's grant was free (the state API's [`Grant`]), judged.
-pub fn judge_grant(w: &World, how: &Grant) -> Freed {
-    let silent = |token: i64| {
-        w.now
-            .saturating_sub(w.ev.last_sign.get(&token).copied().unwrap_or(0))
-    };
+pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
     match how {
-        Grant::New {
-            deleted: None,
-            elsewhere: None,
-            ..
-        } => Freed {
-            from: None,
-            legit: true,
-            how: "as a new key".into(),
-        },
         Grant::New {
             elsewhere: Some((secret, token)),
             secret: mine,
-            ..
         } => Freed {
             from: None,
             legit: false,
@@ -151,56 +139,31 @@ pub fn judge_grant(w: &World, how: &Grant) -> Freed {
                 "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret)"
             ),
         },
-        Grant::New {
-            deleted: Some((token, by)),
-            ..
-        } => {
-            let (legit, how) = match by {
-                Deleter::Owner => (true, "its owner released it".to_owned()),
-                Deleter::Purge => {
-                    let retention = retention_of(w, *token);
-                    (
-                        silent(*token) >= retention,
-                        format!(
-                            "the purge (past its retention of {retention} ms) deleted it {} ms after its owner's last sign of life",
-                            silent(*token)
-                        ),
-                    )
-                }
-                Deleter::OperatorRelease | Deleter::OperatorPurge => {
-                    let (silent, lease) = w
-                        .ev
-                        .operator_silent
-                        .get(token)
-                        .copied()
-                        .unwrap_or((0, w.setup.lease_ms));
-                    (
-                        silent >= lease,
-                        format!(
-                            "{} deleted it {silent} ms after its owner's last sign of life (its lease is {lease} ms)",
-                            by.describe(),
-                        ),
-                    )
-                }
-            };
-            Freed {
-                from: Some(*token),
-                legit,
-                how: format!("as a new key: token {token}'s record was gone ({how})"),
-            }
-        }
+        // No record anywhere: the last one of the scope ended, legitimately or not.
+        Grant::New { .. } => match w.ev.scope_end.get(scope) {
+            Some(end) => Freed {
+                from: end.from,
+                legit: end.legit,
+                how: format!("as a new key: {}", end.how),
+            },
+            None => Freed {
+                from: None,
+                legit: true,
+                how: "as a new key".into(),
+            },
+        },
         Grant::RetentionReuse {
             from,
             was_in_progress,
         } => {
             let retention = retention_of(w, *from);
+            let silent = silent_for(w, *from);
             Freed {
                 from: Some(*from),
-                legit: silent(*from) >= retention,
+                legit: silent >= retention,
                 how: format!(
-                    "as a new key past its retention: token {from}'s record ({}, retention {retention} ms) was reused {} ms after its owner's last sign of life",
+                    "as a new key past its retention: token {from}'s record ({}, retention {retention} ms) was reused {silent} ms after its owner's last sign of life",
                     if *was_in_progress { "its outcome never stored" } else { "completed" },
-                    silent(*from)
                 ),
             }
         }
@@ -209,6 +172,48 @@ pub fn judge_grant(w: &World, how: &Grant) -> Freed {
             legit: false,
             how: format!("by taking over token {from}'s unknown outcome"),
         },
+    }
+}
+
+/// How long the state API has not heard from `token`'s owner.
+fn silent_for(w: &World, token: i64) -> u64 {
+    w.now
+        .saturating_sub(w.ev.last_sign.get(&token).copied().unwrap_or(0))
+}
+
+/// A record of `token` was deleted by `by`: whether that was legitimate, and how.
+pub fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
+    let silent = silent_for(w, token);
+    let (legit, how) = match by {
+        Deleter::Owner => (true, "its owner released it".to_owned()),
+        Deleter::Purge => {
+            let retention = retention_of(w, token);
+            (
+                silent >= retention,
+                format!(
+                    "the purge deleted it past its retention ({retention} ms), {silent} ms after its owner's last sign of life"
+                ),
+            )
+        }
+        Deleter::OperatorRelease | Deleter::OperatorPurge => {
+            let (silent, lease) =
+                w.ev.operator_silent
+                    .get(&token)
+                    .copied()
+                    .unwrap_or((silent, w.setup.lease_ms));
+            (
+                silent >= lease,
+                format!(
+                    "{} deleted it {silent} ms after its owner's last sign of life (its lease is {lease} ms)",
+                    by.describe()
+                ),
+            )
+        }
+    };
+    Freed {
+        from: Some(token),
+        legit,
+        how: format!("token {token}'s record was gone ({how})"),
     }
 }
 
@@ -245,8 +250,14 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
             for (prior, prior_stream) in earlier {
                 let Some(prior) = prior else { continue };
                 if t <= prior {
+                    let rotation = match (w.ev.secret_of.get(&t), w.ev.secret_of.get(&prior)) {
+                        (Some(a), Some(b)) if a != b => format!(
+                            " (token {t} was granted under key secret {a} while token {prior}'s record lived under key secret {b})"
+                        ),
+                        _ => String::new(),
+                    };
                     w.violations.push(format!(
-                        "1: stream {stream} executed {scope:?} again with token {t}, not larger than the earlier {prior}"
+                        "1: stream {stream} executed {scope:?} again with token {t}, not larger than the earlier {prior}{rotation}"
                     ));
                     continue;
                 }
@@ -532,12 +543,14 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
     if failed + pending >= 2 {
         return;
     }
+    // Its clock's steps since a lease before the state API last heard from it.
+    let heard = w.ev.last_sign.get(&token).copied().unwrap_or(0);
     let steps: Vec<String> =
         w.ev.clock_steps
             .get(&wi)
             .map(|s| {
                 s.iter()
-                    .filter(|(at, _)| *at + lease_ms * 2 > now)
+                    .filter(|(at, _)| *at + lease_ms >= heard)
                     .map(|(at, by)| format!("its clock stepped {by:+} ms at {at}"))
                     .collect()
             })

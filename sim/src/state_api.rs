@@ -57,11 +57,10 @@ pub struct StateApiConfig {
 /// How a claim came to own a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Grant {
-    /// No record at its address. `deleted`: the last record there, and who deleted it;
-    /// `elsewhere`: the token of a record of the same scope under another key secret.
+    /// No record at its address. `elsewhere`: the key secret and token of a record of the
+    /// same scope under another key secret.
     New {
         secret: u32,
-        deleted: Option<(i64, Deleter)>,
         elsewhere: Option<(u32, i64)>,
     },
     /// Took over an unknown outcome (or a lease run out) of `from`, as the claim asked.
@@ -147,8 +146,6 @@ pub struct ModelStateApi {
     pub took_over_unknown: BTreeMap<i64, Scope>,
     /// How each token was granted.
     pub grants: BTreeMap<i64, Grant>,
-    /// The last record deleted at each address: its token, and who deleted it.
-    deleted: BTreeMap<Address, (i64, Deleter)>,
     /// Every fingerprint a record was stored with, by scope.
     pub stored_fingerprints: BTreeSet<(Scope, String)>,
     /// What happened since the caller last took them ([`ModelStateApi::take_events`]).
@@ -268,7 +265,6 @@ impl ModelStateApi {
             issued: BTreeMap::new(),
             took_over_unknown: BTreeMap::new(),
             grants: BTreeMap::new(),
-            deleted: BTreeMap::new(),
             stored_fingerprints: BTreeSet::new(),
             events: Vec::new(),
         }
@@ -524,7 +520,6 @@ impl ModelStateApi {
                 let how = match before {
                     None => Grant::New {
                         secret: address.0,
-                        deleted: self.deleted.get(address).copied(),
                         elsewhere: self
                             .records
                             .iter()
@@ -554,9 +549,9 @@ impl ModelStateApi {
                         lease_ms: b.lease_ms,
                         by: match how {
                             Grant::RetentionReuse { .. } => {
-                                "a claim that reused the key past its retention"
+                                "found by a claim that reused the expired record"
                             }
-                            _ => "a claim that took it over",
+                            _ => "found by a claim that took it over",
                         },
                     });
                 }
@@ -575,7 +570,7 @@ impl ModelStateApi {
                         token: b.token,
                         scope,
                         lease_ms: b.lease_ms,
-                        by: "a claim that holds unknown outcomes",
+                        by: "found by a claim that holds unknown outcomes",
                     });
                 }
             }
@@ -712,7 +707,6 @@ impl ModelStateApi {
             by,
             state: state.unwrap_or(RecordState::InProgress),
         });
-        self.deleted.insert(address, (token, by));
     }
 
     /// The owner lost sight of its forwarded request.
@@ -764,7 +758,7 @@ impl ModelStateApi {
                         token: r.token,
                         scope: a.1.clone(),
                         lease_ms: r.lease_ms,
-                        by: "the purge (past its retention)",
+                        by: "found by the purge, which deleted the expired record",
                     });
                 }
                 self.delete_noted(a.clone(), r.token, Deleter::Purge, Some(r.state));

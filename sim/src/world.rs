@@ -372,6 +372,8 @@ pub struct Callout {
     pub answer: Option<CalloutResult>,
     /// Nobody waits for the answer any more (the stream ended, timed out, or the worker died).
     pub orphan: bool,
+    /// Why nobody waits.
+    pub orphaned_by: &'static str,
     /// A claim that waits at the state API for its running key (`Prefer: wait`).
     pub parked: Option<Parked>,
     /// When it was dispatched, in the order of the run's dispatches and writes.
@@ -749,7 +751,9 @@ impl World {
             actions.push((1, Action::Operator));
         }
         // The state API's purge runs now and then.
-        actions.push((1, Action::Purge));
+        if self.outage == Outage::None {
+            actions.push((1, Action::Purge));
+        }
         actions.push((3, Action::Advance));
         let weights: Vec<u32> = actions.iter().map(|a| a.0).collect();
         let pick = self.c.weighted(&weights);
@@ -1636,8 +1640,9 @@ impl World {
         }
         // Envoy cancels the stream's callouts.
         for c in self.callouts.iter_mut() {
-            if c.stream == Some(s) {
+            if c.stream == Some(s) && !c.orphan {
                 c.orphan = true;
+                c.orphaned_by = "its stream ended, and Envoy cancelled the callout";
             }
         }
         let w = st.worker;
@@ -1682,12 +1687,14 @@ impl World {
                             if old > 0 {
                                 self.reach("region: a record found under the previous key secret");
                             }
-                            self.log(format!(
-                                "state API {} from worker {}: looked up ({old} of {} under the previous key secret)",
-                                c.path,
-                                c.worker,
-                                found.len()
-                            ));
+                            if !(self.quiet && c.path == contract::wire::HEARTBEAT_PATH) {
+                                self.log(format!(
+                                    "state API {} from worker {}: looked up ({old} of {} under the previous key secret)",
+                                    c.path,
+                                    c.worker,
+                                    found.len()
+                                ));
+                            }
                             self.callouts[i].looked_up = Some(found);
                             return;
                         }
@@ -1752,17 +1759,15 @@ impl World {
         for event in self.api.take_events() {
             match event {
                 Event::Granted { token, scope, how } => {
-                    let freed = check::judge_grant(self, &how);
-                    if !freed.legit
-                        || !matches!(
-                            how,
-                            crate::state_api::Grant::New {
-                                deleted: None,
-                                elsewhere: None,
-                                ..
-                            }
-                        )
-                    {
+                    let freed = check::judge_grant(self, &scope, &how);
+                    if let crate::state_api::Grant::RetentionReuse { from, .. } = how {
+                        // The reused record ended here.
+                        let mut end = freed.clone();
+                        end.how = end.how.replace("as a new key past its retention: ", "");
+                        end.from = Some(from);
+                        self.ev.scope_end.insert(scope.clone(), end);
+                    }
+                    if !freed.legit || freed.from.is_some() {
                         self.log(format!(
                             "state API: token {token} for {scope:?} granted {}",
                             freed.how
@@ -1812,7 +1817,12 @@ impl World {
                 Event::Completed { token } => {
                     self.ev.last_sign.insert(token, self.now);
                 }
-                Event::Deleted { .. } => {}
+                Event::Deleted {
+                    token, scope, by, ..
+                } => {
+                    let end = check::judge_deletion(self, token, by);
+                    self.ev.scope_end.insert(scope, end);
+                }
             }
         }
     }
@@ -2005,7 +2015,7 @@ impl World {
                 h if h.contains("unreadable") => {
                     "region: a claim answer lost after its commit (unreadable)"
                 }
-                h if h.contains("timeout") => {
+                h if h.contains("timeout") || h.contains("timed out") => {
                     "region: a claim answer lost after its commit (timed out)"
                 }
                 _ => "region: a claim answer lost after its commit (the callout failed)",
@@ -2348,6 +2358,11 @@ impl World {
             self.callouts.remove(i);
         } else {
             self.callouts[i].orphan = true;
+            self.callouts[i].orphaned_by = if why == "timeout" {
+                "the callout timed out"
+            } else {
+                "the callout failed"
+            };
         }
         let result = if why == "503" {
             CalloutResult::answer(503, b"upstream connect error".to_vec())
@@ -2410,8 +2425,9 @@ impl World {
             }
         }
         for c in self.callouts.iter_mut() {
-            if c.worker == w {
+            if c.worker == w && !c.orphan {
                 c.orphan = true;
+                c.orphaned_by = "its worker died";
             }
         }
     }
@@ -2697,6 +2713,7 @@ impl Host for Envoy<'_> {
             deadline: world.now + d.timeout_ms,
             answer: None,
             orphan: false,
+            orphaned_by: "",
             parked: None,
             seq,
             looked_up: None,
