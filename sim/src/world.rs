@@ -376,8 +376,9 @@ pub struct Callout {
     pub orphaned_by: &'static str,
     /// A claim that waits at the state API for its running key (`Prefer: wait`).
     pub parked: Option<Parked>,
-    /// When it was dispatched, in the order of the run's dispatches and writes.
+    /// When it was dispatched, in the order of the run's dispatches and writes, and the time.
     pub seq: u64,
+    pub sent_at: u64,
     /// The addresses its scopes were looked up at (during a rotation of the key secret the
     /// state API looks a record up, then runs the statement: two steps).
     pub looked_up: Option<Vec<Address>>,
@@ -1811,6 +1812,10 @@ impl World {
                     self.ev.last_sign.insert(token, self.now);
                     if let (true, Some(c)) = (revived, c) {
                         self.reach("region: a heartbeat revived an unknown record");
+                        self.log(format!(
+                            "state API: a heartbeat of token {token} from worker {} (sent at {}) makes its unknown record in progress again",
+                            c.worker, c.sent_at
+                        ));
                         check::heartbeat_after_mark(self, token, c.seq);
                     }
                 }
@@ -2716,6 +2721,7 @@ impl Host for Envoy<'_> {
             orphaned_by: "",
             parked: None,
             seq,
+            sent_at: world.now,
             looked_up: None,
         });
         Ok(())
