@@ -601,7 +601,10 @@ async fn heartbeat(
     .await?;
     check_token(req.token)?;
     let lease_ms = state.config().lease_for(req.lease_ms);
-    let ok = state.store().heartbeat(&scope, req.token, lease_ms).await?;
+    let ok = state
+        .store()
+        .heartbeat(&scope, req.token, lease_ms, state.config().retention_ms())
+        .await?;
     if !ok {
         return Err(fenced_out(&state, WriteOp::Heartbeat, &scope));
     }
@@ -839,7 +842,10 @@ async fn release(
     )
     .await?;
     check_token(req.token)?;
-    let ok = state.store().release(&scope, req.token).await?;
+    let ok = state
+        .store()
+        .release(&scope, req.token, state.config().retention_ms())
+        .await?;
     if !ok {
         return Err(fenced_out(&state, WriteOp::Release, &scope));
     }
@@ -874,7 +880,10 @@ async fn outcome_unknown(
     )
     .await?;
     check_token(req.token)?;
-    let marked = state.store().owner_unknown(&scope, req.token).await?;
+    let marked = state
+        .store()
+        .owner_unknown(&scope, req.token, state.config().retention_ms())
+        .await?;
     match marked {
         Some(true) => {
             state.metrics().write_ok(WriteOp::Unknown);

@@ -4,14 +4,14 @@
 use crate::record::{Clock, Record};
 use contract::wire::RecordState;
 
-/// Extends the lease of the owner holding `token`. `false`: fenced out (another token, or no
-/// record, or completed). An unknown record its owner still holds is in progress again.
+/// Extends the lease of the owner holding `token`, and its record's expiry with it. `false`:
+/// fenced out (another token, or no record, or completed). An unknown record its owner still
+/// holds is in progress again.
 pub fn heartbeat<R>(slot: &mut Option<Record<R>>, token: i64, lease_ms: u64, clock: Clock) -> bool {
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() => {
             r.state = RecordState::InProgress;
-            r.lease_ms = lease_ms;
-            r.lease_until = clock.now.saturating_add(lease_ms);
+            r.seen(lease_ms, clock.now);
             true
         }
         _ => false,
@@ -76,9 +76,7 @@ pub enum Marked {
 pub fn owner_unknown<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> Marked {
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() => {
-            r.state = RecordState::Unknown;
-            r.unknown_before = true;
-            r.lease_until = r.lease_until.min(clock.now);
+            r.mark_unknown(clock.now);
             Marked::Unknown
         }
         Some(r) if r.token == token && r.state == RecordState::Completed => {
@@ -94,8 +92,7 @@ pub fn owner_unknown<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) 
 pub fn release<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> bool {
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() && r.unknown_before => {
-            r.state = RecordState::Unknown;
-            r.lease_until = r.lease_until.min(clock.now);
+            r.mark_unknown(clock.now);
             true
         }
         Some(r) if r.token == token && r.open() => {
