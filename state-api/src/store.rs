@@ -11,6 +11,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
 use contract::wire::{ClaimResponse, RecordState, StoredResponse};
+use state_rules::writes::Beat;
 use state_rules::Decision;
 
 use crate::scope::ScopeHash;
@@ -820,24 +821,25 @@ impl Store {
             .await?)
     }
 
-    /// Extends the lease of the owner holding `token`, and the record's expiry to a retention
-    /// (its own, else `retention_ms`) past the new lease. `false`: fenced out.
+    /// Extends the lease of the owner holding `token` while its record is in progress, and the
+    /// record's expiry to a retention (its own, else `retention_ms`) past the new lease
+    /// ([`state_rules::writes::heartbeat`]). A record marked unknown stays so: a mark outranks
+    /// every heartbeat sent before it.
     pub async fn heartbeat(
         &self,
         scope: &ScopeHash,
         token: i64,
         lease_ms: u64,
         retention_ms: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Beat, StoreError> {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
-        // The owner is alive after all: an unknown record it still holds is in progress again.
         let row = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET state = 'in_progress', lease_ms = $3,
+    SET lease_ms = $3,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
         expires_at = GREATEST(expires_at, clock_timestamp()
             + ($3::bigint + COALESCE(retention_ms, $4::bigint)) * interval '1 millisecond')
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
     RETURNING fencing_token",
             &scope[..],
             token,
@@ -846,7 +848,22 @@ impl Store {
         )
         .fetch_optional(&self.pool)
         .await?;
-        Ok(row.is_some())
+        if row.is_some() {
+            return Ok(Beat::Extended);
+        }
+        let marked = sqlx::query_scalar!(
+            "SELECT 1 AS one FROM idempotency_records
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'unknown'",
+            &scope[..],
+            token
+        )
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(if marked.is_some() {
+            Beat::LeaseEnded
+        } else {
+            Beat::FencedOut
+        })
     }
 
     /// Stores the response of the owner holding `token`.

@@ -318,7 +318,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
             claim_answer(&db.store.claim(&c).await.unwrap())
         }
         Op::Heartbeat { own } => format!(
-            "{}",
+            "{:?}",
             db.store
                 .heartbeat(scope, token(own), LEASE_MS, RETENTION_MS as i64)
                 .await
@@ -379,7 +379,7 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
             }))
         }
         Op::Heartbeat { own } => {
-            format!("{}", writes::heartbeat(slot, token(own), LEASE_MS, clock))
+            format!("{:?}", writes::heartbeat(slot, token(own), LEASE_MS, clock))
         }
         Op::Complete { own } => {
             match writes::complete(slot, token(own), 201, RETENTION_MS, clock) {
