@@ -34,6 +34,10 @@ pub enum ProblemKind {
     ReconcileUnavailable,
     /// A write by an owner whose lease was taken over by a newer claim.
     FencedOut,
+    /// A heartbeat of an owner whose record is marked unknown (by itself, a claim that found
+    /// its lease run out, or the purge): a mark outranks every heartbeat sent before it. The
+    /// owner's outcome is still accepted (`complete` with its token).
+    LeaseEnded,
     /// The record asked for does not exist.
     NotFound,
     /// The route exists, not with this method (state API).
@@ -62,6 +66,7 @@ impl ProblemKind {
             Self::MethodNotAllowed => 405,
             Self::InProgress
             | Self::FencedOut
+            | Self::LeaseEnded
             | Self::OutcomeNotReplayable
             | Self::OutcomeUnknown
             | Self::LeaseLive
@@ -89,6 +94,7 @@ impl ProblemKind {
             Self::OutcomeUnknown => "outcome-unknown",
             Self::ReconcileUnavailable => "reconcile-unavailable",
             Self::FencedOut => "fenced-out",
+            Self::LeaseEnded => "lease-ended",
             Self::NotFound => "not-found",
             Self::MethodNotAllowed => "method-not-allowed",
             Self::Forbidden => "forbidden",
@@ -118,6 +124,9 @@ impl ProblemKind {
                 "The outcome of an earlier attempt with this key could not be checked"
             }
             Self::FencedOut => "The claim was taken over by a newer owner",
+            Self::LeaseEnded => {
+                "The claim's outcome was marked unknown: its lease cannot be extended"
+            }
             Self::NotFound => "No such record",
             Self::MethodNotAllowed => "Method not allowed on this route",
             Self::Forbidden => "This credential may not do that",
@@ -130,6 +139,15 @@ impl ProblemKind {
 
     pub fn type_uri(self) -> String {
         format!("/problems/{}", self.slug())
+    }
+
+    /// Whether a problem document (as received) is of this kind: its `type` member's value
+    /// appears in it, quoted. No JSON reader needed (the filter checks answers this way).
+    pub fn names(self, document: &[u8]) -> bool {
+        let wanted = format!("\"/problems/{}\"", self.slug());
+        document
+            .windows(wanted.len())
+            .any(|w| w == wanted.as_bytes())
     }
 }
 
@@ -164,6 +182,14 @@ impl Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_document_names_its_own_kind_only() {
+        let doc = Problem::new(ProblemKind::LeaseEnded, "marked").to_json();
+        assert!(ProblemKind::LeaseEnded.names(&doc));
+        assert!(!ProblemKind::FencedOut.names(&doc));
+        assert!(!ProblemKind::LeaseEnded.names(b"{}"));
+    }
 
     #[test]
     fn problem_document_has_rfc9457_members() {

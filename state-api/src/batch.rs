@@ -241,7 +241,7 @@ async fn deliver_claim(
     let Err(Ok(ClaimResponse::Claimed { token, .. })) = reply.send(answer) else {
         return;
     };
-    match store.release(&job.scope, token).await {
+    match store.release(&job.scope, token, job.retention_ms).await {
         Ok(_) => metrics.released_for_gone_caller(),
         // The lease runs out instead, and the record becomes unknown: held or reconciled.
         Err(e) => {

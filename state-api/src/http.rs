@@ -21,6 +21,7 @@ use contract::wire::{
 use contract::{validate_key, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use state_rules::writes::Beat;
 use subtle::ConstantTimeEq as _;
 
 use crate::batch::{ClaimJob, CompleteJob};
@@ -580,7 +581,7 @@ fn elapsed_ms(since: tokio::time::Instant) -> u64 {
     path = "/v1/heartbeat",
     tag = "filter",
     summary = r#"Extend the lease of an in-flight claim (fenced)"#,
-    description = r#"Sets the lease to now + lease_ms (database clock) if `token` still owns the in-progress record. An owner whose lease ran out but that was not reclaimed yet is still the owner. Also accepted while the record is `unknown` and still holds this token (the owner was alive after all)."#,
+    description = r#"Sets the lease to now + lease_ms (database clock), and the record's expiry to a retention past it, if `token` still owns the in-progress record. An owner whose lease ran out but that was not reclaimed or marked yet is still the owner. A record marked `unknown` (by its owner, by a claim that found its lease run out, or by the purge) is never made in progress again by a heartbeat, whenever it was sent: 409 `lease-ended` (the owner's `complete` is still accepted); another token owns the record, or it is completed or gone: 409 `fenced-out`."#,
     request_body = HeartbeatRequest,
     security(("bearer" = [])),
     responses(
@@ -601,12 +602,24 @@ async fn heartbeat(
     .await?;
     check_token(req.token)?;
     let lease_ms = state.config().lease_for(req.lease_ms);
-    let ok = state.store().heartbeat(&scope, req.token, lease_ms).await?;
-    if !ok {
-        return Err(fenced_out(&state, WriteOp::Heartbeat, &scope));
+    let beat = state
+        .store()
+        .heartbeat(&scope, req.token, lease_ms, state.config().retention_ms())
+        .await?;
+    match beat {
+        Beat::Extended => {
+            state.metrics().write_ok(WriteOp::Heartbeat);
+            Ok(Json(HeartbeatResponse { lease_ms }))
+        }
+        Beat::LeaseEnded => {
+            state.metrics().fenced_out(WriteOp::Heartbeat);
+            Err(ApiError::new(
+                ProblemKind::LeaseEnded,
+                "the record is marked unknown: its lease is not extended; the owner's complete is still accepted",
+            ))
+        }
+        Beat::FencedOut => Err(fenced_out(&state, WriteOp::Heartbeat, &scope)),
     }
-    state.metrics().write_ok(WriteOp::Heartbeat);
-    Ok(Json(HeartbeatResponse { lease_ms }))
 }
 
 #[utoipa::path(
@@ -839,7 +852,10 @@ async fn release(
     )
     .await?;
     check_token(req.token)?;
-    let ok = state.store().release(&scope, req.token).await?;
+    let ok = state
+        .store()
+        .release(&scope, req.token, state.config().retention_ms())
+        .await?;
     if !ok {
         return Err(fenced_out(&state, WriteOp::Release, &scope));
     }
@@ -874,7 +890,10 @@ async fn outcome_unknown(
     )
     .await?;
     check_token(req.token)?;
-    let marked = state.store().owner_unknown(&scope, req.token).await?;
+    let marked = state
+        .store()
+        .owner_unknown(&scope, req.token, state.config().retention_ms())
+        .await?;
     match marked {
         Some(true) => {
             state.metrics().write_ok(WriteOp::Unknown);

@@ -235,7 +235,11 @@ pub fn spawn_purge(
             pause = Duration::from_secs(every);
             match state
                 .store()
-                .purge_expired(state.config().purge_batch, budget)
+                .purge_expired(
+                    state.config().purge_batch,
+                    budget,
+                    state.config().retention_ms(),
+                )
                 .await
             {
                 Ok(pass) => {

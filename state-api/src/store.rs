@@ -11,6 +11,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
 use contract::wire::{ClaimResponse, RecordState, StoredResponse};
+use state_rules::writes::Beat;
 use state_rules::Decision;
 
 use crate::scope::ScopeHash;
@@ -253,7 +254,7 @@ macro_rules! claim_cols {
          CASE WHEN r.state <> 'in_progress' OR r.lease_expires_at > c.now THEN false \
               ELSE idempotency_serving_since() <= c.now - r.lease_ms * interval '1 millisecond' \
          END AS lease_expired, \
-         (r.expires_at <= c.now AND (r.state = 'completed' OR r.lease_expires_at <= c.now)) AS retention_expired, \
+         (r.expires_at <= c.now AND r.state <> 'in_progress') AS retention_expired, \
          GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms, \
          r.response_status, r.response_headers, r.response_body, r.response_replayable, \
          r.response_key_id"
@@ -614,7 +615,9 @@ impl Store {
                         SET state = 'in_progress', unknown_before = true,
                             fencing_token = nextval('idempotency_fencing_token_seq'),
                             lease_ms = $3,
-                            lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
+                            lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
+                            expires_at = GREATEST(expires_at, clock_timestamp()
+                                + ($3::bigint + COALESCE(retention_ms, $4::bigint)) * interval '1 millisecond')
                         WHERE scope_hash = $1 AND fencing_token = $2
                           AND (state = 'unknown' OR (state = 'in_progress'
                             AND lease_expires_at <= clock_timestamp()
@@ -623,7 +626,8 @@ impl Store {
                         RETURNING fencing_token",
                         &c.scope[..],
                         observed,
-                        lease
+                        lease,
+                        c.retention_ms
                     )
                     .fetch_optional(&self.pool)
                     .await?
@@ -648,8 +652,7 @@ impl Store {
         response_status = NULL, response_headers = NULL, response_body = NULL,
         response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
-      AND expires_at <= clock_timestamp()
-      AND (state = 'completed' OR lease_expires_at <= clock_timestamp())
+      AND expires_at <= clock_timestamp() AND state <> 'in_progress'
     RETURNING fencing_token",
                         &c.scope[..],
                         observed,
@@ -669,14 +672,18 @@ impl Store {
                     // An in_progress record whose lease ran out is unknown: marked so (compare-and-set on the
                     // observed token) for a claim that holds unknown outcomes.
                     let marked = sqlx::query_scalar!(
-                        "UPDATE idempotency_records SET state = 'unknown', unknown_before = true
+                        "UPDATE idempotency_records SET state = 'unknown', unknown_before = true,
+                            lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
+                            expires_at = GREATEST(expires_at, clock_timestamp()
+                                + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
                         WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
                           AND lease_expires_at <= clock_timestamp()
                           AND idempotency_serving_since()
                               <= clock_timestamp() - lease_ms * interval '1 millisecond'
                         RETURNING fencing_token",
                         &c.scope[..],
-                        observed
+                        observed,
+                        c.retention_ms
                     )
                     .fetch_optional(&self.pool)
                     .await?;
@@ -814,28 +821,49 @@ impl Store {
             .await?)
     }
 
-    /// Extends the lease of the owner holding `token`. `false`: fenced out.
+    /// Extends the lease of the owner holding `token` while its record is in progress, and the
+    /// record's expiry to a retention (its own, else `retention_ms`) past the new lease
+    /// ([`state_rules::writes::heartbeat`]). A record marked unknown stays so: a mark outranks
+    /// every heartbeat sent before it.
     pub async fn heartbeat(
         &self,
         scope: &ScopeHash,
         token: i64,
         lease_ms: u64,
-    ) -> Result<bool, StoreError> {
+        retention_ms: i64,
+    ) -> Result<Beat, StoreError> {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
-        // The owner is alive after all: an unknown record it still holds is in progress again.
         let row = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET state = 'in_progress', lease_ms = $3,
-        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond'
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+    SET lease_ms = $3,
+        lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
+        expires_at = GREATEST(expires_at, clock_timestamp()
+            + ($3::bigint + COALESCE(retention_ms, $4::bigint)) * interval '1 millisecond')
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
     RETURNING fencing_token",
             &scope[..],
             token,
-            lease
+            lease,
+            retention_ms
         )
         .fetch_optional(&self.pool)
         .await?;
-        Ok(row.is_some())
+        if row.is_some() {
+            return Ok(Beat::Extended);
+        }
+        let marked = sqlx::query_scalar!(
+            "SELECT 1 AS one FROM idempotency_records
+    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'unknown'",
+            &scope[..],
+            token
+        )
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(if marked.is_some() {
+            Beat::LeaseEnded
+        } else {
+            Beat::FencedOut
+        })
     }
 
     /// Stores the response of the owner holding `token`.
@@ -909,17 +937,21 @@ impl Store {
         &self,
         scope: &ScopeHash,
         token: i64,
+        retention_ms: i64,
     ) -> Result<Option<bool>, StoreError> {
         // The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
-        // lease ends now: nothing heartbeats it any more.
+        // lease ends now: nothing heartbeats it any more; the retention counts from the mark.
         let marked = sqlx::query_scalar!(
             "UPDATE idempotency_records
     SET state = 'unknown', unknown_before = true,
-        lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
+        lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
+        expires_at = GREATEST(expires_at, clock_timestamp()
+            + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
     WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING fencing_token",
             &scope[..],
-            token
+            token,
+            retention_ms
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -933,13 +965,20 @@ impl Store {
     }
 
     /// Deletes the in-progress record of the owner holding `token`. `false`: fenced out.
-    pub async fn release(&self, scope: &ScopeHash, token: i64) -> Result<bool, StoreError> {
+    pub async fn release(
+        &self,
+        scope: &ScopeHash,
+        token: i64,
+        retention_ms: i64,
+    ) -> Result<bool, StoreError> {
         // Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
         // it over): then it is unknown again, since only this owner's attempt certainly did not run.
         let row = sqlx::query_scalar!(
             r#"WITH kept AS (
         UPDATE idempotency_records
-        SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp())
+        SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
+            expires_at = GREATEST(expires_at, clock_timestamp()
+                + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
         WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
           AND unknown_before
         RETURNING fencing_token
@@ -952,7 +991,8 @@ impl Store {
     SELECT fencing_token AS "fencing_token!" FROM kept
     UNION ALL SELECT fencing_token FROM freed"#,
             &scope[..],
-            token
+            token,
+            retention_ms
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -1008,24 +1048,45 @@ impl Store {
         }))
     }
 
-    /// Deletes one batch of expired records; returns how many.
-    pub async fn purge_batch(&self, batch: u32) -> Result<u64, StoreError> {
-        // Expired rows, a batch at a time. `FOR UPDATE SKIP LOCKED` re-checks the condition on a row
-        // a concurrent claim just renewed, and skips rows being written right now.
+    /// One batch of the purge ([`state_rules::purge::purge`]): expired records with an outcome
+    /// are deleted; an in-progress one past its expiry whose owner has been silent for a whole
+    /// lease (the lease guard) is marked unknown instead and kept a retention (`retention_ms`
+    /// unless it has its own), since nobody knows whether it ran. Returns how many of each.
+    pub async fn purge_batch(&self, batch: u32, retention_ms: i64) -> Result<u64, StoreError> {
+        // `FOR UPDATE SKIP LOCKED` re-checks the condition on a row a concurrent write just
+        // renewed, and skips rows being written right now. The CASE fixes the order: the lease
+        // guard's function is asked only of an in-progress row past its lease.
         let done = sqlx::query!(
-            "DELETE FROM idempotency_records
-    WHERE scope_hash IN (
-        SELECT scope_hash FROM idempotency_records
+            r#"WITH due AS (
+        SELECT scope_hash, state FROM idempotency_records
         WHERE expires_at < clock_timestamp()
-          AND (state = 'completed' OR lease_expires_at < clock_timestamp())
+          AND CASE WHEN state <> 'in_progress' THEN true
+                   WHEN lease_expires_at > clock_timestamp() THEN false
+                   ELSE idempotency_serving_since() <= clock_timestamp() - lease_ms * interval '1 millisecond'
+              END
         ORDER BY expires_at
         LIMIT $1
-        FOR UPDATE SKIP LOCKED)",
-            i64::from(batch)
+        FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM idempotency_records r USING due d
+        WHERE r.scope_hash = d.scope_hash AND d.state <> 'in_progress'
+        RETURNING 1
+    ), marked AS (
+        UPDATE idempotency_records r
+        SET state = 'unknown', unknown_before = true,
+            lease_expires_at = LEAST(r.lease_expires_at, clock_timestamp()),
+            expires_at = clock_timestamp() + COALESCE(r.retention_ms, $2::bigint) * interval '1 millisecond'
+        FROM due d
+        WHERE r.scope_hash = d.scope_hash AND d.state = 'in_progress'
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM marked) AS "rows!""#,
+            i64::from(batch),
+            retention_ms
         )
-        .execute(&self.pool)
+        .fetch_one(&self.pool)
         .await?;
-        Ok(done.rows_affected())
+        Ok(u64::try_from(done.rows).unwrap_or(0))
     }
 
     /// One pass of the purge: batches until one comes back short (the backlog is gone) or
@@ -1036,6 +1097,7 @@ impl Store {
         &self,
         batch: u32,
         budget: Duration,
+        retention_ms: i64,
     ) -> Result<PurgePass, StoreError> {
         let started = tokio::time::Instant::now();
         let max = batch.saturating_mul(PURGE_BATCH_GROWTH);
@@ -1043,7 +1105,7 @@ impl Store {
         let mut pass = PurgePass::default();
         loop {
             let t = tokio::time::Instant::now();
-            let n = self.purge_batch(size).await?;
+            let n = self.purge_batch(size, retention_ms).await?;
             pass.rows += n;
             pass.statements += 1;
             if n < u64::from(size) {

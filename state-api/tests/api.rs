@@ -394,7 +394,8 @@ async fn expired_records_are_new_keys_and_the_purge_deletes_them() {
         .await;
     // In progress past its retention but with a live lease: kept.
     api.claim("running", &fp(1), Some(60_000)).await;
-    // In progress past both: purged.
+    // In progress past both: marked unknown by the purge (nobody knows whether it ran),
+    // never deleted while in progress (issue 34, path 1).
     api.claim("dead", &fp(1), Some(1_000)).await;
     tokio::time::sleep(Duration::from_millis(2_300)).await;
 
@@ -415,13 +416,16 @@ async fn expired_records_are_new_keys_and_the_purge_deletes_them() {
     let purged = api
         .state
         .store()
-        .purge_expired(1, Duration::from_secs(10))
+        .purge_expired(1, Duration::from_secs(10), 86_400_000)
         .await
         .unwrap()
         .rows;
-    assert_eq!(purged, 2, "`gone` and `dead`, one row per batch");
+    assert_eq!(
+        purged, 2,
+        "`gone` deleted, `dead` marked, one row per batch"
+    );
     assert_eq!(api.record("gone", "alice").await.0, 404);
-    assert_eq!(api.record("dead", "alice").await.0, 404);
+    assert_eq!(api.record("dead", "alice").await.1["state"], "unknown");
     assert_eq!(api.record("running", "alice").await.0, 200);
     assert_eq!(api.record("ret", "alice").await.1["state"], "in_progress");
 }
@@ -1130,7 +1134,7 @@ async fn the_purge_clears_a_backlog_with_growing_batches_and_bounds_each_pass() 
     let short = api
         .state
         .store()
-        .purge_expired(100, Duration::ZERO)
+        .purge_expired(100, Duration::ZERO, 86_400_000)
         .await
         .unwrap();
     assert_eq!(
@@ -1141,7 +1145,7 @@ async fn the_purge_clears_a_backlog_with_growing_batches_and_bounds_each_pass() 
     let pass = api
         .state
         .store()
-        .purge_expired(100, Duration::from_secs(30))
+        .purge_expired(100, Duration::from_secs(30), 86_400_000)
         .await
         .unwrap();
     assert_eq!((pass.rows, pass.backlog), (19_900, false));

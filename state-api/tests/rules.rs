@@ -318,9 +318,9 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
             claim_answer(&db.store.claim(&c).await.unwrap())
         }
         Op::Heartbeat { own } => format!(
-            "{}",
+            "{:?}",
             db.store
-                .heartbeat(scope, token(own), LEASE_MS)
+                .heartbeat(scope, token(own), LEASE_MS, RETENTION_MS as i64)
                 .await
                 .unwrap()
         ),
@@ -334,13 +334,27 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
             WriteResult::AlreadyDone { .. } => "already done".into(),
             WriteResult::FencedOut => "fenced out".into(),
         },
-        Op::Unknown { own } => match db.store.owner_unknown(scope, token(own)).await.unwrap() {
+        Op::Unknown { own } => match db
+            .store
+            .owner_unknown(scope, token(own), RETENTION_MS as i64)
+            .await
+            .unwrap()
+        {
             Some(true) => "marked".into(),
             Some(false) => "already completed".into(),
             None => "fenced out".into(),
         },
-        Op::Release { own } => format!("{}", db.store.release(scope, token(own)).await.unwrap()),
-        Op::Purge => format!("purged {}", db.store.purge_batch(10).await.unwrap()),
+        Op::Release { own } => format!(
+            "{}",
+            db.store
+                .release(scope, token(own), RETENTION_MS as i64)
+                .await
+                .unwrap()
+        ),
+        Op::Purge => format!(
+            "purged {}",
+            db.store.purge_batch(10, RETENTION_MS as i64).await.unwrap()
+        ),
     }
 }
 
@@ -365,7 +379,7 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
             }))
         }
         Op::Heartbeat { own } => {
-            format!("{}", writes::heartbeat(slot, token(own), LEASE_MS, clock))
+            format!("{:?}", writes::heartbeat(slot, token(own), LEASE_MS, clock))
         }
         Op::Complete { own } => {
             match writes::complete(slot, token(own), 201, RETENTION_MS, clock) {
@@ -381,13 +395,11 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
         },
         Op::Release { own } => format!("{}", writes::release(slot, token(own), clock)),
         Op::Purge => {
-            let gone = slot
-                .as_ref()
-                .is_some_and(|r| state_rules::purge::purgeable(r, clock));
-            if gone {
-                *slot = None;
-            }
-            format!("purged {}", u8::from(gone))
+            let done = state_rules::purge::apply(slot, clock);
+            format!(
+                "purged {}",
+                u8::from(done != state_rules::purge::Purge::Keep)
+            )
         }
     }
 }

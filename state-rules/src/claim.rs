@@ -71,7 +71,8 @@ pub enum Decision {
     MarkUnknown {
         observed: i64,
     },
-    /// Reuse a record past its retention as if it were new.
+    /// Reuse a record past its retention as if it were new (it has an outcome: stored, or
+    /// unknown).
     TakeOver {
         observed: i64,
         /// Its outcome was never stored: the new owner's claim says `reclaimed`.
@@ -174,16 +175,14 @@ pub fn claim<R: Clone>(
             record.state = RecordState::InProgress;
             record.unknown_before = true;
             record.token = token;
-            record.lease_ms = terms.lease_ms;
-            record.lease_until = clock.now.saturating_add(terms.lease_ms);
+            record.seen(terms.lease_ms, clock.now);
             ClaimOutcome::Claimed {
                 token,
                 reclaimed: true,
             }
         }
         Decision::MarkUnknown { .. } => {
-            record.state = RecordState::Unknown;
-            record.unknown_before = true;
+            record.mark_unknown(clock.now);
             ClaimOutcome::Unknown
         }
         Decision::TakeOver {

@@ -41,7 +41,8 @@ pub struct Record<R> {
     /// The owner's lease, as last granted or extended.
     pub lease_ms: u64,
     pub lease_until: u64,
-    /// When the record may go (the purge deletes it; a claim treats it as new).
+    /// When the record may go once it has an outcome (the purge deletes it; a claim treats it
+    /// as new): a retention after its outcome or its owner's last sign of life, never less.
     pub expires_at: u64,
     /// The retention the claim asked for (a complete keeps the record this long).
     pub retention_ms: u64,
@@ -88,10 +89,32 @@ impl<R> Record<R> {
             && clock.serving_since.saturating_add(self.lease_ms) <= clock.now
     }
 
-    /// Past its retention, and (unless completed) past its lease: a claim treats the key as new.
+    /// Past its retention with an outcome (stored, or marked unknown): a claim treats the key
+    /// as new. A record in progress never expires by age: its owner may still extend its lease,
+    /// and its expiry moves with every sign of life ([`Record::seen`]).
     pub fn retention_expired(&self, clock: Clock) -> bool {
-        self.expires_at <= clock.now
-            && (self.state == RecordState::Completed || self.lease_until <= clock.now)
+        self.expires_at <= clock.now && self.state != RecordState::InProgress
+    }
+
+    /// The retention counted from `at`: the expiry moves there unless it lies later already.
+    pub fn keep_from(&mut self, at: u64) {
+        self.expires_at = self.expires_at.max(at.saturating_add(self.retention_ms));
+    }
+
+    /// A sign of life of its owner with a lease until `lease_until`: kept a retention past it.
+    pub fn seen(&mut self, lease_ms: u64, now: u64) {
+        self.lease_ms = lease_ms;
+        self.lease_until = now.saturating_add(lease_ms);
+        self.keep_from(self.lease_until);
+    }
+
+    /// Marked unknown at `now` (by its owner, by a claim, by the purge): its lease ends, and
+    /// the retention counts from the mark.
+    pub fn mark_unknown(&mut self, now: u64) {
+        self.state = RecordState::Unknown;
+        self.unknown_before = true;
+        self.lease_until = self.lease_until.min(now);
+        self.keep_from(now);
     }
 
     /// Until the lease runs out, rounded up (0 once past it).

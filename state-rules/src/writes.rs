@@ -4,17 +4,28 @@
 use crate::record::{Clock, Record};
 use contract::wire::RecordState;
 
-/// Extends the lease of the owner holding `token`. `false`: fenced out (another token, or no
-/// record, or completed). An unknown record its owner still holds is in progress again.
-pub fn heartbeat<R>(slot: &mut Option<Record<R>>, token: i64, lease_ms: u64, clock: Clock) -> bool {
+/// What a heartbeat did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Beat {
+    /// The lease (and the record's expiry with it) is extended.
+    Extended,
+    /// The record is marked unknown under this owner's token: a mark outranks every heartbeat
+    /// sent before it, so nothing is extended; the owner may still store its outcome.
+    LeaseEnded,
+    /// Another token owns the record, or it is completed or gone.
+    FencedOut,
+}
+
+/// Extends the lease of the owner holding `token`, and its record's expiry with it, while its
+/// record is in progress.
+pub fn heartbeat<R>(slot: &mut Option<Record<R>>, token: i64, lease_ms: u64, clock: Clock) -> Beat {
     match slot.as_mut() {
-        Some(r) if r.token == token && r.open() => {
-            r.state = RecordState::InProgress;
-            r.lease_ms = lease_ms;
-            r.lease_until = clock.now.saturating_add(lease_ms);
-            true
+        Some(r) if r.token == token && r.state == RecordState::InProgress => {
+            r.seen(lease_ms, clock.now);
+            Beat::Extended
         }
-        _ => false,
+        Some(r) if r.token == token && r.state == RecordState::Unknown => Beat::LeaseEnded,
+        _ => Beat::FencedOut,
     }
 }
 
@@ -76,9 +87,7 @@ pub enum Marked {
 pub fn owner_unknown<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> Marked {
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() => {
-            r.state = RecordState::Unknown;
-            r.unknown_before = true;
-            r.lease_until = r.lease_until.min(clock.now);
+            r.mark_unknown(clock.now);
             Marked::Unknown
         }
         Some(r) if r.token == token && r.state == RecordState::Completed => {
@@ -94,8 +103,7 @@ pub fn owner_unknown<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) 
 pub fn release<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> bool {
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() && r.unknown_before => {
-            r.state = RecordState::Unknown;
-            r.lease_until = r.lease_until.min(clock.now);
+            r.mark_unknown(clock.now);
             true
         }
         Some(r) if r.token == token && r.open() => {

@@ -1,7 +1,7 @@
 //! A record's life through the rules, one step at a time.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use state_rules::writes::{complete, heartbeat, owner_unknown, release, Completion, Marked};
+use state_rules::writes::{complete, heartbeat, owner_unknown, release, Beat, Completion, Marked};
 use state_rules::{claim, ClaimOutcome, ClaimTerms, Clock, Fingerprint, Record, RecordState};
 
 fn terms(fp: &str, take_over: bool) -> ClaimTerms {
@@ -129,12 +129,21 @@ fn owners_mark_and_heartbeat_their_own_record_only() {
     let mut slot: Option<Record<&str>> = None;
     let mut t = Tokens(0);
     claim(&mut slot, &terms("aa", false), at(0), &mut || t.next());
-    assert!(heartbeat(&mut slot, 1, 1_000, at(900)));
+    assert_eq!(heartbeat(&mut slot, 1, 1_000, at(900)), Beat::Extended);
     assert_eq!(slot.as_ref().unwrap().lease_until, 1_900);
-    assert!(!heartbeat(&mut slot, 2, 1_000, at(900)));
+    assert_eq!(heartbeat(&mut slot, 2, 1_000, at(900)), Beat::FencedOut);
     assert_eq!(owner_unknown(&mut slot, 2, at(950)), Marked::FencedOut);
     assert_eq!(owner_unknown(&mut slot, 1, at(950)), Marked::Unknown);
     assert_eq!(slot.as_ref().unwrap().lease_until, 950);
+    // A heartbeat its owner sent before the mark, answered after it, revives nothing.
+    assert_eq!(heartbeat(&mut slot, 1, 1_000, at(960)), Beat::LeaseEnded);
+    assert_eq!(slot.as_ref().unwrap().state, RecordState::Unknown);
+    assert_eq!(slot.as_ref().unwrap().lease_until, 950);
+    // Its outcome is still accepted.
+    assert!(matches!(
+        complete(&mut slot, 1, "201", 0, at(970)),
+        Completion::Done { .. }
+    ));
     // A release by an owner that never took over an unknown outcome frees the key.
     let mut fresh: Option<Record<&str>> = None;
     claim(&mut fresh, &terms("aa", false), at(0), &mut || t.next());

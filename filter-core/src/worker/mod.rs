@@ -41,6 +41,7 @@ use contract::wire::{
     BatchResponse, ClaimRequest, HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
     RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
+use contract::ProblemKind;
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
@@ -1233,6 +1234,21 @@ impl Worker {
                         Effect::Log(Level::Warn, "unreadable heartbeat answer".into()),
                     ]
                 }
+            }
+            CalloutResult::Response {
+                status: 409, body, ..
+            } if ProblemKind::LeaseEnded.names(&body) => {
+                // Marked unknown under this token (the lease ran out and a claim, the purge or
+                // this worker marked it): nothing extends it any more, but the outcome this
+                // claim may still learn is stored (a complete of its token is accepted).
+                self.registry.lease_ended(token);
+                vec![
+                    Effect::Count(Metric::FencedOut),
+                    Effect::Log(
+                        Level::Warn,
+                        "heartbeat refused: the record is marked unknown (its lease ran out); its outcome is still stored".into(),
+                    ),
+                ]
             }
             CalloutResult::Response { status: 409, .. } => {
                 // A newer claim owns the key: stop extending this one, and stop completing it.

@@ -30,6 +30,10 @@ struct Entry {
     /// A heartbeat found a newer claim owning the key: no more heartbeats, and whatever the
     /// claim's stream hands over later can only be fenced out (`Registry::fence`).
     fenced: bool,
+    /// A heartbeat found the record marked unknown under this token: its lease cannot be
+    /// extended any more (no more heartbeats), but the claim still owns it, and its outcome is
+    /// still stored (`Registry::lease_ended`).
+    ended: bool,
 }
 
 /// The lease a claim's route asks for and its heartbeat interval.
@@ -61,13 +65,16 @@ impl Registry {
             last_ms: now_ms,
             pending: false,
             fenced: false,
+            ended: false,
         };
         match self.find(token) {
-            // Once fenced, always fenced: no grant makes the token the newest again.
+            // Once fenced, always fenced: no grant makes the token the newest again; and a mark
+            // is never undone.
             Some(e) => {
-                let fenced = e.fenced;
+                let (fenced, ended) = (e.fenced, e.ended);
                 *e = entry;
                 e.fenced = fenced;
+                e.ended = ended;
             }
             None => self.entries.push(entry),
         }
@@ -108,6 +115,14 @@ impl Registry {
         }
     }
 
+    /// A heartbeat of `token` found its record marked unknown: no more heartbeats for it.
+    pub fn lease_ended(&mut self, token: i64) {
+        if let Some(e) = self.find(token) {
+            e.ended = true;
+            e.pending = false;
+        }
+    }
+
     pub fn is_fenced(&self, token: i64) -> bool {
         self.entries
             .iter()
@@ -131,6 +146,7 @@ impl Registry {
         for e in self.entries.iter_mut() {
             if !e.pending
                 && !e.fenced
+                && !e.ended
                 && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms)
             {
                 e.pending = true;
@@ -152,7 +168,7 @@ impl Registry {
     pub fn next_due(&self, tick_ms: u64) -> Option<u64> {
         self.entries
             .iter()
-            .filter(|e| !e.pending && !e.fenced)
+            .filter(|e| !e.pending && !e.fenced && !e.ended)
             .map(|e| e.last_ms.saturating_add(Self::threshold(e, tick_ms)))
             .min()
     }

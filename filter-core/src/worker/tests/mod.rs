@@ -1825,6 +1825,45 @@ fn a_fenced_out_heartbeat_stops_the_claim_and_drops_its_pending_complete() {
     assert_eq!((u.claims, u.writes, u.replay_bytes), (0, 0, 0));
 }
 
+/// Issue 34, path 5: a heartbeat that finds the record marked unknown under its own token
+/// (`lease-ended`) stops the heartbeats of that claim, and its outcome is still stored: the
+/// pending complete stays and is sent again, never dropped as a fenced-out one is.
+#[test]
+fn a_heartbeat_refused_for_a_marked_record_stops_heartbeats_and_keeps_the_complete() {
+    let mut t = Harness::new(CONFIG);
+    let (s, _) = t.claimed("/checkout", b"{}", 5);
+    let step = t.ok_response(s, "201", true);
+    let d = step.dispatch(COMPLETE_PATH).clone();
+    let step = t.answer(&d, CalloutResult::Failed("x".into()));
+    let d = step.dispatch(COMPLETE_PATH).clone();
+    t.answer(&d, CalloutResult::Failed("x".into()));
+    assert_eq!(t.w.usage().writes, 1);
+    t.advance(7_500);
+    let step = t.tick();
+    let hb = step.dispatch(HEARTBEAT_PATH).clone();
+    // The complete's retry goes in the same tick.
+    let retry = step.dispatch(COMPLETE_PATH).clone();
+    let step = t.answer(
+        &hb,
+        status(
+            409,
+            &contract::Problem::new(contract::ProblemKind::LeaseEnded, "marked").to_json(),
+        ),
+    );
+    assert_eq!(step.counts(), vec![Metric::FencedOut]);
+    assert_eq!(t.w.usage().writes, 1, "the outcome is still to be stored");
+    // No heartbeat for that claim any more.
+    for _ in 0..8 {
+        t.advance(2_500);
+        assert!(t.tick().dispatches(HEARTBEAT_PATH).is_empty());
+    }
+    t.answer(
+        &retry,
+        answer(&contract::wire::WriteResponse::completed(86_400_000)),
+    );
+    assert_eq!(t.w.usage().writes, 0, "stored");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The replay cache
 

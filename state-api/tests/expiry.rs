@@ -1,0 +1,103 @@
+//! Issue 34, path 1: a record's expiry counts from its outcome or its owner's last sign of
+//! life, never from the claim. A record in progress never becomes a new key by age alone.
+
+mod common;
+
+use common::*;
+use contract::wire::{ClaimRequest, ClaimResponse, OnUnknown};
+use serde_json::json;
+use std::time::Duration;
+
+/// A route keeping records 1 s whose upstream works longer than that: the owner heartbeats
+/// past the retention, then misses one lease (a state API or Postgres pause). The next claim
+/// must find the key unknown (held), never new: a new key there is a second execution.
+#[tokio::test]
+async fn an_owner_still_running_past_its_retention_keeps_its_key() {
+    let api = Api::start(&["--purge-interval-s", "0"]).await;
+    let claim = ClaimRequest {
+        retention_s: Some(1),
+        ..claim_req("long-runner", "alice", &fp(1), Some(1_000))
+    };
+    let token = token_of(&api.claim_with(&claim).await);
+    let beat = json!({"key": "long-runner", "subject": "alice", "endpoint": ENDPOINT,
+                      "token": token, "lease_ms": 1_000});
+    // 2.4 s of heartbeats: past the claim's expiry (claim + lease + retention = 2 s).
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, body, _) = api.post("/v1/heartbeat", &beat).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // The purge leaves a record in progress alone, however old.
+    api.state
+        .store()
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    // One lease without a heartbeat.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let again = api.claim_with(&claim).await;
+    assert_eq!(
+        again,
+        ClaimResponse::Unknown,
+        "the running owner's key was handed out again"
+    );
+    // Where the route re-executes unknown outcomes, it is taken over with a larger token
+    // (the lease guard passed: the database has served all along), never as a new key.
+    let take_over = ClaimRequest {
+        on_unknown: OnUnknown::TakeOver,
+        ..claim.clone()
+    };
+    match api.claim_with(&take_over).await {
+        ClaimResponse::Claimed {
+            token: newer,
+            reclaimed,
+            ..
+        } => {
+            assert!(reclaimed, "an earlier attempt's outcome is unknown");
+            assert!(newer > token);
+        }
+        other => panic!("{other:?}"),
+    }
+    api.shutdown().await;
+}
+
+/// The purge marks an in-progress record past its expiry whose owner has been silent for a
+/// lease (nobody knows whether it ran) instead of deleting it; it deletes it a retention later.
+#[tokio::test]
+async fn the_purge_marks_an_abandoned_claim_unknown_before_it_deletes_it() {
+    let api = Api::start(&["--purge-interval-s", "0"]).await;
+    let claim = ClaimRequest {
+        retention_s: Some(1),
+        ..claim_req("abandoned", "alice", &fp(2), Some(1_000))
+    };
+    token_of(&api.claim_with(&claim).await);
+    // Past claim + lease + retention.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let store = api.state.store();
+    let pass = store
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(pass.rows, 1, "{pass:?}");
+    assert_eq!(api.claim_with(&claim).await, ClaimResponse::Unknown);
+    // Within a retention of the mark the unknown outcome is held; after it, it goes.
+    let pass = store
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(pass.rows, 0, "{pass:?}");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let pass = store
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(pass.rows, 1, "{pass:?}");
+    assert!(matches!(
+        api.claim_with(&claim).await,
+        ClaimResponse::Claimed {
+            reclaimed: false,
+            ..
+        }
+    ));
+    api.shutdown().await;
+}
