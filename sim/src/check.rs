@@ -96,6 +96,16 @@ pub struct Freed {
 }
 
 impl Evidence {
+    /// A record of `scope` ended: it is the scope's last end unless a newer record (a larger
+    /// token) ended before it (an older record can outlive a newer one under another key
+    /// secret).
+    pub fn record_ended(&mut self, scope: &Scope, end: Freed) {
+        let newer = self.scope_end.get(scope).is_some_and(|e| e.from > end.from);
+        if !newer {
+            self.scope_end.insert(scope.clone(), end);
+        }
+    }
+
     /// Whether a re-execution (or a second charge) with `token` after the earlier one with
     /// `prior` is allowed because the key became free legitimately in between; otherwise why
     /// it was free.

@@ -73,11 +73,9 @@ pub const REGIONS: &[&str] = &[
 /// break one of them and goes on (`make simulate AWAITING=1` does too); each line goes when
 /// its path's fix lands, and from then on such a violation fails the run.
 pub const AWAITING_FIX: &[(&str, &str)] = &[
-    ("path 1", "past its retention"),
     ("path 2", "recovered in place"),
     ("path 3", "Envoy's own answer"),
     ("path 4", "was ever forwarded"),
-    ("path 5", "undid the mark"),
     ("path 6", "of its heartbeats failed"),
     ("path 6", "gave up the write"),
     ("path 7", "charged"),

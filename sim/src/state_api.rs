@@ -17,7 +17,8 @@ use contract::wire::{
 };
 use contract::{validate_key, Problem, ProblemKind};
 use state_rules::operator::{self, Refusal};
-use state_rules::writes::{self, Completion, Marked};
+use state_rules::purge::Purge;
+use state_rules::writes::{self, Beat, Completion, Marked};
 use state_rules::{ClaimOutcome, ClaimTerms, Clock, Fingerprint, RecordState};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -590,18 +591,24 @@ impl ModelStateApi {
         let was_unknown = slot
             .as_ref()
             .is_some_and(|s| s.state == RecordState::Unknown);
-        let ok = writes::heartbeat(&mut slot, r.token, lease_ms, clock);
+        let beat = writes::heartbeat(&mut slot, r.token, lease_ms, clock);
         if let Some(rec) = slot {
             self.records.insert(address, rec);
         }
-        if !ok {
-            return fenced();
+        match beat {
+            Beat::Extended => {
+                self.events.push(Event::HeartbeatAccepted {
+                    token: r.token,
+                    revived: was_unknown,
+                });
+                json(200, &HeartbeatResponse { lease_ms })
+            }
+            Beat::LeaseEnded => problem(
+                ProblemKind::LeaseEnded,
+                "the record is marked unknown: its lease ended",
+            ),
+            Beat::FencedOut => fenced(),
         }
-        self.events.push(Event::HeartbeatAccepted {
-            token: r.token,
-            revived: was_unknown,
-        });
-        json(200, &HeartbeatResponse { lease_ms })
     }
 
     fn stored(&self, r: StoredResponse) -> Result<StoredResponse, Answer> {
@@ -742,29 +749,47 @@ impl ModelStateApi {
         }
     }
 
-    /// The purge: every record past its expiry (and, unless completed, its lease) goes.
-    pub fn purge(&mut self, now: u64) -> usize {
+    /// The purge's pass: every record past its expiry with an outcome is deleted, and one in
+    /// progress whose owner is silent (the lease guard) is marked unknown. Returns how many it
+    /// deleted and marked.
+    pub fn purge(&mut self, now: u64) -> (usize, usize) {
         let clock = self.clock(now);
-        let gone: Vec<Address> = self
-            .records
-            .iter()
-            .filter(|(_, r)| state_rules::purge::purgeable(r, clock))
-            .map(|(a, _)| a.clone())
-            .collect();
-        for a in &gone {
-            if let Some(r) = self.records.remove(a) {
-                if r.state == RecordState::InProgress {
+        let addresses: Vec<Address> = self.records.keys().cloned().collect();
+        let (mut deleted, mut marked) = (0, 0);
+        for a in addresses {
+            let mut slot = self.records.remove(&a);
+            let before = slot.clone();
+            let done = state_rules::purge::apply(&mut slot, clock);
+            if let Some(rec) = slot {
+                self.records.insert(a.clone(), rec);
+            }
+            let Some(r) = before else { continue };
+            match done {
+                Purge::Keep => {}
+                Purge::MarkUnknown => {
+                    marked += 1;
                     self.events.push(Event::Lapsed {
                         token: r.token,
                         scope: a.1.clone(),
                         lease_ms: r.lease_ms,
-                        by: "found by the purge, which deleted the expired record",
+                        by: "found by the purge, which marked it unknown",
                     });
                 }
-                self.delete_noted(a.clone(), r.token, Deleter::Purge, Some(r.state));
+                Purge::Delete => {
+                    deleted += 1;
+                    if r.state == RecordState::InProgress {
+                        self.events.push(Event::Lapsed {
+                            token: r.token,
+                            scope: a.1.clone(),
+                            lease_ms: r.lease_ms,
+                            by: "found by the purge, which deleted the expired record",
+                        });
+                    }
+                    self.delete_noted(a, r.token, Deleter::Purge, Some(r.state));
+                }
             }
         }
-        gone.len()
+        (deleted, marked)
     }
 
     /// An operator's release or purge of the record of `scope` through the admin API, without

@@ -830,10 +830,14 @@ impl World {
             }
             Action::Operator => self.operator_action(),
             Action::Purge => {
-                let n = self.api.purge(self.now);
-                if n > 0 {
+                let (deleted, marked) = self.api.purge(self.now);
+                if deleted > 0 {
                     self.reach("region: the purge deleted records");
-                    self.log(format!("the state API's purge deletes {n} expired records"));
+                }
+                if deleted + marked > 0 {
+                    self.log(format!(
+                        "the state API's purge deletes {deleted} expired records and marks {marked} unknown"
+                    ));
                 }
                 self.after_purge();
             }
@@ -1766,7 +1770,7 @@ impl World {
                         let mut end = freed.clone();
                         end.how = end.how.replace("as a new key past its retention: ", "");
                         end.from = Some(from);
-                        self.ev.scope_end.insert(scope.clone(), end);
+                        self.ev.record_ended(&scope, end);
                     }
                     if !freed.legit || freed.from.is_some() {
                         self.log(format!(
@@ -1826,7 +1830,7 @@ impl World {
                     token, scope, by, ..
                 } => {
                     let end = check::judge_deletion(self, token, by);
-                    self.ev.scope_end.insert(scope, end);
+                    self.ev.record_ended(&scope, end);
                 }
             }
         }
