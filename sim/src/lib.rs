@@ -61,7 +61,7 @@ pub const REGIONS: &[&str] = &[
     "the purge deleted records",
     "a record reused past its retention",
     "a lease found run out",
-    "a heartbeat revived an unknown record",
+    "a heartbeat reached a record its owner's token marked unknown",
     "a write given up after complete_retry_ms",
     // Routes.
     "a key_from request without a key, with a client's fencing token",

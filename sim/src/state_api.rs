@@ -116,6 +116,8 @@ pub enum Event {
     OwnerMarked { token: i64, scope: Scope },
     /// A heartbeat of `token` was accepted; `revived`: the record was unknown before.
     HeartbeatAccepted { token: i64, revived: bool },
+    /// A heartbeat of `token` reached its record marked unknown under that token.
+    HeartbeatOnMarked { token: i64 },
     /// The owner of `token` stored its outcome.
     Completed { token: i64 },
     Deleted {
@@ -590,10 +592,14 @@ impl ModelStateApi {
         let mut slot = self.records.remove(&address);
         let was_unknown = slot
             .as_ref()
-            .is_some_and(|s| s.state == RecordState::Unknown);
+            .is_some_and(|s| s.state == RecordState::Unknown && s.token == r.token);
         let beat = writes::heartbeat(&mut slot, r.token, lease_ms, clock);
         if let Some(rec) = slot {
             self.records.insert(address, rec);
+        }
+        if was_unknown {
+            self.events
+                .push(Event::HeartbeatOnMarked { token: r.token });
         }
         match beat {
             Beat::Extended => {

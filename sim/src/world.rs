@@ -1815,13 +1815,17 @@ impl World {
                 Event::HeartbeatAccepted { token, revived } => {
                     self.ev.last_sign.insert(token, self.now);
                     if let (true, Some(c)) = (revived, c) {
-                        self.reach("region: a heartbeat revived an unknown record");
                         self.log(format!(
                             "state API: a heartbeat of token {token} from worker {} (sent at {}) makes its unknown record in progress again",
                             c.worker, c.sent_at
                         ));
                         check::heartbeat_after_mark(self, token, c.seq);
                     }
+                }
+                Event::HeartbeatOnMarked { .. } => {
+                    self.reach(
+                        "region: a heartbeat reached a record its owner's token marked unknown",
+                    );
                 }
                 Event::Completed { token } => {
                     self.ev.last_sign.insert(token, self.now);
