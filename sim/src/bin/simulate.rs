@@ -32,7 +32,7 @@ struct Args {
     ignore: Vec<String>,
     /// Go on past runs that break an invariant the fixes of issue 34 restore
     /// (`sim::AWAITING_FIX`), counting them by path.
-    #[arg(long, env = "AWAITING")]
+    #[arg(long, env = "AWAITING", value_parser = clap::builder::FalseyValueParser::new())]
     awaiting: bool,
     /// Threads (default: the machine's cores).
     #[arg(long)]
