@@ -71,8 +71,10 @@ pub struct Evidence {
     pub gave_up_a_write: bool,
     /// Claims the state API committed whose answer never reached the filter, by scope (how).
     pub lost_grants: BTreeMap<Scope, String>,
-    /// How the last record of each scope ended (deleted, or reused past its retention).
+    /// How the last record of each scope ended (deleted, or reused past its retention), and
+    /// every end, in order.
     pub scope_end: BTreeMap<Scope, Freed>,
+    pub ends: BTreeMap<Scope, Vec<Freed>>,
     /// For each token whose record an operator deleted: how long its owner had been silent,
     /// and its lease.
     pub operator_silent: BTreeMap<i64, (u64, u64)>,
@@ -86,13 +88,15 @@ pub struct Evidence {
     pub reconcile_answers: Vec<(Scope, Produced)>,
 }
 
-/// Why a key was free when a token was granted.
+/// Why a key was free when a token was granted, or how a record ended.
 #[derive(Debug, Clone)]
 pub struct Freed {
     /// The token whose record made way (none: there was none at the address).
     pub from: Option<i64>,
     pub legit: bool,
     pub how: String,
+    /// When.
+    pub at: u64,
 }
 
 impl Evidence {
@@ -100,6 +104,10 @@ impl Evidence {
     /// token) ended before it (an older record can outlive a newer one under another key
     /// secret).
     pub fn record_ended(&mut self, scope: &Scope, end: Freed) {
+        self.ends
+            .entry(scope.clone())
+            .or_default()
+            .push(end.clone());
         let newer = self.scope_end.get(scope).is_some_and(|e| e.from > end.from);
         if !newer {
             self.scope_end.insert(scope.clone(), end);
@@ -109,22 +117,32 @@ impl Evidence {
     /// Whether a re-execution (or a second charge) with `token` after the earlier one with
     /// `prior` is allowed because the key became free legitimately in between; otherwise why
     /// it was free.
-    fn freed_since(&self, prior: i64, token: i64) -> Result<(), String> {
-        let Some(f) = self.freed.get(&token) else {
-            return Err(String::new());
-        };
-        match f.from {
-            Some(from) if from >= prior && f.legit => Ok(()),
-            Some(from) if from >= prior => Err(format!(": token {token} was granted {}", f.how)),
-            _ => {
-                let (a, b) = (self.secret_of.get(&prior), self.secret_of.get(&token));
-                match (a, b) {
-                    (Some(a), Some(b)) if a != b => Err(format!(
-                        ": token {token} was granted as a new key under key secret {b} while token {prior}'s record lived under key secret {a} (a rotation of the key secret)"
-                    )),
-                    _ => Err(format!(": token {token} was granted {}", f.how)),
-                }
-            }
+    fn freed_since(&self, scope: &Scope, prior: i64, token: i64) -> Result<(), String> {
+        // The outcome of `prior` was legitimately let go before `token` was granted: a record
+        // at least as new as `prior`'s ended legitimately by then.
+        let granted = self.granted_at.get(&token).copied().unwrap_or(u64::MAX);
+        let ends = self.ends.get(scope).map(Vec::as_slice).unwrap_or_default();
+        let since = |e: &&Freed| e.from.is_some_and(|q| q >= prior) && e.at <= granted;
+        if ends.iter().filter(since).any(|e| e.legit) {
+            return Ok(());
+        }
+        let f = self.freed.get(&token);
+        if let Some(f) = f.filter(|f| !f.legit) {
+            return Err(format!(": token {token} was granted {}", f.how));
+        }
+        if let Some(e) = ends.iter().rev().find(since) {
+            return Err(format!(
+                ": token {token} was granted as a new key: {}",
+                e.how
+            ));
+        }
+        match (self.secret_of.get(&prior), self.secret_of.get(&token)) {
+            (Some(a), Some(b)) if a != b => Err(format!(
+                ": token {token} was granted as a new key under key secret {b} while token {prior}'s record lived under key secret {a} (a rotation of the key secret)"
+            )),
+            _ => Err(f
+                .map(|f| format!(": token {token} was granted {}", f.how))
+                .unwrap_or_default()),
         }
     }
 }
@@ -148,6 +166,7 @@ pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
             how: format!(
                 "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret)"
             ),
+            at: w.now,
         },
         // No record anywhere: the last one of the scope ended, legitimately or not.
         Grant::New { .. } => match w.ev.scope_end.get(scope) {
@@ -155,11 +174,13 @@ pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
                 from: end.from,
                 legit: end.legit,
                 how: format!("as a new key: {}", end.how),
+                at: w.now,
             },
             None => Freed {
                 from: None,
                 legit: true,
                 how: "as a new key".into(),
+                at: w.now,
             },
         },
         Grant::RetentionReuse {
@@ -175,12 +196,14 @@ pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
                     "as a new key past its retention: token {from}'s record ({}, retention {retention} ms) was reused {silent} ms after its owner's last sign of life",
                     if *was_in_progress { "its outcome never stored" } else { "completed" },
                 ),
+                at: w.now,
             }
         }
         Grant::Reclaimed { from } => Freed {
             from: Some(*from),
             legit: false,
             how: format!("by taking over token {from}'s unknown outcome"),
+            at: w.now,
         },
     }
 }
@@ -224,6 +247,7 @@ pub fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
         from: Some(token),
         legit,
         how: format!("token {token}'s record was gone ({how})"),
+        at: w.now,
     }
 }
 
@@ -274,7 +298,7 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
                 if w.released.contains(&prior) || handed_over {
                     continue;
                 }
-                let Err(why) = w.ev.freed_since(prior, t) else {
+                let Err(why) = w.ev.freed_since(scope, prior, t) else {
                     continue;
                 };
                 let seen = &w.streams[prior_stream].client;
@@ -320,7 +344,9 @@ pub fn charge(w: &mut World, e: usize) {
         let (Some(prior), Some(t)) = (prior, token) else {
             continue;
         };
-        if w.released.contains(&prior) || w.ev.freed_since(prior.min(t), prior.max(t)).is_ok() {
+        if w.released.contains(&prior)
+            || w.ev.freed_since(&scope, prior.min(t), prior.max(t)).is_ok()
+        {
             continue;
         }
         w.violations.push(format!(
