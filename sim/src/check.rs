@@ -591,6 +591,11 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
                     .collect()
             })
             .unwrap_or_default();
+    let mut steps = steps;
+    let skew = w.workers[wi].skew_ms;
+    if skew.abs() >= 1_000 {
+        steps.push(format!("its clock is {skew:+} ms off"));
+    }
     w.violations.push(format!(
         "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) while its owner on worker {wi} lives: {} of its heartbeats failed in the last lease{}{}",
         failed + pending,
