@@ -14,7 +14,7 @@ use edge::config::OnUnknown;
 use libtest_mimic::{Arguments, Trial};
 use stack::client::{unique_key, Answer, Client, Request};
 use stack::crash_recovery::{crash_and_hold_recovery, process_state};
-use stack::envoy::Tweak;
+use stack::envoy::{Envoy, Tweak};
 use stack::faults::record_figures;
 use stack::stack::{Stack, StackOptions};
 use stack::testkit::*;
@@ -42,6 +42,11 @@ fn main() {
                 ..StackOptions::default()
             },
             crash_recovery_in_place,
+        ),
+        own(
+            "envoy_s_own_answer_after_forwarding_is_an_unknown_outcome_never_a_stored_one",
+            StackOptions::default(),
+            envoys_own_answer_after_forwarding,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();
@@ -232,4 +237,185 @@ async fn crash_recovery_in_place(stack: Stack) {
     );
     assert_eq!(charges.len(), 1, "{charges:?}");
     assert_eq!(all_attempts, ["executed"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Path 3: Envoy's own answers after the request left
+
+/// Waits until the checkout has charged `key` (a detached execution finishing on its own).
+async fn wait_charged(stack: &Stack, key: &str, limit: Duration) -> Vec<serde_json::Value> {
+    let waited = Instant::now();
+    loop {
+        let charges = executions(stack, key).await;
+        if !charges.is_empty() || waited.elapsed() > limit {
+            return charges;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The rendered configuration with `option` (YAML lines) in the HTTP connection manager,
+/// replacing what the rendering set for the same name: a team's own Envoy with its own timeouts.
+fn with_hcm_option(yaml: &str, name: &str, option: &str) -> String {
+    let anchor = yaml
+        .lines()
+        .find(|l| l.trim() == "stat_prefix: edge")
+        .unwrap_or_else(|| panic!("no HCM stat_prefix in the rendered configuration"));
+    let indent = &anchor[..anchor.len() - anchor.trim_start().len()];
+    let mut out = String::new();
+    for line in yaml.lines() {
+        if line.starts_with(indent) && line[indent.len()..].starts_with(&format!("{name}:")) {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+        if line == anchor {
+            for o in option.lines() {
+                out.push_str(indent);
+                out.push_str(o);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// The rendered configuration with `filter` (a YAML list item) in the HTTP filters right
+/// before the router, that is after the idempotency filter.
+fn with_filter_before_router(yaml: &str, filter: &str) -> String {
+    let router = yaml
+        .lines()
+        .find(|l| l.trim() == "- name: envoy.filters.http.router")
+        .unwrap_or_else(|| panic!("no router in the rendered configuration"));
+    let indent = &router[..router.len() - router.trim_start().len()];
+    let mut out = String::new();
+    for line in yaml.lines() {
+        if line == router {
+            for f in filter.lines() {
+                out.push_str(indent);
+                out.push_str(f);
+                out.push('\n');
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// A local reply by Envoy after the idempotency filter let the request on: a timeout of the
+/// connection manager while the checkout runs, or another filter's answer.
+struct EnvoysOwnAnswer {
+    name: &'static str,
+    edit: fn(&str) -> String,
+    /// What the first request carries to be answered by Envoy (the checkout's delay, a fault).
+    first: fn(Request) -> Request,
+    /// Whether the checkout runs the first request (and charges) or never sees it.
+    reaches_the_checkout: bool,
+}
+
+async fn envoys_own_answer_after_forwarding(stack: Stack) {
+    let cases = [
+        EnvoysOwnAnswer {
+            name: "stream_idle_timeout",
+            edit: |y| with_hcm_option(y, "stream_idle_timeout", "stream_idle_timeout: 1s"),
+            // The checkout charges at 2.5 s whether or not its caller is still there.
+            first: |r| r.delay_ms(2_500).header("x-demo-detach", "1"),
+            reaches_the_checkout: true,
+        },
+        EnvoysOwnAnswer {
+            name: "max_stream_duration",
+            edit: |y| {
+                with_hcm_option(
+                    y,
+                    "common_http_protocol_options",
+                    "common_http_protocol_options:\n  max_stream_duration: 1s",
+                )
+            },
+            first: |r| r.delay_ms(2_500).header("x-demo-detach", "1"),
+            reaches_the_checkout: true,
+        },
+        EnvoysOwnAnswer {
+            // A team's own Envoy with a filter after ours that answers itself (here Envoy's
+            // fault filter, asked by a header): a 4xx that no upstream said.
+            name: "fault_filter_abort_429",
+            edit: |y| {
+                with_filter_before_router(
+                    y,
+                    "- name: envoy.filters.http.fault\n  typed_config:\n    \"@type\": \
+                     type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault\n    \
+                     abort:\n      header_abort: {}\n      percentage:\n        numerator: 100",
+                )
+            },
+            first: |r| r.header("x-envoy-fault-abort-request", "429"),
+            reaches_the_checkout: false,
+        },
+    ];
+    let mut figures = serde_json::Map::new();
+    for case in cases {
+        let name = case.name;
+        let params =
+            Stack::envoy_params_for(&stack.options, stack.state_api.port, stack.checkout.port)
+                .unwrap_or_else(|e| panic!("{e}"));
+        let yaml = (case.edit)(&params.render().unwrap_or_else(|e| panic!("{e}")));
+        let envoy = Envoy::start_with_yaml(yaml, params, &stack.dir, &format!("envoy-{name}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let c = Client::new(&envoy.url(""));
+        let key = unique_key(name);
+        let body = charge_body(4080);
+        let again = || checkout(&key, "alice", &body);
+        let first = c.send((case.first)(again())).await;
+        assert!(
+            first.status != 201 && !replayed(&first),
+            "{name}: Envoy answers itself, before the checkout: {}\n{}",
+            first.describe(),
+            envoy.log_tail()
+        );
+        let charged = if case.reaches_the_checkout {
+            wait_charged(&stack, &key, Duration::from_secs(10)).await
+        } else {
+            executions(&stack, &key).await
+        };
+        // The retry: what the checkout itself said (reconciled: it ran), or one run now (it
+        // never ran); never Envoy's answer replayed.
+        let retry = past_409(&c, Duration::from_secs(10), again).await;
+        let charges = executions(&stack, &key).await;
+        figures.insert(
+            name.into(),
+            serde_json::json!({"first": first.status, "first_body": first.text(), "charged_by_the_first": charged.len(),
+                   "retry": retry.status, "retry_replayed": replayed(&retry), "charges": charges.len(),
+                   "outcome_unknown": envoy.filter_counter("outcome_unknown"),
+                   "reconcile_executed": envoy.filter_counter("reconcile_executed"),
+                   "reconcile_not_executed": envoy.filter_counter("reconcile_not_executed")}),
+        );
+        assert!(
+            !(replayed(&retry) && retry.status == first.status),
+            "{name}: Envoy's own {} was stored and replayed as if the checkout had answered it \
+             (the checkout charged {} time(s) for the key): {}",
+            first.status,
+            charges.len(),
+            retry.describe()
+        );
+        assert_eq!(
+            retry.status,
+            201,
+            "{name}: {}\n{}",
+            retry.describe(),
+            envoy.log_tail()
+        );
+        assert_eq!(
+            replayed(&retry),
+            case.reaches_the_checkout,
+            "{name}: the first run's outcome as a replay, or one run now: {}",
+            retry.describe()
+        );
+        assert_eq!(charges.len(), 1, "{name}: {charges:?}");
+        assert_eq!(retry.json()["id"], charges[0]["id"], "{name}");
+        assert_eq!(envoy.filter_counter("outcome_unknown"), 1, "{name}");
+    }
+    record_figures(
+        SUITE,
+        "envoys_own_answer",
+        serde_json::Value::Object(figures),
+    );
 }
