@@ -48,6 +48,14 @@ fn main() {
             StackOptions::default(),
             envoys_own_answer_after_forwarding,
         ),
+        own(
+            "a_reexecuted_attempt_after_the_first_one_charged_gets_its_result_not_a_second_charge",
+            StackOptions {
+                tweak: Some(reexecuting()),
+                ..StackOptions::default()
+            },
+            reexecuted_after_a_charge,
+        ),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -417,5 +425,58 @@ async fn envoys_own_answer_after_forwarding(stack: Stack) {
         SUITE,
         "envoys_own_answer",
         serde_json::Value::Object(figures),
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Path 7: `reexecute` orders attempts; the upstream must deduplicate them
+
+async fn reexecuted_after_a_charge(stack: Stack) {
+    let key = unique_key("reexecuted-after-charge");
+    let body = charge_body(1250);
+    let again = || checkout(&key, "alice", &body);
+    // The first attempt charges at 1.5 s, after its client left at 0.5 s: unknown to the edge.
+    let impatient = Client::impatient(&stack.envoy.url(""), Duration::from_millis(500));
+    let first = impatient
+        .try_send(again().delay_ms(1_500).header("x-demo-detach", "1"))
+        .await;
+    assert!(first.is_err(), "{:?}", first.map(|a| a.describe()));
+    let charges = wait_charged(&stack, &key, Duration::from_secs(10)).await;
+    assert_eq!(charges.len(), 1, "the first attempt charged: {charges:?}");
+    assert_eq!(
+        record_state(&stack, &key, "POST /checkout").await,
+        "unknown"
+    );
+    // The retry re-executes with a larger token: the checkout must answer with what the first
+    // attempt produced, and charge nothing.
+    let c = client(&stack);
+    let retry = c.send(again()).await;
+    let after = executions(&stack, &key).await;
+    let states = attempt_states(&stack, &key).await;
+    record_figures(
+        SUITE,
+        "reexecuted_after_a_charge",
+        serde_json::json!({"retry": retry.status, "charges": after.len(), "attempts": states,
+               "reexecuted": stack.envoy.filter_counter("reexecuted")}),
+    );
+    assert!(stack.envoy.filter_counter("reexecuted") >= 1);
+    assert_eq!(
+        after.len(),
+        1,
+        "the re-executed attempt charged a second time: {after:?}\nattempts: {states:?}"
+    );
+    assert_eq!(retry.status, 201, "{}", retry.describe());
+    assert_eq!(
+        retry.json()["id"],
+        charges[0]["id"],
+        "the first attempt's result: {}",
+        retry.describe()
+    );
+    assert_eq!(states, ["executed", "replayed"]);
+    let replay = c.send(again()).await;
+    assert!(
+        replayed(&replay) && replay.body == retry.body,
+        "{}",
+        replay.describe()
     );
 }
