@@ -165,3 +165,58 @@ async fn a_lease_runs_out_only_a_whole_lease_after_the_primary_s_timeline_was_fi
     );
     api.shutdown().await;
 }
+
+/// The lease guard counts from the last crash recovery in place too, which changes neither the
+/// postmaster's start nor the timeline: the recovery empties the unlogged marker (simulated
+/// here by emptying it; `tests/tests/second_execution.rs` runs the real crash recovery), and the
+/// first check after it counts as the moment the server began serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_runs_out_only_a_whole_lease_after_a_crash_recovery_in_place() {
+    let api = Api::start(&[]).await;
+    let pool = api.state.store().pool().clone();
+    let take_over = ClaimRequest {
+        on_unknown: OnUnknown::TakeOver,
+        ..claim_req("recovered", "alice", &fp(1), Some(60_000))
+    };
+    let stale = token_of(&api.claim("recovered", &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+    // "Recovered in place": the unlogged marker is empty, as crash recovery leaves it.
+    sqlx::query("DELETE FROM idempotency_serving_marker")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            api.claim_with(&take_over).await,
+            ClaimResponse::InProgress { .. }
+        ),
+        "a lease ran out less than a lease after the crash recovery"
+    );
+    let marked: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_serving_marker")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(marked, 1, "the first check after the recovery marks it");
+    let unlogged: String = sqlx::query_scalar(
+        "SELECT relpersistence::text FROM pg_class WHERE relname = 'idempotency_serving_marker'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        unlogged, "u",
+        "crash recovery empties only an unlogged table"
+    );
+    // A whole lease after that check without a heartbeat, the owner has gone.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    match api.claim_with(&take_over).await {
+        ClaimResponse::Claimed {
+            token,
+            reclaimed: true,
+            ..
+        } => assert!(token > stale),
+        other => panic!("expected a reclaim a whole lease later, got {other:?}"),
+    }
+    api.shutdown().await;
+}

@@ -106,6 +106,7 @@ pub fn crash_and_hold_recovery(postmaster: u32, backend_of: &str) -> Result<Held
         for (pid, title) in children(postmaster)? {
             if title.starts_with("postgres: startup") {
                 signal(pid, Signal::STOP)?;
+                wait_stopped(pid)?;
                 return Ok(HeldRecovery {
                     killed_backend,
                     startup_pid: pid,
@@ -123,4 +124,21 @@ pub fn crash_and_hold_recovery(postmaster: u32, backend_of: &str) -> Result<Held
         "no startup process within {CATCH_WITHIN:?} of the SIGKILL of backend {killed_backend}: \
          the replay may have ended before it was caught (write more WAL before the kill)"
     ))
+}
+
+/// Waits until `pid` is stopped (a signal is delivered asynchronously).
+fn wait_stopped(pid: u32) -> Result<(), String> {
+    let asked = Instant::now();
+    loop {
+        match process_state(pid) {
+            Some('T') => return Ok(()),
+            None => return Err(format!("process {pid} ended before it stopped")),
+            Some(other) if asked.elapsed() > Duration::from_secs(2) => {
+                return Err(format!(
+                    "process {pid} still in state {other} 2 s after SIGSTOP"
+                ))
+            }
+            Some(_) => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
 }
