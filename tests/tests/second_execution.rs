@@ -262,53 +262,65 @@ async fn wait_charged(stack: &Stack, key: &str, limit: Duration) -> Vec<serde_js
     }
 }
 
-/// The rendered configuration with `option` (YAML lines) in the HTTP connection manager,
-/// replacing what the rendering set for the same name: a team's own Envoy with its own timeouts.
-fn with_hcm_option(yaml: &str, name: &str, option: &str) -> String {
+/// `yaml` with `lines` inserted at the indentation of its line `anchor` (compared trimmed),
+/// right after it or right before it, and without the lines at that indentation that start
+/// with `drop`.
+fn edit_yaml(yaml: &str, anchor: &str, lines: &str, after: bool, drop: Option<&str>) -> String {
     let anchor = yaml
         .lines()
-        .find(|l| l.trim() == "stat_prefix: edge")
-        .unwrap_or_else(|| panic!("no HCM stat_prefix in the rendered configuration"));
+        .find(|l| l.trim() == anchor)
+        .unwrap_or_else(|| panic!("no `{anchor}` in the rendered configuration"));
     let indent = &anchor[..anchor.len() - anchor.trim_start().len()];
+    let insert = |out: &mut String| {
+        for l in lines.lines() {
+            out.push_str(indent);
+            out.push_str(l);
+            out.push('\n');
+        }
+    };
     let mut out = String::new();
     for line in yaml.lines() {
-        if line.starts_with(indent) && line[indent.len()..].starts_with(&format!("{name}:")) {
+        let dropped = drop.is_some_and(|d| {
+            line.strip_prefix(indent)
+                .is_some_and(|rest| rest.starts_with(d))
+        });
+        if dropped {
             continue;
+        }
+        if line == anchor && !after {
+            insert(&mut out);
         }
         out.push_str(line);
         out.push('\n');
-        if line == anchor {
-            for o in option.lines() {
-                out.push_str(indent);
-                out.push_str(o);
-                out.push('\n');
-            }
+        if line == anchor && after {
+            insert(&mut out);
         }
     }
     out
 }
 
+/// The rendered configuration with `option` (YAML lines) in the HTTP connection manager,
+/// replacing what the rendering set for the same name: a team's own Envoy with its own timeouts.
+fn with_hcm_option(yaml: &str, name: &str, option: &str) -> String {
+    edit_yaml(
+        yaml,
+        "stat_prefix: edge",
+        option,
+        true,
+        Some(&format!("{name}:")),
+    )
+}
+
 /// The rendered configuration with `filter` (a YAML list item) in the HTTP filters right
 /// before the router, that is after the idempotency filter.
 fn with_filter_before_router(yaml: &str, filter: &str) -> String {
-    let router = yaml
-        .lines()
-        .find(|l| l.trim() == "- name: envoy.filters.http.router")
-        .unwrap_or_else(|| panic!("no router in the rendered configuration"));
-    let indent = &router[..router.len() - router.trim_start().len()];
-    let mut out = String::new();
-    for line in yaml.lines() {
-        if line == router {
-            for f in filter.lines() {
-                out.push_str(indent);
-                out.push_str(f);
-                out.push('\n');
-            }
-        }
-        out.push_str(line);
-        out.push('\n');
-    }
-    out
+    edit_yaml(
+        yaml,
+        "- name: envoy.filters.http.router",
+        filter,
+        false,
+        None,
+    )
 }
 
 /// A local reply by Envoy after the idempotency filter let the request on: a timeout of the
