@@ -374,6 +374,7 @@ fn claim_body(key: &str) -> Req {
         namespace: String::new(),
         retention_s: None,
         wait_ms: None,
+        nonce: None,
     };
     Req::post(
         CLAIM_PATH,

@@ -1,9 +1,23 @@
 //! The checkout's own record of attempts, as a careful payment service keeps one: every request
 //! that carries an `Idempotency-Key` is recorded (key, subject, fencing token) *before* it
-//! starts executing, a charge whose token is lower than one already seen for its key is refused
-//! (at the start and again at the commit), and the reconcile endpoint reads it to tell the edge
-//! what became of a key: `executed` (with the response it produced), `running`, or
-//! `not-executed`, which also promises to refuse every attempt with a lower token from then on.
+//! starts executing, and the reconcile endpoint reads it to tell the edge what became of a key:
+//! `executed` (with the response it produced), `running`, or `not-executed`, which also
+//! promises to refuse every attempt with a lower token from then on.
+//!
+//! Fencing tokens *order* attempts; they do not deduplicate them. So, for an attempt that
+//! carries a token:
+//! * a token lower than one already seen for the key is refused (at the start and again at the
+//!   commit): a late orphan cannot charge after a newer attempt;
+//! * a token already used by another attempt of the key is refused: the same attempt twice;
+//! * once an attempt of the key has executed, every later one gets **that execution's
+//!   response**, at the start or at the commit, and nothing runs again: a `reexecute` route's
+//!   new attempt after the first one charged is answered, not charged;
+//! * the commit is one decision under the lock, so two attempts of a key never both charge.
+//!
+//! An execution that failed (a 5xx: the demo's `x-demo-fail`) had no effect: it does not count
+//! as the key's execution, and a later token runs (what `on_5xx: "release"` relies on).
+//! Attempts without a token (callers other than the edge) are recorded but neither refused nor
+//! deduplicated: the edge dedupes those.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -20,8 +34,11 @@ pub enum AttemptState {
     Running,
     /// Committed: the charge (or refund) happened; its response is kept.
     Executed,
-    /// Refused: its fencing token was lower than one seen for the key. Nothing ran.
+    /// Refused: its fencing token was lower than one seen for the key, or already used by
+    /// another attempt of the key. Nothing ran.
     Fenced,
+    /// Its key had already executed: it got that execution's response. Nothing ran.
+    Replayed,
     /// Its caller went away before the commit (the handler was dropped). Nothing ran.
     Abandoned,
 }
@@ -81,40 +98,95 @@ pub struct Attempts {
     by_scope: HashMap<Scope, OfKey>,
 }
 
-/// Why an attempt may not start or commit.
+/// Why an attempt may not run. Nothing ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StaleToken {
-    pub seen: i64,
+pub enum Refusal {
+    /// Its token is lower than `seen`, already seen for the key.
+    Stale { seen: i64 },
+    /// Another attempt of the key already carried this token.
+    Reused { token: i64 },
+}
+
+/// What an attempt is told when it starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Started {
+    /// It may run (and is asked again at its commit).
+    Run,
+    /// Its key already executed: that execution's response. Nothing runs.
+    AlreadyExecuted(Produced),
+    Refused(Refusal),
+}
+
+/// What became of an attempt at its commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Committed {
+    /// It executed now: the response it produced.
+    Ran(Produced),
+    /// Another attempt of the key executed meanwhile: that execution's response. Nothing ran.
+    AlreadyExecuted(Produced),
+    Refused(Refusal),
 }
 
 impl Attempts {
-    fn highest_seen(&self, scope: &Scope, except: Option<u64>) -> i64 {
-        let Some(of) = self.by_scope.get(scope) else {
-            return 0;
-        };
-        of.attempts
-            .iter()
-            .filter(|id| Some(**id) != except)
+    fn of_key(&self, scope: &Scope) -> impl Iterator<Item = &Attempt> {
+        self.by_scope
+            .get(scope)
+            .into_iter()
+            .flat_map(|of| of.attempts.iter())
             .filter_map(|id| self.by_id.get(id))
+    }
+
+    fn highest_seen(&self, scope: &Scope, except: Option<u64>) -> i64 {
+        let fence = self.by_scope.get(scope).map_or(0, |of| of.fence);
+        self.of_key(scope)
+            .filter(|a| Some(a.id) != except)
             .filter(|a| a.state != AttemptState::Fenced)
             .filter_map(|a| a.fencing_token)
-            .chain([of.fence])
+            .chain([fence])
             .max()
             .unwrap_or(0)
     }
 
-    /// Records an attempt before it executes. `Err`: its token is lower than one seen for the
-    /// key (it is recorded as fenced, and must not run).
+    /// The response of the key's execution, if one had an effect (a 5xx did not).
+    fn execution(&self, scope: &Scope, except: Option<u64>) -> Option<Produced> {
+        self.of_key(scope)
+            .filter(|a| Some(a.id) != except && a.state == AttemptState::Executed)
+            .filter_map(|a| a.response.as_ref())
+            .find(|r| r.status < 500)
+            .cloned()
+    }
+
+    /// Whether `token` is refused for `scope` (ignoring attempt `except`).
+    fn refusal(&self, scope: &Scope, token: i64, except: Option<u64>) -> Option<Refusal> {
+        let seen = self.highest_seen(scope, except);
+        if token < seen {
+            return Some(Refusal::Stale { seen });
+        }
+        let reused = self.of_key(scope).any(|a| {
+            Some(a.id) != except
+                && a.state != AttemptState::Fenced
+                && a.fencing_token == Some(token)
+        });
+        reused.then_some(Refusal::Reused { token })
+    }
+
+    /// Records an attempt before it executes, and says whether it may run: refused (recorded
+    /// as fenced), answered with the key's execution (recorded as replayed), or run.
     pub fn start(
         &mut self,
         scope: Scope,
         token: Option<i64>,
         expected: Duration,
-    ) -> (u64, Result<(), StaleToken>) {
-        let seen = self.highest_seen(&scope, None);
-        let verdict = match token {
-            Some(t) if t < seen => Err(StaleToken { seen }),
-            _ => Ok(()),
+    ) -> (u64, Started) {
+        let started = match token {
+            None => Started::Run,
+            Some(t) => match self.refusal(&scope, t, None) {
+                Some(r) => Started::Refused(r),
+                None => match self.execution(&scope, None) {
+                    Some(p) => Started::AlreadyExecuted(p),
+                    None => Started::Run,
+                },
+            },
         };
         self.next_id += 1;
         let id = self.next_id;
@@ -127,10 +199,10 @@ impl Attempts {
                 subject: scope.1.clone(),
                 idempotency_key: scope.2.clone(),
                 fencing_token: token,
-                state: if verdict.is_ok() {
-                    AttemptState::Running
-                } else {
-                    AttemptState::Fenced
+                state: match started {
+                    Started::Run => AttemptState::Running,
+                    Started::AlreadyExecuted(_) => AttemptState::Replayed,
+                    Started::Refused(_) => AttemptState::Fenced,
                 },
                 charge_id: None,
                 response: None,
@@ -139,33 +211,36 @@ impl Attempts {
             },
         );
         self.by_scope.entry(scope).or_default().attempts.push(id);
-        (id, verdict)
+        (id, started)
     }
 
-    /// Whether a running attempt may commit now (no larger token was seen meanwhile); if not, it
-    /// is fenced.
-    pub fn may_commit(&mut self, id: u64) -> Result<(), StaleToken> {
-        let Some(a) = self.by_id.get(&id) else {
-            return Ok(());
-        };
-        let scope = (a.kind, a.subject.clone(), a.idempotency_key.clone());
-        let seen = self.highest_seen(&scope, Some(id));
-        match self.by_id.get_mut(&id) {
-            Some(a) if a.fencing_token.is_some_and(|t| t < seen) => {
-                a.state = AttemptState::Fenced;
-                Err(StaleToken { seen })
+    /// The commit of a running attempt, decided and done in one step: refused if a larger token
+    /// was seen meanwhile (fenced), answered with the key's execution if another attempt
+    /// executed meanwhile (replayed), or executed now by `execute` (its ledger entry's id and
+    /// the response it produced), while no other attempt can commit.
+    pub fn commit(&mut self, id: u64, execute: impl FnOnce() -> (u64, Produced)) -> Committed {
+        let decided = self.by_id.get(&id).and_then(|a| {
+            let token = a.fencing_token?;
+            let scope = (a.kind, a.subject.clone(), a.idempotency_key.clone());
+            if let Some(r) = self.refusal(&scope, token, Some(id)) {
+                return Some((AttemptState::Fenced, Committed::Refused(r)));
             }
-            _ => Ok(()),
+            let p = self.execution(&scope, Some(id))?;
+            Some((AttemptState::Replayed, Committed::AlreadyExecuted(p)))
+        });
+        if let Some((state, committed)) = decided {
+            if let Some(a) = self.by_id.get_mut(&id) {
+                a.state = state;
+            }
+            return committed;
         }
-    }
-
-    /// The attempt committed: its charge and the response it produced.
-    pub fn executed(&mut self, id: u64, charge_id: u64, response: Produced) {
+        let (charge_id, produced) = execute();
         if let Some(a) = self.by_id.get_mut(&id) {
             a.state = AttemptState::Executed;
             a.charge_id = Some(charge_id);
-            a.response = Some(response);
+            a.response = Some(produced.clone());
         }
+        Committed::Ran(produced)
     }
 
     /// Its caller went away before it committed.
@@ -235,29 +310,44 @@ mod tests {
         ("charge", "alice".into(), key.into())
     }
 
-    fn produced() -> Produced {
+    fn produced(id: u64) -> Produced {
         Produced {
             status: 201,
-            headers: vec![("location".into(), "/charges/1".into())],
-            body: b"{\"id\":1}".to_vec(),
+            headers: vec![("location".into(), format!("/charges/{id}"))],
+            body: format!("{{\"id\":{id}}}").into_bytes(),
         }
+    }
+
+    /// Commits `id`, counting the executions it runs.
+    fn commit(a: &mut Attempts, id: u64, charges: &mut u64) -> Committed {
+        a.commit(id, || {
+            *charges += 1;
+            (*charges, produced(*charges))
+        })
+    }
+
+    fn states(a: &Attempts) -> Vec<AttemptState> {
+        a.list().iter().map(|x| x.state).collect()
     }
 
     #[test]
     fn a_running_attempt_is_reported_running_and_still_commits() {
         let mut a = Attempts::default();
+        let mut charges = 0;
         let (id, ok) = a.start(scope("k"), Some(5), Duration::from_secs(40));
-        assert!(ok.is_ok());
+        assert_eq!(ok, Started::Run);
         match a.reconcile(scope("k"), 9) {
             Reconciled::Running { retry_after } => assert!(retry_after > Duration::from_secs(30)),
             other => panic!("{other:?}"),
         }
         // Asking does not fence it: only `not-executed` promises that.
-        assert!(a.may_commit(id).is_ok());
-        a.executed(id, 1, produced());
+        assert_eq!(
+            commit(&mut a, id, &mut charges),
+            Committed::Ran(produced(1))
+        );
         assert_eq!(
             a.reconcile(scope("k"), 10),
-            Reconciled::Executed(produced())
+            Reconciled::Executed(produced(1))
         );
     }
 
@@ -266,19 +356,27 @@ mod tests {
         let mut a = Attempts::default();
         assert_eq!(a.reconcile(scope("k"), 9), Reconciled::NotExecuted);
         let (_, late) = a.start(scope("k"), Some(5), Duration::ZERO);
-        assert_eq!(late, Err(StaleToken { seen: 9 }));
+        assert_eq!(late, Started::Refused(Refusal::Stale { seen: 9 }));
         let (_, new) = a.start(scope("k"), Some(9), Duration::ZERO);
-        assert!(new.is_ok(), "the token that asked runs");
+        assert_eq!(new, Started::Run, "the token that asked runs");
         assert!(a.list().iter().any(|x| x.state == AttemptState::Fenced));
     }
 
     #[test]
     fn a_lower_token_cannot_commit_after_a_larger_one_started() {
         let mut a = Attempts::default();
+        let mut charges = 0;
         let (old, _) = a.start(scope("k"), Some(3), Duration::ZERO);
         let (new, _) = a.start(scope("k"), Some(4), Duration::ZERO);
-        assert!(a.may_commit(new).is_ok());
-        assert_eq!(a.may_commit(old), Err(StaleToken { seen: 4 }));
+        assert_eq!(
+            commit(&mut a, new, &mut charges),
+            Committed::Ran(produced(1))
+        );
+        assert_eq!(
+            commit(&mut a, old, &mut charges),
+            Committed::Refused(Refusal::Stale { seen: 4 })
+        );
+        assert_eq!(charges, 1);
     }
 
     #[test]
@@ -289,5 +387,108 @@ mod tests {
         assert_eq!(a.reconcile(scope("k"), 2), Reconciled::Stale);
         assert_eq!(a.reconcile(scope("k"), 4), Reconciled::NotExecuted);
         assert_eq!(a.reconcile(scope("other"), 1), Reconciled::NotExecuted);
+    }
+
+    // The contract a `reexecute` route needs (docs/RELIABILITY.md): attempts are ordered by
+    // their tokens, and a key executes once.
+
+    #[test]
+    fn a_later_token_after_an_execution_gets_its_response_and_charges_nothing() {
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        let (first, _) = a.start(scope("k"), Some(1), Duration::ZERO);
+        assert_eq!(
+            commit(&mut a, first, &mut charges),
+            Committed::Ran(produced(1))
+        );
+        let (_, again) = a.start(scope("k"), Some(2), Duration::ZERO);
+        assert_eq!(again, Started::AlreadyExecuted(produced(1)));
+        assert_eq!(charges, 1);
+        assert_eq!(states(&a), [AttemptState::Executed, AttemptState::Replayed]);
+        // Its token counts: a lower one is stale from now on; the reconcile still reports the
+        // one execution.
+        let (_, late) = a.start(scope("k"), Some(1), Duration::ZERO);
+        assert_eq!(late, Started::Refused(Refusal::Stale { seen: 2 }));
+        assert_eq!(
+            a.reconcile(scope("k"), 3),
+            Reconciled::Executed(produced(1))
+        );
+    }
+
+    #[test]
+    fn an_attempt_whose_key_executed_while_it_ran_gets_that_response_at_its_commit() {
+        // Between tokened attempts the larger token's start already fences the smaller one; a
+        // caller without a token can still execute the key while a tokened attempt runs.
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        let (tokened, started) = a.start(scope("k"), Some(7), Duration::ZERO);
+        assert_eq!(started, Started::Run);
+        let (direct, _) = a.start(scope("k"), None, Duration::ZERO);
+        assert_eq!(
+            commit(&mut a, direct, &mut charges),
+            Committed::Ran(produced(1))
+        );
+        assert_eq!(
+            commit(&mut a, tokened, &mut charges),
+            Committed::AlreadyExecuted(produced(1))
+        );
+        assert_eq!(charges, 1);
+    }
+
+    #[test]
+    fn the_same_token_twice_is_refused_before_and_after_the_execution() {
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        let (first, _) = a.start(scope("k"), Some(5), Duration::ZERO);
+        let (_, twice) = a.start(scope("k"), Some(5), Duration::ZERO);
+        assert_eq!(twice, Started::Refused(Refusal::Reused { token: 5 }));
+        assert_eq!(
+            commit(&mut a, first, &mut charges),
+            Committed::Ran(produced(1))
+        );
+        let (_, after) = a.start(scope("k"), Some(5), Duration::ZERO);
+        assert_eq!(after, Started::Refused(Refusal::Reused { token: 5 }));
+        // Also once its first attempt was abandoned (its caller left before the commit).
+        let (gone, _) = a.start(scope("j"), Some(8), Duration::ZERO);
+        a.abandoned(gone);
+        let (_, again) = a.start(scope("j"), Some(8), Duration::ZERO);
+        assert_eq!(again, Started::Refused(Refusal::Reused { token: 8 }));
+        assert_eq!(charges, 1);
+    }
+
+    #[test]
+    fn a_failed_execution_had_no_effect_and_a_later_token_runs() {
+        let mut a = Attempts::default();
+        let (first, _) = a.start(scope("k"), Some(1), Duration::ZERO);
+        let failed = Produced {
+            status: 503,
+            headers: Vec::new(),
+            body: Vec::new(),
+        };
+        assert_eq!(
+            a.commit(first, || (1, failed.clone())),
+            Committed::Ran(failed.clone())
+        );
+        let (second, started) = a.start(scope("k"), Some(2), Duration::ZERO);
+        assert_eq!(started, Started::Run);
+        assert_eq!(
+            a.commit(second, || (2, produced(2))),
+            Committed::Ran(produced(2))
+        );
+    }
+
+    #[test]
+    fn attempts_without_a_token_are_neither_refused_nor_deduplicated() {
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        for _ in 0..2 {
+            let (id, started) = a.start(scope("k"), None, Duration::ZERO);
+            assert_eq!(started, Started::Run);
+            assert!(matches!(
+                commit(&mut a, id, &mut charges),
+                Committed::Ran(_)
+            ));
+        }
+        assert_eq!(charges, 2, "the edge dedupes callers that send no token");
     }
 }

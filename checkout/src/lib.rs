@@ -1,10 +1,12 @@
 //! The demo checkout upstream: what the idempotency layer protects.
 //!
 //! It records every execution in an in-memory ledger (`GET /charges`), so the tests and the
-//! demo can count how many times a payment really ran. It does not deduplicate retries itself
-//! (the edge does), but it behaves like a careful payment service towards the edge
-//! ([`attempts`]): it records each attempt with its fencing token before executing, refuses a
-//! token lower than one already seen for the key, and answers the reconcile endpoint
+//! demo can count how many times a payment really ran. It does not deduplicate calls that carry
+//! no fencing token (the edge does), but it behaves like a careful payment service towards the
+//! edge ([`attempts`]): it records each attempt with its fencing token before executing, refuses
+//! a token lower than one already seen for the key or already used, answers a later attempt of a
+//! key that executed with that execution's response (never a second charge), and answers the
+//! reconcile endpoint
 //! (`GET /checkout/attempts/{key}`, `GET /refunds/attempts/{key}`) that tells the edge what
 //! became of a key whose outcome it never saw.
 
@@ -14,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use attempts::{Attempts, Produced, Reconciled};
+use attempts::{Attempts, Committed, Produced, Reconciled, Refusal, Started};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -188,9 +190,10 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
     }
 }
 
-/// One attempt: recorded before it runs when it carries a key (refused with 409 if its fencing
-/// token is stale), executed after its processing delay unless a larger token was seen
-/// meanwhile, and its response kept for the reconcile endpoint.
+/// One attempt: recorded before it runs when it carries a key, then, after its processing
+/// delay, committed in one decision ([`Attempts::commit`]): executed, or refused (a stale or
+/// reused fencing token, 409), or answered with the response its key's execution produced
+/// when another attempt executed it (the same status, headers and body; nothing charged).
 async fn attempt(
     ledger: Arc<Ledger>,
     kind: &'static str,
@@ -210,46 +213,66 @@ async fn attempt(
         Some(key) => {
             let subject = header(headers, "x-jwt-sub").unwrap_or_default();
             let started = ledger.attempts(|a| a.start((kind, subject, key), token, delay));
-            let Some((id, verdict)) = started else {
+            let Some((id, started)) = started else {
                 return StatusCode::INTERNAL_SERVER_ERROR.into_response();
             };
             let guard = AttemptGuard {
                 ledger: Arc::clone(&ledger),
                 id,
             };
-            if let Err(stale) = verdict {
-                return stale_token(token, stale.seen);
+            match started {
+                Started::Run => Some(guard),
+                Started::AlreadyExecuted(p) => return already_executed(p),
+                Started::Refused(r) => return refused(token, r),
             }
-            Some(guard)
         }
     };
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
-    if let Some(g) = &guard {
-        if let Some(Err(stale)) = ledger.attempts(|a| a.may_commit(g.id)) {
-            return stale_token(token, stale.seen);
-        }
-    }
-    let (entry, produced) = execute(&ledger, kind, headers, body, reset);
-    let produced = finish(headers, produced);
-    if let Some(g) = &guard {
-        ledger.attempts(|a| a.executed(g.id, entry.id, produced.clone()));
-    }
+    let run = || {
+        let (entry, produced) = execute(&ledger, kind, headers, body, reset);
+        (entry.id, finish(headers, produced))
+    };
+    let produced = match &guard {
+        None => run().1,
+        Some(g) => match ledger.attempts(|a| a.commit(g.id, run)) {
+            Some(Committed::Ran(p)) => p,
+            Some(Committed::AlreadyExecuted(p)) => return already_executed(p),
+            Some(Committed::Refused(r)) => return refused(token, r),
+            None => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        },
+    };
     transport(headers, produced)
 }
 
-/// 409: a fencing token lower than one this checkout has seen for the key. Nothing ran.
-fn stale_token(token: Option<i64>, seen: i64) -> Response {
-    tracing::warn!(?token, seen, "refused: a stale fencing token");
-    problem(
-        StatusCode::CONFLICT,
-        "stale-fencing-token",
-        &format!(
-            "fencing token {} is lower than {seen}, already seen for this key; nothing was charged",
-            token.unwrap_or(0)
+/// The response the key's execution produced, for a later attempt of the key: nothing ran.
+fn already_executed(p: Produced) -> Response {
+    tracing::info!(status = p.status, "answered with the key's execution");
+    transport(&HeaderMap::new(), p)
+}
+
+/// 409: a fencing token lower than one this checkout has seen for the key, or one already
+/// used by another attempt of the key. Nothing ran.
+fn refused(token: Option<i64>, refusal: Refusal) -> Response {
+    tracing::warn!(?token, ?refusal, "refused: a stale or reused fencing token");
+    match refusal {
+        Refusal::Stale { seen } => problem(
+            StatusCode::CONFLICT,
+            "stale-fencing-token",
+            &format!(
+                "fencing token {} is lower than {seen}, already seen for this key; nothing was charged",
+                token.unwrap_or(0)
+            ),
         ),
-    )
+        Refusal::Reused { token } => problem(
+            StatusCode::CONFLICT,
+            "fencing-token-reused",
+            &format!(
+                "fencing token {token} was already used by another attempt of this key; nothing was charged"
+            ),
+        ),
+    }
 }
 
 fn problem(status: StatusCode, kind: &str, detail: &str) -> Response {
@@ -497,4 +520,73 @@ fn sha256_hex(data: &[u8]) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    //! The reference upstream contract over HTTP, as the edge calls it.
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The checkout on a free loopback port.
+    async fn serve() -> (std::net::SocketAddr, Arc<Ledger>) {
+        let ledger = Arc::new(Ledger::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = app(Arc::clone(&ledger));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (addr, ledger)
+    }
+
+    /// `POST /checkout` with `key` and `token` as the edge forwards it: the status and body.
+    async fn charge(addr: std::net::SocketAddr, key: &str, token: i64) -> (u16, String) {
+        let body = r#"{"amount":700,"card":{"number":"4242424242424242"}}"#;
+        let request = format!(
+            "POST /checkout HTTP/1.1\r\nhost: checkout\r\nidempotency-key: {key}\r\n\
+             idempotency-fencing-token: {token}\r\nx-jwt-sub: alice\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        let status = answer
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = answer
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    #[tokio::test]
+    async fn a_later_token_gets_the_execution_s_response_and_the_same_token_twice_is_refused() {
+        let (addr, ledger) = serve().await;
+        let (first, charged) = charge(addr, "k1", 1).await;
+        assert_eq!(first, 201, "{charged}");
+        // A re-executed attempt (a larger token) after the charge: the same answer, no charge.
+        let (again, answered) = charge(addr, "k1", 2).await;
+        assert_eq!((again, &answered), (201, &charged));
+        // The same token twice: refused, nothing charged.
+        let (twice, refusal) = charge(addr, "k1", 2).await;
+        assert_eq!(twice, 409, "{refusal}");
+        assert!(refusal.contains("fencing-token-reused"), "{refusal}");
+        // A lower token: stale.
+        let (late, stale) = charge(addr, "k1", 1).await;
+        assert_eq!(late, 409);
+        assert!(stale.contains("stale-fencing-token"), "{stale}");
+        assert_eq!(ledger.entries().len(), 1, "one charge for the key");
+        let states: Vec<_> = ledger
+            .attempts(|a| a.list())
+            .unwrap_or_default()
+            .iter()
+            .map(|a| a.state)
+            .collect();
+        use attempts::AttemptState::*;
+        assert_eq!(states, [Executed, Replayed, Fenced, Fenced]);
+    }
 }

@@ -31,6 +31,12 @@ pub const RELEASE_PATH: &str = "/v1/release";
 /// `POST /v1/unknown`: the owner lost sight of its request after forwarding it (fenced): the
 /// outcome is unknown, and no retry may run it again without proof of what became of it.
 pub const UNKNOWN_PATH: &str = "/v1/unknown";
+/// `POST /v1/abandon`: a claim whose answer never reached the filter (the callout timed out,
+/// was cancelled with its stream, or its answer could not be read), named by the nonce it was
+/// sent with: nothing was forwarded under it, so the record it made is given back (deleted, or
+/// unknown again where an earlier attempt's outcome is unknown). Not fenced by a token: the
+/// filter never learnt it.
+pub const ABANDON_PATH: &str = "/v1/abandon";
 /// `GET /v1/records?key=..&subject=..&endpoint=..`: operator read of one record (no bodies).
 pub const RECORDS_PATH: &str = "/v1/records";
 
@@ -87,6 +93,34 @@ pub struct ClaimRequest {
     /// (`Prefer: wait`); the state API's maximum at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_ms: Option<u64>,
+    /// This claim attempt's own name (1 to [`MAX_NONCE_LEN`] visible ASCII characters, unique
+    /// per attempt): kept with the record it makes or takes over, so that the filter can give
+    /// it back by [`ABANDON_PATH`] when the answer never reached it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nonce: Option<String>,
+}
+
+/// Longest claim nonce.
+pub const MAX_NONCE_LEN: usize = 64;
+
+/// Whether a claim nonce is well formed.
+pub fn valid_nonce(nonce: &str) -> bool {
+    !nonce.is_empty()
+        && nonce.len() <= MAX_NONCE_LEN
+        && nonce.bytes().all(|b| (0x21..=0x7e).contains(&b))
+}
+
+/// `POST /v1/abandon`: the claim attempt named `nonce` for this key never reached its caller.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct AbandonRequest {
+    pub key: String,
+    pub subject: String,
+    pub endpoint: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+    pub nonce: String,
 }
 
 /// `POST /v1/claims`: claims that do not wait (`wait_ms` is refused in a batch: one waiting

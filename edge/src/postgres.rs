@@ -182,6 +182,15 @@ impl TempCluster {
         }
     }
 
+    /// The postmaster's process id (private clusters only, while it runs): a test signals its
+    /// children (a backend to SIGKILL, the startup process to hold during crash recovery).
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        match &self.inner {
+            Inner::Local(l) => l.server.as_ref().and_then(ChildGuard::pid),
+            Inner::External { .. } => None,
+        }
+    }
+
     /// Creates database `name` (letters, digits and `_` only) and returns its URL.
     pub fn create_database(&self, name: &str) -> Result<String, String> {
         if name.is_empty()

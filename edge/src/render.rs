@@ -503,6 +503,35 @@ fn http_filters(cfg: &Config, inputs: &Inputs) -> Vec<Yaml> {
     out
 }
 
+/// Envoy's own default `stream_idle_timeout` (5 minutes).
+const ENVOY_STREAM_IDLE_TIMEOUT_MS: u64 = 300_000;
+/// What the connection manager's timeouts leave beyond the longest legitimate wait.
+pub const HCM_TIMEOUT_MARGIN_MS: u64 = 5_000;
+
+/// The connection manager's `stream_idle_timeout`: never shorter than the longest a protected
+/// request may legitimately stay silent, which is the route timeout (`upstream_timeout_ms`)
+/// plus the filter's own waits around it (a state API call before and after, the longest
+/// `Prefer: wait` and reconcile of any route), plus a margin. A connection manager timeout
+/// that fires first answers for the upstream while it may still execute: at best an unknown
+/// outcome. `request_timeout` and `max_stream_duration` stay unset (Envoy's default: none).
+pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
+    let route_waits = cfg
+        .routes
+        .iter()
+        .map(|r| {
+            r.max_wait_s
+                .saturating_mul(1_000)
+                .saturating_add(r.reconcile.as_ref().map_or(0, |rc| rc.timeout_ms))
+        })
+        .max()
+        .unwrap_or(0);
+    cfg.upstream_timeout_ms
+        .saturating_add(route_waits)
+        .saturating_add(cfg.state.timeout_ms.saturating_mul(2))
+        .saturating_add(HCM_TIMEOUT_MARGIN_MS)
+        .max(ENVOY_STREAM_IDLE_TIMEOUT_MS)
+}
+
 /// The Envoy configuration (YAML).
 pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
     let largest_body = cfg
@@ -522,6 +551,7 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
         vec![
             ("stat_prefix", s("edge")),
             ("codec_type", s("AUTO")),
+            ("stream_idle_timeout", duration(stream_idle_timeout_ms(cfg))),
             (
                 "route_config",
                 map(vec![

@@ -601,3 +601,45 @@ fn the_storage_keys_are_checked_and_given_to_the_state_api() {
     // Without one, `edge run` makes one (the run folder's storage-key) and render asks for it.
     assert_eq!(parse(GOOD).unwrap().state.storage_key, None);
 }
+
+/// Envoy's duration (`310s`, `1.500s`) in milliseconds.
+fn duration_ms(text: &str) -> u64 {
+    let seconds: f64 = text.trim().trim_end_matches('s').parse().unwrap();
+    (seconds * 1000.0).round() as u64
+}
+
+/// A connection manager timeout shorter than the route's answers for the upstream while it may
+/// still execute (issue 34): the rendered `stream_idle_timeout` outlasts `upstream_timeout_ms`
+/// plus the filter's own waits and a margin, and nothing sets a shorter stream timeout.
+#[test]
+fn no_connection_manager_timeout_is_shorter_than_the_route_timeout() {
+    let inputs = edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    };
+    for upstream_timeout_ms in [1_000, 60_000, 299_000, 600_000, 3_600_000] {
+        let mut c = parse(GOOD).unwrap();
+        c.upstream_timeout_ms = upstream_timeout_ms;
+        let yaml = edge::render::envoy_yaml(&c, &inputs);
+        let value = |name: &str| -> Vec<u64> {
+            yaml.lines()
+                .filter_map(|l| l.trim().strip_prefix(name))
+                .map(duration_ms)
+                .collect()
+        };
+        let idle = value("stream_idle_timeout:");
+        assert_eq!(idle.len(), 1, "{yaml}");
+        let filter_waits = c.routes[0].max_wait_s * 1000 + 2 * c.state.timeout_ms;
+        assert!(
+            idle[0] >= upstream_timeout_ms + filter_waits + edge::render::HCM_TIMEOUT_MARGIN_MS,
+            "stream_idle_timeout {} ms for a route timeout of {upstream_timeout_ms} ms",
+            idle[0]
+        );
+        assert!(idle[0] >= 300_000, "never shorter than Envoy's default");
+        assert_eq!(value("timeout:"), [upstream_timeout_ms], "the route's own");
+        for unset in ["request_timeout:", "max_stream_duration:"] {
+            assert!(value(unset).is_empty(), "{unset} is left unset (none)");
+        }
+    }
+}

@@ -90,10 +90,13 @@ pub enum Metric {
     /// A claim granted for a stream that had ended while its batch was on the way: nothing
     /// was forwarded, so the key is given back (each also counts in `released` once stored).
     ClaimedForEndedStream,
+    /// A claim whose answer never came back (timed out, cancelled with its stream, unreadable)
+    /// given back by its nonce (`/v1/abandon`): nothing was forwarded under it.
+    ClaimsAbandoned,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 39] = [
+    pub const ALL: [Metric; 40] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -133,6 +136,7 @@ impl Metric {
         Metric::CompleteBatches,
         Metric::CompletesBatched,
         Metric::ClaimedForEndedStream,
+        Metric::ClaimsAbandoned,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -176,6 +180,7 @@ impl Metric {
             Metric::CompleteBatches => "idempotency.complete_batches",
             Metric::CompletesBatched => "idempotency.completes_batched",
             Metric::ClaimedForEndedStream => "idempotency.claimed_for_ended_stream",
+            Metric::ClaimsAbandoned => "idempotency.claims_abandoned",
         }
     }
 

@@ -80,6 +80,7 @@ fn claim_req(key: String) -> ClaimRequest {
         namespace: String::new(),
         retention_s: None,
         wait_ms: None,
+        nonce: None,
     }
 }
 

@@ -79,6 +79,8 @@ pub struct ClaimJob {
     pub retention_ms: i64,
     pub take_over_unknown: bool,
     pub namespace: String,
+    /// The claim attempt's nonce (`/v1/abandon`).
+    pub nonce: Option<String>,
     /// When its caller stops waiting for the answer.
     pub deadline: Instant,
 }
@@ -95,6 +97,7 @@ impl ClaimJob {
             retention_ms: self.retention_ms,
             take_over_unknown: self.take_over_unknown,
             namespace: &self.namespace,
+            nonce: self.nonce.as_deref(),
         }
     }
 }

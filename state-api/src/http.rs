@@ -12,16 +12,16 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use contract::wire::{
-    BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
-    CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, RecordView, ReleaseRequest,
-    StoredResponse, UnknownRequest, WriteBatchRequest, WriteResponse, CLAIMS_PATH, CLAIM_PATH,
-    COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH,
-    WRITES_PATH,
+    valid_nonce, AbandonRequest, BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest,
+    ClaimResponse, CompleteBatchRequest, CompleteRequest, HeartbeatRequest, HeartbeatResponse,
+    OnUnknown, RecordView, ReleaseRequest, StoredResponse, UnknownRequest, WriteBatchRequest,
+    WriteResponse, ABANDON_PATH, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, MAX_NONCE_LEN, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
-use state_rules::writes::Beat;
+use state_rules::writes::{Abandoned, Beat};
 use subtle::ConstantTimeEq as _;
 
 use crate::batch::{ClaimJob, CompleteJob};
@@ -43,6 +43,7 @@ pub fn app(state: AppState) -> Router {
         .route(COMPLETES_PATH, post(completes))
         .route(WRITES_PATH, post(writes))
         .route(RELEASE_PATH, post(release))
+        .route(ABANDON_PATH, post(abandon))
         .route(UNKNOWN_PATH, post(outcome_unknown))
         .route(RECORDS_PATH, get(record))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
@@ -461,6 +462,9 @@ async fn prepare_claim(
 ) -> Result<PreparedClaim, ApiError> {
     let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
+    if let Some(nonce) = &req.nonce {
+        check_nonce(nonce)?;
+    }
     let config = state.config();
     let retention_s = config.retention_for(req.retention_s);
     let job = ClaimJob {
@@ -473,6 +477,7 @@ async fn prepare_claim(
         retention_ms: i64::try_from(retention_s.saturating_mul(1000)).unwrap_or(i64::MAX),
         take_over_unknown: req.on_unknown == OnUnknown::TakeOver,
         namespace: req.namespace,
+        nonce: req.nonce,
         deadline,
     };
     Ok(PreparedClaim {
@@ -862,6 +867,53 @@ async fn release(
     state.metrics().write_ok(WriteOp::Release);
     state.waiters().settled(&scope);
     Ok(Json(WriteResponse::released()))
+}
+
+fn check_nonce(nonce: &str) -> Result<(), ApiError> {
+    if valid_nonce(nonce) {
+        Ok(())
+    } else {
+        Err(bad(format!(
+            "`nonce` must be 1 to {MAX_NONCE_LEN} visible ASCII characters"
+        )))
+    }
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/abandon",
+    tag = "filter",
+    summary = r#"Give back a claim whose answer never arrived"#,
+    description = r#"The filter sent a claim with `nonce` and never read its answer (its call timed out, was cancelled with its stream, or the answer could not be read), so it forwarded nothing under it. The record that claim made or took over, if it is still in progress or unknown under that nonce, is given back as a release would: deleted (the key is free at once), or `unknown` again where the claim had taken over an earlier attempt whose outcome is unknown. A record another claim made or took over since, or one with an outcome, is left alone. Always 200: `released` (given back, or nothing to give back) or `unknown`."#,
+    request_body = AbandonRequest,
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = r#"OK"#, body = WriteResponse)
+    )
+)]
+pub(crate) async fn abandon(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<AbandonRequest>,
+) -> Result<Json<WriteResponse>, ApiError> {
+    let scope = scope_of(
+        &state,
+        &req.namespace,
+        &req.key,
+        &req.subject,
+        &req.endpoint,
+    )
+    .await?;
+    check_nonce(&req.nonce)?;
+    let done = state
+        .store()
+        .abandon(&scope, &req.nonce, state.config().retention_ms())
+        .await?;
+    state.metrics().write_ok(WriteOp::Abandon);
+    state.waiters().settled(&scope);
+    Ok(Json(match done {
+        Abandoned::Unknown => WriteResponse::unknown(),
+        Abandoned::Deleted | Abandoned::Nothing => WriteResponse::released(),
+    }))
 }
 
 /// The owner lost sight of its forwarded request: the record's outcome is unknown.

@@ -24,14 +24,17 @@ pub enum WriteOp {
     Release,
     /// An owner marked its record's outcome unknown.
     Unknown,
+    /// A claim whose answer never reached the filter was given back.
+    Abandon,
 }
 
 impl WriteOp {
-    const ALL: [Self; 4] = [
+    const ALL: [Self; 5] = [
         Self::Heartbeat,
         Self::Complete,
         Self::Release,
         Self::Unknown,
+        Self::Abandon,
     ];
     pub fn label(self) -> &'static str {
         match self {
@@ -39,6 +42,7 @@ impl WriteOp {
             Self::Complete => "complete",
             Self::Release => "release",
             Self::Unknown => "unknown",
+            Self::Abandon => "abandon",
         }
     }
 }
@@ -95,12 +99,13 @@ pub enum Route {
     Writes,
     Release,
     Unknown,
+    Abandon,
     Records,
     Other,
 }
 
 impl Route {
-    const ALL: [Self; 10] = [
+    const ALL: [Self; 11] = [
         Self::Claim,
         Self::Claims,
         Self::Heartbeat,
@@ -109,6 +114,7 @@ impl Route {
         Self::Writes,
         Self::Release,
         Self::Unknown,
+        Self::Abandon,
         Self::Records,
         Self::Other,
     ];
@@ -122,6 +128,7 @@ impl Route {
             Self::Writes => "writes",
             Self::Release => "release",
             Self::Unknown => "unknown",
+            Self::Abandon => "abandon",
             Self::Records => "records",
             Self::Other => "other",
         }
@@ -136,6 +143,7 @@ impl Route {
             contract::wire::COMPLETE_PATH => Self::Complete,
             contract::wire::RELEASE_PATH => Self::Release,
             contract::wire::UNKNOWN_PATH => Self::Unknown,
+            contract::wire::ABANDON_PATH => Self::Abandon,
             contract::wire::RECORDS_PATH => Self::Records,
             _ => Self::Other,
         }

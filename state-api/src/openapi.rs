@@ -14,11 +14,11 @@ use contract::admin::{
 };
 use contract::problem::Problem;
 use contract::wire::{
-    BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
-    CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, RecordState, RecordView,
-    ReleaseRequest, StoredResponse, WriteBatchRequest, WriteResponse, WriteState, CLAIMS_PATH,
-    CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH,
-    UNKNOWN_PATH, WRITES_PATH,
+    AbandonRequest, BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse,
+    CompleteBatchRequest, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
+    RecordState, RecordView, ReleaseRequest, StoredResponse, WriteBatchRequest, WriteResponse,
+    WriteState, ABANDON_PATH, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, RECORDS_PATH, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 
 #[derive(OpenApi)]
@@ -38,6 +38,7 @@ use contract::wire::{
         http::writes,
         http::release,
         http::outcome_unknown,
+        http::abandon,
         http::record,
         http::healthz,
         http::readyz,
@@ -63,6 +64,7 @@ use contract::wire::{
         HeartbeatResponse,
         CompleteRequest,
         ReleaseRequest,
+        AbandonRequest,
         RecordState,
         WriteState,
         WriteResponse,
@@ -108,6 +110,7 @@ const FILTER_ROUTES: &[Route] = &[
     ("post", WRITES_PATH),
     ("post", RELEASE_PATH),
     ("post", UNKNOWN_PATH),
+    ("post", ABANDON_PATH),
     ("get", RECORDS_PATH),
 ];
 const FENCED_ROUTES: &[Route] = &[

@@ -11,7 +11,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
 use contract::wire::{ClaimResponse, RecordState, StoredResponse};
-use state_rules::writes::Beat;
+use state_rules::writes::{Abandoned, Beat};
 use state_rules::Decision;
 
 use crate::scope::ScopeHash;
@@ -213,6 +213,8 @@ pub struct NewClaim<'a> {
     pub take_over_unknown: bool,
     /// Kept with the record (it is part of `scope` already).
     pub namespace: &'a str,
+    /// The claim attempt's nonce, kept with a record it makes or takes over (`/v1/abandon`).
+    pub nonce: Option<&'a str>,
 }
 
 /// One row as the claim sees it, with durations computed by the database at read time.
@@ -277,12 +279,13 @@ const CLAIM_SQL: &str = concat!(
     ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
-             lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms)
+             lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms,
+             claim_nonce)
         SELECT $1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
                clock_timestamp() + $6::bigint * interval '1 millisecond',
                clock_timestamp(),
                clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
-               $8, $7
+               $8, $7, $9
         WHERE NOT EXISTS (SELECT 1 FROM existing)
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
@@ -326,9 +329,9 @@ macro_rules! expires_in_ms {
 const WRITE_BATCH_SQL: &str = concat!(
     "WITH input AS (
         SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[],
-                             $6::bigint[], $7::bigint[], $8::text[])
+                             $6::bigint[], $7::bigint[], $8::text[], $17::text[])
             WITH ORDINALITY AS t(scope_hash, subject, endpoint, fingerprint_alg, fingerprint,
-                                 lease_ms, retention_ms, namespace, idx)
+                                 lease_ms, retention_ms, namespace, claim_nonce, idx)
     ),
     existing AS (
         SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.scope_hash
@@ -336,13 +339,14 @@ const WRITE_BATCH_SQL: &str = concat!(
     ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
-             lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms)
+             lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms,
+             claim_nonce)
         SELECT i.scope_hash, i.subject, i.endpoint, i.fingerprint_alg, i.fingerprint, 'in_progress',
                nextval('idempotency_fencing_token_seq'), i.lease_ms,
                clock_timestamp() + i.lease_ms * interval '1 millisecond',
                clock_timestamp(),
                clock_timestamp() + (i.lease_ms + i.retention_ms) * interval '1 millisecond',
-               i.namespace, i.retention_ms
+               i.namespace, i.retention_ms, i.claim_nonce
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
         ORDER BY i.scope_hash
@@ -593,6 +597,7 @@ impl Store {
                         .bind(lease)
                         .bind(c.retention_ms)
                         .bind(c.namespace)
+                        .bind(c.nonce)
                         .fetch_optional(&self.pool)
                         .await?;
                     match inserted_or_found {
@@ -612,7 +617,7 @@ impl Store {
                     // clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
                     sqlx::query_scalar!(
                         "UPDATE idempotency_records
-                        SET state = 'in_progress', unknown_before = true,
+                        SET state = 'in_progress', unknown_before = true, claim_nonce = $5,
                             fencing_token = nextval('idempotency_fencing_token_seq'),
                             lease_ms = $3,
                             lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
@@ -627,7 +632,8 @@ impl Store {
                         &c.scope[..],
                         observed,
                         lease,
-                        c.retention_ms
+                        c.retention_ms,
+                        c.nonce
                     )
                     .fetch_optional(&self.pool)
                     .await?
@@ -648,7 +654,7 @@ impl Store {
         created_at = clock_timestamp(),
         completed_at = NULL,
         expires_at = clock_timestamp() + ($7::bigint + $8::bigint) * interval '1 millisecond',
-        retention_ms = $8, namespace = $9,
+        retention_ms = $8, namespace = $9, claim_nonce = $10,
         response_status = NULL, response_headers = NULL, response_body = NULL,
         response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
@@ -662,7 +668,8 @@ impl Store {
                         c.fingerprint,
                         lease,
                         c.retention_ms,
-                        c.namespace
+                        c.namespace,
+                        c.nonce
                     )
                     .fetch_optional(&self.pool)
                     .await?
@@ -672,7 +679,7 @@ impl Store {
                     // An in_progress record whose lease ran out is unknown: marked so (compare-and-set on the
                     // observed token) for a claim that holds unknown outcomes.
                     let marked = sqlx::query_scalar!(
-                        "UPDATE idempotency_records SET state = 'unknown', unknown_before = true,
+                        "UPDATE idempotency_records SET state = 'unknown',
                             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
                             expires_at = GREATEST(expires_at, clock_timestamp()
                                 + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
@@ -726,6 +733,7 @@ impl Store {
         let mut leases = Vec::with_capacity(n);
         let mut retentions = Vec::with_capacity(n);
         let mut namespaces = Vec::with_capacity(n);
+        let mut nonces = Vec::with_capacity(n);
         for c in claims {
             scopes.push(&c.scope[..]);
             subjects.push(c.subject);
@@ -735,6 +743,7 @@ impl Store {
             leases.push(i64::try_from(c.lease_ms).unwrap_or(i64::MAX));
             retentions.push(c.retention_ms);
             namespaces.push(c.namespace);
+            nonces.push(c.nonce);
         }
         let m = completes.len();
         let mut c_scopes = Vec::with_capacity(m);
@@ -776,6 +785,7 @@ impl Store {
             .bind(replayables)
             .bind(c_retentions)
             .bind(key_ids)
+            .bind(nonces)
             .fetch_all(&self.pool)
             .await?;
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
@@ -943,7 +953,7 @@ impl Store {
         // lease ends now: nothing heartbeats it any more; the retention counts from the mark.
         let marked = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET state = 'unknown', unknown_before = true,
+    SET state = 'unknown',
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
         expires_at = GREATEST(expires_at, clock_timestamp()
             + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
@@ -997,6 +1007,45 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         Ok(row.is_some())
+    }
+
+    /// Gives back the record that the claim attempt named `nonce` made or took over, its answer
+    /// never having reached the filter ([`state_rules::writes::abandon`]): deleted, or unknown
+    /// again where it was taken over from an earlier attempt whose outcome is unknown.
+    pub async fn abandon(
+        &self,
+        scope: &ScopeHash,
+        nonce: &str,
+        retention_ms: i64,
+    ) -> Result<Abandoned, StoreError> {
+        let row = sqlx::query_scalar!(
+            r#"WITH kept AS (
+        UPDATE idempotency_records
+        SET state = 'unknown', claim_nonce = NULL,
+            lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
+            expires_at = GREATEST(expires_at, clock_timestamp()
+                + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
+        WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
+          AND unknown_before
+        RETURNING 'unknown'::text AS became
+    ), freed AS (
+        DELETE FROM idempotency_records
+        WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
+          AND NOT unknown_before
+        RETURNING 'deleted'::text AS became
+    )
+    SELECT became AS "became!" FROM kept UNION ALL SELECT became FROM freed"#,
+            &scope[..],
+            nonce,
+            retention_ms
+        )
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(match row.as_deref() {
+            Some("unknown") => Abandoned::Unknown,
+            Some(_) => Abandoned::Deleted,
+            None => Abandoned::Nothing,
+        })
     }
 
     /// Whether a record lives at `scope` (a lookup during a rotation of the key secret).
@@ -1073,7 +1122,7 @@ impl Store {
         RETURNING 1
     ), marked AS (
         UPDATE idempotency_records r
-        SET state = 'unknown', unknown_before = true,
+        SET state = 'unknown',
             lease_expires_at = LEAST(r.lease_expires_at, clock_timestamp()),
             expires_at = clock_timestamp() + COALESCE(r.retention_ms, $2::bigint) * interval '1 millisecond'
         FROM due d
@@ -1146,6 +1195,7 @@ mod tests {
             retention_ms: 1000,
             take_over_unknown: false,
             namespace: "",
+            nonce: None,
         }
     }
 

@@ -83,6 +83,7 @@ fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
         take_over_unknown: true,
         namespace: String::new(),
         deadline: far(),
+        nonce: None,
     }
 }
 

@@ -86,26 +86,14 @@ async fn crash_and_recover(extra: &[&str]) {
 async fn a_lease_runs_out_only_a_whole_lease_after_the_primary_s_timeline_was_first_seen() {
     let api = Api::start(&[]).await;
     let pool = api.state.store().pool().clone();
-    let take_over = ClaimRequest {
-        on_unknown: OnUnknown::TakeOver,
-        ..claim_req("promoted", "alice", &fp(1), Some(60_000))
-    };
-    let stale = token_of(&api.claim("promoted", &fp(1), Some(1_000)).await);
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-
     // "Promoted": the current timeline is first seen now (as the state API records it on every
     // new connection), long after the postmaster started: still a whole lease to go.
-    sqlx::query("UPDATE idempotency_timelines SET first_seen_at = clock_timestamp()")
-        .execute(&pool)
-        .await
-        .unwrap();
-    assert!(
-        matches!(
-            api.claim_with(&take_over).await,
-            ClaimResponse::InProgress { .. }
-        ),
-        "a lease ran out less than a lease after the primary's timeline began"
-    );
+    let (stale, take_over) = held_after_serving_anew(
+        &api,
+        "promoted",
+        "UPDATE idempotency_timelines SET first_seen_at = clock_timestamp()",
+    )
+    .await;
     // A timeline nobody has seen yet counts as beginning now (one transaction, one connection).
     let mut tx = pool.begin().await.unwrap();
     sqlx::query("DELETE FROM idempotency_timelines")
@@ -126,15 +114,7 @@ async fn a_lease_runs_out_only_a_whole_lease_after_the_primary_s_timeline_was_fi
     assert_eq!(recorded, 1);
     tx.rollback().await.unwrap();
     // Once the owner has had a whole lease on this primary without a heartbeat, it has gone.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    match api.claim_with(&take_over).await {
-        ClaimResponse::Claimed {
-            token,
-            reclaimed: true,
-            ..
-        } => assert!(token > stale),
-        other => panic!("expected a reclaim a whole lease later, got {other:?}"),
-    }
+    reclaimed_a_lease_later(&api, &take_over, stale).await;
     // A new connection records the timeline by itself.
     sqlx::query("DELETE FROM idempotency_timelines")
         .execute(&pool)
@@ -164,4 +144,73 @@ async fn a_lease_runs_out_only_a_whole_lease_after_the_primary_s_timeline_was_fi
         "{text}"
     );
     api.shutdown().await;
+}
+
+/// The lease guard counts from the last crash recovery in place too, which changes neither the
+/// postmaster's start nor the timeline: the recovery empties the unlogged marker (simulated
+/// here by emptying it; `tests/tests/second_execution.rs` runs the real crash recovery), and the
+/// first check after it counts as the moment the server began serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_runs_out_only_a_whole_lease_after_a_crash_recovery_in_place() {
+    let api = Api::start(&[]).await;
+    let pool = api.state.store().pool().clone();
+    // "Recovered in place": the unlogged marker is empty, as crash recovery leaves it.
+    let (stale, take_over) =
+        held_after_serving_anew(&api, "recovered", "DELETE FROM idempotency_serving_marker").await;
+    let marked: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_serving_marker")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(marked, 1, "the first check after the recovery marks it");
+    let unlogged: String = sqlx::query_scalar(
+        "SELECT relpersistence::text FROM pg_class WHERE relname = 'idempotency_serving_marker'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        unlogged, "u",
+        "crash recovery empties only an unlogged table"
+    );
+    // A whole lease after that check without a heartbeat, the owner has gone.
+    reclaimed_a_lease_later(&api, &take_over, stale).await;
+    api.shutdown().await;
+}
+
+/// A record of `key` whose 1 s lease ran out 0.2 s ago, then `sql` makes the server look as if
+/// it began serving now (a promotion, a crash recovery): a claim that takes unknown outcomes
+/// over still finds the key in progress. Its owner's token and that claim.
+async fn held_after_serving_anew(api: &Api, key: &str, sql: &str) -> (i64, ClaimRequest) {
+    let take_over = ClaimRequest {
+        on_unknown: OnUnknown::TakeOver,
+        ..claim_req(key, "alice", &fp(1), Some(60_000))
+    };
+    let stale = token_of(&api.claim(key, &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    sqlx::query(sql)
+        .execute(api.state.store().pool())
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            api.claim_with(&take_over).await,
+            ClaimResponse::InProgress { .. }
+        ),
+        "a lease ran out less than a lease after the server began serving anew ({sql})"
+    );
+    (stale, take_over)
+}
+
+/// Once the owner has had a whole lease more without a heartbeat, it has gone: the take-over
+/// reclaims the key with a larger token.
+async fn reclaimed_a_lease_later(api: &Api, take_over: &ClaimRequest, stale: i64) {
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    match api.claim_with(take_over).await {
+        ClaimResponse::Claimed {
+            token,
+            reclaimed: true,
+            ..
+        } => assert!(token > stale),
+        other => panic!("expected a reclaim a whole lease later, got {other:?}"),
+    }
 }

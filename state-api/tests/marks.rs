@@ -2,6 +2,7 @@
 //! that arrives after its record was marked unknown (by the owner itself, or by a claim that
 //! found its lease run out) is refused with `lease-ended` and revives nothing; the owner's
 //! outcome is still accepted.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -65,6 +65,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_duplicates_never_wait_on_a
                     retention_ms: 60_000,
                     take_over_unknown: false,
                     namespace: "",
+                    nonce: None,
                 };
                 store.claim(&claim).await.unwrap()
             })

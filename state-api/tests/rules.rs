@@ -56,11 +56,26 @@ fn starts() -> Vec<Start> {
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
-    Claim { same_fp: bool, take_over: bool },
-    Heartbeat { own: bool },
-    Complete { own: bool },
-    Unknown { own: bool },
-    Release { own: bool },
+    Claim {
+        same_fp: bool,
+        take_over: bool,
+    },
+    Heartbeat {
+        own: bool,
+    },
+    Complete {
+        own: bool,
+    },
+    Unknown {
+        own: bool,
+    },
+    Release {
+        own: bool,
+    },
+    /// Give back by the record's own nonce, or a stranger's.
+    Abandon {
+        own: bool,
+    },
     Purge,
 }
 
@@ -72,6 +87,7 @@ fn ops() -> Vec<Op> {
             Op::Complete { own },
             Op::Unknown { own },
             Op::Release { own },
+            Op::Abandon { own },
         ]);
     }
     for same_fp in [true, false] {
@@ -83,6 +99,9 @@ fn ops() -> Vec<Op> {
 }
 
 const TOKEN: i64 = 7;
+/// The nonce of the claim that made the starting record, and of the claims the cases send.
+const RECORD_NONCE: &str = "n-record";
+const CLAIM_NONCE: &str = "n-claim";
 
 fn offset(live: bool) -> i64 {
     if live {
@@ -111,6 +130,7 @@ fn record(s: Start) -> Record<u16> {
         retention_ms: RETENTION_MS,
         unknown_before: s.unknown_before,
         response: (s.state == RecordState::Completed).then_some(201),
+        claim_nonce: Some(RECORD_NONCE.into()),
     }
 }
 
@@ -146,10 +166,10 @@ fn rules_claim_answer(c: &ClaimOutcome<u16>) -> String {
 
 /// A record afterwards: its state, whether its token moved, its earlier-unknown flag, and
 /// where its lease end and expiry lie against now (coarse: before, or how many seconds after).
-fn shape(r: Option<(RecordState, i64, bool, i64, i64)>) -> String {
+fn shape(r: Option<(RecordState, i64, bool, i64, i64, Option<String>)>) -> String {
     match r {
         None => "gone".into(),
-        Some((state, token, unknown_before, lease_ms_from_now, expires_ms_from_now)) => {
+        Some((state, token, unknown_before, lease_ms_from_now, expires_ms_from_now, nonce)) => {
             let when = |ms: i64| {
                 if ms <= 0 {
                     "past".to_owned()
@@ -158,7 +178,7 @@ fn shape(r: Option<(RecordState, i64, bool, i64, i64)>) -> String {
                 }
             };
             format!(
-                "{} token {} unknown_before {unknown_before} lease {} expires {}",
+                "{} token {} unknown_before {unknown_before} lease {} expires {} nonce {nonce:?}",
                 state.as_str(),
                 if token == TOKEN { "same" } else { "new" },
                 when(lease_ms_from_now),
@@ -176,6 +196,7 @@ fn rules_shape(r: &Option<Record<u16>>) -> String {
             r.unknown_before,
             r.lease_until as i64 - NOW as i64,
             r.expires_at as i64 - NOW as i64,
+            r.claim_nonce.clone(),
         )
     }))
 }
@@ -222,7 +243,7 @@ impl Db {
                 (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
                  lease_ms, lease_expires_at, created_at, completed_at, expires_at, namespace,
                  retention_ms, unknown_before, response_status, response_headers, response_body,
-                 response_replayable)
+                 response_replayable, claim_nonce)
              VALUES ($1, 'alice', 'POST /checkout', $2, $3, $4, $5, $6,
                  clock_timestamp() + $7 * interval '1 millisecond',
                  clock_timestamp() - interval '1 minute',
@@ -230,7 +251,7 @@ impl Db {
                  clock_timestamp() + $8 * interval '1 millisecond',
                  '', $9, $11,
                  CASE WHEN $10 THEN 201 END, CASE WHEN $10 THEN '[]'::jsonb END,
-                 CASE WHEN $10 THEN ''::bytea END, CASE WHEN $10 THEN true END)",
+                 CASE WHEN $10 THEN ''::bytea END, CASE WHEN $10 THEN true END, $12)",
         )
         .bind(scope)
         .bind(ALG)
@@ -247,29 +268,32 @@ impl Db {
         .bind(RETENTION_MS as i64)
         .bind(completed)
         .bind(s.unknown_before)
+        .bind(RECORD_NONCE)
         .execute(&self.pool)
         .await
         .unwrap();
     }
 
     async fn shape_of(&self, scope: &[u8]) -> String {
-        let row: Option<(String, i64, bool, f64, f64)> = sqlx::query_as(
+        let row: Option<(String, i64, bool, f64, f64, Option<String>)> = sqlx::query_as(
             "SELECT state, fencing_token, unknown_before,
                 (EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp())) * 1000)::float8,
-                (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000)::float8
+                (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000)::float8,
+                claim_nonce
              FROM idempotency_records WHERE scope_hash = $1",
         )
         .bind(scope)
         .fetch_optional(&self.pool)
         .await
         .unwrap();
-        shape(row.map(|(state, token, ub, lease, expires)| {
+        shape(row.map(|(state, token, ub, lease, expires, nonce)| {
             (
                 state.parse().unwrap(),
                 token,
                 ub,
                 lease.round() as i64,
                 expires.round() as i64,
+                nonce,
             )
         }))
     }
@@ -314,6 +338,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
                 retention_ms: RETENTION_MS as i64,
                 take_over_unknown: take_over,
                 namespace: "",
+                nonce: Some(CLAIM_NONCE),
             };
             claim_answer(&db.store.claim(&c).await.unwrap())
         }
@@ -351,6 +376,17 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
                 .await
                 .unwrap()
         ),
+        Op::Abandon { own } => format!(
+            "{:?}",
+            db.store
+                .abandon(
+                    scope,
+                    if own { RECORD_NONCE } else { "n-stranger" },
+                    RETENTION_MS as i64
+                )
+                .await
+                .unwrap()
+        ),
         Op::Purge => format!(
             "purged {}",
             db.store.purge_batch(10, RETENTION_MS as i64).await.unwrap()
@@ -372,6 +408,7 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
                 lease_ms: LEASE_MS,
                 retention_ms: RETENTION_MS,
                 take_over_unknown: take_over,
+                nonce: Some(CLAIM_NONCE.into()),
             };
             rules_claim_answer(&state_rules::claim(slot, &terms, clock, &mut || {
                 next += 1;
@@ -394,6 +431,10 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
             Marked::FencedOut => "fenced out".into(),
         },
         Op::Release { own } => format!("{}", writes::release(slot, token(own), clock)),
+        Op::Abandon { own } => format!(
+            "{:?}",
+            writes::abandon(slot, if own { RECORD_NONCE } else { "n-stranger" }, clock)
+        ),
         Op::Purge => {
             let done = state_rules::purge::apply(slot, clock);
             format!(

@@ -11,6 +11,8 @@ pub struct ClaimTerms {
     pub retention_ms: u64,
     /// Take an unknown outcome over (a new, larger token), or answer `Unknown`.
     pub take_over_unknown: bool,
+    /// The claim attempt's nonce (kept with a record it makes or takes over).
+    pub nonce: Option<String>,
 }
 
 /// What the claim statement reads of the row it found or inserted (the store's `ClaimRow`,
@@ -146,6 +148,7 @@ pub fn claim<R: Clone>(
             token,
             terms.lease_ms,
             terms.retention_ms,
+            terms.nonce.clone(),
             clock.now,
         ));
         return ClaimOutcome::Claimed {
@@ -175,6 +178,7 @@ pub fn claim<R: Clone>(
             record.state = RecordState::InProgress;
             record.unknown_before = true;
             record.token = token;
+            record.claim_nonce = terms.nonce.clone();
             record.seen(terms.lease_ms, clock.now);
             ClaimOutcome::Claimed {
                 token,
@@ -194,6 +198,7 @@ pub fn claim<R: Clone>(
                 token,
                 terms.lease_ms,
                 terms.retention_ms,
+                terms.nonce.clone(),
                 clock.now,
             );
             ClaimOutcome::Claimed {

@@ -46,11 +46,16 @@ pub struct Record<R> {
     pub expires_at: u64,
     /// The retention the claim asked for (a complete keeps the record this long).
     pub retention_ms: u64,
-    /// An attempt's outcome was unknown once: releasing this owner's attempt makes the record
-    /// unknown again, not free.
+    /// The owner took the record over from an attempt under an earlier token whose outcome is
+    /// unknown (a reclaim): releasing or abandoning this owner's attempt makes the record
+    /// unknown again, not free. Marks of the same owner's attempt do not set it: an owner that
+    /// certainly never reached the upstream frees a key only it ever held.
     pub unknown_before: bool,
     /// The stored response (completed records only).
     pub response: Option<R>,
+    /// The nonce of the claim attempt that made or took over the record: the filter gives
+    /// the record back by it when that claim's answer never reached it ([`crate::writes::abandon`]).
+    pub claim_nonce: Option<String>,
 }
 
 impl<R> Record<R> {
@@ -60,6 +65,7 @@ impl<R> Record<R> {
         token: i64,
         lease_ms: u64,
         retention_ms: u64,
+        claim_nonce: Option<String>,
         now: u64,
     ) -> Self {
         Self {
@@ -73,6 +79,7 @@ impl<R> Record<R> {
             retention_ms,
             unknown_before: false,
             response: None,
+            claim_nonce,
         }
     }
 
@@ -112,7 +119,6 @@ impl<R> Record<R> {
     /// the retention counts from the mark.
     pub fn mark_unknown(&mut self, now: u64) {
         self.state = RecordState::Unknown;
-        self.unknown_before = true;
         self.lease_until = self.lease_until.min(now);
         self.keep_from(now);
     }

@@ -113,3 +113,34 @@ pub fn release<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> boo
         _ => false,
     }
 }
+
+/// What an abandon did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// The record the claim made is gone: the key is free.
+    Deleted,
+    /// The claim had taken over an earlier attempt whose outcome is unknown: unknown again.
+    Unknown,
+    /// No open record of that claim attempt (never committed, answered after all and moved
+    /// on, or another claim's now): nothing changed.
+    Nothing,
+}
+
+/// The claim attempt named `nonce` never reached its caller, so nothing was forwarded under
+/// it: its record is given back as a release would give it back. Only an open record that
+/// this very attempt made or took over matches (a later claim's nonce replaces it).
+pub fn abandon<R>(slot: &mut Option<Record<R>>, nonce: &str, clock: Clock) -> Abandoned {
+    match slot.as_mut() {
+        Some(r) if r.open() && r.claim_nonce.as_deref() == Some(nonce) => {
+            if r.unknown_before {
+                r.mark_unknown(clock.now);
+                r.claim_nonce = None;
+                Abandoned::Unknown
+            } else {
+                *slot = None;
+                Abandoned::Deleted
+            }
+        }
+        _ => Abandoned::Nothing,
+    }
+}

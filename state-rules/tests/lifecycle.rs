@@ -13,6 +13,7 @@ fn terms(fp: &str, take_over: bool) -> ClaimTerms {
         lease_ms: 1_000,
         retention_ms: 60_000,
         take_over_unknown: take_over,
+        nonce: Some(format!("n-{fp}")),
     }
 }
 
@@ -149,4 +150,51 @@ fn owners_mark_and_heartbeat_their_own_record_only() {
     claim(&mut fresh, &terms("aa", false), at(0), &mut || t.next());
     assert!(release(&mut fresh, 2, at(10)));
     assert!(fresh.is_none());
+}
+
+#[test]
+fn an_abandoned_claim_gives_its_record_back_and_only_its_own() {
+    use state_rules::writes::{abandon, Abandoned};
+    let mut slot: Option<Record<&str>> = None;
+    let mut t = Tokens(0);
+    claim(&mut slot, &terms("aa", false), at(0), &mut || t.next());
+    assert_eq!(abandon(&mut slot, "n-other", at(10)), Abandoned::Nothing);
+    assert!(slot.is_some());
+    assert_eq!(abandon(&mut slot, "n-aa", at(10)), Abandoned::Deleted);
+    assert!(slot.is_none(), "the key is free at once");
+    // Marked unknown meanwhile (its lease ran out: nobody heartbeated a claim whose answer
+    // was lost): still given back.
+    claim(&mut slot, &terms("aa", false), at(100), &mut || t.next());
+    assert_eq!(
+        claim(&mut slot, &terms("aa", false), at(1_200), &mut || t.next()),
+        ClaimOutcome::Unknown
+    );
+    assert_eq!(abandon(&mut slot, "n-aa", at(1_300)), Abandoned::Deleted);
+    // A take-over of an unknown outcome goes back to unknown, not free.
+    claim(&mut slot, &terms("aa", false), at(2_000), &mut || t.next());
+    owner_unknown(&mut slot, 3, at(2_100));
+    let taker = ClaimTerms {
+        nonce: Some("n-taker".into()),
+        ..terms("aa", true)
+    };
+    assert!(matches!(
+        claim(&mut slot, &taker, at(2_200), &mut || t.next()),
+        ClaimOutcome::Claimed {
+            reclaimed: true,
+            ..
+        }
+    ));
+    assert_eq!(
+        abandon(&mut slot, "n-aa", at(2_300)),
+        Abandoned::Nothing,
+        "not the taker's"
+    );
+    assert_eq!(abandon(&mut slot, "n-taker", at(2_300)), Abandoned::Unknown);
+    assert_eq!(slot.as_ref().unwrap().state, RecordState::Unknown);
+    // Completed: an abandon changes nothing.
+    let mut done: Option<Record<&str>> = None;
+    claim(&mut done, &terms("bb", false), at(0), &mut || t.next());
+    let token = done.as_ref().unwrap().token;
+    complete(&mut done, token, "201", 0, at(5));
+    assert_eq!(abandon(&mut done, "n-bb", at(6)), Abandoned::Nothing);
 }

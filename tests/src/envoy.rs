@@ -177,6 +177,17 @@ impl Envoy {
         Self::run(yaml, params, dir, name)
     }
 
+    /// An Envoy from this rendered configuration, edited by the test (an HCM option a team
+    /// running its own Envoy might set); `params` name its ports.
+    pub fn start_with_yaml(
+        yaml: String,
+        params: EnvoyParams,
+        dir: &Path,
+        name: &str,
+    ) -> Result<Self, String> {
+        Self::run(yaml, params, dir, name)
+    }
+
     fn run(yaml: String, params: EnvoyParams, dir: &Path, name: &str) -> Result<Self, String> {
         let process = EnvoyProcess::start(
             &yaml,

@@ -582,42 +582,58 @@ async fn slow_state_api(stack: Stack) {
     let mut figures = serde_json::Map::new();
 
     // 1. The claim is answered after the callout timeout: 503 at the timeout, nothing forwarded.
-    //    The late claim did commit: the key is held until its lease runs out (409); then its
-    //    outcome is unknown, the checkout says it never ran, and the retry runs it once.
-    proxy.set_mode(ProxyMode::DelayAnswers(
-        timeout + Duration::from_millis(1_000),
-    ));
-    let key = unique_key("slow-claim");
-    let errors_before = errors();
-    let a = c.send(checkout(&key, "alice", &body)).await;
-    assert_problem(&a, 503, "idempotency-state-unavailable", &stack);
-    assert!(a.header("retry-after").is_some());
+    //    The late claim did commit; the filter, knowing it forwarded nothing, gives it back by
+    //    the nonce it sent it with (issue 34, path 4): the next retry runs at once, on a route
+    //    that reconciles unknown outcomes and on one that holds them alike (before, the key was
+    //    held `409 in progress` for a lease, then `409 outcome-unknown` on `POST /refunds`).
+    type Build = fn(&str, &str, &serde_json::Value) -> Request;
+    let routes: [(&str, Build); 2] = [("checkout", checkout), ("refunds", refund)];
+    let mut late = Vec::new();
+    for (route, request) in routes {
+        proxy.set_mode(ProxyMode::DelayAnswers(
+            timeout + Duration::from_millis(1_000),
+        ));
+        let key = unique_key(&format!("slow-claim-{route}"));
+        let errors_before = errors();
+        let a = c.send(request(&key, "alice", &body)).await;
+        assert_problem(&a, 503, "idempotency-state-unavailable", &stack);
+        assert!(a.header("retry-after").is_some());
+        assert!(
+            a.elapsed >= timeout - Duration::from_millis(100)
+                && a.elapsed < timeout + Duration::from_millis(700),
+            "503 after {:?}",
+            a.elapsed
+        );
+        assert!(errors() > errors_before, "counted in state_api_errors");
+        proxy.set_mode(ProxyMode::Pass);
+        tokio::time::sleep(Duration::from_millis(1_200)).await; // the late answer has gone by
+        assert!(
+            executions(&stack, &key).await.is_empty(),
+            "nothing forwarded after a timed-out claim"
+        );
+        let (after, held) = retry_until_settled(
+            &c,
+            || request(&key, "alice", &body),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(
+            after.status == 201 && !replayed(&after),
+            "{route}: {}",
+            after.describe()
+        );
+        assert_eq!(
+            held, 0,
+            "{route}: the key was held {held} times after a claim whose answer was lost"
+        );
+        assert_eq!(executions(&stack, &key).await.len(), 1);
+        late.push(json!({"route": route, "answer": 503, "answered_after_ms": a.elapsed.as_millis() as u64, "retries_409_before_usable": held, "charges": 1}));
+    }
     assert!(
-        a.elapsed >= timeout - Duration::from_millis(100)
-            && a.elapsed < timeout + Duration::from_millis(700),
-        "503 after {:?}",
-        a.elapsed
+        envoy.filter_counter("claims_abandoned") >= 2,
+        "given back by their nonces"
     );
-    assert!(errors() > errors_before, "counted in state_api_errors");
-    proxy.set_mode(ProxyMode::Pass);
-    tokio::time::sleep(Duration::from_millis(1_200)).await; // the late answer has gone by
-    assert!(
-        executions(&stack, &key).await.is_empty(),
-        "nothing forwarded after a timed-out claim"
-    );
-    let (after, held) = retry_until_settled(
-        &c,
-        || checkout(&key, "alice", &body),
-        Duration::from_secs(10),
-    )
-    .await;
-    assert!(
-        after.status == 201 && !replayed(&after),
-        "{}",
-        after.describe()
-    );
-    assert_eq!(executions(&stack, &key).await.len(), 1);
-    figures.insert("late_claim".into(), json!({"answer": 503, "answered_after_ms": a.elapsed.as_millis() as u64, "retries_409_until_lease_end": held, "charges": 1}));
+    figures.insert("late_claim".into(), json!(late));
 
     // 2. The state API swallows the claim: 503 at the timeout; nothing committed, the key is free.
     proxy.set_mode(ProxyMode::Blackhole);

@@ -75,6 +75,12 @@ impl ClaimAnswer {
         }
     }
 
+    /// No usable answer (a failure, a 5xx, 408, 429, unreadable): the claim may have been
+    /// committed all the same.
+    pub fn unusable(&self) -> bool {
+        matches!(self, Self::Read(Err(_)))
+    }
+
     /// The fencing token of a claim this answer grants.
     pub fn granted_token(&self) -> Option<i64> {
         match self {
@@ -340,6 +346,10 @@ impl Flow {
                 req.req.endpoint
             ),
         );
+        // The claim may have been committed all the same (its answer was lost on the way):
+        // nothing is forwarded under it, so its record is given back by its nonce. Where the
+        // route fails open the request goes on unprotected, and nothing is given back.
+        let abandon = (!fail_open).then(|| abandon_of(&req)).flatten();
         if fail_open {
             self.state = State::FailedOpen;
             let mut t = Turn::pause()
@@ -353,9 +363,26 @@ impl Flow {
             t.push(self.effect(|stream| Effect::ResumeRequest { stream }));
             return t;
         }
-        self.reply(Some(Metric::StateApiErrors), reply::state_unavailable())
-            .with(log)
+        let t = self
+            .reply(Some(Metric::StateApiErrors), reply::state_unavailable())
+            .with(log);
+        match abandon {
+            Some(note) => t.with(note),
+            None => t,
+        }
     }
+}
+
+/// The note that gives back a claim sent with a nonce whose answer never came.
+pub(super) fn abandon_of(req: &Fingerprinted) -> Option<Note> {
+    let nonce = req.nonce.clone()?;
+    Some(Note::Abandon(Box::new(contract::wire::AbandonRequest {
+        key: req.req.key.clone(),
+        subject: req.req.subject.clone(),
+        endpoint: req.req.endpoint.clone(),
+        namespace: req.req.namespace.clone(),
+        nonce,
+    })))
 }
 
 /// An answer given after waiting for the key (RFC 7240: the preference was applied).
@@ -364,6 +391,20 @@ fn waited(reply: LocalReply, wait_s: u64) -> LocalReply {
 }
 
 impl Flow {
+    /// The worker sends (or queues) this stream's claim under `nonce`.
+    pub fn claim_sent(&mut self, nonce: String) {
+        if let State::Claiming(req) = &mut self.state {
+            req.nonce = Some(nonce);
+        }
+    }
+
+    /// The worker dropped this stream's queued claim unsent: there is nothing to give back.
+    pub fn claim_unsent(&mut self) {
+        if let State::Claiming(req) = &mut self.state {
+            req.nonce = None;
+        }
+    }
+
     /// The worker's waiters are at their bound: this claim does not wait, and its answer does
     /// not say it did.
     pub fn wait_refused(&mut self) {

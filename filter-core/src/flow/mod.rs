@@ -105,6 +105,9 @@ pub enum Note {
         since_ms: u64,
         expires_in_ms: u64,
     },
+    /// A claim sent with this nonce never reached its answer, and nothing was forwarded: the
+    /// worker gives its record back (`/v1/abandon`, retried like a handed-over write).
+    Abandon(Box<contract::wire::AbandonRequest>),
     /// The stream cannot finish this write itself: the worker sends it from now on.
     HandOver {
         write: PendingWrite,
@@ -197,6 +200,9 @@ pub struct Fingerprinted {
     pub fingerprint: Fingerprint,
     /// When the claim was sent.
     pub sent_ms: u64,
+    /// The nonce the claim was sent with (set by the worker when it sends or queues it): a
+    /// claim whose answer never comes back is given back by it (`/v1/abandon`).
+    pub nonce: Option<String>,
 }
 
 /// A request that owns its key.

@@ -352,6 +352,8 @@ impl Flow {
                 }
                 _ => contract::wire::OnUnknown::Hold,
             },
+            // The worker names the attempt when it sends it.
+            nonce: None,
         });
         let call = Call::Claim {
             request,
@@ -362,6 +364,7 @@ impl Flow {
             req,
             fingerprint,
             sent_ms: now_ms,
+            nonce: None,
         });
         Turn::pause().with(call)
     }

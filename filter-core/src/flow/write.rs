@@ -271,13 +271,21 @@ impl Flow {
     /// the heartbeat stops and the record is marked unknown.
     pub fn on_stream_done(&mut self, cfg: &Config) -> Turn {
         match self.take() {
-            State::Claiming(f) => Turn::cont().with(Flow::log(
-                Level::Info,
-                format!(
-                    "stream of {} ended while claiming; any claim made runs out with its lease",
-                    f.req.endpoint
-                ),
-            )),
+            State::Claiming(f) => {
+                // Its claim's answer will never come (Envoy cancels the callout): nothing was
+                // forwarded, so a claim the state API committed meanwhile is given back.
+                let log = Flow::log(
+                    Level::Info,
+                    format!(
+                        "stream of {} ended while claiming; a claim made for it is given back",
+                        f.req.endpoint
+                    ),
+                );
+                match super::claim::abandon_of(&f) {
+                    Some(note) => Turn::cont().with(log).with(note),
+                    None => Turn::cont().with(log),
+                }
+            }
             State::Writing(c, write) if cfg.retries_completes() => {
                 let log = Flow::log(
                     Level::Info,

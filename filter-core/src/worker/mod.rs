@@ -38,8 +38,8 @@ use crate::flow::{
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use contract::wire::{
-    BatchResponse, ClaimRequest, HeartbeatResponse, CLAIM_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
-    RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
+    BatchResponse, ClaimRequest, HeartbeatResponse, ABANDON_PATH, CLAIM_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use contract::ProblemKind;
 use in_flight::InFlightMemory;
@@ -341,6 +341,14 @@ pub struct Worker {
     /// The answer to one of them is being handled: a stream it drives (a batch's claims, a
     /// reconcile a batched claim started) makes its callouts as the worker's.
     in_root: bool,
+    /// This worker VM's name (set by the glue from its start time and context), the first part
+    /// of every claim nonce it sends.
+    instance: String,
+    /// Claims sent (or queued) so far: the second part of the nonce.
+    claims_sent: u64,
+    /// Abandons handed over so far: each is kept under a negative token of its own, since the
+    /// claim it gives back never learnt its token.
+    abandons: i64,
 }
 
 /// A stream whose claim waits for a running key.
@@ -371,8 +379,28 @@ impl Worker {
             worker_calls: Vec::new(),
             batching: cfg.batch_max > 1,
             in_root: false,
+            instance: "w".into(),
+            claims_sent: 0,
+            abandons: 0,
             cfg,
         }
+    }
+
+    /// Names this worker VM for its claim nonces: unique among the workers and restarts that
+    /// may claim one key (the glue uses its start time and root context id), at most 40
+    /// visible ASCII characters (longer is cut).
+    pub fn set_instance(&mut self, instance: &str) {
+        self.instance = instance
+            .chars()
+            .filter(|c| c.is_ascii_graphic())
+            .take(40)
+            .collect();
+    }
+
+    /// The nonce of the next claim this worker sends.
+    fn next_nonce(&mut self) -> String {
+        self.claims_sent += 1;
+        format!("{}.{}", self.instance, self.claims_sent)
     }
 
     pub fn config(&self) -> &Config {
@@ -555,8 +583,17 @@ impl Worker {
         self.calls.retain(|_, p| p.stream() != Some(stream));
         self.waiting.retain(|w| w.stream != stream);
         // Queued, its claim was never sent; in a batch on its way, its answer is seen to (a
-        // claim granted for it is released). A queued complete is sent all the same.
+        // claim granted for it is released, one whose answer is lost given back). Either way
+        // the flow gives nothing back itself. A queued complete is sent all the same.
+        let queued = self.claim_queue.len();
         self.claim_queue.retain(|c| c.stream != stream);
+        let in_batch = self
+            .batches
+            .iter()
+            .any(|(_, b)| b.claims.iter().any(|c| c.stream == stream));
+        if queued != self.claim_queue.len() || in_batch {
+            flow.claim_unsent();
+        }
         let turn = flow.on_stream_done(&self.cfg);
         let mut step = Step::cont();
         self.apply(&mut flow, turn, now_ms, &mut step);
@@ -651,6 +688,9 @@ impl Worker {
                         ),
                     ));
                 }
+                let nonce = self.next_nonce();
+                request.nonce = Some(nonce.clone());
+                flow.claim_sent(nonce);
                 let wait_ms = request.wait_ms.unwrap_or(0);
                 if wait_ms == 0 && self.batching && self.lane_behind() {
                     self.claim_queue.push(BatchedClaim { stream, request });
@@ -902,6 +942,12 @@ impl Worker {
                 None => {
                     if let Some(token) = answer.granted_token() {
                         self.release_unused(&claim.request, token, now_ms, &mut step.effects);
+                    } else if answer.unusable() {
+                        // Its answer is lost and its stream gone: whatever was committed is
+                        // given back.
+                        if let Some(req) = abandon_request(&claim.request) {
+                            self.abandon(req, now_ms, &mut step.effects);
+                        }
                     }
                 }
             }
@@ -1004,7 +1050,34 @@ impl Worker {
                 }
             }
             Note::HandOver { write, record } => self.hand_over(write, record, now_ms, effects),
+            Note::Abandon(req) => self.abandon(*req, now_ms, effects),
         }
+    }
+
+    /// Gives back the record of a claim whose answer never came (`/v1/abandon`): sent and
+    /// retried like a handed-over write, under a negative token of its own.
+    fn abandon(
+        &mut self,
+        req: contract::wire::AbandonRequest,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        self.abandons += 1;
+        effects.push(Effect::Count(Metric::ClaimsAbandoned));
+        let claim = HeldClaim {
+            key: req.key.clone(),
+            subject: req.subject.clone(),
+            endpoint: req.endpoint.clone(),
+            token: -self.abandons,
+        };
+        let write = PendingWrite {
+            claim,
+            path: ABANDON_PATH,
+            payload: crate::flow::to_json(&req),
+            fallback: None,
+            untried: true,
+        };
+        self.hand_over(write, None, now_ms, effects);
     }
 
     /// The streams waiting for `id` get the replay this worker now holds, without waiting for
@@ -1356,6 +1429,7 @@ impl Worker {
             } => {
                 match path {
                     RELEASE_PATH => effects.push(Effect::Count(Metric::Released)),
+                    ABANDON_PATH => {}
                     COMPLETE_PATH => effects.push(Effect::Count(Metric::Completed)),
                     _ => {}
                 }
@@ -1533,3 +1607,14 @@ fn every(
 
 #[cfg(test)]
 mod tests;
+
+/// The abandon of a claim sent with a nonce.
+fn abandon_request(request: &ClaimRequest) -> Option<contract::wire::AbandonRequest> {
+    Some(contract::wire::AbandonRequest {
+        key: request.key.clone(),
+        subject: request.subject.clone(),
+        endpoint: request.endpoint.clone(),
+        namespace: request.namespace.clone(),
+        nonce: request.nonce.clone()?,
+    })
+}

@@ -56,9 +56,10 @@ impl PendingWrite {
     }
 
     /// A complete or release keeps the claim's lease alive until it is stored; marking an
-    /// outcome unknown does not (the record is unknown either way once the lease runs out).
+    /// outcome unknown does not (the record is unknown either way once the lease runs out),
+    /// nor does an abandon (its claim holds no lease this worker knows of).
     pub fn keeps_lease(&self) -> bool {
-        self.path != contract::wire::UNKNOWN_PATH
+        self.path != contract::wire::UNKNOWN_PATH && self.path != contract::wire::ABANDON_PATH
     }
 }
 

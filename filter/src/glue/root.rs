@@ -128,7 +128,15 @@ impl RootContext for Root {
             *self.shared.metadata_path.borrow_mut() = Some(path.clone());
         }
         *self.shared.counters.borrow_mut() = Counters::define();
-        *self.shared.worker.borrow_mut() = Some(Worker::new(cfg));
+        let mut worker = Worker::new(cfg);
+        // Claim nonces are unique across this worker's VMs and restarts: its clock at
+        // configuration (ns) and its root context.
+        worker.set_instance(&format!(
+            "{:x}-{}",
+            abi::now_ns().unwrap_or(0),
+            self.shared.root_id
+        ));
+        *self.shared.worker.borrow_mut() = Some(worker);
         true
     }
 

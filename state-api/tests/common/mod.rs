@@ -454,6 +454,7 @@ pub fn claim_req(
         namespace: String::new(),
         retention_s: None,
         wait_ms: None,
+        nonce: None,
     }
 }
 

@@ -734,6 +734,7 @@ fn state_api_trouble_fails_closed_with_503() {
     ] {
         let mut t = Harness::new(CONFIG);
         let step = asked(&mut t);
+        let sent = step.claim();
         let step = t.answer_claim(&step, bad.clone());
         let r = step.reply();
         assert_eq!(
@@ -742,9 +743,57 @@ fn state_api_trouble_fails_closed_with_503() {
             "{bad:?}"
         );
         assert_eq!(problem_type(r), "/problems/idempotency-state-unavailable");
-        assert_eq!(step.counts(), vec![Metric::StateApiErrors]);
+        // The claim may have been committed all the same: nothing was forwarded, so the
+        // worker gives it back by its nonce (issue 34, path 4), from the root context.
+        assert_eq!(
+            step.counts(),
+            vec![Metric::StateApiErrors, Metric::ClaimsAbandoned]
+        );
         assert!(!step.resumes_request());
+        let woken = t.tick();
+        let abandon: contract::wire::AbandonRequest =
+            serde_json::from_slice(&woken.dispatch(contract::wire::ABANDON_PATH).body).unwrap();
+        assert_eq!(Some(abandon.nonce), sent.nonce, "{bad:?}");
+        assert_eq!(
+            (abandon.key.as_str(), abandon.endpoint.as_str()),
+            ("k", "POST /checkout")
+        );
     }
+}
+
+/// A stream that ends while its claim is on its way (Envoy cancels the callout): its answer
+/// never comes, so the claim is given back by its nonce; a claim that failed where the route
+/// fails open gives nothing back (the request went on).
+#[test]
+fn a_claim_whose_answer_never_comes_is_given_back() {
+    let mut t = Harness::new(CONFIG);
+    let s = t.stream();
+    let step = t.headers(
+        s,
+        &req_headers("/checkout", &[("idempotency-key", "gone")]),
+        true,
+    );
+    let sent = step.claim();
+    let nonce = sent.nonce.clone().unwrap();
+    assert!(nonce.starts_with("w."), "{nonce}");
+    let effects = t.w.on_stream_done(s, t.now);
+    assert!(effects.contains(&Effect::Count(Metric::ClaimsAbandoned)));
+    let abandon: contract::wire::AbandonRequest =
+        serde_json::from_slice(&t.tick().dispatch(contract::wire::ABANDON_PATH).body).unwrap();
+    assert_eq!(abandon.nonce, nonce);
+    // Nonces differ from one claim to the next.
+    let step = asked(&mut t);
+    assert_ne!(step.claim().nonce, Some(nonce));
+    // `/refunds` fails open: the request goes on unprotected, nothing is given back.
+    let s = t.stream();
+    let step = t.headers(
+        s,
+        &req_headers("/refunds", &[("idempotency-key", "open")]),
+        true,
+    );
+    let step = t.answer_claim(&step, CalloutResult::Failed("reset".into()));
+    assert!(step.resumes_request());
+    assert!(!step.counts().contains(&Metric::ClaimsAbandoned));
 }
 
 #[test]
