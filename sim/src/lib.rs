@@ -73,12 +73,12 @@ pub const REGIONS: &[&str] = &[
 /// break one of them and goes on (`make simulate AWAITING=1` does too); each line goes when
 /// its path's fix lands, and from then on such a violation fails the run.
 pub const AWAITING_FIX: &[(&str, &str)] = &[
-    ("path 2", "recovered in place"),
-    ("path 3", "Envoy's own answer"),
+    // The fix of path 4 (3883ae3) leaves a race: an abandon that reaches the state API before
+    // its claim (a claim held up, say by a paused database) finds nothing, and the claim then
+    // commits with nobody to give it back (seed 1003855).
     ("path 4", "was ever forwarded"),
     ("path 6", "of its heartbeats failed"),
     ("path 6", "gave up the write"),
-    ("path 7", "charged"),
     ("path 8", "an operator's"),
     ("path 9", "key secret"),
     ("path 10", "client-sent fencing token"),

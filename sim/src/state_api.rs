@@ -9,16 +9,16 @@
 //! explanations (why a token was granted, who deleted a record, whose lease ran out).
 
 use contract::wire::{
-    BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest, ClaimResponse, CompleteBatchRequest,
-    CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown, ReleaseRequest,
-    StoredResponse, UnknownRequest, WriteBatchRequest, WriteResponse, WriteState, CLAIMS_PATH,
-    CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH,
-    UNKNOWN_PATH, WRITES_PATH,
+    valid_nonce, AbandonRequest, BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest,
+    ClaimResponse, CompleteBatchRequest, CompleteRequest, HeartbeatRequest, HeartbeatResponse,
+    OnUnknown, ReleaseRequest, StoredResponse, UnknownRequest, WriteBatchRequest, WriteResponse,
+    WriteState, ABANDON_PATH, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind};
 use state_rules::operator::{self, Refusal};
 use state_rules::purge::Purge;
-use state_rules::writes::{self, Beat, Completion, Marked};
+use state_rules::writes::{self, Abandoned, Beat, Completion, Marked};
 use state_rules::{ClaimOutcome, ClaimTerms, Clock, Fingerprint, RecordState};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -76,6 +76,9 @@ pub enum Grant {
 pub enum Deleter {
     /// Its owner released it (nothing was forwarded).
     Owner,
+    /// Its claim's answer never reached the filter, which gave it back by the claim's nonce
+    /// (nothing was forwarded).
+    Abandon,
     /// The purge (past its retention).
     Purge,
     /// An operator's release or purge (the admin API), without `force`.
@@ -87,6 +90,7 @@ impl Deleter {
     pub fn describe(self) -> &'static str {
         match self {
             Deleter::Owner => "its owner's release",
+            Deleter::Abandon => "its owner's abandon (the claim's answer never reached it)",
             Deleter::Purge => "the purge (past its retention)",
             Deleter::OperatorRelease => "an operator's release (without force)",
             Deleter::OperatorPurge => "an operator's purge (without force)",
@@ -244,6 +248,9 @@ pub fn scopes_of(path: &str, body: &[u8]) -> Vec<Scope> {
             .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
             .unwrap_or_default(),
         UNKNOWN_PATH => serde_json::from_slice::<UnknownRequest>(body)
+            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
+            .unwrap_or_default(),
+        ABANDON_PATH => serde_json::from_slice::<AbandonRequest>(body)
             .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
             .unwrap_or_default(),
         _ => Vec::new(),
@@ -436,6 +443,10 @@ impl ModelStateApi {
                 Ok(r) => self.owner_unknown(r, now, l),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
+            ABANDON_PATH => match serde_json::from_slice::<AbandonRequest>(body) {
+                Ok(r) => self.abandon(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
             _ => problem(ProblemKind::NotFound, "no such route"),
         }
     }
@@ -446,6 +457,9 @@ impl ModelStateApi {
             Err(a) => return a,
         };
         let address = self.address(&scope, looked);
+        if r.nonce.as_deref().is_some_and(|n| !valid_nonce(n)) {
+            return problem(ProblemKind::BadRequest, "bad nonce");
+        }
         let hex = r.fingerprint.len() == 64
             && r.fingerprint
                 .bytes()
@@ -462,6 +476,7 @@ impl ModelStateApi {
             lease_ms: self.lease_for(r.lease_ms),
             retention_ms,
             take_over_unknown: r.on_unknown == OnUnknown::TakeOver,
+            nonce: r.nonce.clone(),
         };
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
@@ -720,6 +735,34 @@ impl ModelStateApi {
             by,
             state: state.unwrap_or(RecordState::InProgress),
         });
+    }
+
+    /// A claim whose answer never reached the filter, given back by its nonce (nothing was
+    /// forwarded under it).
+    fn abandon(&mut self, r: AbandonRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
+        let scope = match scope(&r.key, &r.subject, &r.endpoint) {
+            Ok(s) => s,
+            Err(a) => return a,
+        };
+        let address = self.address(&scope, looked);
+        if !valid_nonce(&r.nonce) {
+            return problem(ProblemKind::BadRequest, "bad nonce");
+        }
+        let clock = self.clock(now);
+        let mut slot = self.records.remove(&address);
+        let before = slot.as_ref().map(|s| (s.token, s.state));
+        let done = writes::abandon(&mut slot, &r.nonce, clock);
+        if let Some(rec) = slot {
+            self.records.insert(address.clone(), rec);
+        }
+        match (done, before) {
+            (Abandoned::Deleted, Some((token, state))) => {
+                self.delete_noted(address, token, Deleter::Abandon, Some(state));
+                json(200, &WriteResponse::released())
+            }
+            (Abandoned::Unknown, _) => json(200, &WriteResponse::unknown()),
+            _ => json(200, &WriteResponse::released()),
+        }
     }
 
     /// The owner lost sight of its forwarded request.

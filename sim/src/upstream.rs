@@ -7,7 +7,7 @@
 //! endpoint says of a key.
 
 use crate::state_api::Scope;
-use checkout::attempts::{Attempts, Reconciled, StaleToken};
+use checkout::attempts::{Attempts, Committed, Reconciled, Refusal, Started};
 use contract::wire::{OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING};
 use std::time::Duration;
 
@@ -110,8 +110,9 @@ pub struct Execution {
     pub finished: bool,
     /// The reference checkout's attempt (a request with an `Idempotency-Key`).
     pub attempt: Option<u64>,
-    /// It committed: the charge happened (the reference refuses at the commit an attempt a
-    /// larger token overtook: then nothing is charged, and it answers 409).
+    /// It committed with an effect: the charge happened (the reference refuses at the commit
+    /// an attempt a larger token overtook, and answers one whose key executed meanwhile with
+    /// that execution; a 5xx has no effect).
     pub charged: bool,
 }
 
@@ -152,11 +153,38 @@ pub fn kind(path: &str) -> &'static str {
 
 /// The 409 the reference answers for a stale fencing token: nothing ran.
 pub fn stale_token() -> Produced {
+    refused(Refusal::Stale { seen: 0 })
+}
+
+/// The reference's answer to an attempt it refuses (a stale or reused fencing token).
+pub fn refused(r: Refusal) -> Produced {
+    let kind = match r {
+        Refusal::Stale { .. } => "stale-fencing-token",
+        Refusal::Reused { .. } => "fencing-token-reused",
+    };
     Produced {
         status: 409,
         headers: vec![("content-type".into(), "application/problem+json".into())],
-        body: b"{\"type\":\"/problems/stale-fencing-token\"}".to_vec(),
+        body: format!("{{\"type\":\"/problems/{kind}\"}}").into_bytes(),
     }
+}
+
+fn produced(p: checkout::attempts::Produced) -> Produced {
+    Produced {
+        status: p.status,
+        headers: p.headers,
+        body: p.body,
+    }
+}
+
+/// What the upstream does with a request that reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Arrival {
+    /// It runs.
+    Runs,
+    /// Nothing runs: the reference answers this (a refused token, or the response of the key's
+    /// execution).
+    Answered(Produced),
 }
 
 impl Upstream {
@@ -165,25 +193,32 @@ impl Upstream {
     }
 
     /// A request reaches the upstream: the reference records it before it runs when it
-    /// carries a key (`Err`: its token is lower than one seen for the key; nothing runs).
+    /// carries a key, and may answer it without running it (a refused token, or a later attempt
+    /// of a key that executed).
     pub fn start(
         &mut self,
         endpoint: &str,
         subject: &str,
         key: Option<&str>,
         token: Option<i64>,
-    ) -> (Option<u64>, Result<(), StaleToken>) {
+    ) -> (Option<u64>, Arrival) {
         let Some(key) = key else {
-            return (None, Ok(()));
+            return (None, Arrival::Runs);
         };
         let scope = (kind(endpoint), subject.to_owned(), key.to_owned());
-        let (id, verdict) = self.attempts.start(scope, token, Duration::ZERO);
-        (Some(id), verdict)
+        let (id, started) = self.attempts.start(scope, token, Duration::ZERO);
+        let arrival = match started {
+            Started::Run => Arrival::Runs,
+            Started::AlreadyExecuted(p) => Arrival::Answered(produced(p)),
+            Started::Refused(r) => Arrival::Answered(refused(r)),
+        };
+        (Some(id), arrival)
     }
 
-    /// Execution `e` commits (its response leaves, or it finishes after its caller left),
-    /// unless a larger token overtook it: then it answers the stale-token 409 and charges
-    /// nothing. Returns whether it charged now.
+    /// Execution `e` commits (its response leaves, or it finishes after its caller left), as
+    /// the reference decides in one step: it runs and charges, or another attempt overtook it
+    /// (a larger token: 409) or executed the key meanwhile (that response), and nothing is
+    /// charged. Returns whether it charged now.
     pub fn commit(&mut self, e: usize) -> bool {
         let Some(x) = self.executions.get(e) else {
             return false;
@@ -192,30 +227,46 @@ impl Upstream {
             return false;
         }
         let attempt = x.attempt;
-        let fenced = attempt.is_some_and(|id| self.attempts.may_commit(id).is_err());
+        let planned = x.plan.response.clone();
+        let next_charge = self.charges + 1;
+        let committed = match attempt {
+            Some(id) => self.attempts.commit(id, || {
+                (
+                    next_charge,
+                    checkout::attempts::Produced {
+                        status: planned.status,
+                        headers: planned.headers.clone(),
+                        body: planned.body.clone(),
+                    },
+                )
+            }),
+            None => Committed::Ran(checkout::attempts::Produced {
+                status: planned.status,
+                headers: planned.headers.clone(),
+                body: planned.body.clone(),
+            }),
+        };
         let x = &mut self.executions[e];
         x.finished = true;
-        if fenced {
-            x.plan.response = stale_token();
-            x.plan.chunks = vec![x.plan.response.body.len()];
-            x.plan.ending = Ending::WithLastChunk;
-            return false;
-        }
-        x.charged = true;
-        self.charges += 1;
-        if let Some(id) = attempt {
-            let r = &x.plan.response;
-            self.attempts.executed(
-                id,
-                self.charges,
-                checkout::attempts::Produced {
-                    status: r.status,
-                    headers: r.headers.clone(),
-                    body: r.body.clone(),
-                },
-            );
-        }
-        true
+        let answer = match committed {
+            // A 5xx had no effect by the reference's rules (nothing charged; a later token runs).
+            Committed::Ran(p) if p.status >= 500 => return false,
+            Committed::Ran(_) => {
+                x.charged = true;
+                self.charges = next_charge;
+                return true;
+            }
+            Committed::AlreadyExecuted(p) => produced(p),
+            Committed::Refused(r) => refused(r),
+        };
+        x.plan.chunks = if answer.body.is_empty() {
+            Vec::new()
+        } else {
+            vec![answer.body.len()]
+        };
+        x.plan.response = answer;
+        x.plan.ending = Ending::WithLastChunk;
+        false
     }
 
     /// The reconcile endpoint of `kind`: what became of `key` for `subject`, asked with the new

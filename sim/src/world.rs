@@ -480,8 +480,8 @@ impl World {
             Err(e) => panic!("the simulation's filter configuration is refused: {e}"),
         };
         let workers = (0..setup.workers)
-            .map(|_| SimWorker {
-                w: Some(Worker::new(cfg.clone())),
+            .map(|i| SimWorker {
+                w: Some(new_worker(&cfg, i, 0)),
                 ticked_at: None,
                 generation: 0,
                 skew_ms: 0,
@@ -1271,25 +1271,31 @@ impl World {
         // The reference records an attempt of a key before it runs it (a careful upstream
         // knows the key, from the header or the body), and refuses a stale token.
         let key = (protected && !scope.0.is_empty()).then_some(scope.0.as_str());
-        let (attempt, verdict) = self.upstream.start(&scope.2, &scope.1, key, token);
-        if verdict.is_err() {
+        let (attempt, arrival) = self.upstream.start(&scope.2, &scope.1, key, token);
+        if let crate::upstream::Arrival::Answered(answer) = arrival {
             self.log(format!(
-                "stream {s}: the upstream refuses token {token:?} (a larger one was seen for the key)"
+                "stream {s}: the upstream runs nothing for token {token:?} and answers {} {}",
+                answer.status,
+                problem_type(&answer.body)
             ));
-            let refused = crate::upstream::stale_token();
             self.upstream
                 .refused
-                .push((scope.clone(), request.clone(), refused.clone()));
-            let mut hs = vec![(":status".to_owned(), "409".to_owned())];
-            hs.extend(refused.headers.iter().cloned());
+                .push((scope.clone(), request.clone(), answer.clone()));
+            let mut hs = vec![(":status".to_owned(), answer.status.to_string())];
+            hs.extend(answer.headers.iter().cloned());
             self.streams[s].refused_by_upstream = true;
-            self.reach("sim.upstream_refused_stale_token");
+            self.reach(if problem_type(&answer.body).contains("stale") {
+                "sim.upstream_refused_stale_token"
+            } else {
+                "sim.upstream_answered_without_running"
+            });
             if self.streams[s].ended {
                 return;
             }
-            self.response_headers(s, refused.clone(), &hs, "via_upstream", 0, false);
-            if !self.streams[s].ended {
-                self.response_body(s, refused.body, true);
+            let end = answer.body.is_empty();
+            self.response_headers(s, answer.clone(), &hs, "via_upstream", 0, end);
+            if !end && !self.streams[s].ended {
+                self.response_body(s, answer.body, true);
             }
             return;
         }
@@ -1871,10 +1877,17 @@ impl World {
                 self.api.serving_since = self.now;
                 self.reach("region: the database restarted");
             }
-            Outage::Database { in_place: true } if over_lease => {
-                self.reach("region: a crash recovery in place longer than a lease")
+            Outage::Database { in_place: true } => {
+                // A crash recovery in place empties the unlogged serving marker, which the
+                // first check after it fills again (migration ..._serving_since_counts_from_
+                // crash_recovery): serving_since moves too.
+                self.api.serving_since = self.now;
+                self.reach(if over_lease {
+                    "region: a crash recovery in place longer than a lease"
+                } else {
+                    "region: a crash recovery in place"
+                });
             }
-            Outage::Database { in_place: true } => self.reach("region: a crash recovery in place"),
             Outage::Paused if over_lease => {
                 self.reach("region: the database paused longer than a lease")
             }
@@ -2448,7 +2461,7 @@ impl World {
     fn restart(&mut self, w: usize) {
         self.workers[w].generation += 1;
         self.workers[w].next_sid = 0;
-        self.workers[w].w = Some(Worker::new(self.cfg.clone()));
+        self.workers[w].w = Some(new_worker(&self.cfg, w, self.workers[w].generation));
         self.log(format!("worker {w} starts again"));
     }
 
@@ -2567,6 +2580,14 @@ impl World {
             }
             check::after_step(self);
         }
+        // Claims still waiting for their key get their answer now: their wait ends before the
+        // time skipped below.
+        for c in self.callouts.iter_mut() {
+            if let Some(p) = c.parked.as_mut() {
+                p.until = p.until.min(self.now);
+            }
+        }
+        self.timeouts();
         // Past every lease: a dead owner's key is decided by the state API now, and every
         // execution whose caller left has finished.
         self.now += self.setup.lease_ms + 1;
@@ -2804,6 +2825,14 @@ enum Action {
     Operator,
     Purge,
     Advance,
+}
+
+/// A worker VM as the glue configures it: named for its claim nonces, uniquely among the
+/// workers and their restarts (the glue uses its clock at configuration and root context).
+fn new_worker(cfg: &Config, index: usize, generation: u32) -> Worker {
+    let mut w = Worker::new(cfg.clone());
+    w.set_instance(&format!("w{index}g{generation}"));
+    w
 }
 
 /// The token of a write the worker gave up because `complete_retry_ms` passed (its log line:
