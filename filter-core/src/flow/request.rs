@@ -88,35 +88,44 @@ impl Flow {
         end_of_stream: bool,
         now_ms: u64,
     ) -> Turn {
+        // A client's copy of the fencing header is never trusted, on any route and on every
+        // path (passed through, refused, claimed, or left to the body): the upstream may act on
+        // it. It goes first, in the headers' own callback; a claimed request gets the filter's.
+        let forged = head.first(FENCING_TOKEN_HEADER).is_some();
+        let mut turn = self.read_request_headers(cfg, head, end_of_stream, now_ms);
+        if forged {
+            let strip = self.effect(|stream| Effect::RemoveRequestHeader {
+                stream,
+                name: FENCING_TOKEN_HEADER,
+            });
+            turn.outs.insert(0, strip);
+        }
+        turn
+    }
+
+    fn read_request_headers(
+        &mut self,
+        cfg: &Config,
+        head: RequestHead<'_>,
+        end_of_stream: bool,
+        now_ms: u64,
+    ) -> Turn {
         let method = head.first(":method").unwrap_or("").to_owned();
         let full_path = head.first(":path").unwrap_or("");
         let (path, query) = match full_path.split_once('?') {
             Some((p, q)) => (p.to_owned(), q.to_owned()),
             None => (full_path.to_owned(), String::new()),
         };
-        // A client's copy of the fencing header is never trusted, on any route: the upstream
-        // may act on it. (On a claimed request the filter sets its own.)
-        let forged = head.first(FENCING_TOKEN_HEADER).is_some();
-        let unforge = |flow: &Self, t: Turn| {
-            if forged {
-                t.with(flow.effect(|stream| Effect::RemoveRequestHeader {
-                    stream,
-                    name: FENCING_TOKEN_HEADER,
-                }))
-            } else {
-                t
-            }
-        };
         let Some((route_idx, route)) = cfg
             .route_index(&method, &path)
             .and_then(|i| cfg.routes.get(i).map(|r| (i, r)))
         else {
-            return unforge(self, Turn::cont());
+            return Turn::cont();
         };
         let key_values = head.values(key::HEADER);
         if key_values.is_empty() && route.key == KeyPolicy::Optional && route.key_from.is_none() {
             // Not protected without a key.
-            return unforge(self, Turn::cont());
+            return Turn::cont();
         }
         let endpoint = format!("{method} {path}");
         if endpoint.len() > contract::limits::MAX_FIELD_LEN {

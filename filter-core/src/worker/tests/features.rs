@@ -466,6 +466,39 @@ fn the_key_can_come_from_a_body_member() {
     assert_eq!(step.claim().key, "r-1");
 }
 
+/// Issue 34, path 10: a client's `idempotency-fencing-token` never reaches the upstream, on a
+/// `key_from` route without the key in its body (or not JSON) as on every other path.
+#[test]
+fn a_forged_fencing_token_is_stripped_where_an_optional_body_key_is_missing() {
+    let cfg = routes(
+        r#"{"method": "POST", "path": "/refunds", "key": "optional", "key_from": "/request/id"}"#,
+    );
+    let mut t = Harness::new(&cfg);
+    for body in [r#"{"amount":1}"#, "not json"] {
+        let s = t.stream();
+        let headers = req_headers(
+            "/refunds",
+            &[
+                ("content-type", "application/json"),
+                ("idempotency-fencing-token", "999999"),
+            ],
+        );
+        let first = t.headers(s, &headers, false);
+        let step = t.body(s, body.as_bytes());
+        assert!(step.resumes_request(), "{body}");
+        let stripped = first.effects.iter().chain(&step.effects).any(|e| {
+            matches!(
+                e,
+                Effect::RemoveRequestHeader {
+                    name: "idempotency-fencing-token",
+                    ..
+                }
+            )
+        });
+        assert!(stripped, "the client's fencing token went upstream: {body}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Retention and namespace
 
