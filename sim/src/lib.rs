@@ -81,7 +81,6 @@ pub const AWAITING_FIX: &[(&str, &str)] = &[
     ("path 6", "gave up the write"),
     ("path 8", "an operator's"),
     ("path 9", "key secret"),
-    ("path 10", "client-sent fencing token"),
     ("path 11", "reconcile answer"),
     ("path 12", "plain SHA-256"),
 ];
