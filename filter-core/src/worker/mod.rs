@@ -1336,14 +1336,26 @@ impl Worker {
                     ),
                 ]
             }
-            CalloutResult::Response { status, .. } => vec![
-                Effect::Count(Metric::StateApiErrors),
-                Effect::Log(Level::Warn, format!("heartbeat answered HTTP {status}")),
-            ],
-            CalloutResult::Failed(why) => vec![
-                Effect::Count(Metric::StateApiErrors),
-                Effect::Log(Level::Warn, format!("heartbeat failed: {why}")),
-            ],
+            CalloutResult::Response { status, .. } => {
+                self.registry.failed(token);
+                vec![
+                    Effect::Count(Metric::StateApiErrors),
+                    Effect::Log(
+                        Level::Warn,
+                        format!("heartbeat answered HTTP {status}; sent again at the next tick"),
+                    ),
+                ]
+            }
+            CalloutResult::Failed(why) => {
+                self.registry.failed(token);
+                vec![
+                    Effect::Count(Metric::StateApiErrors),
+                    Effect::Log(
+                        Level::Warn,
+                        format!("heartbeat failed: {why}; sent again at the next tick"),
+                    ),
+                ]
+            }
         }
     }
 
