@@ -34,6 +34,7 @@ use crate::state_api::{Deleter, Grant, Scope};
 use crate::upstream::{Produced, Sent};
 use crate::world::{ClientView, Outage, World};
 use contract::wire::FENCING_TOKEN_HEADER;
+use filter_core::worker::CalloutResult;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The fencing token a misbehaving client sends (the filter must strip it).
@@ -61,8 +62,10 @@ pub struct Evidence {
     /// since when a write of it is pending.
     pub held_since: BTreeMap<(usize, u32, i64), u64>,
     pub write_since: BTreeMap<(usize, u32, i64), u64>,
-    /// Database outages and when they ended: (start, end, in place).
-    pub database_outages: Vec<(u64, u64, bool)>,
+    /// Database outages (crashes, restarts, pauses) and when they ended.
+    pub database_outages: Vec<(u64, u64, Outage)>,
+    /// When the state API process was down (connections refused).
+    pub api_outages: Vec<(u64, u64)>,
     /// Clock steps of each worker: (when, by how much).
     pub clock_steps: BTreeMap<usize, Vec<(u64, i64)>>,
     /// Scopes invariant 8 leaves out: a worker died holding a grant for them.
@@ -471,8 +474,10 @@ pub fn after_step(w: &mut World) {
         for t in wk.held_tokens() {
             w.ev.held_since.entry((i, sw.generation, t)).or_insert(now);
         }
-        for t in wk.write_tokens() {
-            w.ev.write_since.entry((i, sw.generation, t)).or_insert(now);
+        for (t, since) in wk.write_tokens() {
+            // Handed over at `since` on the worker's own clock.
+            let at = since.saturating_sub(sw.steady_ms);
+            w.ev.write_since.entry((i, sw.generation, t)).or_insert(at);
         }
         let u = wk.usage();
         let live_streams = w
@@ -549,17 +554,34 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
         return;
     }
     let window = now.saturating_sub(lease_ms);
-    if let Some(&(_, end, in_place)) =
+    if let Some(&(start, end, kind)) =
         w.ev.database_outages
             .iter()
             .rev()
             .find(|(_, end, _)| *end > window)
     {
+        let what = match kind {
+            Outage::Database { in_place: true } => {
+                "a crash recovery in place (it recovered in place: serving_since did not move)"
+                    .to_owned()
+            }
+            Outage::Paused => format!(
+                "a pause of {} ms (it resumed from a pause: serving_since did not move)",
+                end - start
+            ),
+            _ => "a restart".to_owned(),
+        };
         w.violations.push(format!(
-            "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) {} ms after the database came back from {}, while its owner on worker {wi} lives",
+            "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) {} ms after the database came back from {what}, while its owner on worker {wi} lives",
             now - end,
-            if in_place { "a crash recovery in place (it recovered in place: serving_since did not move)" } else { "a restart" }
         ));
+        return;
+    }
+    // The state API could not hear anyone for a while in the last lease: its owner's lease
+    // ran out for a reason of its own.
+    let api_down =
+        w.outage == Outage::ApiDown || w.ev.api_outages.iter().any(|(_, end)| *end > window);
+    if api_down {
         return;
     }
     let failed =
@@ -571,7 +593,7 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
         .iter()
         .filter(|c| {
             !c.orphan
-                && c.answer.is_none()
+                && !matches!(c.answer, Some(CalloutResult::Response { status: 200, .. }))
                 && c.path == contract::wire::HEARTBEAT_PATH
                 && serde_json::from_slice::<contract::wire::HeartbeatRequest>(&c.body)
                     .is_ok_and(|h| h.token == token)
@@ -588,14 +610,14 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
             .map(|s| {
                 s.iter()
                     .filter(|(at, _)| *at + lease_ms >= heard)
-                    .map(|(at, by)| format!("its clock stepped {by:+} ms at {at}"))
+                    .map(|(at, by)| format!("its wall clock stepped {by:+} ms at {at}"))
                     .collect()
             })
             .unwrap_or_default();
     let mut steps = steps;
     let skew = w.workers[wi].skew_ms;
     if skew.abs() >= 1_000 {
-        steps.push(format!("its clock is {skew:+} ms off"));
+        steps.push(format!("its wall clock is {skew:+} ms off"));
     }
     w.violations.push(format!(
         "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) while its owner on worker {wi} lives: {} of its heartbeats failed in the last lease{}{}",
@@ -681,10 +703,9 @@ pub fn final_answers(w: &mut World) {
             // had gone past its retention); or its record may have (the run was longer).
             continue;
         }
-        let reexecuted = w.upstream.of_scope(&scope).any(|e| {
-            e.token
-                .is_some_and(|t| w.api.took_over_unknown.contains_key(&t))
-        });
+        // Handed over as an unknown outcome: on a route that re-executes, what the later
+        // attempt got (its own execution, or the upstream's answer for the key) is the outcome.
+        let reexecuted = w.api.took_over_unknown.values().any(|s| *s == scope);
         if route == Some(filter_core::config::OnUnknown::Reexecute) && reexecuted {
             // The route chose to run it again: the later execution's answer is the outcome.
             continue;
@@ -785,7 +806,11 @@ fn fingerprints_are_keyed(w: &mut World) {
 
 /// The database outage that just ended, for invariant 6.
 pub fn outage_ended(w: &mut World, since: u64, outage: Outage) {
-    if let Outage::Database { in_place } = outage {
-        w.ev.database_outages.push((since, w.now, in_place));
+    match outage {
+        Outage::Database { .. } | Outage::Paused => {
+            w.ev.database_outages.push((since, w.now, outage))
+        }
+        Outage::ApiDown => w.ev.api_outages.push((since, w.now)),
+        Outage::None => {}
     }
 }

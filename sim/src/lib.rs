@@ -77,8 +77,10 @@ pub const AWAITING_FIX: &[(&str, &str)] = &[
     // its claim (a claim held up, say by a paused database) finds nothing, and the claim then
     // commits with nobody to give it back (seed 1003855).
     ("path 4", "was ever forwarded"),
-    ("path 6", "of its heartbeats failed"),
-    ("path 6", "gave up the write"),
+    // Not covered by the fix of path 2 (the marker moves at a crash recovery, not at a pause):
+    // a claim queued behind a database paused longer than a lease takes over a live owner
+    // the moment the database resumes.
+    ("path 2", "resumed from a pause"),
     ("path 8", "an operator's"),
     ("path 9", "key secret"),
     ("path 11", "reconcile answer"),

@@ -177,6 +177,20 @@ fn produced(p: checkout::attempts::Produced) -> Produced {
     }
 }
 
+/// What became of an execution at its commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Commit {
+    /// It had committed already.
+    Done,
+    /// It ran and charged.
+    Charged,
+    /// It ran with no effect (a 5xx).
+    NoEffect,
+    /// Nothing ran: the reference answers it otherwise (a larger token overtook it, or the
+    /// key executed meanwhile).
+    Answered,
+}
+
 /// What the upstream does with a request that reaches it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Arrival {
@@ -216,15 +230,15 @@ impl Upstream {
     }
 
     /// Execution `e` commits (its response leaves, or it finishes after its caller left), as
-    /// the reference decides in one step: it runs and charges, or another attempt overtook it
-    /// (a larger token: 409) or executed the key meanwhile (that response), and nothing is
-    /// charged. Returns whether it charged now.
-    pub fn commit(&mut self, e: usize) -> bool {
+    /// the reference decides in one step: it runs and charges, or runs with no effect (a 5xx),
+    /// or another attempt overtook it (a larger token: 409) or executed the key meanwhile (that
+    /// response), and nothing is charged.
+    pub fn commit(&mut self, e: usize) -> Commit {
         let Some(x) = self.executions.get(e) else {
-            return false;
+            return Commit::Done;
         };
         if x.finished {
-            return false;
+            return Commit::Done;
         }
         let attempt = x.attempt;
         let planned = x.plan.response.clone();
@@ -250,11 +264,11 @@ impl Upstream {
         x.finished = true;
         let answer = match committed {
             // A 5xx had no effect by the reference's rules (nothing charged; a later token runs).
-            Committed::Ran(p) if p.status >= 500 => return false,
+            Committed::Ran(p) if p.status >= 500 => return Commit::NoEffect,
             Committed::Ran(_) => {
                 x.charged = true;
                 self.charges = next_charge;
-                return true;
+                return Commit::Charged;
             }
             Committed::AlreadyExecuted(p) => produced(p),
             Committed::Refused(r) => refused(r),
@@ -266,7 +280,7 @@ impl Upstream {
         };
         x.plan.response = answer;
         x.plan.ending = Ending::WithLastChunk;
-        false
+        Commit::Answered
     }
 
     /// The reconcile endpoint of `kind`: what became of `key` for `subject`, asked with the new

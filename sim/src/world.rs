@@ -348,8 +348,12 @@ pub struct SimWorker {
     /// When it last ticked in quiet time (one tick per instant).
     pub ticked_at: Option<u64>,
     pub generation: u32,
-    /// How far its clock is from the global one (either way).
+    /// How far its wall clock is from the global one (skewed, and stepped either way by the
+    /// `skew` fault). The worker does not read it: the glue gives the worker the host's
+    /// monotonic clock (the fix of issue 34's path 6), modelled by `steady_ms`.
     pub skew_ms: i64,
+    /// Where this life's monotonic clock starts: the worker's time is the global time plus it.
+    pub steady_ms: u64,
     pub wake_requested: bool,
     pub next_sid: StreamId,
 }
@@ -485,6 +489,7 @@ impl World {
                 ticked_at: None,
                 generation: 0,
                 skew_ms: 0,
+                steady_ms: steady_origin(i, 0),
                 wake_requested: false,
                 next_sid: 0,
             })
@@ -593,8 +598,9 @@ impl World {
         self.trace.push(format!("{:>8} {line}", self.now));
     }
 
+    /// Worker `w`'s time: the host's monotonic clock, which no wall clock step moves.
     fn worker_now(&self, w: usize) -> u64 {
-        self.now.saturating_add_signed(self.workers[w].skew_ms)
+        self.now + self.workers[w].steady_ms
     }
 
     // -----------------------------------------------------------------------------------------
@@ -937,7 +943,7 @@ impl World {
         let sw = &self.workers[w];
         let due = sw.w.as_ref()?.next_due()?;
         let period = self.cfg.tick_period_ms().max(1);
-        let due = due.saturating_add_signed(-sw.skew_ms);
+        let due = due.saturating_sub(sw.steady_ms);
         // The host ticks on its period: the first tick at or after the work is due, and never
         // twice at one instant.
         let t = due.div_ceil(period) * period;
@@ -1332,13 +1338,19 @@ impl World {
 
     /// Execution `e` commits at the upstream (by the reference's rules): a charge, checked.
     fn commit(&mut self, e: usize) {
-        if self.upstream.commit(e) {
-            check::charge(self, e);
-        } else if self.upstream.executions[e].finished && !self.upstream.executions[e].charged {
-            self.log(format!(
-                "the execution of stream {} is refused at its commit (a larger token was seen)",
-                self.upstream.executions[e].stream
-            ));
+        match self.upstream.commit(e) {
+            crate::upstream::Commit::Charged => check::charge(self, e),
+            crate::upstream::Commit::Answered => {
+                let x = &self.upstream.executions[e];
+                let line = format!(
+                    "the execution of stream {} runs nothing at its commit: the upstream answers {} {}",
+                    x.stream,
+                    x.plan.response.status,
+                    problem_type(&x.plan.response.body)
+                );
+                self.log(line);
+            }
+            crate::upstream::Commit::NoEffect | crate::upstream::Commit::Done => {}
         }
     }
 
@@ -2461,6 +2473,7 @@ impl World {
     fn restart(&mut self, w: usize) {
         self.workers[w].generation += 1;
         self.workers[w].next_sid = 0;
+        self.workers[w].steady_ms = steady_origin(w, self.workers[w].generation);
         self.workers[w].w = Some(new_worker(&self.cfg, w, self.workers[w].generation));
         self.log(format!("worker {w} starts again"));
     }
@@ -2825,6 +2838,12 @@ enum Action {
     Operator,
     Purge,
     Advance,
+}
+
+/// Where the monotonic clock of worker `index`'s life `generation` starts (any origin will do:
+/// the worker only ever compares its own readings).
+fn steady_origin(index: usize, generation: u32) -> u64 {
+    5_000_000 * (index as u64 + 1) + 1_000 * u64::from(generation)
 }
 
 /// A worker VM as the glue configures it: named for its claim nonces, uniquely among the

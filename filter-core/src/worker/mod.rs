@@ -443,7 +443,8 @@ impl Worker {
         self.registry.tokens()
     }
 
-    pub fn write_tokens(&self) -> Vec<i64> {
+    /// (token, since when on this worker's clock) of each pending write.
+    pub fn write_tokens(&self) -> Vec<(i64, u64)> {
         self.writes.tokens()
     }
 
@@ -1346,14 +1347,26 @@ impl Worker {
                     ),
                 ]
             }
-            CalloutResult::Response { status, .. } => vec![
-                Effect::Count(Metric::StateApiErrors),
-                Effect::Log(Level::Warn, format!("heartbeat answered HTTP {status}")),
-            ],
-            CalloutResult::Failed(why) => vec![
-                Effect::Count(Metric::StateApiErrors),
-                Effect::Log(Level::Warn, format!("heartbeat failed: {why}")),
-            ],
+            CalloutResult::Response { status, .. } => {
+                self.registry.failed(token);
+                vec![
+                    Effect::Count(Metric::StateApiErrors),
+                    Effect::Log(
+                        Level::Warn,
+                        format!("heartbeat answered HTTP {status}; sent again at the next tick"),
+                    ),
+                ]
+            }
+            CalloutResult::Failed(why) => {
+                self.registry.failed(token);
+                vec![
+                    Effect::Count(Metric::StateApiErrors),
+                    Effect::Log(
+                        Level::Warn,
+                        format!("heartbeat failed: {why}; sent again at the next tick"),
+                    ),
+                ]
+            }
         }
     }
 

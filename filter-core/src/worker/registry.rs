@@ -27,6 +27,9 @@ struct Entry {
     last_ms: u64,
     /// A heartbeat for it is awaiting its answer.
     pending: bool,
+    /// Its last heartbeat failed (no answer, a 5xx): sent again at the next tick, not a whole
+    /// interval later, so that one lost heartbeat never costs the lease.
+    retry: bool,
     /// A heartbeat found a newer claim owning the key: no more heartbeats, and whatever the
     /// claim's stream hands over later can only be fenced out (`Registry::fence`).
     fenced: bool,
@@ -64,6 +67,7 @@ impl Registry {
             terms,
             last_ms: now_ms,
             pending: false,
+            retry: false,
             fenced: false,
             ended: false,
         };
@@ -147,9 +151,10 @@ impl Registry {
             if !e.pending
                 && !e.fenced
                 && !e.ended
-                && now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms)
+                && (e.retry || now_ms.saturating_sub(e.last_ms) >= Self::threshold(e, tick_ms))
             {
                 e.pending = true;
+                e.retry = false;
                 e.last_ms = now_ms;
                 out.push(HeartbeatRequest {
                     namespace: namespace.to_owned(),
@@ -169,7 +174,13 @@ impl Registry {
         self.entries
             .iter()
             .filter(|e| !e.pending && !e.fenced && !e.ended)
-            .map(|e| e.last_ms.saturating_add(Self::threshold(e, tick_ms)))
+            .map(|e| {
+                if e.retry {
+                    0
+                } else {
+                    e.last_ms.saturating_add(Self::threshold(e, tick_ms))
+                }
+            })
             .min()
     }
 
@@ -188,10 +199,18 @@ impl Registry {
         }
     }
 
-    /// The heartbeat for `token` was answered (or failed): it may be sent again.
+    /// The heartbeat for `token` was answered: it may be sent again.
     pub fn answered(&mut self, token: i64) {
         if let Some(e) = self.find(token) {
             e.pending = false;
+        }
+    }
+
+    /// The heartbeat for `token` failed: it goes again at the next tick.
+    pub fn failed(&mut self, token: i64) {
+        if let Some(e) = self.find(token) {
+            e.pending = false;
+            e.retry = true;
         }
     }
 }

@@ -148,6 +148,24 @@ pub fn now_ms() -> R<u64> {
     Ok(now_ns()? / 1_000_000)
 }
 
+#[link(wasm_import_module = "wasi_snapshot_preview1")]
+extern "C" {
+    fn clock_time_get(clock_id: u32, precision: u64, time: *mut u64) -> u16;
+}
+
+/// The host's monotonic clock, in ns (Envoy's steady clock, its dispatcher's: it never steps
+/// with the wall clock). WASI's `clock_time_get`, called here so that an error is a `Result`
+/// (std's `Instant::now()` would panic on one).
+pub fn monotonic_ns() -> Result<u64, u16> {
+    const MONOTONIC: u32 = 1;
+    let mut t: u64 = 0;
+    // SAFETY: valid out-pointer.
+    match unsafe { clock_time_get(MONOTONIC, 1_000, &mut t) } {
+        0 => Ok(t),
+        errno => Err(errno),
+    }
+}
+
 pub fn now_ns() -> R<u64> {
     let mut t: u64 = 0;
     // SAFETY: valid out-pointer.

@@ -59,7 +59,7 @@ fn text(bytes: Option<Vec<u8>>) -> Option<String> {
 }
 
 fn now() -> u64 {
-    abi::now_ms().unwrap_or(0)
+    super::clock_ms()
 }
 
 impl Http {

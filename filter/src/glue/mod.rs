@@ -73,6 +73,42 @@ impl Shared {
     }
 }
 
+/// The worker's time, in ms: the host's monotonic clock, so that a wall clock stepped back
+/// pauses no heartbeat and one stepped forward gives up no pending write early (issue 34,
+/// path 6). Without one (a host that lacks it), the wall clock, never going back.
+pub(crate) fn clock_ms() -> u64 {
+    thread_local! {
+        static LAST: Cell<u64> = const { Cell::new(0) };
+        /// The source chosen at the first reading: the two clocks count from different
+        /// origins, so one VM never mixes them.
+        static WALL: Cell<Option<bool>> = const { Cell::new(None) };
+    }
+    let wall = WALL.with(|w| match w.get() {
+        Some(wall) => wall,
+        None => {
+            let wall = abi::monotonic_ns().is_err();
+            if wall {
+                abi::log(
+                    Level::Warn,
+                    "idempotency: the host has no monotonic clock; the worker follows the wall clock",
+                );
+            }
+            w.set(Some(wall));
+            wall
+        }
+    });
+    let reading = if wall {
+        abi::now_ms().ok()
+    } else {
+        abi::monotonic_ns().ok().map(|ns| ns / 1_000_000)
+    };
+    LAST.with(|last| {
+        let now = reading.unwrap_or(0).max(last.get());
+        last.set(now);
+        now
+    })
+}
+
 /// The host actions of one callback of this worker VM: the ABI calls behind
 /// [`filter_core::host::perform`], which decides what to call. Callouts it makes are recorded
 /// in `pending` (Envoy answers them to the current context).
@@ -104,7 +140,7 @@ impl Host for Glue<'_> {
     }
 
     fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
-        let now = abi::now_ms().unwrap_or(0);
+        let now = clock_ms();
         self.shared.with_worker(|w| f(w, now))
     }
 

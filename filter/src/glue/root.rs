@@ -36,13 +36,7 @@ impl Root {
     }
 
     fn now() -> Option<u64> {
-        match abi::now_ms() {
-            Ok(t) => Some(t),
-            Err(e) => {
-                abi::log(Level::Warn, &format!("idempotency: no clock: {e}"));
-                None
-            }
-        }
+        Some(super::clock_ms())
     }
 
     /// A shared queue of this worker only: its name carries the host's clock in nanoseconds

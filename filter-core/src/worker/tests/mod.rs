@@ -1874,6 +1874,30 @@ fn a_fenced_out_heartbeat_stops_the_claim_and_drops_its_pending_complete() {
     assert_eq!((u.claims, u.writes, u.replay_bytes), (0, 0, 0));
 }
 
+/// Issue 34, path 6: a failed heartbeat goes again at the next tick, not a whole interval
+/// later: two lost heartbeats in a row used to cost a lease of 30 s with a 10 s interval.
+#[test]
+fn a_failed_heartbeat_is_sent_again_at_the_next_tick() {
+    let mut t = Harness::new(CONFIG);
+    let (_, _) = t.claimed("/checkout", b"{}", 5);
+    t.advance(7_500);
+    let mut hb = t.tick().dispatch(HEARTBEAT_PATH).clone();
+    for failure in [CalloutResult::Failed("timeout".into()), status(503, b"{}")] {
+        let step = t.answer(&hb, failure);
+        assert_eq!(step.counts(), vec![Metric::StateApiErrors]);
+        assert_eq!(t.w.next_due(), Some(0), "due at once");
+        t.advance(2_500);
+        hb = t.tick().dispatch(HEARTBEAT_PATH).clone();
+    }
+    t.answer(
+        &hb,
+        answer(&contract::wire::HeartbeatResponse { lease_ms: 30_000 }),
+    );
+    // Answered: back to its interval.
+    t.advance(2_500);
+    assert!(t.tick().dispatches(HEARTBEAT_PATH).is_empty());
+}
+
 /// Issue 34, path 5: a heartbeat that finds the record marked unknown under its own token
 /// (`lease-ended`) stops the heartbeats of that claim, and its outcome is still stored: the
 /// pending complete stays and is sent again, never dropped as a fenced-out one is.
