@@ -302,7 +302,8 @@ impl Db {
     }
 
     async fn shape_of(&self, scope: &[u8]) -> String {
-        let row: Option<(String, i64, bool, f64, f64, f64, Option<String>)> = sqlx::query_as(
+        type Row = (String, i64, bool, f64, f64, f64, Option<String>);
+        let row: Option<Row> = sqlx::query_as(
             "SELECT state, fencing_token, unknown_before,
                 (EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp())) * 1000)::float8,
                 (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000)::float8,
