@@ -11,7 +11,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 use stack::client::{unique_key, Client, Request};
 use stack::net::free_port;
 use stack::postgres::TempCluster;
-use stack::process::{workspace_binary, workspace_root};
+use stack::process::{send_signal, workspace_binary, workspace_root, Signal};
 use stack::stack::token;
 use stack::testkit::{block_on, replayed};
 use stack::upstream::OwnApi;
@@ -173,9 +173,7 @@ impl EdgeRun {
 
     /// SIGTERM, and it ends by itself, cleanly.
     fn stop(mut self) -> Result<(), String> {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        send_signal(self.child.id(), Signal::TERM).map_err(|e| format!("edge run: {e}"))?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -372,7 +370,11 @@ async fn protects_own_api() {
         .ok()
         .and_then(|t| t.lines().next().map(str::to_owned))
         .unwrap_or_else(|| panic!("no {}", pid_file.display()));
-    let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    let pid: u32 = pid
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("postmaster.pid starts with {pid:?}: {e}"));
+    send_signal(pid, Signal::KILL).unwrap_or_else(|e| panic!("the postmaster: {e}"));
     let recovered = Instant::now();
     let mut back = None;
     while recovered.elapsed() < Duration::from_secs(30) {
