@@ -168,6 +168,19 @@ oci: tools-oci tools-run build-filter
 	target/debug/wasm-oci --wasm $(FILTER_WASM) --out target/oci
 	$(CARGO) test --locked -p stack --test oci
 
+# Alerts (README, *Alerts*): promtool checks examples/prometheus (the configuration and the
+# rules) and runs every alert's unit test, then a real Prometheus on that configuration scrapes
+# a real stack and sees the unknown-outcome alert fire.
+.PHONY: tools-prometheus test-alerts
+tools-prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq prometheus; \
+	  else echo "prometheus or promtool not found: sudo apt-get install -y prometheus"; exit 1; fi; \
+	fi
+test-alerts: tools-prometheus tools-run build
+	cd examples/prometheus && promtool check config prometheus.yml && promtool test rules alerts.test.yml
+	$(CARGO) test --locked -p stack --test alerts
+
 # ---------------------------------------------------------------------------------------------
 # Demo
 
