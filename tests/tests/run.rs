@@ -407,8 +407,28 @@ async fn protects_own_api() {
     // The stored outcome survived the crash.
     assert!(replayed(&c.send(order(&key, 10)).await));
 
+    // `edge health` (the container's health check) says so, and says it no more once stopped.
+    let health = || {
+        Command::new(workspace_binary("edge").unwrap_or_else(|e| panic!("{e}")))
+            .args(["health", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap_or_else(|e| panic!("edge health: {e}"))
+    };
+    let up = health();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+
     // SIGTERM stops everything.
     edge.stop().unwrap_or_else(|e| panic!("{e}"));
+    let down = health();
+    assert!(
+        !down.status.success() && String::from_utf8_lossy(&down.stderr).starts_with("unhealthy: "),
+        "{down:?}"
+    );
     for (what, port) in [
         ("Envoy", p.listen),
         ("the admin", p.admin),
