@@ -6,6 +6,7 @@
 //! that says how to get it.
 
 pub mod client;
+pub mod docker;
 pub mod envoy;
 pub mod faults;
 pub mod ha;
