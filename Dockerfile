@@ -2,6 +2,7 @@
 #   target `edge`:     edge run (Envoy with the filter, the state API, an embedded Postgres),
 #   target `checkout`: the demo checkout.
 # The filter module is built here too (wasm32-wasip1), in the build stage.
+# `make test-compose` builds and runs exactly this file (README, *Docker*).
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 RUN rustup target add wasm32-wasip1
@@ -13,10 +14,13 @@ RUN cargo build --locked --release -p filter --target wasm32-wasip1 \
 FROM envoyproxy/envoy:v1.40.0 AS envoy
 
 FROM debian:bookworm-slim AS edge
+# run/ is where the compose file mounts the `edge-data` volume: made here, owned by `edge`, so
+# that Docker creates the volume with that owner (a mount point the image lacks is root's).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates postgresql-15 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --home-dir /var/lib/edge --create-home edge
+ && useradd --system --uid 10001 --home-dir /var/lib/edge --create-home edge \
+ && install -d -o edge -g edge -m 0700 /var/lib/edge/run
 COPY --from=envoy /usr/local/bin/envoy /usr/local/bin/envoy
 COPY --from=build /src/target/release/edge /src/target/release/state-api /usr/local/bin/
 COPY --from=build /src/target/wasm32-wasip1/release/filter.wasm /usr/local/lib/edge/filter.wasm

@@ -135,6 +135,23 @@ test-wasm: tools-rust-test tools-wasm-bindgen
 test-e2e: build
 	$(CARGO) test --locked -p stack
 
+# `docker compose up --build` tested for real (README, *Docker*): a private dockerd (state in
+# target/compose/, its socket under /tmp), the Dockerfile's base images made locally, the
+# committed docker-compose.yml and Dockerfile unchanged, the demo's checks, a restart, down.
+# As root; about 10 minutes from a clean clone (the images' build), not part of `make test`.
+.PHONY: tools-compose test-compose clean-compose
+tools-compose:
+	@if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || \
+	    ! { command -v debootstrap >/dev/null || test -x /usr/sbin/debootstrap; }; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq docker.io docker-compose debootstrap; \
+	  else echo "dockerd, docker-compose or debootstrap not found: sudo apt-get install -y docker.io docker-compose debootstrap"; exit 1; fi; \
+	fi
+test-compose: tools-compose $(ENVOY_BIN)
+	$(CARGO) test --locked -p stack --test compose_stack
+# The harness's engine data (images, build cache) and the base root file system.
+clean-compose:
+	rm -rf target/compose
+
 .PHONY: lint
 lint: tools-sqlx
 	$(CARGO) fmt --all --check
@@ -152,6 +169,34 @@ lint-sql: tools-sqlx
 sqlx-prepare: tools-sqlx
 	$(CARGO) run --locked -q -p edge -- with-postgres -- sh -c \
 	  'sqlx migrate run --source state-api/migrations >/dev/null && cd state-api && cargo sqlx prepare -- --all-targets'
+
+# The filter as an OCI image for Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy
+# (README, *The filter as an OCI image*): both variants in one OCI image layout
+# (target/oci/layout, tags `compat` and `oci`) and an archive of it, reproducibly; the digests
+# printed and kept in target/oci/DIGESTS; then checked (digests followed from the index, skopeo,
+# a second build, the module of each variant through Envoy).
+.PHONY: tools-oci oci
+tools-oci:
+	@command -v skopeo >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq skopeo; \
+	  else echo "skopeo not found: sudo apt-get install -y skopeo"; exit 1; fi; }
+oci: tools-oci tools-run build-filter
+	$(CARGO) build --locked -p oci -p state-api -p checkout
+	target/debug/wasm-oci --wasm $(FILTER_WASM) --out target/oci
+	$(CARGO) test --locked -p stack --test oci
+
+# Alerts (README, *Alerts*): promtool checks examples/prometheus (the configuration and the
+# rules) and runs every alert's unit test, then a real Prometheus on that configuration scrapes
+# a real stack and sees the unknown-outcome alert fire.
+.PHONY: tools-prometheus test-alerts
+tools-prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq prometheus; \
+	  else echo "prometheus or promtool not found: sudo apt-get install -y prometheus"; exit 1; fi; \
+	fi
+test-alerts: tools-prometheus tools-run build
+	cd examples/prometheus && promtool check config prometheus.yml && promtool test rules alerts.test.yml
+	$(CARGO) test --locked -p stack --test alerts
 
 # ---------------------------------------------------------------------------------------------
 # Demo

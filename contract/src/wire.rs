@@ -493,6 +493,14 @@ pub struct RecordView {
     pub replayable: Option<bool>,
     /// Milliseconds until the retention expiry deletes it.
     pub expires_in_ms: u64,
+    /// In progress or unknown: milliseconds since its owner was last heard from (its claim, a
+    /// heartbeat, its own unknown mark). Within `lease_ms` of it its request may still run, and
+    /// an operator's action needs `force`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_seen_ms_ago: Option<u64>,
+    /// The owner's lease (what "within a lease" counts).
+    #[serde(default)]
+    pub lease_ms: u64,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -137,9 +137,9 @@ impl EnvoyProcess {
         self.child.kill();
     }
 
-    /// SIGTERM, then SIGKILL after `grace`.
-    pub fn terminate(&mut self, grace: Duration) {
-        self.child.terminate(grace);
+    /// SIGTERM, then SIGKILL after `grace`; says which it took.
+    pub fn terminate(&mut self, grace: Duration) -> crate::process::Stopped {
+        self.child.terminate(grace)
     }
 
     pub fn is_running(&mut self) -> bool {

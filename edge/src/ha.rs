@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::net::{free_port, http_get_blocking, wait_for_port};
 use crate::postgres::{chown_recursive, find_bin_dir, tail, unique_temp_dir, unprivileged_ids};
-use crate::process::ChildGuard;
+use crate::process::{send_signal, ChildGuard, Signal};
 
 const INSTALL_HINT: &str = "HA needs Debian's `patroni`, `etcd-server` and `haproxy` packages: \
      `make tools HA=1` installs them as root, or run `sudo apt-get install -y patroni etcd-server haproxy`";
@@ -361,7 +361,7 @@ impl HaCluster {
             p.kill();
         }
         if let Some(pid) = postmaster {
-            let _ = crate::process::signal(pid, "-KILL");
+            let _ = send_signal(pid, Signal::KILL);
         }
     }
 
@@ -371,7 +371,7 @@ impl HaCluster {
         let pid = self
             .postmaster_pid(i)
             .ok_or_else(|| format!("{} has no postmaster", self.nodes[i].name))?;
-        let _ = crate::process::signal(pid, "-KILL");
+        send_signal(pid, Signal::KILL).map_err(|e| format!("{}: {e}", self.nodes[i].name))?;
         Ok(pid)
     }
 
@@ -617,7 +617,7 @@ listen postgres_primary
         }
         for i in 0..2 {
             if let Some(pid) = self.postmaster_pid(i) {
-                let _ = crate::process::signal(pid, "-QUIT");
+                let _ = send_signal(pid, Signal::QUIT);
             }
         }
         if let Some(mut e) = self.etcd.take() {

@@ -62,6 +62,13 @@ enum Command {
         #[arg(long, env = "HA")]
         ha: bool,
     },
+    /// Exit 0 when what `edge run` started from this file answers: Envoy's admin `/ready` is
+    /// LIVE (or its listener accepts connections without an admin port) and the state API's
+    /// `/readyz` is 200 (its port accepts connections over TLS). For container health checks.
+    Health {
+        #[arg(long, short, env = "CONFIG")]
+        config: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -116,6 +123,43 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Command::Health { config } => match Config::load(&config).map_err(|e| e.to_string()) {
+            Ok(cfg) => match health(&cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(why) => {
+                    eprintln!("unhealthy: {why}");
+                    ExitCode::from(1)
+                }
+            },
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+/// What `edge health` checks (see its help); the first part that does not answer.
+fn health(cfg: &Config) -> Result<(), String> {
+    use edge::net::{http_get_blocking, wait_for_port};
+    use std::time::Duration;
+    match cfg.admin {
+        Some(admin) => match http_get_blocking(admin.port(), "/ready") {
+            Ok(body) if body.trim() == "LIVE" => {}
+            Ok(body) => return Err(format!("Envoy's /ready says {:?}", body.trim())),
+            Err(e) => return Err(format!("Envoy's admin {admin}: {e}")),
+        },
+        None => wait_for_port(cfg.listen.port(), Duration::from_secs(2))
+            .map_err(|e| format!("Envoy's listener {}: {e}", cfg.listen))?,
+    }
+    let state = cfg.state.listen;
+    if cfg.state.tls.is_some() {
+        wait_for_port(state.port(), Duration::from_secs(2))
+            .map_err(|e| format!("the state API {state}: {e}"))
+    } else {
+        http_get_blocking(state.port(), "/readyz")
+            .map(drop)
+            .map_err(|e| format!("the state API's /readyz on {state}: {e}"))
     }
 }
 

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::net::free_port;
-use crate::process::ChildGuard;
+use crate::process::{children_of, send_signal, ChildGuard, Signal, SignalError, Stopped};
 
 const INSTALL_HINT: &str = "install the Postgres server (`apt-get install postgresql-15`), set PG_BIN to the \
      directory holding initdb/postgres, or set DATABASE_URL to a server where this user may CREATE DATABASE";
@@ -271,21 +271,24 @@ impl TempCluster {
         Ok(())
     }
 
-    /// Freezes every process of the server (`-STOP`: a stalled host or disk, the statements
-    /// in flight hang without an error) or thaws it (`-CONT`). Private clusters only.
-    pub fn signal_all(&mut self, signal: &str) -> Result<(), String> {
+    /// Freezes every process of the server (SIGSTOP: a stalled host or disk, the statements
+    /// in flight hang without an error) or thaws it (SIGCONT). Private clusters only.
+    pub fn signal_all(&mut self, signal: Signal) -> Result<(), String> {
         let pid = self
             .local_mut()?
             .server
             .as_ref()
             .and_then(ChildGuard::pid)
             .ok_or("the server is not running")?;
-        // The postmaster, then its children (backends, walwriter, checkpointer, ...).
-        let _ = crate::process::signal(pid, signal);
-        let _ = Command::new("pkill")
-            .args([signal, "-P", &pid.to_string()])
-            .status()
-            .map_err(|e| format!("cannot run pkill: {e}"))?;
+        // The postmaster, then its children (backends, walwriter, checkpointer, ...); a child
+        // that ended meanwhile is no failure.
+        send_signal(pid, signal).map_err(|e| e.to_string())?;
+        for child in children_of(pid) {
+            match send_signal(child, signal) {
+                Ok(()) | Err(SignalError::Gone { .. }) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
         Ok(())
     }
 
@@ -562,12 +565,12 @@ impl Drop for Local {
     fn drop(&mut self) {
         if let Some(mut s) = self.server.take() {
             // SIGTERM is a smart shutdown that waits for clients; SIGINT (fast) does not.
-            if let Some(pid) = s.pid() {
-                let _ = Command::new("kill")
-                    .args(["-INT", &pid.to_string()])
-                    .status();
+            if s.stop_with(Signal::INT, Duration::from_secs(10)) == Stopped::Killed {
+                eprintln!(
+                    "postgres in {} did not stop within 10 s of SIGINT: SIGKILLed (crash recovery at the next start)",
+                    self.root.display()
+                );
             }
-            s.terminate(Duration::from_secs(10));
         }
         if let Some(mut w) = self.watchdog.take() {
             w.kill();
@@ -669,15 +672,18 @@ fn id(args: &[&str]) -> Result<u32, String> {
         .map_err(|e| format!("id {args:?}: {e}"))
 }
 
+/// `chown -R uid:gid dir` through the OS (symbolic links themselves, never their targets).
 pub(crate) fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), String> {
-    let status = Command::new("chown")
-        .arg("-R")
-        .arg(format!("{uid}:{gid}"))
-        .arg(dir)
-        .status()
-        .map_err(|e| format!("cannot run chown: {e}"))?;
-    if !status.success() {
-        return Err(format!("chown -R {uid}:{gid} {} failed", dir.display()));
+    std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
+        .map_err(|e| format!("cannot chown {}: {e}", dir.display()))?;
+    let is_dir = fs::symlink_metadata(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .is_dir();
+    if is_dir {
+        for entry in fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+            let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
+            chown_recursive(&entry.path(), uid, gid)?;
+        }
     }
     Ok(())
 }

@@ -1,7 +1,39 @@
-//! Child processes that die with their owner.
+//! Child processes that die with their owner, and signals sent to processes.
+//!
+//! Signals go through the kernel (`kill(2)` via rustix), never through a `kill` command: the
+//! slim container image has no procps, and a stop that was not delivered must be seen.
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
+
+pub use rustix::process::Signal;
+
+/// Why a signal was not delivered.
+#[derive(Debug, thiserror::Error)]
+pub enum SignalError {
+    #[error("process {pid} does not exist (it ended already)")]
+    Gone { pid: u32 },
+    #[error("cannot send signal {signal:?} to process {pid}: {source}")]
+    Refused {
+        pid: u32,
+        signal: Signal,
+        source: std::io::Error,
+    },
+    #[error("{pid} is not a process id")]
+    InvalidPid { pid: u32 },
+}
+
+/// How a process ended when it was asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// It exited within the grace period after SIGTERM.
+    Cleanly,
+    /// It was still running at the end of the grace period (or SIGTERM could not be
+    /// delivered) and was SIGKILLed.
+    Killed,
+    /// There was nothing to stop.
+    NotRunning,
+}
 
 /// A spawned process, killed (SIGKILL) and reaped when dropped.
 #[derive(Debug)]
@@ -33,25 +65,37 @@ impl ChildGuard {
         }
     }
 
-    /// SIGTERM, then wait up to `grace` for a clean exit, then SIGKILL.
-    pub fn terminate(&mut self, grace: std::time::Duration) {
-        if let Some(c) = self.child.as_mut() {
-            // Quietly: the process may be gone already (a SIGKILLed postmaster).
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(c.id().to_string())
-                .stderr(std::process::Stdio::null())
-                .status();
-            let deadline = std::time::Instant::now() + grace;
-            while std::time::Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    self.child = None;
-                    return;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
+    /// SIGTERM, then wait up to `grace` for a clean exit, then SIGKILL; says which it took.
+    pub fn terminate(&mut self, grace: std::time::Duration) -> Stopped {
+        self.stop_with(Signal::TERM, grace)
+    }
+
+    /// `signal` (SIGTERM, or SIGINT for Postgres's fast shutdown), then wait up to `grace`
+    /// for the process to exit, then SIGKILL.
+    pub fn stop_with(&mut self, signal: Signal, grace: std::time::Duration) -> Stopped {
+        let Some(c) = self.child.as_mut() else {
+            return Stopped::NotRunning;
+        };
+        if let Ok(Some(_)) = c.try_wait() {
+            self.child = None;
+            return Stopped::NotRunning;
+        }
+        // Not delivered (a zombie that just exited is reaped below): waiting is pointless.
+        let delivered = send_signal(c.id(), signal).is_ok();
+        let deadline = std::time::Instant::now() + grace;
+        while delivered && std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                self.child = None;
+                return Stopped::Cleanly;
             }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if let Ok(Some(_)) = c.try_wait() {
+            self.child = None;
+            return Stopped::Cleanly;
         }
         self.kill();
+        Stopped::Killed
     }
 
     /// True while the process runs.
@@ -66,20 +110,40 @@ impl Drop for ChildGuard {
     }
 }
 
-/// Sends `signal` (`-KILL`, `-STOP`, ...) to `pid` with the `kill` command, quietly; whether
-/// it was delivered (a process that is gone already is not an error worth printing).
-pub fn signal(pid: u32, signal: &str) -> Result<(), String> {
-    let status = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .map_err(|e| format!("cannot run kill: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("kill {signal} {pid} failed"))
-    }
+/// Sends `signal` to process `pid` (`kill(2)`); whether it was delivered.
+pub fn send_signal(pid: u32, signal: Signal) -> Result<(), SignalError> {
+    let raw = i32::try_from(pid).map_err(|_| SignalError::InvalidPid { pid })?;
+    let target = rustix::process::Pid::from_raw(raw).ok_or(SignalError::InvalidPid { pid })?;
+    rustix::process::kill_process(target, signal).map_err(|e| {
+        if e == rustix::io::Errno::SRCH {
+            SignalError::Gone { pid }
+        } else {
+            SignalError::Refused {
+                pid,
+                signal,
+                source: e.into(),
+            }
+        }
+    })
+}
+
+/// The processes whose parent is `pid` (from `/proc`): a postmaster's backends and workers.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| parent_of(*child) == Some(pid))
+        .collect()
+}
+
+/// The parent of `pid`, from `/proc/<pid>/stat` (the field after the command's closing `)`).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_command = &stat[stat.rfind(')')? + 1..];
+    after_command.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// A shell running `script` as `sh -c script name <our pid> <root> remove|keep`: it waits for
@@ -188,4 +252,41 @@ pub fn run_with_stdin(program: &str, args: &[&str], input: &[u8]) -> Result<Vec<
         ));
     }
     Ok(out.stdout)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use std::time::Duration;
+
+    fn sleeper() -> ChildGuard {
+        ChildGuard::spawn("sleep", Command::new("sleep").arg("30")).unwrap()
+    }
+
+    #[test]
+    fn signals_reach_the_process_and_a_stop_says_how_it_ended() {
+        let mut child = sleeper();
+        let pid = child.pid().unwrap();
+        send_signal(pid, Signal::STOP).unwrap();
+        send_signal(pid, Signal::CONT).unwrap();
+        assert!(children_of(std::process::id()).contains(&pid));
+        assert_eq!(child.terminate(Duration::from_secs(5)), Stopped::Cleanly);
+        assert_eq!(child.terminate(Duration::from_secs(5)), Stopped::NotRunning);
+        assert!(matches!(
+            send_signal(pid, Signal::TERM),
+            Err(SignalError::Gone { .. })
+        ));
+    }
+
+    #[test]
+    fn a_process_that_ignores_sigterm_is_killed_after_the_grace() {
+        let mut child = ChildGuard::spawn(
+            "sh",
+            Command::new("sh").args(["-c", "trap '' TERM; while :; do sleep 0.1; done"]),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(child.terminate(Duration::from_millis(300)), Stopped::Killed);
+    }
 }

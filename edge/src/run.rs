@@ -18,6 +18,7 @@ use crate::config::{Config, ConfigError};
 use crate::envoy::EnvoyProcess;
 use crate::ha::{HaCluster, HaPorts};
 use crate::postgres::TempCluster;
+use crate::process::Stopped;
 use crate::render;
 use crate::services::{start_state_api, Service, StateApiSettings};
 
@@ -322,10 +323,15 @@ impl Running {
         said
     }
 
-    /// Stops Envoy (no new requests), then the state API, then Postgres.
+    /// Stops Envoy (no new requests), then the state API, then Postgres; says which part
+    /// did not stop on SIGTERM and was killed.
     pub fn stop(mut self) {
-        self.envoy.terminate(Duration::from_secs(5));
-        self.state_api.terminate(Duration::from_secs(5));
+        if self.envoy.terminate(Duration::from_secs(5)) == Stopped::Killed {
+            eprintln!("Envoy did not stop within 5 s of SIGTERM: killed");
+        }
+        if self.state_api.terminate(Duration::from_secs(5)) == Stopped::Killed {
+            eprintln!("the state API did not stop within 5 s of SIGTERM: killed");
+        }
         drop(std::mem::replace(&mut self.database, Database::External));
     }
 }

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::net::{http_get_blocking, wait_for_port};
-use crate::process::{workspace_binary, ChildGuard};
+use crate::process::{send_signal, workspace_binary, ChildGuard, Signal};
 
 /// A running service binary of this workspace on a loopback port.
 pub struct Service {
@@ -118,9 +118,9 @@ impl Service {
         self.child.kill();
     }
 
-    /// SIGTERM, then SIGKILL after `grace`.
-    pub fn terminate(&mut self, grace: Duration) {
-        self.child.terminate(grace);
+    /// SIGTERM, then SIGKILL after `grace`; says which it took.
+    pub fn terminate(&mut self, grace: Duration) -> crate::process::Stopped {
+        self.child.terminate(grace)
     }
 
     pub fn is_running(&mut self) -> bool {
@@ -131,14 +131,14 @@ impl Service {
         self.child.pid()
     }
 
-    /// Sends `signal` (`-STOP`, `-CONT`, ...): a process frozen alive, as a long GC pause or
-    /// a stalled host would leave it.
-    pub fn signal(&self, signal: &str) -> Result<(), String> {
+    /// Sends `signal` (SIGSTOP, SIGCONT, SIGHUP, ...): a process frozen alive, as a long GC
+    /// pause or a stalled host would leave it, or told to reload.
+    pub fn signal(&self, signal: Signal) -> Result<(), String> {
         let pid = self
             .child
             .pid()
             .ok_or_else(|| format!("{} is not running", self.name))?;
-        crate::process::signal(pid, signal)
+        send_signal(pid, signal).map_err(|e| format!("{}: {e}", self.name))
     }
 }
 

@@ -43,6 +43,14 @@ pub fn record(r: &AdminRecord) -> String {
                 };
                 let _ = writeln!(out, "  lease        {lease}");
             }
+            if let Some(ago) = v.owner_seen_ms_ago {
+                let within = if ago < v.lease_ms {
+                    " (within its lease: its request may still run; an action needs --force)"
+                } else {
+                    ""
+                };
+                let _ = writeln!(out, "  owner seen   {} ago{within}", span(ago));
+            }
             if let Some(status) = v.response_status {
                 let replay = match v.replayable {
                     Some(false) => " (not replayable)",

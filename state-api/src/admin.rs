@@ -320,6 +320,14 @@ async fn act(
             'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
         ) AS "snapshot!: SqlJson<serde_json::Value>",
         (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
+        -- The owner's last sign of life (its claim, a heartbeat, its own mark) within a lease:
+        -- its request may still run, whatever the record's state says.
+        (r.state <> 'completed' AND COALESCE(r.owner_seen_at,
+            r.lease_expires_at - r.lease_ms * interval '1 millisecond')
+            + r.lease_ms * interval '1 millisecond' > clock_timestamp()) AS "owner_recent!",
+        GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (clock_timestamp() - COALESCE(r.owner_seen_at,
+            r.lease_expires_at - r.lease_ms * interval '1 millisecond'))) * 1000))::bigint AS "owner_seen_ms_ago!",
+        r.lease_ms,
         r.namespace, r.subject, r.endpoint, r.fencing_token
     FROM idempotency_records r WHERE r.scope_hash = $1
     FOR UPDATE"#,
@@ -333,13 +341,16 @@ async fn act(
             "no record for this key, subject and endpoint",
         ));
     };
-    let (before, lease_live) = (row.snapshot, row.lease_live);
+    let (before, lease_live) = (row.snapshot, row.lease_live || row.owner_recent);
     let (namespace, subject, endpoint, token) =
         (row.namespace, row.subject, row.endpoint, row.fencing_token);
     if lease_live && !a.force {
         return Err(ApiError::new(
             ProblemKind::LeaseLive,
-            "the record's owner still holds a live lease (its request may be running): wait, or pass force",
+            format!(
+                "the record's owner was heard from {} ms ago, within its lease of {} ms: its request may still be running: wait, or pass force",
+                row.owner_seen_ms_ago, row.lease_ms
+            ),
         ));
     }
     if op == AdminOp::Resolve && before.0["state"] == "completed" && !a.force {

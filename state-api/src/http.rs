@@ -1028,6 +1028,8 @@ pub(crate) fn record_view(r: store::RecordRow) -> RecordView {
         response_status: r.response_status.and_then(|s| u16::try_from(s).ok()),
         replayable: r.response_replayable,
         expires_in_ms: ms(r.expires_in_ms),
+        owner_seen_ms_ago: r.owner_seen_ms_ago.map(ms),
+        lease_ms: ms(r.lease_ms),
     }
 }
 

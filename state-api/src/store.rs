@@ -280,12 +280,12 @@ const CLAIM_SQL: &str = concat!(
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
              lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms,
-             claim_nonce)
+             claim_nonce, owner_seen_at)
         SELECT $1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
                clock_timestamp() + $6::bigint * interval '1 millisecond',
                clock_timestamp(),
                clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
-               $8, $7, $9
+               $8, $7, $9, clock_timestamp()
         WHERE NOT EXISTS (SELECT 1 FROM existing)
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
@@ -340,13 +340,13 @@ const WRITE_BATCH_SQL: &str = concat!(
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
              lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms,
-             claim_nonce)
+             claim_nonce, owner_seen_at)
         SELECT i.scope_hash, i.subject, i.endpoint, i.fingerprint_alg, i.fingerprint, 'in_progress',
                nextval('idempotency_fencing_token_seq'), i.lease_ms,
                clock_timestamp() + i.lease_ms * interval '1 millisecond',
                clock_timestamp(),
                clock_timestamp() + (i.lease_ms + i.retention_ms) * interval '1 millisecond',
-               i.namespace, i.retention_ms, i.claim_nonce
+               i.namespace, i.retention_ms, i.claim_nonce, clock_timestamp()
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
         ORDER BY i.scope_hash
@@ -400,6 +400,9 @@ pub struct RecordRow {
     pub response_status: Option<i32>,
     pub response_replayable: Option<bool>,
     pub expires_in_ms: i64,
+    /// In progress or unknown: since its owner was last heard from.
+    pub owner_seen_ms_ago: Option<i64>,
+    pub lease_ms: i64,
 }
 
 /// What one pass of the purge did.
@@ -618,6 +621,7 @@ impl Store {
                     sqlx::query_scalar!(
                         "UPDATE idempotency_records
                         SET state = 'in_progress', unknown_before = true, claim_nonce = $5,
+                            owner_seen_at = clock_timestamp(),
                             fencing_token = nextval('idempotency_fencing_token_seq'),
                             lease_ms = $3,
                             lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
@@ -654,7 +658,7 @@ impl Store {
         created_at = clock_timestamp(),
         completed_at = NULL,
         expires_at = clock_timestamp() + ($7::bigint + $8::bigint) * interval '1 millisecond',
-        retention_ms = $8, namespace = $9, claim_nonce = $10,
+        retention_ms = $8, namespace = $9, claim_nonce = $10, owner_seen_at = clock_timestamp(),
         response_status = NULL, response_headers = NULL, response_body = NULL,
         response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
@@ -845,7 +849,7 @@ impl Store {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
         let row = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET lease_ms = $3,
+    SET lease_ms = $3, owner_seen_at = clock_timestamp(),
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
         expires_at = GREATEST(expires_at, clock_timestamp()
             + ($3::bigint + COALESCE(retention_ms, $4::bigint)) * interval '1 millisecond')
@@ -953,7 +957,7 @@ impl Store {
         // lease ends now: nothing heartbeats it any more; the retention counts from the mark.
         let marked = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET state = 'unknown',
+    SET state = 'unknown', owner_seen_at = clock_timestamp(),
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
         expires_at = GREATEST(expires_at, clock_timestamp()
             + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
@@ -987,6 +991,7 @@ impl Store {
             r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
+            owner_seen_at = clock_timestamp(),
             expires_at = GREATEST(expires_at, clock_timestamp()
                 + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
         WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
@@ -1071,7 +1076,11 @@ impl Store {
              THEN GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - r.completed_at)) * 1000))::bigint
              END AS completed_age_ms,
         r.response_status, r.response_replayable,
-        GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS "expires_in_ms!"
+        GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS "expires_in_ms!",
+        CASE WHEN r.state <> 'completed'
+             THEN GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (c.now - COALESCE(r.owner_seen_at, r.lease_expires_at - r.lease_ms * interval '1 millisecond'))) * 1000))::bigint
+             END AS owner_seen_ms_ago,
+        r.lease_ms
     FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
     WHERE r.scope_hash = $1"#, &scope[..])
             .fetch_optional(&self.pool)
@@ -1094,6 +1103,8 @@ impl Store {
             response_status: r.response_status,
             response_replayable: r.response_replayable,
             expires_in_ms: r.expires_in_ms,
+            owner_seen_ms_ago: r.owner_seen_ms_ago,
+            lease_ms: r.lease_ms,
         }))
     }
 

@@ -405,8 +405,11 @@ async fn admin_refusals_wrong_token_filter_token_unknown_record_live_lease() {
 async fn operators_release_resolve_and_purge_with_an_audit_row_each() {
     let api = Api::start(&["--admin-token", ADMIN]).await;
     // An unknown outcome, resolved with what the PSP says happened: a replay from then on.
-    let owner = token_of(&api.claim("held", &fp(7), Some(60_000)).await);
+    let owner = token_of(&api.claim("held", &fp(7), Some(1_000)).await);
     api.post("/v1/unknown", &fenced_body("held", owner)).await;
+    // Its owner was heard from a moment ago (its mark): an action waits a lease (issue 34,
+    // path 8; `an_unknown_record_whose_owner_was_just_heard_from_needs_force`).
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     let resolve = AdminAction {
         response: Some(StoredResponse::new(
             201,
@@ -525,4 +528,36 @@ async fn operators_release_resolve_and_purge_with_an_audit_row_each() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("append-only"), "{e}");
+}
+
+/// Issue 34, path 8: an `unknown` record whose owner was heard from within a lease (it marked
+/// its outcome unknown a moment ago: its request may still be running upstream) is not
+/// released or purged without `force`; its last sign of life is shown with the record; a lease
+/// later, it is.
+#[tokio::test]
+async fn an_unknown_record_whose_owner_was_just_heard_from_needs_force() {
+    let api = Api::start(&["--admin-token", ADMIN]).await;
+    let token = token_of(&api.claim("heard", &fp(7), Some(1_000)).await);
+    let (s, _, _) = api.post("/v1/unknown", &fenced_body("heard", token)).await;
+    assert_eq!(s, 200);
+    let (s, shown) = admin_get(&api, &record_query("heard")).await;
+    assert_eq!(s, 200);
+    assert_eq!(shown["record"]["state"], "unknown");
+    let seen = shown["record"]["owner_seen_ms_ago"].as_u64();
+    assert!(seen.is_some_and(|ms| ms < 1_000), "{shown}");
+    assert_eq!(shown["record"]["lease_ms"], 1_000);
+    for path in [ADMIN_RELEASE_PATH, ADMIN_PURGE_PATH] {
+        let body = serde_json::to_value(action("heard", "looks stuck")).unwrap();
+        let (s, b) = admin_post(&api, Some(ADMIN), path, &body).await;
+        assert_eq!(
+            (s, b["type"].as_str()),
+            (409, Some("/problems/lease-live")),
+            "{path}: the owner was heard from within its lease: {b}"
+        );
+    }
+    // A lease later, without force.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let body = serde_json::to_value(action("heard", "checked with the PSP")).unwrap();
+    let (s, b) = admin_post(&api, Some(ADMIN), ADMIN_RELEASE_PATH, &body).await;
+    assert_eq!(s, 200, "{b}");
 }

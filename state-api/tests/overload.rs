@@ -16,6 +16,7 @@ use contract::wire::{
     ClaimResponse, StoredResponse, CALLER_TIMEOUT_HEADER, CLAIM_PATH, COMPLETE_PATH,
 };
 use edge::postgres::TempCluster;
+use edge::process::Signal;
 use edge::services::{start_state_api, Service, StateApiSettings};
 use serde_json::Value;
 
@@ -194,14 +195,14 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
     // Frozen for 3 s (three callers' timeouts) under the same load.
     let (stop, seen, tasks) = run("frozen").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    cluster.signal_all("-STOP").unwrap();
+    cluster.signal_all(Signal::STOP).unwrap();
     let mut rss_peak = 0;
     let frozen_at = Instant::now();
     while frozen_at.elapsed() < Duration::from_secs(3) {
         rss_peak = rss_peak.max(rss_kb(pid));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    cluster.signal_all("-CONT").unwrap();
+    cluster.signal_all(Signal::CONT).unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     *stop.lock().unwrap() = true;
     for t in tasks {

@@ -131,6 +131,8 @@ fn record(s: Start) -> Record<u16> {
         unknown_before: s.unknown_before,
         response: (s.state == RecordState::Completed).then_some(201),
         claim_nonce: Some(RECORD_NONCE.into()),
+        // When its lease was last set.
+        owner_seen: rel(offset(s.lease_live)) - LEASE_MS,
     }
 }
 
@@ -166,10 +168,30 @@ fn rules_claim_answer(c: &ClaimOutcome<u16>) -> String {
 
 /// A record afterwards: its state, whether its token moved, its earlier-unknown flag, and
 /// where its lease end and expiry lie against now (coarse: before, or how many seconds after).
-fn shape(r: Option<(RecordState, i64, bool, i64, i64, Option<String>)>) -> String {
+/// A record afterwards, as the cases compare it: state, token (same or new), the earlier-unknown
+/// flag, its lease end, expiry and owner's last sign of life against now, and its nonce.
+struct After {
+    state: RecordState,
+    token: i64,
+    unknown_before: bool,
+    lease_ms_from_now: i64,
+    expires_ms_from_now: i64,
+    owner_seen_ms_from_now: i64,
+    nonce: Option<String>,
+}
+
+fn shape(r: Option<After>) -> String {
     match r {
         None => "gone".into(),
-        Some((state, token, unknown_before, lease_ms_from_now, expires_ms_from_now, nonce)) => {
+        Some(After {
+            state,
+            token,
+            unknown_before,
+            lease_ms_from_now,
+            expires_ms_from_now,
+            owner_seen_ms_from_now,
+            nonce,
+        }) => {
             let when = |ms: i64| {
                 if ms <= 0 {
                     "past".to_owned()
@@ -177,8 +199,13 @@ fn shape(r: Option<(RecordState, i64, bool, i64, i64, Option<String>)>) -> Strin
                     format!("+{}s", (ms + 500) / 1000)
                 }
             };
+            let seen = match owner_seen_ms_from_now {
+                ms if ms > 2_000 => "ahead",
+                ms if ms >= -2_000 => "now",
+                _ => "earlier",
+            };
             format!(
-                "{} token {} unknown_before {unknown_before} lease {} expires {} nonce {nonce:?}",
+                "{} token {} unknown_before {unknown_before} lease {} expires {} owner seen {seen} nonce {nonce:?}",
                 state.as_str(),
                 if token == TOKEN { "same" } else { "new" },
                 when(lease_ms_from_now),
@@ -189,15 +216,14 @@ fn shape(r: Option<(RecordState, i64, bool, i64, i64, Option<String>)>) -> Strin
 }
 
 fn rules_shape(r: &Option<Record<u16>>) -> String {
-    shape(r.as_ref().map(|r| {
-        (
-            r.state,
-            r.token,
-            r.unknown_before,
-            r.lease_until as i64 - NOW as i64,
-            r.expires_at as i64 - NOW as i64,
-            r.claim_nonce.clone(),
-        )
+    shape(r.as_ref().map(|r| After {
+        state: r.state,
+        token: r.token,
+        unknown_before: r.unknown_before,
+        lease_ms_from_now: r.lease_until as i64 - NOW as i64,
+        expires_ms_from_now: r.expires_at as i64 - NOW as i64,
+        owner_seen_ms_from_now: r.owner_seen as i64 - NOW as i64,
+        nonce: r.claim_nonce.clone(),
     }))
 }
 
@@ -243,7 +269,7 @@ impl Db {
                 (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
                  lease_ms, lease_expires_at, created_at, completed_at, expires_at, namespace,
                  retention_ms, unknown_before, response_status, response_headers, response_body,
-                 response_replayable, claim_nonce)
+                 response_replayable, claim_nonce, owner_seen_at)
              VALUES ($1, 'alice', 'POST /checkout', $2, $3, $4, $5, $6,
                  clock_timestamp() + $7 * interval '1 millisecond',
                  clock_timestamp() - interval '1 minute',
@@ -251,7 +277,8 @@ impl Db {
                  clock_timestamp() + $8 * interval '1 millisecond',
                  '', $9, $11,
                  CASE WHEN $10 THEN 201 END, CASE WHEN $10 THEN '[]'::jsonb END,
-                 CASE WHEN $10 THEN ''::bytea END, CASE WHEN $10 THEN true END, $12)",
+                 CASE WHEN $10 THEN ''::bytea END, CASE WHEN $10 THEN true END, $12,
+                 clock_timestamp() + $7 * interval '1 millisecond' - $6 * interval '1 millisecond')",
         )
         .bind(scope)
         .bind(ALG)
@@ -275,10 +302,13 @@ impl Db {
     }
 
     async fn shape_of(&self, scope: &[u8]) -> String {
-        let row: Option<(String, i64, bool, f64, f64, Option<String>)> = sqlx::query_as(
+        type Row = (String, i64, bool, f64, f64, f64, Option<String>);
+        let row: Option<Row> = sqlx::query_as(
             "SELECT state, fencing_token, unknown_before,
                 (EXTRACT(EPOCH FROM (lease_expires_at - clock_timestamp())) * 1000)::float8,
                 (EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000)::float8,
+                (EXTRACT(EPOCH FROM (COALESCE(owner_seen_at,
+                    lease_expires_at - lease_ms * interval '1 millisecond') - clock_timestamp())) * 1000)::float8,
                 claim_nonce
              FROM idempotency_records WHERE scope_hash = $1",
         )
@@ -286,16 +316,17 @@ impl Db {
         .fetch_optional(&self.pool)
         .await
         .unwrap();
-        shape(row.map(|(state, token, ub, lease, expires, nonce)| {
-            (
-                state.parse().unwrap(),
+        shape(row.map(
+            |(state, token, unknown_before, lease, expires, seen, nonce)| After {
+                state: state.parse().unwrap(),
                 token,
-                ub,
-                lease.round() as i64,
-                expires.round() as i64,
+                unknown_before,
+                lease_ms_from_now: lease.round() as i64,
+                expires_ms_from_now: expires.round() as i64,
+                owner_seen_ms_from_now: seen.round() as i64,
                 nonce,
-            )
-        }))
+            },
+        ))
     }
 
     /// The database has served long enough for the lease guard to count a lease as run out.

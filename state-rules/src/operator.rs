@@ -17,7 +17,8 @@ pub enum Action {
 /// Why an action is refused without `force`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    /// The owner still holds a live lease: its request may be running.
+    /// The owner was heard from within a lease (a live lease, or an unknown outcome marked a
+    /// moment ago): its request may be running.
     LeaseLive,
     /// Resolve of a record that already has an outcome.
     AlreadyCompleted,
@@ -33,7 +34,9 @@ pub fn allowed<R>(
     if force {
         return Ok(());
     }
-    if record.state == RecordState::InProgress && record.lease_until > clock.now {
+    if (record.state == RecordState::InProgress && record.lease_until > clock.now)
+        || record.owner_recent(clock.now)
+    {
         return Err(Refusal::LeaseLive);
     }
     if action == Action::Resolve && record.state == RecordState::Completed {

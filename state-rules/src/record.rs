@@ -56,6 +56,9 @@ pub struct Record<R> {
     /// The nonce of the claim attempt that made or took over the record: the filter gives
     /// the record back by it when that claim's answer never reached it ([`crate::writes::abandon`]).
     pub claim_nonce: Option<String>,
+    /// The owner's last sign of life: its claim, a heartbeat, its own unknown mark or release
+    /// (not another's mark). An operator's action needs `force` within a lease of it.
+    pub owner_seen: u64,
 }
 
 impl<R> Record<R> {
@@ -80,6 +83,7 @@ impl<R> Record<R> {
             unknown_before: false,
             response: None,
             claim_nonce,
+            owner_seen: now,
         }
     }
 
@@ -110,6 +114,7 @@ impl<R> Record<R> {
 
     /// A sign of life of its owner with a lease until `lease_until`: kept a retention past it.
     pub fn seen(&mut self, lease_ms: u64, now: u64) {
+        self.owner_seen = now;
         self.lease_ms = lease_ms;
         self.lease_until = now.saturating_add(lease_ms);
         self.keep_from(self.lease_until);
@@ -121,6 +126,11 @@ impl<R> Record<R> {
         self.state = RecordState::Unknown;
         self.lease_until = self.lease_until.min(now);
         self.keep_from(now);
+    }
+
+    /// Its owner was heard from within a lease: its request may still run.
+    pub fn owner_recent(&self, now: u64) -> bool {
+        self.open() && self.owner_seen.saturating_add(self.lease_ms) > now
     }
 
     /// Until the lease runs out, rounded up (0 once past it).

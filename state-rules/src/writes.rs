@@ -88,6 +88,7 @@ pub fn owner_unknown<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) 
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() => {
             r.mark_unknown(clock.now);
+            r.owner_seen = clock.now;
             Marked::Unknown
         }
         Some(r) if r.token == token && r.state == RecordState::Completed => {
@@ -104,6 +105,7 @@ pub fn release<R>(slot: &mut Option<Record<R>>, token: i64, clock: Clock) -> boo
     match slot.as_mut() {
         Some(r) if r.token == token && r.open() && r.unknown_before => {
             r.mark_unknown(clock.now);
+            r.owner_seen = clock.now;
             true
         }
         Some(r) if r.token == token && r.open() => {

@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod crash_recovery;
+pub mod docker;
 pub mod envoy;
 pub mod faults;
 pub mod ha;

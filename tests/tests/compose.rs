@@ -1,7 +1,9 @@
-//! No Docker engine runs here, so docker-compose.yml and the Dockerfile are checked as far as
-//! this machine allows: the compose file parses, runs `edge run` on the same configuration file
-//! as `make demo` (whose addresses are the public contract), mounts only files that exist, and
-//! builds from Dockerfile targets that exist, the filter module included.
+//! The fast checks of docker-compose.yml and the Dockerfile, in `make test`: the compose file
+//! parses, runs `edge run` on the same configuration file as `make demo` (whose addresses are
+//! the public contract), mounts only files that exist, builds from Dockerfile targets that
+//! exist (the filter module included), and keeps what `make test-compose` found necessary when
+//! it ran the stack for real (tests/compose_stack.rs: the images built, the stack up, stopped
+//! and restarted on a private Docker engine).
 
 use edge::config::Config;
 use stack::process::workspace_root;
@@ -119,4 +121,59 @@ fn the_images_build_everything_from_source_with_docker_alone() {
         ignore.lines().any(|l| l == "target"),
         "the build context leaves target/ out"
     );
+}
+
+#[test]
+fn what_running_the_stack_for_real_needed_stays() {
+    let c = compose();
+    let edge = &c["services"]["edge"];
+    // The volume's mount point exists in the image, owned by `edge`: Docker creates a new
+    // named volume with the owner of the image's folder (root's when the folder is missing).
+    let file = dockerfile();
+    assert!(
+        file.contains("install -d -o edge -g edge -m 0700 /var/lib/edge/run"),
+        "the edge image makes /var/lib/edge/run for the edge user"
+    );
+    assert!(strings(&edge["volumes"])
+        .iter()
+        .any(|m| m == "edge-data:/var/lib/edge/run"));
+    // PID 1 is an init that passes SIGTERM on and reaps; edge gets the time to stop Postgres.
+    for svc in ["edge", "checkout"] {
+        assert_eq!(c["services"][svc]["init"].as_bool(), Some(true), "{svc}");
+        assert_eq!(
+            c["services"][svc]["build"]["network"].as_str(),
+            Some("host"),
+            "{svc}"
+        );
+    }
+    assert_eq!(edge["stop_grace_period"].as_str(), Some("30s"));
+    // The health check asks edge itself about the file it runs.
+    let health = strings(&edge["healthcheck"]["test"]);
+    let command = strings(&edge["command"]);
+    let config = command
+        .iter()
+        .position(|a| a == "--config")
+        .and_then(|i| command.get(i + 1))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        health,
+        [
+            "CMD",
+            "/usr/local/bin/edge",
+            "health",
+            "--config",
+            config.as_str()
+        ]
+    );
+    // Files that only describe the build stay out of its context: editing them must not
+    // re-run the cargo build.
+    let ignore =
+        std::fs::read_to_string(workspace_root().join(".dockerignore")).unwrap_or_default();
+    for name in ["Dockerfile", "docker-compose.yml", ".git"] {
+        assert!(
+            ignore.lines().any(|l| l == name),
+            ".dockerignore leaves out {name}"
+        );
+    }
 }

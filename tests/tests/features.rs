@@ -597,10 +597,8 @@ async fn admin_release(stack: Arc<Stack>) {
         ],
     );
     assert_eq!(no_reason.code, Some(2), "{no_reason:?}");
-    let released = idemctl(
-        &stack,
-        ADMIN_TOKEN,
-        &[
+    let release = |force: bool| {
+        let mut args = vec![
             "release",
             "--key",
             &key,
@@ -610,8 +608,22 @@ async fn admin_release(stack: Arc<Stack>) {
             "POST /refunds",
             "--reason",
             "checked with the PSP: refund never reached the bank",
-        ],
+        ];
+        if force {
+            args.push("--force");
+        }
+        idemctl(&stack, ADMIN_TOKEN, &args)
+    };
+    // Its owner marked it unknown a moment ago, within its lease (30 s): its request may still
+    // run upstream, so a release needs --force (issue 34, path 8).
+    let refused = release(false);
+    assert_eq!(refused.code, Some(4), "{refused:?}");
+    assert!(
+        refused.stderr.contains("within its lease"),
+        "{}",
+        refused.stderr
     );
+    let released = release(true);
     assert!(released.ok(), "{released:?}");
     assert!(
         released
@@ -668,7 +680,7 @@ async fn admin_release(stack: Arc<Stack>) {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         row,
-        "release|oncall-ana|checked with the PSP: refund never reached the bank|f|unknown"
+        "release|oncall-ana|checked with the PSP: refund never reached the bank|t|unknown"
     );
     // The audit table is append-only.
     let tamper = stack.postgres.psql(
@@ -712,7 +724,10 @@ async fn admin_resolve_and_purge(stack: Arc<Stack>) {
         ]
         .map(str::to_owned),
     );
-    let resolved = run(args.clone());
+    // Within the owner's lease (it marked the outcome unknown a moment ago): --force.
+    let mut forced = args.clone();
+    forced.push("--force".into());
+    let resolved = run(forced);
     assert!(resolved.ok(), "{resolved:?}");
     let replay = c
         .send(refund_in_body(&key, "alice", &charge_body(2000)))
@@ -741,6 +756,7 @@ async fn admin_resolve_and_purge(stack: Arc<Stack>) {
             "--not-replayable",
             "--reason",
             "ran; response lost",
+            "--force",
         ]
         .map(str::to_owned),
     );

@@ -19,6 +19,7 @@ use stack::client::{unique_key, Answer, Client, Request};
 use stack::envoy::Tweak;
 use stack::faults::{executions_per_key, ledger, record_figures, Rng};
 use stack::ha::HaStack;
+use stack::process::Signal;
 use stack::stack::StackOptions;
 use stack::testkit::*;
 
@@ -363,7 +364,7 @@ async fn lease_guard_across_failover(mut stack: HaStack) {
     }
 
     stack.state_apis[0]
-        .signal("-STOP")
+        .signal(Signal::STOP)
         .unwrap_or_else(|e| panic!("{e}"));
     let leader = blocking(|| stack.ha.leader()).unwrap_or_else(|| panic!("no leader"));
     let lost_at = Instant::now();
@@ -413,7 +414,7 @@ async fn lease_guard_across_failover(mut stack: HaStack) {
     assert_eq!(lease_over, "t", "no heartbeat while the owner was frozen");
     // The owner thaws, heartbeats on the new primary, and stores its outcome.
     stack.state_apis[0]
-        .signal("-CONT")
+        .signal(Signal::CONT)
         .unwrap_or_else(|e| panic!("{e}"));
     let a = first.await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(a.status, 201, "the owner's answer: {}", a.describe());

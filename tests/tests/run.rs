@@ -11,7 +11,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 use stack::client::{unique_key, Client, Request};
 use stack::net::free_port;
 use stack::postgres::TempCluster;
-use stack::process::{workspace_binary, workspace_root};
+use stack::process::{send_signal, workspace_binary, workspace_root, Signal};
 use stack::stack::token;
 use stack::testkit::{block_on, replayed};
 use stack::upstream::OwnApi;
@@ -187,9 +187,7 @@ impl EdgeRun {
 
     /// SIGTERM, and it ends by itself, cleanly.
     fn stop(mut self) -> Result<(), String> {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        send_signal(self.child.id(), Signal::TERM).map_err(|e| format!("edge run: {e}"))?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -386,7 +384,11 @@ async fn protects_own_api() {
         .ok()
         .and_then(|t| t.lines().next().map(str::to_owned))
         .unwrap_or_else(|| panic!("no {}", pid_file.display()));
-    let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    let pid: u32 = pid
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("postmaster.pid starts with {pid:?}: {e}"));
+    send_signal(pid, Signal::KILL).unwrap_or_else(|e| panic!("the postmaster: {e}"));
     let recovered = Instant::now();
     let mut back = None;
     while recovered.elapsed() < Duration::from_secs(30) {
@@ -419,8 +421,28 @@ async fn protects_own_api() {
     // The stored outcome survived the crash.
     assert!(replayed(&c.send(order(&key, 10)).await));
 
+    // `edge health` (the container's health check) says so, and says it no more once stopped.
+    let health = || {
+        Command::new(workspace_binary("edge").unwrap_or_else(|e| panic!("{e}")))
+            .args(["health", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap_or_else(|e| panic!("edge health: {e}"))
+    };
+    let up = health();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+
     // SIGTERM stops everything.
     edge.stop().unwrap_or_else(|e| panic!("{e}"));
+    let down = health();
+    assert!(
+        !down.status.success() && String::from_utf8_lossy(&down.stderr).starts_with("unhealthy: "),
+        "{down:?}"
+    );
     for (what, port) in [
         ("Envoy", p.listen),
         ("the admin", p.admin),

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use libtest_mimic::Arguments;
 use stack::client::unique_key;
+use stack::process::Signal;
 use stack::stack::{run_dir, Stack, StackOptions};
 use stack::testkit::*;
 use stack::tls::{https_get, plaintext_get, CertFiles, TestPki};
@@ -301,7 +302,7 @@ async fn renewed_certificate_is_served_after_sighup(stack: Arc<Stack>) {
     );
     // A reload that fails (a half-written key) keeps what is served, and the process.
     std::fs::write(&files.key, "not a key\n").unwrap_or_else(|e| panic!("{e}"));
-    api.signal("-HUP").unwrap_or_else(|e| panic!("{e}"));
+    api.signal(Signal::HUP).unwrap_or_else(|e| panic!("{e}"));
     wait_for_log(&mut api, "TLS reload failed").await;
     let kept = https_get(api.port, "/healthz", &pki.ca, Some(&pki.client)).await;
     assert!(
@@ -310,7 +311,7 @@ async fn renewed_certificate_is_served_after_sighup(stack: Arc<Stack>) {
         "the certificate in use stays after a failed reload: {kept:?}"
     );
     copy(&pki.server);
-    api.signal("-HUP").unwrap_or_else(|e| panic!("{e}"));
+    api.signal(Signal::HUP).unwrap_or_else(|e| panic!("{e}"));
     wait_for_log(&mut api, "TLS certificate, key and client CA reloaded").await;
     let after = https_get(api.port, "/healthz", &pki.ca, Some(&pki.client)).await;
     assert!(
