@@ -58,6 +58,7 @@ pub const REGIONS: &[&str] = &[
     // Operators, the purge, expiry.
     "an operator released or purged a record",
     "an operator acted within a lease of the owner's last sign of life",
+    "an operator was refused without force",
     "the purge deleted records",
     "a record reused past its retention",
     "a lease found run out",
@@ -81,7 +82,6 @@ pub const AWAITING_FIX: &[(&str, &str)] = &[
     // a claim queued behind a database paused longer than a lease takes over a live owner
     // the moment the database resumes.
     ("path 2", "resumed from a pause"),
-    ("path 8", "an operator's"),
     ("path 9", "key secret"),
     ("path 11", "reconcile answer"),
     ("path 12", "plain SHA-256"),

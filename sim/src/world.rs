@@ -1967,6 +1967,18 @@ impl World {
         } else {
             state_rules::operator::Action::Purge
         };
+        // Whether its owner was heard from within a lease (then a careful state API refuses
+        // without force: the region is visited either way).
+        if let Some((_, rec)) = self.api.find(&scope) {
+            let silent = self
+                .now
+                .saturating_sub(self.ev.last_sign.get(&rec.token).copied().unwrap_or(0));
+            if silent < rec.lease_ms {
+                self.reach(
+                    "region: an operator acted within a lease of the owner's last sign of life",
+                );
+            }
+        }
         match self.api.operator(&scope, action, self.now) {
             Ok(rec) => {
                 let silent = self
@@ -1977,19 +1989,19 @@ impl World {
                     .insert(rec.token, (silent, rec.lease_ms));
                 self.ev.operator_scopes.insert(scope.clone());
                 self.reach("region: an operator released or purged a record");
-                if silent < rec.lease_ms {
-                    self.reach(
-                        "region: an operator acted within a lease of the owner's last sign of life",
-                    );
-                }
                 self.log(format!(
                     "an operator {:?}s {scope:?} (token {}, {:?}, its owner last heard of {silent} ms ago)",
                     action, rec.token, rec.state
                 ));
             }
-            Err(why) => self.log(format!(
-                "an operator's {action:?} of {scope:?} is refused ({why:?})"
-            )),
+            Err(why) => {
+                if why.is_some() {
+                    self.reach("region: an operator was refused without force");
+                }
+                self.log(format!(
+                    "an operator's {action:?} of {scope:?} is refused ({why:?})"
+                ));
+            }
         }
         self.after_api(None);
     }
