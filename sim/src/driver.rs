@@ -46,6 +46,8 @@ pub struct Report {
     pub elapsed: Duration,
     pub steps: u64,
     pub longest_trace: usize,
+    /// The seed that made it.
+    pub longest_seed: u64,
     /// Runs that broke an invariant the caller asked to ignore.
     pub ignored: u64,
     /// Those runs by the first ignored text their violation contains.
@@ -95,12 +97,13 @@ impl Report {
 
     pub fn summary(&self) -> String {
         format!(
-            "simulation: {} schedules in {:.1} s ({:.0} schedules/s, {} steps, longest trace {} lines{}){}",
+            "simulation: {} schedules in {:.1} s ({:.0} schedules/s, {} steps, longest trace {} lines (seed {}){}){}",
             self.schedules,
             self.elapsed.as_secs_f64(),
             self.per_second(),
             self.steps,
             self.longest_trace,
+            self.longest_seed,
             if self.ignored > 0 { format!(", {} with an ignored violation", self.ignored) } else { String::new() },
             match &self.failure {
                 Some(f) => format!(
@@ -164,7 +167,8 @@ pub fn run_many_ignoring(
                 let o = run_seed(seed, p);
                 done.fetch_add(1, Ordering::Relaxed);
                 total_steps.fetch_add(o.steps as u64, Ordering::Relaxed);
-                longest.fetch_max(o.trace.len() as u64, Ordering::Relaxed);
+                // The length and the seed of the longest trace, in one word.
+                longest.fetch_max(((o.trace.len() as u64) << 40) | seed, Ordering::Relaxed);
                 if let Ok(mut r) = reached.lock() {
                     for e in o.reached.keys() {
                         *r.entry(*e).or_default() += 1;
@@ -218,7 +222,8 @@ pub fn run_many_ignoring(
         schedules: done.load(Ordering::Relaxed),
         elapsed: began.elapsed(),
         steps: total_steps.load(Ordering::Relaxed),
-        longest_trace: longest.load(Ordering::Relaxed) as usize,
+        longest_trace: (longest.load(Ordering::Relaxed) >> 40) as usize,
+        longest_seed: longest.load(Ordering::Relaxed) & ((1 << 40) - 1),
         ignored: ignored.load(Ordering::Relaxed),
         ignored_by: ignored_by.into_inner().unwrap_or_default(),
         failure,
