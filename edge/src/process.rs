@@ -1,7 +1,71 @@
-//! Child processes that die with their owner.
+//! Child processes that die with their owner, and the host they run on.
 
+use std::ffi::OsStr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command};
+
+/// Where a process runs and answers: this machine's loopback (what every launcher does unless
+/// told otherwise), or a host of its own with its own address, such as a network namespace of
+/// the partition tests, whose programs are started through a prefix (`ip netns exec <name>`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    pub address: IpAddr,
+    /// The command a program is run through on this host (empty: run it directly).
+    pub prefix: Vec<String>,
+}
+
+impl Default for Host {
+    fn default() -> Self {
+        Self::loopback()
+    }
+}
+
+impl Host {
+    /// 127.0.0.1, programs run directly.
+    pub fn loopback() -> Self {
+        Self {
+            address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            prefix: Vec::new(),
+        }
+    }
+
+    /// `port` at this host's address.
+    pub fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(self.address, port)
+    }
+
+    /// A command that runs `program` on this host.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        self.command_as(program, None)
+    }
+
+    /// The same, as the unprivileged user `run_as` (uid, gid) when given. A prefix such as
+    /// `ip netns exec` needs root, so there the user changes after it, through `setpriv`.
+    pub fn command_as(&self, program: impl AsRef<OsStr>, run_as: Option<(u32, u32)>) -> Command {
+        let Some((first, rest)) = self.prefix.split_first() else {
+            let mut cmd = Command::new(program);
+            if let Some((uid, gid)) = run_as {
+                use std::os::unix::process::CommandExt as _;
+                cmd.uid(uid).gid(gid);
+            }
+            return cmd;
+        };
+        let mut cmd = Command::new(first);
+        cmd.args(rest);
+        if let Some((uid, gid)) = run_as {
+            cmd.args([
+                "setpriv".to_owned(),
+                format!("--reuid={uid}"),
+                format!("--regid={gid}"),
+                "--clear-groups".to_owned(),
+                "--".to_owned(),
+            ]);
+        }
+        cmd.arg(program);
+        cmd
+    }
+}
 
 /// A spawned process, killed (SIGKILL) and reaped when dropped.
 #[derive(Debug)]
