@@ -577,6 +577,12 @@ bootstrap:
         synchronous_commit: "on"
         fsync: "on"
         wal_keep_size: 256MB
+        # A primary cut off from its standby without a reset (a black-holed link) shuts down
+        # only once its walsender gives up on the standby: with the default 60 s, Patroni's
+        # demotion of a primary that lost etcd outlasted its loop, Patroni demoted it a second
+        # time meanwhile, two postmasters raced, pg_rewind failed and the node never rejoined
+        # (tests/tests/partitions.rs, the zombie primary).
+        wal_sender_timeout: 5s
         autovacuum_naptime: 10s
   initdb:
     - encoding: UTF8
