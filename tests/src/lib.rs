@@ -9,6 +9,9 @@ pub mod client;
 pub mod envoy;
 pub mod faults;
 pub mod ha;
+pub mod history;
+pub mod netns;
+pub mod netstack;
 /// The runtime pieces the harness shares with `edge run`.
 pub use edge::{net, postgres, process, services};
 pub mod stack;
