@@ -454,15 +454,24 @@ impl Drop for Network {
 }
 
 /// The watchdog: `sh -c WATCHDOG name <our pid> <tag> remove`. It ignores the signals an
-/// interrupt sends to the whole process group, waits for this process to end, then kills what
-/// runs on this run's hosts and removes them.
+/// interrupt sends to the whole process group and waits for this process to end. Then it kills
+/// what runs on this run's hosts, except the parts' own watchdogs (the HA cluster's, which
+/// remove their folders once nothing writes to them any more), waits for those, and removes
+/// the hosts.
 const WATCHDOG: &str = r#"
     trap '' INT TERM HUP
-    while kill -0 "$1" 2>/dev/null; do sleep 0.5; done
+    owner="$1"
+    while kill -0 "$owner" 2>/dev/null; do sleep 0.5; done
+    # Other watchdogs of the same owner (ours, and its subshells, are netns-watchdog).
+    others() { pgrep -f -- "-watchdog $owner " | while read -r p; do
+        grep -qa netns-watchdog "/proc/$p/cmdline" 2>/dev/null || echo "$p"; done; }
+    spared=" $(others | tr '\n' ' ') "
     for ns in $(ip netns list | awk '{print $1}' | grep "^$2-"); do
-        for p in $(ip netns pids "$ns"); do kill -KILL "$p" 2>/dev/null; done
+        for p in $(ip netns pids "$ns"); do
+            case "$spared" in *" $p "*) ;; *) kill -KILL "$p" 2>/dev/null ;; esac
+        done
     done
-    sleep 1
+    for i in $(seq 40); do [ -n "$(others)" ] || break; sleep 0.5; done
     for ns in $(ip netns list | awk '{print $1}' | grep "^$2-"); do ip netns del "$ns"; done
 "#;
 
