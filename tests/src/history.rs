@@ -690,7 +690,7 @@ impl Verdict {
                 .enumerate()
                 .map(|(i, ms)| match ms {
                     Some(ms) => format!("envoy{} {ms} ms", i + 1),
-                    None => format!("envoy{} until the next event", i + 1),
+                    None => format!("envoy{} until the end", i + 1),
                 })
                 .collect();
             let _ = writeln!(out, "  new keys refused after {what}: {}", per.join(", "));
@@ -724,40 +724,34 @@ fn served_again_at(requests: &[Request], healed_at: Ms) -> Ms {
         .unwrap_or(healed_at)
 }
 
-/// For each fault: per Envoy, from the fault to the first probe sent after it that executed
-/// (None: none did before the next fault).
+/// For each fault and heal: per Envoy, from it to the first probe sent after it that executed
+/// (however many faults came meanwhile; None: none executed before the probes stopped).
 fn refused_after(
     requests: &[Request],
     faults: &[Fault],
     envoys: usize,
 ) -> Vec<(String, Vec<Option<Ms>>)> {
-    let mut out = Vec::new();
-    for (i, f) in faults.iter().enumerate() {
-        let next = faults.get(i + 1).map_or(Ms::MAX, |n| n.at);
-        let per = (0..envoys)
-            .map(|e| {
-                requests
-                    .iter()
-                    .filter(|r| {
-                        r.phase == Phase::Probe
-                            && r.envoy == e
-                            && r.sent >= f.at
-                            && r.sent < next
-                            && r.kind == Kind::Executed
-                    })
-                    .map(|r| r.ended - f.at)
-                    .min()
-            })
-            .collect();
-        let label = format!(
-            "{} {} ({} ms)",
-            if f.heal { "heal" } else { "fault" },
-            f.what,
-            f.at
-        );
-        out.push((label, per));
-    }
-    out
+    faults
+        .iter()
+        .map(|f| {
+            let per = (0..envoys)
+                .map(|e| {
+                    requests
+                        .iter()
+                        .filter(|r| {
+                            r.phase == Phase::Probe
+                                && r.envoy == e
+                                && r.sent >= f.at
+                                && r.kind == Kind::Executed
+                        })
+                        .map(|r| r.ended - f.at)
+                        .min()
+                })
+                .collect();
+            let kind = if f.heal { "heal" } else { "fault" };
+            (format!("{kind} {} ({} ms)", f.what, f.at), per)
+        })
+        .collect()
 }
 
 #[cfg(test)]

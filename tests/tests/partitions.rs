@@ -55,6 +55,8 @@ const STATE_API_TIMEOUT_MS: u64 = 1_000;
 const UPSTREAM_TIMEOUT_MS: u64 = 5_000;
 /// How long a storm client waits for an answer before it gives up and retries.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(4);
+/// The same for a client that asked to wait (`Prefer: wait=10`).
+const WAITING_CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 /// A key's clients pause this long between tries, each through the other Envoy.
 const RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// After healing: how long verification retries a key that is still settling (a pending
@@ -112,8 +114,17 @@ fn main() {
     conclusion.exit();
 }
 
+/// The stack's options; `PARTITION_STATE_API_ENV=K=V,K=V` runs the state APIs with other
+/// settings (a shorter `STATE_API_STATEMENT_TIMEOUT_MS`, say).
 fn options() -> StackOptions {
+    let state_api_env = std::env::var("PARTITION_STATE_API_ENV")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
     StackOptions {
+        state_api_env,
         lease_ms: LEASE_MS,
         heartbeat_ms: HEARTBEAT_MS,
         state_api_timeout_ms: STATE_API_TIMEOUT_MS,
@@ -214,26 +225,55 @@ impl Drop for ClientRuntime {
 // ---------------------------------------------------------------------------------------------
 // One scenario's run: the storm, the probes, the faults, the verification and the checks
 
-/// What a key's request is: its endpoint and its body's amount.
+/// What a key's request is: its endpoint, its body's amount, and whether its client asks to
+/// wait for a running first request (`Prefer: wait=N`, N s).
 #[derive(Debug, Clone)]
 struct KeySpec {
     endpoint: &'static str,
     amount: u64,
+    prefer_wait_s: Option<u64>,
 }
 
 fn request_for(key: &str, spec: &KeySpec, delay_ms: u64) -> Request {
     let body = charge_body(spec.amount);
-    let req = if spec.endpoint == "/refunds" {
+    let mut req = if spec.endpoint == "/refunds" {
         refund(key, "alice", &body)
     } else {
         checkout(key, "alice", &body)
     };
+    if let Some(n) = spec.prefer_wait_s {
+        req = req.header("prefer", &format!("wait={n}"));
+    }
     if delay_ms > 0 {
         // Detached: the checkout finishes what it started even when Envoy gives up on it, as
         // most servers do.
         req.delay_ms(delay_ms).header("x-demo-detach", "1")
     } else {
         req
+    }
+}
+
+/// The clients of each Envoy: impatient ones, and patient ones for requests that ask to wait.
+struct Clients {
+    quick: [Client; 2],
+    patient: [Client; 2],
+}
+
+impl Clients {
+    fn new(stack: &NetStack) -> Self {
+        let url = |i: usize| stack.envoys[i].url("");
+        Self {
+            quick: [0, 1].map(|i| Client::impatient(&url(i), CLIENT_TIMEOUT)),
+            patient: [0, 1].map(|i| Client::impatient(&url(i), WAITING_CLIENT_TIMEOUT)),
+        }
+    }
+
+    fn of(&self, spec: &KeySpec, envoy: usize) -> &Client {
+        if spec.prefer_wait_s.is_some() {
+            &self.patient[envoy]
+        } else {
+            &self.quick[envoy]
+        }
     }
 }
 
@@ -252,6 +292,8 @@ struct Storm {
     first_envoy: Option<usize>,
     /// One key in `refunds_every` is a refund (a held route) instead of a charge (reconciled).
     refunds_every: u64,
+    /// One key in `wait_every` has clients that send `Prefer: wait=10` (0: none).
+    wait_every: u64,
 }
 
 impl Storm {
@@ -265,6 +307,7 @@ impl Storm {
             slow_ms: 1_500,
             first_envoy: None,
             refunds_every: 4,
+            wait_every: 0,
         }
     }
 }
@@ -274,8 +317,7 @@ struct Run<'a> {
     name: &'static str,
     history: Arc<History>,
     rt: ClientRuntime,
-    /// One client per Envoy (they give up after [`CLIENT_TIMEOUT`]).
-    clients: Arc<[Client; 2]>,
+    clients: Arc<Clients>,
     keys: Arc<Mutex<BTreeMap<String, KeySpec>>>,
     rng: Arc<Mutex<Rng>>,
     stop_storm: Arc<AtomicBool>,
@@ -291,7 +333,6 @@ impl<'a> Run<'a> {
     fn new(stack: &'a NetStack, name: &'static str, seed: u64) -> Self {
         eprintln!("{name}: seed {seed}");
         let rt = ClientRuntime::on(stack.host(CLIENT));
-        let client = |i: usize| Client::impatient(&stack.envoys[i].url(""), CLIENT_TIMEOUT);
         let mut figures = serde_json::Map::new();
         figures.insert("seed".into(), json!(seed));
         Self {
@@ -299,7 +340,7 @@ impl<'a> Run<'a> {
             name,
             history: Arc::new(History::new()),
             rt,
-            clients: Arc::new([client(0), client(1)]),
+            clients: Arc::new(Clients::new(stack)),
             keys: Arc::new(Mutex::new(BTreeMap::new())),
             rng: Arc::new(Mutex::new(Rng::new(seed))),
             stop_storm: Arc::new(AtomicBool::new(false)),
@@ -326,6 +367,8 @@ impl<'a> Run<'a> {
                     "/checkout"
                 },
                 amount: 100 + i as u64,
+                prefer_wait_s: (storm.wait_every > 0 && self.below(storm.wait_every) == 0)
+                    .then_some(10),
             };
             let delay_ms = if self.below(storm.slow_every.max(1)) == 0 {
                 storm.slow_ms
@@ -368,12 +411,13 @@ impl<'a> Run<'a> {
                     let spec = KeySpec {
                         endpoint: "/checkout",
                         amount: 1,
+                        prefer_wait_s: None,
                     };
                     keys.lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(key.clone(), spec.clone());
                     let sent = h.now();
-                    let answer = send(&c[envoy], request_for(&key, &spec, 0)).await;
+                    let answer = send(c.of(&spec, envoy), request_for(&key, &spec, 0)).await;
                     h.request(&key, spec.endpoint, envoy, Phase::Probe, sent, &answer);
                     tokio::time::sleep(Duration::from_millis(250)).await;
                 }
@@ -586,7 +630,7 @@ impl<'a> Run<'a> {
                     let until = Instant::now() + VERIFY_FOR;
                     loop {
                         let sent = h.now();
-                        let answer = send(&c[envoy], request_for(&key, &spec, 0)).await;
+                        let answer = send(c.of(&spec, envoy), request_for(&key, &spec, 0)).await;
                         let kind =
                             h.request(&key, spec.endpoint, envoy, Phase::Verify, sent, &answer);
                         if kind.is_outcome()
@@ -650,7 +694,7 @@ async fn send(c: &Client, req: Request) -> Result<Option<stack::client::Answer>,
 /// key's outcome or the storm ends.
 async fn story(
     h: Arc<History>,
-    clients: Arc<[Client; 2]>,
+    clients: Arc<Clients>,
     key: String,
     spec: KeySpec,
     delay_ms: u64,
@@ -660,7 +704,7 @@ async fn story(
     let mut envoy = first_envoy;
     loop {
         let sent = h.now();
-        let answer = send(&clients[envoy], request_for(&key, &spec, delay_ms)).await;
+        let answer = send(clients.of(&spec, envoy), request_for(&key, &spec, delay_ms)).await;
         let kind = h.request(&key, spec.endpoint, envoy, Phase::Storm, sent, &answer);
         if kind.is_outcome() || stop.load(Ordering::Relaxed) {
             return;
@@ -834,6 +878,10 @@ async fn zombie_primary(stack: &NetStack) {
     run.probes();
     run.storm(&Storm {
         spread: Duration::from_secs(6),
+        // Clients that ask to wait give the claim's callout ten more seconds: longer than the
+        // state API's statement timeout, so a commit the standby never confirmed could reach
+        // them.
+        wait_every: 3,
         ..Storm::new("s2")
     });
     run.sleep_until(1_500).await;
