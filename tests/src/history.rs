@@ -329,9 +329,16 @@ impl History {
         let mut others: BTreeMap<&'static str, usize> = BTreeMap::new();
         let mut own_outside = 0;
         let requests = self.requests();
+        // Its first requests too: where a key got stuck is often long before it is caught.
+        let first: Vec<Ms> = requests
+            .iter()
+            .filter(|r| r.key == key)
+            .map(|r| r.sent)
+            .take(4)
+            .collect();
         for r in &requests {
             let inside = r.sent <= to && r.ended >= from;
-            if r.key == key && inside {
+            if r.key == key && (inside || first.contains(&r.sent)) {
                 lines.push((
                     r.sent,
                     format!(
@@ -362,8 +369,8 @@ impl History {
         }
         lines.sort();
         let mut out = format!(
-            "history of {key} from {from} to {to} ms (every fault; its requests in the window, \
-             {own_outside} more outside it; its attempts):\n"
+            "history of {key} from {from} to {to} ms (every fault; its first requests and those in \
+             the window, {own_outside} more outside it; its attempts):\n"
         );
         for (t, line) in lines {
             let mark = if (from..=to).contains(&t) { ">" } else { " " };
@@ -912,6 +919,43 @@ mod tests {
         let v = check(&h, &[], Policy::Hold, 5_000);
         assert_eq!(v.unusable_keys, 0, "{:?}", v.violations);
         assert_eq!(v.held_unknown, 1);
+    }
+
+    #[test]
+    fn the_window_shows_every_fault_the_keys_first_requests_and_those_around_the_time() {
+        let mut reqs: Vec<Request> = (0..20)
+            .map(|i| {
+                req(
+                    "k",
+                    i % 2,
+                    Phase::Storm,
+                    1_000 * i as Ms,
+                    Kind::OutcomeUnknown,
+                    None,
+                )
+            })
+            .collect();
+        reqs.push(req(
+            "other",
+            0,
+            Phase::Storm,
+            15_000,
+            Kind::Executed,
+            Some("a"),
+        ));
+        let h = history(reqs);
+        h.lock().1.push(Fault {
+            at: 500,
+            what: "a<->b".into(),
+            heal: false,
+            upstream_of: None,
+        });
+        let w = h.window("k", 15_000, 2_000, &[executed("k", 1, 1, "aa")]);
+        assert!(w.contains("FAULT a<->b"), "{w}");
+        assert_eq!(w.matches("request via").count(), 4 + 5, "{w}");
+        assert!(w.contains("11 more outside it"), "{w}");
+        assert!(w.contains("executed 1"), "{w}");
+        assert!(w.contains("checkout attempt token Some(1)"), "{w}");
     }
 
     #[test]
