@@ -171,16 +171,6 @@ impl NetStack {
 
     /// Every log's last lines, for a failure message.
     pub fn logs(&self) -> String {
-        let mut out = self.ha.log_tails();
-        for api in &self.state_apis {
-            out.push_str(&api.log_tail());
-            out.push('\n');
-        }
-        for envoy in &self.envoys {
-            out.push_str(&envoy.log_tail());
-            out.push('\n');
-        }
-        out.push_str(&self.checkout.log_tail());
-        out
+        crate::ha::logs_of(&self.ha, &self.state_apis, &self.envoys, &self.checkout)
     }
 }

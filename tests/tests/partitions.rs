@@ -59,6 +59,8 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(4);
 const WAITING_CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 /// A key's clients pause this long between tries, each through the other Envoy.
 const RETRY_PAUSE: Duration = Duration::from_millis(250);
+/// When a scenario makes its fault (ms into its run): its storm is under way by then.
+const FAULT_AT: Ms = 1_500;
 /// After healing: how long verification retries a key that is still settling (a pending
 /// complete retried with back-off, a reconcile).
 const VERIFY_FOR: Duration = Duration::from_secs(15);
@@ -350,6 +352,21 @@ impl<'a> Run<'a> {
             counters_before: blocking(|| filter_counters(stack)),
             figures,
         }
+    }
+
+    /// A run whose storm and probes have started, once the storm is under way
+    /// ([`FAULT_AT`]): where each scenario makes its fault.
+    async fn start(stack: &'a NetStack, name: &'static str, storm: &Storm) -> Self {
+        let mut run = Self::new(stack, name, seed_from_env());
+        run.probes();
+        run.storm(storm);
+        run.sleep_until(FAULT_AT).await;
+        run
+    }
+
+    /// A fault lasts two leases: every lease taken before it runs out meanwhile.
+    async fn for_two_leases(&self) {
+        tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
     }
 
     fn below(&self, n: u64) -> u64 {
@@ -761,22 +778,20 @@ fn seed_from_env() -> u64 {
 ///    heartbeats and completes are lost, their clients give up and retry through Envoy 2,
 ///    which finds the leases run out and reconciles. Healed after two leases.
 async fn envoy_cut_off_from_state_apis(stack: &NetStack) {
-    let mut run = Run::new(stack, "envoy_cut_off_from_both_state_apis", seed_from_env());
-    run.probes();
-    run.storm(&Storm {
+    let storm = Storm {
         first_envoy: Some(0),
         slow_every: 2,
         // Longer than two leases: they still run when the link heals.
         slow_ms: 7_000,
         spread: Duration::from_secs(2),
         ..Storm::new("s1")
-    });
-    run.sleep_until(1_500).await;
+    };
+    let mut run = Run::start(stack, "envoy_cut_off_from_both_state_apis", &storm).await;
     let cuts = run.cut_all(vec![
         (Link::both(ENVOYS[0], STATE_APIS[0]), None),
         (Link::both(ENVOYS[0], STATE_APIS[1]), None),
     ]);
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    run.for_two_leases().await;
     let healed_at = run.heal_all(&cuts);
     run.finish(healed_at).await;
 }
@@ -865,7 +880,6 @@ fn zombie_probe(
 ///    primary must acknowledge no commit once the new one serves (a probe commits on it
 ///    directly all along); healed, it rejoins as the synchronous standby.
 async fn zombie_primary(stack: &NetStack) {
-    let mut run = Run::new(stack, "zombie_primary", seed_from_env());
     let old = blocking(|| stack.ha.leader()).unwrap_or_else(|| panic!("no leader"));
     let new = 1 - old;
     blocking(|| {
@@ -875,16 +889,15 @@ async fn zombie_primary(stack: &NetStack) {
         )
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    run.probes();
-    run.storm(&Storm {
+    let storm = Storm {
         spread: Duration::from_secs(6),
         // Clients that ask to wait give the claim's callout ten more seconds: longer than the
         // state API's statement timeout, so a commit the standby never confirmed could reach
         // them.
         wait_every: 3,
         ..Storm::new("s2")
-    });
-    run.sleep_until(1_500).await;
+    };
+    let mut run = Run::start(stack, "zombie_primary", &storm).await;
     let stop_zombie = Arc::new(AtomicBool::new(false));
     let zombie = zombie_probe(
         stack.host(STATE_APIS[0]).clone(),
@@ -1053,21 +1066,19 @@ fn keep_cluster_logs(stack: &NetStack) -> String {
 ///    dropped (counted), and the state API never learns whether they committed. Healed after
 ///    two leases.
 async fn state_api_to_postgres_black_holed(stack: &NetStack) {
-    let mut run = Run::new(stack, "state_api_to_postgres_black_holed", seed_from_env());
-    run.probes();
-    run.storm(&Storm {
+    let storm = Storm {
         first_envoy: Some(0),
         spread: Duration::from_secs(4),
         keys: 40,
         ..Storm::new("s3")
-    });
-    run.sleep_until(1_500).await;
+    };
+    let mut run = Run::start(stack, "state_api_to_postgres_black_holed", &storm).await;
     // Two one-way cuts, so that the answers dropped on their way back are counted apart.
     let cuts = run.cut_all(vec![
         (Link::one_way(STATE_APIS[0], HAPROXY), None),
         (Link::one_way(HAPROXY, STATE_APIS[0]), None),
     ]);
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    run.for_two_leases().await;
     let answers_dropped = stack.net.dropped(&cuts[1]).unwrap_or(0);
     run.figures.insert(
         "answers_from_postgres_dropped_packets".into(),
@@ -1084,14 +1095,12 @@ async fn state_api_to_postgres_black_holed(stack: &NetStack) {
 /// 4. State API 1's answers to Envoy 1 held back past the filter's timeout (a relay on the
 ///    link): the claims commit, their answers come too late. Then prompt again.
 async fn state_api_answers_delayed(stack: &NetStack) {
-    let mut run = Run::new(stack, "state_api_answers_delayed", seed_from_env());
-    run.probes();
-    run.storm(&Storm {
+    let storm = Storm {
         first_envoy: Some(0),
         spread: Duration::from_secs(4),
         ..Storm::new("s4")
-    });
-    run.sleep_until(1_500).await;
+    };
+    let mut run = Run::start(stack, "state_api_answers_delayed", &storm).await;
     let delay = Duration::from_millis(STATE_API_TIMEOUT_MS + 700);
     let what = format!(
         "answers {}->{} held {} ms",
@@ -1118,7 +1127,7 @@ async fn state_api_answers_delayed(stack: &NetStack) {
         took >= delay,
         "the link is not slow: an answer took {took:?}"
     );
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    run.for_two_leases().await;
     stack.relays[0].set_mode(ProxyMode::Pass);
     let healed_at = run.history.fault(&what, true, None);
     run.proof(
@@ -1133,18 +1142,16 @@ async fn state_api_answers_delayed(stack: &NetStack) {
 ///    it forwarded run; Envoy answers them itself after its upstream timeout. Healed after
 ///    two leases (longer than that timeout).
 async fn envoy_to_upstream_black_holed(stack: &NetStack) {
-    let mut run = Run::new(stack, "envoy_to_upstream_black_holed", seed_from_env());
-    run.probes();
-    run.storm(&Storm {
+    let storm = Storm {
         first_envoy: Some(0),
         slow_every: 2,
         slow_ms: 1_500,
         spread: Duration::from_secs(3),
         ..Storm::new("s5")
-    });
-    run.sleep_until(1_500).await;
+    };
+    let mut run = Run::start(stack, "envoy_to_upstream_black_holed", &storm).await;
     let cut = run.cut(Link::both(ENVOYS[0], CHECKOUT), Some(0));
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    run.for_two_leases().await;
     let healed_at = run.heal(&cut);
     run.finish(healed_at).await;
 }
@@ -1154,17 +1161,15 @@ async fn envoy_to_upstream_black_holed(stack: &NetStack) {
 ///    the primary's Patroni, while HAProxy, and the state APIs through it, reach the primary
 ///    itself; healed.
 async fn asymmetric_cuts(stack: &NetStack) {
-    let mut run = Run::new(stack, "asymmetric_cuts", seed_from_env());
     let leader = blocking(|| stack.ha.leader()).unwrap_or_else(|| panic!("no leader"));
-    run.probes();
-    run.storm(&Storm {
+    let storm = Storm {
         spread: Duration::from_secs(12),
         keys: 48,
         ..Storm::new("s6")
-    });
-    run.sleep_until(1_500).await;
+    };
+    let mut run = Run::start(stack, "asymmetric_cuts", &storm).await;
     let answers = run.cut(Link::one_way(STATE_APIS[0], ENVOYS[0]), None);
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    run.for_two_leases().await;
     run.heal(&answers);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let checks = run.cut(
@@ -1200,7 +1205,7 @@ async fn asymmetric_cuts(stack: &NetStack) {
         "haproxy_took_the_primary_out_after_ms".into(),
         json!(out_after),
     );
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    run.for_two_leases().await;
     let healed_at = run.heal(&checks);
     blocking(|| stack.ha.wait_healthy(Duration::from_secs(60))).unwrap_or_else(|e| panic!("{e}"));
     run.finish(healed_at).await;
