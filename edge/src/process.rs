@@ -253,3 +253,46 @@ pub fn run_with_stdin(program: &str, args: &[&str], input: &[u8]) -> Result<Vec<
     }
     Ok(out.stdout)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(cmd: &Command) -> Vec<String> {
+        std::iter::once(cmd.get_program())
+            .chain(cmd.get_args())
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_host_runs_its_programs_through_its_prefix_and_changes_user_after_it() {
+        assert_eq!(argv(&Host::loopback().command("etcd")), ["etcd"]);
+        let host = Host {
+            address: "10.77.0.9"
+                .parse()
+                .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            prefix: vec!["ip".into(), "netns".into(), "exec".into(), "pg1".into()],
+        };
+        assert_eq!(host.addr(5432).to_string(), "10.77.0.9:5432");
+        assert_eq!(
+            argv(&host.command("etcd")),
+            ["ip", "netns", "exec", "pg1", "etcd"]
+        );
+        assert_eq!(
+            argv(&host.command_as("patroni", Some((105, 110)))),
+            [
+                "ip",
+                "netns",
+                "exec",
+                "pg1",
+                "setpriv",
+                "--reuid=105",
+                "--regid=110",
+                "--clear-groups",
+                "--",
+                "patroni"
+            ]
+        );
+    }
+}
