@@ -20,7 +20,7 @@
 //! deduplicated: the edge dedupes those.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
@@ -62,6 +62,14 @@ pub struct Attempt {
     pub state: AttemptState,
     /// The ledger entry of an executed attempt.
     pub charge_id: Option<u64>,
+    /// When it started and when it ended (executed, fenced or abandoned), by the wall clock
+    /// (Unix ms): a test's history of what ran when.
+    pub started_unix_ms: u64,
+    pub ended_unix_ms: Option<u64>,
+    /// The status and SHA-256 (hex) of the body of the response an executed attempt produced,
+    /// to check a replay against byte for byte.
+    pub response_status: Option<u16>,
+    pub response_sha256: Option<String>,
     #[serde(skip)]
     pub response: Option<Produced>,
     #[serde(skip)]
@@ -205,6 +213,10 @@ impl Attempts {
                     Started::Refused(_) => AttemptState::Fenced,
                 },
                 charge_id: None,
+                started_unix_ms: unix_ms(),
+                ended_unix_ms: (!matches!(started, Started::Run)).then(unix_ms),
+                response_status: None,
+                response_sha256: None,
                 response: None,
                 started: now,
                 due: now + expected,
@@ -231,6 +243,7 @@ impl Attempts {
         if let Some((state, committed)) = decided {
             if let Some(a) = self.by_id.get_mut(&id) {
                 a.state = state;
+                a.ended_unix_ms = Some(unix_ms());
             }
             return committed;
         }
@@ -238,6 +251,9 @@ impl Attempts {
         if let Some(a) = self.by_id.get_mut(&id) {
             a.state = AttemptState::Executed;
             a.charge_id = Some(charge_id);
+            a.ended_unix_ms = Some(unix_ms());
+            a.response_status = Some(produced.status);
+            a.response_sha256 = Some(crate::sha256_hex(&produced.body));
             a.response = Some(produced.clone());
         }
         Committed::Ran(produced)
@@ -248,6 +264,7 @@ impl Attempts {
         if let Some(a) = self.by_id.get_mut(&id) {
             if a.state == AttemptState::Running {
                 a.state = AttemptState::Abandoned;
+                a.ended_unix_ms = Some(unix_ms());
             }
         }
     }
@@ -302,6 +319,13 @@ impl Attempts {
     }
 }
 
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,6 +373,13 @@ mod tests {
             a.reconcile(scope("k"), 10),
             Reconciled::Executed(produced(1))
         );
+        let listed = &a.list()[0];
+        assert_eq!(listed.response_status, Some(201));
+        assert_eq!(
+            listed.response_sha256.as_deref(),
+            Some(crate::sha256_hex(b"{\"id\":1}").as_str())
+        );
+        assert!(listed.ended_unix_ms >= Some(listed.started_unix_ms));
     }
 
     #[test]

@@ -513,8 +513,8 @@ fn transport(headers: &HeaderMap, p: Produced) -> Response {
     Response::from_parts(parts, Body::from(bytes))
 }
 
-/// Hex SHA-256 of the body as received.
-fn sha256_hex(data: &[u8]) -> String {
+/// Hex SHA-256 of a body (as received, or as produced).
+pub(crate) fn sha256_hex(data: &[u8]) -> String {
     use sha2::{Digest, Sha256};
     Sha256::digest(data)
         .iter()

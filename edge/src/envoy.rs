@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::net::{http_get_blocking, wait_for_port};
-use crate::process::{workspace_root, ChildGuard};
+use crate::net::{http_get_at, wait_for_addr};
+use crate::process::{workspace_root, ChildGuard, Host};
 
 /// The Envoy release this project is built and tested against.
 pub const ENVOY_VERSION: &str = "1.40.0";
@@ -63,6 +63,8 @@ pub struct EnvoyProcess {
     pub log_path: PathBuf,
     pub listen_port: u16,
     pub admin_port: Option<u16>,
+    /// Where it runs; its listener and admin port are probed at this host's address.
+    pub host: Host,
     child: ChildGuard,
 }
 
@@ -78,6 +80,27 @@ impl EnvoyProcess {
         dir: &Path,
         name: &str,
     ) -> Result<Self, String> {
+        Self::start_on(
+            &Host::loopback(),
+            config,
+            workers,
+            listen_port,
+            admin_port,
+            dir,
+            name,
+        )
+    }
+
+    /// [`EnvoyProcess::start`] on `host`.
+    pub fn start_on(
+        host: &Host,
+        config: &str,
+        workers: u32,
+        listen_port: u16,
+        admin_port: Option<u16>,
+        dir: &Path,
+        name: &str,
+    ) -> Result<Self, String> {
         let bin = envoy_binary()?;
         let config_path = dir.join(format!("{name}.yaml"));
         std::fs::write(&config_path, config)
@@ -85,7 +108,7 @@ impl EnvoyProcess {
         let log_path = dir.join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(&bin);
+        let mut cmd = host.command(&bin);
         cmd.arg("-c")
             .arg(&config_path)
             // No hot-restart shared memory, so several Envoys can run on one host.
@@ -100,6 +123,7 @@ impl EnvoyProcess {
             log_path,
             listen_port,
             admin_port,
+            host: host.clone(),
             child,
         };
         envoy.wait_ready(Duration::from_secs(30))?;
@@ -112,9 +136,12 @@ impl EnvoyProcess {
             if !self.child.is_running() {
                 return Err(format!("Envoy exited during start-up\n{}", self.log_tail()));
             }
-            let listening = wait_for_port(self.listen_port, Duration::from_millis(100)).is_ok();
+            let listening =
+                wait_for_addr(self.host.addr(self.listen_port), Duration::from_millis(100)).is_ok();
             let live = match self.admin_port {
-                Some(p) => http_get_blocking(p, "/ready").is_ok_and(|b| b.trim() == "LIVE"),
+                Some(p) => {
+                    http_get_at(self.host.addr(p), "/ready").is_ok_and(|b| b.trim() == "LIVE")
+                }
                 None => true,
             };
             if listening && live {

@@ -8,6 +8,9 @@
 //! makes a throwaway one on free ports (the HA tests), stopped and removed by a watchdog once
 //! the test process has exited, like [`crate::postgres::TempCluster`].
 //!
+//! Every part runs on loopback, or, for the partition tests, each on a host of its own
+//! ([`HaHosts`]): etcd, each node (its Patroni and Postgres) and HAProxy.
+//!
 //! Patroni's timings are tuned for a test (`ttl` 10 s, `loop_wait` 1 s, `retry_timeout` 4 s):
 //! a lost primary is replaced after about `ttl`. docs/RELIABILITY.md says what to use in
 //! production.
@@ -17,9 +20,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::net::{free_port, http_get_blocking, wait_for_port};
+use crate::net::{free_port, http_get_at, wait_for_addr};
 use crate::postgres::{chown_recursive, find_bin_dir, tail, unique_temp_dir, unprivileged_ids};
-use crate::process::{send_signal, ChildGuard, Signal};
+use crate::process::{send_signal, ChildGuard, Host, Signal};
 
 const INSTALL_HINT: &str = "HA needs Debian's `patroni`, `etcd-server` and `haproxy` packages: \
      `make tools HA=1` installs them as root, or run `sudo apt-get install -y patroni etcd-server haproxy`";
@@ -79,6 +82,29 @@ impl HaPorts {
     }
 }
 
+/// Where each part of the cluster runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HaHosts {
+    pub etcd: Host,
+    /// Each node: its Patroni and its Postgres.
+    pub nodes: [Host; 2],
+    pub haproxy: Host,
+    /// Who Postgres lets in without a password (`pg_hba`), as an address range.
+    pub trusted: String,
+}
+
+impl HaHosts {
+    /// Everything on 127.0.0.1.
+    pub fn loopback() -> Self {
+        Self {
+            etcd: Host::loopback(),
+            nodes: [Host::loopback(), Host::loopback()],
+            haproxy: Host::loopback(),
+            trusted: "127.0.0.1/32".to_owned(),
+        }
+    }
+}
+
 /// What a node's Patroni says it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -103,6 +129,7 @@ struct Node {
 pub struct HaCluster {
     root: PathBuf,
     ports: HaPorts,
+    hosts: HaHosts,
     run_as: Option<(u32, u32)>,
     bin: PathBuf,
     remove_on_drop: bool,
@@ -135,7 +162,13 @@ impl HaCluster {
     /// A throwaway cluster on free ports (tests).
     pub fn start() -> Result<Self, String> {
         let root = crate::data_home::throwaway_home(unique_temp_dir()?, unprivileged_ids()?)?;
-        Self::launch(root, HaPorts::free(), true)
+        Self::launch(root, HaPorts::free(), HaHosts::loopback(), true)
+    }
+
+    /// A throwaway cluster whose parts run on `hosts`, on `ports` (the partition tests).
+    pub fn start_on(hosts: HaHosts, ports: HaPorts) -> Result<Self, String> {
+        let root = crate::data_home::throwaway_home(unique_temp_dir()?, unprivileged_ids()?)?;
+        Self::launch(root, ports, hosts, true)
     }
 
     /// A cluster in `dir` that keeps its data across runs (the demo, `edge run`).
@@ -145,10 +178,15 @@ impl HaCluster {
                 .iter()
                 .any(|n| d.join(n).join("data/PG_VERSION").is_file())
         })?;
-        Self::launch(root, ports, false)
+        Self::launch(root, ports, HaHosts::loopback(), false)
     }
 
-    fn launch(root: PathBuf, ports: HaPorts, throwaway: bool) -> Result<Self, String> {
+    fn launch(
+        root: PathBuf,
+        ports: HaPorts,
+        hosts: HaHosts,
+        throwaway: bool,
+    ) -> Result<Self, String> {
         check_installed()?;
         let bin = find_bin_dir()?;
         let run_as = unprivileged_ids()?;
@@ -162,6 +200,7 @@ impl HaCluster {
             nodes: [node(0, "node1"), node(1, "node2")],
             root,
             ports,
+            hosts,
             run_as,
             bin,
             remove_on_drop: throwaway,
@@ -192,6 +231,10 @@ impl HaCluster {
         self.ports
     }
 
+    pub fn hosts(&self) -> &HaHosts {
+        &self.hosts
+    }
+
     /// The folder with every part's data, configuration and log.
     pub fn root(&self) -> &Path {
         &self.root
@@ -199,7 +242,10 @@ impl HaCluster {
 
     /// URL of database `db` through HAProxy (the primary).
     pub fn url_for(&self, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{db}", self.ports.proxy)
+        format!(
+            "postgres://postgres@{}/{db}",
+            self.hosts.haproxy.addr(self.ports.proxy)
+        )
     }
 
     /// Runs one SQL command with `psql` through HAProxy; its unaligned output. Right after a
@@ -208,7 +254,7 @@ impl HaCluster {
     pub fn psql(&self, db: &str, sql: &str) -> Result<String, String> {
         let mut tries = 0;
         loop {
-            match self.psql_at(self.ports.proxy, db, sql) {
+            match self.psql_at(self.hosts.haproxy.addr(self.ports.proxy), db, sql) {
                 Err(e) if tries < 3 && e.contains("connection to server") => {
                     tries += 1;
                     std::thread::sleep(Duration::from_millis(500));
@@ -220,15 +266,13 @@ impl HaCluster {
 
     /// Runs one SQL command on node `i` directly (a standby answers reads).
     pub fn psql_node(&self, i: usize, db: &str, sql: &str) -> Result<String, String> {
-        self.psql_at(self.ports.postgres[i], db, sql)
+        self.psql_at(self.hosts.nodes[i].addr(self.ports.postgres[i]), db, sql)
     }
 
-    fn psql_at(&self, port: u16, db: &str, sql: &str) -> Result<String, String> {
+    fn psql_at(&self, at: std::net::SocketAddr, db: &str, sql: &str) -> Result<String, String> {
         let out = Command::new(self.bin.join("psql"))
             .args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-d"])
-            .arg(format!(
-                "postgres://postgres@127.0.0.1:{port}/{db}?connect_timeout=3"
-            ))
+            .arg(format!("postgres://postgres@{at}/{db}?connect_timeout=3"))
             .args(["-c", sql])
             .stdin(Stdio::null())
             .output()
@@ -259,14 +303,14 @@ impl HaCluster {
 
     /// What node `i`'s Patroni says it is.
     pub fn role(&self, i: usize) -> Role {
-        let port = self.nodes[i].rest_port;
-        if http_get_blocking(port, "/primary").is_ok() {
+        let rest = self.hosts.nodes[i].addr(self.nodes[i].rest_port);
+        if http_get_at(rest, "/primary").is_ok() {
             return Role::Primary;
         }
-        if http_get_blocking(port, "/synchronous").is_ok() {
+        if http_get_at(rest, "/synchronous").is_ok() {
             return Role::SyncStandby;
         }
-        match http_get_blocking(port, "/health") {
+        match http_get_at(rest, "/health") {
             Err(e) if e.contains("refused") || e.contains("os error") => Role::Down,
             _ => Role::Other,
         }
@@ -381,14 +425,14 @@ impl HaCluster {
         let node = &self.nodes[i];
         let config = node.dir.join("patroni.yml");
         let log = node.dir.with_extension("log");
-        let mut cmd = self.command("patroni");
+        let mut cmd = self.command(&self.hosts.nodes[i], "patroni");
         cmd.arg(&config);
         redirect(&mut cmd, &log)?;
         let guard = ChildGuard::spawn(&format!("patroni {}", node.name), &mut cmd)?;
         self.write_pid(node.name, &guard);
         self.nodes[i].patroni = Some(guard);
-        wait_for_port(self.nodes[i].rest_port, Duration::from_secs(20))
-            .map_err(|e| format!("{e}\n{}", tail(&log, 20)))
+        let rest = self.hosts.nodes[i].addr(self.nodes[i].rest_port);
+        wait_for_addr(rest, Duration::from_secs(20)).map_err(|e| format!("{e}\n{}", tail(&log, 20)))
     }
 
     /// Restarts the parts that died; says which (`edge run` supervises with it).
@@ -424,16 +468,15 @@ impl HaCluster {
         said
     }
 
-    fn command(&self, program: &str) -> Command {
-        let mut cmd = Command::new(program);
+    /// `program` on `host`, as the unprivileged user when we are root.
+    fn command(&self, host: &Host, program: &str) -> Command {
+        let mut cmd = host.command_as(program, self.run_as);
         cmd.current_dir(&self.root).stdin(Stdio::null());
         // Patroni's own Postgres must not see the caller's PG* settings.
         for var in ["PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGPASSWORD"] {
             cmd.env_remove(var);
         }
-        if let Some((uid, gid)) = self.run_as {
-            use std::os::unix::process::CommandExt as _;
-            cmd.uid(uid).gid(gid);
+        if self.run_as.is_some() {
             cmd.env("HOME", &self.root);
         }
         cmd
@@ -447,9 +490,10 @@ impl HaCluster {
 
     fn start_etcd(&mut self) -> Result<(), String> {
         let p = self.ports;
-        let client = format!("http://127.0.0.1:{}", p.etcd_client);
-        let peer = format!("http://127.0.0.1:{}", p.etcd_peer);
-        let mut cmd = self.command("etcd");
+        let etcd = &self.hosts.etcd;
+        let client = format!("http://{}", etcd.addr(p.etcd_client));
+        let peer = format!("http://{}", etcd.addr(p.etcd_peer));
+        let mut cmd = self.command(etcd, "etcd");
         cmd.args(["--name", "idem-etcd", "--data-dir"])
             .arg(self.root.join("etcd/data"))
             .args(["--listen-client-urls", &client])
@@ -462,23 +506,27 @@ impl HaCluster {
         let guard = ChildGuard::spawn("etcd", &mut cmd)?;
         self.write_pid("etcd", &guard);
         self.etcd = Some(guard);
-        wait_for_port(p.etcd_client, Duration::from_secs(20))
+        wait_for_addr(etcd.addr(p.etcd_client), Duration::from_secs(20))
             .map_err(|e| format!("{e}\n{}", tail(&self.root.join("etcd.log"), 20)))
     }
 
     fn start_haproxy(&mut self) -> Result<(), String> {
-        let mut cmd = self.command(if Path::new("/usr/sbin/haproxy").is_file() {
+        let program = if Path::new("/usr/sbin/haproxy").is_file() {
             "/usr/sbin/haproxy"
         } else {
             "haproxy"
-        });
+        };
+        let mut cmd = self.command(&self.hosts.haproxy, program);
         cmd.arg("-db").arg("-f").arg(self.root.join("haproxy.cfg"));
         redirect(&mut cmd, &self.root.join("haproxy.log"))?;
         let guard = ChildGuard::spawn("haproxy", &mut cmd)?;
         self.write_pid("haproxy", &guard);
         self.haproxy = Some(guard);
-        wait_for_port(self.ports.proxy, Duration::from_secs(10))
-            .map_err(|e| format!("{e}\n{}", tail(&self.root.join("haproxy.log"), 20)))
+        wait_for_addr(
+            self.hosts.haproxy.addr(self.ports.proxy),
+            Duration::from_secs(10),
+        )
+        .map_err(|e| format!("{e}\n{}", tail(&self.root.join("haproxy.log"), 20)))
     }
 
     fn write_configs(&self) -> Result<(), String> {
@@ -494,6 +542,7 @@ impl HaCluster {
     fn patroni_yaml(&self, i: usize, node: &Node) -> String {
         let p = self.ports;
         let pg_port = p.postgres[i];
+        let address = self.hosts.nodes[i].address;
         format!(
             r#"# Written by edge (edge/src/ha.rs); rewritten at every start.
 scope: idempotency
@@ -502,10 +551,10 @@ name: {name}
 log:
   level: INFO
 restapi:
-  listen: 127.0.0.1:{rest}
-  connect_address: 127.0.0.1:{rest}
+  listen: {address}:{rest}
+  connect_address: {address}:{rest}
 etcd3:
-  host: 127.0.0.1:{etcd}
+  host: {etcd}
 bootstrap:
   dcs:
     ttl: {ttl}
@@ -526,6 +575,12 @@ bootstrap:
         synchronous_commit: "on"
         fsync: "on"
         wal_keep_size: 256MB
+        # A primary cut off from its standby without a reset (a black-holed link) shuts down
+        # only once its walsender gives up on the standby: with the default 60 s, Patroni's
+        # demotion of a primary that lost etcd outlasted its loop, Patroni demoted it a second
+        # time meanwhile, two postmasters raced, pg_rewind failed and the node never rejoined
+        # (tests/tests/partitions.rs, the zombie primary).
+        wal_sender_timeout: 5s
         autovacuum_naptime: 10s
   initdb:
     - encoding: UTF8
@@ -533,11 +588,11 @@ bootstrap:
     - data-checksums
   pg_hba:
     - local all all trust
-    - host replication all 127.0.0.1/32 trust
-    - host all all 127.0.0.1/32 trust
+    - host replication all {trusted} trust
+    - host all all {trusted} trust
 postgresql:
-  listen: 127.0.0.1:{pg_port}
-  connect_address: 127.0.0.1:{pg_port}
+  listen: {address}:{pg_port}
+  connect_address: {address}:{pg_port}
   data_dir: {data}
   bin_dir: {bin}
   pgpass: {dir}/pgpass
@@ -560,7 +615,8 @@ watchdog:
 "#,
             name = node.name,
             rest = node.rest_port,
-            etcd = p.etcd_client,
+            etcd = self.hosts.etcd.addr(p.etcd_client),
+            trusted = self.hosts.trusted,
             ttl = TTL_S,
             loop_wait = LOOP_WAIT_S,
             data = node.dir.join("data").display(),
@@ -584,18 +640,18 @@ defaults
     # down by a slow check loses its sessions (below), so a check is given 2 s and 3 tries.
     timeout check 2s
 listen postgres_primary
-    bind 127.0.0.1:{proxy}
+    bind {proxy}
     option httpchk GET /primary
     http-check expect status 200
     # A node that stops being primary loses its sessions at once: the state API reconnects
     # to the new one instead of writing into a demoted server.
     default-server inter 500ms fall 3 rise 1 on-marked-down shutdown-sessions
-    server node1 127.0.0.1:{pg1} check port {rest1}
-    server node2 127.0.0.1:{pg2} check port {rest2}
+    server node1 {pg1} check port {rest1}
+    server node2 {pg2} check port {rest2}
 "#,
-            proxy = p.proxy,
-            pg1 = p.postgres[0],
-            pg2 = p.postgres[1],
+            proxy = self.hosts.haproxy.addr(p.proxy),
+            pg1 = self.hosts.nodes[0].addr(p.postgres[0]),
+            pg2 = self.hosts.nodes[1].addr(p.postgres[1]),
             rest1 = p.rest[0],
             rest2 = p.rest[1],
         )

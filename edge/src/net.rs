@@ -44,7 +44,11 @@ fn unclaimed_range() -> (u16, u16) {
 
 /// Waits until something accepts TCP connections on 127.0.0.1:`port`.
 pub fn wait_for_port(port: u16, timeout: Duration) -> Result<(), String> {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_for_addr(SocketAddr::from(([127, 0, 0, 1], port)), timeout)
+}
+
+/// Waits until something accepts TCP connections on `addr`.
+pub fn wait_for_addr(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
@@ -52,15 +56,20 @@ pub fn wait_for_port(port: u16, timeout: Duration) -> Result<(), String> {
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    Err(format!(
-        "nothing listened on 127.0.0.1:{port} within {timeout:?}"
-    ))
+    Err(format!("nothing listened on {addr} within {timeout:?}"))
 }
 
 /// Minimal HTTP/1.1 GET for admin endpoints, so the harness needs no async runtime for it.
 pub fn http_get_blocking(port: u16, path: &str) -> Result<String, String> {
+    http_get_at(SocketAddr::from(([127, 0, 0, 1], port)), path)
+}
+
+/// [`http_get_blocking`] to `addr`: the body of a 200, else the status line or the error. A
+/// peer that does not answer the connection within 5 s is an error too (a cut link).
+pub fn http_get_at(addr: SocketAddr, path: &str) -> Result<String, String> {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(Duration::from_secs(5)))
         .map_err(|e| e.to_string())?;
     write!(

@@ -1,8 +1,11 @@
-//! Child processes that die with their owner, and signals sent to processes.
+//! Child processes that die with their owner, the host they run on, and signals sent to
+//! processes.
 //!
 //! Signals go through the kernel (`kill(2)` via rustix), never through a `kill` command: the
 //! slim container image has no procps, and a stop that was not delivered must be seen.
 
+use std::ffi::OsStr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 
@@ -33,6 +36,68 @@ pub enum Stopped {
     Killed,
     /// There was nothing to stop.
     NotRunning,
+}
+
+/// Where a process runs and answers: this machine's loopback (what every launcher does unless
+/// told otherwise), or a host of its own with its own address, such as a network namespace of
+/// the partition tests, whose programs are started through a prefix (`ip netns exec <name>`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    pub address: IpAddr,
+    /// The command a program is run through on this host (empty: run it directly).
+    pub prefix: Vec<String>,
+}
+
+impl Default for Host {
+    fn default() -> Self {
+        Self::loopback()
+    }
+}
+
+impl Host {
+    /// 127.0.0.1, programs run directly.
+    pub fn loopback() -> Self {
+        Self {
+            address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            prefix: Vec::new(),
+        }
+    }
+
+    /// `port` at this host's address.
+    pub fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(self.address, port)
+    }
+
+    /// A command that runs `program` on this host.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        self.command_as(program, None)
+    }
+
+    /// The same, as the unprivileged user `run_as` (uid, gid) when given. A prefix such as
+    /// `ip netns exec` needs root, so there the user changes after it, through `setpriv`.
+    pub fn command_as(&self, program: impl AsRef<OsStr>, run_as: Option<(u32, u32)>) -> Command {
+        let Some((first, rest)) = self.prefix.split_first() else {
+            let mut cmd = Command::new(program);
+            if let Some((uid, gid)) = run_as {
+                use std::os::unix::process::CommandExt as _;
+                cmd.uid(uid).gid(gid);
+            }
+            return cmd;
+        };
+        let mut cmd = Command::new(first);
+        cmd.args(rest);
+        if let Some((uid, gid)) = run_as {
+            cmd.args([
+                "setpriv".to_owned(),
+                format!("--reuid={uid}"),
+                format!("--regid={gid}"),
+                "--clear-groups".to_owned(),
+                "--".to_owned(),
+            ]);
+        }
+        cmd.arg(program);
+        cmd
+    }
 }
 
 /// A spawned process, killed (SIGKILL) and reaped when dropped.
@@ -288,5 +353,43 @@ mod tests {
         .unwrap();
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(child.terminate(Duration::from_millis(300)), Stopped::Killed);
+    }
+
+    fn argv(cmd: &Command) -> Vec<String> {
+        std::iter::once(cmd.get_program())
+            .chain(cmd.get_args())
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_host_runs_its_programs_through_its_prefix_and_changes_user_after_it() {
+        assert_eq!(argv(&Host::loopback().command("etcd")), ["etcd"]);
+        let host = Host {
+            address: "10.77.0.9"
+                .parse()
+                .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            prefix: vec!["ip".into(), "netns".into(), "exec".into(), "pg1".into()],
+        };
+        assert_eq!(host.addr(5432).to_string(), "10.77.0.9:5432");
+        assert_eq!(
+            argv(&host.command("etcd")),
+            ["ip", "netns", "exec", "pg1", "etcd"]
+        );
+        assert_eq!(
+            argv(&host.command_as("patroni", Some((105, 110)))),
+            [
+                "ip",
+                "netns",
+                "exec",
+                "pg1",
+                "setpriv",
+                "--reuid=105",
+                "--regid=110",
+                "--clear-groups",
+                "--",
+                "patroni"
+            ]
+        );
     }
 }

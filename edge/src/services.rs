@@ -1,17 +1,20 @@
 //! The project's own services as real processes: the state API (and, for the demo and the
 //! tests, the demo checkout).
 
+use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use crate::net::{http_get_blocking, wait_for_port};
-use crate::process::{send_signal, workspace_binary, ChildGuard, Signal};
+use crate::net::{http_get_at, wait_for_addr};
+use crate::process::{send_signal, workspace_binary, ChildGuard, Host, Signal};
 
-/// A running service binary of this workspace on a loopback port.
+/// A running service binary of this workspace, on a loopback port or on a host of its own.
 pub struct Service {
     pub name: String,
     pub port: u16,
+    /// Where it answers (`127.0.0.1:<port>` on loopback).
+    pub addr: SocketAddr,
     pub log_path: std::path::PathBuf,
     child: ChildGuard,
 }
@@ -34,25 +37,40 @@ impl Service {
         dir: &Path,
         ready_path: &str,
     ) -> Result<Self, String> {
-        Self::start_with(name, port, envs, dir, Ready::Http(ready_path))
+        let addr = Host::loopback().addr(port);
+        Self::start_with(
+            name,
+            &Host::loopback(),
+            addr,
+            envs,
+            dir,
+            Ready::Http(ready_path),
+        )
     }
 
+    /// Starts `name` on `host`, ready once it answers at `addr`.
     pub fn start_with(
         name: &str,
-        port: u16,
+        host: &Host,
+        addr: SocketAddr,
         envs: &[(&str, String)],
         dir: &Path,
         ready: Ready<'_>,
     ) -> Result<Self, String> {
         let bin = workspace_binary(name)?;
-        let log_path = dir.join(format!("{name}-{port}.log"));
+        let port = addr.port();
+        let log_path = if host.prefix.is_empty() {
+            dir.join(format!("{name}-{port}.log"))
+        } else {
+            dir.join(format!("{name}-{}-{port}.log", host.address))
+        };
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log_path)
             .map_err(|e| e.to_string())?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(bin);
+        let mut cmd = host.command(bin);
         cmd.envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
             .env(
                 "RUST_LOG",
@@ -65,6 +83,7 @@ impl Service {
         let mut service = Self {
             name: name.to_owned(),
             port,
+            addr,
             log_path,
             child,
         };
@@ -82,10 +101,10 @@ impl Service {
                     self.log_tail()
                 ));
             }
-            let up = wait_for_port(self.port, Duration::from_millis(100)).is_ok();
+            let up = wait_for_addr(self.addr, Duration::from_millis(100)).is_ok();
             if up
                 && match ready {
-                    Ready::Http(path) => http_get_blocking(self.port, path).is_ok(),
+                    Ready::Http(path) => http_get_at(self.addr, path).is_ok(),
                     Ready::Listening => true,
                 }
             {
@@ -94,15 +113,15 @@ impl Service {
             std::thread::sleep(Duration::from_millis(50));
         }
         Err(format!(
-            "{} was not ready on :{} within {timeout:?}\n{}",
+            "{} was not ready on {} within {timeout:?}\n{}",
             self.name,
-            self.port,
+            self.addr,
             self.log_tail()
         ))
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
+        format!("http://{}{path}", self.addr)
     }
 
     pub fn log_tail(&self) -> String {
@@ -149,19 +168,31 @@ pub struct StateApiSettings {
     pub database_url: String,
     pub api_token: String,
     pub key_secret: String,
-    /// Where it binds (`127.0.0.1:<port>` when `None`); it is probed on 127.0.0.1:`port`.
+    /// Where it binds (the host's address and `port` when `None`); it is probed there, or at
+    /// the host's address when it binds every address (`0.0.0.0`).
     pub listen: Option<std::net::SocketAddr>,
     pub extra_env: Vec<(String, String)>,
 }
 
 pub fn start_state_api(s: &StateApiSettings, dir: &Path) -> Result<Service, String> {
+    start_state_api_on(&Host::loopback(), s, dir)
+}
+
+/// [`start_state_api`] on `host`.
+pub fn start_state_api_on(
+    host: &Host,
+    s: &StateApiSettings,
+    dir: &Path,
+) -> Result<Service, String> {
+    let listen = s.listen.unwrap_or_else(|| host.addr(s.port));
+    let probe = if listen.ip().is_unspecified() {
+        host.addr(listen.port())
+    } else {
+        listen
+    };
     let mut envs = vec![
         ("DATABASE_URL", s.database_url.clone()),
-        (
-            "LISTEN_ADDR",
-            s.listen
-                .map_or_else(|| format!("127.0.0.1:{}", s.port), |a| a.to_string()),
-        ),
+        ("LISTEN_ADDR", listen.to_string()),
         ("STATE_API_TOKEN", s.api_token.clone()),
         ("IDEM_KEY_SECRET", s.key_secret.clone()),
     ];
@@ -172,15 +203,22 @@ pub fn start_state_api(s: &StateApiSettings, dir: &Path) -> Result<Service, Stri
     } else {
         Ready::Http("/readyz")
     };
-    Service::start_with("state-api", s.port, &envs, dir, ready)
+    Service::start_with("state-api", host, probe, &envs, dir, ready)
 }
 
 pub fn start_checkout(port: u16, dir: &Path) -> Result<Service, String> {
-    Service::start(
+    start_checkout_on(&Host::loopback(), port, dir)
+}
+
+/// The demo checkout on `host`.
+pub fn start_checkout_on(host: &Host, port: u16, dir: &Path) -> Result<Service, String> {
+    let addr = host.addr(port);
+    Service::start_with(
         "checkout",
-        port,
-        &[("CHECKOUT_LISTEN", format!("127.0.0.1:{port}"))],
+        host,
+        addr,
+        &[("CHECKOUT_LISTEN", addr.to_string())],
         dir,
-        "/healthz",
+        Ready::Http("/healthz"),
     )
 }

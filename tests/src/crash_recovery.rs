@@ -10,16 +10,14 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rustix::process::{kill_process, Pid, Signal};
+use crate::process::{send_signal, Signal};
 
 /// How long the postmaster may take to stop its children and start the startup process.
 const CATCH_WITHIN: Duration = Duration::from_secs(20);
 
-/// Sends `signal` to the process `pid`.
-pub fn signal(pid: u32, signal: Signal) -> Result<(), String> {
-    let raw = i32::try_from(pid).map_err(|_| format!("process id {pid} out of range"))?;
-    let pid = Pid::from_raw(raw).ok_or_else(|| format!("process id {raw} is not a process"))?;
-    kill_process(pid, signal).map_err(|e| format!("cannot signal process {raw}: {e}"))
+/// Sends `signal` to the process `pid` ([`send_signal`], its error as text).
+fn signal(pid: u32, signal: Signal) -> Result<(), String> {
+    send_signal(pid, signal).map_err(|e| e.to_string())
 }
 
 /// The children of `parent` with their command lines (`postgres: startup recovering ...`,

@@ -11,10 +11,10 @@ use std::sync::Arc;
 use edge::config::{Config, Endpoint, Jwks, Subject};
 use edge::envoy::EnvoyProcess;
 
-use crate::process::workspace_root;
+use crate::process::{workspace_root, Host};
 
 pub use edge::envoy::{envoy_binary, filter_wasm, ENVOY_VERSION};
-pub use edge::net::http_get_blocking;
+pub use edge::net::{http_get_at, http_get_blocking};
 
 /// A change to the rendered configuration a test makes (a route's policy, a reconcile
 /// endpoint of its own).
@@ -160,8 +160,18 @@ pub struct Envoy {
 impl Envoy {
     /// Renders the configuration into `dir`, starts Envoy and waits until it is ready.
     pub fn start(params: EnvoyParams, dir: &Path, name: &str) -> Result<Self, String> {
+        Self::start_on(&Host::loopback(), params, dir, name)
+    }
+
+    /// [`Envoy::start`] on `host` (its listener and admin addresses are in `params`).
+    pub fn start_on(
+        host: &Host,
+        params: EnvoyParams,
+        dir: &Path,
+        name: &str,
+    ) -> Result<Self, String> {
         let yaml = params.render()?;
-        Self::run(yaml, params, dir, name)
+        Self::run(host, yaml, params, dir, name)
     }
 
     /// An Envoy from a benchmark template (e.g. [`plain_template_path`]).
@@ -174,7 +184,7 @@ impl Envoy {
         let text = std::fs::read_to_string(template)
             .map_err(|e| format!("cannot read the Envoy template {}: {e}", template.display()))?;
         let yaml = render_template(&text, &params)?;
-        Self::run(yaml, params, dir, name)
+        Self::run(&Host::loopback(), yaml, params, dir, name)
     }
 
     /// An Envoy from this rendered configuration, edited by the test (an HCM option a team
@@ -185,11 +195,18 @@ impl Envoy {
         dir: &Path,
         name: &str,
     ) -> Result<Self, String> {
-        Self::run(yaml, params, dir, name)
+        Self::run(&Host::loopback(), yaml, params, dir, name)
     }
 
-    fn run(yaml: String, params: EnvoyParams, dir: &Path, name: &str) -> Result<Self, String> {
-        let process = EnvoyProcess::start(
+    fn run(
+        host: &Host,
+        yaml: String,
+        params: EnvoyParams,
+        dir: &Path,
+        name: &str,
+    ) -> Result<Self, String> {
+        let process = EnvoyProcess::start_on(
+            host,
             &yaml,
             params.workers,
             params.listen_port,
@@ -207,11 +224,18 @@ impl Envoy {
 
     /// A blocking GET on the admin port (the admin server speaks plain HTTP/1.1).
     pub fn admin_get(&self, path: &str) -> Result<String, String> {
-        http_get_blocking(self.params.admin_port, path)
+        http_get_at(self.admin_addr()?, path)
+    }
+
+    fn admin_addr(&self) -> Result<SocketAddr, String> {
+        EnvoyParams::addr(&self.params.admin_address, self.params.admin_port)
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.params.listen_port)
+        format!(
+            "http://{}:{}{path}",
+            self.params.listen_address, self.params.listen_port
+        )
     }
 
     /// Last lines of Envoy's log, for failure messages.

@@ -1,8 +1,9 @@
 //! Parts that misbehave on purpose, for the fault and hostile-input suites, all on loopback:
 //!
 //! * [`DelayProxy`]: a TCP proxy put in front of a service (the state API) that can pass
-//!   traffic, hold every answer back for a while, swallow requests, or hang up at once; the mode
-//!   can be switched while it runs.
+//!   traffic, hold every answer back for a while, swallow requests, stall (forward nothing,
+//!   close nothing), or hang up at once; the mode can be switched while it runs. On loopback,
+//!   or on a host of the partition tests (a slow or black-holed link there).
 //! * [`FakeStateApi`]: an HTTP server that speaks just enough of the state API's contract to be
 //!   pointed at by an Envoy, and answers each claim in a way chosen by the claimed key's prefix
 //!   (garbage, wrong JSON, 500, an unknown outcome, ...), so cases can run side by side.
@@ -36,16 +37,47 @@ impl Background {
         F: FnOnce(TcpListener) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + 'static,
     {
-        let std_listener = std::net::TcpListener::bind("127.0.0.1:0")
-            .map_err(|e| format!("{name}: cannot bind: {e}"))?;
-        std_listener
-            .set_nonblocking(true)
-            .map_err(|e| e.to_string())?;
-        let port = std_listener.local_addr().map_err(|e| e.to_string())?.port();
+        Self::spawn_on(name, None, SocketAddr::from(([127, 0, 0, 1], 0)), serve)
+    }
+
+    /// Binds `bind` inside network namespace `netns` (the caller's when `None`) and runs
+    /// `serve(listener)` there until dropped: the connections it opens are on that host too.
+    pub(crate) fn spawn_on<F, Fut>(
+        name: &str,
+        netns: Option<String>,
+        bind: SocketAddr,
+        serve: F,
+    ) -> Result<(Self, u16), String>
+    where
+        F: FnOnce(TcpListener) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + 'static,
+    {
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (bound_tx, bound_rx) = std::sync::mpsc::channel::<Result<u16, String>>();
+        let label = name.to_owned();
         let thread = std::thread::Builder::new()
             .name(name.to_owned())
             .spawn(move || {
+                let bound = (|| {
+                    if let Some(ns) = &netns {
+                        crate::netns::enter_netns(ns).map_err(|e| e.to_string())?;
+                    }
+                    let l = std::net::TcpListener::bind(bind)
+                        .map_err(|e| format!("{label}: cannot bind {bind}: {e}"))?;
+                    l.set_nonblocking(true).map_err(|e| e.to_string())?;
+                    let port = l.local_addr().map_err(|e| e.to_string())?.port();
+                    Ok((l, port))
+                })();
+                let std_listener = match bound {
+                    Ok((l, port)) => {
+                        let _ = bound_tx.send(Ok(port));
+                        l
+                    }
+                    Err(e) => {
+                        let _ = bound_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
@@ -65,13 +97,14 @@ impl Background {
                 // Dropping the runtime cancels every connection task.
             })
             .map_err(|e| format!("{name}: cannot spawn its thread: {e}"))?;
-        Ok((
-            Self {
-                stop: Some(stop_tx),
-                thread: Some(thread),
-            },
-            port,
-        ))
+        let background = Self {
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        };
+        let port = bound_rx
+            .recv()
+            .map_err(|_| format!("{name}: its thread ended before binding"))??;
+        Ok((background, port))
     }
 }
 
@@ -99,6 +132,10 @@ pub enum ProxyMode {
     DelayAnswers(Duration),
     /// Read and drop everything either way: nothing is forwarded nor answered.
     Blackhole,
+    /// Forward nothing and close nothing: bytes wait, unread, until the mode changes (a
+    /// black-holed link: no reset, no FIN; what was sent arrives once it is healed, as TCP
+    /// retransmits it). New connections are accepted and wait too.
+    Stall,
     /// Close connections (new ones at once, pooled ones at their next chunk).
     HangUp,
     /// Answer every new connection's request with [`GARBAGE_ANSWER`] itself, then close: a
@@ -109,38 +146,78 @@ pub enum ProxyMode {
 /// What [`ProxyMode::Garbage`] answers: an HTML page with a nonsensical reconcile header.
 pub const GARBAGE_ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\nidempotency-outcome: perhaps\r\ncontent-length: 14\r\nconnection: close\r\n\r\n<html></html>\n";
 
-/// A loopback TCP proxy to `127.0.0.1:<target>` whose behaviour can be switched at any time.
-/// The mode is read when a connection is accepted and again for every chunk either way, so a
-/// switch also applies to connections Envoy already holds in its pool.
+/// A TCP proxy to `target` whose behaviour can be switched at any time. The mode is read when
+/// a connection is accepted and again for every chunk either way, so a switch also applies to
+/// connections Envoy already holds in its pool.
 pub struct DelayProxy {
     pub port: u16,
     pub target: u16,
     mode: Arc<Mutex<ProxyMode>>,
+    /// Chunks of answers held back by [`ProxyMode::DelayAnswers`] so far.
+    delayed: Arc<std::sync::atomic::AtomicU64>,
     _bg: Background,
 }
 
 impl DelayProxy {
+    /// On loopback, to 127.0.0.1:`target`; a connection lives at most twice [`MAX_HOLD`].
     pub fn start(target: u16, mode: ProxyMode) -> Result<Self, String> {
+        Self::relay(
+            None,
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            SocketAddr::from(([127, 0, 0, 1], target)),
+            mode,
+            MAX_HOLD * 2,
+        )
+    }
+
+    /// Listening on `bind` inside network namespace `netns` (a host of the partition tests),
+    /// to `target` as seen from there. Connections live as long as their ends keep them (a
+    /// relay on a link for a whole suite: Envoy's pooled connections must not be cut by it).
+    pub fn start_on(
+        netns: Option<String>,
+        bind: SocketAddr,
+        target: SocketAddr,
+        mode: ProxyMode,
+    ) -> Result<Self, String> {
+        Self::relay(netns, bind, target, mode, Duration::from_secs(24 * 3600))
+    }
+
+    fn relay(
+        netns: Option<String>,
+        bind: SocketAddr,
+        target: SocketAddr,
+        mode: ProxyMode,
+        life: Duration,
+    ) -> Result<Self, String> {
         let shared = Arc::new(Mutex::new(mode));
+        let delayed = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let m = Arc::clone(&shared);
-        let (bg, port) = Background::spawn("delay-proxy", move |listener| async move {
-            loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    continue;
-                };
-                let m = Arc::clone(&m);
-                tokio::task::spawn_local(async move {
-                    let _ = tokio::time::timeout(MAX_HOLD * 2, proxy_connection(client, target, m))
-                        .await;
-                });
-            }
-        })?;
+        let d = Arc::clone(&delayed);
+        let (bg, port) =
+            Background::spawn_on("delay-proxy", netns, bind, move |listener| async move {
+                loop {
+                    let Ok((client, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let (m, d) = (Arc::clone(&m), Arc::clone(&d));
+                    tokio::task::spawn_local(async move {
+                        let _ = tokio::time::timeout(life, proxy_connection(client, target, m, d))
+                            .await;
+                    });
+                }
+            })?;
         Ok(Self {
             port,
-            target,
+            target: target.port(),
             mode: shared,
+            delayed,
             _bg: bg,
         })
+    }
+
+    /// How many chunks of answers were held back so far (the proof that a delay is in force).
+    pub fn delayed_chunks(&self) -> u64 {
+        self.delayed.load(Ordering::Relaxed)
     }
 
     pub fn set_mode(&self, mode: ProxyMode) {
@@ -158,7 +235,20 @@ fn read_mode(m: &Mutex<ProxyMode>) -> ProxyMode {
     m.lock().map(|m| *m).unwrap_or(ProxyMode::Pass)
 }
 
-async fn proxy_connection(mut client: TcpStream, target: u16, mode: Arc<Mutex<ProxyMode>>) {
+/// Waits while the proxy stalls.
+async fn while_stalled(mode: &Mutex<ProxyMode>) {
+    while read_mode(mode) == ProxyMode::Stall {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn proxy_connection(
+    mut client: TcpStream,
+    target: SocketAddr,
+    mode: Arc<Mutex<ProxyMode>>,
+    delayed: Arc<std::sync::atomic::AtomicU64>,
+) {
+    while_stalled(&mode).await;
     match read_mode(&mode) {
         ProxyMode::HangUp => return,
         ProxyMode::Garbage => {
@@ -178,7 +268,7 @@ async fn proxy_connection(mut client: TcpStream, target: u16, mode: Arc<Mutex<Pr
         }
         _ => {}
     }
-    let Ok(upstream) = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], target))).await else {
+    let Ok(upstream) = TcpStream::connect(target).await else {
         return;
     };
     let _ = client.set_nodelay(true);
@@ -190,10 +280,12 @@ async fn proxy_connection(mut client: TcpStream, target: u16, mode: Arc<Mutex<Pr
     let up = async move {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
+            while_stalled(&up_mode).await;
             let n = match cr.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
+            while_stalled(&up_mode).await;
             match read_mode(&up_mode) {
                 ProxyMode::HangUp => return true,
                 ProxyMode::Blackhole => continue,
@@ -209,15 +301,20 @@ async fn proxy_connection(mut client: TcpStream, target: u16, mode: Arc<Mutex<Pr
     let down = async move {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
+            while_stalled(&mode).await;
             let n = match ur.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
+            while_stalled(&mode).await;
             match read_mode(&mode) {
-                ProxyMode::DelayAnswers(d) => tokio::time::sleep(d.min(MAX_HOLD)).await,
+                ProxyMode::DelayAnswers(d) => {
+                    delayed.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(d.min(MAX_HOLD)).await;
+                }
                 ProxyMode::HangUp => return true,
                 ProxyMode::Blackhole => continue,
-                ProxyMode::Pass | ProxyMode::Garbage => {}
+                ProxyMode::Pass | ProxyMode::Garbage | ProxyMode::Stall => {}
             }
             if cw.write_all(&buf[..n]).await.is_err() {
                 break;
@@ -655,6 +752,11 @@ pub fn executions_per_key(
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator that repeats the sequence of `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed.max(1))
+    }
+
     pub fn from_env(label: &str) -> Self {
         let seed = std::env::var("FAULT_SEED")
             .ok()

@@ -72,16 +72,26 @@ impl HaStack {
 
     /// Every log, for a failure message.
     pub fn logs(&self) -> String {
-        let mut out = self.ha.log_tails();
-        for api in &self.state_apis {
-            out.push_str(&api.log_tail());
-            out.push('\n');
-        }
-        for envoy in &self.envoys {
-            out.push_str(&envoy.log_tail());
-            out.push('\n');
-        }
-        out.push_str(&self.checkout.log_tail());
-        out
+        logs_of(&self.ha, &self.state_apis, &self.envoys, &self.checkout)
     }
+}
+
+/// The last lines of the cluster's, the state APIs', the Envoys' and the checkout's logs.
+pub fn logs_of(
+    ha: &HaCluster,
+    state_apis: &[Service],
+    envoys: &[Envoy],
+    checkout: &Service,
+) -> String {
+    let mut out = ha.log_tails();
+    for api in state_apis {
+        out.push_str(&api.log_tail());
+        out.push('\n');
+    }
+    for envoy in envoys {
+        out.push_str(&envoy.log_tail());
+        out.push('\n');
+    }
+    out.push_str(&checkout.log_tail());
+    out
 }

@@ -11,6 +11,9 @@ pub mod docker;
 pub mod envoy;
 pub mod faults;
 pub mod ha;
+pub mod history;
+pub mod netns;
+pub mod netstack;
 /// The runtime pieces the harness shares with `edge run`.
 pub use edge::{net, postgres, process, services};
 pub mod stack;
