@@ -262,6 +262,36 @@ pub fn spawn_purge(
     }))
 }
 
+/// Beats the database's pulse every [`store::PULSE_EVERY`] until `shutdown` turns true: while
+/// no state API gets through for a second, the lease guard counts the database as just come
+/// back, so an owner cut off from it by an outage (a frozen Postgres, a cut link) gets a whole
+/// lease to be heard before its lease counts as run out (issue 34, path 2).
+pub fn spawn_pulse(
+    state: AppState,
+    mut shutdown: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(store::PULSE_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            match state.store().pulse().await {
+                Ok(()) => failing = false,
+                // Once per outage: the claims and writes report theirs.
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(error = %e, "the database's pulse failed; retrying");
+                }
+                Err(_) => {}
+            }
+        }
+    })
+}
+
 /// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests
 /// (and the group commit's queues), stops the purge and closes the pool.
 pub async fn serve(
@@ -283,6 +313,7 @@ where
     L::Addr: std::fmt::Debug,
 {
     let (stop_tx, stop_rx) = watch::channel(false);
+    let pulse = spawn_pulse(state.clone(), stop_rx.clone());
     let purge = spawn_purge(state.clone(), stop_rx);
     let result = axum::serve(listener, app(state.clone()))
         .with_graceful_shutdown(shutdown)
@@ -292,6 +323,7 @@ where
     if let Some(p) = purge {
         let _ = p.await;
     }
+    let _ = pulse.await;
     state.store().pool().close().await;
     result.map_err(StartError::Io)
 }

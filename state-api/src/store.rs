@@ -414,6 +414,10 @@ pub struct PurgePass {
     pub backlog: bool,
 }
 
+/// How often each state API beats the database's pulse: four beats a second, against the
+/// guard's second of silence, so a loaded machine's late beat is not an outage.
+pub const PULSE_EVERY: Duration = Duration::from_millis(250);
+
 /// How far the purge's batches grow over `--purge-batch` while a backlog lasts.
 pub const PURGE_BATCH_GROWTH: u32 = 16;
 /// A purge statement faster than this lets the next one grow.
@@ -1051,6 +1055,15 @@ impl Store {
             Some(_) => Abandoned::Deleted,
             None => Abandoned::Nothing,
         })
+    }
+
+    /// One beat of the database's pulse (`idempotency_pulse()`, every [`PULSE_EVERY`] from
+    /// every state API): the lease guard counts a silence of more than a second as an outage.
+    pub async fn pulse(&self) -> Result<(), StoreError> {
+        sqlx::query!("SELECT idempotency_pulse() AS beat")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(())
     }
 
     /// Whether a record lives at `scope` (a lookup during a rotation of the key secret).

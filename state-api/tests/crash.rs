@@ -214,3 +214,37 @@ async fn reclaimed_a_lease_later(api: &Api, take_over: &ClaimRequest, stale: i64
         other => panic!("expected a reclaim a whole lease later, got {other:?}"),
     }
 }
+
+/// Issue 34, path 2, without a crash: a database frozen (SIGSTOP: a paused VM, a storage stall)
+/// for longer than a lease keeps its start, its timeline and its crash marker, so every lease
+/// that ran out meanwhile counted as run out the moment it answered again. The state APIs' pulse
+/// was silent all the while: the database counts as just come back, and an owner gets a whole
+/// lease to be heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_runs_out_only_a_whole_lease_after_the_database_was_frozen() {
+    use edge::process::Signal;
+    let mut cluster = edge::postgres::TempCluster::start_private().unwrap();
+    let url = cluster.fresh_database("frozen").unwrap();
+    let api = Api::start_on(&url, &[]).await;
+    // Serving (and beating) for longer than a lease.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let take_over = ClaimRequest {
+        on_unknown: OnUnknown::TakeOver,
+        ..claim_req("frozen", "alice", &fp(1), Some(60_000))
+    };
+    let stale = token_of(&api.claim("frozen", &fp(1), Some(1_000)).await);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cluster.signal_all(Signal::STOP).unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    cluster.signal_all(Signal::CONT).unwrap();
+    // The owner's lease ran out during the freeze, when nobody could be heard.
+    assert!(
+        matches!(
+            api.claim_with(&take_over).await,
+            ClaimResponse::InProgress { .. }
+        ),
+        "a lease that ran out while the database was frozen counted at once"
+    );
+    reclaimed_a_lease_later(&api, &take_over, stale).await;
+    api.shutdown().await;
+}

@@ -254,6 +254,15 @@ impl Db {
             .execute(&pool)
             .await
             .unwrap();
+        // The state API beats the database's pulse; without it the lease guard holds every
+        // lease (the database counts as just come back).
+        let beating = store.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = beating.pulse().await;
+                tokio::time::sleep(state_api::store::PULSE_EVERY).await;
+            }
+        });
         Self { store, pool }
     }
 
