@@ -554,12 +554,17 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
         return;
     }
     let window = now.saturating_sub(lease_ms);
-    if let Some(&(start, end, kind)) =
+    // A database outage that ended within the last lease (a pause counts once it is long
+    // enough to be one: shorter silences are latency, left to the heartbeats' count below).
+    let outage =
         w.ev.database_outages
             .iter()
             .rev()
-            .find(|(_, end, _)| *end > window)
-    {
+            .find(|(start, end, kind)| {
+                *end > window
+                    && (*kind != Outage::Paused || end - start > crate::world::PULSE_SILENCE_MS)
+            });
+    if let Some(&(start, end, kind)) = outage {
         let what = match kind {
             Outage::Database { in_place: true } => {
                 "a crash recovery in place (it recovered in place: serving_since did not move)"

@@ -78,10 +78,7 @@ pub const AWAITING_FIX: &[(&str, &str)] = &[
     // its claim (a claim held up, say by a paused database) finds nothing, and the claim then
     // commits with nobody to give it back (seed 1003855).
     ("path 4", "was ever forwarded"),
-    // Not covered by the fix of path 2 (the marker moves at a crash recovery, not at a pause):
-    // a claim queued behind a database paused longer than a lease takes over a live owner
-    // the moment the database resumes.
-    ("path 2", "resumed from a pause"),
+    ("path 6", "one still unanswered"),
     ("path 9", "key secret"),
     ("path 11", "reconcile answer"),
     ("path 12", "plain SHA-256"),

@@ -462,6 +462,9 @@ pub struct World {
 }
 
 const SUBJECTS: [&str; 2] = ["alice", "bob"];
+/// A silence of the state API's pulse longer than this counts as an outage for the lease
+/// guard (`serving_since` moves to its end).
+pub const PULSE_SILENCE_MS: u64 = 1_000;
 /// The global time a run starts at.
 const START_MS: u64 = 1_000;
 /// `response.flags` of Envoy's own timeouts (`CoreResponseFlag` bits 16 and 22), which the
@@ -1902,10 +1905,17 @@ impl World {
                     "region: a crash recovery in place"
                 });
             }
-            Outage::Paused if over_lease => {
-                self.reach("region: the database paused longer than a lease")
+            Outage::Paused | Outage::ApiDown => {
+                // The state API's pulse (a beat every 250 ms) was silent: past 1 s, the lease
+                // guard counts it as an outage too (the fix of path 2 without a crash).
+                if lasted > PULSE_SILENCE_MS {
+                    self.api.serving_since = self.now;
+                }
+                if kind == Outage::Paused && over_lease {
+                    self.reach("region: the database paused longer than a lease");
+                }
             }
-            _ => {}
+            Outage::None => {}
         }
         self.log(format!("state API back after {lasted} ms ({kind:?})"));
         check::outage_ended(self, since, kind);
