@@ -287,6 +287,7 @@ const CLAIM_SQL: &str = concat!(
                clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
                $8, $7, $9, clock_timestamp()
         WHERE NOT EXISTS (SELECT 1 FROM existing)
+          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.scope_hash = $1 AND a.nonce = $9)
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
     )
@@ -349,6 +350,8 @@ const WRITE_BATCH_SQL: &str = concat!(
                i.namespace, i.retention_ms, i.claim_nonce, clock_timestamp()
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
+          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a
+                          WHERE a.scope_hash = i.scope_hash AND a.nonce = i.claim_nonce)
         ORDER BY i.scope_hash
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
@@ -614,8 +617,14 @@ impl Store {
                     }
                 }
             };
-            // Still nothing: purged or released meanwhile, so insert again.
-            let Some(row) = row else { continue };
+            // Still nothing: purged or released meanwhile, so insert again; unless this claim
+            // attempt was abandoned before it got here (its insert is suppressed).
+            let Some(row) = row else {
+                if self.abandoned(c).await? {
+                    return Err(StoreError::CallerGone);
+                }
+                continue;
+            };
             let won = match decide(row, c, &self.sealer)? {
                 Step::Answer(outcome) => return Ok(outcome),
                 Step::Update(Decision::Reclaim { observed }) => {
@@ -636,6 +645,8 @@ impl Store {
                             AND lease_expires_at <= clock_timestamp()
                             AND idempotency_serving_since()
                                 <= clock_timestamp() - lease_ms * interval '1 millisecond'))
+                          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a
+                                          WHERE a.scope_hash = $1 AND a.nonce = $5)
                         RETURNING fencing_token",
                         &c.scope[..],
                         observed,
@@ -667,6 +678,7 @@ impl Store {
         response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
       AND expires_at <= clock_timestamp() AND state <> 'in_progress'
+      AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.scope_hash = $1 AND a.nonce = $10)
     RETURNING fencing_token",
                         &c.scope[..],
                         observed,
@@ -718,6 +730,9 @@ impl Store {
             };
             if let Some((token, reclaimed)) = won {
                 return Ok(ClaimResponse::claimed(token, c.lease_ms, reclaimed));
+            }
+            if self.abandoned(c).await? {
+                return Err(StoreError::CallerGone);
             }
             // Lost the compare-and-set: decide again on the row as it is now (the winner's).
             pending = self.read(&c.scope).await?;
@@ -1018,9 +1033,26 @@ impl Store {
         Ok(row.is_some())
     }
 
+    /// Whether the claim attempt `c` was abandoned by its filter before it got here.
+    async fn abandoned(&self, c: &NewClaim<'_>) -> Result<bool, StoreError> {
+        let Some(nonce) = c.nonce else {
+            return Ok(false);
+        };
+        Ok(sqlx::query_scalar!(
+            "SELECT 1 AS one FROM idempotency_abandoned WHERE scope_hash = $1 AND nonce = $2",
+            &c.scope[..],
+            nonce
+        )
+        .fetch_optional(&self.pool)
+        .await?
+        .is_some())
+    }
+
     /// Gives back the record that the claim attempt named `nonce` made or took over, its answer
     /// never having reached the filter ([`state_rules::writes::abandon`]): deleted, or unknown
-    /// again where it was taken over from an earlier attempt whose outcome is unknown.
+    /// again where it was taken over from an earlier attempt whose outcome is unknown. Finding
+    /// nothing (the claim has not got here yet, behind a slow database), it leaves a tombstone
+    /// that keeps that claim attempt from ever committing.
     pub async fn abandon(
         &self,
         scope: &ScopeHash,
@@ -1042,6 +1074,11 @@ impl Store {
         WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
           AND NOT unknown_before
         RETURNING 'deleted'::text AS became
+    ), tombstone AS (
+        INSERT INTO idempotency_abandoned (scope_hash, nonce)
+        SELECT $1, $2
+        WHERE NOT EXISTS (SELECT 1 FROM kept) AND NOT EXISTS (SELECT 1 FROM freed)
+        ON CONFLICT DO NOTHING
     )
     SELECT became AS "became!" FROM kept UNION ALL SELECT became FROM freed"#,
             &scope[..],
@@ -1173,6 +1210,12 @@ impl Store {
         retention_ms: i64,
     ) -> Result<PurgePass, StoreError> {
         let started = tokio::time::Instant::now();
+        // Tombstones of abandoned claims outlive any claim that could still arrive by minutes.
+        sqlx::query!(
+            "DELETE FROM idempotency_abandoned WHERE abandoned_at < clock_timestamp() - interval '10 minutes'"
+        )
+        .execute(&self.pool)
+        .await?;
         let max = batch.saturating_mul(PURGE_BATCH_GROWTH);
         let mut size = batch.max(1);
         let mut pass = PurgePass::default();

@@ -116,3 +116,34 @@ async fn a_lost_take_over_leaves_the_earlier_outcome_unknown() {
     );
     api.shutdown().await;
 }
+
+/// The abandon overtook its claim (the claim waited behind a slow database while its filter
+/// gave up): it leaves a tombstone, and the late claim attempt never commits, so the key does
+/// not sit in progress for a lease and then unknown, held for nobody. Another attempt (another
+/// nonce) claims the key as usual.
+#[tokio::test]
+async fn an_abandon_that_overtakes_its_claim_keeps_that_claim_from_committing() {
+    let api = Api::start(&[]).await;
+    let (status, body, _) = api.post("/v1/abandon", &abandon("early", "w5.1")).await;
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (200, Some("released")),
+        "{body}"
+    );
+    let late = serde_json::to_value(named("early", "w5.1", None)).unwrap();
+    let (status, body, _) = api.post("/v1/claim", &late).await;
+    assert_eq!(
+        status, 503,
+        "the late attempt answers as if its caller had gone: {body}"
+    );
+    let (status, record) = api.record("early", "alice").await;
+    assert_eq!(status, 404, "nothing committed: {record}");
+    assert!(matches!(
+        api.claim_with(&named("early", "w5.2", None)).await,
+        ClaimResponse::Claimed {
+            reclaimed: false,
+            ..
+        }
+    ));
+    api.shutdown().await;
+}

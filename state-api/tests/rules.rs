@@ -56,9 +56,11 @@ fn starts() -> Vec<Start> {
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
+    /// `abandoned`: its filter gave the attempt up before it got here (a tombstone).
     Claim {
         same_fp: bool,
         take_over: bool,
+        abandoned: bool,
     },
     Heartbeat {
         own: bool,
@@ -92,7 +94,13 @@ fn ops() -> Vec<Op> {
     }
     for same_fp in [true, false] {
         for take_over in [true, false] {
-            all.push(Op::Claim { same_fp, take_over });
+            for abandoned in [false, true] {
+                all.push(Op::Claim {
+                    same_fp,
+                    take_over,
+                    abandoned,
+                });
+            }
         }
     }
     all
@@ -163,6 +171,7 @@ fn rules_claim_answer(c: &ClaimOutcome<u16>) -> String {
         ClaimOutcome::Mismatch => "mismatch".into(),
         ClaimOutcome::Unknown => "unknown".into(),
         ClaimOutcome::Corrupt => "corrupt".into(),
+        ClaimOutcome::Abandoned => "caller gone".into(),
     }
 }
 
@@ -268,6 +277,10 @@ impl Db {
 
     /// Writes the record at `scope` as it is (times relative to the database's now).
     async fn put(&self, scope: &[u8], s: Start) {
+        sqlx::query("DELETE FROM idempotency_abandoned")
+            .execute(&self.pool)
+            .await
+            .unwrap();
         sqlx::query("DELETE FROM idempotency_records")
             .execute(&self.pool)
             .await
@@ -366,7 +379,21 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
     };
     let token = |own: bool| if own { TOKEN } else { TOKEN + 1_000 };
     match op {
-        Op::Claim { same_fp, take_over } => {
+        Op::Claim {
+            same_fp,
+            take_over,
+            abandoned,
+        } => {
+            if abandoned {
+                sqlx::query(
+                    "INSERT INTO idempotency_abandoned (scope_hash, nonce) VALUES ($1, $2)",
+                )
+                .bind(&scope[..])
+                .bind(CLAIM_NONCE)
+                .execute(&db.pool)
+                .await
+                .unwrap();
+            }
             let f = fp(if same_fp { 1 } else { 2 });
             let c = NewClaim {
                 scope: *scope,
@@ -380,7 +407,11 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
                 namespace: "",
                 nonce: Some(CLAIM_NONCE),
             };
-            claim_answer(&db.store.claim(&c).await.unwrap())
+            match db.store.claim(&c).await {
+                Ok(answer) => claim_answer(&answer),
+                Err(state_api::store::StoreError::CallerGone) => "caller gone".into(),
+                Err(e) => panic!("{e}"),
+            }
         }
         Op::Heartbeat { own } => format!(
             "{:?}",
@@ -439,7 +470,11 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
     let token = |own: bool| if own { TOKEN } else { TOKEN + 1_000 };
     let mut next = TOKEN + 10_000;
     match op {
-        Op::Claim { same_fp, take_over } => {
+        Op::Claim {
+            same_fp,
+            take_over,
+            abandoned,
+        } => {
             let terms = ClaimTerms {
                 fingerprint: Fingerprint {
                     alg: ALG.into(),
@@ -449,6 +484,7 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
                 retention_ms: RETENTION_MS,
                 take_over_unknown: take_over,
                 nonce: Some(CLAIM_NONCE.into()),
+                abandoned,
             };
             rules_claim_answer(&state_rules::claim(slot, &terms, clock, &mut || {
                 next += 1;

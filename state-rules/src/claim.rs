@@ -13,6 +13,9 @@ pub struct ClaimTerms {
     pub take_over_unknown: bool,
     /// The claim attempt's nonce (kept with a record it makes or takes over).
     pub nonce: Option<String>,
+    /// Its filter abandoned this attempt before it got here (the abandon left a tombstone for
+    /// its nonce): it never inserts or takes a record over.
+    pub abandoned: bool,
 }
 
 /// What the claim statement reads of the row it found or inserted (the store's `ClaimRow`,
@@ -130,6 +133,8 @@ pub enum ClaimOutcome<R> {
     Unknown,
     /// A completed record without a response: the store answers 500 and changes nothing.
     Corrupt,
+    /// The attempt was abandoned before it got here: nothing is written (its caller is gone).
+    Abandoned,
 }
 
 /// The whole claim on the record at its address (`slot`): read-or-insert, decide, and the
@@ -142,6 +147,9 @@ pub fn claim<R: Clone>(
     next_token: &mut dyn FnMut() -> i64,
 ) -> ClaimOutcome<R> {
     let Some(record) = slot.as_mut() else {
+        if terms.abandoned {
+            return ClaimOutcome::Abandoned;
+        }
         let token = next_token();
         *slot = Some(Record::claimed(
             terms.fingerprint.clone(),
@@ -173,6 +181,9 @@ pub fn claim<R: Clone>(
             ClaimOutcome::InProgress { lease_remaining_ms }
         }
         Decision::Unknown => ClaimOutcome::Unknown,
+        Decision::Reclaim { .. } | Decision::TakeOver { .. } if terms.abandoned => {
+            ClaimOutcome::Abandoned
+        }
         Decision::Reclaim { .. } => {
             let token = next_token();
             record.state = RecordState::InProgress;

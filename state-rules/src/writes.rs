@@ -123,8 +123,10 @@ pub enum Abandoned {
     Deleted,
     /// The claim had taken over an earlier attempt whose outcome is unknown: unknown again.
     Unknown,
-    /// No open record of that claim attempt (never committed, answered after all and moved
-    /// on, or another claim's now): nothing changed.
+    /// No open record of that claim attempt (not committed yet, answered after all and moved
+    /// on, or another claim's now): nothing changed here; the caller leaves a tombstone for the
+    /// nonce, so that the attempt, if it arrives later, never commits
+    /// ([`crate::ClaimTerms::abandoned`]).
     Nothing,
 }
 

@@ -14,6 +14,7 @@ fn terms(fp: &str, take_over: bool) -> ClaimTerms {
         retention_ms: 60_000,
         take_over_unknown: take_over,
         nonce: Some(format!("n-{fp}")),
+        abandoned: false,
     }
 }
 
@@ -197,4 +198,35 @@ fn an_abandoned_claim_gives_its_record_back_and_only_its_own() {
     let token = done.as_ref().unwrap().token;
     complete(&mut done, token, "201", 0, at(5));
     assert_eq!(abandon(&mut done, "n-bb", at(6)), Abandoned::Nothing);
+}
+
+#[test]
+fn a_claim_attempt_abandoned_before_it_arrives_never_commits() {
+    let mut slot: Option<Record<&str>> = None;
+    let mut t = Tokens(0);
+    let late = ClaimTerms {
+        abandoned: true,
+        ..terms("aa", true)
+    };
+    assert_eq!(
+        claim(&mut slot, &late, at(0), &mut || t.next()),
+        ClaimOutcome::Abandoned
+    );
+    assert!(slot.is_none());
+    // Over an unknown outcome it takes nothing over either; a read-only answer is still given.
+    claim(&mut slot, &terms("aa", false), at(0), &mut || t.next());
+    owner_unknown(&mut slot, 1, at(10));
+    assert_eq!(
+        claim(&mut slot, &late, at(20), &mut || t.next()),
+        ClaimOutcome::Abandoned
+    );
+    assert_eq!(slot.as_ref().unwrap().token, 1);
+    let held = ClaimTerms {
+        take_over_unknown: false,
+        ..late
+    };
+    assert_eq!(
+        claim(&mut slot, &held, at(30), &mut || t.next()),
+        ClaimOutcome::Unknown
+    );
 }
