@@ -222,7 +222,7 @@ pub fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
     let silent = silent_for(w, token);
     let (legit, how) = match by {
         Deleter::Owner => (true, "its owner released it".to_owned()),
-        Deleter::Abandon => (true, by.describe().to_owned()),
+        Deleter::Abandon | Deleter::GoneCaller => (true, by.describe().to_owned()),
         Deleter::Purge => {
             let retention = retention_of(w, token);
             (

@@ -51,6 +51,7 @@ pub const REGIONS: &[&str] = &[
     "a claim answer lost after its commit (timed out)",
     "a claim answer lost after its commit (the callout cancelled)",
     "a claim answer lost after its commit (unreadable)",
+    "the state API released a claim whose caller was gone",
     // The key secret.
     "the key secret rotated",
     "a record found under the previous key secret",
@@ -74,10 +75,6 @@ pub const REGIONS: &[&str] = &[
 /// break one of them and goes on (`make simulate AWAITING=1` does too); each line goes when
 /// its path's fix lands, and from then on such a violation fails the run.
 pub const AWAITING_FIX: &[(&str, &str)] = &[
-    // The fix of path 4 (3883ae3) leaves a race: an abandon that reaches the state API before
-    // its claim (a claim held up, say by a paused database) finds nothing, and the claim then
-    // commits with nobody to give it back (seed 1003855).
-    ("path 4", "was ever forwarded"),
     ("path 6", "one still unanswered"),
     ("path 9", "key secret"),
     ("path 11", "reconcile answer"),

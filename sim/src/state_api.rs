@@ -79,6 +79,8 @@ pub enum Deleter {
     /// Its claim's answer never reached the filter, which gave it back by the claim's nonce
     /// (nothing was forwarded).
     Abandon,
+    /// The state API itself: its claim was answered to a caller already gone.
+    GoneCaller,
     /// The purge (past its retention).
     Purge,
     /// An operator's release or purge (the admin API), without `force`.
@@ -91,6 +93,7 @@ impl Deleter {
         match self {
             Deleter::Owner => "its owner's release",
             Deleter::Abandon => "its owner's abandon (the claim's answer never reached it)",
+            Deleter::GoneCaller => "the state API's release for a caller already gone",
             Deleter::Purge => "the purge (past its retention)",
             Deleter::OperatorRelease => "an operator's release (without force)",
             Deleter::OperatorPurge => "an operator's purge (without force)",
@@ -153,11 +156,17 @@ pub struct ModelStateApi {
     pub took_over_unknown: BTreeMap<i64, Scope>,
     /// How each token was granted.
     pub grants: BTreeMap<i64, Grant>,
+    /// Claim attempts abandoned before they got here (address, nonce), and when: such a claim
+    /// never commits (kept ten minutes).
+    tombstones: BTreeMap<(Address, String), u64>,
     /// Every fingerprint a record was stored with, by scope.
     pub stored_fingerprints: BTreeSet<(Scope, String)>,
     /// What happened since the caller last took them ([`ModelStateApi::take_events`]).
     events: Vec<Event>,
 }
+
+/// How long the tombstone of an abandoned claim attempt is kept (the purge's 10 minutes).
+const TOMBSTONE_MS: u64 = 600_000;
 
 /// An answer: HTTP status and JSON body.
 pub type Answer = (u16, Vec<u8>);
@@ -275,6 +284,7 @@ impl ModelStateApi {
             issued: BTreeMap::new(),
             took_over_unknown: BTreeMap::new(),
             grants: BTreeMap::new(),
+            tombstones: BTreeMap::new(),
             stored_fingerprints: BTreeSet::new(),
             events: Vec::new(),
         }
@@ -477,6 +487,10 @@ impl ModelStateApi {
             retention_ms,
             take_over_unknown: r.on_unknown == OnUnknown::TakeOver,
             nonce: r.nonce.clone(),
+            abandoned: r
+                .nonce
+                .as_ref()
+                .is_some_and(|n| self.tombstones.contains_key(&(address.clone(), n.clone()))),
         };
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
@@ -516,6 +530,10 @@ impl ModelStateApi {
             ClaimOutcome::Unknown => ClaimResponse::Unknown,
             ClaimOutcome::Corrupt => {
                 return problem(ProblemKind::Internal, "completed record without a response")
+            }
+            // Its filter abandoned it before it got here: nothing written, a caller gone.
+            ClaimOutcome::Abandoned => {
+                return problem(ProblemKind::StateUnavailable, "the claim was abandoned")
             }
         };
         json(200, &answer)
@@ -761,6 +779,11 @@ impl ModelStateApi {
                 json(200, &WriteResponse::released())
             }
             (Abandoned::Unknown, _) => json(200, &WriteResponse::unknown()),
+            (Abandoned::Nothing, _) => {
+                // The claim may not have got here yet: it never commits when it does.
+                self.tombstones.insert((address, r.nonce), now);
+                json(200, &WriteResponse::released())
+            }
             _ => json(200, &WriteResponse::released()),
         }
     }
@@ -798,11 +821,37 @@ impl ModelStateApi {
         }
     }
 
+    /// A claim granted `token` to a caller that was gone when it was answered: the state API
+    /// releases it at once (as a release by its owner would). Whether it did.
+    pub fn release_for_gone_caller(&mut self, token: i64, now: u64) -> bool {
+        let Some(scope) = self.issued.get(&token).cloned() else {
+            return false;
+        };
+        let Some((address, _)) = self.find(&scope).filter(|(_, r)| r.token == token) else {
+            return false;
+        };
+        let clock = self.clock(now);
+        let mut slot = self.records.remove(&address);
+        let state = slot.as_ref().map(|s| s.state);
+        let released = writes::release(&mut slot, token, clock);
+        match slot {
+            Some(rec) => {
+                self.records.insert(address, rec);
+            }
+            None if released => self.delete_noted(address, token, Deleter::GoneCaller, state),
+            None => {}
+        }
+        released
+    }
+
     /// The purge's pass: every record past its expiry with an outcome is deleted, and one in
     /// progress whose owner is silent (the lease guard) is marked unknown. Returns how many it
     /// deleted and marked.
     pub fn purge(&mut self, now: u64) -> (usize, usize) {
         let clock = self.clock(now);
+        // Tombstones outlive any claim that could still arrive by minutes.
+        self.tombstones
+            .retain(|_, at| at.saturating_add(TOMBSTONE_MS) >= now);
         let addresses: Vec<Address> = self.records.keys().cloned().collect();
         let (mut deleted, mut marked) = (0, 0);
         for a in addresses {

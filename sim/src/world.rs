@@ -1664,7 +1664,22 @@ impl World {
                 if gave_up { " (the client left)" } else { "" }
             ));
         }
-        // Envoy cancels the stream's callouts.
+        // Envoy cancels the stream's callouts; an answer already on its way back is lost.
+        let answered: Vec<Callout> = self
+            .callouts
+            .iter()
+            .filter(|c| c.stream == Some(s) && !c.orphan && c.answer.is_some())
+            .cloned()
+            .collect();
+        for c in answered {
+            if let Some(answer) = &c.answer {
+                self.lost_grants(
+                    &c,
+                    answer,
+                    "its stream ended, and Envoy cancelled the callout",
+                );
+            }
+        }
         for c in self.callouts.iter_mut() {
             if c.stream == Some(s) && !c.orphan {
                 c.orphan = true;
@@ -1764,11 +1779,18 @@ impl World {
             ));
         }
         if c.orphan {
-            self.lost_grants(
-                &c,
-                &result,
-                "its stream ended, and Envoy cancelled the callout",
-            );
+            // The state API answers a caller that is gone: a claim that made it the owner is
+            // released at once (`batch.rs`, deliver_claim), since nothing was forwarded with it.
+            for token in self.granted_tokens(&c, &result) {
+                if self.api.release_for_gone_caller(token, self.now) {
+                    self.reach("region: the state API released a claim whose caller was gone");
+                    self.log(format!(
+                        "state API releases token {token}: its caller is gone ({})",
+                        c.orphaned_by
+                    ));
+                }
+            }
+            self.after_api(None);
             self.callouts.remove(i);
         } else {
             self.callouts[i].parked = None;
@@ -2035,37 +2057,7 @@ impl World {
     /// A claim answer the state API committed (a grant) that never reaches the filter: noted
     /// for invariant 8, and a region visited.
     fn lost_grants(&mut self, c: &Callout, result: &CalloutResult, how: &str) {
-        if !matches!(
-            c.path.as_str(),
-            CLAIM_PATH | contract::wire::CLAIMS_PATH | WRITES_PATH
-        ) {
-            return;
-        }
-        let CalloutResult::Response {
-            status: 200, body, ..
-        } = result
-        else {
-            return;
-        };
-        let granted: Vec<i64> = if c.path == CLAIM_PATH {
-            match contract::wire::ClaimResponse::read(body) {
-                Ok(contract::wire::ClaimResponse::Claimed { token, .. }) => vec![token],
-                _ => Vec::new(),
-            }
-        } else {
-            serde_json::from_slice::<serde_json::Value>(body)
-                .ok()
-                .and_then(|b| {
-                    let answers = b.get("answers")?.as_array()?.clone();
-                    Some(
-                        answers
-                            .iter()
-                            .filter_map(|a| a.get("answer")?.get("token")?.as_i64())
-                            .collect(),
-                    )
-                })
-                .unwrap_or_default()
-        };
+        let granted = self.granted_tokens(c, result);
         for token in granted {
             let Some(scope) = self.api.issued.get(&token).cloned() else {
                 continue;
@@ -2086,6 +2078,40 @@ impl World {
                 format!("the state API committed its claim (token {token}), and the answer never reached the filter ({how})")
             });
         }
+    }
+
+    /// The tokens a claim call's answer grants.
+    fn granted_tokens(&self, c: &Callout, result: &CalloutResult) -> Vec<i64> {
+        if !matches!(
+            c.path.as_str(),
+            CLAIM_PATH | contract::wire::CLAIMS_PATH | WRITES_PATH
+        ) {
+            return Vec::new();
+        }
+        let CalloutResult::Response {
+            status: 200, body, ..
+        } = result
+        else {
+            return Vec::new();
+        };
+        if c.path == CLAIM_PATH {
+            return match contract::wire::ClaimResponse::read(body) {
+                Ok(contract::wire::ClaimResponse::Claimed { token, .. }) => vec![token],
+                _ => Vec::new(),
+            };
+        }
+        serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|b| {
+                let answers = b.get("answers")?.as_array()?.clone();
+                Some(
+                    answers
+                        .iter()
+                        .filter_map(|a| a.get("answer")?.get("token")?.as_i64())
+                        .collect(),
+                )
+            })
+            .unwrap_or_default()
     }
 
     /// A claim that asked to wait and found its key in progress waits (`None`), within the
