@@ -81,6 +81,9 @@ pub struct ClaimJob {
     pub namespace: String,
     /// The claim attempt's nonce (`/v1/abandon`).
     pub nonce: Option<String>,
+    /// During a rotation of the key secret: the key's address under the previous one (the
+    /// claim's statement looks under both at once).
+    pub previous: Option<ScopeHash>,
     /// When its caller stops waiting for the answer.
     pub deadline: Instant,
 }
@@ -98,6 +101,7 @@ impl ClaimJob {
             take_over_unknown: self.take_over_unknown,
             namespace: &self.namespace,
             nonce: self.nonce.as_deref(),
+            previous: self.previous,
         }
     }
 }
@@ -244,7 +248,11 @@ async fn deliver_claim(
     let Err(Ok(ClaimResponse::Claimed { token, .. })) = reply.send(answer) else {
         return;
     };
-    match store.release(&job.scope, token, job.retention_ms).await {
+    // The claim was granted under the current secret's address (a claim moves the record there).
+    match store
+        .release(&job.scope, &job.scope, token, job.retention_ms)
+        .await
+    {
         Ok(_) => metrics.released_for_gone_caller(),
         // The lease runs out instead, and the record becomes unknown: held or reconciled.
         Err(e) => {

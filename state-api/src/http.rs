@@ -228,13 +228,15 @@ fn check_text(name: &str, v: &str) -> Result<(), ApiError> {
 
 /// Validates (key, subject, endpoint) and returns the record's address: under the key secret,
 /// or, during a rotation, under the previous one when a record lives there.
-pub(crate) async fn scope_of(
+/// The key's address under the current key secret and, during a rotation, under the previous
+/// one (the request's fields checked first).
+pub(crate) fn addresses_of(
     state: &AppState,
     namespace: &str,
     key: &str,
     subject: &str,
     endpoint: &str,
-) -> Result<ScopeHash, ApiError> {
+) -> Result<(ScopeHash, Option<ScopeHash>), ApiError> {
     validate_key(key).map_err(|e| ApiError::new(ProblemKind::InvalidKey, e.to_string()))?;
     check_text("subject", subject)?;
     check_text("endpoint", endpoint)?;
@@ -244,11 +246,36 @@ pub(crate) async fn scope_of(
             limits::MAX_NAMESPACE_LEN
         )));
     }
+    let scoper = state.scoper();
+    Ok((
+        scoper.hash_in(namespace, key, subject, endpoint),
+        scoper.previous_hash_in(namespace, key, subject, endpoint),
+    ))
+}
+
+/// [`scope_of`], and the key's current address (where a write moves a record found under the
+/// previous secret).
+async fn located(
+    state: &AppState,
+    namespace: &str,
+    key: &str,
+    subject: &str,
+    endpoint: &str,
+) -> Result<(ScopeHash, ScopeHash), ApiError> {
+    let at = scope_of(state, namespace, key, subject, endpoint).await?;
     let current = state.scoper().hash_in(namespace, key, subject, endpoint);
-    let Some(previous) = state
-        .scoper()
-        .previous_hash_in(namespace, key, subject, endpoint)
-    else {
+    Ok((at, current))
+}
+
+pub(crate) async fn scope_of(
+    state: &AppState,
+    namespace: &str,
+    key: &str,
+    subject: &str,
+    endpoint: &str,
+) -> Result<ScopeHash, ApiError> {
+    let (current, previous) = addresses_of(state, namespace, key, subject, endpoint)?;
+    let Some(previous) = previous else {
         return Ok(current);
     };
     let found = state.store().exists(&previous).await?;
@@ -460,7 +487,9 @@ async fn prepare_claim(
     req: ClaimRequest,
     deadline: tokio::time::Instant,
 ) -> Result<PreparedClaim, ApiError> {
-    let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
+    // Both addresses of the key, looked up by the claim's own statement (issue 34, path 9).
+    let (scope, previous) =
+        addresses_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint)?;
     check_fingerprint(&req.fingerprint, &req.fingerprint_alg)?;
     if let Some(nonce) = &req.nonce {
         check_nonce(nonce)?;
@@ -478,6 +507,7 @@ async fn prepare_claim(
         take_over_unknown: req.on_unknown == OnUnknown::TakeOver,
         namespace: req.namespace,
         nonce: req.nonce,
+        previous,
         deadline,
     };
     Ok(PreparedClaim {
@@ -597,7 +627,9 @@ async fn heartbeat(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<HeartbeatRequest>,
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
-    let scope = scope_of(
+    // Where the record is (during a rotation, perhaps still under the previous secret), and
+    // where this write moves it (the current secret's address).
+    let (scope, current) = located(
         &state,
         &req.namespace,
         &req.key,
@@ -609,7 +641,13 @@ async fn heartbeat(
     let lease_ms = state.config().lease_for(req.lease_ms);
     let beat = state
         .store()
-        .heartbeat(&scope, req.token, lease_ms, state.config().retention_ms())
+        .heartbeat(
+            &scope,
+            &current,
+            req.token,
+            lease_ms,
+            state.config().retention_ms(),
+        )
         .await?;
     match beat {
         Beat::Extended => {
@@ -848,7 +886,9 @@ async fn release(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ReleaseRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
-    let scope = scope_of(
+    // Where the record is (during a rotation, perhaps still under the previous secret), and
+    // where this write moves it (the current secret's address).
+    let (scope, current) = located(
         &state,
         &req.namespace,
         &req.key,
@@ -859,7 +899,7 @@ async fn release(
     check_token(req.token)?;
     let ok = state
         .store()
-        .release(&scope, req.token, state.config().retention_ms())
+        .release(&scope, &current, req.token, state.config().retention_ms())
         .await?;
     if !ok {
         return Err(fenced_out(&state, WriteOp::Release, &scope));
@@ -895,7 +935,9 @@ pub(crate) async fn abandon(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<AbandonRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
-    let scope = scope_of(
+    // Where the record is (during a rotation, perhaps still under the previous secret), and
+    // where this write moves it (the current secret's address).
+    let (scope, current) = located(
         &state,
         &req.namespace,
         &req.key,
@@ -906,7 +948,7 @@ pub(crate) async fn abandon(
     check_nonce(&req.nonce)?;
     let done = state
         .store()
-        .abandon(&scope, &req.nonce, state.config().retention_ms())
+        .abandon(&scope, &current, &req.nonce, state.config().retention_ms())
         .await?;
     state.metrics().write_ok(WriteOp::Abandon);
     state.waiters().settled(&scope);
@@ -933,7 +975,9 @@ async fn outcome_unknown(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<UnknownRequest>,
 ) -> Result<Json<WriteResponse>, ApiError> {
-    let scope = scope_of(
+    // Where the record is (during a rotation, perhaps still under the previous secret), and
+    // where this write moves it (the current secret's address).
+    let (scope, current) = located(
         &state,
         &req.namespace,
         &req.key,
@@ -944,7 +988,7 @@ async fn outcome_unknown(
     check_token(req.token)?;
     let marked = state
         .store()
-        .owner_unknown(&scope, req.token, state.config().retention_ms())
+        .owner_unknown(&scope, &current, req.token, state.config().retention_ms())
         .await?;
     match marked {
         Some(true) => {

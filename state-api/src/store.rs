@@ -215,6 +215,8 @@ pub struct NewClaim<'a> {
     pub namespace: &'a str,
     /// The claim attempt's nonce, kept with a record it makes or takes over (`/v1/abandon`).
     pub nonce: Option<&'a str>,
+    /// During a rotation of the key secret: the key's address under the previous one.
+    pub previous: Option<ScopeHash>,
 }
 
 /// One row as the claim sees it, with durations computed by the database at read time.
@@ -237,6 +239,8 @@ struct ClaimRow {
     response_body: Option<Vec<u8>>,
     response_replayable: Option<bool>,
     response_key_id: Option<i64>,
+    /// Where the row lives: the key's current address, or its previous one during a rotation.
+    address: Vec<u8>,
 }
 
 /// The columns of `ClaimRow`, for a row `r` read at time `c.now`.
@@ -259,7 +263,26 @@ macro_rules! claim_cols {
          (r.expires_at <= c.now AND r.state <> 'in_progress') AS retention_expired, \
          GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (r.expires_at - c.now)) * 1000))::bigint AS expires_in_ms, \
          r.response_status, r.response_headers, r.response_body, r.response_replayable, \
-         r.response_key_id"
+         r.response_key_id, r.scope_hash AS address"
+    };
+}
+
+/// The record of a claim's key: at its address under the current key secret, or, during a
+/// rotation, under the previous one while there is none under the current (`$1` current, `$2`
+/// previous or NULL). Read in one statement with the insert, so that the lookup and the claim
+/// are one decision: a record under the previous secret deleted meanwhile cannot let two claims
+/// be granted, one under each secret, since claims only ever insert under the current one.
+macro_rules! record_of_key {
+    ($current:literal, $previous:literal) => {
+        concat!(
+            "SELECT * FROM idempotency_records WHERE scope_hash = ",
+            $current,
+            " UNION ALL SELECT * FROM idempotency_records WHERE scope_hash = ",
+            $previous,
+            " AND NOT EXISTS (SELECT 1 FROM idempotency_records c WHERE c.scope_hash = ",
+            $current,
+            ")"
+        )
     };
 }
 
@@ -275,7 +298,9 @@ macro_rules! claim_cols {
 /// one inserts, the other's `ON CONFLICT DO NOTHING` returns nothing and the statement yields no
 /// row, and `claim()` reads again with a fresh snapshot.
 const CLAIM_SQL: &str = concat!(
-    "WITH existing AS (SELECT * FROM idempotency_records WHERE scope_hash = $1),
+    "WITH existing AS (",
+    record_of_key!("$1", "$10"),
+    "),
     ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
@@ -287,7 +312,7 @@ const CLAIM_SQL: &str = concat!(
                clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
                $8, $7, $9, clock_timestamp()
         WHERE NOT EXISTS (SELECT 1 FROM existing)
-          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.scope_hash = $1 AND a.nonce = $9)
+          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $9)
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
     )
@@ -306,8 +331,9 @@ const CLAIM_SQL: &str = concat!(
 const READ_SQL: &str = concat!(
     "SELECT false AS inserted, ",
     claim_cols!(),
-    " FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
-    WHERE r.scope_hash = $1"
+    " FROM (",
+    record_of_key!("$1", "$2"),
+    ") r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c"
 );
 
 /// Until the retention expiry of the row (database clock, rounded down so that a cache that
@@ -330,12 +356,15 @@ macro_rules! expires_in_ms {
 const WRITE_BATCH_SQL: &str = concat!(
     "WITH input AS (
         SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[],
-                             $6::bigint[], $7::bigint[], $8::text[], $17::text[])
+                             $6::bigint[], $7::bigint[], $8::text[], $17::text[], $18::bytea[])
             WITH ORDINALITY AS t(scope_hash, subject, endpoint, fingerprint_alg, fingerprint,
-                                 lease_ms, retention_ms, namespace, claim_nonce, idx)
+                                 lease_ms, retention_ms, namespace, claim_nonce, previous, idx)
     ),
     existing AS (
         SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.scope_hash
+        UNION ALL
+        SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.previous
+        WHERE NOT EXISTS (SELECT 1 FROM idempotency_records c WHERE c.scope_hash = i.scope_hash)
     ),
     ins AS (
         INSERT INTO idempotency_records
@@ -350,8 +379,7 @@ const WRITE_BATCH_SQL: &str = concat!(
                i.namespace, i.retention_ms, i.claim_nonce, clock_timestamp()
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
-          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a
-                          WHERE a.scope_hash = i.scope_hash AND a.nonce = i.claim_nonce)
+          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = i.claim_nonce)
         ORDER BY i.scope_hash
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
@@ -385,7 +413,7 @@ const WRITE_BATCH_SQL: &str = concat!(
     UNION ALL
     SELECT 'complete', d.idx, NULL, NULL::text, NULL::bigint, NULL::text, NULL::text, NULL::bigint,
         NULL::bool, NULL::bool, d.expires_in_ms, NULL::int, NULL::jsonb, NULL::bytea, NULL::bool,
-        NULL::bigint
+        NULL::bigint, NULL::bytea
     FROM done d"
 );
 
@@ -491,7 +519,7 @@ impl ClaimRow {
     }
 
     /// The stored response of a completed row, opened.
-    fn replay(self, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<ClaimResponse, StoreError> {
+    fn replay(self, sealer: &Sealer) -> Result<ClaimResponse, StoreError> {
         let (Some(status), Some(Json(headers)), Some(body), Some(replayable)) = (
             self.response_status,
             self.response_headers,
@@ -502,7 +530,14 @@ impl ClaimRow {
         };
         let status = u16::try_from(status).map_err(|_| StoreError::Corrupt("response status"))?;
         let stored = Sealed::read(self.response_key_id, headers, body);
-        let response = sealer.open(&claim.scope, self.fencing_token, status, replayable, stored)?;
+        // Sealed under the address it was stored at.
+        let response = sealer.open(
+            &self.address,
+            self.fencing_token,
+            status,
+            replayable,
+            stored,
+        )?;
         Ok(ClaimResponse::completed(response, ms(self.expires_in_ms)))
     }
 }
@@ -516,7 +551,7 @@ fn decide(row: ClaimRow, claim: &NewClaim<'_>, sealer: &Sealer) -> Result<Step, 
             Step::Answer(ClaimResponse::claimed(token, claim.lease_ms, false))
         }
         Decision::Mismatch => Step::Answer(ClaimResponse::Mismatch),
-        Decision::Replay => Step::Answer(row.replay(claim, sealer)?),
+        Decision::Replay => Step::Answer(row.replay(sealer)?),
         Decision::InProgress { lease_remaining_ms } => {
             Step::Answer(ClaimResponse::in_progress(lease_remaining_ms))
         }
@@ -608,12 +643,13 @@ impl Store {
                         .bind(c.retention_ms)
                         .bind(c.namespace)
                         .bind(c.nonce)
+                        .bind(c.previous.as_ref().map(|p| &p[..]))
                         .fetch_optional(&self.pool)
                         .await?;
                     match inserted_or_found {
                         Some(r) => Some(r),
                         // Committed by a concurrent inserter after our snapshot: read anew.
-                        None => self.read(&c.scope).await?,
+                        None => self.read(c).await?,
                     }
                 }
             };
@@ -625,6 +661,12 @@ impl Store {
                 }
                 continue;
             };
+            // The compare-and-sets write the row where it is, and move it to the current
+            // secret's address (a record found under the previous one, during a rotation),
+            // unless a record is there already: `scope_hash = CASE WHEN scope_hash <> current
+            // AND NOT EXISTS (a row at current) THEN current ELSE scope_hash END`, as every
+            // owner's write but a complete does (a complete seals under the address it finds).
+            let address = row.address.clone();
             let won = match decide(row, c, &self.sealer)? {
                 Step::Answer(outcome) => return Ok(outcome),
                 Step::Update(Decision::Reclaim { observed }) => {
@@ -635,6 +677,7 @@ impl Store {
                         "UPDATE idempotency_records
                         SET state = 'in_progress', unknown_before = true, claim_nonce = $5,
                             owner_seen_at = clock_timestamp(),
+                            scope_hash = CASE WHEN scope_hash <> $6 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $6) THEN $6 ELSE scope_hash END,
                             fencing_token = nextval('idempotency_fencing_token_seq'),
                             lease_ms = $3,
                             lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
@@ -645,14 +688,14 @@ impl Store {
                             AND lease_expires_at <= clock_timestamp()
                             AND idempotency_serving_since()
                                 <= clock_timestamp() - lease_ms * interval '1 millisecond'))
-                          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a
-                                          WHERE a.scope_hash = $1 AND a.nonce = $5)
+                          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $5)
                         RETURNING fencing_token",
-                        &c.scope[..],
+                        &address[..],
                         observed,
                         lease,
                         c.retention_ms,
-                        c.nonce
+                        c.nonce,
+                        &c.scope[..]
                     )
                     .fetch_optional(&self.pool)
                     .await?
@@ -674,13 +717,14 @@ impl Store {
         completed_at = NULL,
         expires_at = clock_timestamp() + ($7::bigint + $8::bigint) * interval '1 millisecond',
         retention_ms = $8, namespace = $9, claim_nonce = $10, owner_seen_at = clock_timestamp(),
+        scope_hash = CASE WHEN scope_hash <> $11 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $11) THEN $11 ELSE scope_hash END,
         response_status = NULL, response_headers = NULL, response_body = NULL,
         response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
       AND expires_at <= clock_timestamp() AND state <> 'in_progress'
-      AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.scope_hash = $1 AND a.nonce = $10)
+      AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $10)
     RETURNING fencing_token",
-                        &c.scope[..],
+                        &address[..],
                         observed,
                         c.subject,
                         c.endpoint,
@@ -689,7 +733,8 @@ impl Store {
                         lease,
                         c.retention_ms,
                         c.namespace,
-                        c.nonce
+                        c.nonce,
+                        &c.scope[..]
                     )
                     .fetch_optional(&self.pool)
                     .await?
@@ -700,6 +745,7 @@ impl Store {
                     // observed token) for a claim that holds unknown outcomes.
                     let marked = sqlx::query_scalar!(
                         "UPDATE idempotency_records SET state = 'unknown',
+                            scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
                             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
                             expires_at = GREATEST(expires_at, clock_timestamp()
                                 + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
@@ -708,9 +754,10 @@ impl Store {
                           AND idempotency_serving_since()
                               <= clock_timestamp() - lease_ms * interval '1 millisecond'
                         RETURNING fencing_token",
-                        &c.scope[..],
+                        &address[..],
                         observed,
-                        c.retention_ms
+                        c.retention_ms,
+                        &c.scope[..]
                     )
                     .fetch_optional(&self.pool)
                     .await?;
@@ -735,7 +782,7 @@ impl Store {
                 return Err(StoreError::CallerGone);
             }
             // Lost the compare-and-set: decide again on the row as it is now (the winner's).
-            pending = self.read(&c.scope).await?;
+            pending = self.read(c).await?;
         }
         Err(StoreError::Contention)
     }
@@ -757,6 +804,7 @@ impl Store {
         let mut retentions = Vec::with_capacity(n);
         let mut namespaces = Vec::with_capacity(n);
         let mut nonces = Vec::with_capacity(n);
+        let mut previous = Vec::with_capacity(n);
         for c in claims {
             scopes.push(&c.scope[..]);
             subjects.push(c.subject);
@@ -767,6 +815,7 @@ impl Store {
             retentions.push(c.retention_ms);
             namespaces.push(c.namespace);
             nonces.push(c.nonce);
+            previous.push(c.previous.as_ref().map(|p| &p[..]));
         }
         let m = completes.len();
         let mut c_scopes = Vec::with_capacity(m);
@@ -809,6 +858,7 @@ impl Store {
             .bind(c_retentions)
             .bind(key_ids)
             .bind(nonces)
+            .bind(previous)
             .fetch_all(&self.pool)
             .await?;
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
@@ -847,9 +897,10 @@ impl Store {
         })
     }
 
-    async fn read(&self, scope: &ScopeHash) -> Result<Option<ClaimRow>, StoreError> {
+    async fn read(&self, c: &NewClaim<'_>) -> Result<Option<ClaimRow>, StoreError> {
         Ok(sqlx::query_as::<_, ClaimRow>(READ_SQL)
-            .bind(&scope[..])
+            .bind(&c.scope[..])
+            .bind(c.previous.as_ref().map(|p| &p[..]))
             .fetch_optional(&self.pool)
             .await?)
     }
@@ -861,6 +912,7 @@ impl Store {
     pub async fn heartbeat(
         &self,
         scope: &ScopeHash,
+        current: &ScopeHash,
         token: i64,
         lease_ms: u64,
         retention_ms: i64,
@@ -868,7 +920,7 @@ impl Store {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
         let row = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET lease_ms = $3, owner_seen_at = clock_timestamp(),
+    SET lease_ms = $3, owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $5 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $5) THEN $5 ELSE scope_hash END,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
         expires_at = GREATEST(expires_at, clock_timestamp()
             + ($3::bigint + COALESCE(retention_ms, $4::bigint)) * interval '1 millisecond')
@@ -877,7 +929,8 @@ impl Store {
             &scope[..],
             token,
             lease,
-            retention_ms
+            retention_ms,
+            &current[..]
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -969,6 +1022,7 @@ impl Store {
     pub async fn owner_unknown(
         &self,
         scope: &ScopeHash,
+        current: &ScopeHash,
         token: i64,
         retention_ms: i64,
     ) -> Result<Option<bool>, StoreError> {
@@ -976,7 +1030,7 @@ impl Store {
         // lease ends now: nothing heartbeats it any more; the retention counts from the mark.
         let marked = sqlx::query_scalar!(
             "UPDATE idempotency_records
-    SET state = 'unknown', owner_seen_at = clock_timestamp(),
+    SET state = 'unknown', owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
         expires_at = GREATEST(expires_at, clock_timestamp()
             + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
@@ -984,7 +1038,8 @@ impl Store {
     RETURNING fencing_token",
             &scope[..],
             token,
-            retention_ms
+            retention_ms,
+            &current[..]
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -1001,6 +1056,7 @@ impl Store {
     pub async fn release(
         &self,
         scope: &ScopeHash,
+        current: &ScopeHash,
         token: i64,
         retention_ms: i64,
     ) -> Result<bool, StoreError> {
@@ -1010,7 +1066,7 @@ impl Store {
             r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
-            owner_seen_at = clock_timestamp(),
+            owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
             expires_at = GREATEST(expires_at, clock_timestamp()
                 + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
         WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
@@ -1026,7 +1082,8 @@ impl Store {
     UNION ALL SELECT fencing_token FROM freed"#,
             &scope[..],
             token,
-            retention_ms
+            retention_ms,
+            &current[..]
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -1039,8 +1096,7 @@ impl Store {
             return Ok(false);
         };
         Ok(sqlx::query_scalar!(
-            "SELECT 1 AS one FROM idempotency_abandoned WHERE scope_hash = $1 AND nonce = $2",
-            &c.scope[..],
+            "SELECT 1 AS one FROM idempotency_abandoned WHERE nonce = $1",
             nonce
         )
         .fetch_optional(&self.pool)
@@ -1056,13 +1112,14 @@ impl Store {
     pub async fn abandon(
         &self,
         scope: &ScopeHash,
+        current: &ScopeHash,
         nonce: &str,
         retention_ms: i64,
     ) -> Result<Abandoned, StoreError> {
         let row = sqlx::query_scalar!(
             r#"WITH kept AS (
         UPDATE idempotency_records
-        SET state = 'unknown', claim_nonce = NULL,
+        SET state = 'unknown', claim_nonce = NULL, scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
             expires_at = GREATEST(expires_at, clock_timestamp()
                 + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
@@ -1083,7 +1140,8 @@ impl Store {
     SELECT became AS "became!" FROM kept UNION ALL SELECT became FROM freed"#,
             &scope[..],
             nonce,
-            retention_ms
+            retention_ms,
+            &current[..]
         )
         .fetch_optional(&self.pool)
         .await?;
@@ -1263,6 +1321,7 @@ mod tests {
             take_over_unknown: false,
             namespace: "",
             nonce: None,
+            previous: None,
         }
     }
 
@@ -1282,6 +1341,7 @@ mod tests {
             response_body: (state == "completed").then(|| vec![1, 2]),
             response_replayable: (state == "completed").then_some(true),
             response_key_id: None,
+            address: vec![0; 32],
         }
     }
 

@@ -84,6 +84,7 @@ fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
         namespace: String::new(),
         deadline: far(),
         nonce: None,
+        previous: None,
     }
 }
 

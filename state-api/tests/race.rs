@@ -66,6 +66,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_duplicates_never_wait_on_a
                     take_over_unknown: false,
                     namespace: "",
                     nonce: None,
+                    previous: None,
                 };
                 store.claim(&claim).await.unwrap()
             })

@@ -406,6 +406,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
                 take_over_unknown: take_over,
                 namespace: "",
                 nonce: Some(CLAIM_NONCE),
+                previous: None,
             };
             match db.store.claim(&c).await {
                 Ok(answer) => claim_answer(&answer),
@@ -416,7 +417,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
         Op::Heartbeat { own } => format!(
             "{:?}",
             db.store
-                .heartbeat(scope, token(own), LEASE_MS, RETENTION_MS as i64)
+                .heartbeat(scope, scope, token(own), LEASE_MS, RETENTION_MS as i64)
                 .await
                 .unwrap()
         ),
@@ -432,7 +433,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
         },
         Op::Unknown { own } => match db
             .store
-            .owner_unknown(scope, token(own), RETENTION_MS as i64)
+            .owner_unknown(scope, scope, token(own), RETENTION_MS as i64)
             .await
             .unwrap()
         {
@@ -443,7 +444,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
         Op::Release { own } => format!(
             "{}",
             db.store
-                .release(scope, token(own), RETENTION_MS as i64)
+                .release(scope, scope, token(own), RETENTION_MS as i64)
                 .await
                 .unwrap()
         ),
@@ -451,6 +452,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
             "{:?}",
             db.store
                 .abandon(
+                    scope,
                     scope,
                     if own { RECORD_NONCE } else { "n-stranger" },
                     RETENTION_MS as i64

@@ -11,6 +11,7 @@ pub mod claim;
 pub mod operator;
 pub mod purge;
 pub mod record;
+pub mod rotation;
 pub mod writes;
 
 pub use claim::{claim, decide, ClaimOutcome, ClaimTerms, Decision, Facts};
