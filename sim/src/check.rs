@@ -160,14 +160,18 @@ fn retention_of(w: &World, token: i64) -> u64 {
 /// Why the key of a claim's grant was free (the state API's [`Grant`]), judged.
 pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
     match how {
+        // A record of the key lives under another key secret (it could not be found): that
+        // is legitimate only once it could have gone anyway (a retention past its owner's last
+        // sign of life).
         Grant::New {
             elsewhere: Some((secret, token)),
             secret: mine,
         } => Freed {
-            from: None,
-            legit: false,
+            from: Some(*token),
+            legit: silent_for(w, *token) >= retention_of(w, *token),
             how: format!(
-                "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret)"
+                "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret), {} ms after its owner's last sign of life",
+                silent_for(w, *token)
             ),
             at: w.now,
         },

@@ -18,6 +18,7 @@ use contract::wire::{
 use contract::{validate_key, Problem, ProblemKind};
 use state_rules::operator::{self, Refusal};
 use state_rules::purge::Purge;
+use state_rules::rotation;
 use state_rules::writes::{self, Abandoned, Beat, Completion, Marked};
 use state_rules::{ClaimOutcome, ClaimTerms, Clock, Fingerprint, RecordState};
 use std::collections::{BTreeMap, BTreeSet};
@@ -156,9 +157,9 @@ pub struct ModelStateApi {
     pub took_over_unknown: BTreeMap<i64, Scope>,
     /// How each token was granted.
     pub grants: BTreeMap<i64, Grant>,
-    /// Claim attempts abandoned before they got here (address, nonce), and when: such a claim
-    /// never commits (kept ten minutes).
-    tombstones: BTreeMap<(Address, String), u64>,
+    /// Claim attempts abandoned before they got here (by nonce, whatever the key's address),
+    /// and when: such a claim never commits (kept ten minutes).
+    tombstones: BTreeMap<String, u64>,
     /// Every fingerprint a record was stored with, by scope.
     pub stored_fingerprints: BTreeSet<(Scope, String)>,
     /// What happened since the caller last took them ([`ModelStateApi::take_events`]).
@@ -314,6 +315,52 @@ impl ModelStateApi {
         (self.secret, scope.clone())
     }
 
+    /// Where a claim reads the record of `scope` (`state_rules::rotation::claim_reads`): at
+    /// its current address, else at its previous one; none: it inserts at the current one.
+    fn claim_address(&self, scope: &Scope) -> Address {
+        let current = (self.secret, scope.clone());
+        let previous = self.previous_secret.map(|p| (p, scope.clone()));
+        let at_previous = previous
+            .as_ref()
+            .is_some_and(|p| self.records.contains_key(p));
+        match rotation::claim_reads(self.records.contains_key(&current), at_previous) {
+            Some(rotation::Address::Previous) => previous.unwrap_or(current),
+            _ => current,
+        }
+    }
+
+    /// Puts a record back after a write at `at`: one found under the previous secret and
+    /// written again moves to the current address, unless a record is there or it was a
+    /// complete (`state_rules::rotation::written_to`). Returns where it is.
+    fn put_back(
+        &mut self,
+        at: Address,
+        slot: Option<Record>,
+        written: bool,
+        is_complete: bool,
+    ) -> Address {
+        let Some(rec) = slot else {
+            return at;
+        };
+        let current = (self.secret, at.1.clone());
+        let from = if at.0 == self.secret {
+            rotation::Address::Current
+        } else {
+            rotation::Address::Previous
+        };
+        let to = if written {
+            rotation::written_to(from, self.records.contains_key(&current), is_complete)
+        } else {
+            from
+        };
+        let address = match to {
+            rotation::Address::Current => current,
+            rotation::Address::Previous => at,
+        };
+        self.records.insert(address.clone(), rec);
+        address
+    }
+
     /// The record of `scope` wherever it lives (under either secret), with its address.
     pub fn find(&self, scope: &Scope) -> Option<(Address, &Record)> {
         self.records
@@ -466,7 +513,10 @@ impl ModelStateApi {
             Ok(s) => s,
             Err(a) => return a,
         };
-        let address = self.address(&scope, looked);
+        // The claim reads the key's record at its current address, else at its previous one,
+        // in the same statement as its insert (which goes to the current address only).
+        looked.at += 1;
+        let address = self.claim_address(&scope);
         if r.nonce.as_deref().is_some_and(|n| !valid_nonce(n)) {
             return problem(ProblemKind::BadRequest, "bad nonce");
         }
@@ -490,15 +540,14 @@ impl ModelStateApi {
             abandoned: r
                 .nonce
                 .as_ref()
-                .is_some_and(|n| self.tombstones.contains_key(&(address.clone(), n.clone()))),
+                .is_some_and(|n| self.tombstones.contains_key(n)),
         };
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let before = slot.clone();
         let outcome = state_rules::claim(&mut slot, &terms, clock, &mut || self.token(&scope));
-        if let Some(rec) = slot {
-            self.records.insert(address.clone(), rec);
-        }
+        let written = slot != before;
+        let address = self.put_back(address, slot, written, false);
         self.note_claim(&address, before.as_ref(), &outcome, &terms, clock);
         let answer = match outcome {
             ClaimOutcome::Claimed { token, reclaimed } => {
@@ -556,11 +605,13 @@ impl ModelStateApi {
                 let how = match before {
                     None => Grant::New {
                         secret: address.0,
+                        // The newest record of the key under another secret, if any.
                         elsewhere: self
                             .records
                             .iter()
-                            .find(|((sec, s), _)| *s == scope && *sec != address.0)
-                            .map(|((sec, _), r)| (*sec, r.token)),
+                            .filter(|((sec, s), _)| *s == scope && *sec != address.0)
+                            .map(|((sec, _), r)| (*sec, r.token))
+                            .max_by_key(|(_, token)| *token),
                     },
                     Some(b) if b.retention_expired(clock) => Grant::RetentionReuse {
                         from: b.token,
@@ -627,9 +678,7 @@ impl ModelStateApi {
             .as_ref()
             .is_some_and(|s| s.state == RecordState::Unknown && s.token == r.token);
         let beat = writes::heartbeat(&mut slot, r.token, lease_ms, clock);
-        if let Some(rec) = slot {
-            self.records.insert(address, rec);
-        }
+        self.put_back(address, slot, beat == Beat::Extended, false);
         if was_unknown {
             self.events
                 .push(Event::HeartbeatOnMarked { token: r.token });
@@ -695,9 +744,7 @@ impl ModelStateApi {
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let done = writes::complete(&mut slot, r.token, stored, self.cfg.retention_ms, clock);
-        if let Some(rec) = slot {
-            self.records.insert(address, rec);
-        }
+        self.put_back(address, slot, true, true);
         if let Completion::Done { .. } = done {
             self.events.push(Event::Completed { token: r.token });
         }
@@ -728,7 +775,7 @@ impl ModelStateApi {
                         scope: scope.clone(),
                     });
                 }
-                self.records.insert(address, rec);
+                self.put_back(address, Some(rec), ok, false);
             }
             None if ok => self.delete_noted(address, r.token, Deleter::Owner, state),
             None => {}
@@ -770,9 +817,7 @@ impl ModelStateApi {
         let mut slot = self.records.remove(&address);
         let before = slot.as_ref().map(|s| (s.token, s.state));
         let done = writes::abandon(&mut slot, &r.nonce, clock);
-        if let Some(rec) = slot {
-            self.records.insert(address.clone(), rec);
-        }
+        let address = self.put_back(address, slot, done == Abandoned::Unknown, false);
         match (done, before) {
             (Abandoned::Deleted, Some((token, state))) => {
                 self.delete_noted(address, token, Deleter::Abandon, Some(state));
@@ -781,7 +826,7 @@ impl ModelStateApi {
             (Abandoned::Unknown, _) => json(200, &WriteResponse::unknown()),
             (Abandoned::Nothing, _) => {
                 // The claim may not have got here yet: it never commits when it does.
-                self.tombstones.insert((address, r.nonce), now);
+                self.tombstones.insert(r.nonce, now);
                 json(200, &WriteResponse::released())
             }
             _ => json(200, &WriteResponse::released()),
@@ -798,9 +843,7 @@ impl ModelStateApi {
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let marked = writes::owner_unknown(&mut slot, r.token, clock);
-        if let Some(rec) = slot {
-            self.records.insert(address, rec);
-        }
+        self.put_back(address, slot, marked == Marked::Unknown, false);
         match marked {
             Marked::Unknown => {
                 self.events.push(Event::OwnerMarked {
@@ -836,7 +879,7 @@ impl ModelStateApi {
         let released = writes::release(&mut slot, token, clock);
         match slot {
             Some(rec) => {
-                self.records.insert(address, rec);
+                self.put_back(address, Some(rec), released, false);
             }
             None if released => self.delete_noted(address, token, Deleter::GoneCaller, state),
             None => {}

@@ -386,6 +386,8 @@ pub struct Callout {
     /// The addresses its scopes were looked up at (during a rotation of the key secret the
     /// state API looks a record up, then runs the statement: two steps).
     pub looked_up: Option<Vec<Address>>,
+    /// When that lookup ran.
+    pub looked_at: u64,
 }
 
 /// A claim waiting at the state API: answered when its key settles (any later processing
@@ -1704,6 +1706,12 @@ impl World {
 
     fn process(&mut self, i: usize) {
         let c = self.callouts[i].clone();
+        if c.cluster != UPSTREAM_CLUSTER && c.parked.is_none() && self.too_late(&c) {
+            // Envoy reset it at its timeout before the state API read it (or the state API
+            // dropped it at its deadline): it never runs.
+            self.callouts.remove(i);
+            return;
+        }
         let result = if c.cluster == UPSTREAM_CLUSTER {
             self.reconcile(&c)
         } else {
@@ -1717,7 +1725,9 @@ impl World {
                 // Stalled: answered once the database resumes, or timed out.
                 Outage::Paused => return,
                 Outage::None => {
-                    if self.api.previous_secret.is_some() && c.looked_up.is_none() {
+                    // (Claims look and write in one statement since the fix of path 9.)
+                    let claim = matches!(c.path.as_str(), CLAIM_PATH | contract::wire::CLAIMS_PATH);
+                    if self.api.previous_secret.is_some() && c.looked_up.is_none() && !claim {
                         // `scope_of` looks the record up first; the statement runs later, and
                         // other calls may run in between.
                         let scopes = crate::state_api::scopes_of(&c.path, &c.body);
@@ -1737,12 +1747,28 @@ impl World {
                                 ));
                             }
                             self.callouts[i].looked_up = Some(found);
+                            self.callouts[i].looked_at = self.now;
                             return;
                         }
                     }
-                    let (status, body) =
+                    // A request works only until its caller's deadline (the filter's timeout):
+                    // one whose statement would run later is dropped before it reaches the
+                    // database, and answered 503.
+                    let stale = c.looked_up.is_some()
+                        && self.now > c.looked_at + self.setup.callout_timeout_ms;
+                    let (status, body) = if stale {
+                        (
+                            503,
+                            contract::Problem::new(
+                                ProblemKind::StateUnavailable,
+                                "the request's deadline passed",
+                            )
+                            .to_json(),
+                        )
+                    } else {
                         self.api
-                            .handle(&c.path, &c.body, self.now, c.looked_up.as_deref());
+                            .handle(&c.path, &c.body, self.now, c.looked_up.as_deref())
+                    };
                     self.after_api(Some(&c));
                     if c.path == contract::wire::RELEASE_PATH && status == 200 {
                         if let Ok(r) =
@@ -1798,6 +1824,25 @@ impl World {
         }
     }
 
+    /// Whether a call nobody waits for any more arrives too late to run: past its caller's
+    /// deadline, unless the database held it meanwhile (a statement already sent runs when the
+    /// database comes back).
+    fn too_late(&self, c: &Callout) -> bool {
+        let deadline = c.deadline;
+        if !c.orphan || self.now <= deadline || c.looked_up.is_some() {
+            return false;
+        }
+        let held = |start: u64, end: u64| start <= deadline && end >= c.sent_at;
+        let now_held = matches!(self.outage, Outage::Paused | Outage::Database { .. })
+            && self.outage_since <= deadline;
+        !(now_held
+            || self
+                .ev
+                .database_outages
+                .iter()
+                .any(|(start, end, _)| held(*start, *end)))
+    }
+
     /// The next number of the run's order of dispatches and writes.
     pub fn next_seq(&mut self) -> u64 {
         self.seq += 1;
@@ -1810,6 +1855,13 @@ impl World {
             match event {
                 Event::Granted { token, scope, how } => {
                     let freed = check::judge_grant(self, &scope, &how);
+                    if let crate::state_api::Grant::New {
+                        elsewhere: Some(_), ..
+                    } = how
+                    {
+                        // The record it could not find is as good as gone from here on.
+                        self.ev.record_ended(&scope, freed.clone());
+                    }
                     if let crate::state_api::Grant::RetentionReuse { from, .. } = how {
                         // The reused record ended here.
                         let mut end = freed.clone();
@@ -1985,10 +2037,12 @@ impl World {
             .api
             .records
             .iter()
-            .filter(|(_, r)| {
-                r.state == state_rules::RecordState::Unknown
+            .filter(|(a, r)| {
+                (r.state == state_rules::RecordState::Unknown
                     || (r.state == state_rules::RecordState::InProgress
-                        && r.lease_until <= clock.now)
+                        && r.lease_until <= clock.now))
+                    // (The admin API finds a record where `scope_of` looks.)
+                    && self.api.lookup(&a.1) == **a
             })
             .map(|((_, s), _)| s.clone())
             .collect();
@@ -2018,6 +2072,8 @@ impl World {
                 let silent = self
                     .now
                     .saturating_sub(self.ev.last_sign.get(&rec.token).copied().unwrap_or(0));
+                // A record with an outcome is the operator's to delete at any time.
+                let silent = if rec.open() { silent } else { u64::MAX };
                 self.ev
                     .operator_silent
                     .insert(rec.token, (silent, rec.lease_ms));
@@ -2817,6 +2873,7 @@ impl Host for Envoy<'_> {
             parked: None,
             seq,
             sent_at: world.now,
+            looked_at: 0,
             looked_up: None,
         });
         Ok(())
