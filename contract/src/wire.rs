@@ -62,6 +62,18 @@ pub const OUTCOME_RUNNING: &str = "running";
 pub const OUTCOME_NOT_EXECUTED: &str = "not-executed";
 /// The subject, sent to the reconcile endpoint beside the key and the new fencing token.
 pub const SUBJECT_HEADER: &str = "idempotency-subject";
+/// The protected operation as the filter names it (`POST /checkout`: the record's endpoint),
+/// sent with every request forwarded under a claim and with the reconcile request; an
+/// `executed` answer echoes the one its attempt was recorded with.
+pub const ENDPOINT_HEADER: &str = "idempotency-endpoint";
+/// The request's fingerprint (lower-case hex, the value the state API compares: it covers
+/// the method, path, query, media type and body), sent and echoed like [`ENDPOINT_HEADER`].
+/// An upstream records it with the attempt and compares it for equality only.
+pub const FINGERPRINT_HEADER: &str = "idempotency-fingerprint";
+/// The headers the filter sets on a request it forwards under a claim (the upstream acts on
+/// them): a client's copies are removed from every request, protected or not.
+pub const FORWARDED_HEADERS: [&str; 3] =
+    [FENCING_TOKEN_HEADER, ENDPOINT_HEADER, FINGERPRINT_HEADER];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
