@@ -3,12 +3,13 @@
 //! It records every execution in an in-memory ledger (`GET /charges`), so the tests and the
 //! demo can count how many times a payment really ran. It does not deduplicate calls that carry
 //! no fencing token (the edge does), but it behaves like a careful payment service towards the
-//! edge ([`attempts`]): it records each attempt with its fencing token before executing, refuses
-//! a token lower than one already seen for the key or already used, answers a later attempt of a
-//! key that executed with that execution's response (never a second charge), and answers the
-//! reconcile endpoint
-//! (`GET /checkout/attempts/{key}`, `GET /refunds/attempts/{key}`) that tells the edge what
-//! became of a key whose outcome it never saw.
+//! edge ([`attempts`]): it records each attempt with its request (endpoint, subject, key and
+//! fingerprint, as the edge forwards them) and its fencing token before executing, refuses a
+//! token lower than one already seen for the request or already used, answers a later attempt
+//! of a request that executed with that execution's response (never a second charge), and
+//! answers the reconcile endpoint (`GET /checkout/attempts/{key}`, `GET /refunds/attempts/{key}`:
+//! either answers about the request its headers name) that tells the edge what became of a
+//! request whose outcome it never saw.
 
 pub mod attempts;
 
@@ -16,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use attempts::{Attempts, Committed, Produced, Reconciled, Refusal, Started};
+use attempts::{Attempts, Committed, Produced, Reconciled, Refusal, Scope, Started};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -95,19 +96,35 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
         .route("/refunds", post(refund))
         .route("/charges", get(list_charges))
         .route("/attempts", get(list_attempts))
-        .route("/checkout/attempts/{key}", get(reconcile_charge))
-        .route("/refunds/attempts/{key}", get(reconcile_refund))
+        .route("/checkout/attempts/{key}", get(reconcile))
+        .route("/refunds/attempts/{key}", get(reconcile))
         .route("/echo", post(echo))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(ledger)
 }
 
+/// What a route executes: its ledger kind and its endpoint (as the edge names it).
+#[derive(Debug, Clone, Copy)]
+struct Operation {
+    kind: &'static str,
+    endpoint: &'static str,
+}
+
+const CHARGE: Operation = Operation {
+    kind: "charge",
+    endpoint: "POST /checkout",
+};
+const REFUND: Operation = Operation {
+    kind: "refund",
+    endpoint: "POST /refunds",
+};
+
 async fn checkout(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    run(ledger, "charge", headers, body).await
+    run(ledger, CHARGE, headers, body).await
 }
 
 async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    run(ledger, "refund", headers, body).await
+    run(ledger, REFUND, headers, body).await
 }
 
 /// Test hooks for the fault suite, on top of `execute`:
@@ -118,17 +135,17 @@ async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
 ///   without answering: the charge ran, but no response ever leaves.
 /// * and the shapes of the answer, in [`shape`]: `x-demo-reset-body`, `x-demo-gzip`,
 ///   `x-demo-empty-chunked`, `x-demo-location-bytes`, `x-demo-status`.
-async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+async fn run(ledger: Arc<Ledger>, op: Operation, headers: HeaderMap, body: Bytes) -> Response {
     let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
     let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
     let response = if detach {
-        let task = tokio::spawn(async move { attempt(ledger, kind, &headers, &body, reset).await });
+        let task = tokio::spawn(async move { attempt(ledger, op, &headers, &body, reset).await });
         match task.await {
             Ok(r) => r,
             Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         }
     } else {
-        attempt(ledger, kind, &headers, &body, reset).await
+        attempt(ledger, op, &headers, &body, reset).await
     };
     if reset {
         // Unwinding out of the handler ends the connection's task: hyper drops the socket
@@ -192,15 +209,16 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
 
 /// One attempt: recorded before it runs when it carries a key, then, after its processing
 /// delay, committed in one decision ([`Attempts::commit`]): executed, or refused (a stale or
-/// reused fencing token, 409), or answered with the response its key's execution produced
+/// reused fencing token, 409), or answered with the response its request's execution produced
 /// when another attempt executed it (the same status, headers and body; nothing charged).
 async fn attempt(
     ledger: Arc<Ledger>,
-    kind: &'static str,
+    op: Operation,
     headers: &HeaderMap,
     body: &[u8],
     reset: bool,
 ) -> Response {
+    let kind = op.kind;
     let delay = Duration::from_millis(
         header(headers, "x-demo-delay-ms")
             .and_then(|v| v.parse::<u64>().ok())
@@ -211,8 +229,14 @@ async fn attempt(
     let guard = match header(headers, "idempotency-key") {
         None => None,
         Some(key) => {
-            let subject = header(headers, "x-jwt-sub").unwrap_or_default();
-            let started = ledger.attempts(|a| a.start((kind, subject, key), token, delay));
+            // The request as the edge names it (its endpoint survives a path rewrite).
+            let scope = Scope {
+                endpoint: header(headers, ENDPOINT_HEADER).unwrap_or_else(|| op.endpoint.into()),
+                subject: header(headers, "x-jwt-sub").unwrap_or_default(),
+                key,
+                fingerprint: header(headers, FINGERPRINT_HEADER),
+            };
+            let started = ledger.attempts(|a| a.start(kind, scope, token, delay));
             let Some((id, started)) = started else {
                 return StatusCode::INTERNAL_SERVER_ERROR.into_response();
             };
@@ -246,14 +270,14 @@ async fn attempt(
     transport(headers, produced)
 }
 
-/// The response the key's execution produced, for a later attempt of the key: nothing ran.
+/// The response the request's execution produced, for a later attempt of it: nothing ran.
 fn already_executed(p: Produced) -> Response {
-    tracing::info!(status = p.status, "answered with the key's execution");
+    tracing::info!(status = p.status, "answered with the request's execution");
     transport(&HeaderMap::new(), p)
 }
 
-/// 409: a fencing token lower than one this checkout has seen for the key, or one already
-/// used by another attempt of the key. Nothing ran.
+/// 409: a fencing token lower than one this checkout has seen for the request, or one already
+/// used by another attempt of the request. Nothing ran.
 fn refused(token: Option<i64>, refusal: Refusal) -> Response {
     tracing::warn!(?token, ?refusal, "refused: a stale or reused fencing token");
     match refusal {
@@ -261,7 +285,7 @@ fn refused(token: Option<i64>, refusal: Refusal) -> Response {
             StatusCode::CONFLICT,
             "stale-fencing-token",
             &format!(
-                "fencing token {} is lower than {seen}, already seen for this key; nothing was charged",
+                "fencing token {} is lower than {seen}, already seen for this request; nothing was charged",
                 token.unwrap_or(0)
             ),
         ),
@@ -269,7 +293,7 @@ fn refused(token: Option<i64>, refusal: Refusal) -> Response {
             StatusCode::CONFLICT,
             "fencing-token-reused",
             &format!(
-                "fencing token {token} was already used by another attempt of this key; nothing was charged"
+                "fencing token {token} was already used by another attempt of this request; nothing was charged"
             ),
         ),
     }
@@ -292,53 +316,63 @@ fn problem(status: StatusCode, kind: &str, detail: &str) -> Response {
 
 /// The header the filter sends the fencing token in.
 const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
-/// The reconcile contract's answer header and the subject it is asked with (see the edge's
-/// `contract::wire`).
+/// The reconcile contract's answer header, the subject it is asked with, and the request as
+/// the edge names it: forwarded with every attempt, asked about, echoed by `executed` (see the
+/// edge's `contract::wire`).
 const OUTCOME_HEADER: &str = "idempotency-outcome";
 const SUBJECT_HEADER: &str = "idempotency-subject";
+const ENDPOINT_HEADER: &str = "idempotency-endpoint";
+const FINGERPRINT_HEADER: &str = "idempotency-fingerprint";
 
-async fn reconcile_charge(
+/// The reconcile endpoint: what became of the request its headers name (subject, endpoint,
+/// fingerprint) under `key`, asked with the new owner's fencing token. `executed` answers with
+/// the response the attempt produced and names that attempt: its token, endpoint and
+/// fingerprint.
+async fn reconcile(
     State(ledger): State<Arc<Ledger>>,
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    reconcile(&ledger, "charge", key, &headers)
-}
-
-async fn reconcile_refund(
-    State(ledger): State<Arc<Ledger>>,
-    Path(key): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    reconcile(&ledger, "refund", key, &headers)
-}
-
-/// The reconcile endpoint: what became of `key` for the subject, asked with the new owner's
-/// fencing token. `executed` answers with the response the attempt produced.
-fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderMap) -> Response {
-    let (Some(subject), Some(token)) = (
-        header(headers, SUBJECT_HEADER),
-        header(headers, FENCING_TOKEN_HEADER).and_then(|v| v.parse::<i64>().ok()),
+    let (Some(subject), Some(token), Some(endpoint), Some(fingerprint)) = (
+        header(&headers, SUBJECT_HEADER),
+        header(&headers, FENCING_TOKEN_HEADER).and_then(|v| v.parse::<i64>().ok()),
+        header(&headers, ENDPOINT_HEADER),
+        header(&headers, FINGERPRINT_HEADER),
     ) else {
         return problem(
             StatusCode::BAD_REQUEST,
             "bad-reconcile",
-            "a reconcile needs the idempotency-subject and idempotency-fencing-token headers",
+            "a reconcile needs the idempotency-subject, idempotency-fencing-token, idempotency-endpoint and idempotency-fingerprint headers",
         );
     };
-    let said = ledger.attempts(|a| a.reconcile((kind, subject, key), token));
+    let scope = Scope {
+        endpoint,
+        subject,
+        key,
+        fingerprint: Some(fingerprint),
+    };
+    let said = ledger.attempts(|a| a.reconcile(scope.clone(), token));
     let mut r = match said {
-        Some(Reconciled::Executed(p)) => {
-            let mut r = transport(&HeaderMap::new(), p);
-            r.headers_mut()
-                .insert(OUTCOME_HEADER, HeaderValue::from_static("executed"));
+        Some(Reconciled::Executed { token, produced }) => {
+            let mut r = transport(&HeaderMap::new(), produced);
+            let named = [
+                (OUTCOME_HEADER, "executed".to_owned()),
+                (FENCING_TOKEN_HEADER, token.to_string()),
+                (ENDPOINT_HEADER, scope.endpoint),
+                (FINGERPRINT_HEADER, scope.fingerprint.unwrap_or_default()),
+            ];
+            for (name, value) in named {
+                if let Ok(v) = HeaderValue::from_str(&value) {
+                    r.headers_mut().insert(name, v);
+                }
+            }
             return r;
         }
         Some(Reconciled::Running { retry_after }) => {
             let mut r = problem(
                 StatusCode::CONFLICT,
                 "attempt-running",
-                "an attempt with this key is still running",
+                "an attempt of this request is still running",
             );
             let secs = retry_after.as_secs_f64().ceil().clamp(1.0, 120.0) as u64;
             r.headers_mut()
@@ -351,7 +385,7 @@ fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderM
             let mut r = problem(
                 StatusCode::NOT_FOUND,
                 "not-executed",
-                "no attempt with this key ran; attempts with a lower fencing token are refused from now on",
+                "no attempt of this request ran; its attempts with a lower fencing token are refused from now on",
             );
             r.headers_mut()
                 .insert(OUTCOME_HEADER, HeaderValue::from_static("not-executed"));
@@ -360,7 +394,7 @@ fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderM
         Some(Reconciled::Stale) => problem(
             StatusCode::CONFLICT,
             "stale-fencing-token",
-            "an attempt with this key has a fencing token at least as large",
+            "an attempt of this request has a fencing token at least as large",
         ),
         None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     };
