@@ -49,11 +49,15 @@ pub const CALLER_TIMEOUT_HEADER: &str = "idempotency-caller-timeout-ms";
 /// The name of the header carrying the fencing token to the upstream.
 pub const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
 
-/// The reconcile contract (an upstream's endpoint that tells what became of a key, asked by
-/// the filter on `on_unknown: reconcile` routes): the header of its answer that says so, one
-/// of [`OUTCOME_EXECUTED`], [`OUTCOME_RUNNING`], [`OUTCOME_NOT_EXECUTED`].
+/// The reconcile contract (an upstream's endpoint that tells what became of a request: the
+/// key, [`SUBJECT_HEADER`], [`ENDPOINT_HEADER`] and [`FINGERPRINT_HEADER`], asked by the filter
+/// on `on_unknown: reconcile` routes): the header of its answer that says so, one of
+/// [`OUTCOME_EXECUTED`], [`OUTCOME_RUNNING`], [`OUTCOME_NOT_EXECUTED`].
 pub const OUTCOME_HEADER: &str = "idempotency-outcome";
-/// The answer *is* the outcome the earlier attempt produced (status, headers, body).
+/// The answer *is* the outcome an earlier attempt of the request produced (status, headers,
+/// body), and names that attempt: its token in [`FENCING_TOKEN_HEADER`] (lower than the one
+/// asked with), the [`ENDPOINT_HEADER`] and [`FINGERPRINT_HEADER`] it was recorded with. The
+/// filter stores nothing else.
 pub const OUTCOME_EXECUTED: &str = "executed";
 /// The earlier attempt is still at work (`Retry-After` says when to ask again).
 pub const OUTCOME_RUNNING: &str = "running";
