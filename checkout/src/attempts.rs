@@ -1,21 +1,29 @@
 //! The checkout's own record of attempts, as a careful payment service keeps one: every request
-//! that carries an `Idempotency-Key` is recorded (key, subject, fencing token) *before* it
-//! starts executing, and the reconcile endpoint reads it to tell the edge what became of a key:
-//! `executed` (with the response it produced), `running`, or `not-executed`, which also
-//! promises to refuse every attempt with a lower token from then on.
+//! that carries an `Idempotency-Key` is recorded *before* it starts executing, with the request
+//! it belongs to (its [`Scope`]: the endpoint, the subject, the key and the request's
+//! fingerprint, as the edge forwards them) and its fencing token, and the reconcile endpoint
+//! reads it to tell the edge what became of a request: `executed` (with the response it
+//! produced, naming the attempt by its token), `running`, or `not-executed`, which also
+//! promises to refuse every attempt of that request with a lower token from then on.
+//!
+//! Every rule holds per request, never per key alone: two requests under one key (another
+//! path of a prefix route, or another body once the edge reused the key's record past its
+//! retention) are two requests, each executed once, neither ever answered with the other's
+//! outcome. The edge's tokens for one request all come from its record, so they order that
+//! request's attempts; another request's tokens say nothing about it.
 //!
 //! Fencing tokens *order* attempts; they do not deduplicate them. So, for an attempt that
 //! carries a token:
-//! * a token lower than one already seen for the key is refused (at the start and again at the
-//!   commit): a late orphan cannot charge after a newer attempt;
-//! * a token already used by another attempt of the key is refused: the same attempt twice;
-//! * once an attempt of the key has executed, every later one gets **that execution's
+//! * a token lower than one already seen for the request is refused (at the start and again at
+//!   the commit): a late orphan cannot charge after a newer attempt;
+//! * a token already used by another attempt of the request is refused: the same attempt twice;
+//! * once an attempt of the request has executed, every later one gets **that execution's
 //!   response**, at the start or at the commit, and nothing runs again: a `reexecute` route's
 //!   new attempt after the first one charged is answered, not charged;
-//! * the commit is one decision under the lock, so two attempts of a key never both charge.
+//! * the commit is one decision under the lock, so two attempts of a request never both charge.
 //!
 //! An execution that failed (a 5xx: the demo's `x-demo-fail`) had no effect: it does not count
-//! as the key's execution, and a later token runs (what `on_5xx: "release"` relies on).
+//! as the request's execution, and a later token runs (what `on_5xx: "release"` relies on).
 //! Attempts without a token (callers other than the edge) are recorded but neither refused nor
 //! deduplicated: the edge dedupes those.
 
@@ -24,8 +32,16 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-/// `charge` (`/checkout`) or `refund` (`/refunds`), the subject, the key.
-pub type Scope = (&'static str, String, String);
+/// The request an attempt belongs to, as the edge names it in the headers it forwards.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Scope {
+    /// `POST /checkout` (`idempotency-endpoint`; the checkout's own route without it).
+    pub endpoint: String,
+    pub subject: String,
+    pub key: String,
+    /// `idempotency-fingerprint`: opaque, compared for equality only; `None` without one.
+    pub fingerprint: Option<String>,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -34,10 +50,10 @@ pub enum AttemptState {
     Running,
     /// Committed: the charge (or refund) happened; its response is kept.
     Executed,
-    /// Refused: its fencing token was lower than one seen for the key, or already used by
-    /// another attempt of the key. Nothing ran.
+    /// Refused: its fencing token was lower than one seen for the request, or already used by
+    /// another attempt of the request. Nothing ran.
     Fenced,
-    /// Its key had already executed: it got that execution's response. Nothing ran.
+    /// Its request had already executed: it got that execution's response. Nothing ran.
     Replayed,
     /// Its caller went away before the commit (the handler was dropped). Nothing ran.
     Abandoned,
@@ -55,9 +71,12 @@ pub struct Produced {
 #[derive(Debug, Clone, Serialize)]
 pub struct Attempt {
     pub id: u64,
+    /// `charge` (`/checkout`) or `refund` (`/refunds`).
     pub kind: &'static str,
+    pub endpoint: String,
     pub subject: String,
     pub idempotency_key: String,
+    pub fingerprint: Option<String>,
     pub fencing_token: Option<i64>,
     pub state: AttemptState,
     /// The ledger entry of an executed attempt.
@@ -79,11 +98,12 @@ pub struct Attempt {
     due: Instant,
 }
 
-/// What the reconcile endpoint says of a key.
+/// What the reconcile endpoint says of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reconciled {
-    /// The response of the latest executed attempt with a lower token.
-    Executed(Produced),
+    /// The response the latest executed attempt of the request (with a lower token: `token`)
+    /// produced.
+    Executed { token: i64, produced: Produced },
     /// An attempt with a lower token is still at work; ask again after this long.
     Running { retry_after: Duration },
     /// Nothing ran; attempts with a token lower than the one asked with are refused from now on.
@@ -93,7 +113,7 @@ pub enum Reconciled {
 }
 
 #[derive(Debug, Default)]
-struct OfKey {
+struct OfRequest {
     /// Attempts with a token lower than this are refused.
     fence: i64,
     attempts: Vec<u64>,
@@ -103,15 +123,15 @@ struct OfKey {
 pub struct Attempts {
     next_id: u64,
     by_id: HashMap<u64, Attempt>,
-    by_scope: HashMap<Scope, OfKey>,
+    by_scope: HashMap<Scope, OfRequest>,
 }
 
 /// Why an attempt may not run. Nothing ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    /// Its token is lower than `seen`, already seen for the key.
+    /// Its token is lower than `seen`, already seen for the request.
     Stale { seen: i64 },
-    /// Another attempt of the key already carried this token.
+    /// Another attempt of the request already carried this token.
     Reused { token: i64 },
 }
 
@@ -120,7 +140,7 @@ pub enum Refusal {
 pub enum Started {
     /// It may run (and is asked again at its commit).
     Run,
-    /// Its key already executed: that execution's response. Nothing runs.
+    /// Its request already executed: that execution's response. Nothing runs.
     AlreadyExecuted(Produced),
     Refused(Refusal),
 }
@@ -130,13 +150,14 @@ pub enum Started {
 pub enum Committed {
     /// It executed now: the response it produced.
     Ran(Produced),
-    /// Another attempt of the key executed meanwhile: that execution's response. Nothing ran.
+    /// Another attempt of the request executed meanwhile: that execution's response. Nothing
+    /// ran.
     AlreadyExecuted(Produced),
     Refused(Refusal),
 }
 
 impl Attempts {
-    fn of_key(&self, scope: &Scope) -> impl Iterator<Item = &Attempt> {
+    fn of_request(&self, scope: &Scope) -> impl Iterator<Item = &Attempt> {
         self.by_scope
             .get(scope)
             .into_iter()
@@ -146,7 +167,7 @@ impl Attempts {
 
     fn highest_seen(&self, scope: &Scope, except: Option<u64>) -> i64 {
         let fence = self.by_scope.get(scope).map_or(0, |of| of.fence);
-        self.of_key(scope)
+        self.of_request(scope)
             .filter(|a| Some(a.id) != except)
             .filter(|a| a.state != AttemptState::Fenced)
             .filter_map(|a| a.fencing_token)
@@ -155,9 +176,9 @@ impl Attempts {
             .unwrap_or(0)
     }
 
-    /// The response of the key's execution, if one had an effect (a 5xx did not).
+    /// The response of the request's execution, if one had an effect (a 5xx did not).
     fn execution(&self, scope: &Scope, except: Option<u64>) -> Option<Produced> {
-        self.of_key(scope)
+        self.of_request(scope)
             .filter(|a| Some(a.id) != except && a.state == AttemptState::Executed)
             .filter_map(|a| a.response.as_ref())
             .find(|r| r.status < 500)
@@ -170,7 +191,7 @@ impl Attempts {
         if token < seen {
             return Some(Refusal::Stale { seen });
         }
-        let reused = self.of_key(scope).any(|a| {
+        let reused = self.of_request(scope).any(|a| {
             Some(a.id) != except
                 && a.state != AttemptState::Fenced
                 && a.fencing_token == Some(token)
@@ -178,10 +199,12 @@ impl Attempts {
         reused.then_some(Refusal::Reused { token })
     }
 
-    /// Records an attempt before it executes, and says whether it may run: refused (recorded
-    /// as fenced), answered with the key's execution (recorded as replayed), or run.
+    /// Records an attempt of `kind` before it executes, and says whether it may run: refused
+    /// (recorded as fenced), answered with its request's execution (recorded as replayed), or
+    /// run.
     pub fn start(
         &mut self,
+        kind: &'static str,
         scope: Scope,
         token: Option<i64>,
         expected: Duration,
@@ -203,9 +226,11 @@ impl Attempts {
             id,
             Attempt {
                 id,
-                kind: scope.0,
-                subject: scope.1.clone(),
-                idempotency_key: scope.2.clone(),
+                kind,
+                endpoint: scope.endpoint.clone(),
+                subject: scope.subject.clone(),
+                idempotency_key: scope.key.clone(),
+                fingerprint: scope.fingerprint.clone(),
                 fencing_token: token,
                 state: match started {
                     Started::Run => AttemptState::Running,
@@ -227,13 +252,13 @@ impl Attempts {
     }
 
     /// The commit of a running attempt, decided and done in one step: refused if a larger token
-    /// was seen meanwhile (fenced), answered with the key's execution if another attempt
+    /// was seen meanwhile (fenced), answered with its request's execution if another attempt
     /// executed meanwhile (replayed), or executed now by `execute` (its ledger entry's id and
     /// the response it produced), while no other attempt can commit.
     pub fn commit(&mut self, id: u64, execute: impl FnOnce() -> (u64, Produced)) -> Committed {
         let decided = self.by_id.get(&id).and_then(|a| {
             let token = a.fencing_token?;
-            let scope = (a.kind, a.subject.clone(), a.idempotency_key.clone());
+            let scope = a.scope();
             if let Some(r) = self.refusal(&scope, token, Some(id)) {
                 return Some((AttemptState::Fenced, Committed::Refused(r)));
             }
@@ -269,7 +294,8 @@ impl Attempts {
         }
     }
 
-    /// The reconcile endpoint, asked with the new owner's `token`.
+    /// The reconcile endpoint, asked about the request `scope` with the new owner's `token`:
+    /// only that request's attempts count.
     pub fn reconcile(&mut self, scope: Scope, token: i64) -> Reconciled {
         let now = Instant::now();
         let of = self.by_scope.get(&scope);
@@ -287,14 +313,17 @@ impl Attempts {
         {
             return Reconciled::Stale;
         }
-        if let Some(done) = attempts
+        // An execution is named by its token: one without (not the edge's) cannot be.
+        let executed = attempts
             .iter()
             .filter(|a| a.state == AttemptState::Executed)
-            .max_by_key(|a| (a.fencing_token, a.id))
-        {
-            if let Some(r) = &done.response {
-                return Reconciled::Executed(r.clone());
-            }
+            .filter_map(|a| Some((a.fencing_token?, a.response.as_ref()?)))
+            .max_by_key(|(t, _)| *t);
+        if let Some((token, produced)) = executed {
+            return Reconciled::Executed {
+                token,
+                produced: produced.clone(),
+            };
         }
         if let Some(running) = attempts
             .iter()
@@ -319,6 +348,18 @@ impl Attempts {
     }
 }
 
+impl Attempt {
+    /// The request it belongs to.
+    fn scope(&self) -> Scope {
+        Scope {
+            endpoint: self.endpoint.clone(),
+            subject: self.subject.clone(),
+            key: self.idempotency_key.clone(),
+            fingerprint: self.fingerprint.clone(),
+        }
+    }
+}
+
 fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -331,7 +372,20 @@ mod tests {
     use super::*;
 
     fn scope(key: &str) -> Scope {
-        ("charge", "alice".into(), key.into())
+        request(key, "POST /checkout", "fp-1")
+    }
+
+    fn request(key: &str, endpoint: &str, fingerprint: &str) -> Scope {
+        Scope {
+            endpoint: endpoint.into(),
+            subject: "alice".into(),
+            key: key.into(),
+            fingerprint: Some(fingerprint.into()),
+        }
+    }
+
+    fn executed(token: i64, p: Produced) -> Reconciled {
+        Reconciled::Executed { token, produced: p }
     }
 
     fn produced(id: u64) -> Produced {
@@ -358,7 +412,7 @@ mod tests {
     fn a_running_attempt_is_reported_running_and_still_commits() {
         let mut a = Attempts::default();
         let mut charges = 0;
-        let (id, ok) = a.start(scope("k"), Some(5), Duration::from_secs(40));
+        let (id, ok) = a.start("charge", scope("k"), Some(5), Duration::from_secs(40));
         assert_eq!(ok, Started::Run);
         match a.reconcile(scope("k"), 9) {
             Reconciled::Running { retry_after } => assert!(retry_after > Duration::from_secs(30)),
@@ -369,10 +423,7 @@ mod tests {
             commit(&mut a, id, &mut charges),
             Committed::Ran(produced(1))
         );
-        assert_eq!(
-            a.reconcile(scope("k"), 10),
-            Reconciled::Executed(produced(1))
-        );
+        assert_eq!(a.reconcile(scope("k"), 10), executed(5, produced(1)));
         let listed = &a.list()[0];
         assert_eq!(listed.response_status, Some(201));
         assert_eq!(
@@ -386,9 +437,9 @@ mod tests {
     fn not_executed_fences_every_lower_token() {
         let mut a = Attempts::default();
         assert_eq!(a.reconcile(scope("k"), 9), Reconciled::NotExecuted);
-        let (_, late) = a.start(scope("k"), Some(5), Duration::ZERO);
+        let (_, late) = a.start("charge", scope("k"), Some(5), Duration::ZERO);
         assert_eq!(late, Started::Refused(Refusal::Stale { seen: 9 }));
-        let (_, new) = a.start(scope("k"), Some(9), Duration::ZERO);
+        let (_, new) = a.start("charge", scope("k"), Some(9), Duration::ZERO);
         assert_eq!(new, Started::Run, "the token that asked runs");
         assert!(a.list().iter().any(|x| x.state == AttemptState::Fenced));
     }
@@ -397,8 +448,8 @@ mod tests {
     fn a_lower_token_cannot_commit_after_a_larger_one_started() {
         let mut a = Attempts::default();
         let mut charges = 0;
-        let (old, _) = a.start(scope("k"), Some(3), Duration::ZERO);
-        let (new, _) = a.start(scope("k"), Some(4), Duration::ZERO);
+        let (old, _) = a.start("charge", scope("k"), Some(3), Duration::ZERO);
+        let (new, _) = a.start("charge", scope("k"), Some(4), Duration::ZERO);
         assert_eq!(
             commit(&mut a, new, &mut charges),
             Committed::Ran(produced(1))
@@ -413,7 +464,7 @@ mod tests {
     #[test]
     fn an_abandoned_attempt_did_not_run_and_a_stale_asker_is_told_so() {
         let mut a = Attempts::default();
-        let (id, _) = a.start(scope("k"), Some(3), Duration::ZERO);
+        let (id, _) = a.start("charge", scope("k"), Some(3), Duration::ZERO);
         a.abandoned(id);
         assert_eq!(a.reconcile(scope("k"), 2), Reconciled::Stale);
         assert_eq!(a.reconcile(scope("k"), 4), Reconciled::NotExecuted);
@@ -421,29 +472,26 @@ mod tests {
     }
 
     // The contract a `reexecute` route needs (docs/RELIABILITY.md): attempts are ordered by
-    // their tokens, and a key executes once.
+    // their tokens, and a request executes once.
 
     #[test]
     fn a_later_token_after_an_execution_gets_its_response_and_charges_nothing() {
         let mut a = Attempts::default();
         let mut charges = 0;
-        let (first, _) = a.start(scope("k"), Some(1), Duration::ZERO);
+        let (first, _) = a.start("charge", scope("k"), Some(1), Duration::ZERO);
         assert_eq!(
             commit(&mut a, first, &mut charges),
             Committed::Ran(produced(1))
         );
-        let (_, again) = a.start(scope("k"), Some(2), Duration::ZERO);
+        let (_, again) = a.start("charge", scope("k"), Some(2), Duration::ZERO);
         assert_eq!(again, Started::AlreadyExecuted(produced(1)));
         assert_eq!(charges, 1);
         assert_eq!(states(&a), [AttemptState::Executed, AttemptState::Replayed]);
         // Its token counts: a lower one is stale from now on; the reconcile still reports the
         // one execution.
-        let (_, late) = a.start(scope("k"), Some(1), Duration::ZERO);
+        let (_, late) = a.start("charge", scope("k"), Some(1), Duration::ZERO);
         assert_eq!(late, Started::Refused(Refusal::Stale { seen: 2 }));
-        assert_eq!(
-            a.reconcile(scope("k"), 3),
-            Reconciled::Executed(produced(1))
-        );
+        assert_eq!(a.reconcile(scope("k"), 3), executed(1, produced(1)));
     }
 
     #[test]
@@ -452,9 +500,9 @@ mod tests {
         // caller without a token can still execute the key while a tokened attempt runs.
         let mut a = Attempts::default();
         let mut charges = 0;
-        let (tokened, started) = a.start(scope("k"), Some(7), Duration::ZERO);
+        let (tokened, started) = a.start("charge", scope("k"), Some(7), Duration::ZERO);
         assert_eq!(started, Started::Run);
-        let (direct, _) = a.start(scope("k"), None, Duration::ZERO);
+        let (direct, _) = a.start("charge", scope("k"), None, Duration::ZERO);
         assert_eq!(
             commit(&mut a, direct, &mut charges),
             Committed::Ran(produced(1))
@@ -470,19 +518,19 @@ mod tests {
     fn the_same_token_twice_is_refused_before_and_after_the_execution() {
         let mut a = Attempts::default();
         let mut charges = 0;
-        let (first, _) = a.start(scope("k"), Some(5), Duration::ZERO);
-        let (_, twice) = a.start(scope("k"), Some(5), Duration::ZERO);
+        let (first, _) = a.start("charge", scope("k"), Some(5), Duration::ZERO);
+        let (_, twice) = a.start("charge", scope("k"), Some(5), Duration::ZERO);
         assert_eq!(twice, Started::Refused(Refusal::Reused { token: 5 }));
         assert_eq!(
             commit(&mut a, first, &mut charges),
             Committed::Ran(produced(1))
         );
-        let (_, after) = a.start(scope("k"), Some(5), Duration::ZERO);
+        let (_, after) = a.start("charge", scope("k"), Some(5), Duration::ZERO);
         assert_eq!(after, Started::Refused(Refusal::Reused { token: 5 }));
         // Also once its first attempt was abandoned (its caller left before the commit).
-        let (gone, _) = a.start(scope("j"), Some(8), Duration::ZERO);
+        let (gone, _) = a.start("charge", scope("j"), Some(8), Duration::ZERO);
         a.abandoned(gone);
-        let (_, again) = a.start(scope("j"), Some(8), Duration::ZERO);
+        let (_, again) = a.start("charge", scope("j"), Some(8), Duration::ZERO);
         assert_eq!(again, Started::Refused(Refusal::Reused { token: 8 }));
         assert_eq!(charges, 1);
     }
@@ -490,7 +538,7 @@ mod tests {
     #[test]
     fn a_failed_execution_had_no_effect_and_a_later_token_runs() {
         let mut a = Attempts::default();
-        let (first, _) = a.start(scope("k"), Some(1), Duration::ZERO);
+        let (first, _) = a.start("charge", scope("k"), Some(1), Duration::ZERO);
         let failed = Produced {
             status: 503,
             headers: Vec::new(),
@@ -500,7 +548,7 @@ mod tests {
             a.commit(first, || (1, failed.clone())),
             Committed::Ran(failed.clone())
         );
-        let (second, started) = a.start(scope("k"), Some(2), Duration::ZERO);
+        let (second, started) = a.start("charge", scope("k"), Some(2), Duration::ZERO);
         assert_eq!(started, Started::Run);
         assert_eq!(
             a.commit(second, || (2, produced(2))),
@@ -513,7 +561,7 @@ mod tests {
         let mut a = Attempts::default();
         let mut charges = 0;
         for _ in 0..2 {
-            let (id, started) = a.start(scope("k"), None, Duration::ZERO);
+            let (id, started) = a.start("charge", scope("k"), None, Duration::ZERO);
             assert_eq!(started, Started::Run);
             assert!(matches!(
                 commit(&mut a, id, &mut charges),
@@ -521,5 +569,80 @@ mod tests {
             ));
         }
         assert_eq!(charges, 2, "the edge dedupes callers that send no token");
+    }
+
+    // Issue 34 path 11: every rule holds per request (endpoint, subject, key, fingerprint).
+
+    #[test]
+    fn another_request_under_the_key_runs_and_each_gets_its_own_execution() {
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        let first = request("k", "POST /checkout", "fp-700");
+        let (id, _) = a.start("charge", first.clone(), Some(1), Duration::ZERO);
+        assert_eq!(
+            commit(&mut a, id, &mut charges),
+            Committed::Ran(produced(1))
+        );
+        // Another body under the key (the edge reused its record past its retention).
+        let other = request("k", "POST /checkout", "fp-900");
+        let (id, started) = a.start("charge", other.clone(), Some(2), Duration::ZERO);
+        assert_eq!(started, Started::Run, "not the first request's execution");
+        assert_eq!(
+            commit(&mut a, id, &mut charges),
+            Committed::Ran(produced(2))
+        );
+        // A refund under the key (another path of a prefix route): its own request too.
+        let refund = request("k", "POST /refunds", "fp-700");
+        let (_, started) = a.start("refund", refund, Some(3), Duration::ZERO);
+        assert_eq!(started, Started::Run);
+        // Each request again: its own execution.
+        let (_, again) = a.start("charge", first, Some(4), Duration::ZERO);
+        assert_eq!(again, Started::AlreadyExecuted(produced(1)));
+        let (_, again) = a.start("charge", other, Some(5), Duration::ZERO);
+        assert_eq!(again, Started::AlreadyExecuted(produced(2)));
+        assert_eq!(charges, 2);
+    }
+
+    #[test]
+    fn the_reconcile_answers_about_the_asked_request_only_and_names_its_attempt() {
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        let first = request("k", "POST /checkout", "fp-700");
+        let (id, _) = a.start("charge", first.clone(), Some(3), Duration::ZERO);
+        commit(&mut a, id, &mut charges);
+        assert_eq!(
+            a.reconcile(request("k", "POST /checkout", "fp-900"), 8),
+            Reconciled::NotExecuted,
+            "another body's request never ran"
+        );
+        assert_eq!(
+            a.reconcile(request("k", "POST /refunds", "fp-700"), 9),
+            Reconciled::NotExecuted,
+            "another endpoint's request never ran"
+        );
+        assert_eq!(a.reconcile(first.clone(), 10), executed(3, produced(1)));
+        // The fence it raised is the asked request's: the first request's attempts are not
+        // refused by another request's reconcile.
+        let (_, late) = a.start(
+            "charge",
+            request("k", "POST /checkout", "fp-900"),
+            Some(7),
+            Duration::ZERO,
+        );
+        assert_eq!(late, Started::Refused(Refusal::Stale { seen: 8 }));
+        let (_, replayed) = a.start("charge", first, Some(4), Duration::ZERO);
+        assert_eq!(replayed, Started::AlreadyExecuted(produced(1)));
+    }
+
+    #[test]
+    fn an_execution_without_a_token_is_not_named_by_the_reconcile() {
+        let mut a = Attempts::default();
+        let mut charges = 0;
+        let (id, _) = a.start("charge", scope("k"), None, Duration::ZERO);
+        commit(&mut a, id, &mut charges);
+        assert_eq!(a.reconcile(scope("k"), 4), Reconciled::NotExecuted);
+        // The request then runs with token 4 and gets that execution (nothing charged again).
+        let (_, started) = a.start("charge", scope("k"), Some(4), Duration::ZERO);
+        assert_eq!(started, Started::AlreadyExecuted(produced(1)));
     }
 }

@@ -3,12 +3,13 @@
 //! It records every execution in an in-memory ledger (`GET /charges`), so the tests and the
 //! demo can count how many times a payment really ran. It does not deduplicate calls that carry
 //! no fencing token (the edge does), but it behaves like a careful payment service towards the
-//! edge ([`attempts`]): it records each attempt with its fencing token before executing, refuses
-//! a token lower than one already seen for the key or already used, answers a later attempt of a
-//! key that executed with that execution's response (never a second charge), and answers the
-//! reconcile endpoint
-//! (`GET /checkout/attempts/{key}`, `GET /refunds/attempts/{key}`) that tells the edge what
-//! became of a key whose outcome it never saw.
+//! edge ([`attempts`]): it records each attempt with its request (endpoint, subject, key and
+//! fingerprint, as the edge forwards them) and its fencing token before executing, refuses a
+//! token lower than one already seen for the request or already used, answers a later attempt
+//! of a request that executed with that execution's response (never a second charge), and
+//! answers the reconcile endpoint (`GET /checkout/attempts/{key}`, `GET /refunds/attempts/{key}`:
+//! either answers about the request its headers name) that tells the edge what became of a
+//! request whose outcome it never saw.
 
 pub mod attempts;
 
@@ -16,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use attempts::{Attempts, Committed, Produced, Reconciled, Refusal, Started};
+use attempts::{Attempts, Committed, Produced, Reconciled, Refusal, Scope, Started};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -95,19 +96,35 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
         .route("/refunds", post(refund))
         .route("/charges", get(list_charges))
         .route("/attempts", get(list_attempts))
-        .route("/checkout/attempts/{key}", get(reconcile_charge))
-        .route("/refunds/attempts/{key}", get(reconcile_refund))
+        .route("/checkout/attempts/{key}", get(reconcile))
+        .route("/refunds/attempts/{key}", get(reconcile))
         .route("/echo", post(echo))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(ledger)
 }
 
+/// What a route executes: its ledger kind and its endpoint (as the edge names it).
+#[derive(Debug, Clone, Copy)]
+struct Operation {
+    kind: &'static str,
+    endpoint: &'static str,
+}
+
+const CHARGE: Operation = Operation {
+    kind: "charge",
+    endpoint: "POST /checkout",
+};
+const REFUND: Operation = Operation {
+    kind: "refund",
+    endpoint: "POST /refunds",
+};
+
 async fn checkout(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    run(ledger, "charge", headers, body).await
+    run(ledger, CHARGE, headers, body).await
 }
 
 async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    run(ledger, "refund", headers, body).await
+    run(ledger, REFUND, headers, body).await
 }
 
 /// Test hooks for the fault suite, on top of `execute`:
@@ -118,17 +135,17 @@ async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
 ///   without answering: the charge ran, but no response ever leaves.
 /// * and the shapes of the answer, in [`shape`]: `x-demo-reset-body`, `x-demo-gzip`,
 ///   `x-demo-empty-chunked`, `x-demo-location-bytes`, `x-demo-status`.
-async fn run(ledger: Arc<Ledger>, kind: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+async fn run(ledger: Arc<Ledger>, op: Operation, headers: HeaderMap, body: Bytes) -> Response {
     let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
     let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
     let response = if detach {
-        let task = tokio::spawn(async move { attempt(ledger, kind, &headers, &body, reset).await });
+        let task = tokio::spawn(async move { attempt(ledger, op, &headers, &body, reset).await });
         match task.await {
             Ok(r) => r,
             Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         }
     } else {
-        attempt(ledger, kind, &headers, &body, reset).await
+        attempt(ledger, op, &headers, &body, reset).await
     };
     if reset {
         // Unwinding out of the handler ends the connection's task: hyper drops the socket
@@ -192,15 +209,16 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
 
 /// One attempt: recorded before it runs when it carries a key, then, after its processing
 /// delay, committed in one decision ([`Attempts::commit`]): executed, or refused (a stale or
-/// reused fencing token, 409), or answered with the response its key's execution produced
+/// reused fencing token, 409), or answered with the response its request's execution produced
 /// when another attempt executed it (the same status, headers and body; nothing charged).
 async fn attempt(
     ledger: Arc<Ledger>,
-    kind: &'static str,
+    op: Operation,
     headers: &HeaderMap,
     body: &[u8],
     reset: bool,
 ) -> Response {
+    let kind = op.kind;
     let delay = Duration::from_millis(
         header(headers, "x-demo-delay-ms")
             .and_then(|v| v.parse::<u64>().ok())
@@ -211,8 +229,14 @@ async fn attempt(
     let guard = match header(headers, "idempotency-key") {
         None => None,
         Some(key) => {
-            let subject = header(headers, "x-jwt-sub").unwrap_or_default();
-            let started = ledger.attempts(|a| a.start((kind, subject, key), token, delay));
+            // The request as the edge names it (its endpoint survives a path rewrite).
+            let scope = Scope {
+                endpoint: header(headers, ENDPOINT_HEADER).unwrap_or_else(|| op.endpoint.into()),
+                subject: header(headers, "x-jwt-sub").unwrap_or_default(),
+                key,
+                fingerprint: header(headers, FINGERPRINT_HEADER),
+            };
+            let started = ledger.attempts(|a| a.start(kind, scope, token, delay));
             let Some((id, started)) = started else {
                 return StatusCode::INTERNAL_SERVER_ERROR.into_response();
             };
@@ -246,14 +270,14 @@ async fn attempt(
     transport(headers, produced)
 }
 
-/// The response the key's execution produced, for a later attempt of the key: nothing ran.
+/// The response the request's execution produced, for a later attempt of it: nothing ran.
 fn already_executed(p: Produced) -> Response {
-    tracing::info!(status = p.status, "answered with the key's execution");
+    tracing::info!(status = p.status, "answered with the request's execution");
     transport(&HeaderMap::new(), p)
 }
 
-/// 409: a fencing token lower than one this checkout has seen for the key, or one already
-/// used by another attempt of the key. Nothing ran.
+/// 409: a fencing token lower than one this checkout has seen for the request, or one already
+/// used by another attempt of the request. Nothing ran.
 fn refused(token: Option<i64>, refusal: Refusal) -> Response {
     tracing::warn!(?token, ?refusal, "refused: a stale or reused fencing token");
     match refusal {
@@ -261,7 +285,7 @@ fn refused(token: Option<i64>, refusal: Refusal) -> Response {
             StatusCode::CONFLICT,
             "stale-fencing-token",
             &format!(
-                "fencing token {} is lower than {seen}, already seen for this key; nothing was charged",
+                "fencing token {} is lower than {seen}, already seen for this request; nothing was charged",
                 token.unwrap_or(0)
             ),
         ),
@@ -269,7 +293,7 @@ fn refused(token: Option<i64>, refusal: Refusal) -> Response {
             StatusCode::CONFLICT,
             "fencing-token-reused",
             &format!(
-                "fencing token {token} was already used by another attempt of this key; nothing was charged"
+                "fencing token {token} was already used by another attempt of this request; nothing was charged"
             ),
         ),
     }
@@ -292,53 +316,63 @@ fn problem(status: StatusCode, kind: &str, detail: &str) -> Response {
 
 /// The header the filter sends the fencing token in.
 const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
-/// The reconcile contract's answer header and the subject it is asked with (see the edge's
-/// `contract::wire`).
+/// The reconcile contract's answer header, the subject it is asked with, and the request as
+/// the edge names it: forwarded with every attempt, asked about, echoed by `executed` (see the
+/// edge's `contract::wire`).
 const OUTCOME_HEADER: &str = "idempotency-outcome";
 const SUBJECT_HEADER: &str = "idempotency-subject";
+const ENDPOINT_HEADER: &str = "idempotency-endpoint";
+const FINGERPRINT_HEADER: &str = "idempotency-fingerprint";
 
-async fn reconcile_charge(
+/// The reconcile endpoint: what became of the request its headers name (subject, endpoint,
+/// fingerprint) under `key`, asked with the new owner's fencing token. `executed` answers with
+/// the response the attempt produced and names that attempt: its token, endpoint and
+/// fingerprint.
+async fn reconcile(
     State(ledger): State<Arc<Ledger>>,
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    reconcile(&ledger, "charge", key, &headers)
-}
-
-async fn reconcile_refund(
-    State(ledger): State<Arc<Ledger>>,
-    Path(key): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    reconcile(&ledger, "refund", key, &headers)
-}
-
-/// The reconcile endpoint: what became of `key` for the subject, asked with the new owner's
-/// fencing token. `executed` answers with the response the attempt produced.
-fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderMap) -> Response {
-    let (Some(subject), Some(token)) = (
-        header(headers, SUBJECT_HEADER),
-        header(headers, FENCING_TOKEN_HEADER).and_then(|v| v.parse::<i64>().ok()),
+    let (Some(subject), Some(token), Some(endpoint), Some(fingerprint)) = (
+        header(&headers, SUBJECT_HEADER),
+        header(&headers, FENCING_TOKEN_HEADER).and_then(|v| v.parse::<i64>().ok()),
+        header(&headers, ENDPOINT_HEADER),
+        header(&headers, FINGERPRINT_HEADER),
     ) else {
         return problem(
             StatusCode::BAD_REQUEST,
             "bad-reconcile",
-            "a reconcile needs the idempotency-subject and idempotency-fencing-token headers",
+            "a reconcile needs the idempotency-subject, idempotency-fencing-token, idempotency-endpoint and idempotency-fingerprint headers",
         );
     };
-    let said = ledger.attempts(|a| a.reconcile((kind, subject, key), token));
+    let scope = Scope {
+        endpoint,
+        subject,
+        key,
+        fingerprint: Some(fingerprint),
+    };
+    let said = ledger.attempts(|a| a.reconcile(scope.clone(), token));
     let mut r = match said {
-        Some(Reconciled::Executed(p)) => {
-            let mut r = transport(&HeaderMap::new(), p);
-            r.headers_mut()
-                .insert(OUTCOME_HEADER, HeaderValue::from_static("executed"));
+        Some(Reconciled::Executed { token, produced }) => {
+            let mut r = transport(&HeaderMap::new(), produced);
+            let named = [
+                (OUTCOME_HEADER, "executed".to_owned()),
+                (FENCING_TOKEN_HEADER, token.to_string()),
+                (ENDPOINT_HEADER, scope.endpoint),
+                (FINGERPRINT_HEADER, scope.fingerprint.unwrap_or_default()),
+            ];
+            for (name, value) in named {
+                if let Ok(v) = HeaderValue::from_str(&value) {
+                    r.headers_mut().insert(name, v);
+                }
+            }
             return r;
         }
         Some(Reconciled::Running { retry_after }) => {
             let mut r = problem(
                 StatusCode::CONFLICT,
                 "attempt-running",
-                "an attempt with this key is still running",
+                "an attempt of this request is still running",
             );
             let secs = retry_after.as_secs_f64().ceil().clamp(1.0, 120.0) as u64;
             r.headers_mut()
@@ -351,7 +385,7 @@ fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderM
             let mut r = problem(
                 StatusCode::NOT_FOUND,
                 "not-executed",
-                "no attempt with this key ran; attempts with a lower fencing token are refused from now on",
+                "no attempt of this request ran; its attempts with a lower fencing token are refused from now on",
             );
             r.headers_mut()
                 .insert(OUTCOME_HEADER, HeaderValue::from_static("not-executed"));
@@ -360,7 +394,7 @@ fn reconcile(ledger: &Ledger, kind: &'static str, key: String, headers: &HeaderM
         Some(Reconciled::Stale) => problem(
             StatusCode::CONFLICT,
             "stale-fencing-token",
-            "an attempt with this key has a fencing token at least as large",
+            "an attempt of this request has a fencing token at least as large",
         ),
         None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     };
@@ -538,29 +572,90 @@ mod tests {
         (addr, ledger)
     }
 
-    /// `POST /checkout` with `key` and `token` as the edge forwards it: the status and body.
-    async fn charge(addr: std::net::SocketAddr, key: &str, token: i64) -> (u16, String) {
-        let body = r#"{"amount":700,"card":{"number":"4242424242424242"}}"#;
-        let request = format!(
-            "POST /checkout HTTP/1.1\r\nhost: checkout\r\nidempotency-key: {key}\r\n\
-             idempotency-fencing-token: {token}\r\nx-jwt-sub: alice\r\n\
-             content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
+    /// An HTTP/1.1 exchange: the status, the headers (names lower-case) and the body.
+    async fn exchange(
+        addr: std::net::SocketAddr,
+        head: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> (u16, Vec<(String, String)>, String) {
+        let mut request = format!("{head} HTTP/1.1\r\nhost: checkout\r\nconnection: close\r\n");
+        for (n, v) in headers {
+            request.push_str(&format!("{n}: {v}\r\n"));
+        }
+        request.push_str(&format!("content-length: {}\r\n\r\n{body}", body.len()));
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
         stream.write_all(request.as_bytes()).await.unwrap();
         let mut answer = String::new();
         stream.read_to_string(&mut answer).await.unwrap();
-        let status = answer
-            .split(' ')
-            .nth(1)
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        let body = answer
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
+        let headers = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        (status, headers, body.to_owned())
+    }
+
+    fn named<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    const CHARGE: &str = r#"{"amount":700,"card":{"number":"4242424242424242"}}"#;
+
+    /// `POST /checkout` with `key` and `token` as the edge forwards it: the status and body.
+    async fn charge(addr: std::net::SocketAddr, key: &str, token: i64) -> (u16, String) {
+        let (status, _, body) = charge_of(addr, key, token, "fp-700", CHARGE).await;
         (status, body)
+    }
+
+    /// `POST /checkout` of `body` as the edge forwards it, with its fingerprint (opaque to the
+    /// checkout: the edge's value).
+    async fn charge_of(
+        addr: std::net::SocketAddr,
+        key: &str,
+        token: i64,
+        fingerprint: &str,
+        body: &str,
+    ) -> (u16, Vec<(String, String)>, String) {
+        let token = token.to_string();
+        let headers = [
+            ("idempotency-key", key),
+            ("idempotency-fencing-token", token.as_str()),
+            ("idempotency-endpoint", "POST /checkout"),
+            ("idempotency-fingerprint", fingerprint),
+            ("x-jwt-sub", "alice"),
+            ("content-type", "application/json"),
+        ];
+        exchange(addr, "POST /checkout", &headers, body).await
+    }
+
+    /// The reconcile request the edge sends about alice's request (`endpoint`, `fingerprint`)
+    /// with `key`, asked with the new owner's `token`.
+    async fn reconcile_of(
+        addr: std::net::SocketAddr,
+        key: &str,
+        token: i64,
+        endpoint: &str,
+        fingerprint: &str,
+    ) -> (u16, Vec<(String, String)>, String) {
+        let token = token.to_string();
+        let headers = [
+            ("idempotency-key", key),
+            ("idempotency-fencing-token", token.as_str()),
+            ("idempotency-subject", "alice"),
+            ("idempotency-endpoint", endpoint),
+            ("idempotency-fingerprint", fingerprint),
+        ];
+        exchange(addr, &format!("GET /checkout/attempts/{key}"), &headers, "").await
     }
 
     #[tokio::test]
@@ -588,5 +683,74 @@ mod tests {
             .collect();
         use attempts::AttemptState::*;
         assert_eq!(states, [Executed, Replayed, Fenced, Fenced]);
+    }
+
+    // Issue 34 path 11: attempts are of a request (key, subject, endpoint, fingerprint), not of
+    // a key alone.
+
+    #[tokio::test]
+    async fn another_body_under_the_same_key_runs_and_is_never_answered_with_the_first_s_execution()
+    {
+        // A retention reuse: the edge forwards another request under a key whose record was
+        // past its retention, with a larger token.
+        let (addr, ledger) = serve().await;
+        let (first, _, charged) = charge_of(addr, "k1", 1, "fp-700", CHARGE).await;
+        assert_eq!(first, 201, "{charged}");
+        let other = r#"{"amount":900,"card":{"number":"4242424242424242"}}"#;
+        let (status, _, answered) = charge_of(addr, "k1", 2, "fp-900", other).await;
+        assert_eq!(status, 201, "{answered}");
+        assert_ne!(
+            answered, charged,
+            "the other request ran, it did not get the first one's response"
+        );
+        assert_eq!(ledger.entries().len(), 2, "one charge per request");
+        // The first request again (a larger token): its own execution, nothing charged.
+        let (again, _, replayed) = charge_of(addr, "k1", 3, "fp-700", CHARGE).await;
+        assert_eq!((again, &replayed), (201, &charged));
+        assert_eq!(ledger.entries().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn the_reconcile_endpoint_answers_about_the_asked_request_and_names_its_attempt() {
+        let (addr, _ledger) = serve().await;
+        let (first, _, charged) = charge_of(addr, "k1", 1, "fp-700", CHARGE).await;
+        assert_eq!(first, 201, "{charged}");
+        // Another body under the key (a retention reuse): it never ran.
+        let (status, headers, body) = reconcile_of(addr, "k1", 5, "POST /checkout", "fp-900").await;
+        assert_eq!(
+            (status, named(&headers, "idempotency-outcome")),
+            (404, Some("not-executed")),
+            "another request's execution is not this one's: {body}"
+        );
+        // Another endpoint under the key (a prefix route's other path): it never ran either.
+        let (status, headers, body) = reconcile_of(addr, "k1", 6, "POST /refunds", "fp-700").await;
+        assert_eq!(
+            (status, named(&headers, "idempotency-outcome")),
+            (404, Some("not-executed")),
+            "{body}"
+        );
+        // The request itself: its execution, naming the attempt (token 1) it describes.
+        let (status, headers, body) = reconcile_of(addr, "k1", 7, "POST /checkout", "fp-700").await;
+        assert_eq!((status, &body), (201, &charged));
+        for (name, value) in [
+            ("idempotency-outcome", "executed"),
+            ("idempotency-fencing-token", "1"),
+            ("idempotency-endpoint", "POST /checkout"),
+            ("idempotency-fingerprint", "fp-700"),
+        ] {
+            assert_eq!(named(&headers, name), Some(value), "{name}: {headers:?}");
+        }
+        // Without the endpoint or the fingerprint there is no telling which request is meant.
+        let (status, _, body) = exchange(
+            addr,
+            "GET /checkout/attempts/k1",
+            &[
+                ("idempotency-fencing-token", "8"),
+                ("idempotency-subject", "alice"),
+            ],
+            "",
+        )
+        .await;
+        assert_eq!(status, 400, "{body}");
     }
 }

@@ -49,11 +49,15 @@ pub const CALLER_TIMEOUT_HEADER: &str = "idempotency-caller-timeout-ms";
 /// The name of the header carrying the fencing token to the upstream.
 pub const FENCING_TOKEN_HEADER: &str = "idempotency-fencing-token";
 
-/// The reconcile contract (an upstream's endpoint that tells what became of a key, asked by
-/// the filter on `on_unknown: reconcile` routes): the header of its answer that says so, one
-/// of [`OUTCOME_EXECUTED`], [`OUTCOME_RUNNING`], [`OUTCOME_NOT_EXECUTED`].
+/// The reconcile contract (an upstream's endpoint that tells what became of a request: the
+/// key, [`SUBJECT_HEADER`], [`ENDPOINT_HEADER`] and [`FINGERPRINT_HEADER`], asked by the filter
+/// on `on_unknown: reconcile` routes): the header of its answer that says so, one of
+/// [`OUTCOME_EXECUTED`], [`OUTCOME_RUNNING`], [`OUTCOME_NOT_EXECUTED`].
 pub const OUTCOME_HEADER: &str = "idempotency-outcome";
-/// The answer *is* the outcome the earlier attempt produced (status, headers, body).
+/// The answer *is* the outcome an earlier attempt of the request produced (status, headers,
+/// body), and names that attempt: its token in [`FENCING_TOKEN_HEADER`] (lower than the one
+/// asked with), the [`ENDPOINT_HEADER`] and [`FINGERPRINT_HEADER`] it was recorded with. The
+/// filter stores nothing else.
 pub const OUTCOME_EXECUTED: &str = "executed";
 /// The earlier attempt is still at work (`Retry-After` says when to ask again).
 pub const OUTCOME_RUNNING: &str = "running";
@@ -62,6 +66,18 @@ pub const OUTCOME_RUNNING: &str = "running";
 pub const OUTCOME_NOT_EXECUTED: &str = "not-executed";
 /// The subject, sent to the reconcile endpoint beside the key and the new fencing token.
 pub const SUBJECT_HEADER: &str = "idempotency-subject";
+/// The protected operation as the filter names it (`POST /checkout`: the record's endpoint),
+/// sent with every request forwarded under a claim and with the reconcile request; an
+/// `executed` answer echoes the one its attempt was recorded with.
+pub const ENDPOINT_HEADER: &str = "idempotency-endpoint";
+/// The request's fingerprint (lower-case hex, the value the state API compares: it covers
+/// the method, path, query, media type and body), sent and echoed like [`ENDPOINT_HEADER`].
+/// An upstream records it with the attempt and compares it for equality only.
+pub const FINGERPRINT_HEADER: &str = "idempotency-fingerprint";
+/// The headers the filter sets on a request it forwards under a claim (the upstream acts on
+/// them): a client's copies are removed from every request, protected or not.
+pub const FORWARDED_HEADERS: [&str; 3] =
+    [FENCING_TOKEN_HEADER, ENDPOINT_HEADER, FINGERPRINT_HEADER];
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -49,6 +49,8 @@ pub fn never_replayed(name: &str) -> bool {
         contract::wire::FENCING_TOKEN_HEADER,
         contract::wire::OUTCOME_HEADER,
         contract::wire::SUBJECT_HEADER,
+        contract::wire::ENDPOINT_HEADER,
+        contract::wire::FINGERPRINT_HEADER,
         "retry-after",
         "www-authenticate",
         "authorization",

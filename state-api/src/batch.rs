@@ -74,7 +74,8 @@ pub struct ClaimJob {
     pub subject: String,
     pub endpoint: String,
     pub fingerprint_alg: String,
-    pub fingerprint: String,
+    /// The request's fingerprint, keyed as records store it.
+    pub fingerprint: state_rules::fingerprint::Keyed,
     pub lease_ms: u64,
     pub retention_ms: i64,
     pub take_over_unknown: bool,

@@ -500,8 +500,10 @@ async fn prepare_claim(
         scope,
         subject: req.subject,
         endpoint: req.endpoint,
+        fingerprint: state
+            .scoper()
+            .keyed_fingerprint(&req.fingerprint_alg, &req.fingerprint),
         fingerprint_alg: req.fingerprint_alg,
-        fingerprint: req.fingerprint,
         lease_ms: config.lease_for(req.lease_ms),
         retention_ms: i64::try_from(retention_s.saturating_mul(1000)).unwrap_or(i64::MAX),
         take_over_unknown: req.on_unknown == OnUnknown::TakeOver,

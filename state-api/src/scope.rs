@@ -14,6 +14,20 @@ pub struct Scoper {
     mac: Hmac<Sha256>,
     /// The secret before a rotation, while records addressed with it may still be looked up.
     previous: Option<Hmac<Sha256>>,
+    /// The key that stored fingerprints are keyed under (derived from the key secret, so it
+    /// rotates with it), and the previous one during a rotation.
+    fingerprint_key: [u8; 32],
+    previous_fingerprint_key: Option<[u8; 32]>,
+}
+
+/// The fingerprint key of a key secret: HKDF-SHA256 with a label of its own, independent of
+/// the addresses' HMAC.
+fn fingerprint_key(secret: &[u8]) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    // 32 bytes is always a valid HKDF-SHA256 output length.
+    let _ =
+        hkdf::Hkdf::<Sha256>::new(None, secret).expand(b"idempotency fingerprint key v1", &mut key);
+    key
 }
 
 impl Scoper {
@@ -22,13 +36,27 @@ impl Scoper {
         Ok(Self {
             mac: <Hmac<Sha256> as Mac>::new_from_slice(secret)?,
             previous: None,
+            fingerprint_key: fingerprint_key(secret),
+            previous_fingerprint_key: None,
         })
     }
 
     /// Also looks up records addressed with `previous` (a rotation of the secret).
     pub fn with_previous(mut self, previous: &[u8]) -> Result<Self, hmac::digest::InvalidLength> {
         self.previous = Some(<Hmac<Sha256> as Mac>::new_from_slice(previous)?);
+        self.previous_fingerprint_key = Some(fingerprint_key(previous));
         Ok(self)
+    }
+
+    /// A request's fingerprint keyed as records store it, and as they may have stored it
+    /// under the previous key secret.
+    pub fn keyed_fingerprint(&self, alg: &str, plain: &str) -> state_rules::fingerprint::Keyed {
+        state_rules::fingerprint::Keyed::new(
+            alg,
+            plain,
+            &self.fingerprint_key,
+            self.previous_fingerprint_key.as_ref().map(|k| &k[..]),
+        )
     }
 
     /// The address under the previous secret, during a rotation.

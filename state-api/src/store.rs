@@ -11,6 +11,7 @@ use sqlx::types::Json;
 use sqlx::{FromRow as _, Row as _};
 
 use contract::wire::{ClaimResponse, RecordState, StoredResponse};
+use state_rules::fingerprint::Keyed;
 use state_rules::writes::{Abandoned, Beat};
 use state_rules::Decision;
 
@@ -206,7 +207,8 @@ pub struct NewClaim<'a> {
     pub subject: &'a str,
     pub endpoint: &'a str,
     pub fingerprint_alg: &'a str,
-    pub fingerprint: &'a str,
+    /// Keyed as records store it (compared with a stored one by [`Keyed::matches`]).
+    pub fingerprint: &'a Keyed,
     pub lease_ms: u64,
     pub retention_ms: i64,
     /// Take an unknown record over (`true`), or answer `Unknown`.
@@ -228,6 +230,8 @@ struct ClaimRow {
     fencing_token: i64,
     fingerprint_alg: String,
     fingerprint: String,
+    /// The key it was stored under (none: a plain one, from before keying).
+    fingerprint_key_id: Option<i64>,
     lease_remaining_ms: i64,
     lease_expired: bool,
     /// Past retention (and, for in_progress, past its lease): the key counts as new.
@@ -255,7 +259,7 @@ struct ClaimRow {
 /// key older than its lease take about 100 ms in the statement (measured; `make bench`).
 macro_rules! claim_cols {
     () => {
-        "r.state, r.fencing_token, r.fingerprint_alg, r.fingerprint, \
+        "r.state, r.fencing_token, r.fingerprint_alg, r.fingerprint, r.fingerprint_key_id, \
          GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint AS lease_remaining_ms, \
          CASE WHEN r.state <> 'in_progress' OR r.lease_expires_at > c.now THEN false \
               ELSE idempotency_serving_since() <= c.now - r.lease_ms * interval '1 millisecond' \
@@ -305,12 +309,12 @@ const CLAIM_SQL: &str = concat!(
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
              lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms,
-             claim_nonce, owner_seen_at)
+             claim_nonce, owner_seen_at, fingerprint_key_id)
         SELECT $1, $2, $3, $4, $5, 'in_progress', nextval('idempotency_fencing_token_seq'), $6,
                clock_timestamp() + $6::bigint * interval '1 millisecond',
                clock_timestamp(),
                clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
-               $8, $7, $9, clock_timestamp()
+               $8, $7, $9, clock_timestamp(), $11
         WHERE NOT EXISTS (SELECT 1 FROM existing)
           AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $9)
         ON CONFLICT (scope_hash) DO NOTHING
@@ -356,9 +360,11 @@ macro_rules! expires_in_ms {
 const WRITE_BATCH_SQL: &str = concat!(
     "WITH input AS (
         SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], $5::text[],
-                             $6::bigint[], $7::bigint[], $8::text[], $17::text[], $18::bytea[])
+                             $6::bigint[], $7::bigint[], $8::text[], $17::text[], $18::bytea[],
+                             $19::bigint[])
             WITH ORDINALITY AS t(scope_hash, subject, endpoint, fingerprint_alg, fingerprint,
-                                 lease_ms, retention_ms, namespace, claim_nonce, previous, idx)
+                                 lease_ms, retention_ms, namespace, claim_nonce, previous,
+                                 fingerprint_key_id, idx)
     ),
     existing AS (
         SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.scope_hash
@@ -370,13 +376,13 @@ const WRITE_BATCH_SQL: &str = concat!(
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
              lease_ms, lease_expires_at, created_at, expires_at, namespace, retention_ms,
-             claim_nonce, owner_seen_at)
+             claim_nonce, owner_seen_at, fingerprint_key_id)
         SELECT i.scope_hash, i.subject, i.endpoint, i.fingerprint_alg, i.fingerprint, 'in_progress',
                nextval('idempotency_fencing_token_seq'), i.lease_ms,
                clock_timestamp() + i.lease_ms * interval '1 millisecond',
                clock_timestamp(),
                clock_timestamp() + (i.lease_ms + i.retention_ms) * interval '1 millisecond',
-               i.namespace, i.retention_ms, i.claim_nonce, clock_timestamp()
+               i.namespace, i.retention_ms, i.claim_nonce, clock_timestamp(), i.fingerprint_key_id
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
           AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = i.claim_nonce)
@@ -412,6 +418,7 @@ const WRITE_BATCH_SQL: &str = concat!(
     " FROM existing r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
     UNION ALL
     SELECT 'complete', d.idx, NULL, NULL::text, NULL::bigint, NULL::text, NULL::text, NULL::bigint,
+        NULL::bigint,
         NULL::bool, NULL::bool, d.expires_in_ms, NULL::int, NULL::jsonb, NULL::bytea, NULL::bool,
         NULL::bigint, NULL::bytea
     FROM done d"
@@ -503,7 +510,29 @@ fn ms(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
+/// A record whose fingerprint matched under a key other than the current one (the previous
+/// key secret's, or none: a plain one from before keying): re-keyed as the claim reads it.
+struct Rekey {
+    address: Vec<u8>,
+    token: i64,
+    old: String,
+}
+
 impl ClaimRow {
+    /// The re-keying this row needs for `claim`, if its fingerprint matched under another key.
+    fn rekey(&self, claim: &NewClaim<'_>) -> Option<Rekey> {
+        let stale = self.fingerprint_key_id != Some(claim.fingerprint.key_id)
+            && self.fingerprint_alg == claim.fingerprint_alg
+            && claim
+                .fingerprint
+                .matches(&self.fingerprint, self.fingerprint_key_id);
+        stale.then(|| Rekey {
+            address: self.address.clone(),
+            token: self.fencing_token,
+            old: self.fingerprint.clone(),
+        })
+    }
+
     /// What the claim's decision reads of the row ([`state_rules::Facts`]).
     fn facts(&self, claim: &NewClaim<'_>) -> state_rules::Facts {
         state_rules::Facts {
@@ -511,7 +540,9 @@ impl ClaimRow {
             state: self.state,
             token: self.fencing_token,
             same_fingerprint: self.fingerprint_alg == claim.fingerprint_alg
-                && self.fingerprint == claim.fingerprint,
+                && claim
+                    .fingerprint
+                    .matches(&self.fingerprint, self.fingerprint_key_id),
             lease_remaining_ms: ms(self.lease_remaining_ms),
             lease_expired: self.lease_expired,
             retention_expired: self.retention_expired,
@@ -638,12 +669,13 @@ impl Store {
                         .bind(c.subject)
                         .bind(c.endpoint)
                         .bind(c.fingerprint_alg)
-                        .bind(c.fingerprint)
+                        .bind(&c.fingerprint.stored)
                         .bind(lease)
                         .bind(c.retention_ms)
                         .bind(c.namespace)
                         .bind(c.nonce)
                         .bind(c.previous.as_ref().map(|p| &p[..]))
+                        .bind(c.fingerprint.key_id)
                         .fetch_optional(&self.pool)
                         .await?;
                     match inserted_or_found {
@@ -667,8 +699,14 @@ impl Store {
             // AND NOT EXISTS (a row at current) THEN current ELSE scope_hash END`, as every
             // owner's write but a complete does (a complete seals under the address it finds).
             let address = row.address.clone();
+            let rekey = row.rekey(c);
             let won = match decide(row, c, &self.sealer)? {
-                Step::Answer(outcome) => return Ok(outcome),
+                Step::Answer(outcome) => {
+                    if let Some(r) = rekey {
+                        self.rekey_fingerprint(&r, c.fingerprint).await;
+                    }
+                    return Ok(outcome);
+                }
                 Step::Update(Decision::Reclaim { observed }) => {
                     // Take over a record whose outcome is unknown (marked so, or an in_progress one whose lease
                     // ran out) for a claim that asked to: compare-and-set on the observed token, with the database
@@ -708,7 +746,7 @@ impl Store {
                     // Reuse a record past its retention as if it were new (compare-and-set on the observed token).
                     sqlx::query_scalar!(
                         "UPDATE idempotency_records
-    SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6,
+    SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6, fingerprint_key_id = $12,
         state = 'in_progress', unknown_before = false,
         fencing_token = nextval('idempotency_fencing_token_seq'),
         lease_ms = $7,
@@ -729,12 +767,13 @@ impl Store {
                         c.subject,
                         c.endpoint,
                         c.fingerprint_alg,
-                        c.fingerprint,
+                        &c.fingerprint.stored,
                         lease,
                         c.retention_ms,
                         c.namespace,
                         c.nonce,
-                        &c.scope[..]
+                        &c.scope[..],
+                        c.fingerprint.key_id
                     )
                     .fetch_optional(&self.pool)
                     .await?
@@ -805,12 +844,14 @@ impl Store {
         let mut namespaces = Vec::with_capacity(n);
         let mut nonces = Vec::with_capacity(n);
         let mut previous = Vec::with_capacity(n);
+        let mut key_ids_of_fingerprints = Vec::with_capacity(n);
         for c in claims {
             scopes.push(&c.scope[..]);
             subjects.push(c.subject);
             endpoints.push(c.endpoint);
             algs.push(c.fingerprint_alg);
-            fingerprints.push(c.fingerprint);
+            fingerprints.push(c.fingerprint.stored.as_str());
+            key_ids_of_fingerprints.push(c.fingerprint.key_id);
             leases.push(i64::try_from(c.lease_ms).unwrap_or(i64::MAX));
             retentions.push(c.retention_ms);
             namespaces.push(c.namespace);
@@ -859,6 +900,7 @@ impl Store {
             .bind(key_ids)
             .bind(nonces)
             .bind(previous)
+            .bind(key_ids_of_fingerprints)
             .fetch_all(&self.pool)
             .await?;
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
@@ -878,23 +920,50 @@ impl Store {
                 done[slot(idx, m)?] = Some(ms(row.try_get("expires_in_ms")?));
             }
         }
+        let mut rekeys = Vec::new();
         let claims = found
             .into_iter()
             .zip(claims)
             .map(|(row, c)| match row {
                 // Committed by a concurrent inserter after our snapshot.
                 None => BatchedClaim::SinglePath,
-                Some(row) => match decide(row, c, &self.sealer) {
-                    Ok(Step::Answer(outcome)) => BatchedClaim::Answered(outcome),
-                    Ok(Step::Update(_)) => BatchedClaim::SinglePath,
-                    Err(e) => BatchedClaim::Failed(e),
+                Some(row) => match (row.rekey(c), decide(row, c, &self.sealer)) {
+                    (rekey, Ok(Step::Answer(outcome))) => {
+                        rekeys.extend(rekey.map(|r| (r, c.fingerprint)));
+                        BatchedClaim::Answered(outcome)
+                    }
+                    (_, Ok(Step::Update(_))) => BatchedClaim::SinglePath,
+                    (_, Err(e)) => BatchedClaim::Failed(e),
                 },
             })
             .collect();
+        for (r, fingerprint) in rekeys {
+            self.rekey_fingerprint(&r, fingerprint).await;
+        }
         Ok(BatchAnswers {
             claims,
             completes: done,
         })
+    }
+
+    /// Stores a matched fingerprint keyed under the current key (fenced by the record's token and
+    /// its old value), so that a record outlives the previous key secret and records from
+    /// before keying stop being plain. Best effort: a failure leaves it matching as it was.
+    async fn rekey_fingerprint(&self, r: &Rekey, fingerprint: &Keyed) {
+        let done = sqlx::query!(
+            "UPDATE idempotency_records SET fingerprint = $4, fingerprint_key_id = $5
+            WHERE scope_hash = $1 AND fencing_token = $2 AND fingerprint = $3",
+            &r.address[..],
+            r.token,
+            r.old,
+            fingerprint.stored,
+            fingerprint.key_id
+        )
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "a fingerprint could not be re-keyed; it is re-keyed at its next claim");
+        }
     }
 
     async fn read(&self, c: &NewClaim<'_>) -> Result<Option<ClaimRow>, StoreError> {
@@ -1315,7 +1384,13 @@ mod tests {
             subject: "alice",
             endpoint: "POST /checkout",
             fingerprint_alg: "sha256-jcs-v2",
-            fingerprint: "aa",
+            // A record keyed before (none here) or plain: the rows below store "aa" plainly.
+            fingerprint: Box::leak(Box::new(Keyed {
+                plain: "aa".into(),
+                stored: "keyed-aa".into(),
+                key_id: 1,
+                previous: None,
+            })),
             lease_ms: 30_000,
             retention_ms: 1000,
             take_over_unknown: false,
@@ -1332,6 +1407,7 @@ mod tests {
             fencing_token: 7,
             fingerprint_alg: "sha256-jcs-v2".into(),
             fingerprint: "aa".into(),
+            fingerprint_key_id: None,
             lease_remaining_ms: 500,
             lease_expired: false,
             retention_expired: false,

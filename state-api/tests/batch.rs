@@ -77,7 +77,7 @@ fn job(api: &Api, key: &str, fingerprint: &str, lease_ms: u64) -> ClaimJob {
         subject: "alice".into(),
         endpoint: ENDPOINT.into(),
         fingerprint_alg: ALG.into(),
-        fingerprint: fingerprint.into(),
+        fingerprint: api.state.scoper().keyed_fingerprint(ALG, fingerprint),
         lease_ms,
         retention_ms: api.state.config().retention_ms(),
         take_over_unknown: true,

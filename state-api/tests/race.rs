@@ -54,7 +54,7 @@ async fn hundred_concurrent_claims_give_one_owner_and_duplicates_never_wait_on_a
                 .scoper()
                 .hash(&format!("warm-single-{i}"), "alice", ENDPOINT);
             tokio::spawn(async move {
-                let fingerprint = fp(1);
+                let fingerprint = state_rules::fingerprint::Keyed::new(ALG, &fp(1), b"race", None);
                 let claim = NewClaim {
                     scope,
                     subject: "alice",

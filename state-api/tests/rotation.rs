@@ -73,6 +73,12 @@ async fn a_rotated_key_secret_finds_the_previous_records_and_writes_new_ones_wit
     assert_eq!(status, 200, "{body}");
     let moved = rotating.state.scoper().hash("beating", "alice", ENDPOINT);
     assert!(rotating.state.store().exists(&moved).await.unwrap());
+    // A retry meanwhile re-keys its fingerprint under the new secret's key (path 12): the
+    // record still matches once the previous secret is dropped.
+    assert!(matches!(
+        rotating.claim("beating", &fp(1), None).await,
+        ClaimResponse::InProgress { .. }
+    ));
     // Owners' writes look the record up under the previous secret (claims look under both in
     // their own statement, uncounted).
     let hits = metric(

@@ -400,7 +400,12 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
                 subject: "alice",
                 endpoint: "POST /checkout",
                 fingerprint_alg: ALG,
-                fingerprint: &f,
+                fingerprint: &state_rules::fingerprint::Keyed {
+                    plain: f.clone(),
+                    stored: f.clone(),
+                    key_id: 0,
+                    previous: None,
+                },
                 lease_ms: LEASE_MS,
                 retention_ms: RETENTION_MS as i64,
                 take_over_unknown: take_over,

@@ -8,6 +8,7 @@
 //! they check is the store's own decision, not a restatement of it.
 
 pub mod claim;
+pub mod fingerprint;
 pub mod operator;
 pub mod purge;
 pub mod record;

@@ -41,8 +41,8 @@ fn main() {
             media_type_is_part_of_the_request,
         ),
         SHARED.trial(
-            "a_client_sent_fencing_token_never_reaches_the_upstream",
-            forged_fencing_token_is_removed,
+            "a_client_sent_fencing_token_endpoint_or_fingerprint_never_reaches_the_upstream",
+            forged_forwarded_headers_are_removed,
         ),
         own(
             "a_refused_claim_is_500_and_an_endpoint_too_long_is_414_even_where_the_route_fails_open",
@@ -213,15 +213,18 @@ async fn media_type_is_part_of_the_request(stack: Arc<Stack>) {
     assert_eq!(executions(&stack, &key).await.len(), 1);
 }
 
-async fn forged_fencing_token_is_removed(stack: Arc<Stack>) {
+async fn forged_forwarded_headers_are_removed(stack: Arc<Stack>) {
     let c = client(&stack);
-    // An unprotected route: the request passes, but neither the client's fencing token nor a
-    // subject header it made up (only a verified token sets that, on any route).
+    // An unprotected route: the request passes, but neither the client's fencing token, endpoint
+    // or fingerprint (the upstream records its attempts by them) nor a subject header it made
+    // up (only a verified token sets that, on any route).
     let echoed = c
         .send(
             Request::post("/echo")
                 .token(&token("alice"))
                 .header("idempotency-fencing-token", "999999999")
+                .header("idempotency-endpoint", "POST /checkout")
+                .header("idempotency-fingerprint", "00")
                 .header("x-jwt-sub", "mallory")
                 .header("x-kept", "yes")
                 .body(b"x".to_vec()),
@@ -237,10 +240,12 @@ async fn forged_fencing_token_is_removed(stack: Arc<Stack>) {
         .collect();
     assert!(names.contains(&"x-kept".to_owned()), "{names:?}");
     assert!(!names.contains(&"x-jwt-sub".to_owned()), "{names:?}");
-    assert!(
-        !names.iter().any(|n| n == "idempotency-fencing-token"),
-        "the upstream may act on a fencing token: only the filter's may reach it: {names:?}"
-    );
+    for forwarded in contract::wire::FORWARDED_HEADERS {
+        assert!(
+            !names.iter().any(|n| n == forwarded),
+            "the upstream may act on {forwarded}: only the filter's may reach it: {names:?}"
+        );
+    }
 }
 
 async fn refused_and_too_long(stack: Stack) {

@@ -6,11 +6,14 @@
 //! * path 3: Envoy's own answer after the request was forwarded (an HCM timeout's 408) is not
 //!   the upstream's: it must be an unknown outcome, never stored and replayed;
 //! * path 7: a `reexecute` route's new attempt, after the first one charged, gets the first
-//!   one's result from the reference checkout, never a second charge.
+//!   one's result from the reference checkout, never a second charge;
+//! * path 11: a reconcile answer is about *this* request (key, subject, endpoint, fingerprint):
+//!   another request under the same key (a retention reuse with another body, a prefix route's
+//!   other path) never has its outcome replayed for it; the new request runs once.
 
 use std::time::{Duration, Instant};
 
-use edge::config::OnUnknown;
+use edge::config::{Match, OnUnknown};
 use libtest_mimic::{Arguments, Trial};
 use stack::client::{unique_key, Answer, Client, Request};
 use stack::crash_recovery::{crash_and_hold_recovery, process_state};
@@ -55,6 +58,31 @@ fn main() {
                 ..StackOptions::default()
             },
             reexecuted_after_a_charge,
+        ),
+        own(
+            "a_retention_reuse_with_another_body_runs_once_and_replays_its_own_outcome_never_the_first_s",
+            StackOptions {
+                // The record's expiry is its claim + lease + retention: a short lease, a 1 s
+                // retention.
+                lease_ms: REUSE_LEASE_MS,
+                heartbeat_ms: REUSE_LEASE_MS / 3,
+                tweak: Some(Tweak::new(|c| c.routes[0].retention_s = Some(1))),
+                ..StackOptions::default()
+            },
+            retention_reuse_with_another_body,
+        ),
+        own(
+            "a_prefix_route_s_other_path_under_the_same_key_runs_once_and_replays_its_own_outcome",
+            StackOptions {
+                // One reconciling route over every POST: /checkout and /refunds under one key
+                // share its reconcile endpoint, /checkout/attempts/{key}.
+                tweak: Some(Tweak::new(|c| {
+                    c.routes.truncate(1);
+                    c.routes[0].matcher = Match::Prefix("/".into());
+                })),
+                ..StackOptions::default()
+            },
+            prefix_route_other_path,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();
@@ -491,4 +519,124 @@ async fn reexecuted_after_a_charge(stack: Stack) {
         "{}",
         replay.describe()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Path 11: reconcile answers tied to the request
+
+/// The lease of the retention reuse test's stack.
+const REUSE_LEASE_MS: u64 = 3_000;
+
+/// The first attempt of `req`, by a client that leaves after 1 s while the checkout takes 3 s
+/// (not detached: the checkout drops the attempt when Envoy hangs up, nothing ran). Its outcome
+/// is unknown to the edge. An answer (there should be none) must not be `not_this`'s.
+async fn abandoned_first_attempt(stack: &Stack, req: Request, not_this: &Answer, what: &str) {
+    let impatient = Client::impatient(&stack.envoy.url(""), Duration::from_secs(1));
+    if let Ok(a) = impatient.try_send(req.delay_ms(3_000)).await {
+        assert_ne!(
+            (a.status, a.json()["id"].clone()),
+            (not_this.status, not_this.json()["id"].clone()),
+            "{what} got the earlier request's outcome: {}\n{}",
+            a.describe(),
+            stack.logs()
+        );
+        panic!(
+            "{what}: the client left before the checkout answered, yet got {}",
+            a.describe()
+        );
+    }
+}
+
+/// The request `again()` once its earlier attempt's outcome is unknown: it reconciles, runs
+/// once, and the retry after it is a replay of that; never `earlier`'s outcome. Returns its
+/// answer.
+async fn runs_once_with_its_own_outcome(
+    stack: &Stack,
+    again: impl Fn() -> Request,
+    earlier: &Answer,
+    what: &str,
+) -> Answer {
+    let c = client(stack);
+    let ran = past_409(&c, Duration::from_secs(10), &again).await;
+    assert!(
+        !(replayed(&ran) && ran.body == earlier.body),
+        "{what} got the earlier request's outcome replayed (the reconcile answer described \
+         another request): {}\n{}",
+        ran.describe(),
+        stack.logs()
+    );
+    assert_eq!(
+        ran.status,
+        201,
+        "{what}: {}\n{}",
+        ran.describe(),
+        stack.logs()
+    );
+    assert_ne!(ran.json()["id"], earlier.json()["id"], "{}", ran.describe());
+    assert!(stack.envoy.filter_counter("reconcile_not_executed") >= 1);
+    let replay = c.send(again()).await;
+    assert!(
+        replayed(&replay) && replay.body == ran.body,
+        "{what}: its own outcome replayed: {}",
+        replay.describe()
+    );
+    ran
+}
+
+async fn retention_reuse_with_another_body(stack: Stack) {
+    // The simulation's seed 129, through the real parts: a key's record past its retention is
+    // reused by another request (another body); that request's first attempt is unknown, and
+    // its retry reconciles.
+    let key = unique_key("retention-reuse");
+    let c = client(&stack);
+    let first = c.send(checkout(&key, "alice", &charge_body(700))).await;
+    assert_eq!(first.status, 201, "{}", first.describe());
+    // Past the record's expiry (claim + lease + 1 s retention), and the worker's memory of it.
+    tokio::time::sleep(Duration::from_millis(REUSE_LEASE_MS + 2_500)).await;
+    let body = charge_body(900);
+    let again = || checkout(&key, "alice", &body);
+    abandoned_first_attempt(&stack, again(), &first, "another body under the reused key").await;
+    let ran =
+        runs_once_with_its_own_outcome(&stack, again, &first, "another body under the reused key")
+            .await;
+    let charges = executions(&stack, &key).await;
+    let amounts: Vec<_> = charges.iter().map(|e| e["amount"].clone()).collect();
+    let states = attempt_states(&stack, &key).await;
+    record_figures(
+        SUITE,
+        "retention_reuse_with_another_body",
+        serde_json::json!({"first": first.status, "reused": ran.status, "amounts": amounts,
+               "attempts": states, "reconcile_not_executed": stack.envoy.filter_counter("reconcile_not_executed")}),
+    );
+    assert_eq!(
+        amounts,
+        [serde_json::json!(700), serde_json::json!(900)],
+        "each request charged once: {charges:?}"
+    );
+    assert_eq!(states, ["executed", "abandoned", "executed"]);
+}
+
+async fn prefix_route_other_path(stack: Stack) {
+    // A charge and a refund under one key, on one reconciling route: the refund's first attempt
+    // is unknown, and its retry asks the route's reconcile endpoint about the refund.
+    let key = unique_key("prefix-other-path");
+    let c = client(&stack);
+    let charge = c.send(checkout(&key, "alice", &charge_body(700))).await;
+    assert_eq!(charge.status, 201, "{}", charge.describe());
+    let body = serde_json::json!({"amount": 300, "charge": charge.json()["id"]});
+    let again = || refund(&key, "alice", &body);
+    abandoned_first_attempt(&stack, again(), &charge, "the refund").await;
+    let ran = runs_once_with_its_own_outcome(&stack, again, &charge, "the refund").await;
+    assert_eq!(ran.json()["kind"], "refund", "{}", ran.describe());
+    let done = executions(&stack, &key).await;
+    let kinds: Vec<_> = done.iter().map(|e| e["kind"].clone()).collect();
+    let states = attempt_states(&stack, &key).await;
+    record_figures(
+        SUITE,
+        "prefix_route_other_path",
+        serde_json::json!({"charge": charge.status, "refund": ran.status, "executions": kinds,
+               "attempts": states, "reconcile_not_executed": stack.envoy.filter_counter("reconcile_not_executed")}),
+    );
+    assert_eq!(kinds, ["charge", "refund"], "one each: {done:?}");
+    assert_eq!(states, ["executed", "abandoned", "executed"]);
 }

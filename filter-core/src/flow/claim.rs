@@ -9,7 +9,9 @@ use crate::reply;
 use crate::reply::LocalReply;
 use crate::worker::replay_cache::Completed;
 use crate::worker::{CalloutResult, Effect, Level};
-use contract::wire::{ClaimItem, ClaimResponse, FENCING_TOKEN_HEADER};
+use contract::wire::{
+    ClaimItem, ClaimResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER,
+};
 use contract::ProblemKind;
 
 /// What the worker's memory knows of a key, instead of asking the state API.
@@ -324,6 +326,20 @@ impl Flow {
             stream,
             name: FENCING_TOKEN_HEADER,
             value: token.to_string(),
+        }));
+        // The request as the edge names it: an upstream records its attempts by it, so that a
+        // reconcile (or a later attempt) is answered about this request, not another of the key.
+        let endpoint = claimed.req.req.endpoint.clone();
+        t.push(self.effect(|stream| Effect::SetRequestHeader {
+            stream,
+            name: ENDPOINT_HEADER,
+            value: endpoint,
+        }));
+        let fingerprint = claimed.req.fingerprint.hex.clone();
+        t.push(self.effect(|stream| Effect::SetRequestHeader {
+            stream,
+            name: FINGERPRINT_HEADER,
+            value: fingerprint,
         }));
         t.push(claimed.register(cfg));
         t.push(Effect::Count(Metric::Claimed));

@@ -1,10 +1,18 @@
 //! Reconciling: a retry took over a record whose outcome was unknown (forwarded, never stored)
 //! on an `on_unknown: reconcile` route, with a new, larger fencing token. Before anything runs,
-//! the upstream is asked what became of the key (the route's `reconcile` endpoint, with the key,
-//! the subject and the new token as headers), and tells by its `idempotency-outcome` header:
+//! the upstream is asked what became of *this request* (the route's `reconcile` endpoint, with
+//! the key, the subject, the new token, the endpoint and the request's fingerprint as headers:
+//! the request is forwarded with the same endpoint and fingerprint, so the upstream recorded its
+//! attempts by them), and tells by its `idempotency-outcome` header:
 //!
-//! * `executed`: the answer *is* the outcome it produced (status, headers, body): stored, and
-//!   replayed to this client;
+//! * `executed`: the answer *is* the outcome an earlier attempt of this request produced
+//!   (status, headers, body). It is stored and replayed to this client only when it names that
+//!   attempt: its fencing token, lower than the new one, and the endpoint and fingerprint it
+//!   was recorded with, which must be this request's. An answer about another request of the
+//!   key (a prefix route's other path, a record reused past its retention by another body) or
+//!   about no attempt in particular is not stored: 503, as below. It is not taken for
+//!   `not-executed` either: only that answer promises to refuse the earlier attempts of this
+//!   request from now on, which is what makes running it safe;
 //! * `running`: the earlier attempt is still at work: 409 + Retry-After;
 //! * `not-executed`: it never ran, and now refuses the earlier attempt (its token is smaller):
 //!   the request runs, once, with the new token;
@@ -21,8 +29,8 @@ use crate::reply::{self, LocalReply};
 use crate::worker::writes::PendingWrite;
 use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{
-    FENCING_TOKEN_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING,
-    SUBJECT_HEADER, UNKNOWN_PATH,
+    ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER,
+    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER, UNKNOWN_PATH,
 };
 use contract::ProblemKind;
 
@@ -46,6 +54,11 @@ impl Flow {
             ("idempotency-key".to_owned(), req.key.clone()),
             (FENCING_TOKEN_HEADER.to_owned(), claimed.token.to_string()),
             (SUBJECT_HEADER.to_owned(), req.subject.clone()),
+            (ENDPOINT_HEADER.to_owned(), req.endpoint.clone()),
+            (
+                FINGERPRINT_HEADER.to_owned(),
+                claimed.req.fingerprint.hex.clone(),
+            ),
         ];
         if let crate::config::SubjectSource::Header(h) = &cfg.subject {
             headers.push((h.clone(), req.subject.clone()));
@@ -78,7 +91,15 @@ impl Flow {
                 },
                 Some(OUTCOME_EXECUTED),
             ) => {
-                // The upstream's outcome, as it produced it: stored, then replayed to this client.
+                let attempt = match earlier_attempt_of(headers, &claimed) {
+                    Ok(token) => token,
+                    Err(not_this) => {
+                        let why = format!("its executed answer was not stored: {not_this}");
+                        return self.unverifiable(claimed, why);
+                    }
+                };
+                // The outcome of an earlier attempt of this request, as the upstream produced
+                // it: stored, then replayed to this client.
                 let cap = capture_of(cfg, *status, headers, body.len());
                 let limit = stored_body_limit(cfg, &claimed);
                 let kept = (body.len() <= limit).then(|| body.clone());
@@ -95,7 +116,9 @@ impl Flow {
                 };
                 let log = claimed.unknown_log(
                     Level::Info,
-                    format!("the upstream executed it (HTTP {status}); stored and replayed"),
+                    format!(
+                        "the upstream executed it (HTTP {status}, token {attempt}); stored and replayed"
+                    ),
                 );
                 let write = match write {
                     Write::Complete {
@@ -170,6 +193,86 @@ impl Flow {
         .with(Note::Unregister(claimed.token))
         .with(mark)
     }
+}
+
+/// Why an `executed` answer is not the outcome of an earlier attempt of this request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum NotThisRequest {
+    /// It does not name the attempt it describes by one fencing token.
+    NoAttempt,
+    /// The attempt it names is not an earlier one: its token is not lower than the claim's.
+    NotEarlier { named: i64 },
+    /// It was recorded under another endpoint (or says none): another request of the key.
+    OtherEndpoint(Option<String>),
+    /// It was recorded with another fingerprint (or says none): another body, say. The value is
+    /// not logged (a fingerprint confirms a guess of the body).
+    OtherFingerprint { echoed: bool },
+}
+
+impl std::fmt::Display for NotThisRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoAttempt => write!(
+                f,
+                "it names no attempt (one {FENCING_TOKEN_HEADER} header, a positive number)"
+            ),
+            Self::NotEarlier { named } => {
+                write!(
+                    f,
+                    "the attempt it names (token {named}) is not an earlier one"
+                )
+            }
+            Self::OtherEndpoint(Some(other)) => {
+                write!(f, "it describes a request to another endpoint ({other})")
+            }
+            Self::OtherEndpoint(None) => write!(f, "it does not echo the {ENDPOINT_HEADER}"),
+            Self::OtherFingerprint { echoed: true } => {
+                write!(f, "it describes another request (another fingerprint)")
+            }
+            Self::OtherFingerprint { echoed: false } => {
+                write!(f, "it does not echo the {FINGERPRINT_HEADER}")
+            }
+        }
+    }
+}
+
+/// The one value of header `name`, if it appears exactly once.
+fn single<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    let mut values = headers
+        .iter()
+        .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim());
+    match (values.next(), values.next()) {
+        (Some(v), None) => Some(v),
+        _ => None,
+    }
+}
+
+/// The token of the attempt an `executed` answer describes, when that attempt is an earlier one
+/// of this very request: named by a token lower than the claim's, recorded with this request's
+/// endpoint and fingerprint (echoed by the upstream).
+fn earlier_attempt_of(
+    headers: &[(String, String)],
+    claimed: &Claimed,
+) -> Result<i64, NotThisRequest> {
+    let named = single(headers, FENCING_TOKEN_HEADER)
+        .and_then(|v| v.parse::<i64>().ok())
+        .filter(|t| *t > 0)
+        .ok_or(NotThisRequest::NoAttempt)?;
+    if named >= claimed.token {
+        return Err(NotThisRequest::NotEarlier { named });
+    }
+    let endpoint = single(headers, ENDPOINT_HEADER);
+    if endpoint != Some(claimed.req.req.endpoint.as_str()) {
+        return Err(NotThisRequest::OtherEndpoint(endpoint.map(str::to_owned)));
+    }
+    let fingerprint = single(headers, FINGERPRINT_HEADER);
+    if !fingerprint.is_some_and(|f| f.eq_ignore_ascii_case(&claimed.req.fingerprint.hex)) {
+        return Err(NotThisRequest::OtherFingerprint {
+            echoed: fingerprint.is_some(),
+        });
+    }
+    Ok(named)
 }
 
 /// The worker tells the state API that the record's outcome is unknown (fenced by the claim's

@@ -8,7 +8,7 @@ use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use crate::worker::{Effect, Level, StreamId};
 use contract::fingerprint::{self, FingerprintError};
-use contract::wire::{ClaimRequest, FENCING_TOKEN_HEADER};
+use contract::wire::{ClaimRequest, FORWARDED_HEADERS};
 use contract::ProblemKind;
 
 /// Longest accepted subject (bytes): what the state API stores.
@@ -88,18 +88,19 @@ impl Flow {
         end_of_stream: bool,
         now_ms: u64,
     ) -> Turn {
-        // A client's copy of the fencing header is never trusted, on any route and on every
-        // path (passed through, refused, claimed, or left to the body): the upstream may act on
-        // it. It goes first, in the headers' own callback; a claimed request gets the filter's.
-        let forged = head.first(FENCING_TOKEN_HEADER).is_some();
+        // A client's copy of a header the filter forwards (the fencing token, the endpoint, the
+        // fingerprint) is never trusted, on any route and on every path (passed through,
+        // refused, claimed, or left to the body): the upstream may act on it. It goes first, in
+        // the headers' own callback; a claimed request gets the filter's.
+        let forged: Vec<&'static str> = FORWARDED_HEADERS
+            .into_iter()
+            .filter(|name| head.first(name).is_some())
+            .collect();
         let mut turn = self.read_request_headers(cfg, head, end_of_stream, now_ms);
-        if forged {
-            let strip = self.effect(|stream| Effect::RemoveRequestHeader {
-                stream,
-                name: FENCING_TOKEN_HEADER,
-            });
-            turn.outs.insert(0, strip);
-        }
+        let strips = forged
+            .into_iter()
+            .map(|name| self.effect(|stream| Effect::RemoveRequestHeader { stream, name }));
+        turn.outs.splice(0..0, strips);
         turn
     }
 

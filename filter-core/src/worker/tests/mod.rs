@@ -6,8 +6,8 @@ use super::*;
 use crate::flow::{RequestHead, ResponseHead, Verdict};
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, ReleaseRequest, StoredResponse,
-    UnknownRequest, WriteResponse, FENCING_TOKEN_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER,
-    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER,
+    UnknownRequest, WriteResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER,
+    OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER,
 };
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -1565,6 +1565,40 @@ fn reconcile_answer(
     }
 }
 
+/// The fingerprint of the request [`Harness::taken_over`] sends to `path` (`{}`, no content
+/// type).
+fn fingerprint_of(path: &str) -> String {
+    contract::fingerprint::fingerprint("POST", path, "", None, b"{}")
+        .unwrap()
+        .hex
+}
+
+/// An `executed` answer that names the attempt it describes: its token, endpoint and
+/// fingerprint, as the upstream recorded them.
+fn executed_by(
+    token: &str,
+    endpoint: &str,
+    fingerprint: &str,
+    status: u16,
+    extra: &[(&str, &str)],
+    body: &[u8],
+) -> CalloutResult {
+    let mut named = vec![
+        (FENCING_TOKEN_HEADER, token),
+        (ENDPOINT_HEADER, endpoint),
+        (FINGERPRINT_HEADER, fingerprint),
+    ];
+    named.extend_from_slice(extra);
+    reconcile_answer(status, OUTCOME_EXECUTED, &named, body)
+}
+
+/// An `executed` answer about an earlier attempt (token 5) of the request
+/// `taken_over("/checkout", ..)` sends.
+fn executed_earlier(status: u16, extra: &[(&str, &str)], body: &[u8]) -> CalloutResult {
+    let fp = fingerprint_of("/checkout");
+    executed_by("5", "POST /checkout", &fp, status, extra, body)
+}
+
 impl Seen {
     /// The one callout to the upstream's reconcile endpoint (cluster `checkout`).
     fn reconcile(&self) -> Dispatch {
@@ -1640,12 +1674,7 @@ fn a_reconciled_execution_is_stored_and_replayed_without_forwarding() {
     );
     let step = t.answer(
         &d,
-        reconcile_answer(
-            201,
-            OUTCOME_EXECUTED,
-            &[("location", "/charges/9")],
-            b"{\"id\":9}",
-        ),
+        executed_earlier(201, &[("location", "/charges/9")], b"{\"id\":9}"),
     );
     assert!(!step.replied(), "stored first");
     let complete = step.complete();
@@ -1697,20 +1726,40 @@ fn a_running_or_unverifiable_reconcile_answers_without_forwarding_and_marks_it_u
         let (s, step) = t.taken_over("/checkout", 77);
         let d = step.reconcile();
         let step = t.answer(&d, answer_);
-        let r = step.reply();
-        assert_eq!((r.status, problem_type(r).as_str()), (status, kind));
-        assert!(header(r, "retry-after").is_some());
         if metric == Metric::ReconcileRunning {
-            assert_eq!(header(r, "retry-after"), Some("4"));
+            assert_eq!(header(step.reply(), "retry-after"), Some("4"));
         }
-        assert_eq!(step.counts(), vec![metric]);
-        assert!(!step.resumes_request());
-        assert_eq!(t.w.usage().claims, 0);
-        t.done(s);
-        let step: Seen = t.w.on_wake(t.now).into();
+        t.answered_and_marked_unknown(s, &step, (status, kind), metric, kind);
+    }
+}
+
+impl Harness {
+    /// A reconcile answered with `status` and problem `kind` (counted in `metric`), nothing
+    /// forwarded, and the record marked unknown again under the new token (77) once the stream
+    /// ends: the key kept.
+    fn answered_and_marked_unknown(
+        &mut self,
+        s: StreamId,
+        step: &Seen,
+        (status, kind): (u16, &str),
+        metric: Metric,
+        label: &str,
+    ) {
+        let r = step.reply();
+        assert_eq!(
+            (r.status, problem_type(r).as_str()),
+            (status, kind),
+            "{label}"
+        );
+        assert!(header(r, "retry-after").is_some(), "{label}");
+        assert_eq!(step.counts(), vec![metric], "{label}");
+        assert!(!step.resumes_request(), "{label}: nothing forwarded");
+        assert_eq!(self.w.usage().claims, 0, "{label}");
+        self.done(s);
+        let step: Seen = self.w.on_wake(self.now).into();
         let mark: UnknownRequest =
             serde_json::from_slice(&step.dispatch(UNKNOWN_PATH).body).unwrap();
-        assert_eq!(mark.token, 77, "fenced by the new token");
+        assert_eq!(mark.token, 77, "{label}: fenced by the new token");
     }
 }
 
@@ -1721,11 +1770,16 @@ fn never_executed_runs_once_with_the_new_token() {
     let d = step.reconcile();
     let step = t.answer(&d, reconcile_answer(404, OUTCOME_NOT_EXECUTED, &[], b""));
     assert!(step.resumes_request());
-    assert!(step.effects.contains(&Effect::SetRequestHeader {
-        stream: s,
-        name: FENCING_TOKEN_HEADER,
-        value: "77".into()
-    }));
+    for (name, value) in [
+        (FENCING_TOKEN_HEADER, "77".to_owned()),
+        (FINGERPRINT_HEADER, fingerprint_of("/checkout")),
+    ] {
+        assert!(step.effects.contains(&Effect::SetRequestHeader {
+            stream: s,
+            name,
+            value
+        }));
+    }
     assert_eq!(
         step.counts(),
         vec![Metric::Claimed, Metric::ReconcileNotExecuted]
@@ -1750,7 +1804,7 @@ fn a_reconciled_outcome_the_state_api_cannot_take_is_still_the_answer() {
     let mut t = Harness::new(RECONCILING);
     let (_, step) = t.taken_over("/checkout", 77);
     let d = step.reconcile();
-    let step = t.answer(&d, reconcile_answer(200, OUTCOME_EXECUTED, &[], b"{}"));
+    let step = t.answer(&d, executed_earlier(200, &[], b"{}"));
     let step = t.answer(
         step.dispatch(COMPLETE_PATH),
         CalloutResult::Failed("reset".into()),
@@ -1770,6 +1824,162 @@ fn a_reconciled_outcome_the_state_api_cannot_take_is_still_the_answer() {
         (1, 1),
         "the worker stores it, the lease kept"
     );
+}
+
+#[test]
+fn the_reconcile_call_names_the_request_s_endpoint_and_fingerprint() {
+    let mut t = Harness::new(RECONCILING);
+    let (_, step) = t.taken_over("/checkout", 77);
+    let d = step.reconcile();
+    assert_eq!(d.header(ENDPOINT_HEADER), Some("POST /checkout"));
+    assert_eq!(
+        d.header(FINGERPRINT_HEADER),
+        Some(fingerprint_of("/checkout").as_str()),
+        "the fingerprint the claim was made with"
+    );
+    assert_eq!(d.header(FENCING_TOKEN_HEADER), Some("77"));
+}
+
+#[test]
+fn an_executed_answer_that_does_not_name_an_earlier_attempt_of_this_request_is_not_stored() {
+    // Issue 34 path 11: a reconcile answer about another request of the key (a prefix route's
+    // other path, a retention reuse with another body) or another attempt was stored and
+    // replayed, and this request never ran.
+    let ours = fingerprint_of("/checkout");
+    let other_body = contract::fingerprint::fingerprint("POST", "/checkout", "", None, b"[]")
+        .unwrap()
+        .hex;
+    let endpoint = "POST /checkout";
+    let body = b"{\"id\":9}";
+    let no_token = reconcile_answer(
+        201,
+        OUTCOME_EXECUTED,
+        &[(ENDPOINT_HEADER, endpoint), (FINGERPRINT_HEADER, &ours)],
+        body,
+    );
+    let no_endpoint = reconcile_answer(
+        201,
+        OUTCOME_EXECUTED,
+        &[(FENCING_TOKEN_HEADER, "5"), (FINGERPRINT_HEADER, &ours)],
+        body,
+    );
+    let no_fingerprint = reconcile_answer(
+        201,
+        OUTCOME_EXECUTED,
+        &[(FENCING_TOKEN_HEADER, "5"), (ENDPOINT_HEADER, endpoint)],
+        body,
+    );
+    let two_tokens = reconcile_answer(
+        201,
+        OUTCOME_EXECUTED,
+        &[
+            (FENCING_TOKEN_HEADER, "5"),
+            (FENCING_TOKEN_HEADER, "6"),
+            (ENDPOINT_HEADER, endpoint),
+            (FINGERPRINT_HEADER, &ours),
+        ],
+        body,
+    );
+    for (label, answer_) in [
+        ("no token", no_token),
+        (
+            "a token that is no number",
+            executed_by("five", endpoint, &ours, 201, &[], body),
+        ),
+        (
+            "the reconciling claim's own token",
+            executed_by("77", endpoint, &ours, 201, &[], body),
+        ),
+        (
+            "a later token",
+            executed_by("78", endpoint, &ours, 201, &[], body),
+        ),
+        ("two tokens", two_tokens),
+        (
+            "another endpoint (a prefix route's other path)",
+            executed_by("5", "POST /refunds", &ours, 201, &[], body),
+        ),
+        (
+            "another body (a retention reuse)",
+            executed_by("5", endpoint, &other_body, 201, &[], body),
+        ),
+        ("no endpoint echoed", no_endpoint),
+        ("no fingerprint echoed", no_fingerprint),
+    ] {
+        let mut t = Harness::new(RECONCILING);
+        let (s, step) = t.taken_over("/checkout", 77);
+        let d = step.reconcile();
+        let step = t.answer(&d, answer_);
+        assert!(
+            step.dispatches(COMPLETE_PATH).is_empty(),
+            "{label}: not stored: {step:?}"
+        );
+        assert!(
+            step.effects.iter().any(|e| matches!(
+                e,
+                Effect::Log(Level::Warn, line) if line.contains("not stored")
+                    && !line.contains("k1")
+                    && !line.contains(&ours)
+                    && !line.contains(&other_body)
+            )),
+            "{label}: a warning says why, without the key or a fingerprint: {step:?}"
+        );
+        let unavailable = (503, "/problems/reconcile-unavailable");
+        t.answered_and_marked_unknown(s, &step, unavailable, Metric::ReconcileFailed, label);
+    }
+}
+
+#[test]
+fn a_claimed_request_is_forwarded_with_its_endpoint_and_fingerprint() {
+    let mut t = Harness::new(RECONCILING);
+    let (s, step) = t.keyed("k1", "/checkout", b"{\"a\":1}");
+    let fingerprint = step.claim().fingerprint;
+    let step = t.answer_claim(&step, claimed(42));
+    assert!(step.resumes_request());
+    for (name, value) in [
+        (ENDPOINT_HEADER, "POST /checkout"),
+        (FINGERPRINT_HEADER, fingerprint.as_str()),
+        (FENCING_TOKEN_HEADER, "42"),
+    ] {
+        assert!(
+            step.effects.contains(&Effect::SetRequestHeader {
+                stream: s,
+                name,
+                value: value.into()
+            }),
+            "{name}: {step:?}"
+        );
+    }
+}
+
+#[test]
+fn a_client_s_endpoint_and_fingerprint_headers_never_pass() {
+    let mut t = Harness::new(RECONCILING);
+    let forged = [(ENDPOINT_HEADER, "POST /other"), (FINGERPRINT_HEADER, "00")];
+    // Not protected: removed all the same (the upstream may act on them).
+    let s = t.stream();
+    let step = t.headers(s, &req_headers("/other", &forged), true);
+    assert_eq!(step.verdict, Verdict::Continue);
+    for name in [ENDPOINT_HEADER, FINGERPRINT_HEADER] {
+        assert!(
+            step.effects
+                .contains(&Effect::RemoveRequestHeader { stream: s, name }),
+            "{name}: {step:?}"
+        );
+    }
+    // Protected: removed at once, the filter's own set when it forwards.
+    let s = t.stream();
+    let mut hs = req_headers("/checkout", &forged);
+    hs.extend(h(&[("idempotency-key", "k1")]));
+    let step = t.headers(s, &hs, false);
+    assert_eq!(step.verdict, Verdict::Pause);
+    for name in [ENDPOINT_HEADER, FINGERPRINT_HEADER] {
+        assert!(
+            step.effects
+                .contains(&Effect::RemoveRequestHeader { stream: s, name }),
+            "{name}: {step:?}"
+        );
+    }
 }
 
 #[test]
