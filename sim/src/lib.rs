@@ -80,8 +80,6 @@ pub const AWAITING_FIX: &[(&str, &str)] = &[
     // record completed there shortly before the previous secret goes (by a drop or a second
     // rotation, "the longest retention after the rotation") is orphaned (seed 226302).
     ("path 9", "key secret"),
-    ("path 11", "reconcile answer"),
-    ("path 12", "plain SHA-256"),
 ];
 
 /// How many schedules broke each ignored invariant, by the path of [`AWAITING_FIX`] it is

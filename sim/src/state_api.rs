@@ -16,6 +16,7 @@ use contract::wire::{
     HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind};
+use state_rules::fingerprint::Keyed;
 use state_rules::operator::{self, Refusal};
 use state_rules::purge::Purge;
 use state_rules::rotation;
@@ -164,6 +165,11 @@ pub struct ModelStateApi {
     pub stored_fingerprints: BTreeSet<(Scope, String)>,
     /// What happened since the caller last took them ([`ModelStateApi::take_events`]).
     events: Vec<Event>,
+}
+
+/// The fingerprint key the state API derives from key secret `secret` (HKDF in the store).
+fn fingerprint_key(secret: u32) -> Vec<u8> {
+    format!("fingerprint key of secret {secret}").into_bytes()
 }
 
 /// How long the tombstone of an abandoned claim attempt is kept (the purge's 10 minutes).
@@ -528,11 +534,20 @@ impl ModelStateApi {
             return problem(ProblemKind::BadRequest, "bad fingerprint");
         }
         let retention_ms = self.retention_for(r.retention_s);
+        // Stored keyed (an HMAC under a key derived from the key secret, with its id), matched
+        // under the current key or the previous one (`state_rules::fingerprint`).
+        let keyed = Keyed::new(
+            &r.fingerprint_alg,
+            &r.fingerprint,
+            &fingerprint_key(self.secret),
+            self.previous_secret.map(fingerprint_key).as_deref(),
+        );
+        let fingerprint = Fingerprint {
+            alg: format!("{}#{}", r.fingerprint_alg, keyed.key_id),
+            value: keyed.stored.clone(),
+        };
         let terms = ClaimTerms {
-            fingerprint: Fingerprint {
-                alg: r.fingerprint_alg.clone(),
-                value: r.fingerprint.clone(),
-            },
+            fingerprint: fingerprint.clone(),
             lease_ms: self.lease_for(r.lease_ms),
             retention_ms,
             take_over_unknown: r.on_unknown == OnUnknown::TakeOver,
@@ -544,6 +559,21 @@ impl ModelStateApi {
         };
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
+        if let Some(rec) = slot.as_mut() {
+            // A match under another key (the previous one, or none: a plain one from before)
+            // re-keys the record.
+            let stored_under = rec
+                .fingerprint
+                .alg
+                .rsplit_once('#')
+                .and_then(|(_, id)| id.parse::<i64>().ok());
+            if rec.fingerprint != fingerprint
+                && keyed.matches(&rec.fingerprint.value, stored_under)
+                && rec.fingerprint.alg.starts_with(&r.fingerprint_alg)
+            {
+                rec.fingerprint = fingerprint.clone();
+            }
+        }
         let before = slot.clone();
         let outcome = state_rules::claim(&mut slot, &terms, clock, &mut || self.token(&scope));
         let written = slot != before;

@@ -7,8 +7,12 @@
 //! endpoint says of a key.
 
 use crate::state_api::Scope;
+pub use checkout::attempts::Scope as AttemptScope;
 use checkout::attempts::{Attempts, Committed, Reconciled, Refusal, Started};
-use contract::wire::{OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING};
+use contract::wire::{
+    ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER,
+    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING,
+};
 use std::time::Duration;
 
 /// A request as it reached the upstream.
@@ -191,6 +195,16 @@ pub enum Commit {
     Answered,
 }
 
+/// A request as it reaches the upstream: the route's endpoint and subject, and what the
+/// filter forwarded to name it (`idempotency-endpoint`, `idempotency-fingerprint`).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestNamed<'a> {
+    pub endpoint: &'a str,
+    pub subject: &'a str,
+    pub endpoint_header: Option<&'a str>,
+    pub fingerprint: Option<&'a str>,
+}
+
 /// What the upstream does with a request that reaches it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Arrival {
@@ -211,16 +225,26 @@ impl Upstream {
     /// of a key that executed).
     pub fn start(
         &mut self,
-        endpoint: &str,
-        subject: &str,
+        request: RequestNamed<'_>,
         key: Option<&str>,
         token: Option<i64>,
     ) -> (Option<u64>, Arrival) {
         let Some(key) = key else {
             return (None, Arrival::Runs);
         };
-        let scope = (kind(endpoint), subject.to_owned(), key.to_owned());
-        let (id, started) = self.attempts.start(scope, token, Duration::ZERO);
+        let scope = AttemptScope {
+            // The request as the edge names it (the route's own endpoint without one).
+            endpoint: request
+                .endpoint_header
+                .unwrap_or(request.endpoint)
+                .to_owned(),
+            subject: request.subject.to_owned(),
+            key: key.to_owned(),
+            fingerprint: request.fingerprint.map(str::to_owned),
+        };
+        let (id, started) =
+            self.attempts
+                .start(kind(request.endpoint), scope, token, Duration::ZERO);
         let arrival = match started {
             Started::Run => Arrival::Runs,
             Started::AlreadyExecuted(p) => Arrival::Answered(produced(p)),
@@ -285,13 +309,7 @@ impl Upstream {
 
     /// The reconcile endpoint of `kind`: what became of `key` for `subject`, asked with the new
     /// owner's `token` (as the checkout's handler answers it).
-    pub fn reconcile(
-        &mut self,
-        kind: &'static str,
-        subject: &str,
-        key: &str,
-        token: i64,
-    ) -> ReconcileAnswer {
+    pub fn reconcile(&mut self, scope: AttemptScope, token: i64) -> ReconcileAnswer {
         let problem = |status: u16, outcome: Option<&str>| {
             let mut headers = vec![
                 (
@@ -305,14 +323,18 @@ impl Upstream {
             }
             (status, headers)
         };
-        let (status, headers, body) = match self
-            .attempts
-            .reconcile((kind, subject.to_owned(), key.to_owned()), token)
-        {
-            Reconciled::Executed(p) => {
-                let mut headers = p.headers;
+        let (status, headers, body) = match self.attempts.reconcile(scope.clone(), token) {
+            // The answer names the attempt it describes: its token, endpoint and fingerprint.
+            Reconciled::Executed { token, produced } => {
+                let mut headers = produced.headers;
                 headers.push((OUTCOME_HEADER.into(), OUTCOME_EXECUTED.into()));
-                (p.status, headers, p.body)
+                headers.push((FENCING_TOKEN_HEADER.into(), token.to_string()));
+                headers.push((ENDPOINT_HEADER.into(), scope.endpoint));
+                headers.push((
+                    FINGERPRINT_HEADER.into(),
+                    scope.fingerprint.unwrap_or_default(),
+                ));
+                (produced.status, headers, produced.body)
             }
             Reconciled::Running { retry_after } => {
                 let (status, mut headers) = problem(409, Some(OUTCOME_RUNNING));

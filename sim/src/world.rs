@@ -1278,11 +1278,24 @@ impl World {
             .find(|(n, _)| n == "idempotency-key")
             .map(|(_, v)| v.clone());
         let request = st.request.clone();
+        let st_headers = st.headers.clone();
         let protected = self.cfg.route_index("POST", &request.path).is_some();
         // The reference records an attempt of a key before it runs it (a careful upstream
         // knows the key, from the header or the body), and refuses a stale token.
         let key = (protected && !scope.0.is_empty()).then_some(scope.0.as_str());
-        let (attempt, arrival) = self.upstream.start(&scope.2, &scope.1, key, token);
+        let forwarded = |name: &str| {
+            st_headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        let named = crate::upstream::RequestNamed {
+            endpoint: &scope.2,
+            subject: &scope.1,
+            endpoint_header: forwarded(contract::wire::ENDPOINT_HEADER),
+            fingerprint: forwarded(contract::wire::FINGERPRINT_HEADER),
+        };
+        let (attempt, arrival) = self.upstream.start(named, key, token);
         if let crate::upstream::Arrival::Answered(answer) = arrival {
             self.log(format!(
                 "stream {s}: the upstream runs nothing for token {token:?} and answers {} {}",
@@ -2284,18 +2297,17 @@ impl World {
             ));
             return CalloutResult::Failed("bad reconcile".into());
         };
-        // The endpoint the reference serves it at names the kind of operation; the key is the
-        // path's last segment (the subject and token come as headers).
-        let kind = match c.path.rsplit_once("/attempts/") {
-            Some(("/checkout", k)) if k == key => "charge",
-            Some(("/shop", k)) if k == key => "shop",
-            Some(("/donate", k)) if k == key => "donate",
-            _ => {
-                self.violations
-                    .push(format!("a reconcile at {} for key {key}", c.path));
-                return CalloutResult::Failed("bad reconcile".into());
-            }
-        };
+        // The reference's reconcile endpoints; the key is the path's last segment (the subject,
+        // token, endpoint and fingerprint come as headers).
+        let served = matches!(
+            c.path.rsplit_once("/attempts/"),
+            Some(("/checkout" | "/shop" | "/donate", k)) if k == key
+        );
+        if !served {
+            self.violations
+                .push(format!("a reconcile at {} for key {key}", c.path));
+            return CalloutResult::Failed("bad reconcile".into());
+        }
         if self.upstream_down {
             return CalloutResult::answer(503, b"upstream connect error".to_vec());
         }
@@ -2308,7 +2320,22 @@ impl World {
                 body: b"<html>".to_vec(),
             };
         }
-        let a = self.upstream.reconcile(kind, &subject, &key, token);
+        let (Some(endpoint), Some(fingerprint)) = (
+            header(contract::wire::ENDPOINT_HEADER),
+            header(contract::wire::FINGERPRINT_HEADER),
+        ) else {
+            // The reference refuses a reconcile that does not name its request.
+            return CalloutResult::answer(400, b"{\"type\":\"/problems/bad-reconcile\"}".to_vec());
+        };
+        let a = self.upstream.reconcile(
+            crate::upstream::AttemptScope {
+                endpoint,
+                subject,
+                key,
+                fingerprint: Some(fingerprint),
+            },
+            token,
+        );
         if let Some(s) = c.stream {
             let scope = self.ops[self.streams[s].op].scope();
             if scope.2 != "POST /checkout" {
