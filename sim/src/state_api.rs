@@ -224,50 +224,28 @@ fn scope(key: &str, subject: &str, endpoint: &str) -> Result<Scope, Answer> {
 /// The scopes a call names, in the order of its items (a batch's claims, then its completes);
 /// empty when it cannot be read.
 pub fn scopes_of(path: &str, body: &[u8]) -> Vec<Scope> {
-    fn one(k: &str, s: &str, e: &str) -> Scope {
-        (k.to_owned(), s.to_owned(), e.to_owned())
+    /// What every call names its record by.
+    #[derive(serde::Deserialize)]
+    struct Named {
+        key: String,
+        subject: String,
+        endpoint: String,
     }
-    let claims = |c: &[ClaimRequest]| -> Vec<Scope> {
-        c.iter()
-            .map(|r| one(&r.key, &r.subject, &r.endpoint))
-            .collect()
-    };
-    let completes = |c: &[CompleteRequest]| -> Vec<Scope> {
-        c.iter()
-            .map(|r| one(&r.key, &r.subject, &r.endpoint))
-            .collect()
-    };
+    #[derive(serde::Deserialize)]
+    struct Batch {
+        #[serde(default)]
+        claims: Vec<Named>,
+        #[serde(default)]
+        completes: Vec<Named>,
+    }
+    let scope = |n: Named| (n.key, n.subject, n.endpoint);
     match path {
-        CLAIM_PATH => serde_json::from_slice::<ClaimRequest>(body)
-            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
+        CLAIMS_PATH | COMPLETES_PATH | WRITES_PATH => serde_json::from_slice::<Batch>(body)
+            .map(|b| b.claims.into_iter().chain(b.completes).map(scope).collect())
             .unwrap_or_default(),
-        CLAIMS_PATH => serde_json::from_slice::<ClaimBatchRequest>(body)
-            .map(|b| claims(&b.claims))
-            .unwrap_or_default(),
-        COMPLETES_PATH => serde_json::from_slice::<CompleteBatchRequest>(body)
-            .map(|b| completes(&b.completes))
-            .unwrap_or_default(),
-        WRITES_PATH => serde_json::from_slice::<WriteBatchRequest>(body)
-            .map(|b| {
-                let mut all = claims(&b.claims);
-                all.extend(completes(&b.completes));
-                all
-            })
-            .unwrap_or_default(),
-        HEARTBEAT_PATH => serde_json::from_slice::<HeartbeatRequest>(body)
-            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
-            .unwrap_or_default(),
-        COMPLETE_PATH => serde_json::from_slice::<CompleteRequest>(body)
-            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
-            .unwrap_or_default(),
-        RELEASE_PATH => serde_json::from_slice::<ReleaseRequest>(body)
-            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
-            .unwrap_or_default(),
-        UNKNOWN_PATH => serde_json::from_slice::<UnknownRequest>(body)
-            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
-            .unwrap_or_default(),
-        ABANDON_PATH => serde_json::from_slice::<AbandonRequest>(body)
-            .map(|r| vec![one(&r.key, &r.subject, &r.endpoint)])
+        CLAIM_PATH | HEARTBEAT_PATH | COMPLETE_PATH | RELEASE_PATH | UNKNOWN_PATH
+        | ABANDON_PATH => serde_json::from_slice::<Named>(body)
+            .map(|n| vec![scope(n)])
             .unwrap_or_default(),
         _ => Vec::new(),
     }
@@ -376,6 +354,19 @@ impl ModelStateApi {
             .map(|(a, r)| (a.clone(), r))
     }
 
+    /// A write's scope, validated, and the address it was looked up at (`scope_of`).
+    fn located(
+        &self,
+        key: &str,
+        subject: &str,
+        endpoint: &str,
+        looked: &mut Looked<'_>,
+    ) -> Result<(Scope, Address), Answer> {
+        let scope = scope(key, subject, endpoint)?;
+        let address = self.address(&scope, looked);
+        Ok((scope, address))
+    }
+
     fn address(&self, scope: &Scope, looked: &mut Looked<'_>) -> Address {
         let given = looked.given.and_then(|g| g.get(looked.at)).cloned();
         looked.at += 1;
@@ -433,61 +424,25 @@ impl ModelStateApi {
                 Ok(r) => self.claim(r, now, l),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
+            // Batches: each item as its single call would answer it, one after the other,
+            // claims first (the real one runs them together; for two requests of one scope
+            // this is one of its orders, and a scope's second request in one call comes after
+            // the first there too).
             CLAIMS_PATH => match serde_json::from_slice::<ClaimBatchRequest>(body) {
-                Ok(b) => {
-                    if b.claims.is_empty() || b.claims.len() > MAX_BATCH_CLAIMS {
-                        return problem(ProblemKind::BadRequest, "claims: 1 to 128");
-                    }
-                    if b.claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
-                        return problem(ProblemKind::BadRequest, "claims: wait_ms in a batch");
-                    }
-                    // Each as `/v1/claim` would answer it, one after the other (the real one
-                    // runs them together; for two claims of one scope this is one of its orders).
-                    let answers = b
-                        .claims
-                        .into_iter()
-                        .map(|r| self.claim(r, now, l))
-                        .collect();
-                    batch(answers)
-                }
+                Ok(b) if b.claims.is_empty() => problem(ProblemKind::BadRequest, "no claims"),
+                Ok(b) => self.batch(b.claims, Vec::new(), now, l),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
             COMPLETES_PATH => match serde_json::from_slice::<CompleteBatchRequest>(body) {
-                Ok(b) => {
-                    if b.completes.is_empty() || b.completes.len() > MAX_BATCH_CLAIMS {
-                        return problem(ProblemKind::BadRequest, "completes: 1 to 128");
-                    }
-                    let answers = b
-                        .completes
-                        .into_iter()
-                        .map(|r| self.complete(r, now, l))
-                        .collect();
-                    batch(answers)
-                }
+                Ok(b) if b.completes.is_empty() => problem(ProblemKind::BadRequest, "no completes"),
+                Ok(b) => self.batch(Vec::new(), b.completes, now, l),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
             WRITES_PATH => match serde_json::from_slice::<WriteBatchRequest>(body) {
-                // Its claims, then its completes: the real one runs them together, and a
-                // scope's second request in one call after the first.
-                Ok(b) => {
-                    let (claims, completes) = (b.claims.len(), b.completes.len());
-                    if claims + completes == 0
-                        || claims > MAX_BATCH_CLAIMS
-                        || completes > MAX_BATCH_CLAIMS
-                    {
-                        return problem(ProblemKind::BadRequest, "writes: 1 to 128 of each");
-                    }
-                    if b.claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
-                        return problem(ProblemKind::BadRequest, "claims: wait_ms in a batch");
-                    }
-                    let mut answers: Vec<Answer> = b
-                        .claims
-                        .into_iter()
-                        .map(|r| self.claim(r, now, l))
-                        .collect();
-                    answers.extend(b.completes.into_iter().map(|r| self.complete(r, now, l)));
-                    batch(answers)
+                Ok(b) if b.claims.is_empty() && b.completes.is_empty() => {
+                    problem(ProblemKind::BadRequest, "no writes")
                 }
+                Ok(b) => self.batch(b.claims, b.completes, now, l),
                 Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
             },
             HEARTBEAT_PATH => match serde_json::from_slice::<HeartbeatRequest>(body) {
@@ -512,6 +467,28 @@ impl ModelStateApi {
             },
             _ => problem(ProblemKind::NotFound, "no such route"),
         }
+    }
+
+    /// A batch's claims and completes (at most 128 of each, no waiting claim).
+    fn batch(
+        &mut self,
+        claims: Vec<ClaimRequest>,
+        completes: Vec<CompleteRequest>,
+        now: u64,
+        looked: &mut Looked<'_>,
+    ) -> Answer {
+        if claims.len() > MAX_BATCH_CLAIMS || completes.len() > MAX_BATCH_CLAIMS {
+            return problem(ProblemKind::BadRequest, "1 to 128 of each");
+        }
+        if claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
+            return problem(ProblemKind::BadRequest, "wait_ms in a batch");
+        }
+        let mut answers: Vec<Answer> = claims
+            .into_iter()
+            .map(|r| self.claim(r, now, looked))
+            .collect();
+        answers.extend(completes.into_iter().map(|r| self.complete(r, now, looked)));
+        batch(answers)
     }
 
     fn claim(&mut self, r: ClaimRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
@@ -696,11 +673,10 @@ impl ModelStateApi {
     }
 
     fn heartbeat(&mut self, r: HeartbeatRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
-        let scope = match scope(&r.key, &r.subject, &r.endpoint) {
-            Ok(s) => s,
+        let (_, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
+            Ok(found) => found,
             Err(a) => return a,
         };
-        let address = self.address(&scope, looked);
         let lease_ms = self.lease_for(r.lease_ms);
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
@@ -759,11 +735,10 @@ impl ModelStateApi {
     }
 
     fn complete(&mut self, r: CompleteRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
-        let scope = match scope(&r.key, &r.subject, &r.endpoint) {
-            Ok(s) => s,
+        let (_, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
+            Ok(found) => found,
             Err(a) => return a,
         };
-        let address = self.address(&scope, looked);
         if r.token <= 0 {
             return problem(ProblemKind::BadRequest, "token");
         }
@@ -787,11 +762,10 @@ impl ModelStateApi {
     }
 
     fn release(&mut self, r: ReleaseRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
-        let scope = match scope(&r.key, &r.subject, &r.endpoint) {
-            Ok(s) => s,
+        let (scope, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
+            Ok(found) => found,
             Err(a) => return a,
         };
-        let address = self.address(&scope, looked);
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let state = slot.as_ref().map(|s| s.state);
@@ -835,11 +809,10 @@ impl ModelStateApi {
     /// A claim whose answer never reached the filter, given back by its nonce (nothing was
     /// forwarded under it).
     fn abandon(&mut self, r: AbandonRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
-        let scope = match scope(&r.key, &r.subject, &r.endpoint) {
-            Ok(s) => s,
+        let (_, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
+            Ok(found) => found,
             Err(a) => return a,
         };
-        let address = self.address(&scope, looked);
         if !valid_nonce(&r.nonce) {
             return problem(ProblemKind::BadRequest, "bad nonce");
         }
@@ -865,11 +838,10 @@ impl ModelStateApi {
 
     /// The owner lost sight of its forwarded request.
     fn owner_unknown(&mut self, r: UnknownRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
-        let scope = match scope(&r.key, &r.subject, &r.endpoint) {
-            Ok(s) => s,
+        let (scope, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
+            Ok(found) => found,
             Err(a) => return a,
         };
-        let address = self.address(&scope, looked);
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let marked = writes::owner_unknown(&mut slot, r.token, clock);
