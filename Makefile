@@ -134,6 +134,15 @@ test: tools build test-native test-wasm test-e2e fuzz-smoke
 test-native: build
 	FILTER_WASM_REQUIRED=1 $(CARGO) test --locked --workspace --exclude stack
 
+# The developers' inner loop (not the contract: `make test` is): every unit, property and
+# in-process test of every crate (the state API's on a throwaway Postgres), and the simulation's
+# regression seeds with 10,000 schedules instead of 100,000. No Envoy, no wasm, no fuzzing, no
+# end-to-end suites (README, "Which suite covers what").
+.PHONY: test-fast
+test-fast:
+	$(CARGO) build --locked -q -p state-api -p checkout -p edge
+	SIM_SCHEDULES=10000 $(CARGO) test --locked --workspace --exclude stack --exclude bench
+
 .PHONY: test-wasm
 test-wasm: tools-rust-test tools-wasm-bindgen
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \

@@ -843,9 +843,22 @@ async fn prepare_complete(
     req: CompleteRequest,
     deadline: tokio::time::Instant,
 ) -> Result<CompleteJob, ApiError> {
-    let scope = scope_of(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
+    let (at, current) =
+        located(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
     check_token(req.token)?;
     let row = checked_response(state, req.response)?;
+    // A record under the previous key secret moves to the current one before its response is
+    // sealed there (its address is the seal's), so that it outlives the previous secret.
+    let scope = if at != current
+        && state
+            .store()
+            .move_to_current(&at, &current, req.token)
+            .await?
+    {
+        current
+    } else {
+        at
+    };
     Ok(CompleteJob {
         scope,
         token: req.token,

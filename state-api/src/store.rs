@@ -697,7 +697,7 @@ impl Store {
             // secret's address (a record found under the previous one, during a rotation),
             // unless a record is there already: `scope_hash = CASE WHEN scope_hash <> current
             // AND NOT EXISTS (a row at current) THEN current ELSE scope_hash END`, as every
-            // owner's write but a complete does (a complete seals under the address it finds).
+            // owner's write does (a complete moves the record first: `move_to_current`).
             let address = row.address.clone();
             let rekey = row.rekey(c);
             let won = match decide(row, c, &self.sealer)? {
@@ -1059,6 +1059,30 @@ impl Store {
             }),
             None => self.complete_unmatched(scope, token).await,
         }
+    }
+
+    /// Moves the open record of the owner holding `token` from `at` (the previous key secret's
+    /// address) to `current`, unless a record is there already: what every write does in its
+    /// own statement, done first for a complete, whose response is sealed under the address it
+    /// is stored at. `false`: not moved (nothing there, or `current` is taken).
+    pub async fn move_to_current(
+        &self,
+        at: &ScopeHash,
+        current: &ScopeHash,
+        token: i64,
+    ) -> Result<bool, StoreError> {
+        let moved = sqlx::query_scalar!(
+            "UPDATE idempotency_records SET scope_hash = $2
+            WHERE scope_hash = $1 AND fencing_token = $3 AND state IN ('in_progress', 'unknown')
+              AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $2)
+            RETURNING fencing_token",
+            &at[..],
+            &current[..],
+            token
+        )
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(moved.is_some())
     }
 
     /// After a complete whose UPDATE matched no row: a retried complete of the same owner (its

@@ -109,6 +109,14 @@ async fn a_rotated_key_secret_finds_the_previous_records_and_writes_new_ones_wit
         ),
         "the moved record outlives the previous secret"
     );
+    // Completed during the rotation: moved as it was completed, replayed after it.
+    assert!(
+        matches!(
+            after.claim("running", &fp(1), None).await,
+            ClaimResponse::Completed { .. }
+        ),
+        "a record completed under the previous secret was left behind: a new key"
+    );
     after.shutdown().await;
 }
 

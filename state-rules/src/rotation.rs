@@ -24,10 +24,10 @@ pub fn claim_reads(at_current: bool, at_previous: bool) -> Option<Address> {
 
 /// Where a write leaves the record it found at `at`: moved to the current address (a record
 /// written again under the new secret, so that dropping the previous secret orphans no live
-/// record), unless a record is there already. A complete stays where it found the record (its
-/// response is sealed under that address).
-pub fn written_to(at: Address, current_taken: bool, is_complete: bool) -> Address {
-    if is_complete || current_taken {
+/// record), unless a record is there already. (A complete moves the record first, then seals
+/// its response under the address it is stored at.)
+pub fn written_to(at: Address, current_taken: bool) -> Address {
+    if current_taken {
         at
     } else {
         Address::Current
