@@ -76,10 +76,6 @@ pub const REGIONS: &[&str] = &[
 /// its path's fix lands, and from then on such a violation fails the run.
 pub const AWAITING_FIX: &[(&str, &str)] = &[
     ("path 6", "one still unanswered"),
-    // Left by the fix of path 9 (158f9d2): a complete stays under the previous secret, so a
-    // record completed there shortly before the previous secret goes (by a drop or a second
-    // rotation, "the longest retention after the rotation") is orphaned (seed 226302).
-    ("path 9", "key secret"),
 ];
 
 /// How many schedules broke each ignored invariant, by the path of [`AWAITING_FIX`] it is

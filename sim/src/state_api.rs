@@ -314,14 +314,13 @@ impl ModelStateApi {
     }
 
     /// Puts a record back after a write at `at`: one found under the previous secret and
-    /// written again moves to the current address, unless a record is there or it was a
-    /// complete (`state_rules::rotation::written_to`). Returns where it is.
+    /// written again moves to the current address, unless a record is there
+    /// (`state_rules::rotation::written_to`). Returns where it is.
     fn put_back(
         &mut self,
         at: Address,
         slot: Option<Record>,
         written: bool,
-        is_complete: bool,
     ) -> Address {
         let Some(rec) = slot else {
             return at;
@@ -333,7 +332,7 @@ impl ModelStateApi {
             rotation::Address::Previous
         };
         let to = if written {
-            rotation::written_to(from, self.records.contains_key(&current), is_complete)
+            rotation::written_to(from, self.records.contains_key(&current))
         } else {
             from
         };
@@ -554,7 +553,7 @@ impl ModelStateApi {
         let before = slot.clone();
         let outcome = state_rules::claim(&mut slot, &terms, clock, &mut || self.token(&scope));
         let written = slot != before;
-        let address = self.put_back(address, slot, written, false);
+        let address = self.put_back(address, slot, written);
         self.note_claim(&address, before.as_ref(), &outcome, &terms, clock);
         let answer = match outcome {
             ClaimOutcome::Claimed { token, reclaimed } => {
@@ -684,7 +683,7 @@ impl ModelStateApi {
             .as_ref()
             .is_some_and(|s| s.state == RecordState::Unknown && s.token == r.token);
         let beat = writes::heartbeat(&mut slot, r.token, lease_ms, clock);
-        self.put_back(address, slot, beat == Beat::Extended, false);
+        self.put_back(address, slot, beat == Beat::Extended);
         if was_unknown {
             self.events
                 .push(Event::HeartbeatOnMarked { token: r.token });
@@ -749,7 +748,7 @@ impl ModelStateApi {
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let done = writes::complete(&mut slot, r.token, stored, self.cfg.retention_ms, clock);
-        self.put_back(address, slot, true, true);
+        self.put_back(address, slot, matches!(done, Completion::Done { .. }));
         if let Completion::Done { .. } = done {
             self.events.push(Event::Completed { token: r.token });
         }
@@ -779,7 +778,7 @@ impl ModelStateApi {
                         scope: scope.clone(),
                     });
                 }
-                self.put_back(address, Some(rec), ok, false);
+                self.put_back(address, Some(rec), ok);
             }
             None if ok => self.delete_noted(address, r.token, Deleter::Owner, state),
             None => {}
@@ -820,7 +819,7 @@ impl ModelStateApi {
         let mut slot = self.records.remove(&address);
         let before = slot.as_ref().map(|s| (s.token, s.state));
         let done = writes::abandon(&mut slot, &r.nonce, clock);
-        let address = self.put_back(address, slot, done == Abandoned::Unknown, false);
+        let address = self.put_back(address, slot, done == Abandoned::Unknown);
         match (done, before) {
             (Abandoned::Deleted, Some((token, state))) => {
                 self.delete_noted(address, token, Deleter::Abandon, Some(state));
@@ -845,7 +844,7 @@ impl ModelStateApi {
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let marked = writes::owner_unknown(&mut slot, r.token, clock);
-        self.put_back(address, slot, marked == Marked::Unknown, false);
+        self.put_back(address, slot, marked == Marked::Unknown);
         match marked {
             Marked::Unknown => {
                 self.events.push(Event::OwnerMarked {
@@ -881,7 +880,7 @@ impl ModelStateApi {
         let released = writes::release(&mut slot, token, clock);
         match slot {
             Some(rec) => {
-                self.put_back(address, Some(rec), released, false);
+                self.put_back(address, Some(rec), released);
             }
             None if released => self.delete_noted(address, token, Deleter::GoneCaller, state),
             None => {}
