@@ -287,6 +287,22 @@ struct Outgoing {
     timeout_ms: u64,
 }
 
+impl Outgoing {
+    /// Gives up on the answer after `ms` if that is sooner (the caller-timeout header says so
+    /// too, so the state API drops a job its caller no longer waits for).
+    fn shorten(&mut self, ms: u64) {
+        if ms >= self.timeout_ms {
+            return;
+        }
+        self.timeout_ms = ms;
+        for (name, value) in self.headers.iter_mut() {
+            if name == contract::wire::CALLER_TIMEOUT_HEADER {
+                *value = ms.to_string();
+            }
+        }
+    }
+}
+
 /// How much memory the worker holds, for the limits the configuration sets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -1517,13 +1533,14 @@ impl Worker {
             for hb in due {
                 let token = hb.token;
                 let body = crate::flow::to_json(&hb);
-                self.dispatch_state_api(
-                    Owner::Worker,
-                    Purpose::Heartbeat(token),
-                    HEARTBEAT_PATH,
-                    body,
-                    &mut effects,
-                );
+                let mut call = self.state_api_call(HEARTBEAT_PATH, body, 0);
+                if let Some(within) = self
+                    .registry
+                    .answer_within(token, self.cfg.tick_period_ms())
+                {
+                    call.shorten(within);
+                }
+                self.dispatch(Owner::Worker, Purpose::Heartbeat(token), call, &mut effects);
             }
         }
         self.handed_await_lane = false;
