@@ -185,6 +185,12 @@ sqlx-prepare: tools-sqlx
 	$(CARGO) run --locked -q -p edge -- with-postgres -- sh -c \
 	  'sqlx migrate run --source state-api/migrations >/dev/null && cd state-api && cargo sqlx prepare -- --all-targets'
 
+# The JSON Schema of the filter's plugin configuration, generated from filter-core's types
+# (`edge schema`); a test fails while the committed file is not what they generate.
+.PHONY: schema
+schema:
+	$(CARGO) run --locked -q -p edge -- schema > docs/plugin-config.schema.json
+
 # The filter as an OCI image for Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy
 # (README, *The filter as an OCI image*): both variants in one OCI image layout
 # (target/oci/layout, tags `compat` and `oci`) and an archive of it, reproducibly; the digests

@@ -39,6 +39,9 @@ enum Command {
         #[arg(long, default_value = edge::render::DEFAULT_CA_FILE)]
         ca_file: String,
     },
+    /// Print the JSON Schema (draft 4) of the filter's plugin configuration, generated from the
+    /// filter's own types: editors, CI and Kong (a filter's `config_schema`) validate with it.
+    Schema,
     /// Remove a run folder (a stopped `edge run`'s) and the cluster data it links to outside
     /// the tree (as root, when the folder was closed to the `postgres` user).
     Clean {
@@ -111,6 +114,10 @@ fn main() -> ExitCode {
             wasm,
             ha,
         } => run(&config, dir, wasm, ha),
+        Command::Schema => {
+            println!("{}", edge::render::plugin_schema_text());
+            ExitCode::SUCCESS
+        }
         Command::Clean { dir } => match edge::data_home::remove_run_folder(&dir) {
             Ok(removed) => {
                 for path in removed {

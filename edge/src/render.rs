@@ -345,6 +345,12 @@ pub fn filter_json(cfg: &Config, token: &str) -> String {
     serde_json::to_string_pretty(&plugin).unwrap_or_default()
 }
 
+/// The JSON Schema of the plugin configuration as `edge schema` prints it and
+/// `docs/plugin-config.schema.json` holds it.
+pub fn plugin_schema_text() -> String {
+    serde_json::to_string_pretty(&fc::json_schema()).unwrap_or_default()
+}
+
 /// The jwt_authn rule of a protected route: a verified token is required.
 fn jwt_rule(route: &crate::config::Route) -> Yaml {
     let (kind, p) = match &route.matcher {

@@ -507,6 +507,31 @@ impl Config {
     }
 }
 
+/// A route's `fingerprint`: exactly one of `ignore` or `include`, a non-empty list of pointers.
+fn read_fingerprint(v: &Value, what: &str) -> Result<Selection, String> {
+    let f = Fields::of(v, what)?;
+    f.deny_unknown(&["ignore", "include"])?;
+    let (name, selection): (&str, fn(Vec<Pointer>) -> Selection) =
+        match (f.get("ignore"), f.get("include")) {
+            (Some(_), None) => ("ignore", Selection::Ignore),
+            (None, Some(_)) => ("include", Selection::Include),
+            _ => return Err(format!("{what} needs exactly one of ignore or include")),
+        };
+    let texts = f.strings(name)?;
+    if texts.is_empty() {
+        return Err(format!(
+            "{}: the list must not be empty (exactly one non-empty list: ignore or include)",
+            f.path(name)
+        ));
+    }
+    texts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Pointer::parse(p).map_err(|e| format!("{}[{i}]: {e}", f.path(name))))
+        .collect::<Result<Vec<_>, _>>()
+        .map(selection)
+}
+
 /// `null` is no value here (the JSON Schema says so too): a field is given or left out.
 fn refuse_null(v: &Value, path: &str) -> Result<(), String> {
     match v {
@@ -588,30 +613,7 @@ impl Route {
             max_wait_s: r.u64_or("max_wait_s", default_max_wait_s())?,
             fingerprint: match r.get("fingerprint") {
                 None => Selection::Whole,
-                Some(v) => {
-                    let what = format!("{what}.fingerprint");
-                    let f = Fields::of(v, &what)?;
-                    f.deny_unknown(&["ignore", "include"])?;
-                    let list = |name: &str| -> Result<Option<Vec<Pointer>>, String> {
-                        if f.get(name).is_none() {
-                            return Ok(None);
-                        }
-                        f.strings(name)?
-                            .iter()
-                            .map(|p| Pointer::parse(p).map_err(|e| format!("{what}.{name}: {e}")))
-                            .collect::<Result<Vec<_>, _>>()
-                            .map(Some)
-                    };
-                    match (list("ignore")?, list("include")?) {
-                        (Some(p), None) if !p.is_empty() => Selection::Ignore(p),
-                        (None, Some(p)) if !p.is_empty() => Selection::Include(p),
-                        _ => {
-                            return Err(format!(
-                                "{what} needs exactly one non-empty list: ignore or include"
-                            ))
-                        }
-                    }
-                }
+                Some(v) => read_fingerprint(v, &format!("{what}.fingerprint"))?,
             },
             key_from: match r.opt_str("key_from")? {
                 None => None,
@@ -741,8 +743,13 @@ impl Config {
                 }
             }
             SubjectSource::Metadata(path) => {
-                if path.len() < 2 || path.iter().any(String::is_empty) {
-                    return err("subject.metadata must be [filter namespace, key, ...] with at least two non-empty parts");
+                if path.len() < 2 {
+                    return err(
+                        "subject.metadata must be [filter namespace, key, ...]: at least two parts",
+                    );
+                }
+                if let Some(i) = path.iter().position(String::is_empty) {
+                    return err(format!("subject.metadata[{i}] must not be empty"));
                 }
             }
         }
@@ -756,9 +763,10 @@ impl Config {
             r.method = r.method.to_ascii_uppercase();
             match (&r.path, &r.prefix) {
                 (Some(p), None) | (None, Some(p)) => {
+                    let name = if r.path.is_some() { "path" } else { "prefix" };
                     if !p.starts_with('/') || p.contains('?') || p.contains('#') {
                         return err(format!(
-                            "routes[{i}]: the path or prefix must start with '/' and have no query"
+                            "routes[{i}].{name} must start with '/' and have no query or fragment"
                         ));
                     }
                 }
@@ -766,10 +774,11 @@ impl Config {
             }
             match (r.on_unknown, &mut r.reconcile) {
                 (OnUnknown::Reconcile, Some(rc)) => {
-                    if rc.cluster.is_empty() || rc.authority.is_empty() {
-                        return err(format!(
-                            "routes[{i}].reconcile needs a cluster and an authority"
-                        ));
+                    if rc.cluster.is_empty() {
+                        return err(format!("routes[{i}].reconcile.cluster must not be empty"));
+                    }
+                    if rc.authority.is_empty() {
+                        return err(format!("routes[{i}].reconcile.authority must not be empty"));
                     }
                     if !is_token(&rc.method) {
                         return err(format!(
@@ -802,6 +811,9 @@ impl Config {
         if self.max_request_body_bytes == 0 {
             return err("max_request_body_bytes must be > 0");
         }
+        // The global lease first: a route without its own inherits it, and the field to name is
+        // the global one.
+        check_lease("", self.lease_ms, self.heartbeat_ms)?;
         for i in 0..self.routes.len() {
             let what = format!("routes[{i}]");
             check_lease(&what, self.lease_for(i), self.heartbeat_for(i))?;
@@ -828,7 +840,6 @@ impl Config {
                 limits::MAX_STORED_BODY_BYTES
             ));
         }
-        check_lease("", self.lease_ms, self.heartbeat_ms)?;
         if !limits::valid_namespace(&self.namespace) {
             return err(format!(
                 "namespace must be at most {} of a-z 0-9 . _ -",
