@@ -41,15 +41,15 @@ pub const JWKS_CLUSTER: &str = "jwks";
 /// The jwt_authn provider.
 pub const JWT_PROVIDER: &str = "edge";
 
-fn s(v: impl Into<String>) -> Yaml {
+pub(crate) fn s(v: impl Into<String>) -> Yaml {
     Yaml::String(v.into())
 }
 
-fn n(v: u64) -> Yaml {
+pub(crate) fn n(v: u64) -> Yaml {
     Yaml::Integer(i64::try_from(v).unwrap_or(i64::MAX))
 }
 
-fn map(pairs: Vec<(&str, Yaml)>) -> Yaml {
+pub(crate) fn map(pairs: Vec<(&str, Yaml)>) -> Yaml {
     let mut h = Hash::new();
     for (k, v) in pairs {
         h.insert(s(k), v);
@@ -63,7 +63,7 @@ fn typed(type_name: &str, mut pairs: Vec<(&str, Yaml)>) -> Yaml {
 }
 
 /// Envoy's duration syntax (`1.500s`).
-fn duration(ms: u64) -> Yaml {
+pub(crate) fn duration(ms: u64) -> Yaml {
     if ms.is_multiple_of(1000) {
         s(format!("{}s", ms / 1000))
     } else {
@@ -95,7 +95,7 @@ pub(crate) fn reachable(addr: SocketAddr) -> Endpoint {
     }
 }
 
-fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> Yaml {
+pub(crate) fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> Yaml {
     let mut pairs = vec![
         ("name", s(name)),
         ("type", s("STRICT_DNS")),
@@ -238,7 +238,7 @@ fn state_api_cluster(cfg: &Config, ca_file: &str) -> Yaml {
 }
 
 /// The cluster of route `i`'s reconcile endpoint when it is another service than the upstream.
-fn reconcile_cluster(i: usize) -> String {
+pub(crate) fn reconcile_cluster(i: usize) -> String {
     format!("reconcile_{i}")
 }
 
