@@ -301,6 +301,24 @@ pub fn yaml_of_json(v: &serde_json::Value) -> Yaml {
     }
 }
 
+/// YAML as JSON: what a manifest's reader (the API server, a test) sees.
+pub fn json_of_yaml(y: &Yaml) -> serde_json::Value {
+    use serde_json::Value as J;
+    match y {
+        Yaml::Boolean(b) => J::Bool(*b),
+        Yaml::Integer(i) => J::from(*i),
+        Yaml::Real(r) => r.parse::<f64>().map_or(J::Null, J::from),
+        Yaml::String(t) => J::String(t.clone()),
+        Yaml::Array(items) => J::Array(items.iter().map(json_of_yaml).collect()),
+        Yaml::Hash(h) => J::Object(
+            h.iter()
+                .filter_map(|(k, v)| Some((k.as_str()?.to_owned(), json_of_yaml(v))))
+                .collect(),
+        ),
+        _ => J::Null,
+    }
+}
+
 fn target_gateway(cfg: &Config) -> Yaml {
     Yaml::Array(vec![map(vec![
         ("group", s("gateway.networking.k8s.io")),

@@ -11,9 +11,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use edge::config::Config;
-use edge::mesh::{manifests, Pins, Target};
+use edge::mesh::{json_of_yaml, manifests, Pins, Target};
 use serde_json::{json, Value};
-use yaml_rust2::{Yaml, YamlLoader};
+use yaml_rust2::YamlLoader;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -23,23 +23,6 @@ const MODULE: &[u8] = b"\0asm\x01\0\0\0";
 
 fn pins() -> Pins {
     Pins::of_module(MODULE).unwrap()
-}
-
-fn json_of_yaml(y: &Yaml) -> Value {
-    match y {
-        Yaml::Null | Yaml::BadValue => Value::Null,
-        Yaml::Boolean(b) => json!(b),
-        Yaml::Integer(i) => json!(i),
-        Yaml::Real(r) => json!(r.parse::<f64>().unwrap()),
-        Yaml::String(s) => json!(s),
-        Yaml::Array(items) => Value::Array(items.iter().map(json_of_yaml).collect()),
-        Yaml::Hash(h) => Value::Object(
-            h.iter()
-                .map(|(k, v)| (k.as_str().unwrap().to_owned(), json_of_yaml(v)))
-                .collect(),
-        ),
-        other => panic!("unexpected YAML {other:?}"),
-    }
 }
 
 /// The rendered documents, as JSON.
