@@ -194,16 +194,18 @@ schema:
 # The filter as an OCI image for Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy
 # (README, *The filter as an OCI image*): both variants in one OCI image layout
 # (target/oci/layout, tags `compat` and `oci`) and an archive of it, reproducibly; the digests
-# printed and kept in target/oci/DIGESTS; then checked (digests followed from the index, skopeo,
-# a second build, the module of each variant through Envoy).
+# printed and kept in target/oci/DIGESTS, the plugin configuration's JSON Schema beside them;
+# then checked (digests followed from the index, skopeo, a second build, the module of each
+# variant through Envoy, the schema, the digest `edge render --target istio` pins).
 .PHONY: tools-oci oci
 tools-oci:
 	@command -v skopeo >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq skopeo; \
 	  else echo "skopeo not found: sudo apt-get install -y skopeo"; exit 1; fi; }
 oci: tools-oci tools-run build-filter
-	$(CARGO) build --locked -p oci -p state-api -p checkout
-	target/debug/wasm-oci --wasm $(FILTER_WASM) --out target/oci
+	$(CARGO) build --locked -p oci -p state-api -p checkout -p edge
+	mkdir -p target/oci && target/debug/edge schema > target/oci/plugin-config.schema.json
+	target/debug/wasm-oci --wasm $(FILTER_WASM) --schema target/oci/plugin-config.schema.json --out target/oci
 	$(CARGO) test --locked -p stack --test oci
 
 # Alerts (README, *Alerts*): promtool checks examples/prometheus (the configuration and the
