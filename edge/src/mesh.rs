@@ -46,7 +46,7 @@ pub enum Target {
 pub struct MeshSettings {
     /// The Kubernetes namespace of the state API.
     pub namespace: String,
-    /// The state API's container image (the Dockerfile's `state-api` target).
+    /// The state API's container image (the Dockerfile's `state-api` target: user 10001).
     pub state_api_image: String,
     /// The filter's OCI image (`make oci`'s compat tag), without `oci://`.
     pub filter_image: String,
