@@ -24,6 +24,7 @@ help:
 	@echo "make test    run every test: native, wasm (wasm-bindgen-test in Node), end-to-end through Envoy"
 	@echo "make run CONFIG=file.toml     the layer in front of your own API (examples/own-api.toml)"
 	@echo "make render CONFIG=file.toml  the Envoy config for your own Envoy, and the state API's environment"
+	@echo "make render CONFIG=file.toml TARGET=istio|envoy-gateway  Kubernetes manifests for a mesh"
 	@echo "make admin ARGS=\"list --state unknown\"  operator actions on the demo's records (idemctl)"
 	@echo "make chaos-net  (root) partitions: every part on its own host, links cut and slowed, a history checker (SECONDS for scenario 7)"
 	@echo "make bench   benchmark against a plain Envoy and raw Postgres"
@@ -258,11 +259,13 @@ WASM ?= $(CURDIR)/$(FILTER_WASM)
 run: tools-run build-run
 	target/release/edge run --config $(CONFIG) $(if $(filter 1,$(HA)),--ha)
 
-# The Envoy configuration and the state API's environment for your own Envoy.
+# The Envoy configuration and the state API's environment for your own Envoy; TARGET=istio or
+# TARGET=envoy-gateway: the Kubernetes manifests for a mesh (the image pinned by $(WASM)'s digest).
+TARGET ?= envoy
 .PHONY: render
 render:
 	@$(CARGO) build --locked --release -q -p edge
-	@target/release/edge render --config $(CONFIG) --wasm $(WASM)
+	@target/release/edge render --config $(CONFIG) --wasm $(WASM) --target $(TARGET)
 
 # Checks the file (the addresses, the routes, the JWKS) and says what it protects.
 .PHONY: check-config

@@ -76,11 +76,12 @@ fn imports_only_proxy_wasm_and_wasi() {
 #[test]
 fn stays_small() {
     let Some(bytes) = module() else { return };
-    // Loaded (and compiled by V8) into every worker: the goal is 300 KiB at most (it is about
-    // 275 KiB; docs/filter.md says what takes the space). Raise deliberately if it must grow.
+    // Loaded (and compiled by V8) into every worker: the budget is 350 KiB (it is about 304
+    // KiB; it went over the former 300 KiB goal before issue 37; docs/filter.md says what
+    // takes the space). Raise deliberately if it must grow.
     assert!(
-        bytes.len() <= 300 * 1024,
-        "filter.wasm is {} bytes, over 300 KiB",
+        bytes.len() <= 350 * 1024,
+        "filter.wasm is {} bytes, over 350 KiB",
         bytes.len()
     );
 }
