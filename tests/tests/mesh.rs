@@ -226,37 +226,11 @@ fn as_the_mesh(target: Target, stop_iteration: bool) -> Result<(), Failed> {
 }
 
 async fn smoke(c: Client) {
+    stack::testkit::smoke(&c, "mesh").await;
     let body = charge_body(4990);
-    let key = unique_key("mesh");
+    let key = unique_key("mesh-subject");
     let first = c.send(checkout(&key, "alice", &body)).await;
     assert_eq!(first.status, 201, "{}", first.describe());
-    let again = c.send(checkout(&key, "alice", &body)).await;
-    assert!(
-        again.status == 201 && replayed(&again),
-        "{}",
-        again.describe()
-    );
-    let changed = c.send(checkout(&key, "alice", &charge_body(1))).await;
-    assert!(
-        is_problem(&changed, 422, "idempotency-key-reused"),
-        "{}",
-        changed.describe()
-    );
-    let slow_key = unique_key("mesh-slow");
-    let slow_req = checkout(&slow_key, "alice", &body).delay_ms(2000);
-    let slow = {
-        let c = c.clone();
-        tokio::spawn(async move { c.send(slow_req).await })
-    };
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let dup = c.send(checkout(&slow_key, "alice", &body)).await;
-    assert!(
-        is_problem(&dup, 409, "request-in-progress"),
-        "{}",
-        dup.describe()
-    );
-    let slow = slow.await.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(slow.status, 201, "{}", slow.describe());
 
     // The subject is the token's, whatever header the client sends: bob's token and alice's
     // key are another record, alice's token with a forged header is alice's.

@@ -375,32 +375,5 @@ fn envoy_smoke() -> Result<(), Failed> {
 }
 
 async fn smoke(stack: Stack) {
-    let c = client(&stack);
-    let body = charge_body(4990);
-    let key = unique_key("oci");
-    let first = c.send(checkout(&key, "alice", &body)).await;
-    assert_eq!(first.status, 201, "{}", first.describe());
-    let again = c.send(checkout(&key, "alice", &body)).await;
-    assert!(
-        again.status == 201 && replayed(&again),
-        "{}",
-        again.describe()
-    );
-    let changed = c.send(checkout(&key, "alice", &charge_body(1))).await;
-    assert!(
-        is_problem(&changed, 422, "idempotency-key-reused"),
-        "{}",
-        changed.describe()
-    );
-    let slow_key = unique_key("oci-slow");
-    let slow = send_in_background(&c, checkout(&slow_key, "alice", &body).delay_ms(2000));
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let dup = c.send(checkout(&slow_key, "alice", &body)).await;
-    assert!(
-        is_problem(&dup, 409, "request-in-progress"),
-        "{}",
-        dup.describe()
-    );
-    let slow = slow.await.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(slow.status, 201, "{}", slow.describe());
+    stack::testkit::smoke(&client(&stack), "oci").await;
 }
