@@ -10,6 +10,7 @@
 pub mod check;
 pub mod choice;
 pub mod driver;
+pub mod model;
 pub mod state_api;
 pub mod upstream;
 pub mod world;
