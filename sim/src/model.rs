@@ -44,6 +44,9 @@ pub enum Step {
     /// Time runs to worker `w`'s next tick, which sends its heartbeats (and due writes); their
     /// answers come later, as separate steps.
     Tick(usize),
+    /// Worker `w` cannot reach the state API for a lease (a partition): its calls fail before
+    /// they get there, while it ticks on time (the other worker's calls go on).
+    Partition(usize),
     /// Worker `w` wakes (it asked to).
     Wake(usize),
     /// A lease's time passes (workers tick on time, their callouts answered at once).
@@ -82,6 +85,8 @@ pub struct Bounds {
     pub kills: u32,
     pub lose_answers: bool,
     pub give_up: bool,
+    /// A worker cut off from the state API for a lease, once in a run.
+    pub partition: bool,
     /// Ticks as steps of their own (heartbeats answered later), and a lease's time passing.
     pub tick: bool,
     pub wait_lease: bool,
@@ -102,6 +107,7 @@ impl Bounds {
         kills: 1,
         lose_answers: true,
         give_up: true,
+        partition: true,
         tick: true,
         wait_lease: true,
         operator: true,
@@ -208,6 +214,7 @@ impl Protocol {
                 Step::Operator => once |= 1,
                 Step::Failover => once |= 2,
                 Step::ClockStep(_) => once |= 4,
+                Step::Partition(_) => once |= 8,
                 Step::Kill(_) => kills += 1,
                 _ => {}
             }
@@ -310,6 +317,9 @@ impl Protocol {
                 if kills < b.kills {
                     out.push(Step::Kill(i));
                 }
+                if b.partition && once & 8 == 0 && w.outage == Outage::None {
+                    out.push(Step::Partition(i));
+                }
             } else {
                 out.push(Step::Restart(i));
             }
@@ -388,17 +398,15 @@ pub fn apply(w: &mut World, step: Step) {
         Step::GiveUp(s) => w.act(Action::GiveUp(s)),
         Step::Tick(i) => {
             if let Some(t) = w.next_tick(i) {
-                // Up to just before it: the other worker ticks on time meanwhile.
-                if t > w.now + 1 {
-                    w.advance(t - 1 - w.now);
-                }
-                if let Some(t) = w.next_tick(i) {
-                    w.now = w.now.max(t);
-                    w.timeouts();
-                    w.workers[i].ticked_at = Some(w.now);
-                    w.act(Action::Tick(i));
-                }
+                tick_at(w, i, t);
             }
+        }
+        Step::Partition(i) => {
+            // Its calls on their way fail too (the state API never sees them).
+            cut_off(w, i);
+            w.partitioned = Some(i);
+            w.advance(w.setup.lease_ms + 1);
+            w.partitioned = None;
         }
         Step::Wake(i) => w.act(Action::Wake(i)),
         Step::WaitLease => w.advance(w.setup.lease_ms),
@@ -431,6 +439,38 @@ pub fn apply(w: &mut World, step: Step) {
     w.steps += 1;
     check::after_step(w);
 }
+
+/// Time runs to `t` (the other worker ticking on time up to just before it), and worker `i`
+/// ticks then, its calls left on their way.
+fn tick_at(w: &mut World, i: usize, t: u64) {
+    if t > w.now + 1 {
+        w.advance(t - 1 - w.now);
+    }
+    if let Some(t) = w.next_tick(i) {
+        w.now = w.now.max(t);
+        w.timeouts();
+        w.workers[i].ticked_at = Some(w.now);
+        w.act(Action::Tick(i));
+    }
+}
+
+/// Worker `i`'s calls to the state API on their way fail without reaching it.
+fn cut_off(w: &mut World, i: usize) {
+    let mut at = w.callouts.len();
+    while at > 0 {
+        at -= 1;
+        let c = &w.callouts[at];
+        if c.worker == i && c.cluster == STATE_API_CLUSTER && c.answer.is_none() && !c.orphan {
+            w.fail_callout_with(at, "reset");
+            if w.callouts.get(at).is_some_and(|c| c.orphan && c.answer.is_none()) {
+                w.callouts.remove(at);
+            }
+        }
+    }
+}
+
+/// The Envoy cluster of the state API in the simulated filter's configuration.
+const STATE_API_CLUSTER: &str = "state_api";
 
 const SEEN_REPLAY: u8 = 1;
 const SEEN_UNKNOWN: u8 = 2;
@@ -697,6 +737,7 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         kills: 0,
         lose_answers: false,
         give_up: false,
+        partition: false,
         tick: false,
         wait_lease: false,
         operator: false,
@@ -707,11 +748,12 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         drain: false,
     };
     match fix {
-        // An owner that runs past its retention, and a duplicate, on a route that re-executes
-        // an unknown outcome (one that reconciles hears the first is still running).
+        // An owner that runs past its retention, cut off from the state API for a lease, and a
+        // duplicate.
+        // The purge deletes it (a retry is a new key then, on any route).
         Fix::Retention => Bounds {
-            path: "/pay/x",
-            tick: true,
+            partition: true,
+            purge: true,
             ..quiet
         },
         // A claim answer lost, the key retried after the drain, on a route that holds unknown

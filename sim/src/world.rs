@@ -505,6 +505,9 @@ pub struct World {
     /// Inside a quiet tick: routine heartbeats are not traced.
     quiet: bool,
     pub kinds: Faults,
+    /// A worker that cannot reach the state API (the model checker's partition): its calls
+    /// fail at dispatch.
+    pub partitioned: Option<usize>,
     pub steps: usize,
     /// What the run reached: the filter's counters (by name) and the model's own events.
     pub reached: std::collections::BTreeMap<&'static str, u64>,
@@ -639,6 +642,7 @@ impl World {
             faults: true,
             quiet: false,
             kinds,
+            partitioned: None,
             steps: 0,
             reached: std::collections::BTreeMap::new(),
         }
@@ -997,7 +1001,7 @@ impl World {
     }
 
     /// When worker `w` next ticks with work to do (global time, on its tick period).
-    pub(crate) fn next_tick(&self, w: usize) -> Option<u64> {
+    pub fn next_tick(&self, w: usize) -> Option<u64> {
         let sw = &self.workers[w];
         let due = sw.w.as_ref()?.next_due()?;
         let period = self.cfg.tick_period_ms().max(1);
@@ -2571,7 +2575,7 @@ impl World {
 
     /// Envoy reports the callout failed; a call not handled yet may still reach the state API
     /// later (nobody waits for its answer then).
-    fn fail_callout_with(&mut self, i: usize, why: &str) {
+    pub(crate) fn fail_callout_with(&mut self, i: usize, why: &str) {
         let c = self.callouts[i].clone();
         if c.orphan {
             return;
@@ -2855,7 +2859,7 @@ impl World {
                 (self.seq, self.rotated_at, &self.ev, &self.callouts, &self.streams),
                 (&self.upstream.executions, &self.upstream.refused, self.upstream_down),
                 (&self.ops, &self.violations, &self.released, &self.refused_completes),
-                (self.faults, self.kinds),
+                (self.faults, self.kinds, self.partitioned),
             )
         );
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -2961,6 +2965,11 @@ impl Host for Envoy<'_> {
         if world.fault(Faults::CALLOUT) && world.c.chance(2) {
             world.heartbeat_failed(&d.body, d.header(":path").unwrap_or(""));
             return Err("dispatch failed".into());
+        }
+        if world.partitioned == Some(self.w) && d.cluster != UPSTREAM_CLUSTER {
+            // Cut off from the state API (the model checker's partition).
+            world.heartbeat_failed(&d.body, d.header(":path").unwrap_or(""));
+            return Err("no route to the state API".into());
         }
         let path = d.header(":path").unwrap_or("").to_owned();
         let seq = world.next_seq();
