@@ -143,7 +143,7 @@ test-native: build
 .PHONY: test-fast
 test-fast:
 	$(CARGO) build --locked -q -p state-api -p checkout -p edge
-	SIM_SCHEDULES=10000 MODEL_STEPS=5 $(CARGO) test --locked --workspace --exclude stack --exclude bench
+	SIM_SCHEDULES=10000 $(CARGO) test --locked --workspace --exclude stack --exclude bench
 
 .PHONY: test-wasm
 test-wasm: tools-rust-test tools-wasm-bindgen
@@ -372,9 +372,9 @@ FAULTS ?= all
 # The model checker (sim/src/model.rs): every interleaving of the model's world up to DEPTH
 # steps (ROUTE=/pay/x or /refunds for another route); UNDO=retention|abandon|heartbeat|rotation
 # undoes that fix of issue 34 and prints the shortest counterexample within DEPTH steps.
-# `make test` runs it to 6 steps (sim/tests/model.rs) and replays the counterexamples
+# `make test` runs it to 4 steps (sim/tests/model.rs) and replays the counterexamples
 # (sim/tests/model_undo.rs).
-DEPTH ?= 7
+DEPTH ?= 5
 ROUTE ?=
 UNDO ?=
 .PHONY: model-check

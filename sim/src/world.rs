@@ -2850,15 +2850,46 @@ impl World {
         let workers: Vec<_> = self
             .workers
             .iter()
-            .map(|w| (&w.w, w.ticked_at, w.generation, w.skew_ms, w.wake_requested, w.next_sid))
+            .map(|w| {
+                (
+                    &w.w,
+                    w.ticked_at,
+                    w.generation,
+                    w.skew_ms,
+                    w.wake_requested,
+                    w.next_sid,
+                )
+            })
             .collect();
         let text = format!(
             "{:?}",
             (
-                (self.now, &workers, &self.api, self.outage, self.outage_since, self.outage_until),
-                (self.seq, self.rotated_at, &self.ev, &self.callouts, &self.streams),
-                (&self.upstream.executions, &self.upstream.refused, self.upstream_down),
-                (&self.ops, &self.violations, &self.released, &self.refused_completes),
+                (
+                    self.now,
+                    &workers,
+                    &self.api,
+                    self.outage,
+                    self.outage_since,
+                    self.outage_until
+                ),
+                (
+                    self.seq,
+                    self.rotated_at,
+                    &self.ev,
+                    &self.callouts,
+                    &self.streams
+                ),
+                (
+                    &self.upstream.executions,
+                    &self.upstream.refused,
+                    self.upstream_down
+                ),
+                (
+                    &self.ops,
+                    &self.violations,
+                    &self.released,
+                    &self.refused_completes
+                ),
                 (self.faults, self.kinds, self.partitioned),
             )
         );

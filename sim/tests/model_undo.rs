@@ -79,7 +79,10 @@ fn main() {
         println!(
             "{fix:?} undone: {} steps, {}",
             path.len(),
-            undone.violations.first().map_or("no violation", String::as_str)
+            undone
+                .violations
+                .first()
+                .map_or("no violation", String::as_str)
         );
         if !broke {
             failed.push(format!(
@@ -88,7 +91,9 @@ fn main() {
             ));
         }
         if let Some(v) = fixed.violations.first() {
-            failed.push(format!("{fix:?} in place: the path breaks an invariant: {v}"));
+            failed.push(format!(
+                "{fix:?} in place: the path breaks an invariant: {v}"
+            ));
         }
     }
     if !failed.is_empty() {

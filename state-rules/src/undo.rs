@@ -22,7 +22,10 @@ static UNDONE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0)
 /// Undoes `fix` (none: every fix on) for the whole process.
 #[cfg(feature = "undo-fixes")]
 pub fn set(fix: Option<Fix>) {
-    UNDONE.store(fix.map_or(0, |f| f as u8), std::sync::atomic::Ordering::SeqCst);
+    UNDONE.store(
+        fix.map_or(0, |f| f as u8),
+        std::sync::atomic::Ordering::SeqCst,
+    );
 }
 
 /// Whether `fix` is undone.
