@@ -21,6 +21,10 @@ struct Args {
     /// `undo-fixes` feature.
     #[arg(long)]
     undo: Option<String>,
+    /// With every fix in place, the bounds under which `--undo NAME` looks (to show that they
+    /// find nothing then).
+    #[arg(long)]
+    bounds_of: Option<String>,
 }
 
 fn main() {
@@ -45,9 +49,14 @@ fn main() {
             true
         }
     };
-    let bounds = match args.undo.as_deref().map(sim::model::fix_named) {
+    let named = args.undo.as_deref().or(args.bounds_of.as_deref());
+    let bounds = match named.map(sim::model::fix_named) {
         Some(Ok(fix)) => sim::model::bounds_for(fix),
-        _ => Bounds::FULL,
+        Some(Err(e)) => {
+            eprintln!("model-check: {e}");
+            std::process::exit(2);
+        }
+        None => Bounds::FULL,
     };
     let bounds = Bounds {
         path: path.unwrap_or(bounds.path),
