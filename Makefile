@@ -134,6 +134,7 @@ test: tools build test-native test-wasm test-e2e fuzz-smoke
 .PHONY: test-native
 test-native: build
 	FILTER_WASM_REQUIRED=1 $(CARGO) test --locked --workspace --exclude stack
+	$(CARGO) test --locked -p sim --features undo-fixes --test model_undo
 
 # The developers' inner loop (not the contract: `make test` is): every unit, property and
 # in-process test of every crate (the state API's on a throwaway Postgres), and the simulation's
@@ -368,6 +369,19 @@ fuzz-smoke: tools-rust tools-fuzz
 SEEDS ?= 100000
 SECONDS ?= 0
 FAULTS ?= all
+# The model checker (sim/src/model.rs): every interleaving of the model's world up to DEPTH
+# steps (ROUTE=/pay/x or /refunds for another route); UNDO=retention|abandon|heartbeat|rotation
+# undoes that fix of issue 34 and prints the shortest counterexample within DEPTH steps.
+# `make test` runs it to 4 steps (sim/tests/model.rs) and replays the counterexamples
+# (sim/tests/model_undo.rs).
+DEPTH ?= 5
+ROUTE ?=
+UNDO ?=
+.PHONY: model-check
+model-check:
+	$(CARGO) build --locked -q -p sim --bin model-check $(if $(UNDO),--features undo-fixes)
+	target/debug/model-check --depth $(DEPTH) $(if $(ROUTE),--path $(ROUTE)) $(if $(UNDO),--undo $(UNDO))
+
 .PHONY: simulate
 simulate:
 	$(CARGO) build --locked --release -q -p sim

@@ -10,6 +10,7 @@
 pub mod check;
 pub mod choice;
 pub mod driver;
+pub mod model;
 pub mod state_api;
 pub mod upstream;
 pub mod world;
@@ -74,8 +75,7 @@ pub const REGIONS: &[&str] = &[
 /// causes it and a text its violation line contains. `make test` counts the schedules that
 /// break one of them and goes on (`make simulate AWAITING=1` does too); each line goes when
 /// its path's fix lands, and from then on such a violation fails the run.
-pub const AWAITING_FIX: &[(&str, &str)] = &[
-];
+pub const AWAITING_FIX: &[(&str, &str)] = &[];
 
 /// How many schedules broke each ignored invariant, by the path of [`AWAITING_FIX`] it is
 /// awaiting the fix of.

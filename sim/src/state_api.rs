@@ -316,12 +316,7 @@ impl ModelStateApi {
     /// Puts a record back after a write at `at`: one found under the previous secret and
     /// written again moves to the current address, unless a record is there
     /// (`state_rules::rotation::written_to`). Returns where it is.
-    fn put_back(
-        &mut self,
-        at: Address,
-        slot: Option<Record>,
-        written: bool,
-    ) -> Address {
+    fn put_back(&mut self, at: Address, slot: Option<Record>, written: bool) -> Address {
         let Some(rec) = slot else {
             return at;
         };

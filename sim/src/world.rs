@@ -149,40 +149,23 @@ impl Setup {
         let callout_timeout_ms = *c.pick(&[1_000, 1_000, 100, lease_ms * 3 / 4, lease_ms * 3 / 2]);
         let reconcile_timeout_ms = *c.pick(&[1_000, lease_ms * 3 / 2]);
         let retention_s = *c.pick(&[None, None, Some(1u64), Some(5), Some(60), Some(600)]);
-        let retention = match retention_s {
-            Some(r) => format!(r#", "retention_s": {r}"#),
-            None => String::new(),
-        };
         let complete_retry_ms = *c.pick(&[600_000u64, 30_000]);
         let small_api_body = c.chance(20);
         let max_stored = 100usize;
-        let filter_config = format!(
-            r#"{{
-  "state_api": {{"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": {callout_timeout_ms}}},
-  "subject": {{"header": "x-jwt-sub"}},
-  "routes": [
-    {{"method": "POST", "path": "/checkout", "key": "required", "on_unknown": "reconcile"{retention},
-      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/checkout/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}},
-    {{"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release"{retention}}},
-    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open", "on_unknown": "reexecute"{retention}}},
-    {{"method": "POST", "prefix": "/shop/", "key": "required", "on_unknown": "reconcile"{retention},
-      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/shop/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}},
-    {{"method": "POST", "path": "/donate", "key": "optional", "key_from": "/idempotency_key", "on_unknown": "reconcile"{retention},
-      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/donate/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}}
-  ],
-  "max_request_body_bytes": 4096,
-  "max_stored_body_bytes": {max_stored},
-  "lease_ms": {lease_ms},
-  "heartbeat_ms": {heartbeat_ms},
-  "replay_cache_bytes": {cache_bytes},
-  "complete_retry_bytes": 4096,
-  "complete_retry_ms": {complete_retry_ms},
-  "complete_in_background": {background},
-  "max_waiters": {max_waiters}
-}}"#,
-            max_waiters = c.pick(&[0u32, 1, 64]),
-            cache_bytes = if cache { 8192 } else { 0 },
-        );
+        let max_waiters = *c.pick(&[0u32, 1, 64]);
+        let filter_config = FilterParams {
+            callout_timeout_ms,
+            reconcile_timeout_ms,
+            retention_s,
+            complete_retry_ms,
+            max_stored,
+            lease_ms,
+            heartbeat_ms,
+            cache,
+            background,
+            max_waiters,
+        }
+        .config();
         let route_timeout_ms = *c.pick(&[60_000, 3_600_000, 3_600_000, 10_000]);
         let mut kinds = Faults::ALL.0;
         for (kind, percent) in [
@@ -230,6 +213,70 @@ impl Setup {
             },
             kinds: Faults(kinds),
         }
+    }
+}
+
+/// The parameters of the simulated filter's configuration (the routes are the same in every
+/// run: see [`FilterParams::config`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FilterParams {
+    pub callout_timeout_ms: u64,
+    pub reconcile_timeout_ms: u64,
+    pub retention_s: Option<u64>,
+    pub complete_retry_ms: u64,
+    pub max_stored: usize,
+    pub lease_ms: u64,
+    pub heartbeat_ms: u64,
+    pub cache: bool,
+    pub background: bool,
+    pub max_waiters: u32,
+}
+
+impl FilterParams {
+    /// The filter's plugin configuration (JSON).
+    pub fn config(&self) -> String {
+        let FilterParams {
+            callout_timeout_ms,
+            reconcile_timeout_ms,
+            retention_s,
+            complete_retry_ms,
+            max_stored,
+            lease_ms,
+            heartbeat_ms,
+            cache,
+            background,
+            max_waiters,
+        } = *self;
+        let retention = match retention_s {
+            Some(r) => format!(r#", "retention_s": {r}"#),
+            None => String::new(),
+        };
+        format!(
+            r#"{{
+  "state_api": {{"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": {callout_timeout_ms}}},
+  "subject": {{"header": "x-jwt-sub"}},
+  "routes": [
+    {{"method": "POST", "path": "/checkout", "key": "required", "on_unknown": "reconcile"{retention},
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/checkout/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}},
+    {{"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release"{retention}}},
+    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open", "on_unknown": "reexecute"{retention}}},
+    {{"method": "POST", "prefix": "/shop/", "key": "required", "on_unknown": "reconcile"{retention},
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/shop/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}},
+    {{"method": "POST", "path": "/donate", "key": "optional", "key_from": "/idempotency_key", "on_unknown": "reconcile"{retention},
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/donate/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}}
+  ],
+  "max_request_body_bytes": 4096,
+  "max_stored_body_bytes": {max_stored},
+  "lease_ms": {lease_ms},
+  "heartbeat_ms": {heartbeat_ms},
+  "replay_cache_bytes": {cache_bytes},
+  "complete_retry_bytes": 4096,
+  "complete_retry_ms": {complete_retry_ms},
+  "complete_in_background": {background},
+  "max_waiters": {max_waiters}
+}}"#,
+            cache_bytes = if cache { 8192 } else { 0 },
+        )
     }
 }
 
@@ -337,7 +384,7 @@ impl Stream {
     fn body_len(&self) -> usize {
         self.chunks.iter().sum()
     }
-    fn request_parts(&self) -> usize {
+    pub(crate) fn request_parts(&self) -> usize {
         1 + self.chunks.len() + usize::from(self.trailers)
     }
 }
@@ -438,7 +485,7 @@ pub struct World {
     /// Dispatches and writes in the order they happen (several happen at one instant).
     pub seq: u64,
     /// When the key secret last rotated.
-    rotated_at: Option<u64>,
+    pub(crate) rotated_at: Option<u64>,
     /// What the invariants remember of the run.
     pub ev: check::Evidence,
     pub callouts: Vec<Callout>,
@@ -458,6 +505,9 @@ pub struct World {
     /// Inside a quiet tick: routine heartbeats are not traced.
     quiet: bool,
     pub kinds: Faults,
+    /// A worker that cannot reach the state API (the model checker's partition): its calls
+    /// fail at dispatch.
+    pub partitioned: Option<usize>,
     pub steps: usize,
     /// What the run reached: the filter's counters (by name) and the model's own events.
     pub reached: std::collections::BTreeMap<&'static str, u64>,
@@ -483,22 +533,6 @@ fn long_path() -> String {
 impl World {
     pub fn new(mut c: Choices, kinds: Faults) -> Self {
         let setup = Setup::draw(&mut c);
-        let kinds = Faults(kinds.0 & setup.kinds.0);
-        let cfg = match Config::parse(setup.filter_config.as_bytes()) {
-            Ok(cfg) => cfg,
-            Err(e) => panic!("the simulation's filter configuration is refused: {e}"),
-        };
-        let workers = (0..setup.workers)
-            .map(|i| SimWorker {
-                w: Some(new_worker(&cfg, i, 0)),
-                ticked_at: None,
-                generation: 0,
-                skew_ms: 0,
-                steady_ms: steady_origin(i, 0),
-                wake_requested: false,
-                next_sid: 0,
-            })
-            .collect();
         let nops = 1 + c.below(3) as usize;
         let mut ops: Vec<Op> = Vec::new();
         for i in 0..nops {
@@ -560,6 +594,28 @@ impl World {
                 wait_s: *c.pick(&[0, 0, 1, 5, 30]),
             });
         }
+        Self::build(c, setup, ops, kinds)
+    }
+
+    /// A world of `setup`'s workers and clients `ops`, with faults of `kinds` (those of `setup`
+    /// among them), its further choices from `c`.
+    pub fn build(c: Choices, setup: Setup, ops: Vec<Op>, kinds: Faults) -> Self {
+        let kinds = Faults(kinds.0 & setup.kinds.0);
+        let cfg = match Config::parse(setup.filter_config.as_bytes()) {
+            Ok(cfg) => cfg,
+            Err(e) => panic!("the simulation's filter configuration is refused: {e}"),
+        };
+        let workers = (0..setup.workers)
+            .map(|i| SimWorker {
+                w: Some(new_worker(&cfg, i, 0)),
+                ticked_at: None,
+                generation: 0,
+                skew_ms: 0,
+                steady_ms: steady_origin(i, 0),
+                wake_requested: false,
+                next_sid: 0,
+            })
+            .collect();
         let api = ModelStateApi::new(setup.state_api.clone());
         Self {
             c,
@@ -586,12 +642,13 @@ impl World {
             faults: true,
             quiet: false,
             kinds,
+            partitioned: None,
             steps: 0,
             reached: std::collections::BTreeMap::new(),
         }
     }
 
-    fn reach(&mut self, event: &'static str) {
+    pub(crate) fn reach(&mut self, event: &'static str) {
         *self.reached.entry(event).or_default() += 1;
     }
 
@@ -774,7 +831,7 @@ impl World {
         true
     }
 
-    fn act(&mut self, action: Action) {
+    pub(crate) fn act(&mut self, action: Action) {
         match action {
             Action::NewAttempt(op) => self.new_attempt(op, None),
             Action::SendPart(s) => self.send_part(s),
@@ -902,7 +959,7 @@ impl World {
     /// Time passes: each worker ticks at its tick period whenever a tick has work (heartbeats,
     /// writes), and its callouts go and come back at once (a quiet network); callouts already
     /// on their way and requests upstream time out as they would.
-    fn advance(&mut self, ms: u64) {
+    pub(crate) fn advance(&mut self, ms: u64) {
         let end = self.now + ms;
         for _ in 0..100_000 {
             let mut next = end;
@@ -944,7 +1001,7 @@ impl World {
     }
 
     /// When worker `w` next ticks with work to do (global time, on its tick period).
-    fn next_tick(&self, w: usize) -> Option<u64> {
+    pub fn next_tick(&self, w: usize) -> Option<u64> {
         let sw = &self.workers[w];
         let due = sw.w.as_ref()?.next_due()?;
         let period = self.cfg.tick_period_ms().max(1);
@@ -993,7 +1050,7 @@ impl World {
 
     /// Callouts past their deadline fail (Envoy's callout timeout); the route timeout answers
     /// 504 for requests whose upstream has not answered.
-    fn timeouts(&mut self) {
+    pub(crate) fn timeouts(&mut self) {
         if self.outage_until.is_some_and(|t| t <= self.now) {
             self.end_outage();
         }
@@ -1068,7 +1125,7 @@ impl World {
     // -----------------------------------------------------------------------------------------
     // Clients and requests
 
-    fn new_attempt(&mut self, op: usize, worker: Option<usize>) {
+    pub(crate) fn new_attempt(&mut self, op: usize, worker: Option<usize>) {
         let alive: Vec<usize> = (0..self.workers.len())
             .filter(|w| self.workers[*w].w.is_some())
             .collect();
@@ -1182,7 +1239,7 @@ impl World {
     }
 
     /// The next request part reaches the filter (headers, a body chunk, or trailers).
-    fn send_part(&mut self, s: usize) {
+    pub(crate) fn send_part(&mut self, s: usize) {
         let st = self.streams[s].clone();
         let w = st.worker;
         if st.ended || self.workers[w].w.is_none() || self.workers[w].generation != st.generation {
@@ -1437,7 +1494,7 @@ impl World {
     }
 
     /// The upstream's next response part reaches Envoy.
-    fn upstream_part(&mut self, s: usize) {
+    pub(crate) fn upstream_part(&mut self, s: usize) {
         let st = self.streams[s].clone();
         let Some(e) = st.forwarded else { return };
         let w = st.worker;
@@ -1951,7 +2008,7 @@ impl World {
     }
 
     /// The state API or its database goes out (`lasts`: until it comes back by itself).
-    fn start_outage(&mut self, kind: Outage, lasts: Option<u64>) {
+    pub(crate) fn start_outage(&mut self, kind: Outage, lasts: Option<u64>) {
         self.outage = kind;
         self.outage_since = self.now;
         self.outage_until = lasts.map(|l| self.now + l);
@@ -2449,7 +2506,7 @@ impl World {
         }
     }
 
-    fn fail_callout(&mut self, i: usize) {
+    pub(crate) fn fail_callout(&mut self, i: usize) {
         let why = *self
             .c
             .pick(&["reset", "timeout", "503", "refused", "unreadable"]);
@@ -2518,7 +2575,7 @@ impl World {
 
     /// Envoy reports the callout failed; a call not handled yet may still reach the state API
     /// later (nobody waits for its answer then).
-    fn fail_callout_with(&mut self, i: usize, why: &str) {
+    pub(crate) fn fail_callout_with(&mut self, i: usize, why: &str) {
         let c = self.callouts[i].clone();
         if c.orphan {
             return;
@@ -2661,7 +2718,7 @@ impl World {
 
     /// No more faults: everything in flight is delivered, every worker ticks until its writes
     /// are done, leases run out.
-    fn drain(&mut self) {
+    pub(crate) fn drain(&mut self) {
         self.faults = false;
         if self.outage != Outage::None {
             self.end_outage();
@@ -2783,6 +2840,65 @@ impl World {
 
 /// Envoy around one callback of worker `w`: the host the shared interpreter carries the
 /// worker's effects out with.
+impl World {
+    /// What the world's future depends on, as one number: every part of it but its trace, its
+    /// choices and what it reached (the model checker's states: two worlds with the same
+    /// fingerprint go on alike). The reference checkout's record of attempts is left out (a
+    /// hash map, printed in no fixed order): the executions it decided are in.
+    pub fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let workers: Vec<_> = self
+            .workers
+            .iter()
+            .map(|w| {
+                (
+                    &w.w,
+                    w.ticked_at,
+                    w.generation,
+                    w.skew_ms,
+                    w.wake_requested,
+                    w.next_sid,
+                )
+            })
+            .collect();
+        let text = format!(
+            "{:?}",
+            (
+                (
+                    self.now,
+                    &workers,
+                    &self.api,
+                    self.outage,
+                    self.outage_since,
+                    self.outage_until
+                ),
+                (
+                    self.seq,
+                    self.rotated_at,
+                    &self.ev,
+                    &self.callouts,
+                    &self.streams
+                ),
+                (
+                    &self.upstream.executions,
+                    &self.upstream.refused,
+                    self.upstream_down
+                ),
+                (
+                    &self.ops,
+                    &self.violations,
+                    &self.released,
+                    &self.refused_completes
+                ),
+                (self.faults, self.kinds, self.partitioned),
+            )
+        );
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        text.hash(&mut h);
+        h.finish()
+    }
+}
+
 struct Envoy<'a> {
     world: &'a mut World,
     w: usize,
@@ -2881,6 +2997,11 @@ impl Host for Envoy<'_> {
             world.heartbeat_failed(&d.body, d.header(":path").unwrap_or(""));
             return Err("dispatch failed".into());
         }
+        if world.partitioned == Some(self.w) && d.cluster != UPSTREAM_CLUSTER {
+            // Cut off from the state API (the model checker's partition).
+            world.heartbeat_failed(&d.body, d.header(":path").unwrap_or(""));
+            return Err("no route to the state API".into());
+        }
         let path = d.header(":path").unwrap_or("").to_owned();
         let seq = world.next_seq();
         world.callouts.push(Callout {
@@ -2957,8 +3078,8 @@ impl Host for Envoy<'_> {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Action {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Action {
     NewAttempt(usize),
     SendPart(usize),
     GiveUp(usize),

@@ -13,6 +13,7 @@ pub mod operator;
 pub mod purge;
 pub mod record;
 pub mod rotation;
+pub mod undo;
 pub mod writes;
 
 pub use claim::{claim, decide, ClaimOutcome, ClaimTerms, Decision, Facts};

@@ -22,6 +22,13 @@ pub fn purge<R>(record: &Record<R>, clock: Clock) -> Purge {
     }
     match record.state {
         RecordState::Completed | RecordState::Unknown => Purge::Delete,
+        // Before the fix of path 1: deleted once its lease had run out.
+        RecordState::InProgress
+            if crate::undo::undone(crate::undo::Fix::Retention)
+                && record.lease_until <= clock.now =>
+        {
+            Purge::Delete
+        }
         RecordState::InProgress if record.lease_expired(clock) => Purge::MarkUnknown,
         RecordState::InProgress => Purge::Keep,
     }

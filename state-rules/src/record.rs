@@ -104,11 +104,20 @@ impl<R> Record<R> {
     /// as new. A record in progress never expires by age: its owner may still extend its lease,
     /// and its expiry moves with every sign of life ([`Record::seen`]).
     pub fn retention_expired(&self, clock: Clock) -> bool {
+        if crate::undo::undone(crate::undo::Fix::Retention) {
+            // Before the fix: a record in progress expired too, once its lease had run out.
+            return self.expires_at <= clock.now
+                && (self.state == RecordState::Completed || self.lease_until <= clock.now);
+        }
         self.expires_at <= clock.now && self.state != RecordState::InProgress
     }
 
     /// The retention counted from `at`: the expiry moves there unless it lies later already.
     pub fn keep_from(&mut self, at: u64) {
+        if crate::undo::undone(crate::undo::Fix::Retention) {
+            // Before the fix: the expiry counted from the claim (or the outcome) only.
+            return;
+        }
         self.expires_at = self.expires_at.max(at.saturating_add(self.retention_ms));
     }
 

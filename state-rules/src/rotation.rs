@@ -27,7 +27,7 @@ pub fn claim_reads(at_current: bool, at_previous: bool) -> Option<Address> {
 /// record), unless a record is there already. (A complete moves the record first, then seals
 /// its response under the address it is stored at.)
 pub fn written_to(at: Address, current_taken: bool) -> Address {
-    if current_taken {
+    if current_taken || crate::undo::undone(crate::undo::Fix::RotationMove) {
         at
     } else {
         Address::Current

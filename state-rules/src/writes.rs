@@ -24,7 +24,14 @@ pub fn heartbeat<R>(slot: &mut Option<Record<R>>, token: i64, lease_ms: u64, clo
             r.seen(lease_ms, clock.now);
             Beat::Extended
         }
-        Some(r) if r.token == token && r.state == RecordState::Unknown => Beat::LeaseEnded,
+        Some(r) if r.token == token && r.state == RecordState::Unknown => {
+            if crate::undo::undone(crate::undo::Fix::HeartbeatRevival) {
+                r.state = RecordState::InProgress;
+                r.seen(lease_ms, clock.now);
+                return Beat::Extended;
+            }
+            Beat::LeaseEnded
+        }
         _ => Beat::FencedOut,
     }
 }
@@ -135,7 +142,11 @@ pub enum Abandoned {
 /// this very attempt made or took over matches (a later claim's nonce replaces it).
 pub fn abandon<R>(slot: &mut Option<Record<R>>, nonce: &str, clock: Clock) -> Abandoned {
     match slot.as_mut() {
-        Some(r) if r.open() && r.claim_nonce.as_deref() == Some(nonce) => {
+        Some(r)
+            if r.open()
+                && r.claim_nonce.as_deref() == Some(nonce)
+                && !crate::undo::undone(crate::undo::Fix::Abandon) =>
+        {
             if r.unknown_before {
                 r.mark_unknown(clock.now);
                 r.claim_nonce = None;

@@ -45,7 +45,7 @@ use contract::ProblemKind;
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use writes::{PendingWrites, WriteAnswer, WriteDone, WriteVerdict};
 
 pub use registry::HeldClaim;
@@ -321,11 +321,13 @@ pub struct Usage {
     pub batched_writes: usize,
 }
 
+// Ordered maps: the same streams and calls print the same, so the model checker (sim/src/model.rs)
+// recognises a state it has seen by the worker's `Debug` text.
 #[derive(Debug)]
 pub struct Worker {
     cfg: Config,
-    flows: HashMap<StreamId, Flow>,
-    calls: HashMap<CallId, Purpose>,
+    flows: BTreeMap<StreamId, Flow>,
+    calls: BTreeMap<CallId, Purpose>,
     next_call: u64,
     registry: Registry,
     writes: PendingWrites,
@@ -383,8 +385,8 @@ impl Worker {
             replays: ReplayCache::new(cfg.replay_cache_bytes, cfg.replay_cache_ttl_ms),
             in_flight: InFlightMemory::default(),
             registry: Registry::default(),
-            flows: HashMap::new(),
-            calls: HashMap::new(),
+            flows: BTreeMap::new(),
+            calls: BTreeMap::new(),
             next_call: 0,
             wake_pending: false,
             waiting: Vec::new(),

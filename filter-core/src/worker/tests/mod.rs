@@ -2118,7 +2118,10 @@ fn a_heartbeat_is_given_up_when_the_next_one_would_be_due() {
     let (_, _) = t.claimed("/checkout", b"{}", 5);
     t.advance(7_500);
     let hb = t.tick().dispatch(HEARTBEAT_PATH).clone();
-    assert_eq!(hb.timeout_ms, 7_500, "the interval (10 s less a tick), not 60 s");
+    assert_eq!(
+        hb.timeout_ms, 7_500,
+        "the interval (10 s less a tick), not 60 s"
+    );
     let caller = hb
         .headers
         .iter()
@@ -2133,7 +2136,10 @@ fn a_heartbeat_is_given_up_when_the_next_one_would_be_due() {
     );
     let step = t.body(claim, b"{}");
     let c = step.dispatch(CLAIM_PATH).clone();
-    assert_eq!(c.timeout_ms, 60_000, "other calls keep the configured timeout");
+    assert_eq!(
+        c.timeout_ms, 60_000,
+        "other calls keep the configured timeout"
+    );
 }
 
 /// Issue 34, path 5: a heartbeat that finds the record marked unknown under its own token
