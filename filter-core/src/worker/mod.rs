@@ -45,7 +45,7 @@ use contract::ProblemKind;
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use writes::{PendingWrites, WriteAnswer, WriteDone, WriteVerdict};
 
 pub use registry::HeldClaim;
@@ -321,13 +321,10 @@ pub struct Usage {
     pub batched_writes: usize,
 }
 
-// Ordered maps: the same streams and calls print the same, so the model checker (sim/src/model.rs)
-// recognises a state it has seen by the worker's `Debug` text.
-#[derive(Debug)]
 pub struct Worker {
     cfg: Config,
-    flows: BTreeMap<StreamId, Flow>,
-    calls: BTreeMap<CallId, Purpose>,
+    flows: HashMap<StreamId, Flow>,
+    calls: HashMap<CallId, Purpose>,
     next_call: u64,
     registry: Registry,
     writes: PendingWrites,
@@ -369,6 +366,40 @@ pub struct Worker {
     abandons: i64,
 }
 
+// Written out rather than derived: the streams and calls print in order, so the same state
+// prints the same and the model checker (sim/src/model.rs) recognises it by this text. Hash
+// maps stay in the module (ordered ones cost it about 10 KiB); unused there, this is stripped.
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut flows: Vec<_> = self.flows.iter().collect();
+        flows.sort_by_key(|(id, _)| **id);
+        let mut calls: Vec<_> = self.calls.iter().collect();
+        calls.sort_by_key(|(id, _)| **id);
+        f.debug_struct("Worker")
+            .field("cfg", &self.cfg)
+            .field("flows", &flows)
+            .field("calls", &calls)
+            .field("next_call", &self.next_call)
+            .field("registry", &self.registry)
+            .field("writes", &self.writes)
+            .field("replays", &self.replays)
+            .field("in_flight", &self.in_flight)
+            .field("wake_pending", &self.wake_pending)
+            .field("waiting", &self.waiting)
+            .field("claim_queue", &self.claim_queue)
+            .field("complete_queue", &self.complete_queue)
+            .field("handed_await_lane", &self.handed_await_lane)
+            .field("batches", &self.batches)
+            .field("batching", &self.batching)
+            .field("worker_calls", &self.worker_calls)
+            .field("in_root", &self.in_root)
+            .field("instance", &self.instance)
+            .field("claims_sent", &self.claims_sent)
+            .field("abandons", &self.abandons)
+            .finish()
+    }
+}
+
 /// A stream whose claim waits for a running key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Waiter {
@@ -385,8 +416,8 @@ impl Worker {
             replays: ReplayCache::new(cfg.replay_cache_bytes, cfg.replay_cache_ttl_ms),
             in_flight: InFlightMemory::default(),
             registry: Registry::default(),
-            flows: BTreeMap::new(),
-            calls: BTreeMap::new(),
+            flows: HashMap::new(),
+            calls: HashMap::new(),
             next_call: 0,
             wake_pending: false,
             waiting: Vec::new(),
