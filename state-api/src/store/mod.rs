@@ -104,7 +104,7 @@ impl StoreError {
 }
 
 /// A duration from the database, never negative.
-fn ms(v: i64) -> u64 {
+pub fn ms(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
