@@ -249,6 +249,23 @@ pub(super) enum Step {
     Update(Decision),
 }
 
+/// What carrying a decision out came to.
+#[derive(Debug)]
+enum Carried {
+    /// The compare-and-set won: the record is the claim's, under a new token.
+    Won { token: i64, reclaimed: bool },
+    /// The record's outcome is now unknown (a claim that holds unknown outcomes).
+    MarkedUnknown,
+    /// Another writer changed the row first.
+    Lost,
+}
+
+impl Carried {
+    fn won(token: Option<i64>, reclaimed: bool) -> Self {
+        token.map_or(Self::Lost, |token| Self::Won { token, reclaimed })
+    }
+}
+
 impl Store {
     /// Claims the key, or tells why not. One round trip when the key is new, in progress,
     /// completed or mismatched; a reclaim or take-over adds one compare-and-set UPDATE.
@@ -276,41 +293,21 @@ impl Store {
             // owner's write does (a complete moves the record first: `move_to_current`).
             let address = row.address.clone();
             let rekey = row.rekey(c);
-            let won = match decide(row, c, &self.sealer)? {
+            let outcome = match decide(row, c, &self.sealer)? {
                 Step::Answer(outcome) => {
                     if let Some(r) = rekey {
                         self.rekey_fingerprint(&r, c.fingerprint).await;
                     }
                     return Ok(outcome);
                 }
-                Step::Update(Decision::Reclaim { observed }) => self
-                    .reclaim(c, &address, observed, lease)
-                    .await?
-                    .map(|token| (token, true)),
-                Step::Update(Decision::TakeOver {
-                    observed,
-                    was_in_progress,
-                }) => self
-                    .take_over(c, &address, observed, lease)
-                    .await?
-                    .map(|token| (token, was_in_progress)),
-                Step::Update(Decision::MarkUnknown { observed }) => {
-                    if self.mark_unknown(c, &address, observed).await?.is_some() {
-                        return Ok(ClaimResponse::Unknown);
-                    }
-                    None
-                }
-                Step::Update(other) => {
-                    return Err(StoreError::Corrupt(match other {
-                        Decision::Claimed { .. } => {
-                            "a claim decided as inserted that did not insert"
-                        }
-                        _ => "a claim decision the store cannot carry out",
-                    }))
-                }
+                Step::Update(decision) => self.carry_out(c, &address, decision, lease).await?,
             };
-            if let Some((token, reclaimed)) = won {
-                return Ok(ClaimResponse::claimed(token, c.lease_ms, reclaimed));
+            match outcome {
+                Carried::Won { token, reclaimed } => {
+                    return Ok(ClaimResponse::claimed(token, c.lease_ms, reclaimed))
+                }
+                Carried::MarkedUnknown => return Ok(ClaimResponse::Unknown),
+                Carried::Lost => {}
             }
             if self.abandoned(c).await? {
                 return Err(StoreError::CallerGone);
@@ -349,18 +346,22 @@ impl Store {
         }
     }
 
-    /// Takes over a record whose outcome is unknown (marked so, or an in_progress one whose lease
-    /// ran out) for a claim that asked to: compare-and-set on the observed token, with the database
-    /// clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
-    async fn reclaim(
+    /// Carries a decision out on the row at `address`: a compare-and-set on the observed token,
+    /// with the database clock, so of N concurrent claims exactly one wins.
+    async fn carry_out(
         &self,
         c: &NewClaim<'_>,
         address: &[u8],
-        observed: i64,
+        decision: Decision,
         lease: i64,
-    ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar!(
-            "UPDATE idempotency_records
+    ) -> Result<Carried, StoreError> {
+        match decision {
+            Decision::Reclaim { observed } => {
+                // Takes over a record whose outcome is unknown (marked so, or an in_progress one whose lease
+                // ran out) for a claim that asked to: compare-and-set on the observed token, with the database
+                // clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
+                let won = sqlx::query_scalar!(
+                    "UPDATE idempotency_records
                         SET state = 'in_progress', unknown_before = true, claim_nonce = $5,
                             owner_seen_at = clock_timestamp(),
                             scope_hash = CASE WHEN scope_hash <> $6 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $6) THEN $6 ELSE scope_hash END,
@@ -376,27 +377,24 @@ impl Store {
                                 <= clock_timestamp() - lease_ms * interval '1 millisecond'))
                           AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $5)
                         RETURNING fencing_token",
-            address,
-            observed,
-            lease,
-            c.retention_ms,
-            c.nonce,
-            &c.scope[..]
-        )
-        .fetch_optional(&self.pool)
-        .await
-    }
-
-    /// Reuses a record past its retention as if it were new (compare-and-set on the observed token).
-    async fn take_over(
-        &self,
-        c: &NewClaim<'_>,
-        address: &[u8],
-        observed: i64,
-        lease: i64,
-    ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar!(
-            "UPDATE idempotency_records
+                    address,
+                    observed,
+                    lease,
+                    c.retention_ms,
+                    c.nonce,
+                    &c.scope[..]
+                )
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(Carried::won(won, true))
+            }
+            Decision::TakeOver {
+                observed,
+                was_in_progress,
+            } => {
+                // Reuses a record past its retention as if it were new (compare-and-set on the observed token).
+                let won = sqlx::query_scalar!(
+                    "UPDATE idempotency_records
     SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6, fingerprint_key_id = $12,
         state = 'in_progress', unknown_before = false,
         fencing_token = nextval('idempotency_fencing_token_seq'),
@@ -413,33 +411,28 @@ impl Store {
       AND expires_at <= clock_timestamp() AND state <> 'in_progress'
       AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $10)
     RETURNING fencing_token",
-            address,
-            observed,
-            c.subject,
-            c.endpoint,
-            c.fingerprint_alg,
-            &c.fingerprint.stored,
-            lease,
-            c.retention_ms,
-            c.namespace,
-            c.nonce,
-            &c.scope[..],
-            c.fingerprint.key_id
-        )
-        .fetch_optional(&self.pool)
-        .await
-    }
-
-    /// An in_progress record whose lease ran out is unknown: marks it so (compare-and-set on the
-    /// observed token) for a claim that holds unknown outcomes.
-    async fn mark_unknown(
-        &self,
-        c: &NewClaim<'_>,
-        address: &[u8],
-        observed: i64,
-    ) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar!(
-            "UPDATE idempotency_records SET state = 'unknown',
+                    address,
+                    observed,
+                    c.subject,
+                    c.endpoint,
+                    c.fingerprint_alg,
+                    &c.fingerprint.stored,
+                    lease,
+                    c.retention_ms,
+                    c.namespace,
+                    c.nonce,
+                    &c.scope[..],
+                    c.fingerprint.key_id
+                )
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(Carried::won(won, was_in_progress))
+            }
+            Decision::MarkUnknown { observed } => {
+                // An in_progress record whose lease ran out is unknown: marks it so (compare-and-set on the
+                // observed token) for a claim that holds unknown outcomes.
+                let marked = sqlx::query_scalar!(
+                    "UPDATE idempotency_records SET state = 'unknown',
                             scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
                             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
                             expires_at = GREATEST(expires_at, clock_timestamp()
@@ -449,13 +442,25 @@ impl Store {
                           AND idempotency_serving_since()
                               <= clock_timestamp() - lease_ms * interval '1 millisecond'
                         RETURNING fencing_token",
-            address,
-            observed,
-            c.retention_ms,
-            &c.scope[..]
-        )
-        .fetch_optional(&self.pool)
-        .await
+                    address,
+                    observed,
+                    c.retention_ms,
+                    &c.scope[..]
+                )
+                .fetch_optional(&self.pool)
+                .await?;
+                Ok(match marked {
+                    Some(_) => Carried::MarkedUnknown,
+                    None => Carried::Lost,
+                })
+            }
+            Decision::Claimed { .. } => Err(StoreError::Corrupt(
+                "a claim decided as inserted that did not insert",
+            )),
+            _ => Err(StoreError::Corrupt(
+                "a claim decision the store cannot carry out",
+            )),
+        }
     }
 
     /// Stores a matched fingerprint keyed under the current key (fenced by the record's token and
