@@ -2,6 +2,7 @@
 //! checkout on the same Postgres (bench/peers/seed-node, from `../shared/peers/seed-node`), driven
 //! by the same load generator and body as our scenarios so both are measured in one run.
 
+use contract::state_env;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -63,7 +64,7 @@ impl SeedNode {
             .current_dir(&copy)
             .env("PORT", port.to_string())
             .env("MODE", "seed")
-            .env("DATABASE_URL", &stack.database_url)
+            .env(state_env::DATABASE_URL, &stack.database_url)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);

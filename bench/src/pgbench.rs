@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use serde::Serialize;
 use stack::postgres::TempCluster;
 
-/// The statement: the INSERT branch of the state API's claim (state-api/src/store.rs CLAIM_SQL),
+/// The statement: the INSERT branch of the state API's claim (state-api/src/store/claim.rs CLAIM_SQL),
 /// with a random 32-byte scope hash, so every transaction inserts a new row and commits.
 pub const SCRIPT: &str = "INSERT INTO idempotency_records
     (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,

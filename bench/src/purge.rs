@@ -6,6 +6,7 @@
 //! backlog is in place, so the purger's start and the pauses between passes (the purge takes at
 //! most half the database's time while a backlog lasts) are in it.
 
+use contract::state_env;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -47,7 +48,8 @@ pub fn measure(stack: &Stack, rows: u64) -> Result<(u64, f64), String> {
         .postgres
         .psql(stack.database_name(), "VACUUM ANALYZE idempotency_records")?;
     let started = Instant::now();
-    let _purger = stack.start_extra_state_api_with(&[("STATE_API_PURGE_INTERVAL_S", "1")])?;
+    let _purger =
+        stack.start_extra_state_api_with(&[(state_env::STATE_API_PURGE_INTERVAL_S, "1")])?;
     let deadline = started + Duration::from_secs(300);
     loop {
         let left: u64 = stack

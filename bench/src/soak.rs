@@ -22,6 +22,7 @@
 //! Writes docs/soak.json, docs/soak.png (bench/plot_soak.py) and its section of docs/BENCH.md,
 //! between `<!-- soak -->` and `<!-- /soak -->`.
 
+use contract::state_env;
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -1045,11 +1046,11 @@ pub fn run() -> Result<(), String> {
     let stack = Stack::start(StackOptions {
         state_api_env: vec![
             (
-                "STATE_API_RETENTION_S".into(),
+                state_env::STATE_API_RETENTION_S.into(),
                 settings.retention_s.to_string(),
             ),
             (
-                "STATE_API_PURGE_INTERVAL_S".into(),
+                state_env::STATE_API_PURGE_INTERVAL_S.into(),
                 settings.purge_interval_s.to_string(),
             ),
         ],

@@ -10,6 +10,7 @@ pub mod key;
 pub mod limits;
 pub mod problem;
 pub mod scope;
+pub mod state_env;
 pub mod wire;
 
 pub use key::{validate_key, KeyError, MAX_KEY_LEN};

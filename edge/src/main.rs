@@ -1,6 +1,7 @@
 //! `edge check|render|run --config FILE`, `edge clean --dir DIR`, and `edge with-postgres --
 //! COMMAND` for the tools.
 
+use contract::state_env;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -194,7 +195,7 @@ fn with_postgres(command: &[String]) -> ExitCode {
     };
     let status = std::process::Command::new(program)
         .args(args)
-        .env("DATABASE_URL", &url)
+        .env(state_env::DATABASE_URL, &url)
         .status();
     drop(cluster);
     match status {
@@ -256,7 +257,7 @@ fn render_envoy(cfg: &Config, wasm: PathBuf, ca_file: String) -> String {
         &secrets.key_secret,
     );
     if cfg.state.storage_key.is_none() {
-        env.push(("STATE_API_STORAGE_KEY".into(), secrets.storage_key));
+        env.push((state_env::STATE_API_STORAGE_KEY.into(), secrets.storage_key));
     }
     for (k, v) in env {
         out.push_str(&format!("#   {k}={v}\n"));

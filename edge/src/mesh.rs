@@ -25,6 +25,7 @@
 //! mesh writes the verified payload: no client can forge it, even on a request without a token
 //! (both meshes let those through to the filter, which answers 401 on a protected route).
 
+use contract::state_env;
 use std::collections::BTreeMap;
 
 use filter_core::config as fc;
@@ -796,13 +797,13 @@ pub fn secrets(cfg: &Config) -> Secrets {
 
 /// The state API's environment variables that hold secrets: they go into its Secret.
 const SECRET_VARIABLES: &[&str] = &[
-    "DATABASE_URL",
-    "STATE_API_TOKEN",
-    "IDEM_KEY_SECRET",
-    "IDEM_PREVIOUS_KEY_SECRET",
-    "STATE_API_STORAGE_KEY",
-    "STATE_API_PREVIOUS_STORAGE_KEY",
-    "STATE_API_ADMIN_TOKEN",
+    state_env::DATABASE_URL,
+    state_env::STATE_API_TOKEN,
+    state_env::IDEM_KEY_SECRET,
+    state_env::IDEM_PREVIOUS_KEY_SECRET,
+    state_env::STATE_API_STORAGE_KEY,
+    state_env::STATE_API_PREVIOUS_STORAGE_KEY,
+    state_env::STATE_API_ADMIN_TOKEN,
 ];
 
 fn state_api_objects(cfg: &Config, target: Target) -> Vec<Yaml> {
@@ -812,14 +813,17 @@ fn state_api_objects(cfg: &Config, target: Target) -> Vec<Yaml> {
     let sec = secrets(cfg);
     let mut env = render::state_api_env(cfg, &sec.database_url, &sec.token, &sec.key_secret);
     if cfg.state.storage_key.is_none() {
-        env.push(("STATE_API_STORAGE_KEY".into(), sec.storage_key.clone()));
+        env.push((
+            state_env::STATE_API_STORAGE_KEY.into(),
+            sec.storage_key.clone(),
+        ));
     }
     let (secret_env, plain_env): (Vec<_>, Vec<_>) = env
         .into_iter()
-        .filter(|(k, _)| k != "LISTEN_ADDR")
+        .filter(|(k, _)| k != state_env::LISTEN_ADDR)
         .partition(|(k, _)| SECRET_VARIABLES.contains(&k.as_str()));
     let mut container_env = vec![map(vec![
-        ("name", s("LISTEN_ADDR")),
+        ("name", s(state_env::LISTEN_ADDR)),
         ("value", s(format!("0.0.0.0:{port}"))),
     ])];
     container_env.extend(

@@ -13,6 +13,7 @@
 //!    else passes untouched;
 //! 4. the router: every path goes to the upstream, with `upstream_timeout_ms`.
 
+use contract::state_env;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
@@ -646,29 +647,30 @@ pub fn state_api_env(
     token: &str,
     key_secret: &str,
 ) -> Vec<(String, String)> {
-    let mut env = vec![
-        ("DATABASE_URL".to_owned(), database_url.to_owned()),
-        ("LISTEN_ADDR".to_owned(), cfg.state.listen.to_string()),
-        ("STATE_API_TOKEN".to_owned(), token.to_owned()),
-        ("IDEM_KEY_SECRET".to_owned(), key_secret.to_owned()),
-    ];
+    let mut env = state_env::required(database_url, cfg.state.listen, token, key_secret);
     if let Some(r) = cfg.state.retention_s {
-        env.push(("STATE_API_RETENTION_S".to_owned(), r.to_string()));
+        env.push((state_env::STATE_API_RETENTION_S.to_owned(), r.to_string()));
     }
     if let Some(r) = cfg.state.max_retention_s {
-        env.push(("STATE_API_MAX_RETENTION_S".to_owned(), r.to_string()));
+        env.push((
+            state_env::STATE_API_MAX_RETENTION_S.to_owned(),
+            r.to_string(),
+        ));
     }
     if let Some(t) = &cfg.state.admin_token {
-        env.push(("STATE_API_ADMIN_TOKEN".to_owned(), t.clone()));
+        env.push((state_env::STATE_API_ADMIN_TOKEN.to_owned(), t.clone()));
     }
     if let Some(p) = &cfg.state.previous_key_secret {
-        env.push(("IDEM_PREVIOUS_KEY_SECRET".to_owned(), p.clone()));
+        env.push((state_env::IDEM_PREVIOUS_KEY_SECRET.to_owned(), p.clone()));
     }
     if let Some(k) = &cfg.state.storage_key {
-        env.push(("STATE_API_STORAGE_KEY".to_owned(), k.clone()));
+        env.push((state_env::STATE_API_STORAGE_KEY.to_owned(), k.clone()));
     }
     if let Some(k) = &cfg.state.previous_storage_key {
-        env.push(("STATE_API_PREVIOUS_STORAGE_KEY".to_owned(), k.clone()));
+        env.push((
+            state_env::STATE_API_PREVIOUS_STORAGE_KEY.to_owned(),
+            k.clone(),
+        ));
     }
     if let Some(tls) = &cfg.state.tls {
         env.extend(state_api_tls_env(tls));
@@ -676,7 +678,7 @@ pub fn state_api_env(
     if cfg.filter.max_stored_body_bytes > fc::DEFAULT_MAX_BODY {
         // The state API stores 1 MiB by default: as much as the filter keeps.
         env.push((
-            "STATE_API_MAX_BODY_BYTES".to_owned(),
+            state_env::STATE_API_MAX_BODY_BYTES.to_owned(),
             cfg.filter.max_stored_body_bytes.to_string(),
         ));
     }
@@ -687,11 +689,14 @@ pub fn state_api_env(
 pub fn state_api_tls_env(tls: &StateTls) -> Vec<(String, String)> {
     let path = |p: &std::path::Path| p.display().to_string();
     let mut env = vec![
-        ("STATE_API_TLS_CERT".to_owned(), path(&tls.cert_file)),
-        ("STATE_API_TLS_KEY".to_owned(), path(&tls.key_file)),
+        (
+            state_env::STATE_API_TLS_CERT.to_owned(),
+            path(&tls.cert_file),
+        ),
+        (state_env::STATE_API_TLS_KEY.to_owned(), path(&tls.key_file)),
     ];
     if let Some(ca) = &tls.client_ca_file {
-        env.push(("STATE_API_TLS_CLIENT_CA".to_owned(), path(ca)));
+        env.push((state_env::STATE_API_TLS_CLIENT_CA.to_owned(), path(ca)));
     }
     env
 }

@@ -10,6 +10,7 @@
 //! ([`crate::ha`]): etcd, two nodes under Patroni with a synchronous standby, and HAProxy on
 //! `postgres_port` in front of whichever node is primary; its data is under `<run folder>/ha/`.
 
+use contract::state_env;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -339,7 +340,7 @@ impl Running {
 fn state_settings(cfg: &Config, database_url: &str, secrets: &Secrets) -> StateApiSettings {
     let mut env = render::state_api_env(cfg, database_url, &secrets.token, &secrets.key_secret);
     if let Some(k) = &secrets.storage_key {
-        env.push(("STATE_API_STORAGE_KEY".to_owned(), k.clone()));
+        env.push((state_env::STATE_API_STORAGE_KEY.to_owned(), k.clone()));
     }
     StateApiSettings {
         port: cfg.state.listen.port(),
@@ -352,7 +353,10 @@ fn state_settings(cfg: &Config, database_url: &str, secrets: &Secrets) -> StateA
             .filter(|(k, _)| {
                 !matches!(
                     k.as_str(),
-                    "DATABASE_URL" | "LISTEN_ADDR" | "STATE_API_TOKEN" | "IDEM_KEY_SECRET"
+                    state_env::DATABASE_URL
+                        | state_env::LISTEN_ADDR
+                        | state_env::STATE_API_TOKEN
+                        | state_env::IDEM_KEY_SECRET
                 )
             })
             .collect(),

@@ -1,6 +1,7 @@
 //! The project's own services as real processes: the state API (and, for the demo and the
 //! tests, the demo checkout).
 
+use contract::state_env;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Stdio;
@@ -191,14 +192,17 @@ pub fn start_state_api_on(
         listen
     };
     let mut envs = vec![
-        ("DATABASE_URL", s.database_url.clone()),
-        ("LISTEN_ADDR", listen.to_string()),
-        ("STATE_API_TOKEN", s.api_token.clone()),
-        ("IDEM_KEY_SECRET", s.key_secret.clone()),
+        (state_env::DATABASE_URL, s.database_url.clone()),
+        (state_env::LISTEN_ADDR, listen.to_string()),
+        (state_env::STATE_API_TOKEN, s.api_token.clone()),
+        (state_env::IDEM_KEY_SECRET, s.key_secret.clone()),
     ];
     envs.extend(s.extra_env.iter().map(|(k, v)| (k.as_str(), v.clone())));
     // Over HTTPS the plain probe cannot ask /readyz: it waits for the port.
-    let ready = if envs.iter().any(|(k, _)| *k == "STATE_API_TLS_CERT") {
+    let ready = if envs
+        .iter()
+        .any(|(k, _)| *k == state_env::STATE_API_TLS_CERT)
+    {
         Ready::Listening
     } else {
         Ready::Http("/readyz")

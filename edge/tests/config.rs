@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use contract::state_env;
 use std::path::PathBuf;
 
 use edge::config::{Config, ConfigError, Jwks, Match, OnUnknown, Subject};
@@ -358,10 +359,10 @@ key_from = "/idempotency_key""#,
     // The state API gets the admin token and the retention bound.
     let env = edge::render::state_api_env(&c, "postgres://x", "filter-token-0123456", "secret");
     assert!(env.contains(&(
-        "STATE_API_ADMIN_TOKEN".into(),
+        state_env::STATE_API_ADMIN_TOKEN.into(),
         "operators-0123456789".into()
     )));
-    assert!(env.contains(&("STATE_API_MAX_RETENTION_S".into(), "604800".into())));
+    assert!(env.contains(&(state_env::STATE_API_MAX_RETENTION_S.into(), "604800".into())));
     // Without them: no namespace, no admin API, the route's defaults.
     let c = parse(GOOD).unwrap();
     assert_eq!(
@@ -372,7 +373,7 @@ key_from = "/idempotency_key""#,
     assert!(
         !edge::render::state_api_env(&c, "postgres://x", "filter-token-0123456", "s")
             .iter()
-            .any(|(k, _)| k == "STATE_API_ADMIN_TOKEN")
+            .any(|(k, _)| k == state_env::STATE_API_ADMIN_TOKEN)
     );
 }
 
@@ -492,9 +493,9 @@ fn state_tls_is_read_and_rendered_as_an_upstream_tls_context() {
     }
     let env = edge::render::state_api_env(&c, "postgres://x@h/db", "t", "k");
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-    assert!(get("STATE_API_TLS_CERT").is_some_and(|v| v.ends_with("state.pem")));
-    assert!(get("STATE_API_TLS_KEY").is_some_and(|v| v.ends_with("state-key.pem")));
-    assert!(get("STATE_API_TLS_CLIENT_CA").is_some_and(|v| v.ends_with("ca.pem")));
+    assert!(get(state_env::STATE_API_TLS_CERT).is_some_and(|v| v.ends_with("state.pem")));
+    assert!(get(state_env::STATE_API_TLS_KEY).is_some_and(|v| v.ends_with("state-key.pem")));
+    assert!(get(state_env::STATE_API_TLS_CLIENT_CA).is_some_and(|v| v.ends_with("ca.pem")));
 
     // Without a name, SNI and the SAN are the state API's address; without a client
     // certificate, Envoy presents none and the state API asks for none.
@@ -506,7 +507,9 @@ fn state_tls_is_read_and_rendered_as_an_upstream_tls_context() {
     assert!(yaml.contains("sni: 127.0.0.1") && yaml.contains("san_type: IP_ADDRESS"));
     assert!(!yaml.contains("tls_certificates"));
     let env = edge::render::state_api_env(&c, "postgres://x@h/db", "t", "k");
-    assert!(!env.iter().any(|(k, _)| k == "STATE_API_TLS_CLIENT_CA"));
+    assert!(!env
+        .iter()
+        .any(|(k, _)| k == state_env::STATE_API_TLS_CLIENT_CA));
 }
 
 #[test]
@@ -584,8 +587,8 @@ fn the_storage_keys_are_checked_and_given_to_the_state_api() {
     )))
     .unwrap();
     let env = edge::render::state_api_env(&c, "postgres://x", "filter-token-0123456", "s");
-    assert!(env.contains(&("STATE_API_STORAGE_KEY".into(), KEY.into())));
-    assert!(env.contains(&("STATE_API_PREVIOUS_STORAGE_KEY".into(), OLD.into())));
+    assert!(env.contains(&(state_env::STATE_API_STORAGE_KEY.into(), KEY.into())));
+    assert!(env.contains(&(state_env::STATE_API_PREVIOUS_STORAGE_KEY.into(), OLD.into())));
     // Not 32 bytes of base64, or the same key twice: refused at its line.
     let text = with("storage_key = \"c2hvcnQ=\"");
     let (line, message) = error(&text);

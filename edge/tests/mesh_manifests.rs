@@ -7,6 +7,7 @@
 //! a real Envoy.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use contract::state_env;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -373,22 +374,28 @@ fn the_state_api_runs_as_asked() {
         // The secrets in the Secret only, never in the pod's own environment.
         let secret = &find(&docs, "Secret")["stringData"];
         for name in [
-            "DATABASE_URL",
-            "STATE_API_TOKEN",
-            "IDEM_KEY_SECRET",
-            "STATE_API_STORAGE_KEY",
-            "STATE_API_ADMIN_TOKEN",
+            state_env::DATABASE_URL,
+            state_env::STATE_API_TOKEN,
+            state_env::IDEM_KEY_SECRET,
+            state_env::STATE_API_STORAGE_KEY,
+            state_env::STATE_API_ADMIN_TOKEN,
         ] {
             assert!(secret.get(name).is_some(), "{name} not in the Secret");
         }
-        assert_eq!(secret["STATE_API_TOKEN"], "a-token-of-16-chars-or-more");
+        assert_eq!(
+            secret[state_env::STATE_API_TOKEN],
+            "a-token-of-16-chars-or-more"
+        );
         let env: Vec<&str> = container["env"]
             .as_array()
             .unwrap()
             .iter()
             .map(|e| e["name"].as_str().unwrap())
             .collect();
-        assert_eq!(env, ["LISTEN_ADDR", "STATE_API_RETENTION_S"]);
+        assert_eq!(
+            env,
+            [state_env::LISTEN_ADDR, state_env::STATE_API_RETENTION_S]
+        );
         assert_eq!(
             find(&docs, "PodDisruptionBudget")["spec"]["minAvailable"],
             1

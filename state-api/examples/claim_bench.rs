@@ -10,6 +10,7 @@
 //! (the replay path). One line per run, plus `--json` for machines.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use contract::state_env;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,7 +26,7 @@ struct Args {
     #[arg(long)]
     url: Option<String>,
     /// Its bearer token.
-    #[arg(long, env = "STATE_API_TOKEN", default_value = "bench-token")]
+    #[arg(long, env = state_env::STATE_API_TOKEN, default_value = "bench-token")]
     token: String,
     /// Concurrency levels to run.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]

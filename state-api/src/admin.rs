@@ -15,16 +15,20 @@ use contract::admin::{
     AdminAction, AdminActionResult, AdminRecord, AuditEntry, ListedRecord, ADMIN_PURGE_PATH,
     ADMIN_RECORDS_PATH, ADMIN_RECORD_PATH, ADMIN_RELEASE_PATH, ADMIN_RESOLVE_PATH,
 };
+use contract::wire::StoredResponse;
 use contract::ProblemKind;
 use serde::Deserialize;
 use sqlx::types::Json as SqlJson;
 use subtle::ConstantTimeEq as _;
 
-use crate::http::{bad, checked_response, ms, record_view, scope_of, ApiError, ApiJson};
+use crate::http::error::ApiError;
+use crate::http::extract::ApiJson;
+use crate::http::records::record_view;
+use crate::http::validate::{bad, checked_response, scope_of};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
 use crate::sealing::Sealed;
-use crate::store::StoreError;
+use crate::store::{ms, StoreError};
 use crate::AppState;
 
 /// Longest `actor` and `reason` accepted.
@@ -297,18 +301,11 @@ fn check_action(a: &AdminAction) -> Result<(), ApiError> {
 async fn act(
     state: &AppState,
     op: AdminOp,
-    a: AdminAction,
+    mut a: AdminAction,
 ) -> Result<Json<AdminActionResult>, ApiError> {
     check_action(&a)?;
     let scope = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint).await?;
-    let stored = match (op, a.response) {
-        (AdminOp::Resolve, Some(r)) => Some(checked_response(state, r)?),
-        (AdminOp::Resolve, None) => {
-            return Err(bad("resolve needs `response`: the outcome to store"))
-        }
-        (_, Some(_)) => return Err(bad("`response` is only used by resolve")),
-        (_, None) => None,
-    };
+    let stored = stored_response(state, op, a.response.take())?;
     let mut tx = state.store().pool().begin().await?;
     let row = sqlx::query!(
         r#"SELECT jsonb_build_object(
@@ -344,69 +341,18 @@ async fn act(
     let (before, lease_live) = (row.snapshot, row.lease_live || row.owner_recent);
     let (namespace, subject, endpoint, token) =
         (row.namespace, row.subject, row.endpoint, row.fencing_token);
-    if lease_live && !a.force {
-        return Err(ApiError::new(
-            ProblemKind::LeaseLive,
-            format!(
-                "the record's owner was heard from {} ms ago, within its lease of {} ms: its request may still be running: wait, or pass force",
-                row.owner_seen_ms_ago, row.lease_ms
-            ),
-        ));
-    }
-    if op == AdminOp::Resolve && before.0["state"] == "completed" && !a.force {
-        return Err(ApiError::new(
-            ProblemKind::AlreadyCompleted,
-            "the record is already completed with an outcome: pass force to replace it",
-        ));
-    }
+    refuse_unless_forced(
+        op,
+        &a,
+        lease_live,
+        &before.0,
+        row.owner_seen_ms_ago,
+        row.lease_ms,
+    )?;
     let after: Option<serde_json::Value> = match (op, stored) {
-        (AdminOp::Resolve, Some(r)) => {
-            let sealed = state.store().sealer().seal(&scope[..], token, &r);
-            sqlx::query!(
-                "UPDATE idempotency_records
-                SET state = 'completed',
-                    response_status = $2, response_headers = $3, response_body = $4,
-                    response_replayable = $5, response_key_id = $7,
-                    completed_at = clock_timestamp(),
-                    expires_at = clock_timestamp()
-                        + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
-                WHERE scope_hash = $1",
-                &scope[..],
-                i32::from(r.status),
-                SqlJson(&sealed.headers) as _,
-                &sealed.body[..],
-                r.replayable,
-                state.config().retention_ms(),
-                sealed.key_id
-            )
-            .execute(&mut *tx)
-            .await?;
-            let again = sqlx::query!(
-                r#"SELECT jsonb_build_object(
-                    'state', r.state, 'token', r.fencing_token, 'fingerprint_alg', r.fingerprint_alg,
-                    'lease_remaining_ms', CASE WHEN r.state = 'in_progress'
-                        THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - clock_timestamp())) * 1000))::bigint
-                        ELSE 0 END,
-                    'response_status', r.response_status, 'replayable', r.response_replayable,
-                    'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
-                ) AS "snapshot!: SqlJson<serde_json::Value>",
-                (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
-                r.namespace, r.subject, r.endpoint
-            FROM idempotency_records r WHERE r.scope_hash = $1
-            FOR UPDATE"#,
-                &scope[..]
-            )
-            .fetch_one(&mut *tx)
-            .await?;
-            Some(again.snapshot.0)
-        }
+        (AdminOp::Resolve, Some(r)) => Some(resolve_in(&mut tx, state, &scope, token, &r).await?),
         _ => {
-            sqlx::query!(
-                "DELETE FROM idempotency_records WHERE scope_hash = $1",
-                &scope[..]
-            )
-            .execute(&mut *tx)
-            .await?;
+            delete_in(&mut tx, &scope).await?;
             None
         }
     };
@@ -440,6 +386,108 @@ async fn act(
         before: Some(before.0),
         after,
     }))
+}
+
+/// The response a resolve stores (checked), and none for the other actions.
+fn stored_response(
+    state: &AppState,
+    op: AdminOp,
+    response: Option<StoredResponse>,
+) -> Result<Option<StoredResponse>, ApiError> {
+    match (op, response) {
+        (AdminOp::Resolve, Some(r)) => Ok(Some(checked_response(state, r)?)),
+        (AdminOp::Resolve, None) => Err(bad("resolve needs `response`: the outcome to store")),
+        (_, Some(_)) => Err(bad("`response` is only used by resolve")),
+        (_, None) => Ok(None),
+    }
+}
+
+/// An owner heard from within its lease, or a completed record about to be resolved again:
+/// refused unless the operator forces it.
+fn refuse_unless_forced(
+    op: AdminOp,
+    a: &AdminAction,
+    lease_live: bool,
+    before: &serde_json::Value,
+    owner_seen_ms_ago: i64,
+    lease_ms: i64,
+) -> Result<(), ApiError> {
+    if lease_live && !a.force {
+        return Err(ApiError::new(
+            ProblemKind::LeaseLive,
+            format!(
+                "the record's owner was heard from {} ms ago, within its lease of {} ms: its request may still be running: wait, or pass force",
+                owner_seen_ms_ago, lease_ms
+            ),
+        ));
+    }
+    if op == AdminOp::Resolve && before["state"] == "completed" && !a.force {
+        return Err(ApiError::new(
+            ProblemKind::AlreadyCompleted,
+            "the record is already completed with an outcome: pass force to replace it",
+        ));
+    }
+    Ok(())
+}
+
+/// Stores the operator's outcome on the locked record (sealed like an owner's complete) and
+/// returns the record as it is now.
+async fn resolve_in(
+    conn: &mut sqlx::PgConnection,
+    state: &AppState,
+    scope: &ScopeHash,
+    token: i64,
+    r: &StoredResponse,
+) -> Result<serde_json::Value, ApiError> {
+    let sealed = state.store().sealer().seal(&scope[..], token, r);
+    sqlx::query!(
+        "UPDATE idempotency_records
+                SET state = 'completed',
+                    response_status = $2, response_headers = $3, response_body = $4,
+                    response_replayable = $5, response_key_id = $7,
+                    completed_at = clock_timestamp(),
+                    expires_at = clock_timestamp()
+                        + COALESCE(retention_ms, $6::bigint) * interval '1 millisecond'
+                WHERE scope_hash = $1",
+        &scope[..],
+        i32::from(r.status),
+        SqlJson(&sealed.headers) as _,
+        &sealed.body[..],
+        r.replayable,
+        state.config().retention_ms(),
+        sealed.key_id
+    )
+    .execute(&mut *conn)
+    .await?;
+    let again = sqlx::query!(
+        r#"SELECT jsonb_build_object(
+                    'state', r.state, 'token', r.fencing_token, 'fingerprint_alg', r.fingerprint_alg,
+                    'lease_remaining_ms', CASE WHEN r.state = 'in_progress'
+                        THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - clock_timestamp())) * 1000))::bigint
+                        ELSE 0 END,
+                    'response_status', r.response_status, 'replayable', r.response_replayable,
+                    'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+                ) AS "snapshot!: SqlJson<serde_json::Value>",
+                (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
+                r.namespace, r.subject, r.endpoint
+            FROM idempotency_records r WHERE r.scope_hash = $1
+            FOR UPDATE"#,
+        &scope[..]
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(again.snapshot.0)
+}
+
+/// Deletes the locked record (a release or a purge of one key).
+async fn delete_in(conn: &mut sqlx::PgConnection, scope: &ScopeHash) -> Result<(), ApiError> {
+    sqlx::query!(
+        "DELETE FROM idempotency_records WHERE scope_hash = $1",
+        &scope[..]
+    )
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 #[utoipa::path(

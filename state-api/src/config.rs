@@ -1,5 +1,6 @@
 //! Configuration from flags and environment variables.
 
+use contract::state_env;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -29,38 +30,38 @@ pub use secrecy::{ExposeSecret, SecretString as Secret};
 #[command(name = "state-api", version, about)]
 pub struct Config {
     /// Postgres URL, e.g. postgres://user@127.0.0.1:5432/idem
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    #[arg(long, env = state_env::DATABASE_URL, hide_env_values = true)]
     pub database_url: Secret,
 
     /// Address to listen on.
-    #[arg(long = "listen", env = "LISTEN_ADDR", default_value = "127.0.0.1:8081")]
+    #[arg(long = "listen", env = state_env::LISTEN_ADDR, default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
 
     /// Bearer token every /v1 call must present.
-    #[arg(long, env = "STATE_API_TOKEN", hide_env_values = true)]
+    #[arg(long, env = state_env::STATE_API_TOKEN, hide_env_values = true)]
     pub api_token: Secret,
 
     /// Secret for the HMAC that addresses records (at least 16 bytes).
-    #[arg(long, env = "IDEM_KEY_SECRET", hide_env_values = true)]
+    #[arg(long, env = state_env::IDEM_KEY_SECRET, hide_env_values = true)]
     pub key_secret: Option<Secret>,
 
     /// During a rotation of the key secret: the secret records were addressed with before.
     /// A record is looked up under both (the previous one first when it holds the key); new
     /// records use `--key-secret`. Drop it once the longest retention has passed since the
     /// rotation (docs/state-api.md, "Rotating the key secret").
-    #[arg(long, env = "IDEM_PREVIOUS_KEY_SECRET", hide_env_values = true)]
+    #[arg(long, env = state_env::IDEM_PREVIOUS_KEY_SECRET, hide_env_values = true)]
     pub previous_key_secret: Option<Secret>,
 
     /// The AES-256 storage key (32 bytes, standard base64: `openssl rand -base64 32`) that
     /// seals every stored response's headers and body before they are written. Without one,
     /// responses are stored in clear (a warning at start).
-    #[arg(long, env = "STATE_API_STORAGE_KEY", hide_env_values = true)]
+    #[arg(long, env = state_env::STATE_API_STORAGE_KEY, hide_env_values = true)]
     pub storage_key: Option<Secret>,
 
     /// A file holding the storage key instead (base64, surrounding whitespace ignored).
     #[arg(
         long,
-        env = "STATE_API_STORAGE_KEY_FILE",
+        env = state_env::STATE_API_STORAGE_KEY_FILE,
         conflicts_with = "storage_key"
     )]
     pub storage_key_file: Option<std::path::PathBuf>,
@@ -68,112 +69,112 @@ pub struct Config {
     /// During a rotation of the storage key: the key records were sealed with before. It only
     /// opens them; new records are sealed with `--storage-key`. Drop it once the longest
     /// retention has passed since the rotation.
-    #[arg(long, env = "STATE_API_PREVIOUS_STORAGE_KEY", hide_env_values = true)]
+    #[arg(long, env = state_env::STATE_API_PREVIOUS_STORAGE_KEY, hide_env_values = true)]
     pub previous_storage_key: Option<Secret>,
 
     /// Maximum database connections in the pool.
-    #[arg(long, env = "STATE_API_POOL_SIZE", default_value_t = 16)]
+    #[arg(long, env = state_env::STATE_API_POOL_SIZE, default_value_t = 16)]
     pub pool_size: u32,
 
     /// How long a request waits for a pool connection before answering 503.
-    #[arg(long, env = "STATE_API_ACQUIRE_TIMEOUT_MS", default_value_t = 2_000)]
+    #[arg(long, env = state_env::STATE_API_ACQUIRE_TIMEOUT_MS, default_value_t = 2_000)]
     pub acquire_timeout_ms: u64,
 
     /// Check a pooled connection that has been idle for `--pool-ping-idle-ms` before using it
     /// (`false`: never; after a Postgres restart each stale connection then fails one request with 503).
-    #[arg(long, env = "STATE_API_POOL_PING", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = state_env::STATE_API_POOL_PING, default_value_t = true, action = clap::ArgAction::Set)]
     pub pool_ping: bool,
 
     /// Idle time after which a pooled connection is pinged before use (0: before every use).
-    #[arg(long, env = "STATE_API_POOL_PING_IDLE_MS", default_value_t = 1_000)]
+    #[arg(long, env = state_env::STATE_API_POOL_PING_IDLE_MS, default_value_t = 1_000)]
     pub pool_ping_idle_ms: u64,
 
     /// Server-side statement timeout on every connection.
-    #[arg(long, env = "STATE_API_STATEMENT_TIMEOUT_MS", default_value_t = 5_000)]
+    #[arg(long, env = state_env::STATE_API_STATEMENT_TIMEOUT_MS, default_value_t = 5_000)]
     pub statement_timeout_ms: u64,
 
     /// Lease of a claim when the caller does not ask for one (clamped to 1 s .. 10 min).
-    #[arg(long, env = "STATE_API_LEASE_MS", default_value_t = 30_000)]
+    #[arg(long, env = state_env::STATE_API_LEASE_MS, default_value_t = 30_000)]
     pub lease_ms: u64,
 
     /// How long a record is kept (completed: from completion; in progress: from the claim),
     /// unless its claim asks for another retention.
-    #[arg(long, env = "STATE_API_RETENTION_S", default_value_t = 86_400)]
+    #[arg(long, env = state_env::STATE_API_RETENTION_S, default_value_t = 86_400)]
     pub retention_s: u64,
 
     /// The longest retention a claim may ask for (a longer one is cut to this, and the answer
     /// says so).
-    #[arg(long, env = "STATE_API_MAX_RETENTION_S", default_value_t = 30 * 86_400)]
+    #[arg(long, env = state_env::STATE_API_MAX_RETENTION_S, default_value_t = 30 * 86_400)]
     pub max_retention_s: u64,
 
     /// The longest a claim may wait for a running key's outcome (`Prefer: wait`); 0: never.
-    #[arg(long, env = "STATE_API_MAX_WAIT_MS", default_value_t = 30_000)]
+    #[arg(long, env = state_env::STATE_API_MAX_WAIT_MS, default_value_t = 30_000)]
     pub max_wait_ms: u64,
 
     /// Claims waiting at once in this process; more are answered at once (counted).
-    #[arg(long, env = "STATE_API_MAX_WAITERS", default_value_t = 256)]
+    #[arg(long, env = state_env::STATE_API_MAX_WAITERS, default_value_t = 256)]
     pub max_waiters: usize,
 
     /// How often a waiting claim looks again for a write made by another state API process
     /// (writes of this process wake it at once).
-    #[arg(long, env = "STATE_API_WAIT_POLL_MS", default_value_t = 250,
+    #[arg(long, env = state_env::STATE_API_WAIT_POLL_MS, default_value_t = 250,
           value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub wait_poll_ms: u64,
 
     /// Bearer token of the admin API (/v1/admin/*); none: the admin API answers 401. Never the
     /// filter's token (refused at start).
-    #[arg(long, env = "STATE_API_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(long, env = state_env::STATE_API_ADMIN_TOKEN, hide_env_values = true)]
     pub admin_token: Option<Secret>,
 
     /// Upper bound of the Retry-After hint given with `in_progress`.
-    #[arg(long, env = "STATE_API_RETRY_AFTER_CAP_S", default_value_t = 2)]
+    #[arg(long, env = state_env::STATE_API_RETRY_AFTER_CAP_S, default_value_t = 2)]
     pub retry_after_cap_s: u32,
 
     /// Largest stored response body, in bytes (larger: 413, the filter stores it as not replayable).
-    #[arg(long, env = "STATE_API_MAX_BODY_BYTES", default_value_t = 1_048_576)]
+    #[arg(long, env = state_env::STATE_API_MAX_BODY_BYTES, default_value_t = 1_048_576)]
     pub max_body_bytes: usize,
 
     /// Seconds between purges of expired records (0 disables the purge).
-    #[arg(long, env = "STATE_API_PURGE_INTERVAL_S", default_value_t = 10)]
+    #[arg(long, env = state_env::STATE_API_PURGE_INTERVAL_S, default_value_t = 10)]
     pub purge_interval_s: u64,
 
     /// The longest one purge pass works (ms); with a backlog left, the next follows after a
     /// pause as long.
-    #[arg(long, env = "STATE_API_PURGE_PASS_MS", default_value_t = 2_000)]
+    #[arg(long, env = state_env::STATE_API_PURGE_PASS_MS, default_value_t = 2_000)]
     pub purge_pass_ms: u64,
 
     /// Rows deleted per purge statement (growing up to 16 times that while a backlog lasts).
-    #[arg(long, env = "STATE_API_PURGE_BATCH", default_value_t = 500)]
+    #[arg(long, env = state_env::STATE_API_PURGE_BATCH, default_value_t = 500)]
     pub purge_batch: u32,
 
     /// Group commit: most claims (or completes) that share one statement and one commit
     /// (1: no batching, every request runs its own statements).
-    #[arg(long, env = "STATE_API_BATCH_MAX", default_value_t = 64)]
+    #[arg(long, env = state_env::STATE_API_BATCH_MAX, default_value_t = 64)]
     pub batch_max: usize,
 
     /// Group commit: statements running at once (requests running alone, and the one batch)
     /// before requests queue to share a statement; each holds a pool connection.
-    #[arg(long, env = "STATE_API_BATCH_IN_FLIGHT", default_value_t = 4)]
+    #[arg(long, env = state_env::STATE_API_BATCH_IN_FLIGHT, default_value_t = 4)]
     pub batch_in_flight: usize,
 
     /// Group commit: most bytes of stored responses (bodies and headers) in one batch; a larger
     /// complete runs on its own.
-    #[arg(long, env = "STATE_API_BATCH_MAX_BYTES", default_value_t = 1_048_576)]
+    #[arg(long, env = state_env::STATE_API_BATCH_MAX_BYTES, default_value_t = 1_048_576)]
     pub batch_max_bytes: usize,
 
     /// Group commit: most requests queued for a batch (count); more are answered 503 at once.
-    #[arg(long, env = "STATE_API_BATCH_MAX_QUEUED", default_value_t = 1024)]
+    #[arg(long, env = state_env::STATE_API_BATCH_MAX_QUEUED, default_value_t = 1024)]
     pub batch_max_queued: usize,
 
     /// Group commit: most bytes of stored responses queued, or running alone because they are
     /// over `--batch-max-bytes`; more are answered 503 at once.
-    #[arg(long, env = "STATE_API_BATCH_MAX_QUEUED_BYTES", default_value_t = 64 * 1_048_576)]
+    #[arg(long, env = state_env::STATE_API_BATCH_MAX_QUEUED_BYTES, default_value_t = 64 * 1_048_576)]
     pub batch_max_queued_bytes: usize,
 
     /// The longest a claim or complete is worked on for its caller (ms): the caller's own
     /// timeout (the `idempotency-caller-timeout-ms` header the filter sends) when shorter. A job
     /// past it is dropped before it reaches Postgres, and answered 503.
-    #[arg(long, env = "STATE_API_MAX_REQUEST_MS", default_value_t = 35_000)]
+    #[arg(long, env = state_env::STATE_API_MAX_REQUEST_MS, default_value_t = 35_000)]
     pub max_request_ms: u64,
 
     /// Threads that run requests (0: tokio's default, `TOKIO_WORKER_THREADS` or one per CPU). One by default: the state API waits on
@@ -181,7 +182,7 @@ pub struct Config {
     /// two threads each request woke both (the idle one to look for work), which cost a new key
     /// 15 % of its latency at low load (bench/NOTES.md, sixteenth round). Raise it when one
     /// state API serves enough Envoys to keep a core busy.
-    #[arg(long, env = "STATE_API_WORKER_THREADS", default_value_t = 1)]
+    #[arg(long, env = state_env::STATE_API_WORKER_THREADS, default_value_t = 1)]
     pub worker_threads: usize,
 
     /// HTTPS on `--listen` (`--tls-cert`, `--tls-key`, `--tls-client-ca`); plain HTTP without.
@@ -193,7 +194,7 @@ pub struct Config {
     pub migrate_only: bool,
 
     /// Log as JSON lines instead of text.
-    #[arg(long, env = "STATE_API_LOG_JSON")]
+    #[arg(long, env = state_env::STATE_API_LOG_JSON)]
     pub log_json: bool,
 }
 
@@ -371,7 +372,7 @@ mod tests {
     fn refuses_to_start_without_a_key_secret() {
         let c = parse(&[]);
         // The environment of the test runner might carry one.
-        if std::env::var_os("IDEM_KEY_SECRET").is_none() {
+        if std::env::var_os(state_env::IDEM_KEY_SECRET).is_none() {
             assert_eq!(c.validate().err(), Some(ConfigError::MissingKeySecret));
         }
         assert_eq!(
@@ -452,5 +453,22 @@ mod tests {
     fn body_limit_fits_base64_of_the_max_body() {
         let c = parse(&[]);
         assert!(c.http_body_limit() > c.max_body_bytes * 4 / 3 + 1000);
+    }
+
+    #[test]
+    fn the_variables_it_reads_are_the_ones_the_contract_lists() {
+        use clap::CommandFactory as _;
+        let mut read: Vec<String> = Config::command()
+            .get_arguments()
+            .filter_map(|a| a.get_env())
+            .map(|e| e.to_string_lossy().into_owned())
+            .collect();
+        read.sort_unstable();
+        let mut listed: Vec<String> = state_env::ALL.iter().map(|n| (*n).to_owned()).collect();
+        listed.sort_unstable();
+        assert_eq!(
+            read, listed,
+            "contract::state_env::ALL and the flags' variables differ"
+        );
     }
 }

@@ -11,6 +11,7 @@ pub mod config;
 pub mod http;
 pub mod metrics;
 pub mod openapi;
+pub mod router;
 pub mod scope;
 pub mod sealing;
 pub mod store;
@@ -27,7 +28,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use config::Config;
-pub use http::app;
+pub use router::app;
 
 use crate::batch::Batcher;
 use crate::metrics::Metrics;

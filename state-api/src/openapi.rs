@@ -3,6 +3,8 @@
 
 use std::sync::LazyLock;
 
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
@@ -30,20 +32,20 @@ use contract::wire::{
     ),
     servers((url = "http://127.0.0.1:8081", description = "The demo's state API")),
     paths(
-        http::claim,
-        http::claims,
-        http::heartbeat,
-        http::complete,
-        http::completes,
-        http::writes,
-        http::release,
-        http::outcome_unknown,
-        http::abandon,
-        http::record,
-        http::healthz,
-        http::readyz,
-        http::metrics_text,
-        http::openapi,
+        http::claims::claim,
+        http::claims::claims,
+        http::writes::heartbeat,
+        http::writes::complete,
+        http::writes::completes,
+        http::writes::writes,
+        http::release::release,
+        http::release::outcome_unknown,
+        http::release::abandon,
+        http::records::record,
+        http::health::healthz,
+        http::health::readyz,
+        http::health::metrics_text,
+        openapi,
         admin::show,
         admin::list,
         admin::release,
@@ -194,4 +196,24 @@ pub fn json() -> &'static str {
     static JSON: LazyLock<String> =
         LazyLock::new(|| ApiDoc::openapi().to_pretty_json().unwrap_or_default());
     &JSON
+}
+
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    tag = "operations",
+    summary = r#"This document"#,
+    responses(
+        (status = 200, description = r#"OpenAPI 3.1"#, content_type = "application/json")
+    )
+)]
+pub(crate) async fn openapi() -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        json(),
+    )
+        .into_response()
 }

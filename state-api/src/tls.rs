@@ -6,6 +6,7 @@
 //! A connection that does not complete a TLS handshake (plaintext HTTP, an unknown client
 //! certificate, none when one is required) is closed before any HTTP is read.
 
+use contract::state_env;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -25,16 +26,16 @@ use tokio_rustls::TlsAcceptor;
 pub struct TlsArgs {
     /// Serve HTTPS with this certificate chain (PEM, the server's certificate first); needs
     /// `--tls-key`. Both files are read again on SIGHUP.
-    #[arg(long, env = "STATE_API_TLS_CERT")]
+    #[arg(long, env = state_env::STATE_API_TLS_CERT)]
     pub tls_cert: Option<PathBuf>,
 
     /// The private key of `--tls-cert` (PEM: PKCS#8, PKCS#1 or SEC1).
-    #[arg(long, env = "STATE_API_TLS_KEY")]
+    #[arg(long, env = state_env::STATE_API_TLS_KEY)]
     pub tls_key: Option<PathBuf>,
 
     /// Require a client certificate signed by a CA in this file (PEM): mutual TLS. Read again
     /// on SIGHUP too.
-    #[arg(long, env = "STATE_API_TLS_CLIENT_CA")]
+    #[arg(long, env = state_env::STATE_API_TLS_CLIENT_CA)]
     pub tls_client_ca: Option<PathBuf>,
 }
 

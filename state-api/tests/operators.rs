@@ -4,6 +4,7 @@
 
 mod common;
 
+use contract::state_env;
 use std::time::Duration;
 
 use common::*;
@@ -396,7 +397,7 @@ async fn admin_refusals_wrong_token_filter_token_unknown_record_live_lease() {
         b["detail"]
             .as_str()
             .unwrap()
-            .contains("STATE_API_ADMIN_TOKEN"),
+            .contains(state_env::STATE_API_ADMIN_TOKEN),
         "{b}"
     );
 }

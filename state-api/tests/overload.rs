@@ -8,6 +8,7 @@
 
 mod common;
 
+use contract::state_env;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -145,12 +146,15 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
             key_secret: SECRET.into(),
             listen: None,
             extra_env: vec![
-                ("STATE_API_BATCH_MAX_QUEUED".into(), MAX_QUEUED.to_string()),
                 (
-                    "STATE_API_BATCH_MAX_QUEUED_BYTES".into(),
+                    state_env::STATE_API_BATCH_MAX_QUEUED.into(),
+                    MAX_QUEUED.to_string(),
+                ),
+                (
+                    state_env::STATE_API_BATCH_MAX_QUEUED_BYTES.into(),
                     MAX_QUEUED_BYTES.to_string(),
                 ),
-                ("STATE_API_PURGE_INTERVAL_S".into(), "0".into()),
+                (state_env::STATE_API_PURGE_INTERVAL_S.into(), "0".into()),
             ],
         },
         &dir,

@@ -1,5 +1,6 @@
 //! The whole stack on loopback: Postgres, the state API, the checkout and Envoy with the filter.
 
+use contract::state_env;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -19,8 +20,14 @@ pub const TEST_STORAGE_KEY: &str = "dGVzdC1zdG9yYWdlLWtleS1ub3QtZm9yLXByb2QhISE=
 
 /// `env` with the test storage key unless it names one.
 pub fn with_storage_key(mut env: Vec<(String, String)>) -> Vec<(String, String)> {
-    if !env.iter().any(|(k, _)| k == "STATE_API_STORAGE_KEY") {
-        env.push(("STATE_API_STORAGE_KEY".into(), TEST_STORAGE_KEY.into()));
+    if !env
+        .iter()
+        .any(|(k, _)| k == state_env::STATE_API_STORAGE_KEY)
+    {
+        env.push((
+            state_env::STATE_API_STORAGE_KEY.into(),
+            TEST_STORAGE_KEY.into(),
+        ));
     }
     env
 }

@@ -3,6 +3,7 @@
 //! lists, the key from a body member, retention per route, operator actions with `idemctl` and
 //! their audit rows, and namespaces that keep deployments apart on one state API.
 
+use contract::state_env;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +46,7 @@ fn features(c: &mut Config) {
 
 fn options() -> StackOptions {
     StackOptions {
-        state_api_env: vec![("STATE_API_ADMIN_TOKEN".into(), ADMIN_TOKEN.into())],
+        state_api_env: vec![(state_env::STATE_API_ADMIN_TOKEN.into(), ADMIN_TOKEN.into())],
         tweak: Some(Tweak::new(features)),
         ..StackOptions::default()
     }
@@ -84,8 +85,8 @@ fn main() {
             "waiters_over_the_state_apis_bound_get_409_at_once_and_are_counted",
             StackOptions {
                 state_api_env: vec![
-                    ("STATE_API_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
-                    ("STATE_API_MAX_WAITERS".into(), "1".into()),
+                    (state_env::STATE_API_ADMIN_TOKEN.into(), ADMIN_TOKEN.into()),
+                    (state_env::STATE_API_MAX_WAITERS.into(), "1".into()),
                 ],
                 ..options()
             },

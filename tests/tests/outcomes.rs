@@ -2,6 +2,7 @@
 //! shape of answer is stored and replayed faithfully, or stored as not replayable, and never
 //! leaves the key free to run again (the defects the simulation found, issue 12).
 
+use contract::state_env;
 use std::sync::Arc;
 
 use edge::config::{KeyPolicy, Match, OnStateUnavailable, Route};
@@ -49,7 +50,7 @@ fn main() {
             StackOptions {
                 // The filter presents another token than the state API expects: every claim
                 // is refused (401), a configuration error and not an outage.
-                state_api_env: vec![("STATE_API_TOKEN".into(), "another-token".into())],
+                state_api_env: vec![(state_env::STATE_API_TOKEN.into(), "another-token".into())],
                 // A protected prefix route that fails open (everything else passes through).
                 tweak: Some(Tweak::new(|c| {
                     let mut pay = Route::new(
@@ -67,7 +68,7 @@ fn main() {
         own(
             "a_state_api_that_stores_smaller_bodies_than_the_filter_gets_them_not_replayable",
             StackOptions {
-                state_api_env: vec![("STATE_API_MAX_BODY_BYTES".into(), "16".into())],
+                state_api_env: vec![(state_env::STATE_API_MAX_BODY_BYTES.into(), "16".into())],
                 ..StackOptions::default()
             },
             small_state_api_body_limit,

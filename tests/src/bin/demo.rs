@@ -6,6 +6,7 @@
 //! `HA=1`: Postgres is two nodes under Patroni (REST :8008/:8009, Postgres :54331/:54332, etcd
 //! :2379) with a synchronous standby, and HAProxy on :54329 (data under .run/demo/ha/).
 
+use contract::state_env;
 use edge::config::Config;
 use edge::run::{Options, Running};
 use stack::envoy::demo_config_path;
@@ -74,7 +75,7 @@ fn supervise_checkout(checkout: &mut Service) -> Vec<String> {
 
 fn start() -> Result<(Running, Service), String> {
     let mut cfg = Config::load(&demo_config_path()).map_err(|e| e.to_string())?;
-    if let Ok(url) = std::env::var("DATABASE_URL") {
+    if let Ok(url) = std::env::var(state_env::DATABASE_URL) {
         if !url.trim().is_empty() {
             cfg.state.database_url = Some(url);
         }

@@ -1,0 +1,103 @@
+//! The purge of expired records, in batches bounded by time.
+
+use std::time::Duration;
+
+use super::{Store, StoreError};
+
+/// What one pass of the purge did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgePass {
+    pub rows: u64,
+    pub statements: u32,
+    /// Its time ran out with expired rows left: the next pass follows soon.
+    pub backlog: bool,
+}
+
+/// How far the purge's batches grow over `--purge-batch` while a backlog lasts.
+pub const PURGE_BATCH_GROWTH: u32 = 16;
+/// A purge statement faster than this lets the next one grow.
+const PURGE_FAST_STATEMENT: Duration = Duration::from_millis(50);
+
+impl Store {
+    /// One batch of the purge ([`state_rules::purge::purge`]): expired records with an outcome
+    /// are deleted; an in-progress one past its expiry whose owner has been silent for a whole
+    /// lease (the lease guard) is marked unknown instead and kept a retention (`retention_ms`
+    /// unless it has its own), since nobody knows whether it ran. Returns how many of each.
+    pub async fn purge_batch(&self, batch: u32, retention_ms: i64) -> Result<u64, StoreError> {
+        // `FOR UPDATE SKIP LOCKED` re-checks the condition on a row a concurrent write just
+        // renewed, and skips rows being written right now. The CASE fixes the order: the lease
+        // guard's function is asked only of an in-progress row past its lease.
+        let done = sqlx::query!(
+            r#"WITH due AS (
+        SELECT scope_hash, state FROM idempotency_records
+        WHERE expires_at < clock_timestamp()
+          AND CASE WHEN state <> 'in_progress' THEN true
+                   WHEN lease_expires_at > clock_timestamp() THEN false
+                   ELSE idempotency_serving_since() <= clock_timestamp() - lease_ms * interval '1 millisecond'
+              END
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM idempotency_records r USING due d
+        WHERE r.scope_hash = d.scope_hash AND d.state <> 'in_progress'
+        RETURNING 1
+    ), marked AS (
+        UPDATE idempotency_records r
+        SET state = 'unknown',
+            lease_expires_at = LEAST(r.lease_expires_at, clock_timestamp()),
+            expires_at = clock_timestamp() + COALESCE(r.retention_ms, $2::bigint) * interval '1 millisecond'
+        FROM due d
+        WHERE r.scope_hash = d.scope_hash AND d.state = 'in_progress'
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM marked) AS "rows!""#,
+            i64::from(batch),
+            retention_ms
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(u64::try_from(done.rows).unwrap_or(0))
+    }
+
+    /// One pass of the purge: batches until one comes back short (the backlog is gone) or
+    /// `budget` is spent (the work per pass is bounded by time, not rows). While batches come
+    /// back full and fast, they grow (up to [`PURGE_BATCH_GROWTH`] times `batch`): a backlog is
+    /// deleted with fewer statements; a slow one shrinks them again.
+    pub async fn purge_expired(
+        &self,
+        batch: u32,
+        budget: Duration,
+        retention_ms: i64,
+    ) -> Result<PurgePass, StoreError> {
+        let started = tokio::time::Instant::now();
+        // Tombstones of abandoned claims outlive any claim that could still arrive by minutes.
+        sqlx::query!(
+            "DELETE FROM idempotency_abandoned WHERE abandoned_at < clock_timestamp() - interval '10 minutes'"
+        )
+        .execute(&self.pool)
+        .await?;
+        let max = batch.saturating_mul(PURGE_BATCH_GROWTH);
+        let mut size = batch.max(1);
+        let mut pass = PurgePass::default();
+        loop {
+            let t = tokio::time::Instant::now();
+            let n = self.purge_batch(size, retention_ms).await?;
+            pass.rows += n;
+            pass.statements += 1;
+            if n < u64::from(size) {
+                return Ok(pass);
+            }
+            if started.elapsed() >= budget {
+                pass.backlog = true;
+                return Ok(pass);
+            }
+            size = if t.elapsed() < PURGE_FAST_STATEMENT {
+                size.saturating_mul(2).min(max)
+            } else {
+                (size / 2).max(batch)
+            };
+            tokio::task::yield_now().await;
+        }
+    }
+}
