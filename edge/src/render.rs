@@ -317,7 +317,7 @@ pub fn filter_json(cfg: &Config, token: &str) -> String {
         Subject::Header(h) => h.clone(),
     };
     let f = &cfg.filter;
-    let doc = serde_json::json!({
+    let mut doc = serde_json::json!({
         "state_api": {
             "cluster": STATE_API_CLUSTER,
             "authority": reachable(cfg.state.listen).authority(),
@@ -341,6 +341,9 @@ pub fn filter_json(cfg: &Config, token: &str) -> String {
         "batch_max": f.batch_max,
         "namespace": cfg.namespace,
     });
+    if let Some(bytes) = f.max_buffered_bytes {
+        doc["max_buffered_bytes"] = bytes.into();
+    }
     serde_json::to_string_pretty(&doc).unwrap_or_default()
 }
 
