@@ -1,6 +1,8 @@
 # Everything `docker compose up` runs, built from this source tree with nothing but Docker:
 #   target `edge`:     edge run (Envoy with the filter, the state API, an embedded Postgres),
-#   target `checkout`: the demo checkout.
+#   target `checkout`: the demo checkout;
+#   target `state-api`: the state API alone (Kubernetes, `edge render --target istio|envoy-gateway`;
+#   not built by `make test-compose`).
 # The filter module is built here too (wasm32-wasip1), in the build stage.
 # `make test-compose` builds and runs exactly this file (README, *Docker*).
 FROM rust:1.95-bookworm AS build
@@ -37,3 +39,14 @@ FROM debian:bookworm-slim AS checkout
 COPY --from=build /src/target/release/checkout /usr/local/bin/checkout
 USER 65534:65534
 ENTRYPOINT ["/usr/local/bin/checkout"]
+
+# The state API alone, for Kubernetes (`edge render --target istio|envoy-gateway` runs it as
+# user 10001 with a read-only root file system; it writes nothing but to Postgres):
+#   docker build --target state-api -t REGISTRY/edge-state-api:TAG .
+FROM debian:bookworm-slim AS state-api
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /src/target/release/state-api /usr/local/bin/state-api
+USER 10001:10001
+ENTRYPOINT ["/usr/local/bin/state-api"]

@@ -760,12 +760,18 @@ impl<'a> Fields<'a> {
     pub fn strings(&self, name: &str) -> Result<Vec<String>, String> {
         match self.get(name) {
             None => Ok(Vec::new()),
+            // An item that is no string is named with its index (`routes[0].x[2]`).
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| {
-                    v.as_str()
-                        .map(str::to_owned)
-                        .ok_or_else(|| self.wrong(name, "an array of strings", v))
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str().map(str::to_owned).ok_or_else(|| {
+                        format!(
+                            "{}[{i}] must be a string, not {}",
+                            self.path(name),
+                            v.kind()
+                        )
+                    })
                 })
                 .collect(),
             Some(v) => Err(self.wrong(name, "an array of strings", v)),

@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use crate::mesh::MeshSettings;
 use filter_core::config as fc;
 pub use filter_core::config::{
     KeyPolicy, On5xx, OnStateUnavailable, OnUnknown, Pointer, Selection,
@@ -320,6 +321,8 @@ pub struct Config {
     pub subject: Subject,
     pub filter: Filter,
     pub routes: Vec<Route>,
+    /// `[mesh]`: what `edge render --target istio|envoy-gateway` needs besides.
+    pub mesh: MeshSettings,
     /// The line of each field that was read from a file (`"listen"`, `"state.listen"`, ...), for
     /// errors found later (a port in use).
     pub lines: BTreeMap<String, usize>,
@@ -354,6 +357,23 @@ struct RawFile {
     filter: RawFilter,
     #[serde(rename = "route", default)]
     routes: Vec<Spanned<RawRoute>>,
+    mesh: Option<Spanned<RawMesh>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMesh {
+    namespace: Option<Spanned<String>>,
+    state_api_image: Option<Spanned<String>>,
+    filter_image: Option<Spanned<String>>,
+    replicas: Option<Spanned<u32>>,
+    state_api_url: Option<Spanned<String>>,
+    istio_namespace: Option<Spanned<String>>,
+    istio_labels: Option<Spanned<BTreeMap<String, String>>>,
+    gateway: Option<Spanned<String>>,
+    gateway_namespace: Option<Spanned<String>>,
+    gateway_listener: Option<Spanned<String>>,
+    gateway_proxy_namespace: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -586,19 +606,8 @@ impl Config {
             Some(w) => *w.get_ref(),
             None => 1,
         };
-        let namespace = match &raw.namespace {
-            Some(n) if !contract::limits::valid_namespace(n.get_ref()) => {
-                return src.at(
-                    n.span(),
-                    format!(
-                        "namespace must be at most {} of a-z 0-9 . _ -",
-                        contract::limits::MAX_NAMESPACE_LEN
-                    ),
-                )
-            }
-            Some(n) => n.get_ref().clone(),
-            None => String::new(),
-        };
+        let namespace = namespace(&src, raw.namespace.as_ref())?;
+        let mesh = mesh(&src, raw.mesh.as_ref())?;
 
         let st = &raw.state;
         let state_listen = match &st.listen {
@@ -795,6 +804,7 @@ impl Config {
             subject,
             filter,
             routes,
+            mesh,
             lines,
             file: file.to_owned(),
         };
@@ -839,6 +849,106 @@ impl Config {
     pub fn embedded_postgres(&self) -> bool {
         self.state.database_url.is_none()
     }
+}
+
+fn namespace(src: &Source<'_>, raw: Option<&Spanned<String>>) -> Result<String, ConfigError> {
+    match raw {
+        Some(n) if !contract::limits::valid_namespace(n.get_ref()) => src.at(
+            n.span(),
+            format!(
+                "namespace must be at most {} of a-z 0-9 . _ -",
+                contract::limits::MAX_NAMESPACE_LEN
+            ),
+        ),
+        Some(n) => Ok(n.get_ref().clone()),
+        None => Ok(String::new()),
+    }
+}
+
+/// `[mesh]`, over the defaults: Kubernetes names, images, at least two state API replicas.
+fn mesh(src: &Source<'_>, raw: Option<&Spanned<RawMesh>>) -> Result<MeshSettings, ConfigError> {
+    let mut m = MeshSettings::default();
+    let Some(raw) = raw else { return Ok(m) };
+    let r = raw.get_ref();
+    let names = [
+        (&r.namespace, &mut m.namespace, "namespace"),
+        (
+            &r.istio_namespace,
+            &mut m.istio_namespace,
+            "istio_namespace",
+        ),
+        (&r.gateway, &mut m.gateway, "gateway"),
+        (
+            &r.gateway_namespace,
+            &mut m.gateway_namespace,
+            "gateway_namespace",
+        ),
+        (
+            &r.gateway_listener,
+            &mut m.gateway_listener,
+            "gateway_listener",
+        ),
+        (
+            &r.gateway_proxy_namespace,
+            &mut m.gateway_proxy_namespace,
+            "gateway_proxy_namespace",
+        ),
+    ];
+    for (given, into, name) in names {
+        if let Some(v) = given {
+            if !crate::mesh::is_object_name(v.get_ref()) {
+                return src.at(
+                    v.span(),
+                    format!("mesh.{name} must be a Kubernetes name: up to 63 of a-z 0-9 -"),
+                );
+            }
+            v.get_ref().clone_into(into);
+        }
+    }
+    for (given, into, name) in [
+        (
+            &r.state_api_image,
+            &mut m.state_api_image,
+            "state_api_image",
+        ),
+        (&r.filter_image, &mut m.filter_image, "filter_image"),
+    ] {
+        if let Some(v) = given {
+            let image = v.get_ref().strip_prefix("oci://").unwrap_or(v.get_ref());
+            if image.is_empty() || image.contains(|c: char| c.is_whitespace() || c.is_control()) {
+                return src.at(
+                    v.span(),
+                    format!("mesh.{name} must be an image reference (REGISTRY/REPO:TAG)"),
+                );
+            }
+            image.clone_into(into);
+        }
+    }
+    if let Some(v) = &r.replicas {
+        if *v.get_ref() < 2 {
+            return src.at(v.span(), "mesh.replicas must be at least 2 (one is drained while the other serves: the PodDisruptionBudget keeps one)");
+        }
+        m.replicas = *v.get_ref();
+    }
+    if let Some(u) = &r.state_api_url {
+        let e = Endpoint::parse(u.get_ref())
+            .or_else(|e| src.at(u.span(), format!("mesh.state_api_url: {e}")))?;
+        m.external_state_api = Some(e);
+    }
+    if let Some(l) = &r.istio_labels {
+        if l.get_ref().is_empty()
+            || l.get_ref()
+                .iter()
+                .any(|(k, v)| k.is_empty() || v.is_empty())
+        {
+            return src.at(
+                l.span(),
+                "mesh.istio_labels must name at least one label of the gateway Envoys' pods",
+            );
+        }
+        m.istio_labels = l.get_ref().clone();
+    }
+    Ok(m)
 }
 
 fn socket(src: &Source<'_>, v: &Spanned<String>, name: &str) -> Result<SocketAddr, ConfigError> {

@@ -6,6 +6,7 @@ pub mod config;
 pub mod data_home;
 pub mod envoy;
 pub mod ha;
+pub mod mesh;
 pub mod net;
 pub mod postgres;
 pub mod process;

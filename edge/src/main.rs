@@ -28,17 +28,25 @@ enum Command {
         #[arg(long, short, env = "CONFIG")]
         config: PathBuf,
     },
-    /// Print the Envoy configuration (YAML) and the state API's environment for your own Envoy.
+    /// Print the Envoy configuration (YAML) and the state API's environment for your own Envoy;
+    /// or, with `--target istio|envoy-gateway`, the Kubernetes manifests for a mesh.
     Render {
         #[arg(long, short, env = "CONFIG")]
         config: PathBuf,
-        /// Where your Envoy finds filter.wasm.
-        #[arg(long, default_value = "/etc/envoy/filter.wasm")]
-        wasm: PathBuf,
+        #[arg(long, value_enum, default_value_t = RenderTarget::Envoy)]
+        target: RenderTarget,
+        /// Envoy: where your Envoy finds filter.wasm (default /etc/envoy/filter.wasm). A mesh:
+        /// the module whose image the manifests pin by digest (default: FILTER_WASM, or the one
+        /// `make build-filter` builds).
+        #[arg(long)]
+        wasm: Option<PathBuf>,
         /// The CA bundle for https:// upstreams.
         #[arg(long, default_value = edge::render::DEFAULT_CA_FILE)]
         ca_file: String,
     },
+    /// Print the JSON Schema (draft 4) of the filter's plugin configuration, generated from the
+    /// filter's own types: editors, CI and Kong (a filter's `config_schema`) validate with it.
+    Schema,
     /// Remove a run folder (a stopped `edge run`'s) and the cluster data it links to outside
     /// the tree (as root, when the folder was closed to the `postgres` user).
     Clean {
@@ -93,11 +101,15 @@ fn main() -> ExitCode {
         },
         Command::Render {
             config,
+            target,
             wasm,
             ca_file,
-        } => match Config::load(&config) {
-            Ok(cfg) => {
-                print!("{}", render(&cfg, wasm, ca_file));
+        } => match Config::load(&config)
+            .map_err(|e| e.to_string())
+            .and_then(|cfg| render(&cfg, target, wasm, ca_file))
+        {
+            Ok(text) => {
+                print!("{text}");
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -111,6 +123,10 @@ fn main() -> ExitCode {
             wasm,
             ha,
         } => run(&config, dir, wasm, ha),
+        Command::Schema => {
+            println!("{}", edge::render::plugin_schema_text());
+            ExitCode::SUCCESS
+        }
         Command::Clean { dir } => match edge::data_home::remove_run_folder(&dir) {
             Ok(removed) => {
                 for path in removed {
@@ -191,49 +207,59 @@ fn with_postgres(command: &[String]) -> ExitCode {
     }
 }
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum RenderTarget {
+    /// Envoy's own configuration (YAML) and the state API's environment.
+    Envoy,
+    /// Istio: EnvoyFilter, RequestAuthentication, DestinationRule, and the state API's objects.
+    Istio,
+    /// Envoy Gateway: EnvoyExtensionPolicy, EnvoyPatchPolicy, EnvoyProxy, SecurityPolicy, and
+    /// the state API's objects.
+    EnvoyGateway,
+}
+
+fn render(
+    cfg: &Config,
+    target: RenderTarget,
+    wasm: Option<PathBuf>,
+    ca_file: String,
+) -> Result<String, String> {
+    let mesh = match target {
+        RenderTarget::Envoy => {
+            let wasm = wasm.unwrap_or_else(|| PathBuf::from("/etc/envoy/filter.wasm"));
+            return Ok(render_envoy(cfg, wasm, ca_file));
+        }
+        RenderTarget::Istio => edge::mesh::Target::Istio,
+        RenderTarget::EnvoyGateway => edge::mesh::Target::EnvoyGateway,
+    };
+    let wasm = wasm.map_or_else(edge::envoy::filter_wasm, Ok)?;
+    let module = std::fs::read(&wasm).map_err(|e| format!("{}: {e}", wasm.display()))?;
+    let pins = edge::mesh::Pins::of_module(&module)?;
+    edge::mesh::manifests(cfg, mesh, &pins)
+}
+
 /// The Envoy YAML, then the state API's environment as comments.
-fn render(cfg: &Config, wasm: PathBuf, ca_file: String) -> String {
-    let token = cfg
-        .state
-        .token
-        .clone()
-        .unwrap_or_else(|| "SET-state.token-IN-THE-FILE".into());
-    let key_secret = cfg
-        .state
-        .key_secret
-        .clone()
-        .unwrap_or_else(|| "SET-state.key_secret-IN-THE-FILE".into());
-    let database_url = cfg
-        .state
-        .database_url
-        .clone()
-        .unwrap_or_else(|| "postgres://USER:PASSWORD@HOST:5432/DATABASE".into());
+fn render_envoy(cfg: &Config, wasm: PathBuf, ca_file: String) -> String {
+    let secrets = edge::mesh::secrets(cfg);
     let inputs = edge::render::Inputs {
         wasm,
-        state_token: token.clone(),
+        state_token: secrets.token.clone(),
         ca_file,
     };
     let mut out = edge::render::envoy_yaml(cfg, &inputs);
-    out.push_str(
-        "# The state API this Envoy talks to runs with this environment
-",
+    out.push_str("# The state API this Envoy talks to runs with this environment\n");
+    out.push_str("# (`state-api --help` lists every setting):\n");
+    let mut env = edge::render::state_api_env(
+        cfg,
+        &secrets.database_url,
+        &secrets.token,
+        &secrets.key_secret,
     );
-    out.push_str(
-        "# (`state-api --help` lists every setting):
-",
-    );
-    let mut env = edge::render::state_api_env(cfg, &database_url, &token, &key_secret);
     if cfg.state.storage_key.is_none() {
-        env.push((
-            "STATE_API_STORAGE_KEY".into(),
-            "SET-state.storage_key-IN-THE-FILE (openssl rand -base64 32)".into(),
-        ));
+        env.push(("STATE_API_STORAGE_KEY".into(), secrets.storage_key));
     }
     for (k, v) in env {
-        out.push_str(&format!(
-            "#   {k}={v}
-"
-        ));
+        out.push_str(&format!("#   {k}={v}\n"));
     }
     out
 }

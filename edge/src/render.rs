@@ -19,8 +19,8 @@ use std::path::PathBuf;
 use yaml_rust2::yaml::Hash;
 use yaml_rust2::{Yaml, YamlEmitter};
 
-use crate::config::{Config, Endpoint, Jwks, Match, OnUnknown, StateTls, Subject};
-use filter_core::config::{KeyPolicy, On5xx, OnStateUnavailable, Selection};
+use crate::config::{Config, Endpoint, Jwks, Match, StateTls, Subject};
+use filter_core::config as fc;
 
 /// What the rendering needs besides the file: where Envoy finds the module, the token the filter
 /// presents to the state API, and the CA bundle for `https://` upstreams.
@@ -41,15 +41,15 @@ pub const JWKS_CLUSTER: &str = "jwks";
 /// The jwt_authn provider.
 pub const JWT_PROVIDER: &str = "edge";
 
-fn s(v: impl Into<String>) -> Yaml {
+pub(crate) fn s(v: impl Into<String>) -> Yaml {
     Yaml::String(v.into())
 }
 
-fn n(v: u64) -> Yaml {
+pub(crate) fn n(v: u64) -> Yaml {
     Yaml::Integer(i64::try_from(v).unwrap_or(i64::MAX))
 }
 
-fn map(pairs: Vec<(&str, Yaml)>) -> Yaml {
+pub(crate) fn map(pairs: Vec<(&str, Yaml)>) -> Yaml {
     let mut h = Hash::new();
     for (k, v) in pairs {
         h.insert(s(k), v);
@@ -63,7 +63,7 @@ fn typed(type_name: &str, mut pairs: Vec<(&str, Yaml)>) -> Yaml {
 }
 
 /// Envoy's duration syntax (`1.500s`).
-fn duration(ms: u64) -> Yaml {
+pub(crate) fn duration(ms: u64) -> Yaml {
     if ms.is_multiple_of(1000) {
         s(format!("{}s", ms / 1000))
     } else {
@@ -95,7 +95,7 @@ pub(crate) fn reachable(addr: SocketAddr) -> Endpoint {
     }
 }
 
-fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> Yaml {
+pub(crate) fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> Yaml {
     let mut pairs = vec![
         ("name", s(name)),
         ("type", s("STRICT_DNS")),
@@ -238,113 +238,118 @@ fn state_api_cluster(cfg: &Config, ca_file: &str) -> Yaml {
 }
 
 /// The cluster of route `i`'s reconcile endpoint when it is another service than the upstream.
-fn reconcile_cluster(i: usize) -> String {
+pub(crate) fn reconcile_cluster(i: usize) -> String {
     format!("reconcile_{i}")
 }
 
-/// The filter's plugin configuration (JSON), with `token` for the state API.
-pub fn filter_json(cfg: &Config, token: &str) -> String {
-    let routes: Vec<serde_json::Value> = cfg
-        .routes
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let mut v = serde_json::json!({ "method": r.method });
-            match &r.matcher {
-                Match::Path(p) => v["path"] = p.clone().into(),
-                Match::Prefix(p) => v["prefix"] = p.clone().into(),
-            }
-            v["key"] = match r.key {
-                KeyPolicy::Required => "required",
-                KeyPolicy::Optional => "optional",
-            }
-            .into();
-            if r.on_5xx == On5xx::Release {
-                v["on_5xx"] = "release".into();
-            }
-            if r.on_state_unavailable == OnStateUnavailable::FailOpen {
-                v["on_state_unavailable"] = "fail_open".into();
-            }
-            match r.on_unknown {
-                OnUnknown::Hold => {}
-                OnUnknown::Reconcile => v["on_unknown"] = "reconcile".into(),
-                OnUnknown::Reexecute => v["on_unknown"] = "reexecute".into(),
-            }
-            if let Some(rc) = &r.reconcile {
-                let (cluster, endpoint) = match &rc.upstream {
-                    Some(e) => (reconcile_cluster(i), e),
-                    None => (UPSTREAM_CLUSTER.to_owned(), &cfg.upstream),
-                };
-                v["reconcile"] = serde_json::json!({
-                    "cluster": cluster,
-                    "authority": endpoint.authority(),
-                    "method": rc.method,
-                    "path": rc.path,
-                    "timeout_ms": rc.timeout_ms,
-                });
-            }
-            for (name, value) in [
-                ("lease_ms", r.lease_ms),
-                ("heartbeat_ms", r.heartbeat_ms),
-                ("max_request_body_bytes", r.max_request_body_bytes),
-                ("retention_s", r.retention_s),
-            ] {
-                if let Some(x) = value {
-                    v[name] = x.into();
-                }
-            }
-            v["max_wait_s"] = r.max_wait_s.into();
-            let pointers = |l: &[filter_core::config::Pointer]| -> Vec<String> {
-                l.iter().map(|p| p.as_str().to_owned()).collect()
-            };
-            match &r.fingerprint {
-                Selection::Whole => {}
-                Selection::Ignore(l) => {
-                    v["fingerprint"] = serde_json::json!({ "ignore": pointers(l) })
-                }
-                Selection::Include(l) => {
-                    v["fingerprint"] = serde_json::json!({ "include": pointers(l) })
-                }
-            }
-            if let Some(k) = &r.key_from {
-                v["key_from"] = k.as_str().into();
-            }
-            v
-        })
-        .collect();
-    let subject_header = match &cfg.subject {
-        Subject::Jwt(j) => j.header.clone(),
-        Subject::Header(h) => h.clone(),
-    };
-    let f = &cfg.filter;
-    let mut doc = serde_json::json!({
-        "state_api": {
-            "cluster": STATE_API_CLUSTER,
-            "authority": reachable(cfg.state.listen).authority(),
-            "token": token,
-            "timeout_ms": cfg.state.timeout_ms,
-        },
-        "subject": { "header": subject_header },
-        "routes": routes,
-        "max_request_body_bytes": f.max_request_body_bytes,
-        "max_stored_body_bytes": f.max_stored_body_bytes,
-        "lease_ms": f.lease_ms,
-        "heartbeat_ms": f.heartbeat_ms,
-        "replay_extra_headers": f.replay_extra_headers,
-        "replay_cache_bytes": f.replay_cache_bytes,
-        "replay_cache_ttl_ms": f.replay_cache_ttl_ms,
-        "in_flight_cache_ms": f.in_flight_cache_ms,
-        "complete_retry_ms": f.complete_retry_ms,
-        "complete_retry_bytes": f.complete_retry_bytes,
-        "complete_in_background": f.complete_in_background,
-        "max_waiters": f.max_waiters,
-        "batch_max": f.batch_max,
-        "namespace": cfg.namespace,
-    });
-    if let Some(bytes) = f.max_buffered_bytes {
-        doc["max_buffered_bytes"] = bytes.into();
+/// How the filter reaches what it calls and finds the caller, in the names of the Envoy it runs
+/// in: `edge run`'s own, or a mesh's (`crate::mesh`).
+pub struct Wiring {
+    /// The Envoy cluster of the state API, and the `:authority` of the calls.
+    pub state_api_cluster: String,
+    pub state_api_authority: String,
+    pub subject: fc::SubjectSource,
+    /// The Envoy cluster of route `i`'s reconcile endpoint.
+    pub reconcile_cluster: fn(&Config, usize) -> String,
+}
+
+impl Wiring {
+    /// This module's Envoy configuration: its clusters, and the subject in the header
+    /// `jwt_authn` (or the layer in front) writes.
+    pub fn envoy(cfg: &Config) -> Self {
+        let subject_header = match &cfg.subject {
+            Subject::Jwt(j) => j.header.clone(),
+            Subject::Header(h) => h.clone(),
+        };
+        Self {
+            state_api_cluster: STATE_API_CLUSTER.to_owned(),
+            state_api_authority: reachable(cfg.state.listen).authority(),
+            subject: fc::SubjectSource::Header(subject_header),
+            reconcile_cluster: |cfg, i| match cfg.routes.get(i).and_then(reconcile_upstream) {
+                Some(_) => reconcile_cluster(i),
+                None => UPSTREAM_CLUSTER.to_owned(),
+            },
+        }
     }
-    serde_json::to_string_pretty(&doc).unwrap_or_default()
+}
+
+/// Route `r`'s reconcile endpoint when it is another service than the upstream.
+fn reconcile_upstream(r: &crate::config::Route) -> Option<&Endpoint> {
+    r.reconcile.as_ref().and_then(|rc| rc.upstream.as_ref())
+}
+
+/// The filter's plugin configuration, as the filter's own type: `token` for the state API, and
+/// what it calls named by `wiring`.
+pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
+    let f = &cfg.filter;
+    let routes = cfg.routes.iter().enumerate().map(|(i, r)| {
+        let (path, prefix) = match &r.matcher {
+            Match::Path(p) => (Some(p.clone()), None),
+            Match::Prefix(p) => (None, Some(p.clone())),
+        };
+        let reconcile = r.reconcile.as_ref().map(|rc| fc::Reconcile {
+            cluster: (wiring.reconcile_cluster)(cfg, i),
+            authority: rc.upstream.as_ref().unwrap_or(&cfg.upstream).authority(),
+            method: rc.method.clone(),
+            path: rc.path.clone(),
+            timeout_ms: rc.timeout_ms,
+        });
+        fc::Route {
+            method: r.method.clone(),
+            path,
+            prefix,
+            key: r.key,
+            on_5xx: r.on_5xx,
+            on_state_unavailable: r.on_state_unavailable,
+            on_unknown: r.on_unknown,
+            reconcile,
+            lease_ms: r.lease_ms,
+            heartbeat_ms: r.heartbeat_ms,
+            max_request_body_bytes: r.max_request_body_bytes,
+            retention_s: r.retention_s,
+            max_wait_s: r.max_wait_s,
+            fingerprint: r.fingerprint.clone(),
+            key_from: r.key_from.clone(),
+        }
+    });
+    fc::Config {
+        state_api: fc::StateApi {
+            cluster: wiring.state_api_cluster.clone(),
+            authority: wiring.state_api_authority.clone(),
+            token: token.to_owned(),
+            timeout_ms: cfg.state.timeout_ms,
+        },
+        subject: wiring.subject.clone(),
+        routes: routes.collect(),
+        max_request_body_bytes: f.max_request_body_bytes,
+        max_stored_body_bytes: f.max_stored_body_bytes,
+        lease_ms: f.lease_ms,
+        heartbeat_ms: f.heartbeat_ms,
+        replay_extra_headers: f.replay_extra_headers.clone(),
+        replay_cache_bytes: f.replay_cache_bytes,
+        replay_cache_ttl_ms: f.replay_cache_ttl_ms,
+        in_flight_cache_ms: f.in_flight_cache_ms,
+        complete_retry_ms: f.complete_retry_ms,
+        complete_retry_bytes: f.complete_retry_bytes,
+        complete_in_background: f.complete_in_background,
+        namespace: cfg.namespace.clone(),
+        max_waiters: f.max_waiters,
+        batch_max: f.batch_max,
+        max_buffered_bytes: f.max_buffered_bytes,
+    }
+}
+
+/// The filter's plugin configuration (JSON) for this module's Envoy, with `token` for the
+/// state API.
+pub fn filter_json(cfg: &Config, token: &str) -> String {
+    let plugin = plugin_config(cfg, &Wiring::envoy(cfg), token);
+    serde_json::to_string_pretty(&plugin).unwrap_or_default()
+}
+
+/// The JSON Schema of the plugin configuration as `edge schema` prints it and
+/// `docs/plugin-config.schema.json` holds it.
+pub fn plugin_schema_text() -> String {
+    serde_json::to_string_pretty(&fc::json_schema()).unwrap_or_default()
 }
 
 /// The jwt_authn rule of a protected route: a verified token is required.
@@ -609,7 +614,7 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
         }
     }
     for (i, r) in cfg.routes.iter().enumerate() {
-        if let Some(e) = r.reconcile.as_ref().and_then(|rc| rc.upstream.as_ref()) {
+        if let Some(e) = reconcile_upstream(r) {
             clusters.push(cluster(&reconcile_cluster(i), e, 1_000, &inputs.ca_file));
         }
     }
@@ -669,7 +674,7 @@ pub fn state_api_env(
     if let Some(tls) = &cfg.state.tls {
         env.extend(state_api_tls_env(tls));
     }
-    if cfg.filter.max_stored_body_bytes > filter_core::config::DEFAULT_MAX_BODY {
+    if cfg.filter.max_stored_body_bytes > fc::DEFAULT_MAX_BODY {
         // The state API stores 1 MiB by default: as much as the filter keeps.
         env.push((
             "STATE_API_MAX_BODY_BYTES".to_owned(),

@@ -6,6 +6,7 @@ use crate::headers;
 pub use contract::fingerprint::{Pointer, Selection};
 use contract::json::{self, Fields, Value};
 use contract::limits;
+use serde::Serialize;
 use std::fmt;
 use std::time::Duration;
 
@@ -28,49 +29,97 @@ pub const DEFAULT_COMPLETE_RETRY_BYTES: u64 = 16 * 1024 * 1024;
 pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 64 * 1024 * 1024;
 
 /// The plugin configuration. Unknown fields are refused everywhere.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// The filter reads it with [`Config::parse`] (its own reader: serde's deserializer would cost
+/// the module a third of its size); edge writes it with serde ([`Serialize`]), and its JSON
+/// Schema is generated from these types (the `schema` feature, never in the module). Tests hold
+/// the three to one another: every field written by serde is read back the same, every default
+/// in the schema is the reader's, and every configuration the schema refuses the reader refuses,
+/// naming the same field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[cfg_attr(
+    feature = "schema",
+    schemars(
+        title = "Idempotency filter plugin configuration",
+        description = "The JSON configuration of the idempotency filter (proxy-wasm): Envoy's `configuration`, Istio's `pluginConfig`, Envoy Gateway's Wasm `config`. Generated from the filter's own types; docs/filter.md describes every field."
+    )
+)]
+#[serde(deny_unknown_fields)]
 pub struct Config {
     pub state_api: StateApi,
     pub subject: SubjectSource,
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub routes: Vec<Route>,
+    /// The largest request body read (413 above); a default for the routes.
+    #[serde(default = "default_max_body")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_request_body_bytes: u64,
+    /// The largest response body stored to replay.
+    #[serde(default = "default_max_body")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = limits::MAX_STORED_BODY_BYTES)))]
     pub max_stored_body_bytes: u64,
+    /// The lease claims ask for; a default for the routes.
+    #[serde(default = "default_lease_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = limits::MIN_LEASE_MS, max = limits::MAX_LEASE_MS)))]
     pub lease_ms: u64,
+    /// How often a running claim's lease is extended (at most half of `lease_ms`); a default for
+    /// the routes.
+    #[serde(default = "default_heartbeat_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = MAX_HEARTBEAT_MS)))]
     pub heartbeat_ms: u64,
     /// Response headers replayed in addition to the built-in allowlist (lower-cased on load).
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(inner(regex(pattern = HEADER_NAME_PATTERN))))]
     pub replay_extra_headers: Vec<String>,
     /// Bytes of completed records each worker keeps to answer replays without a callout
     /// (0: no cache).
+    #[serde(default = "default_replay_cache_bytes")]
     pub replay_cache_bytes: u64,
     /// Longest a cached record is answered from memory, whatever its expiry (0: no cache).
+    #[serde(default = "default_replay_cache_ttl_ms")]
     pub replay_cache_ttl_ms: u64,
     /// How long a worker answers 409 from memory for a key the state API reported in progress
     /// (never past the reported lease; 0: every duplicate asks the state API). Needs the replay
     /// cache.
+    #[serde(default = "default_in_flight_cache_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(max = MAX_IN_FLIGHT_CACHE_MS)))]
     pub in_flight_cache_ms: u64,
     /// How long a worker keeps retrying a complete that failed while the response was held
     /// (0: give up after the in-stream retry, as before).
+    #[serde(default = "default_complete_retry_ms")]
     pub complete_retry_ms: u64,
     /// Bytes of complete payloads each worker keeps for those retries (0: none).
+    #[serde(default = "default_complete_retry_bytes")]
     pub complete_retry_bytes: u64,
     /// Let the response go on at once and store it from the worker (`true`), instead of
     /// holding it until `/v1/complete` has answered (`false`, the default). Needs the worker's
     /// complete retries (`complete_retry_ms` and `complete_retry_bytes` above 0).
+    #[serde(default)]
     pub complete_in_background: bool,
     /// This deployment's part of every record's scope (`""`: none), so that several can share
     /// one state API and database without their keys ever meeting.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = NAMESPACE_PATTERN)))]
     pub namespace: String,
     /// Requests of this worker that wait for a running key at once (`Prefer: wait`); more
     /// get 409 at once (counted).
+    #[serde(default = "default_max_waiters")]
+    #[cfg_attr(feature = "schema", schemars(range(max = MAX_WAITERS)))]
     pub max_waiters: u64,
     /// Most claims in one `/v1/claims` callout: the claims that queue on this worker while
     /// its previous claim is on its way go together when it is answered (1: every claim is
     /// its own callout).
+    #[serde(default = "default_batch_max")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = contract::wire::MAX_BATCH_CLAIMS as u64)))]
     pub batch_max: u64,
     /// Most request body bytes this worker holds at once for protected requests it has not
     /// forwarded yet (counted by their Content-Length as soon as their headers arrive); a
     /// request that would go over gets 503 + Retry-After and nothing is forwarded. At least
-    /// the largest request body of any route. None: [`Config::max_buffered_bytes`]'s default.
+    /// the largest request body of any route (the reader checks it; the schema cannot say
+    /// it). Left out: 64 MiB, or that largest body if more.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_buffered_bytes: Option<u64>,
 }
 
@@ -78,30 +127,99 @@ pub const DEFAULT_BATCH_MAX: u64 = 32;
 
 pub const DEFAULT_MAX_WAIT_S: u64 = 10;
 pub const DEFAULT_MAX_WAITERS: u64 = 64;
+/// A heartbeat is at most half the longest lease.
+#[cfg(feature = "schema")]
+const MAX_HEARTBEAT_MS: u64 = limits::MAX_LEASE_MS / 2;
+/// An HTTP token (RFC 9110), as header names and methods are.
+#[cfg(feature = "schema")]
+const TOKEN_PATTERN: &str = "^[-!#$%&'*+.^_`|~0-9A-Za-z]+$";
+#[cfg(feature = "schema")]
+const HEADER_NAME_PATTERN: &str = TOKEN_PATTERN;
+#[cfg(feature = "schema")]
+const NAMESPACE_PATTERN: &str = "^[-._a-z0-9]{0,64}$";
+/// An RFC 6901 pointer: `/` then tokens, `~` only as `~0` or `~1`.
+#[cfg(feature = "schema")]
+const POINTER_PATTERN: &str = "^(/([^~/]|~[01])*)+$";
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+// The defaults, read by the reader and named by serde's `default` (so the schema's `default`).
+fn default_max_body() -> u64 {
+    DEFAULT_MAX_BODY
+}
+fn default_lease_ms() -> u64 {
+    DEFAULT_LEASE_MS
+}
+fn default_heartbeat_ms() -> u64 {
+    DEFAULT_HEARTBEAT_MS
+}
+fn default_timeout_ms() -> u64 {
+    DEFAULT_TIMEOUT_MS
+}
+fn default_replay_cache_bytes() -> u64 {
+    DEFAULT_REPLAY_CACHE_BYTES
+}
+fn default_replay_cache_ttl_ms() -> u64 {
+    DEFAULT_REPLAY_CACHE_TTL_MS
+}
+fn default_in_flight_cache_ms() -> u64 {
+    DEFAULT_IN_FLIGHT_CACHE_MS
+}
+fn default_complete_retry_ms() -> u64 {
+    DEFAULT_COMPLETE_RETRY_MS
+}
+fn default_complete_retry_bytes() -> u64 {
+    DEFAULT_COMPLETE_RETRY_BYTES
+}
+fn default_max_waiters() -> u64 {
+    DEFAULT_MAX_WAITERS
+}
+fn default_batch_max() -> u64 {
+    DEFAULT_BATCH_MAX
+}
+fn default_max_wait_s() -> u64 {
+    DEFAULT_MAX_WAIT_S
+}
+fn default_reconcile_method() -> String {
+    "GET".to_owned()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
 pub struct StateApi {
     /// An Envoy cluster name (not a URL).
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub cluster: String,
     /// The `:authority` of the calls.
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = "^[!-~]+$")))]
     pub authority: String,
     /// Sent as `Authorization: Bearer <token>`.
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = "^[ -~]+$")))]
     pub token: String,
+    /// The call timeout.
+    #[serde(default = "default_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub timeout_ms: u64,
 }
 
 /// Where the authenticated subject comes from: `{"header": ...}` or `{"metadata": [...]}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum SubjectSource {
     /// A request header set by an earlier filter from a verified token (e.g. jwt_authn
     /// `claim_to_headers`). Protected routes must require that filter's provider.
-    Header(String),
+    Header(#[cfg_attr(feature = "schema", schemars(regex(pattern = HEADER_NAME_PATTERN)))] String),
     /// A path into the stream's dynamic metadata: filter namespace, then keys, e.g.
     /// `["envoy.filters.http.jwt_authn", "jwt_payload", "sub"]` (jwt_authn `payload_in_metadata`).
-    Metadata(Vec<String>),
+    Metadata(
+        #[cfg_attr(feature = "schema", schemars(length(min = 2), inner(length(min = 1))))]
+        Vec<String>,
+    ),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
 pub enum KeyPolicy {
     /// No key: 400.
     Required,
@@ -109,7 +227,9 @@ pub enum KeyPolicy {
     Optional,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
 pub enum On5xx {
     /// Keep the 5xx as the outcome (replayed to retries), like Stripe.
     #[default]
@@ -119,7 +239,9 @@ pub enum On5xx {
 }
 
 /// What a retry of a request whose outcome is unknown (forwarded, never stored) gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
 pub enum OnUnknown {
     /// 409 `outcome-unknown` until the owner stores its outcome or an operator resolves it.
     #[default]
@@ -134,14 +256,23 @@ pub enum OnUnknown {
 
 /// Where the upstream tells what became of a key (the `on_unknown: "reconcile"` route's
 /// `reconcile`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
 pub struct Reconcile {
     /// The Envoy cluster of the upstream.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub cluster: String,
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub authority: String,
+    #[serde(default = "default_reconcile_method")]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = TOKEN_PATTERN)))]
     pub method: String,
     /// The path, with `{key}` where the key goes (percent-encoded).
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = "^/.*\\{key\\}")))]
     pub path: String,
+    #[serde(default = "default_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub timeout_ms: u64,
 }
 
@@ -161,7 +292,9 @@ impl Reconcile {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
 pub enum OnStateUnavailable {
     /// 503 + Retry-After, nothing forwarded.
     #[default]
@@ -170,31 +303,127 @@ pub enum OnStateUnavailable {
     FailOpen,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A protected route: `method` and exactly one of `path` or `prefix`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[cfg_attr(
+    feature = "schema",
+    schemars(extend("oneOf" = [{"required": ["path"]}, {"required": ["prefix"]}]))
+)]
+#[serde(deny_unknown_fields)]
 pub struct Route {
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = TOKEN_PATTERN)))]
     pub method: String,
     /// Exact path match (the query is ignored).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = ROUTE_PATH_PATTERN)))]
     pub path: Option<String>,
     /// Prefix match, instead of `path`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = ROUTE_PATH_PATTERN)))]
     pub prefix: Option<String>,
     pub key: KeyPolicy,
+    #[serde(default)]
     pub on_5xx: On5xx,
+    #[serde(default)]
     pub on_state_unavailable: OnStateUnavailable,
+    #[serde(default)]
     pub on_unknown: OnUnknown,
     /// With `on_unknown: reconcile`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub reconcile: Option<Reconcile>,
     /// This route's own lease, heartbeat and request body limit (the global ones when absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = limits::MIN_LEASE_MS, max = limits::MAX_LEASE_MS)))]
     pub lease_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = MAX_HEARTBEAT_MS)))]
     pub heartbeat_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_request_body_bytes: Option<u64>,
     /// How long its records are kept (the state API's default when absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub retention_s: Option<u64>,
     /// The longest a retry with `Prefer: wait=N` waits for a running key (0: never).
+    #[serde(default = "default_max_wait_s")]
+    #[cfg_attr(feature = "schema", schemars(range(max = limits::MAX_WAIT_MS / 1000)))]
     pub max_wait_s: u64,
     /// What of a JSON body the fingerprint covers (all of it by default).
+    #[serde(
+        default,
+        skip_serializing_if = "is_whole",
+        serialize_with = "serialize_selection"
+    )]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<FingerprintJson>"))]
     pub fingerprint: Selection,
     /// Take the key from this body member instead of the `Idempotency-Key` header.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_pointer"
+    )]
+    #[cfg_attr(
+        feature = "schema",
+        schemars(with = "Option<String>", regex(pattern = POINTER_PATTERN))
+    )]
     pub key_from: Option<Pointer>,
+}
+
+/// A route's path or prefix: from `/`, without a query or fragment.
+#[cfg(feature = "schema")]
+const ROUTE_PATH_PATTERN: &str = "^/[^?#]*$";
+
+/// How a [`Selection`] other than the whole body is written: `{"ignore": [...]}` or
+/// `{"include": [...]}`, RFC 6901 pointers.
+#[derive(Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[cfg_attr(
+    feature = "schema",
+    schemars(
+        description = "What of a JSON request body the fingerprint covers: all but some members, or only some (RFC 6901 pointers). The whole body when absent."
+    )
+)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+enum FingerprintJson<'a> {
+    /// Everything except the values at these pointers (a timestamp, a trace id).
+    Ignore(
+        #[cfg_attr(
+            feature = "schema",
+            schemars(length(min = 1), inner(regex(pattern = POINTER_PATTERN)))
+        )]
+        Vec<&'a str>,
+    ),
+    /// Only the values at these pointers, in their places.
+    Include(
+        #[cfg_attr(
+            feature = "schema",
+            schemars(length(min = 1), inner(regex(pattern = POINTER_PATTERN)))
+        )]
+        Vec<&'a str>,
+    ),
+}
+
+fn is_whole(s: &Selection) -> bool {
+    *s == Selection::Whole
+}
+
+fn serialize_selection<S: serde::Serializer>(s: &Selection, out: S) -> Result<S::Ok, S::Error> {
+    fn texts(p: &[Pointer]) -> Vec<&str> {
+        p.iter().map(Pointer::as_str).collect()
+    }
+    match s {
+        Selection::Whole => out.serialize_none(),
+        Selection::Ignore(p) => FingerprintJson::Ignore(texts(p)).serialize(out),
+        Selection::Include(p) => FingerprintJson::Include(texts(p)).serialize(out),
+    }
+}
+
+fn serialize_pointer<S: serde::Serializer>(p: &Option<Pointer>, out: S) -> Result<S::Ok, S::Error> {
+    match p {
+        Some(p) => out.serialize_str(p.as_str()),
+        None => out.serialize_none(),
+    }
 }
 
 const CONFIG_FIELDS: &[&str] = &[
@@ -240,6 +469,7 @@ const RECONCILE_FIELDS: &[&str] = &["cluster", "authority", "method", "path", "t
 impl Config {
     /// The configuration as written, before [`Config::validate`].
     fn read(doc: &Value) -> Result<Self, String> {
+        refuse_null(doc, "")?;
         let top = Fields::of(doc, "")?;
         top.deny_unknown(CONFIG_FIELDS)?;
         let s = Fields::of(top.required("state_api")?, "state_api")?;
@@ -248,7 +478,7 @@ impl Config {
             cluster: s.str("cluster")?.to_owned(),
             authority: s.str("authority")?.to_owned(),
             token: s.str("token")?.to_owned(),
-            timeout_ms: s.u64_or("timeout_ms", DEFAULT_TIMEOUT_MS)?,
+            timeout_ms: s.u64_or("timeout_ms", default_timeout_ms())?,
         };
         let subject = Fields::of(top.required("subject")?, "subject")?;
         subject.deny_unknown(&["header", "metadata"])?;
@@ -269,23 +499,68 @@ impl Config {
             state_api,
             subject,
             routes,
-            max_request_body_bytes: top.u64_or("max_request_body_bytes", DEFAULT_MAX_BODY)?,
-            max_stored_body_bytes: top.u64_or("max_stored_body_bytes", DEFAULT_MAX_BODY)?,
-            lease_ms: top.u64_or("lease_ms", DEFAULT_LEASE_MS)?,
-            heartbeat_ms: top.u64_or("heartbeat_ms", DEFAULT_HEARTBEAT_MS)?,
+            max_request_body_bytes: top.u64_or("max_request_body_bytes", default_max_body())?,
+            max_stored_body_bytes: top.u64_or("max_stored_body_bytes", default_max_body())?,
+            lease_ms: top.u64_or("lease_ms", default_lease_ms())?,
+            heartbeat_ms: top.u64_or("heartbeat_ms", default_heartbeat_ms())?,
             replay_extra_headers: top.strings("replay_extra_headers")?,
-            replay_cache_bytes: top.u64_or("replay_cache_bytes", DEFAULT_REPLAY_CACHE_BYTES)?,
-            replay_cache_ttl_ms: top.u64_or("replay_cache_ttl_ms", DEFAULT_REPLAY_CACHE_TTL_MS)?,
-            in_flight_cache_ms: top.u64_or("in_flight_cache_ms", DEFAULT_IN_FLIGHT_CACHE_MS)?,
-            complete_retry_ms: top.u64_or("complete_retry_ms", DEFAULT_COMPLETE_RETRY_MS)?,
+            replay_cache_bytes: top.u64_or("replay_cache_bytes", default_replay_cache_bytes())?,
+            replay_cache_ttl_ms: top
+                .u64_or("replay_cache_ttl_ms", default_replay_cache_ttl_ms())?,
+            in_flight_cache_ms: top.u64_or("in_flight_cache_ms", default_in_flight_cache_ms())?,
+            complete_retry_ms: top.u64_or("complete_retry_ms", default_complete_retry_ms())?,
             complete_retry_bytes: top
-                .u64_or("complete_retry_bytes", DEFAULT_COMPLETE_RETRY_BYTES)?,
+                .u64_or("complete_retry_bytes", default_complete_retry_bytes())?,
             complete_in_background: top.bool_or("complete_in_background", false)?,
             namespace: top.opt_str("namespace")?.unwrap_or("").to_owned(),
-            max_waiters: top.u64_or("max_waiters", DEFAULT_MAX_WAITERS)?,
-            batch_max: top.u64_or("batch_max", DEFAULT_BATCH_MAX)?,
+            max_waiters: top.u64_or("max_waiters", default_max_waiters())?,
+            batch_max: top.u64_or("batch_max", default_batch_max())?,
             max_buffered_bytes: top.opt_u64("max_buffered_bytes")?,
         })
+    }
+}
+
+/// A route's `fingerprint`: exactly one of `ignore` or `include`, a non-empty list of pointers.
+fn read_fingerprint(v: &Value, what: &str) -> Result<Selection, String> {
+    let f = Fields::of(v, what)?;
+    f.deny_unknown(&["ignore", "include"])?;
+    let (name, selection): (&str, fn(Vec<Pointer>) -> Selection) =
+        match (f.get("ignore"), f.get("include")) {
+            (Some(_), None) => ("ignore", Selection::Ignore),
+            (None, Some(_)) => ("include", Selection::Include),
+            _ => return Err(format!("{what} needs exactly one of ignore or include")),
+        };
+    let texts = f.strings(name)?;
+    if texts.is_empty() {
+        return Err(format!(
+            "{}: the list must not be empty (exactly one non-empty list: ignore or include)",
+            f.path(name)
+        ));
+    }
+    texts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Pointer::parse(p).map_err(|e| format!("{}[{i}]: {e}", f.path(name))))
+        .collect::<Result<Vec<_>, _>>()
+        .map(selection)
+}
+
+/// `null` is no value here (the JSON Schema says so too): a field is given or left out.
+fn refuse_null(v: &Value, path: &str) -> Result<(), String> {
+    match v {
+        Value::Null if path.is_empty() => Err("the document is null".to_owned()),
+        Value::Null => Err(format!(
+            "{path} is null: give it a value, or leave it out for its default"
+        )),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| refuse_null(item, &format!("{path}[{i}]"))),
+        Value::Object(members) => members.iter().try_for_each(|(name, member)| {
+            let dot = if path.is_empty() { "" } else { "." };
+            refuse_null(member, &format!("{path}{dot}{name}"))
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -336,9 +611,11 @@ impl Route {
                     Some(Reconcile {
                         cluster: f.str("cluster")?.to_owned(),
                         authority: f.str("authority")?.to_owned(),
-                        method: f.opt_str("method")?.unwrap_or("GET").to_owned(),
+                        method: f
+                            .opt_str("method")?
+                            .map_or_else(default_reconcile_method, str::to_owned),
                         path: f.str("path")?.to_owned(),
-                        timeout_ms: f.u64_or("timeout_ms", DEFAULT_TIMEOUT_MS)?,
+                        timeout_ms: f.u64_or("timeout_ms", default_timeout_ms())?,
                     })
                 }
             },
@@ -346,39 +623,64 @@ impl Route {
             heartbeat_ms: r.opt_u64("heartbeat_ms")?,
             max_request_body_bytes: r.opt_u64("max_request_body_bytes")?,
             retention_s: r.opt_u64("retention_s")?,
-            max_wait_s: r.u64_or("max_wait_s", DEFAULT_MAX_WAIT_S)?,
+            max_wait_s: r.u64_or("max_wait_s", default_max_wait_s())?,
             fingerprint: match r.get("fingerprint") {
                 None => Selection::Whole,
-                Some(v) => {
-                    let what = format!("{what}.fingerprint");
-                    let f = Fields::of(v, &what)?;
-                    f.deny_unknown(&["ignore", "include"])?;
-                    let list = |name: &str| -> Result<Option<Vec<Pointer>>, String> {
-                        if f.get(name).is_none() {
-                            return Ok(None);
-                        }
-                        f.strings(name)?
-                            .iter()
-                            .map(|p| Pointer::parse(p).map_err(|e| format!("{what}.{name}: {e}")))
-                            .collect::<Result<Vec<_>, _>>()
-                            .map(Some)
-                    };
-                    match (list("ignore")?, list("include")?) {
-                        (Some(p), None) if !p.is_empty() => Selection::Ignore(p),
-                        (None, Some(p)) if !p.is_empty() => Selection::Include(p),
-                        _ => {
-                            return Err(format!(
-                                "{what} needs exactly one non-empty list: ignore or include"
-                            ))
-                        }
-                    }
-                }
+                Some(v) => read_fingerprint(v, &format!("{what}.fingerprint"))?,
             },
             key_from: match r.opt_str("key_from")? {
                 None => None,
                 Some(p) => Some(Pointer::parse(p).map_err(|e| format!("{what}.key_from: {e}"))?),
             },
         })
+    }
+}
+
+/// The JSON Schema of the plugin configuration, generated from [`Config`]'s types, in JSON
+/// Schema draft 4: the draft Kong reads (a filter's `config_schema`), which every validator
+/// also reads. `null` is no value anywhere: the reader refuses it too.
+#[cfg(feature = "schema")]
+pub fn json_schema() -> serde_json::Value {
+    let generator = schemars::generate::SchemaSettings::draft07()
+        .with(|s| {
+            s.meta_schema = Some("http://json-schema.org/draft-04/schema#".into());
+        })
+        .into_generator();
+    let mut schema = generator.into_root_schema_for::<Config>().to_value();
+    as_draft4(&mut schema);
+    schema
+}
+
+/// Draft 4 has no `const`: a one-value `enum` says the same. And an optional field is left
+/// out, never `null` (schemars lets an `Option` be `null`).
+#[cfg(feature = "schema")]
+fn as_draft4(v: &mut serde_json::Value) {
+    use serde_json::Value as J;
+    let is_null_type = |t: &J| t.get("type").and_then(J::as_str) == Some("null");
+    match v {
+        J::Object(map) => {
+            if let Some(c) = map.remove("const") {
+                map.insert("enum".into(), J::Array(vec![c]));
+            }
+            if let Some(J::Array(types)) = map.get_mut("type") {
+                types.retain(|t| t != "null");
+                if let [only] = types.as_slice() {
+                    let only = only.clone();
+                    map.insert("type".into(), only);
+                }
+            }
+            if let Some(J::Array(branches)) = map.get_mut("anyOf") {
+                branches.retain(|b| !is_null_type(b));
+                if branches.len() == 1 {
+                    if let Some(branches) = map.remove("anyOf") {
+                        map.insert("allOf".into(), branches);
+                    }
+                }
+            }
+            map.values_mut().for_each(as_draft4);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(as_draft4),
+        _ => {}
     }
 }
 
@@ -454,8 +756,13 @@ impl Config {
                 }
             }
             SubjectSource::Metadata(path) => {
-                if path.len() < 2 || path.iter().any(String::is_empty) {
-                    return err("subject.metadata must be [filter namespace, key, ...] with at least two non-empty parts");
+                if path.len() < 2 {
+                    return err(
+                        "subject.metadata must be [filter namespace, key, ...]: at least two parts",
+                    );
+                }
+                if let Some(i) = path.iter().position(String::is_empty) {
+                    return err(format!("subject.metadata[{i}] must not be empty"));
                 }
             }
         }
@@ -469,9 +776,10 @@ impl Config {
             r.method = r.method.to_ascii_uppercase();
             match (&r.path, &r.prefix) {
                 (Some(p), None) | (None, Some(p)) => {
+                    let name = if r.path.is_some() { "path" } else { "prefix" };
                     if !p.starts_with('/') || p.contains('?') || p.contains('#') {
                         return err(format!(
-                            "routes[{i}]: the path or prefix must start with '/' and have no query"
+                            "routes[{i}].{name} must start with '/' and have no query or fragment"
                         ));
                     }
                 }
@@ -479,10 +787,11 @@ impl Config {
             }
             match (r.on_unknown, &mut r.reconcile) {
                 (OnUnknown::Reconcile, Some(rc)) => {
-                    if rc.cluster.is_empty() || rc.authority.is_empty() {
-                        return err(format!(
-                            "routes[{i}].reconcile needs a cluster and an authority"
-                        ));
+                    if rc.cluster.is_empty() {
+                        return err(format!("routes[{i}].reconcile.cluster must not be empty"));
+                    }
+                    if rc.authority.is_empty() {
+                        return err(format!("routes[{i}].reconcile.authority must not be empty"));
                     }
                     if !is_token(&rc.method) {
                         return err(format!(
@@ -515,6 +824,9 @@ impl Config {
         if self.max_request_body_bytes == 0 {
             return err("max_request_body_bytes must be > 0");
         }
+        // The global lease first: a route without its own inherits it, and the field to name is
+        // the global one.
+        check_lease("", self.lease_ms, self.heartbeat_ms)?;
         for i in 0..self.routes.len() {
             let what = format!("routes[{i}]");
             check_lease(&what, self.lease_for(i), self.heartbeat_for(i))?;
@@ -547,7 +859,6 @@ impl Config {
                 limits::MAX_STORED_BODY_BYTES
             ));
         }
-        check_lease("", self.lease_ms, self.heartbeat_ms)?;
         if !limits::valid_namespace(&self.namespace) {
             return err(format!(
                 "namespace must be at most {} of a-z 0-9 . _ -",
@@ -971,6 +1282,109 @@ mod tests {
         }
         let e = with(|v| v["complete_in_background"] = "yes".into()).unwrap_err();
         assert!(e.to_string().contains("complete_in_background"), "{e}");
+    }
+
+    /// Every field away from its default: what serde writes, the reader reads back the same.
+    /// The literals name every field, so a new one is written here too.
+    fn every_field_set() -> Config {
+        let pointer = |p: &str| Pointer::parse(p).unwrap();
+        Config {
+            state_api: StateApi {
+                cluster: "outbound|8081||state-api.idem.svc.cluster.local".into(),
+                authority: "state-api.idem.svc.cluster.local:8081".into(),
+                token: "a token with spaces".into(),
+                timeout_ms: 2_500,
+            },
+            subject: SubjectSource::Metadata(vec![
+                "envoy.filters.http.jwt_authn".into(),
+                "payload".into(),
+                "sub".into(),
+            ]),
+            routes: vec![
+                Route {
+                    method: "POST".into(),
+                    path: Some("/orders".into()),
+                    prefix: None,
+                    key: KeyPolicy::Optional,
+                    on_5xx: On5xx::Release,
+                    on_state_unavailable: OnStateUnavailable::FailOpen,
+                    on_unknown: OnUnknown::Reconcile,
+                    reconcile: Some(Reconcile {
+                        cluster: "reconcile_0".into(),
+                        authority: "orders:8080".into(),
+                        method: "POST".into(),
+                        path: "/attempts/{key}".into(),
+                        timeout_ms: 700,
+                    }),
+                    lease_ms: Some(4_000),
+                    heartbeat_ms: Some(1_000),
+                    max_request_body_bytes: Some(4_096),
+                    retention_s: Some(3_600),
+                    max_wait_s: 3,
+                    fingerprint: Selection::Include(vec![pointer("/amount"), pointer("/a~1b")]),
+                    key_from: Some(pointer("/idempotency_key")),
+                },
+                Route {
+                    method: "PUT".into(),
+                    path: None,
+                    prefix: Some("/refunds/".into()),
+                    key: KeyPolicy::Required,
+                    on_5xx: On5xx::Store,
+                    on_state_unavailable: OnStateUnavailable::FailClosed,
+                    on_unknown: OnUnknown::Reexecute,
+                    reconcile: None,
+                    lease_ms: None,
+                    heartbeat_ms: None,
+                    max_request_body_bytes: None,
+                    retention_s: None,
+                    max_wait_s: 0,
+                    fingerprint: Selection::Ignore(vec![pointer("/sent_at")]),
+                    key_from: None,
+                },
+            ],
+            max_request_body_bytes: 2_048,
+            max_stored_body_bytes: 3_072,
+            lease_ms: 20_000,
+            heartbeat_ms: 5_000,
+            replay_extra_headers: vec!["x-charge-id".into()],
+            replay_cache_bytes: 1_024,
+            replay_cache_ttl_ms: 1_000,
+            in_flight_cache_ms: 250,
+            complete_retry_ms: 5_000,
+            complete_retry_bytes: 4_096,
+            complete_in_background: true,
+            namespace: "shop-eu".into(),
+            max_waiters: 7,
+            batch_max: 5,
+            max_buffered_bytes: Some(1 << 20),
+        }
+    }
+
+    #[test]
+    fn what_serde_writes_the_reader_reads_back_the_same() {
+        let written = every_field_set();
+        let json = serde_json::to_vec(&written).unwrap();
+        assert_eq!(Config::parse(&json).unwrap(), written);
+        let mut with_header = written;
+        with_header.subject = SubjectSource::Header("x-jwt-sub".into());
+        let json = serde_json::to_vec(&with_header).unwrap();
+        assert_eq!(Config::parse(&json).unwrap(), with_header);
+        // A route's absent options are left out, not written as null.
+        let text = String::from_utf8(json).unwrap();
+        assert!(!text.contains("null"), "{text}");
+    }
+
+    #[test]
+    fn null_is_no_value() {
+        let e = with(|v| v["lease_ms"] = serde_json::Value::Null).unwrap_err();
+        assert!(e.to_string().contains(": lease_ms is null"), "{e}");
+        let e = with(|v| v["routes"][1]["on_5xx"] = serde_json::Value::Null).unwrap_err();
+        assert!(e.to_string().contains(": routes[1].on_5xx is null"), "{e}");
+        let e = with(|v| v["replay_extra_headers"] = serde_json::json!(["a", null])).unwrap_err();
+        assert!(
+            e.to_string().contains(": replay_extra_headers[1] is null"),
+            "{e}"
+        );
     }
 
     #[test]

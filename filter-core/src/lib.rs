@@ -6,12 +6,15 @@
 //! * [`worker`]: one Envoy worker's state machine: the streams' flows, heartbeats, handed-over
 //!   writes, and its memory of completed and running keys;
 //! * [`flow`]: one request's state machine, one module per phase;
+//! * [`host`]: how the worker's effects become host actions (the glue and the simulation each
+//!   implement its [`host::Host`] and share its [`host::perform`]);
 //! * [`config`], [`key`], [`headers`], [`reply`], [`outcome`], [`metrics`]: the rules they use;
 //!   [`hostmap`]: the proxy-wasm header map encoding.
 
 pub mod config;
 pub mod flow;
 pub mod headers;
+pub mod host;
 pub mod hostmap;
 pub mod key;
 pub mod metrics;

@@ -1,33 +1,268 @@
-//! The invariants, checked after every step (and at each execution and answer):
+//! The invariants, checked after every step, at each execution, charge, answer and state API
+//! event (`docs/simulation.md` says each in full):
 //!
 //! 1. the upstream executes each (key, subject, endpoint) at most once, unless the state API
-//!    released the key (the upstream was certainly not reached, or the route releases 5xx) or
-//!    the route re-executes unknown outcomes and the state API handed the key over as one, and
-//!    then only with a strictly larger fencing token: an expired lease alone never lets a
-//!    request run again; a request forwarded without a claim is allowed only where the route
-//!    fails open *and* the state API could not be used; no request reaches the upstream with a
-//!    fencing token the state API did not issue for its scope;
-//! 2. every replay equals an outcome the upstream (or Envoy's router for it) really produced
-//!    for that scope, byte for byte: status, replayed headers, body, content encoding;
+//!    released the key (the upstream was certainly not reached, or the route releases 5xx), or
+//!    the route re-executes unknown outcomes and the state API handed the key over as one, or
+//!    the record went away legitimately (past its retention counted from its owner's last sign
+//!    of life; an operator's action without force on an owner silent for a lease), and then
+//!    only with a strictly larger fencing token; a request forwarded without a claim is allowed
+//!    only where the route fails open *and* the state API could not be used; no request reaches
+//!    the upstream with a fencing token the state API did not issue for its scope, or a client's;
+//! 2. every replay is an outcome the upstream itself produced for that scope, byte for byte:
+//!    never an answer Envoy made (a timeout, a reset, a 413);
 //! 3. no answer crosses subjects or endpoints, and a changed request never gets a replay;
 //! 4. no panic, and the worker's memory stays within the configured bounds;
+//! 5. a mark is never undone by an older heartbeat: a heartbeat sent before its owner's
+//!    unknown mark (or release) took effect does not make the record in progress again;
+//! 6. a live owner's lease does not lapse merely because one heartbeat failed, its clock
+//!    stepped, or the database came back from an outage (a crash recovery in place), and a
+//!    write it took over is not given up before `complete_retry_ms` of real time;
+//! 7. at most one *charge* per key by the reference upstream's rules (a later token after an
+//!    executed attempt must not charge again), with the allowances of 1 but the hand-over;
+//! 8. a key none of whose requests was ever forwarded is usable again within one lease (its
+//!    retry after the drain is not held with 409), unless the worker that held a grant for it
+//!    died with the grant open, or a worker gave a write up;
+//! 9. no stored fingerprint is the plain SHA-256 of the request (a copy of the table would
+//!    confirm a guess of the body);
 //!
 //! and once the schedule is drained (no faults, every lease run out): a request whose client
 //! received the upstream's whole answer gets that answer back when it is retried (on a route
 //! that holds unknown outcomes, 409 `outcome-unknown` if its outcome was never stored).
 
-use crate::state_api::Scope;
+use crate::state_api::{Deleter, Grant, Scope};
 use crate::upstream::{Produced, Sent};
-use crate::world::{ClientView, World};
+use crate::world::{ClientView, Outage, World};
 use contract::wire::FENCING_TOKEN_HEADER;
+use filter_core::worker::CalloutResult;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// The fencing token a misbehaving client sends (the filter must strip it).
+pub const CLIENT_TOKEN: i64 = 999_999;
+
+/// What the invariants remember of a run (times are global, in ms).
+#[derive(Debug, Default)]
+pub struct Evidence {
+    /// When each token was granted, and to which worker (index, generation) it was answered.
+    pub granted_at: BTreeMap<i64, u64>,
+    pub granted_to: BTreeMap<i64, (usize, u32)>,
+    /// The key secret each token's record was made under.
+    pub secret_of: BTreeMap<i64, u32>,
+    /// The last time the state API heard from each token's owner: its grant, an accepted
+    /// heartbeat, its unknown mark, its complete.
+    pub last_sign: BTreeMap<i64, u64>,
+    /// Why the key was free for each token granted as a new key or by a reuse: the token
+    /// whose record made way, whether that was legitimate, and how (for the violation).
+    pub freed: BTreeMap<i64, Freed>,
+    /// When each token's owner marked its record unknown (the `seq` of the mark).
+    pub owner_marks: BTreeMap<i64, u64>,
+    /// When each heartbeat of a token failed, as its owner heard it.
+    pub heartbeat_failures: BTreeMap<i64, Vec<u64>>,
+    /// Since when each (worker, generation, token) is held (registered for heartbeats), and
+    /// since when a write of it is pending.
+    pub held_since: BTreeMap<(usize, u32, i64), u64>,
+    pub write_since: BTreeMap<(usize, u32, i64), u64>,
+    /// Database outages (crashes, restarts, pauses) and when they ended.
+    pub database_outages: Vec<(u64, u64, Outage)>,
+    /// When the state API process was down (connections refused).
+    pub api_outages: Vec<(u64, u64)>,
+    /// Clock steps of each worker: (when, by how much).
+    pub clock_steps: BTreeMap<usize, Vec<(u64, i64)>>,
+    /// Scopes invariant 8 leaves out: a worker died holding a grant for them.
+    pub grant_died: BTreeSet<Scope>,
+    /// A worker gave a write up (invariant 8 is left out for the endpoint its log names, or
+    /// for the run when it names none).
+    pub gave_up_a_write: bool,
+    pub gave_up_for: BTreeSet<String>,
+    /// Claims the state API committed whose answer never reached the filter, by scope (how).
+    pub lost_grants: BTreeMap<Scope, String>,
+    /// How the last record of each scope ended (deleted, or reused past its retention), and
+    /// every end, in order.
+    pub scope_end: BTreeMap<Scope, Freed>,
+    pub ends: BTreeMap<Scope, Vec<Freed>>,
+    /// For each token whose record an operator deleted: how long its owner had been silent,
+    /// and its lease.
+    pub operator_silent: BTreeMap<i64, (u64, u64)>,
+    /// Scopes an operator released or purged (the promise starts over for them).
+    pub operator_scopes: BTreeSet<Scope>,
+    /// The retention of each token's record, as the state API kept it.
+    pub retention_of: BTreeMap<i64, u64>,
+    /// Answers Envoy made itself for a scope after forwarding (status, details).
+    pub envoy_replies: Vec<(Scope, Produced, String)>,
+    /// Answers the reconcile endpoints gave, by the scope they were asked for.
+    pub reconcile_answers: Vec<(Scope, Produced)>,
+}
+
+/// Why a key was free when a token was granted, or how a record ended.
+#[derive(Debug, Clone)]
+pub struct Freed {
+    /// The token whose record made way (none: there was none at the address).
+    pub from: Option<i64>,
+    pub legit: bool,
+    pub how: String,
+    /// When.
+    pub at: u64,
+}
+
+impl Evidence {
+    /// A record of `scope` ended: it is the scope's last end unless a newer record (a larger
+    /// token) ended before it (an older record can outlive a newer one under another key
+    /// secret).
+    pub fn record_ended(&mut self, scope: &Scope, end: Freed) {
+        self.ends
+            .entry(scope.clone())
+            .or_default()
+            .push(end.clone());
+        let newer = self.scope_end.get(scope).is_some_and(|e| e.from > end.from);
+        if !newer {
+            self.scope_end.insert(scope.clone(), end);
+        }
+    }
+
+    /// Whether a re-execution (or a second charge) with `token` after the earlier one with
+    /// `prior` is allowed because the key became free legitimately in between; otherwise why
+    /// it was free.
+    fn freed_since(&self, scope: &Scope, prior: i64, token: i64) -> Result<(), String> {
+        // The outcome of `prior` was legitimately let go before `token` was granted: a record
+        // at least as new as `prior`'s ended legitimately by then.
+        let granted = self.granted_at.get(&token).copied().unwrap_or(u64::MAX);
+        let ends = self.ends.get(scope).map(Vec::as_slice).unwrap_or_default();
+        let since = |e: &&Freed| e.from.is_some_and(|q| q >= prior) && e.at <= granted;
+        if ends.iter().filter(since).any(|e| e.legit) {
+            return Ok(());
+        }
+        let f = self.freed.get(&token);
+        if let Some(f) = f.filter(|f| !f.legit) {
+            return Err(format!(": token {token} was granted {}", f.how));
+        }
+        if let Some(e) = ends.iter().rev().find(since) {
+            return Err(format!(
+                ": token {token} was granted as a new key: {}",
+                e.how
+            ));
+        }
+        match (self.secret_of.get(&prior), self.secret_of.get(&token)) {
+            (Some(a), Some(b)) if a != b => Err(format!(
+                ": token {token} was granted as a new key under key secret {b} while token {prior}'s record lived under key secret {a} (a rotation of the key secret)"
+            )),
+            _ => Err(f
+                .map(|f| format!(": token {token} was granted {}", f.how))
+                .unwrap_or_default()),
+        }
+    }
+}
+
+fn retention_of(w: &World, token: i64) -> u64 {
+    w.ev.retention_of
+        .get(&token)
+        .copied()
+        .unwrap_or(w.setup.state_api.retention_ms)
+}
+
+/// Why the key of a claim's grant was free (the state API's [`Grant`]), judged.
+pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
+    match how {
+        // A record of the key lives under another key secret (it could not be found): that
+        // is legitimate only once it could have gone anyway (a retention past its owner's last
+        // sign of life).
+        Grant::New {
+            elsewhere: Some((secret, token)),
+            secret: mine,
+        } => Freed {
+            from: Some(*token),
+            legit: silent_for(w, *token) >= retention_of(w, *token),
+            how: format!(
+                "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret), {} ms after its owner's last sign of life",
+                silent_for(w, *token)
+            ),
+            at: w.now,
+        },
+        // No record anywhere: the last one of the scope ended, legitimately or not.
+        Grant::New { .. } => match w.ev.scope_end.get(scope) {
+            Some(end) => Freed {
+                from: end.from,
+                legit: end.legit,
+                how: format!("as a new key: {}", end.how),
+                at: w.now,
+            },
+            None => Freed {
+                from: None,
+                legit: true,
+                how: "as a new key".into(),
+                at: w.now,
+            },
+        },
+        Grant::RetentionReuse {
+            from,
+            was_in_progress,
+        } => {
+            let retention = retention_of(w, *from);
+            let silent = silent_for(w, *from);
+            Freed {
+                from: Some(*from),
+                legit: silent >= retention,
+                how: format!(
+                    "as a new key past its retention: token {from}'s record ({}, retention {retention} ms) was reused {silent} ms after its owner's last sign of life",
+                    if *was_in_progress { "its outcome never stored" } else { "completed" },
+                ),
+                at: w.now,
+            }
+        }
+        Grant::Reclaimed { from } => Freed {
+            from: Some(*from),
+            legit: false,
+            how: format!("by taking over token {from}'s unknown outcome"),
+            at: w.now,
+        },
+    }
+}
+
+/// How long the state API has not heard from `token`'s owner.
+fn silent_for(w: &World, token: i64) -> u64 {
+    w.now
+        .saturating_sub(w.ev.last_sign.get(&token).copied().unwrap_or(0))
+}
+
+/// A record of `token` was deleted by `by`: whether that was legitimate, and how.
+pub fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
+    let silent = silent_for(w, token);
+    let (legit, how) = match by {
+        Deleter::Owner => (true, "its owner released it".to_owned()),
+        Deleter::Abandon | Deleter::GoneCaller => (true, by.describe().to_owned()),
+        Deleter::Purge => {
+            let retention = retention_of(w, token);
+            (
+                silent >= retention,
+                format!(
+                    "the purge deleted it past its retention ({retention} ms), {silent} ms after its owner's last sign of life"
+                ),
+            )
+        }
+        Deleter::OperatorRelease | Deleter::OperatorPurge => {
+            let (silent, lease) =
+                w.ev.operator_silent
+                    .get(&token)
+                    .copied()
+                    .unwrap_or((silent, w.setup.lease_ms));
+            (
+                silent >= lease,
+                format!(
+                    "{} deleted it {silent} ms after its owner's last sign of life (its lease is {lease} ms)",
+                    by.describe()
+                ),
+            )
+        }
+    };
+    Freed {
+        from: Some(token),
+        legit,
+        how: format!("token {token}'s record was gone ({how})"),
+        at: w.now,
+    }
+}
 
 /// A request reaches the upstream (`stream` is its attempt).
 pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize) {
-    // A route that re-executes unknown outcomes runs a key again once it was handed over so.
-    let reexecutes = w
-        .cfg
-        .route("POST", scope.2.trim_start_matches("POST "))
-        .is_some_and(|r| r.on_unknown == filter_core::config::OnUnknown::Reexecute);
     let earlier: Vec<(Option<i64>, usize)> = w
         .upstream
         .of_scope(scope)
@@ -41,39 +276,92 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
                 ));
             }
         }
+        Some(CLIENT_TOKEN) if w.api.issued.get(&CLIENT_TOKEN) != Some(scope) => {
+            w.violations.push(format!(
+                "1: stream {stream} reached the upstream with a client-sent fencing token ({CLIENT_TOKEN}) on a protected route"
+            ));
+        }
         Some(t) => {
             if w.api.issued.get(&t) != Some(scope) {
                 w.violations.push(format!(
                     "1: stream {stream} reached the upstream with fencing token {t}, which the state API never issued for this scope"
                 ));
             }
-            let handed_over = reexecutes && w.api.took_over_unknown.get(&t) == Some(scope);
+            // A route that re-executes unknown outcomes runs a key again once it was handed
+            // over so.
+            let handed_over =
+                reexecutes(w, scope) && w.api.took_over_unknown.get(&t) == Some(scope);
             for (prior, prior_stream) in earlier {
                 let Some(prior) = prior else { continue };
                 if t <= prior {
-                    w.violations.push(format!(
-                        "1: stream {stream} executed {scope:?} again with token {t}, not larger than the earlier {prior}"
-                    ));
-                } else if !w.released.contains(&prior) && !handed_over {
-                    let seen = &w.streams[prior_stream].client;
-                    let earlier_client = match (seen.status, seen.complete) {
-                        (None, _) => "nothing".to_owned(),
-                        (Some(st), true) => format!("all of its {st} answer"),
-                        (Some(st), false) => {
-                            format!("the headers of a {st} answer, not all of its body")
-                        }
-                    };
-                    let open = if w.streams[prior_stream].ended {
-                        ""
-                    } else {
-                        "; its stream is still open"
+                    let rotation = match (w.ev.secret_of.get(&t), w.ev.secret_of.get(&prior)) {
+                        (Some(a), Some(b)) if a != b => format!(
+                            " (token {t} was granted under key secret {a} while token {prior}'s record lived under key secret {b})"
+                        ),
+                        _ => String::new(),
                     };
                     w.violations.push(format!(
-                        "1: stream {stream} executed {scope:?} a second time (token {t}; the earlier execution with token {prior} was never released; its client got {earlier_client}{open})"
+                        "1: stream {stream} executed {scope:?} again with token {t}, not larger than the earlier {prior}{rotation}"
                     ));
+                    continue;
                 }
+                if w.released.contains(&prior) || handed_over {
+                    continue;
+                }
+                let Err(why) = w.ev.freed_since(scope, prior, t) else {
+                    continue;
+                };
+                let seen = &w.streams[prior_stream].client;
+                let earlier_client = match (seen.status, seen.complete) {
+                    (None, _) => "nothing".to_owned(),
+                    (Some(st), true) => format!("all of its {st} answer"),
+                    (Some(st), false) => {
+                        format!("the headers of a {st} answer, not all of its body")
+                    }
+                };
+                let open = if w.streams[prior_stream].ended {
+                    ""
+                } else {
+                    "; its stream is still open"
+                };
+                w.violations.push(format!(
+                    "1: stream {stream} executed {scope:?} a second time (token {t}; the earlier execution with token {prior} was never released; its client got {earlier_client}{open}){why}"
+                ));
             }
         }
+    }
+}
+
+fn reexecutes(w: &World, scope: &Scope) -> bool {
+    w.cfg
+        .route("POST", scope.2.trim_start_matches("POST "))
+        .is_some_and(|r| r.on_unknown == filter_core::config::OnUnknown::Reexecute)
+}
+
+/// Execution `e` charged (the reference upstream committed it).
+pub fn charge(w: &mut World, e: usize) {
+    let x = &w.upstream.executions[e];
+    let (scope, token) = (x.scope.clone(), x.token);
+    let earlier: Vec<Option<i64>> = w
+        .upstream
+        .executions
+        .iter()
+        .enumerate()
+        .filter(|(i, p)| *i != e && p.scope == scope && p.charged)
+        .map(|(_, p)| p.token)
+        .collect();
+    for prior in earlier {
+        let (Some(prior), Some(t)) = (prior, token) else {
+            continue;
+        };
+        if w.released.contains(&prior)
+            || w.ev.freed_since(&scope, prior.min(t), prior.max(t)).is_ok()
+        {
+            continue;
+        }
+        w.violations.push(format!(
+            "7: the upstream charged {scope:?} a second time (token {t}, after token {prior} charged): the reference checkout accepted a token larger than one that already executed"
+        ));
     }
 }
 
@@ -125,36 +413,78 @@ pub fn answered(w: &mut World, s: usize) {
         .of_scope(&scope)
         .filter(|e| replays(&st.client, &e.plan.response))
         .map(|e| e.request.clone())
+        .chain(
+            w.upstream
+                .refused
+                .iter()
+                .filter(|(sc, _, p)| *sc == scope && replays(&st.client, p))
+                .map(|(_, r, _)| r.clone()),
+        )
         .collect();
     if matching.is_empty() {
+        if let Some((_, p, details)) =
+            w.ev.envoy_replies
+                .iter()
+                .find(|(sc, p, _)| *sc == scope && replays(&st.client, p))
+        {
+            w.violations.push(format!(
+                "2: stream {s} got a replay of Envoy's own answer ({} {details}), not one the upstream produced",
+                p.status
+            ));
+            return;
+        }
         let elsewhere = w
             .upstream
             .executions
             .iter()
             .any(|e| e.scope != scope && replays(&st.client, &e.plan.response));
         w.violations.push(format!(
-            "{}: stream {s} got a replay ({:?}, {} body bytes, content-encoding {:?}) that no execution of {scope:?} produced",
+            "{}: stream {s} got a replay ({:?}, {} body bytes, content-encoding {:?}) that no execution of {scope:?} produced{}",
             if elsewhere { "3" } else { "2" },
             st.client.status,
             st.client.body.len(),
             st.client.header("content-encoding"),
+            from_reconcile(w, &scope, &st.client),
         ));
         return;
     }
     if !matching.iter().any(|r| r.same_as(&st.request)) {
         w.violations.push(format!(
-            "3: stream {s} sent another request under the same key ({} {:?}) and got the replay of the first",
+            "3: stream {s} sent another request under the same key ({} {:?}) and got the replay of the first{}",
             String::from_utf8_lossy(&st.request.body),
-            st.request.content_type
+            st.request.content_type,
+            from_reconcile(w, &scope, &st.client),
         ));
     }
 }
 
-/// After every step: the worker's memory within its bounds.
+/// Where a wrong replay came from, when a reconcile endpoint gave it for this scope.
+fn from_reconcile(w: &World, scope: &Scope, view: &ClientView) -> String {
+    if w.ev
+        .reconcile_answers
+        .iter()
+        .any(|(sc, p)| sc == scope && replays(view, p))
+    {
+        " (stored from the upstream's reconcile answer, which described another request)".into()
+    } else {
+        String::new()
+    }
+}
+
+/// After every step: the worker's memory within its bounds; what each worker holds, noted.
 pub fn after_step(w: &mut World) {
     let cfg = &w.cfg;
+    let now = w.now;
     for (i, sw) in w.workers.iter().enumerate() {
         let Some(wk) = &sw.w else { continue };
+        for t in wk.held_tokens() {
+            w.ev.held_since.entry((i, sw.generation, t)).or_insert(now);
+        }
+        for (t, since) in wk.write_tokens() {
+            // Handed over at `since` on the worker's own clock.
+            let at = since.saturating_sub(sw.steady_ms);
+            w.ev.write_since.entry((i, sw.generation, t)).or_insert(at);
+        }
         let u = wk.usage();
         let live_streams = w
             .streams
@@ -195,10 +525,143 @@ pub fn after_step(w: &mut World) {
     }
 }
 
+/// A heartbeat of `token` sent at dispatch `sent` was accepted after its owner's mark: the
+/// record is in progress again (invariant 5).
+pub fn heartbeat_after_mark(w: &mut World, token: i64, sent: u64) {
+    if let Some(&marked) = w.ev.owner_marks.get(&token) {
+        if sent < marked {
+            w.violations.push(format!(
+                "5: a heartbeat of token {token} sent before its owner's unknown mark was answered after it and undid the mark (the record is in progress again)"
+            ));
+        }
+    }
+}
+
+/// The state API found the lease of `token` run out (invariant 6): its owner, if it lives and
+/// held the grant for a whole lease, must have lost it for a reason of its own (two failed
+/// heartbeats in the last lease), not for one failed heartbeat, a clock step or a database
+/// that just came back.
+pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) {
+    let now = w.now;
+    let owner = w.workers.iter().enumerate().find_map(|(i, sw)| {
+        let wk = sw.w.as_ref()?;
+        wk.held_tokens()
+            .contains(&token)
+            .then_some((i, sw.generation))
+    });
+    let Some((wi, generation)) = owner else {
+        return;
+    };
+    let Some(&since) = w.ev.held_since.get(&(wi, generation, token)) else {
+        return;
+    };
+    if since + lease_ms > now {
+        // Its grant reached it less than a lease ago (a slow answer): not its heartbeats' fault.
+        return;
+    }
+    let window = now.saturating_sub(lease_ms);
+    // A database outage that ended within the last lease (a pause counts once it is long
+    // enough to be one: shorter silences are latency, left to the heartbeats' count below).
+    let outage =
+        w.ev.database_outages
+            .iter()
+            .rev()
+            .find(|(start, end, kind)| {
+                *end > window
+                    && (*kind != Outage::Paused || end - start > crate::world::PULSE_SILENCE_MS)
+            });
+    if let Some(&(start, end, kind)) = outage {
+        let what = match kind {
+            Outage::Database { in_place: true } => {
+                "a crash recovery in place (it recovered in place: serving_since did not move)"
+                    .to_owned()
+            }
+            Outage::Paused => format!(
+                "a pause of {} ms (it resumed from a pause: serving_since did not move)",
+                end - start
+            ),
+            _ => "a restart".to_owned(),
+        };
+        w.violations.push(format!(
+            "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) {} ms after the database came back from {what}, while its owner on worker {wi} lives",
+            now - end,
+        ));
+        return;
+    }
+    // The state API could not hear anyone for a while in the last lease: its owner's lease
+    // ran out for a reason of its own.
+    let api_down =
+        w.outage == Outage::ApiDown || w.ev.api_outages.iter().any(|(_, end)| *end > window);
+    if api_down {
+        return;
+    }
+    let failed =
+        w.ev.heartbeat_failures
+            .get(&token)
+            .map_or(0, |f| f.iter().filter(|t| **t > window).count());
+    let pending = w
+        .callouts
+        .iter()
+        .filter(|c| {
+            !c.orphan
+                && !matches!(c.answer, Some(CalloutResult::Response { status: 200, .. }))
+                && c.path == contract::wire::HEARTBEAT_PATH
+                && serde_json::from_slice::<contract::wire::HeartbeatRequest>(&c.body)
+                    .is_ok_and(|h| h.token == token)
+        })
+        .count();
+    if failed + pending >= 2 {
+        return;
+    }
+    // Its clock's steps since a lease before the state API last heard from it.
+    let heard = w.ev.last_sign.get(&token).copied().unwrap_or(0);
+    let steps: Vec<String> =
+        w.ev.clock_steps
+            .get(&wi)
+            .map(|s| {
+                s.iter()
+                    .filter(|(at, _)| *at + lease_ms >= heard)
+                    .map(|(at, by)| format!("its wall clock stepped {by:+} ms at {at}"))
+                    .collect()
+            })
+            .unwrap_or_default();
+    let mut steps = steps;
+    let skew = w.workers[wi].skew_ms;
+    if skew.abs() >= 1_000 {
+        steps.push(format!("its wall clock is {skew:+} ms off"));
+    }
+    w.violations.push(format!(
+        "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) while its owner on worker {wi} lives: {} of its heartbeats failed in the last lease{}{}",
+        failed + pending,
+        if pending > 0 { " (one still unanswered)" } else { "" },
+        if steps.is_empty() { String::new() } else { format!("; {}", steps.join(", ")) }
+    ));
+}
+
+/// Worker `wi` gave up a write of `token` because `complete_retry_ms` passed on its clock
+/// (invariant 6: real time must have passed too).
+pub fn gave_up(w: &mut World, wi: usize, token: i64) {
+    let generation = w.workers[wi].generation;
+    let Some(&since) = w.ev.write_since.get(&(wi, generation, token)) else {
+        return;
+    };
+    let waited = w.now.saturating_sub(since);
+    if waited < w.setup.complete_retry_ms {
+        w.violations.push(format!(
+            "6: worker {wi} gave up the write of token {token} after {waited} ms of real time (complete_retry_ms is {} ms): its clock stepped",
+            w.setup.complete_retry_ms
+        ));
+    }
+}
+
 /// Once drained: a retry of every operation whose client got the upstream's whole answer to
-/// the very request the retry sends.
+/// the very request the retry sends; invariant 8 for keys never forwarded; invariant 9.
 pub fn final_answers(w: &mut World) {
     for op in 0..w.ops.len() {
+        if w.ops[op].key.is_empty() {
+            // No key: no idempotency to check (its retry runs again, by design).
+            continue;
+        }
         let scope = w.ops[op].scope();
         let original = w.ops[op].request();
         // The upstream's answer as a client received it whole (not a router's, not a replay).
@@ -218,27 +681,42 @@ pub fn final_answers(w: &mut World) {
         let release_route = w.ops[op].path == "/refunds";
         let route = w.cfg.route("POST", &w.ops[op].path).map(|r| r.on_unknown);
         let unknown = w.api.outcome_unknown(&scope, w.now);
-        let Some(delivered) = delivered else {
-            // Still run the retry: it must not execute a second time (checked at execution).
-            let _ = w.final_retry(op);
-            if !w.violations.is_empty() {
-                return;
-            }
-            continue;
-        };
-        if release_route && delivered.status >= 500 {
-            continue;
-        }
+        let never_forwarded = route.is_some()
+            && w.upstream.of_scope(&scope).next().is_none()
+            && !w
+                .streams
+                .iter()
+                .any(|s| w.ops[s.op].scope() == scope && (s.in_transit || s.forwarded.is_some()));
+        let executions_before = w.upstream.executions.len();
         let Some(view) = w.final_retry(op) else {
             continue;
         };
         if !w.violations.is_empty() {
             return;
         }
-        let reexecuted = w.upstream.of_scope(&scope).any(|e| {
-            e.token
-                .is_some_and(|t| w.api.took_over_unknown.contains_key(&t))
-        });
+        if never_forwarded {
+            never_forwarded_is_usable(w, &scope, &view);
+            if !w.violations.is_empty() {
+                return;
+            }
+        }
+        let Some(delivered) = delivered else {
+            continue;
+        };
+        if release_route && delivered.status >= 500 {
+            continue;
+        }
+        if w.upstream.executions.len() > executions_before
+            || w.setup.state_api.max_retention_ms < w.now
+            || w.ev.operator_scopes.contains(&scope)
+        {
+            // It ran again, and the check at its execution found that legitimate (its record
+            // had gone past its retention); or its record may have (the run was longer).
+            continue;
+        }
+        // Handed over as an unknown outcome: on a route that re-executes, what the later
+        // attempt got (its own execution, or the upstream's answer for the key) is the outcome.
+        let reexecuted = w.api.took_over_unknown.values().any(|s| *s == scope);
         if route == Some(filter_core::config::OnUnknown::Reexecute) && reexecuted {
             // The route chose to run it again: the later execution's answer is the outcome.
             continue;
@@ -284,5 +762,69 @@ pub fn final_answers(w: &mut World) {
             ));
             return;
         }
+    }
+    fingerprints_are_keyed(w);
+}
+
+/// Invariant 8: nothing of `scope` was ever forwarded, so its retry after the drain (past
+/// every lease) must not be held.
+fn never_forwarded_is_usable(w: &mut World, scope: &Scope, view: &ClientView) {
+    if w.ev.gave_up_a_write
+        || w.ev.gave_up_for.contains(&scope.2)
+        || w.ev.grant_died.contains(scope)
+    {
+        return;
+    }
+    let kind = crate::world::problem_type(&view.body);
+    let held = view.status == Some(409)
+        && (kind == contract::ProblemKind::OutcomeUnknown.type_uri()
+            || kind == contract::ProblemKind::InProgress.type_uri());
+    if held {
+        let how =
+            w.ev.lost_grants
+                .get(scope)
+                .map(|h| format!(": {h}"))
+                .unwrap_or_default();
+        w.violations.push(format!(
+            "8: nothing of {scope:?} was ever forwarded, yet its retry a lease later got 409 {kind}{how}"
+        ));
+    }
+}
+
+/// Invariant 9: no fingerprint the state API stored is the plain SHA-256 of its request.
+fn fingerprints_are_keyed(w: &mut World) {
+    for s in 0..w.streams.len() {
+        let st = &w.streams[s];
+        let scope = w.ops[st.op].scope();
+        let r = &st.request;
+        let Ok(plain) = contract::fingerprint::fingerprint(
+            &r.method,
+            &r.path,
+            &r.query,
+            r.content_type.as_deref(),
+            &r.body,
+        ) else {
+            continue;
+        };
+        if w.api
+            .stored_fingerprints
+            .contains(&(scope.clone(), plain.hex))
+        {
+            w.violations.push(format!(
+                "9: the state API stored the fingerprint of {scope:?}'s request as its plain SHA-256 (a copy of the table confirms a guess of the body)"
+            ));
+            return;
+        }
+    }
+}
+
+/// The database outage that just ended, for invariant 6.
+pub fn outage_ended(w: &mut World, since: u64, outage: Outage) {
+    match outage {
+        Outage::Database { .. } | Outage::Paused => {
+            w.ev.database_outages.push((since, w.now, outage))
+        }
+        Outage::ApiDown => w.ev.api_outages.push((since, w.now)),
+        Outage::None => {}
     }
 }

@@ -46,23 +46,43 @@ pub struct Report {
     pub elapsed: Duration,
     pub steps: u64,
     pub longest_trace: usize,
+    /// The seed that made it.
+    pub longest_seed: u64,
     /// Runs that broke an invariant the caller asked to ignore.
     pub ignored: u64,
+    /// Those runs by the first ignored text their violation contains.
+    pub ignored_by: BTreeMap<String, u64>,
     pub failure: Option<Failure>,
     /// In how many schedules each event happened at least once.
     pub reached: BTreeMap<&'static str, u64>,
 }
 
+/// The prefix of the model's counts of dangerous regions visited (the rest of what a run
+/// reaches is the filter's counters and the model's other events).
+pub const REGION: &str = "region: ";
+
 impl Report {
-    /// The events reached, with the share of schedules that reached each.
+    /// The events reached (dangerous regions aside), with the share of schedules that reached
+    /// each.
     pub fn coverage(&self) -> String {
+        self.share(false)
+    }
+
+    /// The dangerous regions visited, with the share of schedules that visited each.
+    pub fn regions(&self) -> String {
+        self.share(true)
+    }
+
+    fn share(&self, regions: bool) -> String {
         let total = self.schedules.max(1) as f64;
         self.reached
             .iter()
+            .filter(|(e, _)| e.starts_with(REGION) == regions)
             .map(|(e, n)| {
                 format!(
-                    "  {:<44} {:>8} schedules ({:.2}%)",
-                    e.trim_start_matches("idempotency."),
+                    "  {:<72} {:>8} schedules ({:.2}%)",
+                    e.trim_start_matches("idempotency.")
+                        .trim_start_matches(REGION),
                     n,
                     *n as f64 * 100.0 / total
                 )
@@ -77,12 +97,13 @@ impl Report {
 
     pub fn summary(&self) -> String {
         format!(
-            "simulation: {} schedules in {:.1} s ({:.0} schedules/s, {} steps, longest trace {} lines{}){}",
+            "simulation: {} schedules in {:.1} s ({:.0} schedules/s, {} steps, longest trace {} lines (seed {}){}){}",
             self.schedules,
             self.elapsed.as_secs_f64(),
             self.per_second(),
             self.steps,
             self.longest_trace,
+            self.longest_seed,
             if self.ignored > 0 { format!(", {} with an ignored violation", self.ignored) } else { String::new() },
             match &self.failure {
                 Some(f) => format!(
@@ -127,6 +148,7 @@ pub fn run_many_ignoring(
     let longest = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let ignored = AtomicU64::new(0);
+    let ignored_by: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
     let failure: Mutex<Option<(u64, Outcome)>> = Mutex::new(None);
     let reached: Mutex<BTreeMap<&'static str, u64>> = Mutex::new(BTreeMap::new());
     std::thread::scope(|scope| {
@@ -145,7 +167,8 @@ pub fn run_many_ignoring(
                 let o = run_seed(seed, p);
                 done.fetch_add(1, Ordering::Relaxed);
                 total_steps.fetch_add(o.steps as u64, Ordering::Relaxed);
-                longest.fetch_max(o.trace.len() as u64, Ordering::Relaxed);
+                // The length and the seed of the longest trace, in one word.
+                longest.fetch_max(((o.trace.len() as u64) << 40) | seed, Ordering::Relaxed);
                 if let Ok(mut r) = reached.lock() {
                     for e in o.reached.keys() {
                         *r.entry(*e).or_default() += 1;
@@ -163,6 +186,14 @@ pub fn run_many_ignoring(
                     };
                     if skip {
                         ignored.fetch_add(1, Ordering::Relaxed);
+                        let by = ignore
+                            .iter()
+                            .find(|i| v.contains(i.as_str()))
+                            .cloned()
+                            .unwrap_or_default();
+                        if let Ok(mut m) = ignored_by.lock() {
+                            *m.entry(by).or_default() += 1;
+                        }
                         continue;
                     }
                     stop.store(true, Ordering::Relaxed);
@@ -191,8 +222,10 @@ pub fn run_many_ignoring(
         schedules: done.load(Ordering::Relaxed),
         elapsed: began.elapsed(),
         steps: total_steps.load(Ordering::Relaxed),
-        longest_trace: longest.load(Ordering::Relaxed) as usize,
+        longest_trace: (longest.load(Ordering::Relaxed) >> 40) as usize,
+        longest_seed: longest.load(Ordering::Relaxed) & ((1 << 40) - 1),
         ignored: ignored.load(Ordering::Relaxed),
+        ignored_by: ignored_by.into_inner().unwrap_or_default(),
         failure,
         reached: reached.into_inner().unwrap_or_default(),
     }

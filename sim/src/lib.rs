@@ -21,6 +21,86 @@ use world::World;
 /// Random steps of one schedule before it is drained.
 pub const STEPS: usize = 120;
 
+/// The dangerous regions the schedules must visit (`make test` fails when 100,000 schedules
+/// miss one): each is counted by the run that visits it, and `make simulate` prints how many
+/// schedules visited each, so a change cannot quietly narrow what the simulation explores.
+pub const REGIONS: &[&str] = &[
+    // Parameters drawn per run.
+    "the shortest lease (1 s)",
+    "heartbeats at half the lease",
+    "state API callouts that time out after longer than a lease",
+    "reconcile callouts that time out after longer than a lease",
+    "a retention shorter than the run",
+    "Envoy's own timeouts shorter than the route's",
+    // Clocks.
+    "a clock stepped back while its worker held a claim",
+    "a clock stepped forward while its worker held a claim",
+    // The database.
+    "a crash recovery in place",
+    "a crash recovery in place longer than a lease",
+    "the database restarted",
+    "the database paused longer than a lease",
+    // Envoy's own answers after forwarding.
+    "Envoy answered a forwarded request 408",
+    "Envoy answered a forwarded request 413",
+    "Envoy answered a forwarded request 503",
+    "Envoy answered a forwarded request 504",
+    "Envoy reset a forwarded stream",
+    // Claims committed whose answer never reached the filter.
+    "a claim answer lost after its commit (the callout failed)",
+    "a claim answer lost after its commit (timed out)",
+    "a claim answer lost after its commit (the callout cancelled)",
+    "a claim answer lost after its commit (unreadable)",
+    "the state API released a claim whose caller was gone",
+    // The key secret.
+    "the key secret rotated",
+    "a record found under the previous key secret",
+    "the previous key secret dropped",
+    // Operators, the purge, expiry.
+    "an operator released or purged a record",
+    "an operator acted within a lease of the owner's last sign of life",
+    "an operator was refused without force",
+    "the purge deleted records",
+    "a record reused past its retention",
+    "a lease found run out",
+    "a heartbeat reached a record its owner's token marked unknown",
+    "a write given up after complete_retry_ms",
+    // Routes.
+    "a key_from request without a key, with a client's fencing token",
+    "a reconcile on a prefix or key_from route",
+];
+
+/// Violations of the product as it is before the fixes of issue 34, each by the path that
+/// causes it and a text its violation line contains. `make test` counts the schedules that
+/// break one of them and goes on (`make simulate AWAITING=1` does too); each line goes when
+/// its path's fix lands, and from then on such a violation fails the run.
+pub const AWAITING_FIX: &[(&str, &str)] = &[
+];
+
+/// How many schedules broke each ignored invariant, by the path of [`AWAITING_FIX`] it is
+/// awaiting the fix of.
+pub fn awaiting_report(report: &driver::Report) -> String {
+    let mut lines =
+        vec!["schedules that broke an invariant awaiting a fix (first violation):".to_owned()];
+    for (text, n) in &report.ignored_by {
+        let path = AWAITING_FIX
+            .iter()
+            .find(|(_, t)| t == text)
+            .map_or("(--ignore)", |(p, _)| p);
+        lines.push(format!(
+            "  {path:<8} {:<28} {n:>8} schedules ({:.2}%)",
+            format!("\"{text}\""),
+            *n as f64 * 100.0 / report.schedules.max(1) as f64
+        ));
+    }
+    lines.join("\n")
+}
+
+/// The texts of [`AWAITING_FIX`] (to pass as the runs' ignore list).
+pub fn awaiting_fix() -> Vec<String> {
+    AWAITING_FIX.iter().map(|(_, t)| (*t).to_owned()).collect()
+}
+
 /// What one run came to.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -155,7 +235,10 @@ mod tests {
         assert_eq!(Faults::parse("all").unwrap(), Faults::ALL);
         let f = Faults::parse("all,-kill,-give-up").unwrap();
         assert!(!f.has(Faults::KILL) && !f.has(Faults::GIVE_UP) && f.has(Faults::CALLOUT));
-        assert_eq!(f.to_string(), "api-down,callout,skew,upstream,client");
+        assert_eq!(
+            f.to_string(),
+            "api-down,callout,skew,upstream,client,database,envoy,rotate,operator"
+        );
         assert!(Faults::parse("kill,nonsense").is_err());
         // Without faults nothing is killed and nobody gives up.
         let o = run_seed(
@@ -165,7 +248,15 @@ mod tests {
                 faults: Faults(0),
             },
         );
-        assert!(o.violation.is_none());
+        // (Until the fixes of issue 34 land, only a violation they remove.)
+        let awaiting = awaiting_fix();
+        assert!(
+            o.violation
+                .as_deref()
+                .is_none_or(|v| awaiting.iter().any(|t| v.contains(t.as_str()))),
+            "{:?}",
+            o.violation
+        );
         assert!(!o.reached.contains_key("sim.worker_killed"));
         assert!(!o.reached.contains_key("sim.client_gave_up"));
     }

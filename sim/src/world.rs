@@ -5,14 +5,19 @@
 
 use crate::check;
 use crate::choice::Choices;
-use crate::state_api::{ModelStateApi, Scope, StateApiConfig};
+use crate::state_api::{Address, Event, ModelStateApi, Scope, StateApiConfig};
 use crate::upstream::{Ending, Execution, Plan, Produced, Sent, Upstream};
 use contract::wire::{CLAIM_PATH, FENCING_TOKEN_HEADER, WRITES_PATH};
 use contract::ProblemKind;
 use filter_core::config::Config;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
+use filter_core::host::{Current as HostCurrent, Host};
+use filter_core::metrics::Metric;
 use filter_core::outcome::flags;
-use filter_core::worker::{CallId, CalloutResult, Effect, Owner, StreamId, Worker};
+use filter_core::reply::LocalReply;
+use filter_core::worker::{
+    CallId, CalloutResult, Dispatch, Effect, Level, Owner, StreamId, Worker,
+};
 use std::collections::BTreeSet;
 
 /// The kinds of fault a schedule may inject (all by default).
@@ -27,8 +32,17 @@ impl Faults {
     pub const SKEW: u32 = 16;
     pub const UPSTREAM: u32 = 32;
     pub const CLIENT: u32 = 64;
-    pub const ALL: Faults = Faults(127);
-    const NAMES: [(&'static str, u32); 7] = [
+    /// The database: crash recovery in place, a restart, a pause (each longer than a lease or
+    /// not).
+    pub const DATABASE: u32 = 128;
+    /// Envoy answers a forwarded request itself (408, 413, 503, 504, a reset).
+    pub const ENVOY: u32 = 256;
+    /// The key secret is rotated (and the previous one dropped) mid-run.
+    pub const ROTATE: u32 = 512;
+    /// An operator releases or purges a record through the admin API, without force.
+    pub const OPERATOR: u32 = 1024;
+    pub const ALL: Faults = Faults(2047);
+    const NAMES: [(&'static str, u32); 11] = [
         ("kill", Self::KILL),
         ("give-up", Self::GIVE_UP),
         ("api-down", Self::API_DOWN),
@@ -36,6 +50,10 @@ impl Faults {
         ("skew", Self::SKEW),
         ("upstream", Self::UPSTREAM),
         ("client", Self::CLIENT),
+        ("database", Self::DATABASE),
+        ("envoy", Self::ENVOY),
+        ("rotate", Self::ROTATE),
+        ("operator", Self::OPERATOR),
     ];
 
     pub fn has(self, f: u32) -> bool {
@@ -83,23 +101,145 @@ impl std::fmt::Display for Faults {
     }
 }
 
-/// What one schedule runs with.
+/// What one schedule runs with: every parameter is drawn here, per run, from ranges that
+/// include the dangerous ends (a lease of a second, a heartbeat at half of it, callouts that
+/// time out after longer than a lease, a retention shorter than the run, Envoy's own timeouts
+/// shorter than the route's).
 #[derive(Debug, Clone)]
 pub struct Setup {
     pub filter_config: String,
     pub workers: usize,
     pub lease_ms: u64,
     pub heartbeat_ms: u64,
+    /// The filter's callouts to the state API, and to the reconcile endpoints.
     pub callout_timeout_ms: u64,
+    pub reconcile_timeout_ms: u64,
+    /// The protected routes' `retention_s` (none: the state API's default, a day).
+    pub retention_s: Option<u64>,
     pub route_timeout_ms: u64,
+    /// The HTTP connection manager's timeouts (Envoy answers 408 when one runs out before the
+    /// response): `stream_idle_timeout`, `request_timeout`, `max_stream_duration`.
+    pub idle_timeout_ms: u64,
+    pub request_timeout_ms: Option<u64>,
+    pub max_stream_duration_ms: Option<u64>,
     pub max_stored_body_bytes: usize,
+    pub complete_retry_ms: u64,
     pub state_api: StateApiConfig,
+    /// The kinds of fault this run may inject (the newer kinds are each in some runs only, so
+    /// that the others still run long without them).
+    pub kinds: Faults,
+}
+
+impl Setup {
+    /// Draws a schedule's parameters.
+    pub fn draw(c: &mut Choices) -> Self {
+        let background = c.chance(30);
+        let cache = !c.chance(20);
+        let (lease_ms, heartbeat_ms) = *c.pick(&[
+            (30_000u64, 10_000u64),
+            (3_000, 1_000),
+            (2_000, 600),
+            // With a state API that grants less than asked for (1.5 s).
+            (4_000, 1_000),
+            // The shortest lease, heartbeats at half of it (the most the filter allows).
+            (1_000, 500),
+            (2_000, 1_000),
+            (120_000, 60_000),
+        ]);
+        let callout_timeout_ms = *c.pick(&[1_000, 1_000, 100, lease_ms * 3 / 4, lease_ms * 3 / 2]);
+        let reconcile_timeout_ms = *c.pick(&[1_000, lease_ms * 3 / 2]);
+        let retention_s = *c.pick(&[None, None, Some(1u64), Some(5), Some(60), Some(600)]);
+        let retention = match retention_s {
+            Some(r) => format!(r#", "retention_s": {r}"#),
+            None => String::new(),
+        };
+        let complete_retry_ms = *c.pick(&[600_000u64, 30_000]);
+        let small_api_body = c.chance(20);
+        let max_stored = 100usize;
+        let filter_config = format!(
+            r#"{{
+  "state_api": {{"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": {callout_timeout_ms}}},
+  "subject": {{"header": "x-jwt-sub"}},
+  "routes": [
+    {{"method": "POST", "path": "/checkout", "key": "required", "on_unknown": "reconcile"{retention},
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/checkout/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}},
+    {{"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release"{retention}}},
+    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open", "on_unknown": "reexecute"{retention}}},
+    {{"method": "POST", "prefix": "/shop/", "key": "required", "on_unknown": "reconcile"{retention},
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/shop/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}},
+    {{"method": "POST", "path": "/donate", "key": "optional", "key_from": "/idempotency_key", "on_unknown": "reconcile"{retention},
+      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/donate/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}}
+  ],
+  "max_request_body_bytes": 4096,
+  "max_stored_body_bytes": {max_stored},
+  "lease_ms": {lease_ms},
+  "heartbeat_ms": {heartbeat_ms},
+  "replay_cache_bytes": {cache_bytes},
+  "complete_retry_bytes": 4096,
+  "complete_retry_ms": {complete_retry_ms},
+  "complete_in_background": {background},
+  "max_waiters": {max_waiters}
+}}"#,
+            max_waiters = c.pick(&[0u32, 1, 64]),
+            cache_bytes = if cache { 8192 } else { 0 },
+        );
+        let route_timeout_ms = *c.pick(&[60_000, 3_600_000, 3_600_000, 10_000]);
+        let mut kinds = Faults::ALL.0;
+        for (kind, percent) in [
+            (Faults::DATABASE, 50),
+            (Faults::ENVOY, 50),
+            (Faults::ROTATE, 30),
+            (Faults::OPERATOR, 30),
+        ] {
+            if !c.chance(percent) {
+                kinds &= !kind;
+            }
+        }
+        // The longest retention a record may have: the routes', or the state API's day.
+        let retention_ms = retention_s.map_or(86_400_000, |r| r * 1000);
+        Setup {
+            filter_config,
+            workers: 1 + c.below(3) as usize,
+            lease_ms,
+            heartbeat_ms,
+            callout_timeout_ms,
+            reconcile_timeout_ms,
+            retention_s,
+            // A long route timeout lets a request run past the longest lease.
+            route_timeout_ms,
+            idle_timeout_ms: *c.pick(&[300_000, 300_000, 15_000, 2_000]),
+            request_timeout_ms: *c.pick(&[None, None, Some(20_000)]),
+            max_stream_duration_ms: *c.pick(&[None, None, Some(8_000)]),
+            max_stored_body_bytes: max_stored,
+            complete_retry_ms,
+            state_api: StateApiConfig {
+                default_lease_ms: 30_000,
+                max_lease_ms: if lease_ms == 4_000 {
+                    1_500
+                } else {
+                    crate::state_api::MAX_LEASE_MS
+                },
+                retention_ms,
+                max_retention_ms: retention_ms,
+                max_body_bytes: if small_api_body { 48 } else { 1 << 20 },
+                // An older state API does not say its limit: the filter learns it from a refusal.
+                advertises_max_body: !(small_api_body && c.chance(50)),
+                retry_after_cap_s: 2,
+                max_waiters: *c.pick(&[0usize, 1, 8]),
+                max_wait_ms: 30_000,
+            },
+            kinds: Faults(kinds),
+        }
+    }
 }
 
 /// A client's operation: one key, retried until it gets an answer or runs out of attempts.
 #[derive(Debug, Clone)]
 pub struct Op {
+    /// Its idempotency key (empty: a request on an optional route that carries none).
     pub key: String,
+    /// The key is a member of its JSON body (a `key_from` route), not a header.
+    pub key_in_body: bool,
     pub subject: String,
     pub path: String,
     pub body: Vec<u8>,
@@ -208,7 +348,12 @@ pub struct SimWorker {
     /// When it last ticked in quiet time (one tick per instant).
     pub ticked_at: Option<u64>,
     pub generation: u32,
-    pub skew_ms: u64,
+    /// How far its wall clock is from the global one (skewed, and stepped either way by the
+    /// `skew` fault). The worker does not read it: the glue gives the worker the host's
+    /// monotonic clock (the fix of issue 34's path 6), modelled by `steady_ms`.
+    pub skew_ms: i64,
+    /// Where this life's monotonic clock starts: the worker's time is the global time plus it.
+    pub steady_ms: u64,
     pub wake_requested: bool,
     pub next_sid: StreamId,
 }
@@ -231,8 +376,18 @@ pub struct Callout {
     pub answer: Option<CalloutResult>,
     /// Nobody waits for the answer any more (the stream ended, timed out, or the worker died).
     pub orphan: bool,
+    /// Why nobody waits.
+    pub orphaned_by: &'static str,
     /// A claim that waits at the state API for its running key (`Prefer: wait`).
     pub parked: Option<Parked>,
+    /// When it was dispatched, in the order of the run's dispatches and writes, and the time.
+    pub seq: u64,
+    pub sent_at: u64,
+    /// The addresses its scopes were looked up at (during a rotation of the key secret the
+    /// state API looks a record up, then runs the statement: two steps).
+    pub looked_up: Option<Vec<Address>>,
+    /// When that lookup ran.
+    pub looked_at: u64,
 }
 
 /// A claim waiting at the state API: answered when its key settles (any later processing
@@ -243,7 +398,23 @@ pub struct Parked {
     pub until: u64,
 }
 
-/// Where effects are carried out (see the glue's `Current`).
+/// What of the state API is out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outage {
+    None,
+    /// The state API process: connections are refused.
+    ApiDown,
+    /// Its database: the state API answers 503 until it is back. `in_place`: a crash recovery
+    /// in place (the postmaster reinitialises: its start time and timeline stay, so the lease
+    /// guard's `serving_since` does not move); otherwise a restart (it moves).
+    Database {
+        in_place: bool,
+    },
+    /// The database is paused (stopped, or a stall): calls get no answer until it resumes.
+    Paused,
+}
+
+/// Where effects are carried out (the host's [`HostCurrent`], by stream index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Current {
     Request(usize),
@@ -259,7 +430,17 @@ pub struct World {
     pub cfg: Config,
     pub workers: Vec<SimWorker>,
     pub api: ModelStateApi,
-    pub api_up: bool,
+    /// What of the state API is out, if anything (and when it started).
+    pub outage: Outage,
+    outage_since: u64,
+    /// When the current outage ends by itself (a database back from its recovery or pause).
+    outage_until: Option<u64>,
+    /// Dispatches and writes in the order they happen (several happen at one instant).
+    pub seq: u64,
+    /// When the key secret last rotated.
+    rotated_at: Option<u64>,
+    /// What the invariants remember of the run.
+    pub ev: check::Evidence,
     pub callouts: Vec<Callout>,
     pub streams: Vec<Stream>,
     pub upstream: Upstream,
@@ -283,6 +464,15 @@ pub struct World {
 }
 
 const SUBJECTS: [&str; 2] = ["alice", "bob"];
+/// A silence of the state API's pulse longer than this counts as an outage for the lease
+/// guard (`serving_since` moves to its end).
+pub const PULSE_SILENCE_MS: u64 = 1_000;
+/// The global time a run starts at.
+const START_MS: u64 = 1_000;
+/// `response.flags` of Envoy's own timeouts (`CoreResponseFlag` bits 16 and 22), which the
+/// filter's `outcome::flags` does not name.
+const STREAM_IDLE_TIMEOUT: u64 = 1 << 16;
+const DURATION_TIMEOUT: u64 = 1 << 22;
 /// The cluster of the upstream (its reconcile endpoint is asked through it).
 const UPSTREAM_CLUSTER: &str = "upstream";
 
@@ -292,98 +482,74 @@ fn long_path() -> String {
 
 impl World {
     pub fn new(mut c: Choices, kinds: Faults) -> Self {
-        let background = c.chance(30);
-        let cache = !c.chance(20);
-        let (lease_ms, heartbeat_ms) = *c.pick(&[
-            (30_000u64, 10_000u64),
-            (3_000, 1_000),
-            (2_000, 600),
-            // With a state API that grants less than asked for (1.5 s).
-            (4_000, 1_000),
-        ]);
-        let small_api_body = c.chance(20);
-        let max_stored = 100usize;
-        let filter_config = format!(
-            r#"{{
-  "state_api": {{"cluster": "state_api", "authority": "state-api", "token": "t", "timeout_ms": 1000}},
-  "subject": {{"header": "x-jwt-sub"}},
-  "routes": [
-    {{"method": "POST", "path": "/checkout", "key": "required", "on_unknown": "reconcile",
-      "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/checkout/attempts/{{key}}", "timeout_ms": 1000}}}},
-    {{"method": "POST", "path": "/refunds", "key": "required", "on_5xx": "release"}},
-    {{"method": "POST", "prefix": "/pay/", "key": "required", "on_state_unavailable": "fail_open", "on_unknown": "reexecute"}}
-  ],
-  "max_request_body_bytes": 4096,
-  "max_stored_body_bytes": {max_stored},
-  "lease_ms": {lease_ms},
-  "heartbeat_ms": {heartbeat_ms},
-  "replay_cache_bytes": {cache_bytes},
-  "complete_retry_bytes": 4096,
-  "complete_in_background": {background},
-  "max_waiters": {max_waiters}
-}}"#,
-            max_waiters = c.pick(&[0u32, 1, 64]),
-            cache_bytes = if cache { 8192 } else { 0 },
-        );
-        let setup = Setup {
-            filter_config,
-            workers: 1 + c.below(3) as usize,
-            lease_ms,
-            heartbeat_ms,
-            callout_timeout_ms: 1_000,
-            // A long route timeout lets a request run past the longest lease.
-            route_timeout_ms: *c.pick(&[60_000, 3_600_000]),
-            max_stored_body_bytes: max_stored,
-            state_api: StateApiConfig {
-                default_lease_ms: 30_000,
-                max_lease_ms: if lease_ms == 4_000 {
-                    1_500
-                } else {
-                    crate::state_api::MAX_LEASE_MS
-                },
-                retention_ms: 86_400_000,
-                max_body_bytes: if small_api_body { 48 } else { 1 << 20 },
-                // An older state API does not say its limit: the filter learns it from a refusal.
-                advertises_max_body: !(small_api_body && c.chance(50)),
-                retry_after_cap_s: 2,
-                max_waiters: *c.pick(&[0usize, 1, 8]),
-                max_wait_ms: 30_000,
-            },
-        };
+        let setup = Setup::draw(&mut c);
+        let kinds = Faults(kinds.0 & setup.kinds.0);
         let cfg = match Config::parse(setup.filter_config.as_bytes()) {
             Ok(cfg) => cfg,
             Err(e) => panic!("the simulation's filter configuration is refused: {e}"),
         };
         let workers = (0..setup.workers)
-            .map(|_| SimWorker {
-                w: Some(Worker::new(cfg.clone())),
+            .map(|i| SimWorker {
+                w: Some(new_worker(&cfg, i, 0)),
                 ticked_at: None,
                 generation: 0,
                 skew_ms: 0,
+                steady_ms: steady_origin(i, 0),
                 wake_requested: false,
                 next_sid: 0,
             })
             .collect();
         let nops = 1 + c.below(3) as usize;
-        let mut ops = Vec::new();
+        let mut ops: Vec<Op> = Vec::new();
         for i in 0..nops {
-            // Two operations may share a key under other subjects or endpoints.
-            let key = format!("k{}", c.below(2) + i as u32 * 2);
-            let subject = c.pick(&SUBJECTS).to_string();
-            let path = match c.weighted(&[8, 2, 1, 1, 1]) {
+            let path = match c.weighted(&[8, 2, 1, 1, 1, 1, 1, 2]) {
                 0 => "/checkout".to_owned(),
                 1 => "/refunds".to_owned(),
                 2 => "/pay/x".to_owned(),
                 3 => "/orders".to_owned(),
-                _ => long_path(),
+                4 => long_path(),
+                5 => "/shop/a".to_owned(),
+                6 => "/shop/b".to_owned(),
+                _ => "/donate".to_owned(),
             };
-            let body = match c.below(3) {
-                0 => br#"{"amount":100,"card":{"number":"4242"}}"#.to_vec(),
-                1 => br#"{"amount":7}"#.to_vec(),
-                _ => Vec::new(),
+            // Two operations may share a key (under other subjects or endpoints, or the same).
+            let (key, subject) = match ops.last() {
+                Some(prev) if c.chance(30) => (
+                    prev.key.clone(),
+                    if c.chance(50) {
+                        prev.subject.clone()
+                    } else {
+                        c.pick(&SUBJECTS).to_string()
+                    },
+                ),
+                _ => (
+                    format!("k{}", c.below(2) + i as u32 * 2),
+                    c.pick(&SUBJECTS).to_string(),
+                ),
+            };
+            let (key, key_in_body, body) = if path == "/donate" {
+                // The key is a member of the JSON body (`key_from`), or the body has none (an
+                // optional key): then no idempotency at all.
+                match c.below(4) {
+                    0 => (String::new(), true, br#"{"amount":5}"#.to_vec()),
+                    1 => (String::new(), true, b"amount=5".to_vec()),
+                    _ => (
+                        key.clone(),
+                        true,
+                        format!(r#"{{"idempotency_key":"{key}","amount":5}}"#).into_bytes(),
+                    ),
+                }
+            } else {
+                let body = match c.below(3) {
+                    0 => br#"{"amount":100,"card":{"number":"4242"}}"#.to_vec(),
+                    1 => br#"{"amount":7}"#.to_vec(),
+                    _ => Vec::new(),
+                };
+                (key, false, body)
             };
             ops.push(Op {
                 key,
+                key_in_body,
                 subject,
                 path,
                 body,
@@ -397,12 +563,17 @@ impl World {
         let api = ModelStateApi::new(setup.state_api.clone());
         Self {
             c,
-            now: 1_000,
+            now: START_MS,
             setup,
             cfg,
             workers,
             api,
-            api_up: true,
+            outage: Outage::None,
+            outage_since: 0,
+            outage_until: None,
+            seq: 0,
+            rotated_at: None,
+            ev: check::Evidence::default(),
             callouts: Vec::new(),
             streams: Vec::new(),
             upstream: Upstream::default(),
@@ -432,8 +603,9 @@ impl World {
         self.trace.push(format!("{:>8} {line}", self.now));
     }
 
+    /// Worker `w`'s time: the host's monotonic clock, which no wall clock step moves.
     fn worker_now(&self, w: usize) -> u64 {
-        self.now + self.workers[w].skew_ms
+        self.now + self.workers[w].steady_ms
     }
 
     // -----------------------------------------------------------------------------------------
@@ -442,6 +614,7 @@ impl World {
     /// Runs the random part of the schedule (at most `max_steps`), then drains and checks the
     /// final answers. Stops at the first violation.
     pub fn run(&mut self, max_steps: usize) {
+        self.reach_setup();
         for _ in 0..max_steps {
             if !self.step() {
                 break;
@@ -453,8 +626,43 @@ impl World {
             }
         }
         self.drain();
+        if self
+            .setup
+            .retention_s
+            .is_some_and(|r| r * 1000 < self.now - START_MS)
+        {
+            self.reach("region: a retention shorter than the run");
+        }
         if self.violations.is_empty() {
             check::final_answers(self);
+        }
+    }
+
+    /// The dangerous ends of the run's parameters it was drawn with.
+    fn reach_setup(&mut self) {
+        let su = &self.setup;
+        let mut reached = Vec::new();
+        if su.lease_ms == crate::state_api::MIN_LEASE_MS {
+            reached.push("region: the shortest lease (1 s)");
+        }
+        if su.heartbeat_ms * 2 == su.lease_ms {
+            reached.push("region: heartbeats at half the lease");
+        }
+        if su.callout_timeout_ms > su.lease_ms {
+            reached.push("region: state API callouts that time out after longer than a lease");
+        }
+        if su.reconcile_timeout_ms > su.lease_ms {
+            reached.push("region: reconcile callouts that time out after longer than a lease");
+        }
+        if su.idle_timeout_ms < su.route_timeout_ms
+            || su
+                .max_stream_duration_ms
+                .is_some_and(|t| t < su.route_timeout_ms)
+        {
+            reached.push("region: Envoy's own timeouts shorter than the route's");
+        }
+        for r in reached {
+            self.reach(r);
         }
     }
 
@@ -519,14 +727,44 @@ impl World {
                 actions.push((2, Action::Restart(i)));
             }
         }
-        if self.fault(Faults::API_DOWN) {
+        if self.fault(Faults::API_DOWN) && matches!(self.outage, Outage::None | Outage::ApiDown) {
             actions.push((1, Action::ToggleApi));
+        }
+        if self.fault(Faults::DATABASE) && self.outage == Outage::None {
+            actions.push((1, Action::DatabaseOutage));
         }
         if self.fault(Faults::SKEW) {
             actions.push((1, Action::SkewClock));
         }
         if self.fault(Faults::UPSTREAM) {
             actions.push((1, Action::ToggleUpstream));
+        }
+        if self.fault(Faults::ENVOY) {
+            for (i, s) in self.streams.iter().enumerate() {
+                if s.forwarded.is_some() && !s.ended && s.resp_head.is_none() && !s.router_reply {
+                    actions.push((1, Action::EnvoyReply(i)));
+                }
+            }
+        }
+        if self.fault(Faults::ROTATE) {
+            // As the operator is told: the previous secret goes (by a drop, or by the next
+            // rotation) once the longest retention has passed since the rotation.
+            let settled = self
+                .rotated_at
+                .is_none_or(|t| t + self.setup.state_api.max_retention_ms <= self.now);
+            if settled && self.api.secret < 2 {
+                actions.push((1, Action::RotateSecret));
+            }
+            if settled && self.api.previous_secret.is_some() {
+                actions.push((1, Action::DropPreviousSecret));
+            }
+        }
+        if self.fault(Faults::OPERATOR) && self.outage == Outage::None {
+            actions.push((1, Action::Operator));
+        }
+        // The state API's purge runs now and then.
+        if self.outage == Outage::None {
+            actions.push((1, Action::Purge));
         }
         actions.push((3, Action::Advance));
         let weights: Vec<u32> = actions.iter().map(|a| a.0).collect();
@@ -555,7 +793,7 @@ impl World {
             }
             Action::UpstreamFinish(e) => {
                 self.reach("sim.finished_after_caller_left");
-                self.upstream.executions[e].finished = true;
+                self.commit(e);
                 self.log(format!(
                     "the execution of stream {} finishes, its caller gone",
                     self.upstream.executions[e].stream
@@ -566,11 +804,53 @@ impl World {
             Action::Kill(w) => self.kill(w),
             Action::Restart(w) => self.restart(w),
             Action::ToggleApi => {
-                self.api_up = !self.api_up;
+                if self.outage == Outage::None {
+                    self.start_outage(Outage::ApiDown, None);
+                } else {
+                    self.end_outage();
+                }
+            }
+            Action::DatabaseOutage => {
+                let kind = match self.c.weighted(&[3, 1, 2]) {
+                    0 => Outage::Database { in_place: true },
+                    1 => Outage::Database { in_place: false },
+                    _ => Outage::Paused,
+                };
+                let lease = self.setup.lease_ms;
+                let lasts = *self.c.pick(&[lease / 2, lease * 3 / 2, lease * 3, 40_000]);
+                self.start_outage(kind, Some(lasts.max(1)));
+            }
+            Action::EnvoyReply(s) => self.envoy_reply(s),
+            Action::RotateSecret => {
+                self.api.rotate_secret();
+                self.rotated_at = Some(self.now);
+                self.reach("region: the key secret rotated");
                 self.log(format!(
-                    "state API {}",
-                    if self.api_up { "up" } else { "down" }
+                    "the key secret rotates: new records under secret {}, records under secret {} still looked up",
+                    self.api.secret,
+                    self.api.secret - 1
                 ));
+            }
+            Action::DropPreviousSecret => {
+                self.api.drop_previous_secret();
+                self.reach("region: the previous key secret dropped");
+                self.log(
+                    "the previous key secret is dropped: records under it are no longer found"
+                        .into(),
+                );
+            }
+            Action::Operator => self.operator_action(),
+            Action::Purge => {
+                let (deleted, marked) = self.api.purge(self.now);
+                if deleted > 0 {
+                    self.reach("region: the purge deleted records");
+                }
+                if deleted + marked > 0 {
+                    self.log(format!(
+                        "the state API's purge deletes {deleted} expired records and marks {marked} unknown"
+                    ));
+                }
+                self.after_purge();
             }
             Action::ToggleUpstream => {
                 self.upstream_down = !self.upstream_down;
@@ -581,11 +861,34 @@ impl World {
             }
             Action::SkewClock => {
                 let w = self.c.below(self.workers.len() as u32) as usize;
-                self.workers[w].skew_ms = u64::from(self.c.below(300));
-                self.log(format!(
-                    "worker {w} clock skew {} ms",
-                    self.workers[w].skew_ms
-                ));
+                // A little skew, or the wall clock stepped (NTP, a VM resumed), either way.
+                let to: i64 = match self.c.weighted(&[4, 1, 1, 1, 1]) {
+                    0 => i64::from(self.c.below(300)),
+                    1 => -5_000,
+                    2 => -120_000,
+                    3 => 5_000,
+                    _ => 900_000,
+                };
+                let by = to - self.workers[w].skew_ms;
+                self.workers[w].skew_ms = to;
+                if by.abs() >= 1_000 {
+                    let holds = self.workers[w].w.as_ref().is_some_and(|wk| {
+                        !wk.held_tokens().is_empty() || !wk.write_tokens().is_empty()
+                    });
+                    if holds {
+                        self.reach(if by < 0 {
+                            "region: a clock stepped back while its worker held a claim"
+                        } else {
+                            "region: a clock stepped forward while its worker held a claim"
+                        });
+                    }
+                    self.ev
+                        .clock_steps
+                        .entry(w)
+                        .or_default()
+                        .push((self.now, by));
+                }
+                self.log(format!("worker {w} clock skew {to} ms ({by:+} ms)"));
             }
             Action::Advance => {
                 let ms = *self
@@ -616,13 +919,13 @@ impl World {
                     next = next.min(p.until.max(self.now));
                 }
             }
-            for st in &self.streams {
-                if let (Some(e), false, None, false) =
-                    (st.forwarded, st.ended, &st.resp_head, st.router_reply)
-                {
-                    let at = self.upstream.executions[e].at + self.setup.route_timeout_ms;
+            for s in 0..self.streams.len() {
+                if let Some((at, ..)) = self.envoy_deadline(s) {
                     next = next.min(at.max(self.now));
                 }
+            }
+            if let Some(t) = self.outage_until {
+                next = next.min(t.max(self.now));
             }
             self.now = next;
             self.timeouts();
@@ -645,7 +948,7 @@ impl World {
         let sw = &self.workers[w];
         let due = sw.w.as_ref()?.next_due()?;
         let period = self.cfg.tick_period_ms().max(1);
-        let due = due.saturating_sub(sw.skew_ms);
+        let due = due.saturating_sub(sw.steady_ms);
         // The host ticks on its period: the first tick at or after the work is due, and never
         // twice at one instant.
         let t = due.div_ceil(period) * period;
@@ -673,9 +976,16 @@ impl World {
             if self.callouts[i].worker != w || self.callouts[i].owner != Owner::Worker {
                 break;
             }
-            self.process(i);
-            if i < self.callouts.len() {
+            // Looked up, then handled (two steps during a rotation of the key secret).
+            for _ in 0..2 {
+                if self.callouts.get(i).is_some_and(|c| c.answer.is_none()) {
+                    self.process(i);
+                }
+            }
+            if self.callouts.get(i).is_some_and(|c| c.answer.is_some()) {
                 self.deliver(i);
+            } else {
+                break;
             }
         }
         self.quiet = false;
@@ -684,13 +994,26 @@ impl World {
     /// Callouts past their deadline fail (Envoy's callout timeout); the route timeout answers
     /// 504 for requests whose upstream has not answered.
     fn timeouts(&mut self) {
+        if self.outage_until.is_some_and(|t| t <= self.now) {
+            self.end_outage();
+        }
         // Waits that reach their end are answered first (the state API's own deadline).
-        while let Some(i) = self
-            .callouts
-            .iter()
-            .position(|c| c.parked.is_some_and(|p| p.until <= self.now))
-        {
-            self.process(i);
+        if self.outage != Outage::Paused {
+            let due: Vec<(usize, u32, CallId)> = self
+                .callouts
+                .iter()
+                .filter(|c| c.parked.is_some_and(|p| p.until <= self.now))
+                .map(|c| (c.worker, c.generation, c.id))
+                .collect();
+            for (w, g, id) in due {
+                if let Some(i) = self
+                    .callouts
+                    .iter()
+                    .position(|c| (c.worker, c.generation, c.id) == (w, g, id))
+                {
+                    self.process(i);
+                }
+            }
         }
         while let Some(i) = self
             .callouts
@@ -700,22 +1023,46 @@ impl World {
             self.fail_callout_with(i, "timeout");
         }
         for s in 0..self.streams.len() {
-            let st = &self.streams[s];
-            let Some(e) = st.forwarded else { continue };
-            let started = self.upstream.executions.get(e).map_or(0, |x| x.at);
-            if !st.ended
-                && st.resp_head.is_none()
-                && !st.router_reply
-                && started + self.setup.route_timeout_ms <= self.now
-            {
-                self.router_reply(
-                    s,
-                    504,
-                    "upstream_response_timeout",
-                    flags::UPSTREAM_REQUEST_TIMEOUT,
-                );
+            if let Some((at, status, details, fl)) = self.envoy_deadline(s) {
+                if at <= self.now {
+                    self.router_reply(s, status, details, fl);
+                }
             }
         }
+    }
+
+    /// The first of Envoy's timeouts that runs out for a forwarded request still without its
+    /// response: the route's (504), or the connection manager's (408).
+    fn envoy_deadline(&self, s: usize) -> Option<(u64, u16, &'static str, u64)> {
+        let st = &self.streams[s];
+        let e = st.forwarded?;
+        if st.ended || st.resp_head.is_some() || st.router_reply {
+            return None;
+        }
+        let at = self.upstream.executions.get(e)?.at;
+        let su = &self.setup;
+        [
+            Some((
+                su.route_timeout_ms,
+                504,
+                "upstream_response_timeout",
+                flags::UPSTREAM_REQUEST_TIMEOUT,
+            )),
+            Some((
+                su.idle_timeout_ms,
+                408,
+                "stream_idle_timeout",
+                STREAM_IDLE_TIMEOUT,
+            )),
+            su.request_timeout_ms
+                .map(|t| (t, 408, "request_overall_timeout", 0)),
+            su.max_stream_duration_ms
+                .map(|t| (t, 408, "max_duration_timeout", DURATION_TIMEOUT)),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|(after, status, details, fl)| (at + after, status, details, fl))
+        .min_by_key(|d| d.0)
     }
 
     // -----------------------------------------------------------------------------------------
@@ -749,15 +1096,25 @@ impl World {
             (":path".to_owned(), o.path.clone()),
             (":authority".to_owned(), "shop".to_owned()),
             ("x-jwt-sub".to_owned(), o.subject.clone()),
-            ("idempotency-key".to_owned(), o.key.clone()),
             ("content-type".to_owned(), content_type.clone()),
         ];
+        if !o.key_in_body {
+            headers.push(("idempotency-key".to_owned(), o.key.clone()));
+        }
         if o.wait_s > 0 {
             headers.push(("prefer".to_owned(), format!("wait={}", o.wait_s)));
         }
         if self.fault(Faults::CLIENT) && self.c.chance(5) {
             // A client that tries to set its own fencing token.
-            headers.push((FENCING_TOKEN_HEADER.to_owned(), "999999".to_owned()));
+            headers.push((
+                FENCING_TOKEN_HEADER.to_owned(),
+                check::CLIENT_TOKEN.to_string(),
+            ));
+            if o.key.is_empty() {
+                self.reach(
+                    "region: a key_from request without a key, with a client's fencing token",
+                );
+            }
         }
         let len = body.len();
         let chunks = if len == 0 {
@@ -921,27 +1278,48 @@ impl World {
             .find(|(n, _)| n == "idempotency-key")
             .map(|(_, v)| v.clone());
         let request = st.request.clone();
+        let st_headers = st.headers.clone();
         let protected = self.cfg.route_index("POST", &request.path).is_some();
-        if protected && self.upstream.refuses(&scope, token) {
-            // The careful upstream promised a reconcile to refuse this token: nothing runs.
+        // The reference records an attempt of a key before it runs it (a careful upstream
+        // knows the key, from the header or the body), and refuses a stale token.
+        let key = (protected && !scope.0.is_empty()).then_some(scope.0.as_str());
+        let forwarded = |name: &str| {
+            st_headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        let named = crate::upstream::RequestNamed {
+            endpoint: &scope.2,
+            subject: &scope.1,
+            endpoint_header: forwarded(contract::wire::ENDPOINT_HEADER),
+            fingerprint: forwarded(contract::wire::FINGERPRINT_HEADER),
+        };
+        let (attempt, arrival) = self.upstream.start(named, key, token);
+        if let crate::upstream::Arrival::Answered(answer) = arrival {
             self.log(format!(
-                "stream {s}: the upstream refuses token {token:?} (a reconcile fenced it)"
+                "stream {s}: the upstream runs nothing for token {token:?} and answers {} {}",
+                answer.status,
+                problem_type(&answer.body)
             ));
-            let refused = Produced {
-                status: 409,
-                headers: vec![("content-type".into(), "application/problem+json".into())],
-                body: b"{\"type\":\"stale-fencing-token\"}".to_vec(),
-            };
-            let mut hs = vec![(":status".to_owned(), "409".to_owned())];
-            hs.extend(refused.headers.iter().cloned());
+            self.upstream
+                .refused
+                .push((scope.clone(), request.clone(), answer.clone()));
+            let mut hs = vec![(":status".to_owned(), answer.status.to_string())];
+            hs.extend(answer.headers.iter().cloned());
             self.streams[s].refused_by_upstream = true;
-            self.reach("sim.upstream_refused_stale_token");
+            self.reach(if problem_type(&answer.body).contains("stale") {
+                "sim.upstream_refused_stale_token"
+            } else {
+                "sim.upstream_answered_without_running"
+            });
             if self.streams[s].ended {
                 return;
             }
-            self.response_headers(s, refused.clone(), &hs, "via_upstream", 0, false);
-            if !self.streams[s].ended {
-                self.response_body(s, refused.body, true);
+            let end = answer.body.is_empty();
+            self.response_headers(s, answer.clone(), &hs, "via_upstream", 0, end);
+            if !end && !self.streams[s].ended {
+                self.response_body(s, answer.body, true);
             }
             return;
         }
@@ -970,8 +1348,28 @@ impl World {
             at: self.now,
             stream: s,
             finished: false,
+            attempt,
+            charged: false,
         });
         self.streams[s].forwarded = Some(index);
+    }
+
+    /// Execution `e` commits at the upstream (by the reference's rules): a charge, checked.
+    fn commit(&mut self, e: usize) {
+        match self.upstream.commit(e) {
+            crate::upstream::Commit::Charged => check::charge(self, e),
+            crate::upstream::Commit::Answered => {
+                let x = &self.upstream.executions[e];
+                let line = format!(
+                    "the execution of stream {} runs nothing at its commit: the upstream answers {} {}",
+                    x.stream,
+                    x.plan.response.status,
+                    problem_type(&x.plan.response.body)
+                );
+                self.log(line);
+            }
+            crate::upstream::Commit::NoEffect | crate::upstream::Commit::Done => {}
+        }
     }
 
     fn plan_response(&mut self) -> Plan {
@@ -1042,11 +1440,18 @@ impl World {
     fn upstream_part(&mut self, s: usize) {
         let st = self.streams[s].clone();
         let Some(e) = st.forwarded else { return };
-        let plan = self.upstream.executions[e].plan.clone();
         let w = st.worker;
         if st.ended || self.workers[w].w.is_none() || self.workers[w].generation != st.generation {
             return;
         }
+        if st.resp_head.is_none() && !self.upstream.executions[e].plan.reset_before_headers {
+            // Its response leaves: it commits now (or answers 409 if a larger token overtook it).
+            self.commit(e);
+            if !self.violations.is_empty() {
+                return;
+            }
+        }
+        let plan = self.upstream.executions[e].plan.clone();
         if st.resp_head.is_none() {
             if plan.reset_before_headers {
                 self.log(format!("stream {s}: upstream resets before its response"));
@@ -1059,7 +1464,6 @@ impl World {
                 return;
             }
             let end = plan.chunks.is_empty() && plan.ending == Ending::WithLastChunk;
-            self.upstream.executions[e].finished = true;
             let mut hs = vec![(":status".to_owned(), plan.response.status.to_string())];
             hs.extend(plan.response.headers.iter().cloned());
             self.log(format!(
@@ -1111,6 +1515,19 @@ impl World {
             body: body.clone(),
         };
         self.log(format!("stream {s}: router answers {status} ({details})"));
+        if self.streams[s].forwarded.is_some() {
+            let scope = self.ops[self.streams[s].op].scope();
+            self.ev
+                .envoy_replies
+                .push((scope, produced.clone(), details.to_owned()));
+            self.reach(match status {
+                408 => "region: Envoy answered a forwarded request 408",
+                413 => "region: Envoy answered a forwarded request 413",
+                503 => "region: Envoy answered a forwarded request 503",
+                504 => "region: Envoy answered a forwarded request 504",
+                _ => "region: Envoy answered a forwarded request otherwise",
+            });
+        }
         // An execution the router answered for goes on, and finishes on its own.
         let mut hs = vec![(":status".to_owned(), status.to_string())];
         hs.extend(produced.headers.iter().cloned());
@@ -1262,10 +1679,26 @@ impl World {
                 if gave_up { " (the client left)" } else { "" }
             ));
         }
-        // Envoy cancels the stream's callouts.
+        // Envoy cancels the stream's callouts; an answer already on its way back is lost.
+        let answered: Vec<Callout> = self
+            .callouts
+            .iter()
+            .filter(|c| c.stream == Some(s) && !c.orphan && c.answer.is_some())
+            .cloned()
+            .collect();
+        for c in answered {
+            if let Some(answer) = &c.answer {
+                self.lost_grants(
+                    &c,
+                    answer,
+                    "its stream ended, and Envoy cancelled the callout",
+                );
+            }
+        }
         for c in self.callouts.iter_mut() {
-            if c.stream == Some(s) {
+            if c.stream == Some(s) && !c.orphan {
                 c.orphan = true;
+                c.orphaned_by = "its stream ended, and Envoy cancelled the callout";
             }
         }
         let w = st.worker;
@@ -1286,26 +1719,90 @@ impl World {
 
     fn process(&mut self, i: usize) {
         let c = self.callouts[i].clone();
+        if c.cluster != UPSTREAM_CLUSTER && c.parked.is_none() && self.too_late(&c) {
+            // Envoy reset it at its timeout before the state API read it (or the state API
+            // dropped it at its deadline): it never runs.
+            self.callouts.remove(i);
+            return;
+        }
         let result = if c.cluster == UPSTREAM_CLUSTER {
             self.reconcile(&c)
-        } else if !self.api_up {
-            CalloutResult::Failed("connection refused".into())
         } else {
-            let (status, body) = self.api.handle(&c.path, &c.body, self.now);
-            if c.path == contract::wire::RELEASE_PATH && status == 200 {
-                if let Ok(r) = serde_json::from_slice::<contract::wire::ReleaseRequest>(&c.body) {
-                    self.released.insert(r.token);
+            match self.outage {
+                Outage::ApiDown => CalloutResult::Failed("connection refused".into()),
+                Outage::Database { .. } => CalloutResult::answer(
+                    503,
+                    contract::Problem::new(ProblemKind::StateUnavailable, "database unavailable")
+                        .to_json(),
+                ),
+                // Stalled: answered once the database resumes, or timed out.
+                Outage::Paused => return,
+                Outage::None => {
+                    // (Claims look and write in one statement since the fix of path 9.)
+                    let claim = matches!(c.path.as_str(), CLAIM_PATH | contract::wire::CLAIMS_PATH);
+                    if self.api.previous_secret.is_some() && c.looked_up.is_none() && !claim {
+                        // `scope_of` looks the record up first; the statement runs later, and
+                        // other calls may run in between.
+                        let scopes = crate::state_api::scopes_of(&c.path, &c.body);
+                        if !scopes.is_empty() {
+                            let found: Vec<Address> =
+                                scopes.iter().map(|s| self.api.lookup(s)).collect();
+                            let old = found.iter().filter(|a| a.0 != self.api.secret).count();
+                            if old > 0 {
+                                self.reach("region: a record found under the previous key secret");
+                            }
+                            if !(self.quiet && c.path == contract::wire::HEARTBEAT_PATH) {
+                                self.log(format!(
+                                    "state API {} from worker {}: looked up ({old} of {} under the previous key secret)",
+                                    c.path,
+                                    c.worker,
+                                    found.len()
+                                ));
+                            }
+                            self.callouts[i].looked_up = Some(found);
+                            self.callouts[i].looked_at = self.now;
+                            return;
+                        }
+                    }
+                    // A request works only until its caller's deadline (the filter's timeout):
+                    // one whose statement would run later is dropped before it reaches the
+                    // database, and answered 503.
+                    let stale = c.looked_up.is_some()
+                        && self.now > c.looked_at + self.setup.callout_timeout_ms;
+                    let (status, body) = if stale {
+                        (
+                            503,
+                            contract::Problem::new(
+                                ProblemKind::StateUnavailable,
+                                "the request's deadline passed",
+                            )
+                            .to_json(),
+                        )
+                    } else {
+                        self.api
+                            .handle(&c.path, &c.body, self.now, c.looked_up.as_deref())
+                    };
+                    self.after_api(Some(&c));
+                    if c.path == contract::wire::RELEASE_PATH && status == 200 {
+                        if let Ok(r) =
+                            serde_json::from_slice::<contract::wire::ReleaseRequest>(&c.body)
+                        {
+                            self.released.insert(r.token);
+                        }
+                    }
+                    match self.waited(i, status, body) {
+                        Some(answer) => answer,
+                        // Parked: it waits for its key.
+                        None => return,
+                    }
                 }
             }
-            match self.waited(i, status, body) {
-                Some(answer) => answer,
-                // Parked: it waits for its key.
-                None => return,
-            }
         };
-        let routine = self.quiet
-            && c.path == contract::wire::HEARTBEAT_PATH
-            && !matches!(result, CalloutResult::Response { status: 409, .. });
+        // Heartbeats are left out of the trace unless they change something: in quiet time,
+        // and the late ones nobody waits for that are refused.
+        let heartbeat = c.path == contract::wire::HEARTBEAT_PATH;
+        let refused = matches!(result, CalloutResult::Response { status: 409, .. });
+        let routine = heartbeat && ((self.quiet && !refused) || (c.orphan && refused));
         if !routine {
             self.log(format!(
                 "{} {} from worker {}{}: {}",
@@ -1321,11 +1818,369 @@ impl World {
             ));
         }
         if c.orphan {
+            // The state API answers a caller that is gone: a claim that made it the owner is
+            // released at once (`batch.rs`, deliver_claim), since nothing was forwarded with it.
+            for token in self.granted_tokens(&c, &result) {
+                if self.api.release_for_gone_caller(token, self.now) {
+                    self.reach("region: the state API released a claim whose caller was gone");
+                    self.log(format!(
+                        "state API releases token {token}: its caller is gone ({})",
+                        c.orphaned_by
+                    ));
+                }
+            }
+            self.after_api(None);
             self.callouts.remove(i);
         } else {
             self.callouts[i].parked = None;
             self.callouts[i].answer = Some(result);
         }
+    }
+
+    /// Whether a call nobody waits for any more arrives too late to run: past its caller's
+    /// deadline, unless the database held it meanwhile (a statement already sent runs when the
+    /// database comes back).
+    fn too_late(&self, c: &Callout) -> bool {
+        let deadline = c.deadline;
+        if !c.orphan || self.now <= deadline || c.looked_up.is_some() {
+            return false;
+        }
+        let held = |start: u64, end: u64| start <= deadline && end >= c.sent_at;
+        let now_held = matches!(self.outage, Outage::Paused | Outage::Database { .. })
+            && self.outage_since <= deadline;
+        !(now_held
+            || self
+                .ev
+                .database_outages
+                .iter()
+                .any(|(start, end, _)| held(*start, *end)))
+    }
+
+    /// The next number of the run's order of dispatches and writes.
+    pub fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    /// What the state API did for callout `c`, for the invariants.
+    fn after_api(&mut self, c: Option<&Callout>) {
+        for event in self.api.take_events() {
+            match event {
+                Event::Granted { token, scope, how } => {
+                    let freed = check::judge_grant(self, &scope, &how);
+                    if let crate::state_api::Grant::New {
+                        elsewhere: Some(_), ..
+                    } = how
+                    {
+                        // The record it could not find is as good as gone from here on.
+                        self.ev.record_ended(&scope, freed.clone());
+                    }
+                    if let crate::state_api::Grant::RetentionReuse { from, .. } = how {
+                        // The reused record ended here.
+                        let mut end = freed.clone();
+                        end.how = end.how.replace("as a new key past its retention: ", "");
+                        end.from = Some(from);
+                        self.ev.record_ended(&scope, end);
+                    }
+                    if !freed.legit || freed.from.is_some() {
+                        self.log(format!(
+                            "state API: token {token} for {scope:?} granted {}",
+                            freed.how
+                        ));
+                    }
+                    if let crate::state_api::Grant::RetentionReuse { .. } = how {
+                        self.reach("region: a record reused past its retention");
+                    }
+                    if let Some((_, rec)) = self.api.find(&scope) {
+                        self.ev.retention_of.insert(token, rec.retention_ms);
+                    }
+                    let secret = self.api.find(&scope).map_or(self.api.secret, |(a, _)| a.0);
+                    self.ev.secret_of.insert(token, secret);
+                    self.ev.freed.insert(token, freed);
+                    self.ev.granted_at.insert(token, self.now);
+                    self.ev.last_sign.insert(token, self.now);
+                    let Some(c) = c else { continue };
+                    self.ev.granted_to.insert(token, (c.worker, c.generation));
+                    let alive = self.workers[c.worker].w.is_some()
+                        && self.workers[c.worker].generation == c.generation;
+                    if !alive {
+                        // Nobody will ever hear of this grant (invariant 8 leaves it out).
+                        self.ev.grant_died.insert(scope);
+                    }
+                }
+                Event::Lapsed {
+                    token,
+                    scope,
+                    lease_ms,
+                    by,
+                } => {
+                    self.reach("region: a lease found run out");
+                    check::lapse(self, token, &scope, lease_ms, by);
+                }
+                Event::OwnerMarked { token, .. } => {
+                    let seq = self.next_seq();
+                    self.ev.owner_marks.insert(token, seq);
+                    self.ev.last_sign.insert(token, self.now);
+                }
+                Event::HeartbeatAccepted { token, revived } => {
+                    self.ev.last_sign.insert(token, self.now);
+                    if let (true, Some(c)) = (revived, c) {
+                        self.log(format!(
+                            "state API: a heartbeat of token {token} from worker {} (sent at {}) makes its unknown record in progress again",
+                            c.worker, c.sent_at
+                        ));
+                        check::heartbeat_after_mark(self, token, c.seq);
+                    }
+                }
+                Event::HeartbeatOnMarked { .. } => {
+                    self.reach(
+                        "region: a heartbeat reached a record its owner's token marked unknown",
+                    );
+                }
+                Event::Completed { token } => {
+                    self.ev.last_sign.insert(token, self.now);
+                }
+                Event::Deleted {
+                    token, scope, by, ..
+                } => {
+                    let end = check::judge_deletion(self, token, by);
+                    self.ev.record_ended(&scope, end);
+                }
+            }
+        }
+    }
+
+    /// The state API or its database goes out (`lasts`: until it comes back by itself).
+    fn start_outage(&mut self, kind: Outage, lasts: Option<u64>) {
+        self.outage = kind;
+        self.outage_since = self.now;
+        self.outage_until = lasts.map(|l| self.now + l);
+        self.log(match kind {
+            Outage::ApiDown => "state API down".to_owned(),
+            Outage::Database { in_place: true } => format!(
+                "database down: a backend crashed, the postmaster reinitialises in place (for {} ms)",
+                lasts.unwrap_or(0)
+            ),
+            Outage::Database { in_place: false } => {
+                format!("database restarts (for {} ms)", lasts.unwrap_or(0))
+            }
+            Outage::Paused => format!("database paused (for {} ms)", lasts.unwrap_or(0)),
+            Outage::None => "state API up".to_owned(),
+        });
+    }
+
+    fn end_outage(&mut self) {
+        let (kind, since) = (self.outage, self.outage_since);
+        self.outage = Outage::None;
+        self.outage_until = None;
+        let lasted = self.now - since;
+        let over_lease = lasted > self.setup.lease_ms;
+        match kind {
+            Outage::Database { in_place: false } => {
+                // A restart: the postmaster's start time moves, and with it serving_since.
+                self.api.serving_since = self.now;
+                self.reach("region: the database restarted");
+            }
+            Outage::Database { in_place: true } => {
+                // A crash recovery in place empties the unlogged serving marker, which the
+                // first check after it fills again (migration ..._serving_since_counts_from_
+                // crash_recovery): serving_since moves too.
+                self.api.serving_since = self.now;
+                self.reach(if over_lease {
+                    "region: a crash recovery in place longer than a lease"
+                } else {
+                    "region: a crash recovery in place"
+                });
+            }
+            Outage::Paused | Outage::ApiDown => {
+                // The state API's pulse (a beat every 250 ms) was silent: past 1 s, the lease
+                // guard counts it as an outage too (the fix of path 2 without a crash).
+                if lasted > PULSE_SILENCE_MS {
+                    self.api.serving_since = self.now;
+                }
+                if kind == Outage::Paused && over_lease {
+                    self.reach("region: the database paused longer than a lease");
+                }
+            }
+            Outage::None => {}
+        }
+        self.log(format!("state API back after {lasted} ms ({kind:?})"));
+        check::outage_ended(self, since, kind);
+    }
+
+    /// Envoy answers a forwarded request itself before the upstream's response: one of its
+    /// timeouts, a payload over its limit, a reset.
+    fn envoy_reply(&mut self, s: usize) {
+        let (status, details, fl) = *self.c.pick(&[
+            (408u16, "stream_idle_timeout", STREAM_IDLE_TIMEOUT),
+            (408, "request_overall_timeout", 0),
+            (408, "max_duration_timeout", DURATION_TIMEOUT),
+            (413, "request_payload_too_large", 0),
+            (
+                503,
+                "upstream_reset_before_response_started{connection_termination}",
+                flags::UPSTREAM_CONNECTION_TERMINATION,
+            ),
+            (
+                504,
+                "upstream_per_try_timeout",
+                flags::UPSTREAM_REQUEST_TIMEOUT,
+            ),
+            (0, "reset", 0),
+        ]);
+        if status == 0 {
+            self.reach("region: Envoy reset a forwarded stream");
+            self.log(format!("stream {s}: Envoy resets the stream"));
+            self.end_stream(s, false);
+            return;
+        }
+        self.router_reply(s, status, details, fl);
+    }
+
+    /// The state API's purge ran: what it deleted, for the invariants.
+    fn after_purge(&mut self) {
+        self.after_api(None);
+    }
+
+    /// An operator releases or purges (without force) a record whose outcome is unknown, as
+    /// one would after a client's `409 outcome-unknown`.
+    fn operator_action(&mut self) {
+        let clock = self.api.clock(self.now);
+        let candidates: Vec<Scope> = self
+            .api
+            .records
+            .iter()
+            .filter(|(a, r)| {
+                (r.state == state_rules::RecordState::Unknown
+                    || (r.state == state_rules::RecordState::InProgress
+                        && r.lease_until <= clock.now))
+                    // (The admin API finds a record where `scope_of` looks.)
+                    && self.api.lookup(&a.1) == **a
+            })
+            .map(|((_, s), _)| s.clone())
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let scope = self.c.pick(&candidates).clone();
+        let action = if self.c.chance(50) {
+            state_rules::operator::Action::Release
+        } else {
+            state_rules::operator::Action::Purge
+        };
+        // Whether its owner was heard from within a lease (then a careful state API refuses
+        // without force: the region is visited either way).
+        if let Some((_, rec)) = self.api.find(&scope) {
+            let silent = self
+                .now
+                .saturating_sub(self.ev.last_sign.get(&rec.token).copied().unwrap_or(0));
+            if silent < rec.lease_ms {
+                self.reach(
+                    "region: an operator acted within a lease of the owner's last sign of life",
+                );
+            }
+        }
+        match self.api.operator(&scope, action, self.now) {
+            Ok(rec) => {
+                let silent = self
+                    .now
+                    .saturating_sub(self.ev.last_sign.get(&rec.token).copied().unwrap_or(0));
+                // A record with an outcome is the operator's to delete at any time.
+                let silent = if rec.open() { silent } else { u64::MAX };
+                self.ev
+                    .operator_silent
+                    .insert(rec.token, (silent, rec.lease_ms));
+                self.ev.operator_scopes.insert(scope.clone());
+                self.reach("region: an operator released or purged a record");
+                self.log(format!(
+                    "an operator {:?}s {scope:?} (token {}, {:?}, its owner last heard of {silent} ms ago)",
+                    action, rec.token, rec.state
+                ));
+            }
+            Err(why) => {
+                if why.is_some() {
+                    self.reach("region: an operator was refused without force");
+                }
+                self.log(format!(
+                    "an operator's {action:?} of {scope:?} is refused ({why:?})"
+                ));
+            }
+        }
+        self.after_api(None);
+    }
+
+    /// A heartbeat (its body) failed as its owner hears it (invariant 6 counts them).
+    fn heartbeat_failed(&mut self, body: &[u8], path: &str) {
+        if path != contract::wire::HEARTBEAT_PATH {
+            return;
+        }
+        if let Ok(h) = serde_json::from_slice::<contract::wire::HeartbeatRequest>(body) {
+            self.ev
+                .heartbeat_failures
+                .entry(h.token)
+                .or_default()
+                .push(self.now);
+        }
+    }
+
+    /// A claim answer the state API committed (a grant) that never reaches the filter: noted
+    /// for invariant 8, and a region visited.
+    fn lost_grants(&mut self, c: &Callout, result: &CalloutResult, how: &str) {
+        let granted = self.granted_tokens(c, result);
+        for token in granted {
+            let Some(scope) = self.api.issued.get(&token).cloned() else {
+                continue;
+            };
+            self.reach(match how {
+                h if h.contains("cancelled") => {
+                    "region: a claim answer lost after its commit (the callout cancelled)"
+                }
+                h if h.contains("unreadable") => {
+                    "region: a claim answer lost after its commit (unreadable)"
+                }
+                h if h.contains("timeout") || h.contains("timed out") => {
+                    "region: a claim answer lost after its commit (timed out)"
+                }
+                _ => "region: a claim answer lost after its commit (the callout failed)",
+            });
+            self.ev.lost_grants.entry(scope).or_insert_with(|| {
+                format!("the state API committed its claim (token {token}), and the answer never reached the filter ({how})")
+            });
+        }
+    }
+
+    /// The tokens a claim call's answer grants.
+    fn granted_tokens(&self, c: &Callout, result: &CalloutResult) -> Vec<i64> {
+        if !matches!(
+            c.path.as_str(),
+            CLAIM_PATH | contract::wire::CLAIMS_PATH | WRITES_PATH
+        ) {
+            return Vec::new();
+        }
+        let CalloutResult::Response {
+            status: 200, body, ..
+        } = result
+        else {
+            return Vec::new();
+        };
+        if c.path == CLAIM_PATH {
+            return match contract::wire::ClaimResponse::read(body) {
+                Ok(contract::wire::ClaimResponse::Claimed { token, .. }) => vec![token],
+                _ => Vec::new(),
+            };
+        }
+        serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|b| {
+                let answers = b.get("answers")?.as_array()?.clone();
+                Some(
+                    answers
+                        .iter()
+                        .filter_map(|a| a.get("answer")?.get("token")?.as_i64())
+                        .collect(),
+                )
+            })
+            .unwrap_or_default()
     }
 
     /// A claim that asked to wait and found its key in progress waits (`None`), within the
@@ -1406,8 +2261,11 @@ impl World {
     /// key runs and its wait lasts).
     fn answerable(&self, i: usize) -> bool {
         let c = &self.callouts[i];
+        if self.outage == Outage::Paused && c.cluster != UPSTREAM_CLUSTER {
+            return false;
+        }
         let Some(p) = c.parked else { return true };
-        if self.now >= p.until || !self.api_up {
+        if self.now >= p.until || self.outage != Outage::None {
             return true;
         }
         serde_json::from_slice::<contract::wire::ClaimRequest>(&c.body)
@@ -1439,18 +2297,16 @@ impl World {
             ));
             return CalloutResult::Failed("bad reconcile".into());
         };
-        let Some(op) = self
-            .ops
-            .iter()
-            .find(|o| o.key == key && o.subject == subject)
-        else {
-            self.violations
-                .push(format!("a reconcile for a key no client sent: {key}"));
-            return CalloutResult::Failed("bad reconcile".into());
-        };
-        if c.path != format!("/checkout/attempts/{key}") {
+        // The reference's reconcile endpoints; the key is the path's last segment (the subject,
+        // token, endpoint and fingerprint come as headers).
+        let served = matches!(
+            c.path.rsplit_once("/attempts/"),
+            Some(("/checkout" | "/shop" | "/donate", k)) if k == key
+        );
+        if !served {
             self.violations
                 .push(format!("a reconcile at {} for key {key}", c.path));
+            return CalloutResult::Failed("bad reconcile".into());
         }
         if self.upstream_down {
             return CalloutResult::answer(503, b"upstream connect error".to_vec());
@@ -1464,8 +2320,36 @@ impl World {
                 body: b"<html>".to_vec(),
             };
         }
-        let scope = op.scope();
-        let a = self.upstream.reconcile(&scope, token);
+        let (Some(endpoint), Some(fingerprint)) = (
+            header(contract::wire::ENDPOINT_HEADER),
+            header(contract::wire::FINGERPRINT_HEADER),
+        ) else {
+            // The reference refuses a reconcile that does not name its request.
+            return CalloutResult::answer(400, b"{\"type\":\"/problems/bad-reconcile\"}".to_vec());
+        };
+        let a = self.upstream.reconcile(
+            crate::upstream::AttemptScope {
+                endpoint,
+                subject,
+                key,
+                fingerprint: Some(fingerprint),
+            },
+            token,
+        );
+        if let Some(s) = c.stream {
+            let scope = self.ops[self.streams[s].op].scope();
+            if scope.2 != "POST /checkout" {
+                self.reach("region: a reconcile on a prefix or key_from route");
+            }
+            self.ev.reconcile_answers.push((
+                scope,
+                Produced {
+                    status: a.status,
+                    headers: a.headers.clone(),
+                    body: a.body.clone(),
+                },
+            ));
+        }
         CalloutResult::Response {
             status: a.status,
             headers: a.headers,
@@ -1474,6 +2358,9 @@ impl World {
     }
 
     fn deliver(&mut self, i: usize) {
+        if self.callouts[i].answer.is_none() {
+            return;
+        }
         let mut c = self.callouts.remove(i);
         let Some(result) = c.answer.take() else {
             return;
@@ -1500,6 +2387,9 @@ impl World {
         }
         if c.path == WRITES_PATH {
             self.note_refused_in_batch(c, &result);
+        }
+        if !matches!(result, CalloutResult::Response { status: 200, .. }) {
+            self.heartbeat_failed(&c.body, &c.path);
         }
         let now = self.worker_now(w);
         let id = c.id;
@@ -1560,12 +2450,39 @@ impl World {
     }
 
     fn fail_callout(&mut self, i: usize) {
-        let why = *self.c.pick(&["reset", "timeout", "503", "refused"]);
-        if why == "refused" {
-            self.refuse_callout(i);
-        } else {
-            self.fail_callout_with(i, why);
+        let why = *self
+            .c
+            .pick(&["reset", "timeout", "503", "refused", "unreadable"]);
+        match why {
+            "refused" => self.refuse_callout(i),
+            "unreadable" => self.garble_callout(i),
+            _ => self.fail_callout_with(i, why),
         }
+    }
+
+    /// The answer arrives cut short (a proxy in between, a bad frame): the filter cannot read
+    /// what the state API did.
+    fn garble_callout(&mut self, i: usize) {
+        let c = self.callouts[i].clone();
+        let Some(CalloutResult::Response { status, body, .. }) = &c.answer else {
+            return self.fail_callout_with(i, "reset");
+        };
+        if c.orphan {
+            return;
+        }
+        self.callouts.remove(i);
+        let cut = body[..body.len() / 2].to_vec();
+        self.log(format!(
+            "callout {} of worker {}: its answer arrives cut short",
+            c.path, c.worker
+        ));
+        let result = CalloutResult::answer(*status, cut);
+        self.lost_grants(
+            &c,
+            c.answer.as_ref().unwrap_or(&result),
+            "its answer was unreadable",
+        );
+        self.deliver_result(&c, result);
     }
 
     /// The state API refuses a call it has not handled (a 4xx: a misconfigured token, a
@@ -1606,21 +2523,30 @@ impl World {
         if c.orphan {
             return;
         }
-        if c.answer.is_some() {
+        if let Some(answer) = &c.answer {
             // Handled, but the answer is lost on the way back.
+            self.lost_grants(&c, answer, &format!("the callout failed: {why}"));
             self.callouts.remove(i);
         } else {
             self.callouts[i].orphan = true;
+            self.callouts[i].orphaned_by = if why == "timeout" {
+                "the callout timed out"
+            } else {
+                "the callout failed"
+            };
         }
         let result = if why == "503" {
             CalloutResult::answer(503, b"upstream connect error".to_vec())
         } else {
             CalloutResult::Failed(why.to_owned())
         };
-        self.log(format!(
-            "callout {} of worker {} fails ({why})",
-            c.path, c.worker
-        ));
+        if c.path != contract::wire::HEARTBEAT_PATH {
+            // (A heartbeat's failure is counted, not traced: during an outage there is one a tick.)
+            self.log(format!(
+                "callout {} of worker {} fails ({why})",
+                c.path, c.worker
+            ));
+        }
         self.deliver_result(&c, result);
     }
 
@@ -1647,6 +2573,19 @@ impl World {
     fn kill(&mut self, w: usize) {
         self.reach("sim.worker_killed");
         self.log(format!("worker {w} is killed"));
+        let generation = self.workers[w].generation;
+        let open: Vec<Scope> = self
+            .ev
+            .granted_to
+            .iter()
+            .filter(|(_, at)| **at == (w, generation))
+            .filter_map(|(t, _)| {
+                let scope = self.api.issued.get(t)?;
+                let (_, rec) = self.api.find(scope)?;
+                (rec.token == *t && rec.open()).then(|| scope.clone())
+            })
+            .collect();
+        self.ev.grant_died.extend(open);
         self.workers[w].w = None;
         self.workers[w].wake_requested = false;
         for s in 0..self.streams.len() {
@@ -1660,8 +2599,9 @@ impl World {
             }
         }
         for c in self.callouts.iter_mut() {
-            if c.worker == w {
+            if c.worker == w && !c.orphan {
                 c.orphan = true;
+                c.orphaned_by = "its worker died";
             }
         }
     }
@@ -1669,7 +2609,8 @@ impl World {
     fn restart(&mut self, w: usize) {
         self.workers[w].generation += 1;
         self.workers[w].next_sid = 0;
-        self.workers[w].w = Some(Worker::new(self.cfg.clone()));
+        self.workers[w].steady_ms = steady_origin(w, self.workers[w].generation);
+        self.workers[w].w = Some(new_worker(&self.cfg, w, self.workers[w].generation));
         self.log(format!("worker {w} starts again"));
     }
 
@@ -1691,7 +2632,8 @@ impl World {
         }
     }
 
-    /// Carries out effects like the glue does; returns the callback's verdict.
+    /// Carries out effects with the glue's own rules ([`filter_core::host::perform`]), this
+    /// model of Envoy as the host; returns the callback's verdict.
     fn perform(
         &mut self,
         w: usize,
@@ -1699,167 +2641,19 @@ impl World {
         verdict: Verdict,
         effects: Vec<Effect>,
     ) -> Verdict {
-        let mut verdict = verdict;
-        let mut queue: std::collections::VecDeque<Effect> = effects.into();
-        let stream_of = |world: &World, sid: StreamId| {
-            world.streams.iter().position(|s| {
-                s.worker == w && s.generation == world.workers[w].generation && s.sid == sid
-            })
+        let sid = |s: usize| self.streams[s].sid;
+        let current = match current {
+            Current::Request(s) => HostCurrent::Request(sid(s)),
+            Current::Response(s) => HostCurrent::Response(sid(s)),
+            Current::Stream(s) => HostCurrent::Stream(sid(s)),
+            Current::Root(_) => HostCurrent::Root,
         };
-        let cur_stream = match current {
-            Current::Request(s) | Current::Response(s) | Current::Stream(s) => Some(s),
-            Current::Root(_) => None,
+        let mut envoy = Envoy {
+            world: self,
+            w,
+            current,
         };
-        while let Some(effect) = queue.pop_front() {
-            match effect {
-                Effect::Reply { stream, reply } => {
-                    let Some(s) = stream_of(self, stream) else {
-                        continue;
-                    };
-                    if self.streams[s].forwarded.is_some() && self.streams[s].resp_head_passed {
-                        self.violations.push(format!(
-                            "stream {s}: a local reply after the response began"
-                        ));
-                    }
-                    self.log(format!(
-                        "stream {s}: filter answers {} {}{}",
-                        reply.status,
-                        problem_type(&reply.body),
-                        if reply
-                            .headers
-                            .iter()
-                            .any(|(n, _)| n == "idempotent-replayed")
-                        {
-                            " (replay)"
-                        } else {
-                            ""
-                        }
-                    ));
-                    let st = &mut self.streams[s];
-                    st.client = ClientView {
-                        status: Some(reply.status),
-                        headers: reply.headers,
-                        body: reply.body,
-                        complete: true,
-                        local: true,
-                    };
-                    if Some(s) == cur_stream {
-                        verdict = Verdict::Pause;
-                    }
-                }
-                Effect::SetRequestHeader {
-                    stream,
-                    name,
-                    value,
-                } => {
-                    if let Some(s) = stream_of(self, stream) {
-                        let hs = &mut self.streams[s].headers;
-                        hs.retain(|(n, _)| n != name);
-                        hs.push((name.to_owned(), value));
-                    }
-                }
-                Effect::RemoveRequestHeader { stream, name } => {
-                    if let Some(s) = stream_of(self, stream) {
-                        self.streams[s].headers.retain(|(n, _)| n != name);
-                    }
-                }
-                Effect::ResumeRequest { stream } => {
-                    let Some(s) = stream_of(self, stream) else {
-                        continue;
-                    };
-                    if current == Current::Request(s) {
-                        verdict = Verdict::Continue;
-                    } else {
-                        self.forward(s);
-                    }
-                }
-                Effect::ResumeResponse { stream } => {
-                    let Some(s) = stream_of(self, stream) else {
-                        continue;
-                    };
-                    if current == Current::Response(s) {
-                        verdict = Verdict::Continue;
-                    } else {
-                        self.streams[s].resp_paused = false;
-                        self.pass_response(s);
-                        self.end_if_answered(s);
-                    }
-                }
-                Effect::Dispatch(d) => {
-                    let stream = match d.owner {
-                        Owner::Stream(sid) => stream_of(self, sid),
-                        Owner::Worker => None,
-                    };
-                    let made_here = match d.owner {
-                        Owner::Stream(_) => stream.is_some() && stream == cur_stream,
-                        Owner::Worker => matches!(current, Current::Root(_)),
-                    };
-                    if !made_here {
-                        self.violations.push(format!(
-                            "a callout of {:?} made from {current:?} (Envoy would answer it elsewhere)",
-                            d.owner
-                        ));
-                        continue;
-                    }
-                    let path = d.header(":path").unwrap_or("").to_owned();
-                    let c = Callout {
-                        id: d.id,
-                        worker: w,
-                        generation: self.workers[w].generation,
-                        owner: d.owner,
-                        stream,
-                        cluster: d.cluster.clone(),
-                        path,
-                        headers: d.headers.clone(),
-                        body: d.body,
-                        deadline: self.now + d.timeout_ms,
-                        answer: None,
-                        orphan: false,
-                        parked: None,
-                    };
-                    if self.fault(Faults::CALLOUT) && self.c.chance(2) {
-                        // dispatch_http_call itself fails: the glue answers at once.
-                        let now = self.worker_now(w);
-                        if let Some(step) = self
-                            .call(w, |wk| {
-                                Some(wk.on_callout_answer(
-                                    d.id,
-                                    CalloutResult::Failed("dispatch failed".into()),
-                                    now,
-                                ))
-                            })
-                            .flatten()
-                        {
-                            verdict = step.verdict;
-                            for e in step.effects.into_iter().rev() {
-                                queue.push_front(e);
-                            }
-                        }
-                        continue;
-                    }
-                    self.callouts.push(c);
-                }
-                Effect::Wake => self.workers[w].wake_requested = true,
-                Effect::Count(m) => self.reach(m.name()),
-                Effect::Log(level, msg) => {
-                    let routine = self.quiet && msg.starts_with("heartbeat failed");
-                    if !routine
-                        && matches!(
-                            level,
-                            filter_core::worker::Level::Warn | filter_core::worker::Level::Error
-                        )
-                    {
-                        let msg: String = if msg.len() > 240 {
-                            format!("{}…", msg.chars().take(240).collect::<String>())
-                        } else {
-                            msg
-                        };
-                        self.log(format!("worker {w} logs: {msg}"));
-                    }
-                }
-            }
-        }
-        verdict
+        filter_core::host::perform(&mut envoy, verdict, effects)
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1869,7 +2663,9 @@ impl World {
     /// are done, leases run out.
     fn drain(&mut self) {
         self.faults = false;
-        self.api_up = true;
+        if self.outage != Outage::None {
+            self.end_outage();
+        }
         self.upstream_down = false;
         self.log("drain: no more faults".into());
         for w in 0..self.workers.len() {
@@ -1933,11 +2729,19 @@ impl World {
             }
             check::after_step(self);
         }
+        // Claims still waiting for their key get their answer now: their wait ends before the
+        // time skipped below.
+        for c in self.callouts.iter_mut() {
+            if let Some(p) = c.parked.as_mut() {
+                p.until = p.until.min(self.now);
+            }
+        }
+        self.timeouts();
         // Past every lease: a dead owner's key is decided by the state API now, and every
         // execution whose caller left has finished.
-        self.now += crate::state_api::MAX_LEASE_MS + 1;
-        for x in self.upstream.executions.iter_mut() {
-            x.finished = true;
+        self.now += self.setup.lease_ms + 1;
+        for e in 0..self.upstream.executions.len() {
+            self.commit(e);
         }
         for w in 0..self.workers.len() {
             self.workers[w].skew_ms = 0;
@@ -1977,6 +2781,182 @@ impl World {
     }
 }
 
+/// Envoy around one callback of worker `w`: the host the shared interpreter carries the
+/// worker's effects out with.
+struct Envoy<'a> {
+    world: &'a mut World,
+    w: usize,
+    current: HostCurrent,
+}
+
+impl Envoy<'_> {
+    /// The index of stream `sid` of this worker (its current life).
+    fn stream_of(&self, sid: StreamId) -> Option<usize> {
+        let world = &*self.world;
+        let w = self.w;
+        world.streams.iter().position(|s| {
+            s.worker == w && s.generation == world.workers[w].generation && s.sid == sid
+        })
+    }
+}
+
+impl Host for Envoy<'_> {
+    fn current(&self) -> HostCurrent {
+        self.current
+    }
+
+    fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
+        let now = self.world.worker_now(self.w);
+        self.world.call(self.w, |wk| f(wk, now))
+    }
+
+    fn reply(&mut self, stream: StreamId, reply: LocalReply) {
+        let Some(s) = self.stream_of(stream) else {
+            return;
+        };
+        let world = &mut *self.world;
+        if world.streams[s].forwarded.is_some() && world.streams[s].resp_head_passed {
+            world.violations.push(format!(
+                "stream {s}: a local reply after the response began"
+            ));
+        }
+        world.log(format!(
+            "stream {s}: filter answers {} {}{}",
+            reply.status,
+            problem_type(&reply.body),
+            if reply
+                .headers
+                .iter()
+                .any(|(n, _)| n == "idempotent-replayed")
+            {
+                " (replay)"
+            } else {
+                ""
+            }
+        ));
+        world.streams[s].client = ClientView {
+            status: Some(reply.status),
+            headers: reply.headers,
+            body: reply.body,
+            complete: true,
+            local: true,
+        };
+    }
+
+    fn set_request_header(&mut self, stream: StreamId, name: &'static str, value: String) {
+        if let Some(s) = self.stream_of(stream) {
+            let hs = &mut self.world.streams[s].headers;
+            hs.retain(|(n, _)| n != name);
+            hs.push((name.to_owned(), value));
+        }
+    }
+
+    fn remove_request_header(&mut self, stream: StreamId, name: &'static str) {
+        if let Some(s) = self.stream_of(stream) {
+            self.world.streams[s].headers.retain(|(n, _)| n != name);
+        }
+    }
+
+    fn resume_request(&mut self, stream: StreamId) {
+        if let Some(s) = self.stream_of(stream) {
+            self.world.forward(s);
+        }
+    }
+
+    fn resume_response(&mut self, stream: StreamId) {
+        if let Some(s) = self.stream_of(stream) {
+            self.world.streams[s].resp_paused = false;
+            self.world.pass_response(s);
+            self.world.end_if_answered(s);
+        }
+    }
+
+    fn dispatch(&mut self, d: Dispatch) -> Result<(), String> {
+        let stream = match d.owner {
+            Owner::Stream(sid) => self.stream_of(sid),
+            Owner::Worker => None,
+        };
+        let world = &mut *self.world;
+        if world.fault(Faults::CALLOUT) && world.c.chance(2) {
+            world.heartbeat_failed(&d.body, d.header(":path").unwrap_or(""));
+            return Err("dispatch failed".into());
+        }
+        let path = d.header(":path").unwrap_or("").to_owned();
+        let seq = world.next_seq();
+        world.callouts.push(Callout {
+            id: d.id,
+            worker: self.w,
+            generation: world.workers[self.w].generation,
+            owner: d.owner,
+            stream,
+            cluster: d.cluster,
+            path,
+            headers: d.headers,
+            body: d.body,
+            deadline: world.now + d.timeout_ms,
+            answer: None,
+            orphan: false,
+            orphaned_by: "",
+            parked: None,
+            seq,
+            sent_at: world.now,
+            looked_at: 0,
+            looked_up: None,
+        });
+        Ok(())
+    }
+
+    fn misplaced_callout(&mut self, d: &Dispatch) {
+        let current = self.current;
+        self.world.violations.push(format!(
+            "a callout of {:?} made from {current:?} (Envoy would answer it elsewhere)",
+            d.owner
+        ));
+    }
+
+    fn wake(&mut self) {
+        self.world.workers[self.w].wake_requested = true;
+    }
+
+    fn count(&mut self, m: Metric) {
+        self.world.reach(m.name());
+    }
+
+    fn log(&mut self, level: Level, msg: String) {
+        if msg.contains("given up")
+            || msg.contains("was not stored after")
+            || msg.contains("is not sent")
+        {
+            // A write given up (a complete, a release, an abandon, an unknown mark): the
+            // endpoint it names (its log names no key) is left out of invariant 8.
+            let endpoint = msg
+                .find("POST /")
+                .map(|at| msg[at..].split(' ').take(2).collect::<Vec<_>>().join(" "));
+            match endpoint {
+                Some(e) => {
+                    self.world.ev.gave_up_for.insert(e);
+                }
+                None => self.world.ev.gave_up_a_write = true,
+            }
+        }
+        if let Some(token) = given_up_for_time(&msg) {
+            self.world
+                .reach("region: a write given up after complete_retry_ms");
+            check::gave_up(self.world, self.w, token);
+        }
+        let world = &mut *self.world;
+        let routine = msg.starts_with("heartbeat failed");
+        if !routine && matches!(level, Level::Warn | Level::Error) {
+            let msg: String = if msg.len() > 240 {
+                format!("{}…", msg.chars().take(240).collect::<String>())
+            } else {
+                msg
+            };
+            world.log(format!("worker {} logs: {msg}", self.w));
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Action {
     NewAttempt(usize),
@@ -1993,9 +2973,42 @@ enum Action {
     Kill(usize),
     Restart(usize),
     ToggleApi,
+    DatabaseOutage,
     ToggleUpstream,
     SkewClock,
+    EnvoyReply(usize),
+    RotateSecret,
+    DropPreviousSecret,
+    Operator,
+    Purge,
     Advance,
+}
+
+/// Where the monotonic clock of worker `index`'s life `generation` starts (any origin will do:
+/// the worker only ever compares its own readings).
+fn steady_origin(index: usize, generation: u32) -> u64 {
+    5_000_000 * (index as u64 + 1) + 1_000 * u64::from(generation)
+}
+
+/// A worker VM as the glue configures it: named for its claim nonces, uniquely among the
+/// workers and their restarts (the glue uses its clock at configuration and root context).
+fn new_worker(cfg: &Config, index: usize, generation: u32) -> Worker {
+    let mut w = Worker::new(cfg.clone());
+    w.set_instance(&format!("w{index}g{generation}"));
+    w
+}
+
+/// The token of a write the worker gave up because `complete_retry_ms` passed (its log line:
+/// "... given up after N retries (still failing after M ms; token T) ...").
+fn given_up_for_time(msg: &str) -> Option<i64> {
+    if !msg.contains("still failing after") {
+        return None;
+    }
+    let rest = &msg[msg.find("; token ")? + "; token ".len()..];
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Envoy's buffer read: `n` bytes, none for an empty buffer (as Envoy gives no buffer then).

@@ -224,3 +224,35 @@ pub fn classify(a: &Answer) -> &'static str {
         _ => "other",
     }
 }
+
+/// The demo's smoke through `c`: a new key 201, its retry replayed, another body 422, a
+/// duplicate while the first runs 409 (then the first 201). Keys start with `label`.
+pub async fn smoke(c: &Client, label: &str) {
+    let body = charge_body(4990);
+    let key = crate::client::unique_key(label);
+    let first = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(first.status, 201, "{}", first.describe());
+    let again = c.send(checkout(&key, "alice", &body)).await;
+    assert!(
+        again.status == 201 && replayed(&again),
+        "{}",
+        again.describe()
+    );
+    let changed = c.send(checkout(&key, "alice", &charge_body(1))).await;
+    assert!(
+        is_problem(&changed, 422, "idempotency-key-reused"),
+        "{}",
+        changed.describe()
+    );
+    let slow_key = crate::client::unique_key(&format!("{label}-slow"));
+    let slow = send_in_background(c, checkout(&slow_key, "alice", &body).delay_ms(2000));
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let dup = c.send(checkout(&slow_key, "alice", &body)).await;
+    assert!(
+        is_problem(&dup, 409, "request-in-progress"),
+        "{}",
+        dup.describe()
+    );
+    let slow = slow.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(slow.status, 201, "{}", slow.describe());
+}

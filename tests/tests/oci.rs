@@ -40,6 +40,11 @@ fn main() {
             "envoy_runs_the_module_of_each_variant_end_to_end",
             envoy_smoke,
         ),
+        Trial::test("the_plugin_schema_ships_beside_the_images", schema_beside),
+        Trial::test(
+            "edge_render_for_a_mesh_pins_the_compat_digest",
+            render_pins_compat,
+        ),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -183,6 +188,49 @@ fn published(name: &str) -> Result<String, Failed> {
         .ok_or_else(|| format!("DIGESTS has no `{name}` line:\n{text}").into())
 }
 
+/// `plugin-config.schema.json` is what the filter's types generate (`edge schema`), Kong's
+/// `idempotency.meta.json` holds it, DIGESTS names it.
+fn schema_beside() -> Result<(), Failed> {
+    let shipped = read(&oci_dir().join("plugin-config.schema.json"))?;
+    let generated = Command::new(workspace_binary("edge").map_err(Failed::from)?)
+        .arg("schema")
+        .output()
+        .map_err(|e| format!("edge schema: {e} (make build)"))?;
+    assert_eq!(
+        String::from_utf8_lossy(&shipped).trim_end(),
+        String::from_utf8_lossy(&generated.stdout).trim_end()
+    );
+    let meta = json(&read(&oci_dir().join("idempotency.meta.json"))?, "meta")?;
+    assert_eq!(meta["config_schema"], json(&shipped, "schema")?);
+    assert_eq!(published("schema")?, sha256(&shipped));
+    Ok(())
+}
+
+/// What `edge render --target istio|envoy-gateway` pins is the compat manifest's digest of
+/// DIGESTS, for the module built here.
+fn render_pins_compat() -> Result<(), Failed> {
+    let compat = published("compat")?;
+    let hex = compat.trim_start_matches("sha256:");
+    for target in ["istio", "envoy-gateway"] {
+        let out = Command::new(workspace_binary("edge").map_err(Failed::from)?)
+            .args(["render", "--target", target, "--config"])
+            .arg(workspace_root().join("examples/demo.toml"))
+            .arg("--wasm")
+            .arg(edge::envoy::filter_wasm().map_err(Failed::from)?)
+            .output()
+            .map_err(|e| format!("edge render: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() || !text.contains(&format!("sha256: {hex}")) {
+            return Err(format!(
+                "{target}: no `sha256: {hex}` in\n{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 fn verify_layout() -> Result<(), Failed> {
     let dir = layout();
     let layout_file = json(&read(&dir.join("oci-layout"))?, "oci-layout")?;
@@ -245,6 +293,8 @@ fn reproducible() -> Result<(), Failed> {
     let out = Command::new(&bin)
         .arg("--wasm")
         .arg(&module)
+        .arg("--schema")
+        .arg(oci_dir().join("plugin-config.schema.json"))
         .arg("--out")
         .arg(&again)
         .output()
@@ -325,32 +375,5 @@ fn envoy_smoke() -> Result<(), Failed> {
 }
 
 async fn smoke(stack: Stack) {
-    let c = client(&stack);
-    let body = charge_body(4990);
-    let key = unique_key("oci");
-    let first = c.send(checkout(&key, "alice", &body)).await;
-    assert_eq!(first.status, 201, "{}", first.describe());
-    let again = c.send(checkout(&key, "alice", &body)).await;
-    assert!(
-        again.status == 201 && replayed(&again),
-        "{}",
-        again.describe()
-    );
-    let changed = c.send(checkout(&key, "alice", &charge_body(1))).await;
-    assert!(
-        is_problem(&changed, 422, "idempotency-key-reused"),
-        "{}",
-        changed.describe()
-    );
-    let slow_key = unique_key("oci-slow");
-    let slow = send_in_background(&c, checkout(&slow_key, "alice", &body).delay_ms(2000));
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let dup = c.send(checkout(&slow_key, "alice", &body)).await;
-    assert!(
-        is_problem(&dup, 409, "request-in-progress"),
-        "{}",
-        dup.describe()
-    );
-    let slow = slow.await.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(slow.status, 201, "{}", slow.describe());
+    stack::testkit::smoke(&client(&stack), "oci").await;
 }

@@ -287,6 +287,22 @@ struct Outgoing {
     timeout_ms: u64,
 }
 
+impl Outgoing {
+    /// Gives up on the answer after `ms` if that is sooner (the caller-timeout header says so
+    /// too, so the state API drops a job its caller no longer waits for).
+    fn shorten(&mut self, ms: u64) {
+        if ms >= self.timeout_ms {
+            return;
+        }
+        self.timeout_ms = ms;
+        for (name, value) in self.headers.iter_mut() {
+            if name == contract::wire::CALLER_TIMEOUT_HEADER {
+                *value = ms.to_string();
+            }
+        }
+    }
+}
+
 /// How much memory the worker holds, for the limits the configuration sets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -445,6 +461,17 @@ impl Worker {
                     .map(|(_, b)| b.completes.len())
                     .sum::<usize>(),
         }
+    }
+
+    /// The fencing tokens of the claims this worker heartbeats, and of its pending writes (for
+    /// the simulation's invariants).
+    pub fn held_tokens(&self) -> Vec<i64> {
+        self.registry.tokens()
+    }
+
+    /// (token, since when on this worker's clock) of each pending write.
+    pub fn write_tokens(&self) -> Vec<(i64, u64)> {
+        self.writes.tokens()
     }
 
     /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
@@ -1537,13 +1564,14 @@ impl Worker {
             for hb in due {
                 let token = hb.token;
                 let body = crate::flow::to_json(&hb);
-                self.dispatch_state_api(
-                    Owner::Worker,
-                    Purpose::Heartbeat(token),
-                    HEARTBEAT_PATH,
-                    body,
-                    &mut effects,
-                );
+                let mut call = self.state_api_call(HEARTBEAT_PATH, body, 0);
+                if let Some(within) = self
+                    .registry
+                    .answer_within(token, self.cfg.tick_period_ms())
+                {
+                    call.shorten(within);
+                }
+                self.dispatch(Owner::Worker, Purpose::Heartbeat(token), call, &mut effects);
             }
         }
         self.handed_await_lane = false;

@@ -96,6 +96,15 @@ impl Registry {
         self.entries.is_empty()
     }
 
+    /// The tokens of the claims it heartbeats (fenced ones aside).
+    pub fn tokens(&self) -> Vec<i64> {
+        self.entries
+            .iter()
+            .filter(|e| !e.fenced)
+            .map(|e| e.claim.token)
+            .collect()
+    }
+
     pub fn contains(&self, token: i64) -> bool {
         self.entries.iter().any(|e| e.claim.token == token)
     }
@@ -158,6 +167,16 @@ impl Registry {
             }
         }
         out
+    }
+
+    /// How long a heartbeat of `token` may go unanswered: until the next one would be due, so
+    /// that one which neither fails nor answers (a state API stalled, a callout timeout longer
+    /// than the lease) fails in time to be sent again before the lease runs out.
+    pub fn answer_within(&self, token: i64, tick_ms: u64) -> Option<u64> {
+        self.entries
+            .iter()
+            .find(|e| e.claim.token == token)
+            .map(|e| Self::threshold(e, tick_ms).max(tick_ms))
     }
 
     /// When the next heartbeat comes due ([`Registry::due`]); `None` while none can.

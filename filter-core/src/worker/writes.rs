@@ -246,6 +246,14 @@ impl PendingWrites {
         self.bytes
     }
 
+    /// The tokens of the claims whose writes are pending, with when each was handed over.
+    pub fn tokens(&self) -> Vec<(i64, u64)> {
+        self.entries
+            .iter()
+            .map(|e| (e.pending.claim.token, e.since_ms))
+            .collect()
+    }
+
     pub fn contains(&self, token: i64) -> bool {
         self.entries.iter().any(|e| e.pending.claim.token == token)
     }

@@ -1,6 +1,7 @@
 //! The proxy-wasm glue: the entry point, the root context and the HTTP contexts. Each host
-//! callback reads what the worker needs, calls [`Worker`] once, and carries out the effects it
-//! returns ([`perform`]); a callout that cannot be dispatched is the callout's answer at once.
+//! callback reads what the worker needs, calls [`Worker`] once, and has the effects it returns
+//! carried out by [`filter_core::host::perform`] (the rules the simulation checks too) through
+//! the ABI calls of [`Glue`].
 
 mod abi;
 mod http;
@@ -8,10 +9,12 @@ mod root;
 
 use abi::Level;
 use filter_core::flow::Verdict;
+pub(crate) use filter_core::host::Current;
+use filter_core::host::Host;
 use filter_core::metrics::Metric;
-use filter_core::worker::{CallId, CalloutResult, Effect, Owner, StreamId, Worker};
+use filter_core::reply::LocalReply;
+use filter_core::worker::{CallId, CalloutResult, Dispatch, Effect, StreamId, Worker};
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 
 proxy_wasm::main! {{
     std::panic::set_hook(Box::new(|info| {
@@ -106,30 +109,16 @@ pub(crate) fn clock_ms() -> u64 {
     })
 }
 
-/// Which callback the effects are carried out in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Current {
-    /// A request callback of this stream: resuming its request means returning Continue.
-    Request(StreamId),
-    /// A response callback of this stream: resuming its response means returning Continue.
-    Response(StreamId),
-    /// Another callback of this stream (a callout's answer, the end of the stream).
-    Stream(StreamId),
-    /// A callback of the root context.
-    Root,
+/// The host actions of one callback of this worker VM: the ABI calls behind
+/// [`filter_core::host::perform`], which decides what to call. Callouts it makes are recorded
+/// in `pending` (Envoy answers them to the current context).
+pub(crate) struct Glue<'a> {
+    pub(crate) shared: &'a Shared,
+    pub(crate) current: Current,
+    pub(crate) pending: &'a mut Vec<(u32, CallId)>,
 }
 
-impl Current {
-    fn stream(self) -> Option<StreamId> {
-        match self {
-            Current::Request(s) | Current::Response(s) | Current::Stream(s) => Some(s),
-            Current::Root => None,
-        }
-    }
-}
-
-/// Carries out the effects in order and returns the verdict of the current callback. Callouts
-/// dispatched here are recorded in `pending` (Envoy answers them to the current context).
+/// Carries out the effects of one callback and returns its verdict.
 pub(crate) fn perform(
     shared: &Shared,
     current: Current,
@@ -137,158 +126,138 @@ pub(crate) fn perform(
     effects: Vec<Effect>,
     pending: &mut Vec<(u32, CallId)>,
 ) -> Verdict {
-    let mut verdict = verdict;
-    let mut queue: VecDeque<Effect> = effects.into();
-    while let Some(effect) = queue.pop_front() {
-        match effect {
-            Effect::Reply { stream, reply } => {
-                on_stream(
-                    shared,
-                    current,
-                    stream,
-                    || {
-                        abi::send_response(
-                            u32::from(reply.status),
-                            reply.reason,
-                            &reply.headers,
-                            &reply.body,
-                        )
-                    },
-                    "sending a local reply",
-                );
-                if current.stream() == Some(stream) {
-                    verdict = Verdict::Pause;
-                }
-            }
-            Effect::SetRequestHeader {
-                stream,
-                name,
-                value,
-            } => on_stream(
-                shared,
-                current,
-                stream,
-                || abi::replace_header(abi::MAP_REQUEST_HEADERS, name, &value),
-                "setting a request header",
-            ),
-            Effect::RemoveRequestHeader { stream, name } => on_stream(
-                shared,
-                current,
-                stream,
-                || abi::remove_header(abi::MAP_REQUEST_HEADERS, name),
-                "removing a request header",
-            ),
-            Effect::ResumeRequest { stream } => {
-                if current == Current::Request(stream) {
-                    verdict = Verdict::Continue;
-                } else {
-                    on_stream(
-                        shared,
-                        current,
-                        stream,
-                        abi::resume_request,
-                        "resuming the request",
-                    );
-                }
-            }
-            Effect::ResumeResponse { stream } => {
-                if current == Current::Response(stream) {
-                    verdict = Verdict::Continue;
-                } else {
-                    on_stream(
-                        shared,
-                        current,
-                        stream,
-                        abi::resume_response,
-                        "resuming the response",
-                    );
-                }
-            }
-            Effect::Dispatch(d) => {
-                let id = d.id;
-                // Envoy answers a callout to the context that made it: a stream's callouts are
-                // made in its callbacks, the worker's in the root context's.
-                let made_here = match d.owner {
-                    Owner::Stream(s) => current.stream() == Some(s),
-                    Owner::Worker => current == Current::Root,
-                };
-                let result = if made_here {
-                    let headers: Vec<(&str, &str)> = d
-                        .headers
-                        .iter()
-                        .map(|(n, v)| (n.as_str(), v.as_str()))
-                        .collect();
-                    proxy_wasm::hostcalls::dispatch_http_call(
-                        &d.cluster,
-                        headers,
-                        Some(&d.body),
-                        vec![],
-                        std::time::Duration::from_millis(d.timeout_ms),
-                    )
-                    .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", d.cluster))
-                } else {
-                    Err("a callout made from a context Envoy would not answer it to (a bug)".into())
-                };
-                match result {
-                    Ok(token) => pending.push((token, id)),
-                    Err(why) => {
-                        let now = clock_ms();
-                        if let Some(step) = shared.with_worker(|w| {
-                            w.on_callout_answer(id, CalloutResult::Failed(why), now)
-                        }) {
-                            verdict = step.verdict;
-                            for e in step.effects.into_iter().rev() {
-                                queue.push_front(e);
-                            }
-                        }
-                    }
-                }
-            }
-            Effect::Wake => wake(shared),
-            Effect::Count(m) => shared.count(m),
-            Effect::Log(level, msg) => {
-                let level = match level {
-                    filter_core::worker::Level::Debug => Level::Debug,
-                    filter_core::worker::Level::Info => Level::Info,
-                    filter_core::worker::Level::Warn => Level::Warn,
-                    filter_core::worker::Level::Error => Level::Error,
-                };
-                abi::log(level, &format!("idempotency: {msg}"));
-            }
-        }
-    }
-    verdict
+    let mut glue = Glue {
+        shared,
+        current,
+        pending,
+    };
+    filter_core::host::perform(&mut glue, verdict, effects)
 }
 
-/// A host call on `stream`: made with that stream as the effective context when another
-/// context is current.
-fn on_stream(
-    shared: &Shared,
-    current: Current,
-    stream: StreamId,
-    call: impl FnOnce() -> Result<(), abi::HostError>,
-    what: &str,
-) {
-    let elsewhere = current.stream() != Some(stream);
-    if elsewhere {
-        if let Err(e) = abi::set_effective_context(stream) {
-            abi::log(
-                Level::Error,
-                &format!("idempotency: {what} on stream {stream}: {e}"),
-            );
-            return;
+impl Host for Glue<'_> {
+    fn current(&self) -> Current {
+        self.current
+    }
+
+    fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
+        let now = clock_ms();
+        self.shared.with_worker(|w| f(w, now))
+    }
+
+    fn reply(&mut self, stream: StreamId, reply: LocalReply) {
+        self.on_stream(
+            stream,
+            || {
+                abi::send_response(
+                    u32::from(reply.status),
+                    reply.reason,
+                    &reply.headers,
+                    &reply.body,
+                )
+            },
+            "sending a local reply",
+        );
+    }
+
+    fn set_request_header(&mut self, stream: StreamId, name: &'static str, value: String) {
+        self.on_stream(
+            stream,
+            || abi::replace_header(abi::MAP_REQUEST_HEADERS, name, &value),
+            "setting a request header",
+        );
+    }
+
+    fn remove_request_header(&mut self, stream: StreamId, name: &'static str) {
+        self.on_stream(
+            stream,
+            || abi::remove_header(abi::MAP_REQUEST_HEADERS, name),
+            "removing a request header",
+        );
+    }
+
+    fn resume_request(&mut self, stream: StreamId) {
+        self.on_stream(stream, abi::resume_request, "resuming the request");
+    }
+
+    fn resume_response(&mut self, stream: StreamId) {
+        self.on_stream(stream, abi::resume_response, "resuming the response");
+    }
+
+    fn dispatch(&mut self, d: Dispatch) -> Result<(), String> {
+        let headers: Vec<(&str, &str)> = d
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        let token = proxy_wasm::hostcalls::dispatch_http_call(
+            &d.cluster,
+            headers,
+            Some(&d.body),
+            vec![],
+            std::time::Duration::from_millis(d.timeout_ms),
+        )
+        .map_err(|s| format!("dispatch to cluster {:?} failed: {s:?}", d.cluster))?;
+        self.pending.push((token, d.id));
+        Ok(())
+    }
+
+    fn misplaced_callout(&mut self, _d: &Dispatch) {
+        // The worker hears of it as a failed callout (`perform` answers it).
+        abi::log(
+            Level::Critical,
+            "idempotency filter: a callout made from a context Envoy would not answer it to (a bug)",
+        );
+    }
+
+    fn wake(&mut self) {
+        wake(self.shared);
+    }
+
+    fn count(&mut self, m: Metric) {
+        self.shared.count(m);
+    }
+
+    fn log(&mut self, level: filter_core::worker::Level, msg: String) {
+        let level = match level {
+            filter_core::worker::Level::Debug => Level::Debug,
+            filter_core::worker::Level::Info => Level::Info,
+            filter_core::worker::Level::Warn => Level::Warn,
+            filter_core::worker::Level::Error => Level::Error,
+        };
+        abi::log(level, &format!("idempotency: {msg}"));
+    }
+}
+
+impl Glue<'_> {
+    /// A host call on `stream`: made with that stream as the effective context when another
+    /// context is current.
+    fn on_stream(
+        &self,
+        stream: StreamId,
+        call: impl FnOnce() -> Result<(), abi::HostError>,
+        what: &str,
+    ) {
+        let elsewhere = self.current.stream() != Some(stream);
+        if elsewhere {
+            if let Err(e) = abi::set_effective_context(stream) {
+                abi::log(
+                    Level::Error,
+                    &format!("idempotency: {what} on stream {stream}: {e}"),
+                );
+                return;
+            }
         }
-    }
-    if let Err(e) = call() {
-        abi::log(Level::Error, &format!("idempotency: {what} failed: {e}"));
-    }
-    if elsewhere {
-        let back = current.stream().unwrap_or(shared.root_id);
-        if let Err(e) = abi::set_effective_context(back) {
-            abi::log(
-                Level::Error,
-                &format!("idempotency: restoring the context: {e}"),
-            );
+        if let Err(e) = call() {
+            abi::log(Level::Error, &format!("idempotency: {what} failed: {e}"));
+        }
+        if elsewhere {
+            let back = self.current.stream().unwrap_or(self.shared.root_id);
+            if let Err(e) = abi::set_effective_context(back) {
+                abi::log(
+                    Level::Error,
+                    &format!("idempotency: restoring the context: {e}"),
+                );
+            }
         }
     }
 }

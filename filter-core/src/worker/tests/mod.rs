@@ -2151,6 +2151,34 @@ fn a_failed_heartbeat_is_sent_again_at_the_next_tick() {
     assert!(t.tick().dispatches(HEARTBEAT_PATH).is_empty());
 }
 
+/// Issue 34, path 6's residual (simulation seed 112809): a heartbeat that neither fails nor
+/// answers is given up when the next one would be due, not after the state API callout's
+/// timeout (which may be longer than the lease), so it is sent again while the lease lasts.
+#[test]
+fn a_heartbeat_is_given_up_when_the_next_one_would_be_due() {
+    let cfg = CONFIG.replacen(r#""timeout_ms": 1000}"#, r#""timeout_ms": 60000}"#, 1);
+    let mut t = Harness::new(&cfg);
+    let (_, _) = t.claimed("/checkout", b"{}", 5);
+    t.advance(7_500);
+    let hb = t.tick().dispatch(HEARTBEAT_PATH).clone();
+    assert_eq!(hb.timeout_ms, 7_500, "the interval (10 s less a tick), not 60 s");
+    let caller = hb
+        .headers
+        .iter()
+        .find(|(n, _)| n == contract::wire::CALLER_TIMEOUT_HEADER)
+        .map(|(_, v)| v.as_str());
+    assert_eq!(caller, Some("7500"), "the state API is told the same");
+    let claim = t.stream();
+    t.headers(
+        claim,
+        &req_headers("/checkout", &[("idempotency-key", "k2")]),
+        false,
+    );
+    let step = t.body(claim, b"{}");
+    let c = step.dispatch(CLAIM_PATH).clone();
+    assert_eq!(c.timeout_ms, 60_000, "other calls keep the configured timeout");
+}
+
 /// Issue 34, path 5: a heartbeat that finds the record marked unknown under its own token
 /// (`lease-ended`) stops the heartbeats of that claim, and its outcome is still stored: the
 /// pending complete stays and is sent again, never dropped as a fenced-out one is.
