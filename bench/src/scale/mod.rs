@@ -410,6 +410,26 @@ fn markdown(report: &ScaleReport, outputs: &[CurveOutput]) -> String {
     out
 }
 
+/// Sends `POST /checkout` once for each of `keys` through `target` (one connection), each of
+/// which must be created (201): keys to replay later.
+pub fn create_keys(
+    rt: &tokio::runtime::Runtime,
+    target: std::net::SocketAddr,
+    keys: &[String],
+    what: &str,
+) -> Result<(), String> {
+    rt.block_on(async {
+        let mut conn = crate::load::Conn::open(target).await?;
+        for k in keys {
+            let a = conn.send(&crate::checkout_req(k)).await?;
+            if a.status != 201 {
+                return Err(format!("{what} {k}: status {}", a.status));
+            }
+        }
+        Ok(())
+    })
+}
+
 /// The VmRSS and VmHWM of a process, in MiB.
 pub fn memory_mib(pid: u32) -> (f64, f64) {
     let mib = |field| procfs::status_kib(pid, field).unwrap_or(0) as f64 / 1024.0;
@@ -433,7 +453,7 @@ pub fn need_open_files(needed: u64, what: &str) -> Result<(), String> {
     let limit = open_files_limit();
     if limit < needed {
         return Err(format!(
-            "{what} needs at least {needed} open files per process, the limit is {limit}: run it with `ulimit -n {}` (make bench-scale raises it as root)",
+            "{what} needs at least {needed} open files per process, the limit is {limit}: run it with `ulimit -n {}` (make bench-scale raises it to 65,536, or to the hard limit)",
             needed.next_power_of_two().max(65_536)
         ));
     }
