@@ -51,7 +51,10 @@ struct Burst {
     requests: usize,
     body_bytes: usize,
     created: u64,
+    /// Every 503 + Retry-After, and those of them the bound gave (`edge-buffers-full`; the
+    /// rest are the state API's, e.g. claims that timed out behind slow fingerprints).
     refused_503: u64,
+    buffers_full_503: u64,
     refused_without_retry_after: u64,
     other: BTreeMap<String, u64>,
     /// Refused requests whose key nevertheless reached the checkout (must be 0).
@@ -176,7 +179,14 @@ fn class(a: &crate::load::Answer) -> String {
     match (a.status, retry_after) {
         (201, _) if a.headers.contains_key("idempotent-replayed") => "201 replayed".into(),
         (201, _) => "201".into(),
-        (503, true) => "503".into(),
+        // Which refusal: the bound (`edge-buffers-full`) or another (the state API's).
+        (503, true) => {
+            let problem = serde_json::from_slice::<serde_json::Value>(&a.body)
+                .ok()
+                .and_then(|v| v.get("type")?.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            format!("503 {}", problem.trim_start_matches("/problems/"))
+        }
         (503, false) => "503 without Retry-After".into(),
         (s, _) => format!("status {s}"),
     }
@@ -230,7 +240,8 @@ fn measure_burst(
     }
     // What reached the checkout: its ledger, by key.
     let charges = charges_by_key(stack, &prefix)?;
-    let refused: Vec<&String> = answers.iter().filter(|(_, k)| k == "503").map(|(key, _)| key).collect();
+    let is_refusal = |k: &str| k.starts_with("503 ") && k != "503 without Retry-After";
+    let refused: Vec<&String> = answers.iter().filter(|(_, k)| is_refusal(k)).map(|(key, _)| key).collect();
     let refused_but_forwarded = refused.iter().filter(|k| charges.contains_key(**k)).count() as u64;
     let created_not_charged_once = answers
         .iter()
@@ -263,7 +274,16 @@ fn measure_burst(
     let retried_created = retried.get("201").copied().unwrap_or(0);
     let mut other = by_kind.clone();
     let created = other.remove("201").unwrap_or(0);
-    let refused_503 = other.remove("503").unwrap_or(0);
+    let refusals: Vec<String> = other.keys().filter(|k| is_refusal(k)).cloned().collect();
+    let mut refused_503 = 0;
+    let mut buffers_full_503 = 0;
+    for k in refusals {
+        let n = other.remove(&k).unwrap_or(0);
+        refused_503 += n;
+        if k == "503 edge-buffers-full" {
+            buffers_full_503 += n;
+        }
+    }
     let refused_without_retry_after = other.remove("503 without Retry-After").unwrap_or(0);
     let mut retried_other = retried;
     retried_other.remove("201");
@@ -274,6 +294,7 @@ fn measure_burst(
         body_bytes: MIB,
         created,
         refused_503,
+        buffers_full_503,
         refused_without_retry_after,
         other,
         refused_but_forwarded,
@@ -287,7 +308,7 @@ fn measure_burst(
     };
     eprintln!(
         "  {n} x 1 MiB through {name} (max_buffered_bytes {:.0} MiB): {} x 201, {} x 503, other {:?}; Envoy {:.0} -> {:.0} MiB (+{:.0}); refused sent again: {} x 201, other {:?}",
-        b.max_buffered_mib, b.created, b.refused_503, b.other, b.rss_before_mib, b.hwm_after_mib, b.growth_mib, b.retried_created, b.retried_other
+        b.max_buffered_mib, b.created, format!("{} ({} edge-buffers-full)", b.refused_503, b.buffers_full_503), b.other, b.rss_before_mib, b.hwm_after_mib, b.growth_mib, b.retried_created, b.retried_other
     );
     Ok(b)
 }
@@ -389,8 +410,8 @@ fn goals(c: &BodyCurve) -> Vec<Goal> {
             "over the bound: 503 + Retry-After, nothing forwarded, nothing lost",
             "only 201 and 503 + Retry-After; no 503 forwarded; each refused key runs once when sent again; each 201 charged once",
             format!(
-                "{} x 201, {} x 503, {} other; {} forwarded; again: {} of {} x 201; {} not charged once",
-                b.created, b.refused_503, wrong, b.refused_but_forwarded, b.retried_created, b.refused_503, b.created_not_charged_once
+                "{} x 201, {} x 503 ({} edge-buffers-full), {} other; {} forwarded; again: {} of {} x 201; {} not charged once",
+                b.created, b.refused_503, b.buffers_full_503, wrong, b.refused_but_forwarded, b.retried_created, b.refused_503, b.created_not_charged_once
             ),
             Some(
                 wrong == 0
@@ -431,7 +452,7 @@ fn markdown(c: &BodyCurve) -> String {
                 fig(b.max_buffered_mib, 0),
                 b.requests.to_string(),
                 b.created.to_string(),
-                b.refused_503.to_string(),
+                format!("{} ({} buffers full)", b.refused_503, b.buffers_full_503),
                 (b.other.values().sum::<u64>() + b.refused_without_retry_after).to_string(),
                 b.refused_but_forwarded.to_string(),
                 format!("{} of {}", b.retried_created, b.refused_503),

@@ -132,17 +132,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     };
     let run_id = format!("scale-clients-{}", std::process::id());
     let replay_keys: Arc<Vec<String>> = Arc::new((0..100).map(|i| format!("{run_id}-replay-{i}")).collect());
-    let setup = replay_keys.clone();
-    bench.rt.block_on(async move {
-        let mut conn = Conn::open(envoy).await?;
-        for k in setup.iter() {
-            let a = conn.send(&checkout_req(k)).await?;
-            if a.status != 201 {
-                return Err(format!("setting up replay key {k}: status {}", a.status));
-            }
-        }
-        Ok::<(), String>(())
-    })?;
+    super::create_keys(&bench.rt, envoy, &replay_keys, "setting up replay keys")?;
     let mut points = Vec::new();
     for kind in ["new", "replay"] {
         for &c in levels {

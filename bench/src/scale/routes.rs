@@ -17,7 +17,7 @@ use stack::stack::{Stack, StackOptions};
 
 use super::{at_most, fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Conn, OpFn, Outcome, Req};
-use crate::{addr, alice, checkout_req, op_replay, plain_params, procfs, Bench, Procs};
+use crate::{addr, alice, op_replay, plain_params, procfs, Bench, Procs};
 
 const CONNECTIONS: usize = 16;
 const COUNTS: [usize; 3] = [1, 100, 1000];
@@ -155,17 +155,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         let target = addr(envoy.params.listen_port);
         let keys: Arc<Vec<String>> =
             Arc::new((0..100).map(|i| format!("{run_id}-{n}-{i}")).collect());
-        let setup = keys.clone();
-        bench.rt.block_on(async move {
-            let mut conn = Conn::open(target).await?;
-            for k in setup.iter() {
-                let a = conn.send(&checkout_req(k)).await?;
-                if a.status != 201 {
-                    return Err(format!("routes {n}: setting up {k}: status {}", a.status));
-                }
-            }
-            Ok::<(), String>(())
-        })?;
+        super::create_keys(&bench.rt, target, &keys, &format!("routes {n}: setting up"))?;
         let pid = procfs::pid_listening_on(envoy.params.listen_port).ok_or("no Envoy")?;
         bench.procs.named = vec![("envoy", pid)];
         let envoy_us = |cpu: &crate::CpuUse, rate: f64| {
