@@ -82,7 +82,8 @@ struct BodyCurve {
 pub fn json_body(size: usize) -> Vec<u8> {
     let mut out = String::from(r#"{"currency":"EUR","amount":4990,"items":["#);
     let mut i = 0u64;
-    while out.len() + 120 < size {
+    // An item is at most about 130 bytes: stop with room for one more and the tail.
+    while out.len() + 200 < size {
         if i > 0 {
             out.push(',');
         }
@@ -184,7 +185,7 @@ fn class(a: &crate::load::Answer) -> String {
             let problem = serde_json::from_slice::<serde_json::Value>(&a.body)
                 .ok()
                 .and_then(|v| v.get("type")?.as_str().map(str::to_owned))
-                .unwrap_or_default();
+                .unwrap_or_else(|| "(no problem type)".to_owned());
             format!("503 {}", problem.trim_start_matches("/problems/"))
         }
         (503, false) => "503 without Retry-After".into(),
@@ -502,7 +503,12 @@ mod tests {
         };
         assert_eq!(class(&a(503, &headers)), "503 without Retry-After");
         headers.insert("retry-after", hyper::header::HeaderValue::from_static("1"));
-        assert_eq!(class(&a(503, &headers)), "503");
+        assert_eq!(class(&a(503, &headers)), "503 (no problem type)");
+        let bound = crate::load::Answer {
+            body: Bytes::from_static(br#"{"type":"/problems/edge-buffers-full"}"#),
+            ..a(503, &headers)
+        };
+        assert_eq!(class(&bound), "503 edge-buffers-full");
         assert_eq!(class(&a(201, &headers)), "201");
         assert_eq!(class(&a(504, &headers)), "status 504");
     }

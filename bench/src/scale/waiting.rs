@@ -302,6 +302,6 @@ fn markdown(c: &WaitingCurve) -> String {
 mod tests {
     #[test]
     fn a_ratio_of_nothing_is_not_a_number() {
-        assert!(super::ratio(1.0, 0.0).is_nan());
+        assert!(crate::scale::ratio(1.0, 0.0).is_nan());
     }
 }
