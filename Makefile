@@ -311,8 +311,9 @@ soak: tools build-release
 # docs/scale.png and the scale section of docs/BENCH.md. About 2 h 30 min on this machine by
 # estimate, not yet timed (the records curve loads tens of millions of rows and needs disk: it
 # keeps 8 GiB free). QUICK=1: a short version of each curve (about 6 min of runs after the
-# builds, on a loaded machine) into target/scale-quick/. SCALE_CURVES=body,routes runs some. Thousands of waiting connections need open files: raised here to 65,536, or the
-# hard limit when that is lower (each curve says what it needs). Not part of `make test`.
+# builds, on a loaded machine) into target/scale-quick/. SCALE_CURVES=body,routes runs some.
+# Thousands of waiting connections need open files: raised here to 65,536, or the hard limit
+# when that is lower (each curve says what it needs). Not part of `make test`.
 QUICK ?=
 .PHONY: bench-scale
 bench-scale: tools build-release
