@@ -93,7 +93,7 @@ pub fn json_body(size: usize) -> Vec<u8> {
             i % 500,
             i % 100,
             i % 13,
-            i % 2 == 0
+            i.is_multiple_of(2)
         );
         i += 1;
     }
@@ -308,8 +308,8 @@ fn measure_burst(
         seconds,
     };
     eprintln!(
-        "  {n} x 1 MiB through {name} (max_buffered_bytes {:.0} MiB): {} x 201, {} x 503, other {:?}; Envoy {:.0} -> {:.0} MiB (+{:.0}); refused sent again: {} x 201, other {:?}",
-        b.max_buffered_mib, b.created, format!("{} ({} edge-buffers-full)", b.refused_503, b.buffers_full_503), b.other, b.rss_before_mib, b.hwm_after_mib, b.growth_mib, b.retried_created, b.retried_other
+        "  {n} x 1 MiB through {name} (max_buffered_bytes {:.0} MiB): {} x 201, {} x 503 ({} edge-buffers-full), other {:?}; Envoy {:.0} -> {:.0} MiB (+{:.0}); refused sent again: {} x 201, other {:?}",
+        b.max_buffered_mib, b.created, b.refused_503, b.buffers_full_503, b.other, b.rss_before_mib, b.hwm_after_mib, b.growth_mib, b.retried_created, b.retried_other
     );
     Ok(b)
 }

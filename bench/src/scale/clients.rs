@@ -17,7 +17,7 @@ use stack::stack::{Stack, StackOptions};
 
 use super::{fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Answer, Conn, OpFn, Outcome};
-use crate::{addr, checkout_req, new_key, procfs, Bench, Procs};
+use crate::{addr, checkout_req, new_key};
 
 /// Answers of the window: (when, class, µs).
 type Seen = Arc<Mutex<Vec<(Instant, &'static str, u32)>>>;
@@ -107,29 +107,17 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     super::need_open_files(4 * 256 + 1_000, "the clients curve")?;
     let stack = Stack::start(StackOptions::default())?;
     let envoy = addr(stack.envoy.params.listen_port);
-    let find = |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
-    let bench = Bench {
-        rt: tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?,
-        postgres: &stack.postgres,
-        database: stack.database_name().to_owned(),
-        procs: Procs {
-            named: vec![
-                ("envoy", find(stack.envoy.params.listen_port)?),
-                ("state-api", find(stack.state_api.port)?),
-                ("checkout", find(stack.checkout.port)?),
-            ],
-            postgres: procfs::pid_listening_on(stack.postgres.port()),
-        },
-        state_api_port: stack.state_api.port,
-        tck: procfs::clk_tck(),
-        warmup: settings.secs(2, 1),
-        measure: settings.secs(8, 3),
-        started: Instant::now(),
-        retry_budget_until: Instant::now(),
-    };
+    let bench = super::bench_on(
+        &stack,
+        &[
+            ("envoy", stack.envoy.params.listen_port),
+            ("state-api", stack.state_api.port),
+            ("checkout", stack.checkout.port),
+        ],
+        settings.secs(2, 1),
+        settings.secs(8, 3),
+        Duration::ZERO,
+    )?;
     let run_id = format!("scale-clients-{}", std::process::id());
     let replay_keys: Arc<Vec<String>> = Arc::new((0..100).map(|i| format!("{run_id}-replay-{i}")).collect());
     super::create_keys(&bench.rt, envoy, &replay_keys, "setting up replay keys")?;

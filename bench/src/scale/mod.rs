@@ -410,6 +410,44 @@ fn markdown(report: &ScaleReport, outputs: &[CurveOutput]) -> String {
     out
 }
 
+/// A [`crate::Bench`] on `stack` that measures the processes listening on `ports` (by name)
+/// and Postgres, with runs of `warmup` and `measure`; noisy runs are repeated until `retry_for`
+/// from now.
+pub(crate) fn bench_on<'a>(
+    stack: &'a stack::stack::Stack,
+    ports: &[(&'static str, u16)],
+    warmup: Duration,
+    measure: Duration,
+    retry_for: Duration,
+) -> Result<crate::Bench<'a>, String> {
+    let named = ports
+        .iter()
+        .map(|&(name, port)| {
+            procfs::pid_listening_on(port)
+                .map(|pid| (name, pid))
+                .ok_or(format!("nothing listens on :{port}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(crate::Bench {
+        rt: tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?,
+        postgres: &stack.postgres,
+        database: stack.database_name().to_owned(),
+        procs: crate::Procs {
+            named,
+            postgres: procfs::pid_listening_on(stack.postgres.port()),
+        },
+        state_api_port: stack.state_api.port,
+        tck: procfs::clk_tck(),
+        warmup,
+        measure,
+        started: Instant::now(),
+        retry_budget_until: Instant::now() + retry_for,
+    })
+}
+
 /// Sends `POST /checkout` once for each of `keys` through `target` (one connection), each of
 /// which must be created (201): keys to replay later.
 pub fn create_keys(

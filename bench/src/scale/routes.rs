@@ -17,7 +17,7 @@ use stack::stack::{Stack, StackOptions};
 
 use super::{at_most, fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Conn, OpFn, Outcome, Req};
-use crate::{addr, alice, op_replay, plain_params, procfs, Bench, Procs};
+use crate::{addr, alice, op_replay, plain_params, procfs};
 
 const CONNECTIONS: usize = 16;
 const COUNTS: [usize; 3] = [1, 100, 1000];
@@ -118,25 +118,13 @@ fn matcher_ns(n: usize, min: Duration) -> Result<(f64, f64), String> {
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let mut quiet = Quiet::start();
     let stack = Stack::start(StackOptions::default())?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let mut bench = Bench {
-        rt,
-        postgres: &stack.postgres,
-        database: stack.database_name().to_owned(),
-        procs: Procs {
-            named: Vec::new(),
-            postgres: procfs::pid_listening_on(stack.postgres.port()),
-        },
-        state_api_port: stack.state_api.port,
-        tck: procfs::clk_tck(),
-        warmup: settings.secs(2, 1),
-        measure: settings.secs(8, 3),
-        started: Instant::now(),
-        retry_budget_until: Instant::now() + settings.secs(120, 0),
-    };
+    let mut bench = super::bench_on(
+        &stack,
+        &[],
+        settings.secs(2, 1),
+        settings.secs(8, 3),
+        settings.secs(120, 0),
+    )?;
     let mut points = Vec::new();
     let run_id = format!("scale-routes-{}", std::process::id());
     for n in COUNTS {
