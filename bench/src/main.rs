@@ -13,6 +13,7 @@ mod pgbench;
 mod procfs;
 mod purge;
 mod report;
+mod scale;
 mod soak;
 mod waiting;
 
@@ -557,11 +558,17 @@ impl Bench<'_> {
 }
 
 fn main() {
-    // `bench soak` (`make soak`): the long run of src/soak.rs instead of the benchmark.
-    let soak = std::env::args().nth(1).is_some_and(|a| a == "soak");
-    let result = if soak { soak::run() } else { real_main() };
+    // `bench soak` (`make soak`): the long run of src/soak.rs; `bench scale` (`make
+    // bench-scale`): the curves of src/scale/; otherwise the benchmark.
+    let what = std::env::args().nth(1).unwrap_or_default();
+    let result = match what.as_str() {
+        "soak" => soak::run(),
+        "scale" => scale::run(),
+        _ => real_main(),
+    };
     if let Err(e) = result {
-        eprintln!("{} failed: {e}", if soak { "soak" } else { "bench" });
+        let name = if what.is_empty() { "bench" } else { what.as_str() };
+        eprintln!("{name} failed: {e}");
         std::process::exit(1);
     }
 }
@@ -1147,12 +1154,9 @@ fn real_main() -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let md_path = out_dir.join("BENCH.md");
-    // The soak's section (`make soak`) stays: it is a run of its own.
+    // The soak's and bench-scale's sections stay: they are runs of their own.
     let previous = std::fs::read_to_string(&md_path).unwrap_or_default();
-    let markdown = match soak::section_of(&previous) {
-        Some(section) => soak::splice(&rep.markdown(), section),
-        None => rep.markdown(),
-    };
+    let markdown = soak::keep_sections(&previous, rep.markdown());
     std::fs::write(&md_path, markdown).map_err(|e| e.to_string())?;
     let png_path = out_dir.join("bench.png");
     plot(&json_path, &png_path);

@@ -51,25 +51,47 @@ const BEGIN: &str = "<!-- soak -->";
 const END: &str = "<!-- /soak -->";
 
 #[derive(Debug, Clone, Serialize)]
-struct Settings {
-    seconds: u64,
-    minute_s: u64,
-    minutes: usize,
-    sample_s: f64,
-    samples_per_minute: usize,
+pub(crate) struct Settings {
+    pub(crate) seconds: u64,
+    pub(crate) minute_s: u64,
+    pub(crate) minutes: usize,
+    pub(crate) sample_s: f64,
+    pub(crate) samples_per_minute: usize,
     /// New keys per second asked for (0: half the measured maximum).
-    rate_asked: u64,
-    retention_s: u64,
-    purge_interval_s: u64,
-    connections: usize,
-    replay_rate: u64,
-    inflight_rate: u64,
-    calibrate_s: u64,
-    hold_s: u64,
-    renew_s: u64,
+    pub(crate) rate_asked: u64,
+    pub(crate) retention_s: u64,
+    pub(crate) purge_interval_s: u64,
+    pub(crate) connections: usize,
+    pub(crate) replay_rate: u64,
+    pub(crate) inflight_rate: u64,
+    pub(crate) calibrate_s: u64,
+    pub(crate) hold_s: u64,
+    pub(crate) renew_s: u64,
 }
 
 impl Settings {
+    /// bench-scale's steady curve: `minutes` of `minute_s` seconds at `rate` new keys/s with
+    /// records kept `retention_s`, readings every `sample_s`; the side loads as the soak's.
+    pub(crate) fn steady(minutes: u64, minute_s: u64, sample_s: u64, rate: u64, retention_s: u64) -> Self {
+        let per_minute = (minute_s / sample_s.max(1)).max(1);
+        Self {
+            seconds: minutes * minute_s,
+            minute_s,
+            minutes: minutes as usize,
+            sample_s: minute_s as f64 / per_minute as f64,
+            samples_per_minute: per_minute as usize,
+            rate_asked: rate,
+            retention_s,
+            purge_interval_s: 5,
+            connections: 32,
+            replay_rate: 50,
+            inflight_rate: 5,
+            calibrate_s: 5,
+            hold_s: HOLD.as_secs(),
+            renew_s: RENEW.as_secs(),
+        }
+    }
+
     fn from_env() -> Result<Self, String> {
         let seconds = env_u64("SOAK_SECONDS", 600);
         let minute_s = env_u64("SOAK_MINUTE_SECONDS", 60).max(1);
@@ -439,33 +461,33 @@ async fn drive(
 // What is read every few seconds
 
 #[derive(Debug, Clone, Serialize, Default)]
-struct Sample {
-    t_s: f64,
-    rows: u64,
-    table_bytes: u64,
-    index_bytes: u64,
-    total_bytes: u64,
-    dead_tuples: u64,
-    live_tuples: u64,
-    autovacuums: u64,
-    state_api_rss_kib: u64,
-    envoy_rss_kib: u64,
-    purged_rows: u64,
-    purge_passes: u64,
-    purge_backlog_passes: u64,
+pub(crate) struct Sample {
+    pub(crate) t_s: f64,
+    pub(crate) rows: u64,
+    pub(crate) table_bytes: u64,
+    pub(crate) index_bytes: u64,
+    pub(crate) total_bytes: u64,
+    pub(crate) dead_tuples: u64,
+    pub(crate) live_tuples: u64,
+    pub(crate) autovacuums: u64,
+    pub(crate) state_api_rss_kib: u64,
+    pub(crate) envoy_rss_kib: u64,
+    pub(crate) purged_rows: u64,
+    pub(crate) purge_passes: u64,
+    pub(crate) purge_backlog_passes: u64,
     /// New-key latency over the interval that ends with this reading.
-    new_p50_ms: Option<f64>,
-    new_p99_ms: Option<f64>,
+    pub(crate) new_p50_ms: Option<f64>,
+    pub(crate) new_p99_ms: Option<f64>,
     /// CPU ticks: the machine's busy and total (all CPUs), its interrupts, and ours (the stack's
     /// processes, Postgres' backends and this program).
-    busy_ticks: u64,
-    total_ticks: u64,
-    irq_ticks: u64,
+    pub(crate) busy_ticks: u64,
+    pub(crate) total_ticks: u64,
+    pub(crate) irq_ticks: u64,
     /// The hypervisor's steal (all CPUs).
-    steal_ticks: u64,
-    our_ticks: u64,
+    pub(crate) steal_ticks: u64,
+    pub(crate) our_ticks: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
+    pub(crate) error: Option<String>,
 }
 
 const TABLE_SQL: &str = "SELECT (SELECT count(*) FROM idempotency_records), \
@@ -540,40 +562,40 @@ impl Watched<'_> {
 
 /// One minute as reported: the load's counts and the figures read at its end.
 #[derive(Debug, Clone, Serialize)]
-struct MinuteRow {
-    minute: usize,
-    end_s: f64,
-    new_keys: u64,
-    new_per_s: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-    max_ms: f64,
-    replays: u64,
-    conflicts: u64,
-    failures: u64,
-    failure_kinds: BTreeMap<String, u64>,
-    rows: u64,
-    table_bytes: u64,
-    index_bytes: u64,
-    total_bytes: u64,
-    dead_tuples: u64,
+pub(crate) struct MinuteRow {
+    pub(crate) minute: usize,
+    pub(crate) end_s: f64,
+    pub(crate) new_keys: u64,
+    pub(crate) new_per_s: f64,
+    pub(crate) p50_ms: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) max_ms: f64,
+    pub(crate) replays: u64,
+    pub(crate) conflicts: u64,
+    pub(crate) failures: u64,
+    pub(crate) failure_kinds: BTreeMap<String, u64>,
+    pub(crate) rows: u64,
+    pub(crate) table_bytes: u64,
+    pub(crate) index_bytes: u64,
+    pub(crate) total_bytes: u64,
+    pub(crate) dead_tuples: u64,
     /// The highest `n_dead_tup` read during the minute.
-    dead_tuples_peak: u64,
-    live_tuples: u64,
+    pub(crate) dead_tuples_peak: u64,
+    pub(crate) live_tuples: u64,
     /// Autovacuums of the table during the minute.
-    autovacuums: u64,
-    state_api_rss_kib: u64,
-    envoy_rss_kib: u64,
-    purged_rows: u64,
-    purge_passes: u64,
-    purge_backlog_passes: u64,
+    pub(crate) autovacuums: u64,
+    pub(crate) state_api_rss_kib: u64,
+    pub(crate) envoy_rss_kib: u64,
+    pub(crate) purged_rows: u64,
+    pub(crate) purge_passes: u64,
+    pub(crate) purge_backlog_passes: u64,
     /// The machine's busy time in the minute, in cores, and the part of it that was not ours
     /// nor interrupts: other work, which makes the minute's latency noise.
-    machine_cores: f64,
-    other_cores: f64,
+    pub(crate) machine_cores: f64,
+    pub(crate) other_cores: f64,
     /// The hypervisor's steal in the minute, in cores: part of it is in `other_cores`, the rest
     /// was charged to our processes.
-    steal_cores: f64,
+    pub(crate) steal_cores: f64,
 }
 
 /// (machine, other work, steal) in cores between two samples.
@@ -719,7 +741,7 @@ fn figures() -> Vec<Figure> {
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct FigureVerdict {
+pub(crate) struct FigureVerdict {
     figure: String,
     unit: String,
     second: f64,
@@ -763,32 +785,32 @@ fn verdict(rows: &[MinuteRow]) -> Vec<FigureVerdict> {
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct Calibration {
-    connections: usize,
-    seconds: u64,
-    new_keys_per_s: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-    errors: BTreeMap<String, u64>,
+pub(crate) struct Calibration {
+    pub(crate) connections: usize,
+    pub(crate) seconds: u64,
+    pub(crate) new_keys_per_s: f64,
+    pub(crate) p50_ms: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) errors: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct SoakReport {
-    generated_unix_s: u64,
-    git: String,
-    settings: Settings,
-    calibration: Calibration,
+pub(crate) struct SoakReport {
+    pub(crate) generated_unix_s: u64,
+    pub(crate) git: String,
+    pub(crate) settings: Settings,
+    pub(crate) calibration: Calibration,
     /// New keys per second sent (half the calibration's, or SOAK_RATE).
-    rate: f64,
-    held_keys: usize,
-    rule: String,
-    minutes: Vec<MinuteRow>,
-    verdict: Vec<FigureVerdict>,
-    failures: u64,
-    failure_kinds: BTreeMap<String, u64>,
-    pass: bool,
-    samples: Vec<Sample>,
-    stack_dir: String,
+    pub(crate) rate: f64,
+    pub(crate) held_keys: usize,
+    pub(crate) rule: String,
+    pub(crate) minutes: Vec<MinuteRow>,
+    pub(crate) verdict: Vec<FigureVerdict>,
+    pub(crate) failures: u64,
+    pub(crate) failure_kinds: BTreeMap<String, u64>,
+    pub(crate) pass: bool,
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) stack_dir: String,
 }
 
 const RULE: &str = "Passes when nothing failed (every answer as expected, no transport error, \
@@ -1010,22 +1032,41 @@ fn table(head: &[&str], rows: &[Vec<String>], md: bool) -> String {
     out
 }
 
-/// The soak's section of docs/BENCH.md, markers included.
-pub fn section_of(doc: &str) -> Option<&str> {
-    let a = doc.find(BEGIN)?;
-    let b = doc[a..].find(END)? + a;
-    Some(&doc[a..b + END.len()])
+/// The section of `doc` from `begin` to `end`, markers included.
+pub fn section_between<'a>(doc: &'a str, begin: &str, end: &str) -> Option<&'a str> {
+    let a = doc.find(begin)?;
+    let b = doc[a..].find(end)? + a;
+    Some(&doc[a..b + end.len()])
 }
 
 /// docs/BENCH.md with the soak's section replaced (or appended when it has none).
 pub fn splice(doc: &str, section: &str) -> String {
-    match (doc.find(BEGIN), doc.find(END)) {
+    splice_between(doc, section, BEGIN, END)
+}
+
+/// `doc` with its section from `begin` to `end` replaced by `section` (or appended when it has
+/// none).
+pub fn splice_between(doc: &str, section: &str, begin: &str, end: &str) -> String {
+    match (doc.find(begin), doc.find(end)) {
         (Some(a), Some(b)) if b > a => {
-            let rest = doc[b + END.len()..].trim_start_matches('\n');
+            let rest = doc[b + end.len()..].trim_start_matches('\n');
             format!("{}{section}{rest}", &doc[..a])
         }
         _ => format!("{}\n\n{section}", doc.trim_end()),
     }
+}
+
+/// `make bench`'s new docs/BENCH.md (`fresh`) with the sections of the runs of their own that
+/// `previous` holds (the soak's, bench-scale's): they stay.
+pub fn keep_sections(previous: &str, fresh: String) -> String {
+    [(BEGIN, END), (crate::scale::BEGIN, crate::scale::END)]
+        .into_iter()
+        .fold(fresh, |doc, (begin, end)| {
+            match section_between(previous, begin, end) {
+                Some(section) => splice_between(&doc, section, begin, end),
+                None => doc,
+            }
+        })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1039,6 +1080,25 @@ pub fn run() -> Result<(), String> {
         .map(PathBuf::from)
         .unwrap_or_else(|_| stack::process::workspace_root().join("docs"));
     wait_for_quiet(Duration::from_secs(env_u64("SOAK_QUIET_WAIT_SECONDS", 30)));
+    let report = measure(settings)?.report;
+    println!("{}", report.text());
+    write_outputs(&report, &out_dir)?;
+    if report.pass {
+        Ok(())
+    } else {
+        Err(report.outcome())
+    }
+}
+
+/// A soak's figures: its report, and each minute's new-key latencies (µs, sorted), for
+/// windows of several minutes.
+pub(crate) struct Soaked {
+    pub(crate) report: SoakReport,
+    pub(crate) latencies_us: Vec<Vec<u32>>,
+}
+
+/// The soak itself: the stack, the calibration, the load and the readings.
+pub(crate) fn measure(settings: Settings) -> Result<Soaked, String> {
     eprintln!(
         "soak: starting the stack (retention {} s, purge every {} s) ...",
         settings.retention_s, settings.purge_interval_s
@@ -1141,6 +1201,14 @@ pub fn run() -> Result<(), String> {
         (s.new_p50_ms, s.new_p99_ms) = (pct(50.0), pct(99.0));
     }
 
+    let latencies_us = by_minute
+        .iter()
+        .map(|m| {
+            let mut all = m.lat_us.concat();
+            all.sort_unstable();
+            all
+        })
+        .collect();
     let minutes = minute_rows(&settings, by_minute, &samples, procfs::clk_tck());
     let verdict = verdict(&minutes);
     let mut failure_kinds: BTreeMap<String, u64> = BTreeMap::new();
@@ -1173,13 +1241,10 @@ pub fn run() -> Result<(), String> {
         stack_dir: stack.dir.display().to_string(),
     };
     drop(stack);
-    println!("{}", report.text());
-    write_outputs(&report, &out_dir)?;
-    if report.pass {
-        Ok(())
-    } else {
-        Err(report.outcome())
-    }
+    Ok(Soaked {
+        report,
+        latencies_us,
+    })
 }
 
 fn write_outputs(report: &SoakReport, out_dir: &Path) -> Result<(), String> {
@@ -1215,6 +1280,18 @@ mod tests {
             splice("# Benchmark\n\ntext\n", &section),
             format!("# Benchmark\n\ntext\n\n{section}")
         );
+    }
+
+    #[test]
+    fn the_benchs_report_keeps_the_soak_and_scale_sections() {
+        let soak = format!("{BEGIN}\nsoaked\n{END}\n");
+        let scale = format!("{}\ncurves\n{}\n", crate::scale::BEGIN, crate::scale::END);
+        let previous = format!("# Benchmark\n\nold\n\n{soak}\n{scale}");
+        let kept = keep_sections(&previous, "# Benchmark\n\nnew\n".into());
+        assert!(kept.starts_with("# Benchmark\n\nnew\n"), "{kept}");
+        assert!(kept.contains("soaked") && kept.contains("curves"), "{kept}");
+        assert!(!kept.contains("old"), "{kept}");
+        assert_eq!(keep_sections("nothing kept", "fresh".into()), "fresh");
     }
 
     fn minute(rows: u64, dead: u64, p99: f64) -> MinuteRow {

@@ -26,8 +26,19 @@
 //! as the request's execution, and a later token runs (what `on_5xx: "release"` relies on).
 //! Attempts without a token (callers other than the edge) are recorded but neither refused nor
 //! deduplicated: the edge dedupes those.
+//!
+//! The record is bounded: it keeps the last `max_requests` requests (by their latest attempt
+//! or reconcile) and forgets older finished ones, as a payment service's idempotency records
+//! expire. What it forgot it cannot vouch for, so it never answers as if it had not happened:
+//! an attempt of a request it does not know with a token no larger than the largest it forgot
+//! is refused (stale), and the reconcile of a request it does not know, once it has forgotten
+//! any, says it cannot tell (the edge answers 503 and keeps the key) rather than
+//! `not-executed`. The first rule relies on the edge's tokens coming from one sequence
+//! (`idempotency_fencing_token_seq`): a new request's token is larger than every token issued
+//! before it, so only an attempt that waited while `max_requests` other requests came and went
+//! can be refused by it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -110,6 +121,9 @@ pub enum Reconciled {
     NotExecuted,
     /// The asker's token is not larger than an attempt's: it is stale itself.
     Stale,
+    /// The request is not in the record, which has forgotten older requests: it may have been
+    /// one of them.
+    CannotTell,
 }
 
 #[derive(Debug, Default)]
@@ -117,13 +131,41 @@ struct OfRequest {
     /// Attempts with a token lower than this are refused.
     fence: i64,
     attempts: Vec<u64>,
+    /// Its latest entry in [`Attempts::order`]: older entries of it there are stale.
+    touched: u64,
+    /// First seen as an attempt refused for what the record forgot: it may be a forgotten
+    /// request, whose history the record no longer holds.
+    partial: bool,
 }
 
-#[derive(Debug, Default)]
+/// Requests the record keeps by default (`CHECKOUT_MAX_REQUESTS`): about 120 MiB at most.
+pub const DEFAULT_MAX_REQUESTS: usize = 100_000;
+
+/// What the record has forgotten.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    pub requests: u64,
+    /// The largest fencing token of a forgotten attempt (0: none carried one).
+    pub highest_token: i64,
+}
+
+#[derive(Debug)]
 pub struct Attempts {
     next_id: u64,
     by_id: HashMap<u64, Attempt>,
     by_scope: HashMap<Scope, OfRequest>,
+    /// Requests in the order of their latest attempt or reconcile (each with its
+    /// [`OfRequest::touched`]): the least recent is forgotten first.
+    order: VecDeque<(Scope, u64)>,
+    touches: u64,
+    max_requests: usize,
+    forgotten: Forgotten,
+}
+
+impl Default for Attempts {
+    fn default() -> Self {
+        Self::with_limit(DEFAULT_MAX_REQUESTS)
+    }
 }
 
 /// Why an attempt may not run. Nothing ran.
@@ -157,6 +199,85 @@ pub enum Committed {
 }
 
 impl Attempts {
+    /// A record that keeps at most `max_requests` requests (at least one).
+    pub fn with_limit(max_requests: usize) -> Self {
+        Self {
+            next_id: 0,
+            by_id: HashMap::new(),
+            by_scope: HashMap::new(),
+            order: VecDeque::new(),
+            touches: 0,
+            max_requests: max_requests.max(1),
+            forgotten: Forgotten::default(),
+        }
+    }
+
+    pub fn forgotten(&self) -> Forgotten {
+        self.forgotten
+    }
+
+    /// Requests in the record.
+    pub fn requests(&self) -> usize {
+        self.by_scope.len()
+    }
+
+    /// An attempt of a request the record does not know may belong to one it forgot: refused
+    /// when its token is no larger than every token it forgot.
+    fn forgotten_refusal(&self, scope: &Scope, token: i64) -> Option<Refusal> {
+        let seen = self.forgotten.highest_token;
+        (seen > 0 && token <= seen && !self.by_scope.contains_key(scope))
+            .then_some(Refusal::Stale { seen })
+    }
+
+    /// The request `scope` (recorded if new) as the most recent one, for the order in which
+    /// requests are forgotten.
+    fn touch(&mut self, scope: Scope) -> &mut OfRequest {
+        self.touches += 1;
+        self.order.push_back((scope.clone(), self.touches));
+        let of = self.by_scope.entry(scope).or_default();
+        of.touched = self.touches;
+        of
+    }
+
+    /// Forgets the least recent requests while there are more than `max_requests`. A request
+    /// with a running attempt is kept (moved behind the others) until it ends.
+    fn forget_over_limit(&mut self) {
+        let mut running_seen = 0;
+        while self.by_scope.len() > self.max_requests && running_seen < self.order.len() {
+            let Some((scope, touched)) = self.order.pop_front() else {
+                return;
+            };
+            if self.by_scope.get(&scope).map(|of| of.touched) != Some(touched) {
+                continue; // touched again since: a later entry stands for it
+            }
+            let ids = self
+                .by_scope
+                .get(&scope)
+                .map(|of| of.attempts.clone())
+                .unwrap_or_default();
+            let running = ids.iter().any(|id| {
+                self.by_id
+                    .get(id)
+                    .is_some_and(|a| a.state == AttemptState::Running)
+            });
+            if running {
+                running_seen += 1;
+                self.order.push_back((scope, touched));
+                continue;
+            }
+            let fence = self.by_scope.remove(&scope).map_or(0, |of| of.fence);
+            let tokens = ids
+                .iter()
+                .filter_map(|id| self.by_id.remove(id))
+                .filter_map(|a| a.fencing_token);
+            self.forgotten.requests += 1;
+            self.forgotten.highest_token = tokens
+                .chain([fence, self.forgotten.highest_token])
+                .max()
+                .unwrap_or(0);
+        }
+    }
+
     fn of_request(&self, scope: &Scope) -> impl Iterator<Item = &Attempt> {
         self.by_scope
             .get(scope)
@@ -209,9 +330,10 @@ impl Attempts {
         token: Option<i64>,
         expected: Duration,
     ) -> (u64, Started) {
+        let forgotten_refusal = token.and_then(|t| self.forgotten_refusal(&scope, t));
         let started = match token {
             None => Started::Run,
-            Some(t) => match self.refusal(&scope, t, None) {
+            Some(t) => match self.refusal(&scope, t, None).or(forgotten_refusal) {
                 Some(r) => Started::Refused(r),
                 None => match self.execution(&scope, None) {
                     Some(p) => Started::AlreadyExecuted(p),
@@ -247,7 +369,10 @@ impl Attempts {
                 due: now + expected,
             },
         );
-        self.by_scope.entry(scope).or_default().attempts.push(id);
+        let of = self.touch(scope);
+        of.attempts.push(id);
+        of.partial |= forgotten_refusal.is_some();
+        self.forget_over_limit();
         (id, started)
     }
 
@@ -298,6 +423,9 @@ impl Attempts {
     /// only that request's attempts count.
     pub fn reconcile(&mut self, scope: Scope, token: i64) -> Reconciled {
         let now = Instant::now();
+        if self.forgotten.requests > 0 && self.by_scope.get(&scope).is_none_or(|of| of.partial) {
+            return Reconciled::CannotTell;
+        }
         let of = self.by_scope.get(&scope);
         let attempts: Vec<&Attempt> = of
             .map(|o| {
@@ -335,8 +463,9 @@ impl Attempts {
                 retry_after: left.max(Duration::from_secs(1)),
             };
         }
-        let of = self.by_scope.entry(scope).or_default();
+        let of = self.touch(scope);
         of.fence = of.fence.max(token);
+        self.forget_over_limit();
         Reconciled::NotExecuted
     }
 
@@ -644,5 +773,72 @@ mod tests {
         // The request then runs with token 4 and gets that execution (nothing charged again).
         let (_, started) = a.start("charge", scope("k"), Some(4), Duration::ZERO);
         assert_eq!(started, Started::AlreadyExecuted(produced(1)));
+    }
+
+    #[test]
+    fn the_record_is_bounded_and_never_vouches_for_what_it_forgot() {
+        let mut a = Attempts::with_limit(2);
+        let mut charges = 0;
+        for (key, token) in [("k1", 10), ("k2", 20), ("k3", 30)] {
+            let (id, started) = a.start("charge", scope(key), Some(token), Duration::ZERO);
+            assert_eq!(started, Started::Run);
+            assert!(matches!(commit(&mut a, id, &mut charges), Committed::Ran(_)));
+        }
+        assert_eq!(a.requests(), 2, "the oldest request was forgotten");
+        assert_eq!(
+            a.forgotten(),
+            Forgotten {
+                requests: 1,
+                highest_token: 10
+            }
+        );
+        // k1's late orphan (a token no larger than one forgotten) is refused, not run again.
+        let (_, late) = a.start("charge", scope("k1"), Some(9), Duration::ZERO);
+        assert_eq!(late, Started::Refused(Refusal::Stale { seen: 10 }));
+        // Asked about k1 (after that refusal too), the record cannot tell; about a kept
+        // request, it still can.
+        assert_eq!(a.reconcile(scope("k1"), 99), Reconciled::CannotTell);
+        assert!(matches!(
+            a.reconcile(scope("k3"), 99),
+            Reconciled::Executed { token: 30, .. }
+        ));
+        // A new request (a larger token) runs.
+        let (_, fresh) = a.start("charge", scope("k4"), Some(40), Duration::ZERO);
+        assert_eq!(fresh, Started::Run);
+    }
+
+    #[test]
+    fn the_least_recent_request_is_forgotten_first() {
+        let mut a = Attempts::with_limit(2);
+        let mut charges = 0;
+        for (key, token) in [("k1", 1), ("k2", 2), ("k1", 3)] {
+            let (id, _) = a.start("charge", scope(key), Some(token), Duration::ZERO);
+            commit(&mut a, id, &mut charges);
+        }
+        // k1 was attempted again after k2: k2 goes first.
+        a.start("charge", scope("k3"), Some(4), Duration::ZERO);
+        assert_eq!(a.reconcile(scope("k2"), 9), Reconciled::CannotTell);
+        assert!(matches!(
+            a.reconcile(scope("k1"), 9),
+            Reconciled::Executed { token: 1, .. }
+        ));
+        assert_eq!(a.forgotten().highest_token, 2);
+    }
+
+    #[test]
+    fn a_running_attempt_is_not_forgotten() {
+        let mut a = Attempts::with_limit(1);
+        let mut charges = 0;
+        let (running, _) = a.start("charge", scope("k1"), Some(1), Duration::from_secs(5));
+        let (id2, _) = a.start("charge", scope("k2"), Some(2), Duration::ZERO);
+        assert_eq!(a.requests(), 2, "k1 runs: nothing may be forgotten yet");
+        assert!(matches!(commit(&mut a, id2, &mut charges), Committed::Ran(_)));
+        assert!(matches!(
+            commit(&mut a, running, &mut charges),
+            Committed::Ran(_)
+        ));
+        a.start("charge", scope("k3"), Some(3), Duration::ZERO);
+        assert_eq!(a.requests(), 1);
+        assert_eq!(a.forgotten().requests, 2);
     }
 }

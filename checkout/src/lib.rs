@@ -52,24 +52,64 @@ pub struct LedgerEntry {
     pub body_len: usize,
 }
 
-#[derive(Default)]
+/// The ledger and the record of attempts, each bounded: a demo left running for days keeps
+/// the last `max_requests` charges and requests (`CHECKOUT_MAX_REQUESTS`), not every one.
 pub struct Ledger {
     next_id: AtomicU64,
-    entries: Mutex<Vec<LedgerEntry>>,
+    entries: Mutex<Charges>,
     attempts: Mutex<Attempts>,
 }
 
+/// The last executions, oldest first, and how many older ones were dropped.
+#[derive(Default)]
+struct Charges {
+    kept: std::collections::VecDeque<LedgerEntry>,
+    max: usize,
+    forgotten: u64,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self::with_limit(attempts::DEFAULT_MAX_REQUESTS)
+    }
+}
+
 impl Ledger {
+    /// Keeps the last `max_requests` executions and requests (at least one).
+    pub fn with_limit(max_requests: usize) -> Self {
+        Self {
+            next_id: AtomicU64::new(0),
+            entries: Mutex::new(Charges {
+                max: max_requests.max(1),
+                ..Charges::default()
+            }),
+            attempts: Mutex::new(Attempts::with_limit(max_requests)),
+        }
+    }
+
     fn record(&self, mut entry: LedgerEntry) -> LedgerEntry {
         entry.id = self.next_id.fetch_add(1, Ordering::SeqCst) + 1;
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.push(entry.clone());
+        if let Ok(mut charges) = self.entries.lock() {
+            charges.kept.push_back(entry.clone());
+            while charges.kept.len() > charges.max {
+                charges.kept.pop_front();
+                charges.forgotten += 1;
+            }
         }
         entry
     }
 
+    /// The executions kept, oldest first.
     pub fn entries(&self) -> Vec<LedgerEntry> {
-        self.entries.lock().map(|e| e.clone()).unwrap_or_default()
+        self.entries
+            .lock()
+            .map(|c| c.kept.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Executions dropped from the ledger to keep it bounded.
+    pub fn forgotten_entries(&self) -> u64 {
+        self.entries.lock().map(|c| c.forgotten).unwrap_or(0)
     }
 
     fn attempts<T>(&self, f: impl FnOnce(&mut Attempts) -> T) -> Option<T> {
@@ -170,11 +210,13 @@ struct ChargesQuery {
     subject: Option<String>,
 }
 
+/// `GET /charges`: the executions kept (the last `CHECKOUT_MAX_REQUESTS`), filtered by key and
+/// subject; `x-charges-forgotten` says how many older ones were dropped.
 async fn list_charges(
     State(ledger): State<Arc<Ledger>>,
     Query(q): Query<ChargesQuery>,
-) -> Json<Vec<LedgerEntry>> {
-    let entries = ledger
+) -> Response {
+    let entries: Vec<LedgerEntry> = ledger
         .entries()
         .into_iter()
         .filter(|e| {
@@ -188,7 +230,12 @@ async fn list_charges(
                 .is_none_or(|s| e.subject.as_deref() == Some(s))
         })
         .collect();
-    Json(entries)
+    let mut r = Json(entries).into_response();
+    r.headers_mut().insert(
+        "x-charges-forgotten",
+        HeaderValue::from(ledger.forgotten_entries()),
+    );
+    r
 }
 
 fn header(headers: &HeaderMap, name: &str) -> Option<String> {
@@ -395,6 +442,12 @@ async fn reconcile(
             StatusCode::CONFLICT,
             "stale-fencing-token",
             "an attempt of this request has a fencing token at least as large",
+        ),
+        // No outcome header: the edge answers 503 and keeps the key for an operator.
+        Some(Reconciled::CannotTell) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "attempts-forgotten",
+            "this request is not in the checkout's record of attempts, which has forgotten older requests (CHECKOUT_MAX_REQUESTS): it cannot tell whether it ran",
         ),
         None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     };

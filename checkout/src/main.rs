@@ -10,6 +10,10 @@ struct Args {
     /// Address to listen on.
     #[arg(long, env = "CHECKOUT_LISTEN", default_value = "127.0.0.1:8082")]
     listen: SocketAddr,
+    /// Charges and requests kept in memory (`GET /charges`, the record of attempts): older
+    /// ones are forgotten, so a demo left running for days stays bounded.
+    #[arg(long, env = "CHECKOUT_MAX_REQUESTS", default_value_t = checkout::attempts::DEFAULT_MAX_REQUESTS)]
+    max_requests: usize,
 }
 
 #[tokio::main]
@@ -22,7 +26,7 @@ async fn main() -> std::io::Result<()> {
     let args = Args::parse();
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %args.listen, "checkout ready");
-    axum::serve(listener, checkout::app(Arc::new(checkout::Ledger::default())))
+    axum::serve(listener, checkout::app(Arc::new(checkout::Ledger::with_limit(args.max_requests))))
         .with_graceful_shutdown(async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
             tokio::select! {

@@ -50,6 +50,9 @@ pub enum ProblemKind {
     AlreadyCompleted,
     /// The state API (or its database) cannot be reached: nothing was forwarded.
     StateUnavailable,
+    /// The edge holds as many request bodies as it may (the filter's `max_buffered_bytes`):
+    /// nothing was forwarded or claimed.
+    BuffersFull,
     /// An unexpected failure inside the state API.
     Internal,
 }
@@ -75,7 +78,7 @@ impl ProblemKind {
             Self::EndpointTooLong => 414,
             Self::KeyReuseMismatch => 422,
             Self::Internal => 500,
-            Self::StateUnavailable | Self::ReconcileUnavailable => 503,
+            Self::StateUnavailable | Self::ReconcileUnavailable | Self::BuffersFull => 503,
         }
     }
 
@@ -101,6 +104,7 @@ impl ProblemKind {
             Self::LeaseLive => "lease-live",
             Self::AlreadyCompleted => "already-completed",
             Self::StateUnavailable => "idempotency-state-unavailable",
+            Self::BuffersFull => "edge-buffers-full",
             Self::Internal => "internal-error",
         }
     }
@@ -133,6 +137,7 @@ impl ProblemKind {
             Self::LeaseLive => "The record's owner still holds a live lease",
             Self::AlreadyCompleted => "The record is already completed",
             Self::StateUnavailable => "Idempotency state is unavailable",
+            Self::BuffersFull => "The edge holds as many request bodies as it may",
             Self::Internal => "Internal error",
         }
     }

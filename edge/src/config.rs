@@ -215,6 +215,10 @@ pub struct Filter {
     /// Most claims (or held completes) in one `/v1/claims` (`/v1/completes`) callout (1: each
     /// is its own callout).
     pub batch_max: u64,
+    /// Most request body bytes one Envoy worker holds at once before forwarding (over it:
+    /// 503 + Retry-After, nothing forwarded). None: the filter's default (64 MiB, or the
+    /// largest body a route takes if more).
+    pub max_buffered_bytes: Option<u64>,
 }
 
 impl Default for Filter {
@@ -233,6 +237,7 @@ impl Default for Filter {
             complete_in_background: false,
             max_waiters: fc::DEFAULT_MAX_WAITERS,
             batch_max: fc::DEFAULT_BATCH_MAX,
+            max_buffered_bytes: None,
         }
     }
 }
@@ -436,6 +441,7 @@ struct RawFilter {
     complete_in_background: Option<Spanned<bool>>,
     max_waiters: Option<Spanned<u64>>,
     batch_max: Option<Spanned<u64>>,
+    max_buffered_bytes: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize, Clone, Copy)]
@@ -1263,6 +1269,8 @@ fn filter(src: &Source<'_>, raw: &RawFilter) -> Result<Filter, ConfigError> {
             .is_some_and(|b| *b.get_ref()),
         max_waiters: val(&raw.max_waiters, d.max_waiters),
         batch_max: val(&raw.batch_max, d.batch_max),
+        // Checked against the routes' bodies by the filter's own parse of the rendered file.
+        max_buffered_bytes: raw.max_buffered_bytes.as_ref().map(|v| *v.get_ref()),
     };
     let most_batched = contract::wire::MAX_BATCH_CLAIMS as u64;
     if !(1..=most_batched).contains(&f.batch_max) {

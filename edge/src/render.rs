@@ -336,6 +336,7 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
         namespace: cfg.namespace.clone(),
         max_waiters: f.max_waiters,
         batch_max: f.batch_max,
+        max_buffered_bytes: f.max_buffered_bytes,
     }
 }
 

@@ -24,6 +24,9 @@ pub const MAX_IN_FLIGHT_CACHE_MS: u64 = 10_000;
 pub const MAX_WAITERS: u64 = 10_000;
 pub const DEFAULT_COMPLETE_RETRY_MS: u64 = 600_000;
 pub const DEFAULT_COMPLETE_RETRY_BYTES: u64 = 16 * 1024 * 1024;
+/// Request body bytes a worker holds at once by default (64 bodies at the default limit), or
+/// the largest body a route takes if more.
+pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 64 * 1024 * 1024;
 
 /// The plugin configuration. Unknown fields are refused everywhere.
 ///
@@ -110,6 +113,14 @@ pub struct Config {
     #[serde(default = "default_batch_max")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = contract::wire::MAX_BATCH_CLAIMS as u64)))]
     pub batch_max: u64,
+    /// Most request body bytes this worker holds at once for protected requests it has not
+    /// forwarded yet (counted by their Content-Length as soon as their headers arrive); a
+    /// request that would go over gets 503 + Retry-After and nothing is forwarded. At least
+    /// the largest request body of any route (the reader checks it; the schema cannot say
+    /// it). Left out: 64 MiB, or that largest body if more.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub max_buffered_bytes: Option<u64>,
 }
 
 pub const DEFAULT_BATCH_MAX: u64 = 32;
@@ -433,6 +444,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "namespace",
     "max_waiters",
     "batch_max",
+    "max_buffered_bytes",
 ];
 const STATE_API_FIELDS: &[&str] = &["cluster", "authority", "token", "timeout_ms"];
 const ROUTE_FIELDS: &[&str] = &[
@@ -503,6 +515,7 @@ impl Config {
             namespace: top.opt_str("namespace")?.unwrap_or("").to_owned(),
             max_waiters: top.u64_or("max_waiters", default_max_waiters())?,
             batch_max: top.u64_or("batch_max", default_batch_max())?,
+            max_buffered_bytes: top.opt_u64("max_buffered_bytes")?,
         })
     }
 }
@@ -832,6 +845,12 @@ impl Config {
                 }
             }
         }
+        let largest_body = self.largest_request_body();
+        if self.max_buffered_bytes() < largest_body {
+            return err(format!(
+                "max_buffered_bytes must be at least the largest request body a route accepts ({largest_body})"
+            ));
+        }
         if self.max_stored_body_bytes == 0
             || self.max_stored_body_bytes > limits::MAX_STORED_BODY_BYTES
         {
@@ -890,6 +909,20 @@ impl Config {
     }
 
     /// The largest request body of route `i`.
+    /// The largest request body any route accepts.
+    fn largest_request_body(&self) -> u64 {
+        (0..self.routes.len())
+            .map(|i| self.max_request_body_for(i))
+            .fold(self.max_request_body_bytes, u64::max)
+    }
+
+    /// Request body bytes a worker may hold at once: as configured, else 64 MiB or the largest
+    /// body a route accepts if more.
+    pub fn max_buffered_bytes(&self) -> u64 {
+        self.max_buffered_bytes
+            .unwrap_or_else(|| DEFAULT_MAX_BUFFERED_BYTES.max(self.largest_request_body()))
+    }
+
     pub fn max_request_body_for(&self, i: usize) -> u64 {
         self.routes
             .get(i)
@@ -1027,6 +1060,9 @@ mod tests {
         );
         assert!(c.retries_completes());
         assert!(!c.complete_in_background, "the response is held by default");
+        assert_eq!(c.max_buffered_bytes(), 64 << 20);
+        let big = with(|v| v["routes"][1]["max_request_body_bytes"] = (100 << 20).into()).unwrap();
+        assert_eq!(big.max_buffered_bytes(), 100 << 20, "room for the largest body");
         let r = c.route("POST", "/pay/x").unwrap();
         assert_eq!(
             (r.on_5xx, r.on_state_unavailable),
@@ -1114,6 +1150,17 @@ mod tests {
             (
                 Box::new(|v| v["max_request_body_bytes"] = 0.into()),
                 "max_request_body_bytes",
+            ),
+            (
+                Box::new(|v| v["max_buffered_bytes"] = 1_048_575.into()),
+                "max_buffered_bytes must be at least the largest request body a route accepts (1048576)",
+            ),
+            (
+                Box::new(|v| {
+                    v["max_buffered_bytes"] = 2_000_000.into();
+                    v["routes"][1]["max_request_body_bytes"] = 2_000_001.into();
+                }),
+                "(2000001)",
             ),
             (
                 Box::new(|v| v["max_stored_body_bytes"] = 0.into()),
@@ -1309,6 +1356,7 @@ mod tests {
             namespace: "shop-eu".into(),
             max_waiters: 7,
             batch_max: 5,
+            max_buffered_bytes: Some(1 << 20),
         }
     }
 

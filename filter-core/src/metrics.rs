@@ -93,10 +93,13 @@ pub enum Metric {
     /// A claim whose answer never came back (timed out, cancelled with its stream, unreadable)
     /// given back by its nonce (`/v1/abandon`): nothing was forwarded under it.
     ClaimsAbandoned,
+    /// 503: a protected request whose body would take the worker over `max_buffered_bytes`
+    /// (nothing forwarded or claimed).
+    BuffersFull503,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 40] = [
+    pub const ALL: [Metric; 41] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -137,6 +140,7 @@ impl Metric {
         Metric::CompletesBatched,
         Metric::ClaimedForEndedStream,
         Metric::ClaimsAbandoned,
+        Metric::BuffersFull503,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -181,6 +185,7 @@ impl Metric {
             Metric::CompletesBatched => "idempotency.completes_batched",
             Metric::ClaimedForEndedStream => "idempotency.claimed_for_ended_stream",
             Metric::ClaimsAbandoned => "idempotency.claims_abandoned",
+            Metric::BuffersFull503 => "idempotency.buffers_full_503",
         }
     }
 

@@ -106,6 +106,16 @@ pub fn state_unavailable() -> LocalReply {
     .with_header("retry-after", "1")
 }
 
+/// 503: the worker holds as many request body bytes as it may (`max_buffered_bytes`); nothing
+/// was forwarded or claimed.
+pub fn buffers_full() -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::BuffersFull,
+        "the edge holds as many request bodies as it may; nothing was forwarded, retry later",
+    )
+    .with_header("retry-after", "1")
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

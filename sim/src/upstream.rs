@@ -350,6 +350,11 @@ impl Upstream {
                 let (status, headers) = problem(409, None);
                 (status, headers, b"{}".to_vec())
             }
+            // The reference forgot older requests (more than it keeps): it cannot tell.
+            Reconciled::CannotTell => {
+                let (status, headers) = problem(503, None);
+                (status, headers, b"{}".to_vec())
+            }
         };
         ReconcileAnswer {
             status,

@@ -293,6 +293,8 @@ enum State {
     Buffering {
         req: Request,
         body_size: usize,
+        /// Its Content-Length (0 without one): held for it from the headers on.
+        declared: usize,
     },
     Claiming(Fingerprinted),
     /// Holding a record whose outcome was unknown, asking the upstream about it.
@@ -347,6 +349,19 @@ impl Flow {
     /// A local reply was (or is being) sent: response callbacks leave it alone.
     pub fn replied(&self) -> bool {
         matches!(self.state, State::Replied)
+    }
+
+    /// Request body bytes held for this stream before it is forwarded: what it received, or
+    /// what its Content-Length announced if more (the worker's `max_buffered_bytes`).
+    pub fn held_request_bytes(&self) -> u64 {
+        match &self.state {
+            State::Buffering {
+                body_size,
+                declared,
+                ..
+            } => (*body_size).max(*declared) as u64,
+            _ => 0,
+        }
     }
 
     pub fn is_passthrough(&self) -> bool {

@@ -5,7 +5,7 @@ use super::{Call, Fingerprinted, Flow, Request, State, Turn};
 use crate::config::{Config, KeyPolicy, OnUnknown, Selection, SubjectSource};
 use crate::key::{self, parse_key_header};
 use crate::metrics::Metric;
-use crate::reply::LocalReply;
+use crate::reply::{self, LocalReply};
 use crate::worker::{Effect, Level, StreamId};
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{ClaimRequest, FORWARDED_HEADERS};
@@ -65,19 +65,21 @@ pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
 }
 
 impl Flow {
-    /// A new stream's request headers.
+    /// A new stream's request headers. `room`: the request body bytes its worker may still
+    /// hold (`max_buffered_bytes` less what its other streams hold).
     pub fn start(
         cfg: &Config,
         stream: StreamId,
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
+        room: u64,
     ) -> (Self, Turn) {
         let mut flow = Self {
             stream,
             state: State::Passthrough,
         };
-        let turn = flow.on_request_headers(cfg, head, end_of_stream, now_ms);
+        let turn = flow.on_request_headers(cfg, head, end_of_stream, now_ms, room);
         (flow, turn)
     }
 
@@ -87,6 +89,7 @@ impl Flow {
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
+        room: u64,
     ) -> Turn {
         // A client's copy of a header the filter forwards (the fencing token, the endpoint, the
         // fingerprint) is never trusted, on any route and on every path (passed through,
@@ -96,7 +99,7 @@ impl Flow {
             .into_iter()
             .filter(|name| head.first(name).is_some())
             .collect();
-        let mut turn = self.read_request_headers(cfg, head, end_of_stream, now_ms);
+        let mut turn = self.read_request_headers(cfg, head, end_of_stream, now_ms, room);
         let strips = forged
             .into_iter()
             .map(|name| self.effect(|stream| Effect::RemoveRequestHeader { stream, name }));
@@ -110,6 +113,7 @@ impl Flow {
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
+        room: u64,
     ) -> Turn {
         let method = head.first(":method").unwrap_or("").to_owned();
         let full_path = head.first(":path").unwrap_or("");
@@ -182,12 +186,15 @@ impl Flow {
             }
         };
 
-        if head
+        let declared = head
             .first("content-length")
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .is_some_and(|len| len > cfg.max_request_body_for(route_idx))
-        {
+            .unwrap_or(0);
+        if declared > cfg.max_request_body_for(route_idx) {
             return self.too_large(cfg.max_request_body_for(route_idx));
+        }
+        if !end_of_stream && declared > room {
+            return self.buffers_full();
         }
 
         let req = Request {
@@ -205,8 +212,19 @@ impl Flow {
         if end_of_stream {
             return self.fingerprint(cfg, req, &[], now_ms);
         }
-        self.state = State::Buffering { req, body_size: 0 };
+        self.state = State::Buffering {
+            req,
+            body_size: 0,
+            // At most the route's limit (checked above), so it fits.
+            declared: usize::try_from(declared).unwrap_or(usize::MAX),
+        };
         Turn::pause()
+    }
+
+    /// 503 + Retry-After: the worker holds as many request body bytes as it may
+    /// (`max_buffered_bytes`). Nothing was forwarded or claimed.
+    fn buffers_full(&mut self) -> Turn {
+        self.reply(Some(Metric::BuffersFull503), reply::buffers_full())
     }
 
     fn too_large(&mut self, max: u64) -> Turn {
@@ -221,6 +239,7 @@ impl Flow {
 
     /// A request body callback. `body_size` is cumulative (the filter paused). `read(n)` reads
     /// the first `n` buffered bytes; it is called at most once, at the end of the body.
+    /// `room`: as in [`Flow::start`], this stream's own bytes not counted.
     pub fn on_request_body(
         &mut self,
         cfg: &Config,
@@ -228,10 +247,12 @@ impl Flow {
         end_of_stream: bool,
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         now_ms: u64,
+        room: u64,
     ) -> Turn {
         let State::Buffering {
             body_size: seen,
             req,
+            declared,
         } = &mut self.state
         else {
             return Turn::cont();
@@ -240,6 +261,10 @@ impl Flow {
         let max = cfg.max_request_body_for(req.route);
         if body_size as u64 > max {
             return self.too_large(max);
+        }
+        // More than its Content-Length announced (or none was): the rest must fit too.
+        if body_size > *declared && body_size as u64 > room {
+            return self.buffers_full();
         }
         if !end_of_stream {
             return Turn::pause();
@@ -266,7 +291,7 @@ impl Flow {
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         now_ms: u64,
     ) -> Turn {
-        let State::Buffering { req, body_size } = self.take() else {
+        let State::Buffering { req, body_size, .. } = self.take() else {
             return Turn::cont();
         };
         let body = if body_size == 0 {

@@ -315,6 +315,8 @@ pub struct Usage {
     pub running_keys: usize,
     /// Streams whose claim waits for a running key.
     pub waiters: usize,
+    /// Request body bytes held before forwarding (`max_buffered_bytes`).
+    pub held_request_bytes: u64,
     /// Claims queued for the next `/v1/writes`, and in the ones on their way.
     pub batched_claims: usize,
     /// Completes queued for the next `/v1/writes`, and in the ones on their way.
@@ -364,6 +366,11 @@ pub struct Worker {
     /// Abandons handed over so far: each is kept under a negative token of its own, since the
     /// claim it gives back never learnt its token.
     abandons: i64,
+    /// Request body bytes its streams hold before forwarding (their sum of
+    /// [`Flow::held_request_bytes`]), bounded by `max_buffered_bytes`.
+    held_request_bytes: u64,
+    /// [`Config::max_buffered_bytes`], computed once.
+    max_buffered_bytes: u64,
 }
 
 // Written out rather than derived: the streams and calls print in order, so the same state
@@ -431,6 +438,8 @@ impl Worker {
             instance: "w".into(),
             claims_sent: 0,
             abandons: 0,
+            held_request_bytes: 0,
+            max_buffered_bytes: cfg.max_buffered_bytes(),
             cfg,
         }
     }
@@ -471,6 +480,7 @@ impl Worker {
             replay_bytes: self.replays.bytes(),
             running_keys: self.in_flight.len(),
             waiters: self.waiting.len(),
+            held_request_bytes: self.held_request_bytes,
             batched_claims: self.claim_queue.len()
                 + self
                     .batches
@@ -550,7 +560,9 @@ impl Worker {
         end_of_stream: bool,
         now_ms: u64,
     ) -> Step {
-        let (flow, turn) = Flow::start(&self.cfg, stream, head, end_of_stream, now_ms);
+        let room = self.max_buffered_bytes.saturating_sub(self.held_request_bytes);
+        let (flow, turn) = Flow::start(&self.cfg, stream, head, end_of_stream, now_ms, room);
+        self.held_request_bytes += flow.held_request_bytes();
         self.flows.insert(stream, flow);
         self.run(stream, turn, now_ms)
     }
@@ -563,10 +575,28 @@ impl Worker {
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         now_ms: u64,
     ) -> Step {
+        self.request_event(stream, now_ms, |flow, cfg, room| {
+            flow.on_request_body(cfg, body_size, end_of_stream, read, now_ms, room)
+        })
+    }
+
+    /// A request event of `stream` (body, trailers), with the worker's count of held request
+    /// bytes kept in step with what the flow holds after it. `room` does not count the
+    /// stream's own bytes.
+    fn request_event(
+        &mut self,
+        stream: StreamId,
+        now_ms: u64,
+        event: impl FnOnce(&mut Flow, &Config, u64) -> Turn,
+    ) -> Step {
         let Some(flow) = self.flows.get_mut(&stream) else {
             return Step::cont();
         };
-        let turn = flow.on_request_body(&self.cfg, body_size, end_of_stream, read, now_ms);
+        let held = flow.held_request_bytes();
+        let others = self.held_request_bytes.saturating_sub(held);
+        let room = self.max_buffered_bytes.saturating_sub(others);
+        let turn = event(flow, &self.cfg, room);
+        self.held_request_bytes = others + flow.held_request_bytes();
         self.run(stream, turn, now_ms)
     }
 
@@ -576,11 +606,9 @@ impl Worker {
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         now_ms: u64,
     ) -> Step {
-        let Some(flow) = self.flows.get_mut(&stream) else {
-            return Step::cont();
-        };
-        let turn = flow.on_request_trailers(&self.cfg, read, now_ms);
-        self.run(stream, turn, now_ms)
+        self.request_event(stream, now_ms, |flow, cfg, _| {
+            flow.on_request_trailers(cfg, read, now_ms)
+        })
     }
 
     pub fn on_response_headers(
@@ -630,6 +658,9 @@ impl Worker {
         let Some(mut flow) = self.flows.remove(&stream) else {
             return Vec::new();
         };
+        self.held_request_bytes = self
+            .held_request_bytes
+            .saturating_sub(flow.held_request_bytes());
         self.calls.retain(|_, p| p.stream() != Some(stream));
         self.waiting.retain(|w| w.stream != stream);
         // Queued, its claim was never sent; in a batch on its way, its answer is seen to (a

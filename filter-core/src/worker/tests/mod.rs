@@ -520,6 +520,49 @@ fn too_large_is_413_from_content_length_or_while_buffering() {
     assert_eq!(t.w.flow_state(s), Some("replied"));
 }
 
+/// Issue 38: the request bodies a worker holds before forwarding are bounded in total
+/// (`max_buffered_bytes`, here 250 bytes: two bodies of the 100-byte limit and a half).
+#[test]
+fn request_bodies_held_are_bounded_per_worker_and_over_it_is_503_nothing_claimed() {
+    let mut t = Harness::new(&with(r#""max_buffered_bytes": 250,"#));
+    let announced = |t: &mut Harness, key: &str, len: &str| {
+        let s = t.stream();
+        let hs = req_headers("/checkout", &[("idempotency-key", key), ("content-length", len)]);
+        (s, t.headers(s, &hs, false))
+    };
+    let (a, step) = announced(&mut t, "a", "100");
+    assert_eq!((step.verdict, step.effects.len()), (Verdict::Pause, 0));
+    let (b, _) = announced(&mut t, "b", "100");
+    assert_eq!(t.w.usage().held_request_bytes, 200, "held from the headers on");
+    // A third announced body does not fit: 503 + Retry-After at its headers, nothing claimed.
+    let (c, step) = announced(&mut t, "c", "60");
+    assert_eq!(step.reply().status, 503);
+    assert_eq!(header(step.reply(), "retry-after"), Some("1"));
+    assert_eq!(problem_type(step.reply()), "/problems/edge-buffers-full");
+    assert_eq!(step.counts(), vec![Metric::BuffersFull503]);
+    assert!(!step.claims());
+    assert_eq!(t.w.flow_state(c), Some("replied"));
+    // One without a Content-Length is counted as its body arrives, and refused when it
+    // would go over.
+    let (d, step) = announced(&mut t, "d", "");
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(t.body_part(d, 40).verdict, Verdict::Pause);
+    assert_eq!(t.w.usage().held_request_bytes, 240);
+    let step = t.body_part(d, 60);
+    assert_eq!(step.reply().status, 503);
+    assert!(!step.claims());
+    assert_eq!(t.w.usage().held_request_bytes, 200, "its bytes are let go");
+    // A body that ends is claimed and no longer held; a stream that ends lets go of its bytes.
+    let body = [b' '; 100];
+    let step = t.body(a, &body);
+    assert!(step.claims());
+    assert_eq!(t.w.usage().held_request_bytes, 100);
+    t.w.on_stream_done(b, t.now);
+    assert_eq!(t.w.usage().held_request_bytes, 0);
+    let (_, step) = announced(&mut t, "e", "100");
+    assert_eq!(step.verdict, Verdict::Pause, "room again");
+}
+
 #[test]
 fn claim_carries_key_subject_endpoint_and_canonical_fingerprint() {
     let mut t = Harness::new(CONFIG);

@@ -1,0 +1,499 @@
+//! `make bench-scale` (`bench scale`, issue 38): how the cost grows as the work grows. `make
+//! bench` measures one point of each curve (an empty table, small bodies, a handful of routes,
+//! 1 and 16 connections); this measures the curves a growing user meets, each against its own
+//! first point in the same run:
+//!
+//! 1. `records`: claim+complete CPU per pair and p99 through the state API with 0, 10 M, 50 M
+//!    and 100 M rows in the table (as many as the disk allows, leaving 8 GiB free);
+//! 2. `steady`: half an hour of new keys at a constant rate with a one-minute retention, the
+//!    purge running all along: sizes, dead tuples and p99 must level off;
+//! 3. `body`: the fingerprint's cost per MiB (JSON and opaque) against SHA-256 of the same
+//!    bytes, and Envoy's memory with 500 concurrent 1 MiB requests (`max_buffered_bytes`);
+//! 4. `routes`: Envoy's CPU per matched and unmatched request with 1, 100 and 1,000 routes;
+//! 5. `clients`: 1 to 256 connections of new keys and replays: only 201, replay, 409 and 503
+//!    + Retry-After, fast refusals, throughput held;
+//! 6. `waiting`: 1,000 and 10,000 `Prefer: wait` retries on a few running keys: memory and CPU
+//!    per waiter, and the time from the completion to the last waiter's replay.
+//!
+//! Each curve's goal is printed with pass/fail. Writes docs/scale.json, docs/scale.png
+//! (bench/plot_scale.py) and the section of docs/BENCH.md between `<!-- scale -->` and
+//! `<!-- /scale -->`; with `SCALE_QUICK=1` (`make bench-scale QUICK=1`) a short version of each
+//! curve (figures that prove the machinery, not the curves) into target/scale-quick/ instead.
+//!
+//! Environment: SCALE_CURVES (e.g. "records,body"; default all), SCALE_QUICK, SCALE_OUT, and
+//! the curves' own settings (see each module).
+
+mod body;
+mod clients;
+mod records;
+mod routes;
+mod steady;
+mod waiting;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::{env_u64, plot_script, procfs, soak, wait_for_quiet};
+
+pub const BEGIN: &str = "<!-- scale -->";
+pub const END: &str = "<!-- /scale -->";
+
+/// The curves, in the order they run.
+const CURVES: [&str; 6] = ["body", "routes", "clients", "waiting", "records", "steady"];
+
+/// What a run of `bench scale` does.
+#[derive(Debug, Clone, Serialize)]
+pub struct Settings {
+    /// Short smoke versions of every curve.
+    pub quick: bool,
+    pub curves: Vec<String>,
+}
+
+impl Settings {
+    fn from_env() -> Result<Self, String> {
+        let quick = env_u64("SCALE_QUICK", 0) == 1;
+        let curves: Vec<String> = match std::env::var("SCALE_CURVES") {
+            Ok(v) if !v.trim().is_empty() => v.split(',').map(|s| s.trim().to_owned()).collect(),
+            _ => CURVES.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        if let Some(unknown) = curves.iter().find(|c| !CURVES.contains(&c.as_str())) {
+            return Err(format!(
+                "SCALE_CURVES: no curve {unknown:?} (the curves: {})",
+                CURVES.join(", ")
+            ));
+        }
+        Ok(Self { quick, curves })
+    }
+
+    pub fn wants(&self, curve: &str) -> bool {
+        self.curves.iter().any(|c| c == curve)
+    }
+
+    /// `full` seconds, or `quick` in a quick run.
+    pub fn secs(&self, full: u64, quick: u64) -> Duration {
+        Duration::from_secs(if self.quick { quick } else { full })
+    }
+}
+
+/// How quiet the machine was while a curve ran: the load average around it and the highest
+/// steal and other work of its measured runs, in cores (figures from a noisy machine are noise).
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Quiet {
+    pub load_before: f64,
+    pub load_after: f64,
+    pub steal_cores_max: f64,
+    pub other_cores_max: f64,
+}
+
+impl Quiet {
+    pub fn start() -> Self {
+        Self {
+            load_before: procfs::loadavg().0,
+            ..Self::default()
+        }
+    }
+
+    /// Takes a measured run's steal and other work into account.
+    pub fn saw(&mut self, cpu: &crate::CpuUse) {
+        self.note(cpu.steal_cores, cpu.other_cores);
+    }
+
+    /// Takes a measured window's steal and other work (cores) into account.
+    pub fn note(&mut self, steal_cores: f64, other_cores: f64) {
+        self.steal_cores_max = self.steal_cores_max.max(steal_cores);
+        self.other_cores_max = self.other_cores_max.max(other_cores);
+    }
+
+    pub fn end(mut self) -> Self {
+        self.load_after = procfs::loadavg().0;
+        self
+    }
+
+    pub fn noisy(&self) -> bool {
+        crate::noise_cores(self.other_cores_max, self.steal_cores_max) > crate::NOISY_CORES
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "load average {:.2} before, {:.2} after; steal up to {:.2} cores, other work up to {:.2}{}",
+            self.load_before,
+            self.load_after,
+            self.steal_cores_max,
+            self.other_cores_max,
+            if self.noisy() { " (noisy: figures are noise)" } else { "" }
+        )
+    }
+}
+
+/// One goal of a curve, as printed.
+#[derive(Debug, Clone, Serialize)]
+pub struct Goal {
+    pub curve: &'static str,
+    pub goal: String,
+    pub target: String,
+    pub measured: String,
+    /// None: not measured in this run (the reason is in `measured`).
+    pub pass: Option<bool>,
+}
+
+impl Goal {
+    pub fn new(
+        curve: &'static str,
+        goal: impl Into<String>,
+        target: impl Into<String>,
+        measured: impl Into<String>,
+        pass: Option<bool>,
+    ) -> Self {
+        Self {
+            curve,
+            goal: goal.into(),
+            target: target.into(),
+            measured: measured.into(),
+            pass,
+        }
+    }
+
+    fn verdict(&self) -> &'static str {
+        match self.pass {
+            Some(true) => "pass",
+            Some(false) => "**FAIL**",
+            None => "not measured",
+        }
+    }
+}
+
+/// A curve's result as the report holds it: its figures (JSON), its goals and its Markdown.
+pub struct CurveOutput {
+    pub name: &'static str,
+    pub json: serde_json::Value,
+    pub goals: Vec<Goal>,
+    pub markdown: String,
+    pub quiet: Quiet,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct ScaleReport {
+    generated_unix_s: u64,
+    git: String,
+    settings: Settings,
+    total_s: f64,
+    curves: BTreeMap<String, serde_json::Value>,
+    quiet: BTreeMap<String, Quiet>,
+    goals: Vec<Goal>,
+    /// Curves that failed to run, with why.
+    failed: BTreeMap<String, String>,
+}
+
+pub fn run() -> Result<(), String> {
+    let started = Instant::now();
+    if std::env::var_os("STACK_PROFILE").is_none() {
+        std::env::set_var("STACK_PROFILE", "release");
+    }
+    let settings = Settings::from_env()?;
+    let out_dir = match std::env::var("SCALE_OUT") {
+        Ok(d) => PathBuf::from(d),
+        Err(_) if settings.quick => stack::process::workspace_root().join("target/scale-quick"),
+        Err(_) => stack::process::workspace_root().join("docs"),
+    };
+    wait_for_quiet(Duration::from_secs(env_u64(
+        "SCALE_QUIET_WAIT_SECONDS",
+        if settings.quick { 5 } else { 90 },
+    )));
+    eprintln!(
+        "bench scale: curves {} ({}), writing to {}",
+        settings.curves.join(", "),
+        if settings.quick { "quick: smoke versions" } else { "full" },
+        out_dir.display()
+    );
+    let mut outputs: Vec<CurveOutput> = Vec::new();
+    let mut failed = BTreeMap::new();
+    for curve in CURVES.iter().filter(|c| settings.wants(c)) {
+        eprintln!("bench scale: curve {curve}");
+        let t0 = Instant::now();
+        let result = match *curve {
+            "records" => records::run(&settings),
+            "steady" => steady::run(&settings),
+            "body" => body::run(&settings),
+            "routes" => routes::run(&settings),
+            "clients" => clients::run(&settings),
+            "waiting" => waiting::run(&settings),
+            _ => Err(format!("no curve {curve}")),
+        };
+        match result {
+            Ok(out) => {
+                eprintln!(
+                    "bench scale: curve {curve} done in {:.0} s ({})",
+                    t0.elapsed().as_secs_f64(),
+                    out.quiet.describe()
+                );
+                outputs.push(out);
+            }
+            Err(e) => {
+                eprintln!("bench scale: curve {curve} FAILED: {e}");
+                failed.insert((*curve).to_owned(), e);
+            }
+        }
+    }
+    let mut goals: Vec<Goal> = outputs.iter().flat_map(|o| o.goals.clone()).collect();
+    for (curve, why) in &failed {
+        goals.push(Goal::new(
+            CURVES.iter().find(|c| *c == curve).copied().unwrap_or("?"),
+            "the curve ran",
+            "no failure",
+            why.clone(),
+            Some(false),
+        ));
+    }
+    let report = ScaleReport {
+        generated_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        git: crate::report::git_state(),
+        settings: settings.clone(),
+        total_s: started.elapsed().as_secs_f64(),
+        curves: outputs
+            .iter()
+            .map(|o| (o.name.to_owned(), o.json.clone()))
+            .collect(),
+        quiet: outputs
+            .iter()
+            .map(|o| (o.name.to_owned(), o.quiet.clone()))
+            .collect(),
+        goals: goals.clone(),
+        failed: failed.clone(),
+    };
+    println!("{}", goals_table(&goals, false));
+    write_outputs(&report, &outputs, &out_dir)?;
+    let failing = goals.iter().filter(|g| g.pass == Some(false)).count();
+    eprintln!(
+        "bench scale: {} goals, {} pass, {} fail, {} not measured; {:.0} s in all",
+        goals.len(),
+        goals.iter().filter(|g| g.pass == Some(true)).count(),
+        failing,
+        goals.iter().filter(|g| g.pass.is_none()).count(),
+        started.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} curve(s) failed to run: {}",
+            failed.len(),
+            failed.keys().cloned().collect::<Vec<_>>().join(", ")
+        ))
+    }
+}
+
+fn goals_table(goals: &[Goal], md: bool) -> String {
+    let head = ["curve", "goal", "target", "measured", ""];
+    let rows: Vec<Vec<String>> = goals
+        .iter()
+        .map(|g| {
+            vec![
+                g.curve.to_owned(),
+                g.goal.clone(),
+                g.target.clone(),
+                g.measured.clone(),
+                g.verdict().to_owned(),
+            ]
+        })
+        .collect();
+    table(&head, &rows, md)
+}
+
+/// A table: Markdown (every column after the first two right-aligned), or aligned text.
+pub fn table(head: &[&str], rows: &[Vec<String>], md: bool) -> String {
+    if md {
+        let mut out = format!("| {} |\n|", head.join(" | "));
+        for i in 0..head.len() {
+            out += if i < 2 { "---|" } else { "---:|" };
+        }
+        out += "\n";
+        for r in rows {
+            out += &format!("| {} |\n", r.join(" | "));
+        }
+        return out;
+    }
+    let width: Vec<usize> = (0..head.len())
+        .map(|i| {
+            rows.iter()
+                .filter_map(|r| r.get(i))
+                .map(|c| c.chars().count())
+                .chain([head[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for r in std::iter::once(head.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>())
+        .chain(rows.iter().cloned())
+    {
+        let cells: Vec<String> = r
+            .iter()
+            .zip(&width)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out += cells.join("  ").trim_end();
+        out += "\n";
+    }
+    out
+}
+
+/// A figure with `digits` decimals, or "n/a".
+pub fn fig(v: f64, digits: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.digits$}")
+    } else {
+        "n/a".into()
+    }
+}
+
+/// `a / b`, NaN when `b` is 0 or either is not finite.
+pub fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 && a.is_finite() && b.is_finite() {
+        a / b
+    } else {
+        f64::NAN
+    }
+}
+
+/// Whether `v` is at most `limit` (NaN: no).
+pub fn at_most(v: f64, limit: f64) -> bool {
+    v.is_finite() && v <= limit
+}
+
+fn write_outputs(report: &ScaleReport, outputs: &[CurveOutput], out_dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let json = out_dir.join("scale.json");
+    let text = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
+    std::fs::write(&json, text + "\n").map_err(|e| e.to_string())?;
+    let png = out_dir.join("scale.png");
+    plot_script("plot_scale.py", &json, &png);
+    let md = out_dir.join("BENCH.md");
+    let doc = std::fs::read_to_string(&md).unwrap_or_default();
+    let section = markdown(report, outputs);
+    std::fs::write(&md, soak::splice_between(&doc, &section, BEGIN, END))
+        .map_err(|e| e.to_string())?;
+    eprintln!(
+        "bench scale: wrote {}, {} and its section of {}",
+        json.display(),
+        png.display(),
+        md.display()
+    );
+    Ok(())
+}
+
+fn markdown(report: &ScaleReport, outputs: &[CurveOutput]) -> String {
+    let mut out = format!(
+        "{BEGIN}\n## How the cost grows (`make bench-scale`)\n\nGenerated by `make bench-scale` (bench/src/scale/, issue 38){} at {} ({:.0} s); raw figures in [scale.json](scale.json), plots in [scale.png](scale.png). Each curve is measured against its own first point in the same run, on this 2-core machine shared by the load generator, Envoy, the checkout, the state API and Postgres. How quiet the machine was is given for each curve: figures from a run with steal or other work above {} cores are noise.\n\n### Goals\n\n{}\n",
+        if report.settings.quick {
+            ", **quick version** (`QUICK=1`: the machinery's smoke test, not the curves)"
+        } else {
+            ""
+        },
+        report.git,
+        report.total_s,
+        crate::NOISY_CORES,
+        goals_table(&report.goals, true)
+    );
+    for o in outputs {
+        out += &format!("\n{}\n_{}._\n", o.markdown.trim_end(), o.quiet.describe());
+    }
+    for (curve, why) in &report.failed {
+        out += &format!("\n### {curve}\n\nThe curve failed to run: {why}\n");
+    }
+    out += &format!("\n![scale](scale.png)\n{END}\n");
+    out
+}
+
+/// A [`crate::Bench`] on `stack` that measures the processes listening on `ports` (by name)
+/// and Postgres, with runs of `warmup` and `measure`; noisy runs are repeated until `retry_for`
+/// from now.
+pub(crate) fn bench_on<'a>(
+    stack: &'a stack::stack::Stack,
+    ports: &[(&'static str, u16)],
+    warmup: Duration,
+    measure: Duration,
+    retry_for: Duration,
+) -> Result<crate::Bench<'a>, String> {
+    let named = ports
+        .iter()
+        .map(|&(name, port)| {
+            procfs::pid_listening_on(port)
+                .map(|pid| (name, pid))
+                .ok_or(format!("nothing listens on :{port}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(crate::Bench {
+        rt: tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?,
+        postgres: &stack.postgres,
+        database: stack.database_name().to_owned(),
+        procs: crate::Procs {
+            named,
+            postgres: procfs::pid_listening_on(stack.postgres.port()),
+        },
+        state_api_port: stack.state_api.port,
+        tck: procfs::clk_tck(),
+        warmup,
+        measure,
+        started: Instant::now(),
+        retry_budget_until: Instant::now() + retry_for,
+    })
+}
+
+/// Sends `POST /checkout` once for each of `keys` through `target` (one connection), each of
+/// which must be created (201): keys to replay later.
+pub fn create_keys(
+    rt: &tokio::runtime::Runtime,
+    target: std::net::SocketAddr,
+    keys: &[String],
+    what: &str,
+) -> Result<(), String> {
+    rt.block_on(async {
+        let mut conn = crate::load::Conn::open(target).await?;
+        for k in keys {
+            let a = conn.send(&crate::checkout_req(k)).await?;
+            if a.status != 201 {
+                return Err(format!("{what} {k}: status {}", a.status));
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The VmRSS and VmHWM of a process, in MiB.
+pub fn memory_mib(pid: u32) -> (f64, f64) {
+    let mib = |field| procfs::status_kib(pid, field).unwrap_or(0) as f64 / 1024.0;
+    (mib("VmRSS"), mib("VmHWM"))
+}
+
+/// The soft limit of open files of this process, from /proc/self/limits.
+pub fn open_files_limit() -> u64 {
+    std::fs::read_to_string("/proc/self/limits")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Fails with what to do when fewer than `needed` files may be open (each connection is one,
+/// in the load generator, in Envoy twice, in the state API).
+pub fn need_open_files(needed: u64, what: &str) -> Result<(), String> {
+    let limit = open_files_limit();
+    if limit < needed {
+        return Err(format!(
+            "{what} needs at least {needed} open files per process, the limit is {limit}: run it with `ulimit -n {}` (make bench-scale raises it to 65,536, or to the hard limit)",
+            needed.next_power_of_two().max(65_536)
+        ));
+    }
+    Ok(())
+}

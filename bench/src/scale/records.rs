@@ -1,0 +1,591 @@
+//! Curve 1, records in the table: a day of keys at 1,000-2,000 new keys a second is 86 to 172
+//! million records. The table is loaded with straight SQL (`generate_series`) to each level
+//! (0, 10 M, 50 M, 100 M rows; quick: 0, 200 k, 1 M), every level only if the disk keeps
+//! SCALE_RECORDS_KEEP_FREE_GIB (8) free after it (estimated from the bytes per row measured on
+//! the way), and at each level the state API's claim+complete is measured at 16 connections:
+//! CPU per pair (the state API and Postgres), p50 and p99, the WAL (and its full-page images)
+//! and the shared-buffer misses per pair. Goal: at 50 M rows, CPU per pair and p99 within 1.3x
+//! of the empty table's.
+//!
+//! The rows are what a day leaves: addresses are SHA-256 of a counter (random 32-byte keys, as
+//! the HMAC addresses are), 99.4 % completed with the response of a real claim+complete made
+//! through the state API first (its sealed headers and body copied), 0.5 % in progress, 1 % past
+//! their retention (the purge takes them: it runs all along, as in production), created over
+//! the last 24 hours. Every run starts after `VACUUM (ANALYZE)` and `CHECKPOINT`, so each pays
+//! the full-page images of the leaves it touches first: the cost of random keys in a B-tree
+//! larger than memory, as after every checkpoint in production.
+//!
+//! At the largest level the same run is made again with `wal_compression = lz4` (the lever for
+//! those full-page images; SCALE_RECORDS_AB=0 skips it). The cluster is the stack's throwaway
+//! one (never `DATABASE_URL`): it is removed with everything loaded into it at the end.
+//! SCALE_RECORDS_LEVELS (rows, comma-separated), SCALE_RECORDS_SECONDS (60; quick 10),
+//! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use stack::stack::{Stack, StackOptions};
+
+use super::{at_most, fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
+use crate::load::Conn;
+use crate::{addr, claim_complete, env_u64, op_claim_complete, procfs, Bench, Procs};
+
+const CONNECTIONS: usize = 16;
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+#[derive(Debug, Clone, Serialize)]
+struct Level {
+    /// Rows loaded (the table also holds the runs' own keys, a few hundred thousand at most).
+    rows: u64,
+    /// `wal_compression` for this run.
+    wal_compression: String,
+    table_mib: f64,
+    index_mib: f64,
+    bytes_per_row: f64,
+    pairs_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    errors: u64,
+    /// µs of CPU per claim+complete pair: the state API and Postgres, and every process.
+    state_api_us: f64,
+    postgres_us: f64,
+    cpu_us: f64,
+    all_us: f64,
+    wal_bytes_per_pair: f64,
+    fpi_per_pair: f64,
+    /// Shared-buffer misses (blocks read from the OS) per pair, and the hit ratio.
+    blocks_read_per_pair: f64,
+    hit_ratio: f64,
+    load_seconds: f64,
+    steal_cores: f64,
+    other_cores: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Skipped {
+    rows: u64,
+    why: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Records {
+    shared_buffers: String,
+    measure_s: u64,
+    levels: Vec<Level>,
+    skipped: Vec<Skipped>,
+    /// Disk free after the largest level, GiB.
+    free_gib_at_largest: f64,
+}
+
+/// Cumulative WAL and buffer figures of the database.
+#[derive(Debug, Clone, Copy, Default)]
+struct DbCounters {
+    wal_bytes: f64,
+    wal_fpi: f64,
+    blks_read: f64,
+    blks_hit: f64,
+}
+
+fn counters(stack: &Stack) -> DbCounters {
+    let out = stack
+        .postgres
+        .psql(
+            stack.database_name(),
+            "SELECT (SELECT wal_bytes FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal), \
+             blks_read, blks_hit FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .unwrap_or_default();
+    let v: Vec<f64> = out.split('|').filter_map(|x| x.trim().parse().ok()).collect();
+    match v.as_slice() {
+        [b, f, r, h] => DbCounters {
+            wal_bytes: *b,
+            wal_fpi: *f,
+            blks_read: *r,
+            blks_hit: *h,
+        },
+        _ => DbCounters::default(),
+    }
+}
+
+/// (rows, table bytes, index bytes).
+fn sizes(stack: &Stack) -> Result<(u64, u64, u64), String> {
+    let out = stack.postgres.psql(
+        stack.database_name(),
+        "SELECT reltuples::bigint, pg_relation_size('idempotency_records'), \
+         pg_indexes_size('idempotency_records') FROM pg_class WHERE relname = 'idempotency_records'",
+    )?;
+    let v: Vec<u64> = out
+        .split('|')
+        .filter_map(|x| x.trim().parse::<i64>().ok())
+        .map(|x| x.max(0) as u64)
+        .collect();
+    match v.as_slice() {
+        [r, t, i] => Ok((*r, *t, *i)),
+        _ => Err(format!("unexpected table sizes {out:?}")),
+    }
+}
+
+/// Bytes free on the file system of `path`.
+fn free_bytes(path: &std::path::Path) -> Result<f64, String> {
+    let out = std::process::Command::new("df")
+        .args(["-B1", "--output=avail"])
+        .arg(path)
+        .output()
+        .map_err(|e| format!("df: {e}"))?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .ok_or_else(|| format!("df {}: {}", path.display(), String::from_utf8_lossy(&out.stderr)))
+}
+
+/// The INSERT of rows `from..to` (exclusive): each column of the table from the template row
+/// `t` (a record the state API made), but for the ones a day of keys makes different.
+fn insert_sql(columns: &[String], from: u64, to: u64, token_base: i64) -> String {
+    let running = "i % 1000 < 5";
+    let exprs: Vec<String> = columns
+        .iter()
+        .map(|c| {
+            let e = match c.as_str() {
+                "scope_hash" => "sha256(('scale-' || i)::text::bytea)".to_owned(),
+                "subject" => "'user-' || (i % 100000)".to_owned(),
+                "fingerprint" => "md5(i::text) || md5((-i)::text)".to_owned(),
+                "state" => format!("CASE WHEN {running} THEN 'in_progress' ELSE 'completed' END"),
+                "fencing_token" => format!("{token_base} + i"),
+                "created_at" => "now() - (i % 86400) * interval '1 second'".to_owned(),
+                "owner_seen_at" => "now() - (i % 86400) * interval '1 second'".to_owned(),
+                "lease_expires_at" => {
+                    "now() - (i % 86400) * interval '1 second' + interval '30 seconds'".to_owned()
+                }
+                // 1 % past their retention: the purge's.
+                "expires_at" => "CASE WHEN i % 100 = 99 THEN now() - interval '1 minute' \
+                     ELSE now() + interval '1 day' - (i % 86400) * interval '1 second' END"
+                    .to_owned(),
+                "claim_nonce" => "'scale.' || i".to_owned(),
+                "completed_at" => format!(
+                    "CASE WHEN {running} THEN NULL ELSE now() - (i % 86400) * interval '1 second' + interval '1 second' END"
+                ),
+                r if r.starts_with("response_") => {
+                    format!("CASE WHEN {running} THEN NULL ELSE t.{r} END")
+                }
+                other => format!("t.{other}"),
+            };
+            e
+        })
+        .collect();
+    format!(
+        "INSERT INTO idempotency_records ({}) SELECT {} FROM generate_series({from}, {}) i, \
+         (SELECT * FROM idempotency_records WHERE state = 'completed' LIMIT 1) t",
+        columns.join(", "),
+        exprs.join(", "),
+        to - 1
+    )
+}
+
+/// Loads rows `from..to` in chunks, printing progress.
+fn load(stack: &Stack, columns: &[String], from: u64, to: u64, token_base: i64) -> Result<(), String> {
+    const CHUNK: u64 = 500_000;
+    let started = Instant::now();
+    let mut at = from;
+    while at < to {
+        let next = (at + CHUNK).min(to);
+        stack
+            .postgres
+            .psql(stack.database_name(), &insert_sql(columns, at, next, token_base))?;
+        at = next;
+        eprintln!(
+            "    loaded {} rows ({:.0} rows/s)",
+            at,
+            (at - from) as f64 / started.elapsed().as_secs_f64().max(1e-3)
+        );
+    }
+    stack.postgres.psql(
+        stack.database_name(),
+        &format!("SELECT setval('idempotency_fencing_token_seq', GREATEST(nextval('idempotency_fencing_token_seq'), {}))", token_base + to as i64 + 1),
+    )?;
+    Ok(())
+}
+
+fn levels(settings: &Settings) -> Vec<u64> {
+    let default = if settings.quick {
+        "0,200000,1000000"
+    } else {
+        "0,10000000,50000000,100000000"
+    };
+    std::env::var("SCALE_RECORDS_LEVELS")
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
+pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
+    let mut quiet = Quiet::start();
+    let measure_s = env_u64("SCALE_RECORDS_SECONDS", if settings.quick { 10 } else { 60 });
+    let keep_free = env_u64("SCALE_RECORDS_KEEP_FREE_GIB", 8) as f64 * GIB;
+    // The loaded rows carry their own expiry: the purge takes the 1 % past it, as in production.
+    let mut stack = Stack::start(StackOptions::default())?;
+    if stack.postgres.is_external() {
+        return Err("the records curve loads millions of rows: it runs on a throwaway cluster of its own, not on DATABASE_URL (unset it)".into());
+    }
+    let data_dir = stack
+        .postgres
+        .data_dir()
+        .ok_or("the throwaway cluster has no data directory")?;
+    if let Ok(sb) = std::env::var("SCALE_RECORDS_SHARED_BUFFERS") {
+        stack
+            .postgres
+            .psql("postgres", &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"))?;
+        stack.postgres.restart()?;
+    }
+    let shared_buffers = stack.postgres.psql("postgres", "SHOW shared_buffers")?;
+    let db = stack.database_name().to_owned();
+    let api = addr(stack.state_api.port);
+    // The template: a record made through the state API.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let mut conn = Conn::open(api).await?;
+        claim_complete(&mut conn, format!("scale-template-{}", std::process::id())).await
+    })?;
+    let columns: Vec<String> = stack
+        .postgres
+        .psql(
+            &db,
+            "SELECT column_name FROM information_schema.columns \
+             WHERE table_name = 'idempotency_records' ORDER BY ordinal_position",
+        )?
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let token_base: i64 = stack
+        .postgres
+        .psql(&db, "SELECT last_value FROM idempotency_fencing_token_seq")?
+        .trim()
+        .parse::<i64>()
+        .map_err(|e| e.to_string())?
+        + 1_000;
+    let find = |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
+    let bench = Bench {
+        rt,
+        postgres: &stack.postgres,
+        database: db.clone(),
+        procs: Procs {
+            named: vec![("state-api", find(stack.state_api.port)?)],
+            postgres: procfs::pid_listening_on(stack.postgres.port()),
+        },
+        state_api_port: stack.state_api.port,
+        tck: procfs::clk_tck(),
+        warmup: Duration::from_secs(if settings.quick { 2 } else { 5 }),
+        measure: Duration::from_secs(measure_s),
+        started: Instant::now(),
+        retry_budget_until: if settings.quick {
+            Instant::now()
+        } else {
+            Instant::now() + Duration::from_secs(3_600)
+        },
+    };
+    let mut loaded = 0u64;
+    let mut curve = Records {
+        shared_buffers,
+        measure_s,
+        levels: Vec::new(),
+        skipped: Vec::new(),
+        free_gib_at_largest: 0.0,
+    };
+    // Bytes a loaded row takes (table and indexes), measured on the way; a first guess for the
+    // first level: 1 KiB.
+    let mut bytes_per_row = 1024.0;
+    let wanted = levels(settings);
+    for (n, &rows) in wanted.iter().enumerate() {
+        if rows > loaded {
+            let free = free_bytes(&data_dir)?;
+            let needed = (rows - loaded) as f64 * bytes_per_row * 1.1;
+            if free - needed < keep_free {
+                let why = format!(
+                    "{:.1} GiB more needed ({:.0} bytes a row), {:.1} GiB free: it would leave less than {:.0} GiB",
+                    needed / GIB,
+                    bytes_per_row,
+                    free / GIB,
+                    keep_free / GIB
+                );
+                eprintln!("  {rows} rows: skipped, {why}");
+                curve.skipped.extend(wanted[n..].iter().map(|&r| Skipped {
+                    rows: r,
+                    why: why.clone(),
+                }));
+                break;
+            }
+            eprintln!("  loading {} rows ...", rows - loaded);
+            let t0 = Instant::now();
+            load(&stack, &columns, loaded, rows, token_base)?;
+            let load_seconds = t0.elapsed().as_secs_f64();
+            stack
+                .postgres
+                .psql(&db, "VACUUM (ANALYZE) idempotency_records")?;
+            let (_, table_b, index_b) = sizes(&stack)?;
+            bytes_per_row = (table_b + index_b) as f64 / rows.max(1) as f64;
+            loaded = rows;
+            let level = measure(&bench, &stack, rows, "off", load_seconds)?;
+            quiet.note(level.steal_cores, level.other_cores);
+            curve.levels.push(level);
+        } else {
+            let level = measure(&bench, &stack, rows, "off", 0.0)?;
+            quiet.note(level.steal_cores, level.other_cores);
+            curve.levels.push(level);
+        }
+    }
+    if env_u64("SCALE_RECORDS_AB", 1) == 1 && loaded > 0 {
+        // The lever for full-page images: the same run with them compressed.
+        bench
+            .postgres
+            .psql(&db, "ALTER SYSTEM SET wal_compression = 'lz4'")?;
+        bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+        let level = measure(&bench, &stack, loaded, "lz4", 0.0)?;
+        quiet.note(level.steal_cores, level.other_cores);
+        curve.levels.push(level);
+        bench
+            .postgres
+            .psql(&db, "ALTER SYSTEM RESET wal_compression")?;
+        bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+    }
+    curve.free_gib_at_largest = free_bytes(&data_dir).unwrap_or(0.0) / GIB;
+    drop(bench);
+    // The throwaway cluster, with everything loaded, goes with the stack.
+    drop(stack);
+    let goals = goals(&curve);
+    Ok(CurveOutput {
+        name: "records",
+        markdown: markdown(&curve),
+        json: serde_json::to_value(&curve).map_err(|e| e.to_string())?,
+        goals,
+        quiet: quiet.end(),
+    })
+}
+
+/// One measured run of claim+complete pairs at 16 connections with `rows` loaded.
+fn measure(
+    bench: &Bench<'_>,
+    stack: &Stack,
+    rows: u64,
+    wal_compression: &str,
+    load_seconds: f64,
+) -> Result<Level, String> {
+    let prefix = format!("scale-rec-{rows}-{wal_compression}-{}", std::process::id());
+    let before = counters(stack);
+    let metrics_before = crate::state_api_metrics(stack.state_api.port);
+    let (r, cpu, _) = bench.measure(
+        addr(stack.state_api.port),
+        CONNECTIONS,
+        &op_claim_complete(prefix),
+    );
+    let after = counters(stack);
+    let metrics_after = crate::state_api_metrics(stack.state_api.port);
+    // Pairs over the whole span of the counters (warm-up included): the completes the state
+    // API answered.
+    let completes = |m: &BTreeMap<String, f64>| {
+        m.get("state_api_request_duration_seconds_count{route=\"complete\"}")
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let pairs = (completes(&metrics_after) - completes(&metrics_before)).max(1.0);
+    let (_, table_b, index_b) = sizes(stack)?;
+    let rate = r.rate();
+    let per = |cores: f64| ratio(cores * 1e6, rate);
+    let proc = |name: &str| cpu.processes.get(name).copied().unwrap_or(0.0);
+    let state_api_us = per(proc("state-api"));
+    let postgres_us = per(proc("postgres"));
+    let reads = after.blks_read - before.blks_read;
+    let hits = after.blks_hit - before.blks_hit;
+    let level = Level {
+        rows,
+        wal_compression: wal_compression.to_owned(),
+        table_mib: table_b as f64 / 1_048_576.0,
+        index_mib: index_b as f64 / 1_048_576.0,
+        bytes_per_row: ratio((table_b + index_b) as f64, rows as f64),
+        pairs_per_s: rate,
+        p50_ms: r.pct_ms(50.0),
+        p99_ms: r.pct_ms(99.0),
+        errors: r.error_count(),
+        state_api_us,
+        postgres_us,
+        cpu_us: state_api_us + postgres_us,
+        all_us: per(cpu.machine_cores),
+        wal_bytes_per_pair: (after.wal_bytes - before.wal_bytes) / pairs,
+        fpi_per_pair: (after.wal_fpi - before.wal_fpi) / pairs,
+        blocks_read_per_pair: reads / pairs,
+        hit_ratio: ratio(hits, hits + reads),
+        load_seconds,
+        steal_cores: cpu.steal_cores,
+        other_cores: cpu.other_cores,
+    };
+    eprintln!(
+        "  {:>11} rows{}: {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair",
+        rows,
+        if wal_compression == "off" { String::new() } else { format!(" (wal_compression {wal_compression})") },
+        level.pairs_per_s,
+        level.p99_ms,
+        level.cpu_us,
+        level.wal_bytes_per_pair,
+        level.fpi_per_pair,
+        level.blocks_read_per_pair
+    );
+    Ok(level)
+}
+
+fn goals(c: &Records) -> Vec<Goal> {
+    let plain: Vec<&Level> = c.levels.iter().filter(|l| l.wal_compression == "off").collect();
+    let Some(empty) = plain.iter().find(|l| l.rows == 0) else {
+        return vec![Goal::new(
+            "records",
+            "CPU per pair and p99 against the empty table",
+            "<= 1.3x",
+            "no run on the empty table",
+            None,
+        )];
+    };
+    let mut goals = Vec::new();
+    let at = |l: &Level| {
+        let cpu = ratio(l.cpu_us, empty.cpu_us);
+        let p99 = ratio(l.p99_ms, empty.p99_ms);
+        (
+            format!(
+                "CPU {}x ({} against {} µs), p99 {}x ({} against {} ms)",
+                fig(cpu, 2),
+                fig(l.cpu_us, 0),
+                fig(empty.cpu_us, 0),
+                fig(p99, 2),
+                fig(l.p99_ms, 2),
+                fig(empty.p99_ms, 2)
+            ),
+            at_most(cpu, 1.3) && at_most(p99, 1.3),
+        )
+    };
+    match plain.iter().find(|l| l.rows == 50_000_000) {
+        Some(l) => {
+            let (m, pass) = at(l);
+            goals.push(Goal::new(
+                "records",
+                "claim+complete at 50 M rows against 0: CPU per pair and p99",
+                "<= 1.3x each",
+                m,
+                Some(pass),
+            ));
+        }
+        None => {
+            let why = c
+                .skipped
+                .iter()
+                .find(|s| s.rows == 50_000_000)
+                .map(|s| format!("50 M rows not loaded: {}", s.why))
+                .unwrap_or_else(|| "50 M rows not in this run's levels".into());
+            goals.push(Goal::new(
+                "records",
+                "claim+complete at 50 M rows against 0: CPU per pair and p99",
+                "<= 1.3x each",
+                why,
+                None,
+            ));
+        }
+    }
+    // The largest level measured, whatever it is (the same bound, for what it shows).
+    if let Some(l) = plain.iter().filter(|l| l.rows > 0 && l.rows != 50_000_000).max_by_key(|l| l.rows) {
+        let (m, pass) = at(l);
+        goals.push(Goal::new(
+            "records",
+            format!("the same at {} rows (the largest other level)", l.rows),
+            "<= 1.3x each",
+            m,
+            Some(pass),
+        ));
+    }
+    let errors: u64 = c.levels.iter().map(|l| l.errors).sum();
+    goals.push(Goal::new(
+        "records",
+        "every claim and complete answered 200",
+        "0 errors",
+        format!("{errors} errors"),
+        Some(errors == 0),
+    ));
+    goals
+}
+
+fn markdown(c: &Records) -> String {
+    let rows: Vec<Vec<String>> = c
+        .levels
+        .iter()
+        .map(|l| {
+            vec![
+                l.rows.to_string(),
+                l.wal_compression.clone(),
+                fig(l.table_mib, 0),
+                fig(l.index_mib, 0),
+                fig(l.bytes_per_row, 0),
+                fig(l.pairs_per_s, 0),
+                fig(l.p50_ms, 2),
+                fig(l.p99_ms, 2),
+                fig(l.state_api_us, 0),
+                fig(l.postgres_us, 0),
+                fig(l.wal_bytes_per_pair, 0),
+                fig(l.fpi_per_pair, 2),
+                fig(l.blocks_read_per_pair, 2),
+                fig(l.hit_ratio, 4),
+                fig(l.steal_cores, 2),
+            ]
+        })
+        .collect();
+    let skipped: String = c
+        .skipped
+        .iter()
+        .map(|s| format!("\n- {} rows: not loaded, {}.", s.rows, s.why))
+        .collect();
+    format!(
+        "### 1. Records in the table\n\nThe state API's claim+complete at {CONNECTIONS} connections, {} s per level after `VACUUM (ANALYZE)` and `CHECKPOINT`, on a table loaded with straight SQL (random 32-byte addresses; 99.4 % completed with a real sealed response, 0.5 % in progress, 1 % past retention; created over a day). shared_buffers {}. µs of CPU per pair; WAL bytes, full-page images (FPI) and shared-buffer misses per pair (warm-up included).{}\n\n{}\nDisk free after the largest level: {:.1} GiB. The loaded cluster was removed at the end.\n",
+        c.measure_s,
+        c.shared_buffers,
+        skipped,
+        table(
+            &[
+                "rows", "wal_compression", "table MiB", "index MiB", "bytes/row", "pairs/s",
+                "p50 ms", "p99 ms", "state API µs", "Postgres µs", "WAL B/pair", "FPI/pair",
+                "misses/pair", "hit ratio", "steal"
+            ],
+            &rows,
+            true
+        ),
+        c.free_gib_at_largest
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_load_keeps_the_template_but_for_what_a_day_makes_different() {
+        let cols: Vec<String> = ["scope_hash", "endpoint", "state", "response_body", "expires_at"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        let sql = insert_sql(&cols, 10, 20, 1_000);
+        assert!(sql.contains("generate_series(10, 19)"), "{sql}");
+        assert!(sql.contains("sha256(('scale-' || i)::text::bytea)"), "{sql}");
+        assert!(sql.contains("t.endpoint"), "{sql}");
+        assert!(sql.contains("CASE WHEN i % 1000 < 5 THEN NULL ELSE t.response_body END"), "{sql}");
+        assert!(sql.starts_with("INSERT INTO idempotency_records (scope_hash, endpoint, state, response_body, expires_at) SELECT"), "{sql}");
+    }
+
+    #[test]
+    fn levels_come_from_the_environment_or_the_defaults() {
+        let quick = Settings {
+            quick: true,
+            curves: vec![],
+        };
+        if std::env::var_os("SCALE_RECORDS_LEVELS").is_none() {
+            assert_eq!(levels(&quick), vec![0, 200_000, 1_000_000]);
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Curve 4, routes: 1, 100 and 1,000 protected routes in one configuration (half exact paths,
+//! half prefixes; `POST /checkout` last, so a first-match scan walks every other one), each in a
+//! filter Envoy of its own on one stack (its jwt_authn then has as many rules). Per request,
+//! Envoy's CPU at 16 connections for a matched request (a replay of a completed key: the
+//! worker answers it from memory, so Envoy's share is the whole request) and an unmatched one
+//! (`POST /echo`, passed through to the checkout). Goal: 1,000 routes within 1.1x of one, both.
+//! Beside it, the filter's matcher alone (`Config::route_index`, natively): ns per lookup.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use edge::config::{KeyPolicy, Match, OnUnknown, Route};
+use serde::Serialize;
+use stack::envoy::Envoy;
+use stack::stack::{Stack, StackOptions};
+
+use super::{at_most, fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
+use crate::load::{Conn, OpFn, Outcome, Req};
+use crate::{addr, alice, op_replay, plain_params, procfs};
+
+const CONNECTIONS: usize = 16;
+const COUNTS: [usize; 3] = [1, 100, 1000];
+
+#[derive(Debug, Clone, Serialize)]
+struct Point {
+    routes: usize,
+    /// Envoy's µs of CPU per request, and the rate.
+    matched_envoy_us: f64,
+    matched_per_s: f64,
+    unmatched_envoy_us: f64,
+    unmatched_per_s: f64,
+    errors: u64,
+    /// The filter's matcher alone, natively: ns per lookup of the last route and of a path
+    /// no route has.
+    matcher_matched_ns: f64,
+    matcher_unmatched_ns: f64,
+    steal_cores: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct RoutesCurve {
+    points: Vec<Point>,
+}
+
+/// `n` routes: `n - 1` made up (even ones exact, odd ones prefixes), then `last`.
+pub fn routes(n: usize, last: &Route) -> Vec<Route> {
+    let mut out: Vec<Route> = (0..n.saturating_sub(1))
+        .map(|j| {
+            let matcher = if j % 2 == 0 {
+                Match::Path(format!("/api/v1/orders-{j}/pay"))
+            } else {
+                Match::Prefix(format!("/api/v2/tenant-{j}/"))
+            };
+            let mut r = Route::new("POST", matcher, KeyPolicy::Required);
+            r.on_unknown = OnUnknown::Hold;
+            r
+        })
+        .collect();
+    out.push(last.clone());
+    out
+}
+
+/// `POST /echo` (no route has it): the checkout echoes the headers, 200.
+fn op_unmatched() -> OpFn {
+    let req = Req::post("/echo", Bytes::from_static(br#"{"ping":1}"#))
+        .header("authorization", &format!("Bearer {}", alice()))
+        .header("content-type", "application/json");
+    Arc::new(move |conn: &mut Conn, _client: usize, _seq: u64| {
+        let req = req.clone();
+        Box::pin(async move {
+            let a = conn.send(&req).await?;
+            Ok(if a.status == 200 {
+                Outcome::Ok
+            } else {
+                Outcome::Wrong(format!("status {}", a.status))
+            })
+        })
+    })
+}
+
+/// The filter's matcher with the same routes (its JSON, as the edge renders it): ns per lookup.
+fn matcher_ns(n: usize, min: Duration) -> Result<(f64, f64), String> {
+    let mut routes: Vec<serde_json::Value> = (0..n.saturating_sub(1))
+        .map(|j| {
+            if j % 2 == 0 {
+                serde_json::json!({"method": "POST", "path": format!("/api/v1/orders-{j}/pay"), "key": "required"})
+            } else {
+                serde_json::json!({"method": "POST", "prefix": format!("/api/v2/tenant-{j}/"), "key": "required"})
+            }
+        })
+        .collect();
+    routes.push(serde_json::json!({"method": "POST", "path": "/checkout", "key": "required"}));
+    let doc = serde_json::json!({
+        "state_api": {"cluster": "c", "authority": "a", "token": "t"},
+        "subject": {"header": "x-jwt-sub"},
+        "routes": routes,
+    });
+    let cfg = filter_core::config::Config::parse(doc.to_string().as_bytes()).map_err(|e| e.to_string())?;
+    let per = |path: &str, expect: Option<usize>| -> Result<f64, String> {
+        let found = cfg.route_index("POST", path);
+        if found != expect {
+            return Err(format!("the matcher found {found:?} for {path}, not {expect:?}"));
+        }
+        let started = Instant::now();
+        let mut calls = 0u64;
+        while calls < 1000 || started.elapsed() < min {
+            for _ in 0..100 {
+                std::hint::black_box(cfg.route_index("POST", std::hint::black_box(path)));
+            }
+            calls += 100;
+        }
+        Ok(started.elapsed().as_secs_f64() * 1e9 / calls as f64)
+    };
+    Ok((per("/checkout", Some(n - 1))?, per("/echo", None)?))
+}
+
+pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
+    let mut quiet = Quiet::start();
+    let stack = Stack::start(StackOptions::default())?;
+    let mut bench = super::bench_on(
+        &stack,
+        &[],
+        settings.secs(2, 1),
+        settings.secs(8, 3),
+        settings.secs(120, 0),
+    )?;
+    let mut points = Vec::new();
+    let run_id = format!("scale-routes-{}", std::process::id());
+    for n in COUNTS {
+        let mut p = plain_params(&stack);
+        p.tweak = Some(stack::envoy::Tweak::new(move |cfg| {
+            let checkout = cfg
+                .routes
+                .iter()
+                .find(|r| r.matcher == Match::Path("/checkout".into()))
+                .cloned();
+            if let Some(last) = checkout {
+                cfg.routes = routes(n, &last);
+            }
+        }));
+        let envoy = Envoy::start(p, &stack.dir, &format!("envoy-routes-{n}"))?;
+        let target = addr(envoy.params.listen_port);
+        let keys: Arc<Vec<String>> =
+            Arc::new((0..100).map(|i| format!("{run_id}-{n}-{i}")).collect());
+        super::create_keys(&bench.rt, target, &keys, &format!("routes {n}: setting up"))?;
+        let pid = procfs::pid_listening_on(envoy.params.listen_port).ok_or("no Envoy")?;
+        bench.procs.named = vec![("envoy", pid)];
+        let envoy_us = |cpu: &crate::CpuUse, rate: f64| {
+            ratio(cpu.processes.get("envoy").copied().unwrap_or(0.0) * 1e6, rate)
+        };
+        let (m, mcpu, _) = bench.measure(target, CONNECTIONS, &op_replay(keys));
+        let (u, ucpu, _) = bench.measure(target, CONNECTIONS, &op_unmatched());
+        quiet.saw(&mcpu);
+        quiet.saw(&ucpu);
+        let (matcher_matched_ns, matcher_unmatched_ns) =
+            matcher_ns(n, Duration::from_millis(if settings.quick { 50 } else { 300 }))?;
+        let point = Point {
+            routes: n,
+            matched_envoy_us: envoy_us(&mcpu, m.rate()),
+            matched_per_s: m.rate(),
+            unmatched_envoy_us: envoy_us(&ucpu, u.rate()),
+            unmatched_per_s: u.rate(),
+            errors: m.error_count() + u.error_count(),
+            matcher_matched_ns,
+            matcher_unmatched_ns,
+            steal_cores: mcpu.steal_cores.max(ucpu.steal_cores),
+        };
+        eprintln!(
+            "  {:>5} routes: matched {:>6.1} µs Envoy/request ({:.0}/s), unmatched {:>6.1} µs ({:.0}/s); matcher {:.0} / {:.0} ns; {} errors",
+            n,
+            point.matched_envoy_us,
+            point.matched_per_s,
+            point.unmatched_envoy_us,
+            point.unmatched_per_s,
+            point.matcher_matched_ns,
+            point.matcher_unmatched_ns,
+            point.errors
+        );
+        points.push(point);
+        drop(envoy);
+    }
+    drop(bench);
+    drop(stack);
+    let curve = RoutesCurve { points };
+    Ok(CurveOutput {
+        name: "routes",
+        goals: goals(&curve),
+        markdown: markdown(&curve),
+        json: serde_json::to_value(&curve).map_err(|e| e.to_string())?,
+        quiet: quiet.end(),
+    })
+}
+
+fn goals(c: &RoutesCurve) -> Vec<Goal> {
+    let one = c.points.iter().find(|p| p.routes == 1);
+    let most = c.points.iter().find(|p| p.routes == 1000);
+    let (Some(one), Some(most)) = (one, most) else {
+        return vec![Goal::new("routes", "1,000 routes against one", "<= 1.1x", "not measured", None)];
+    };
+    let matched = ratio(most.matched_envoy_us, one.matched_envoy_us);
+    let unmatched = ratio(most.unmatched_envoy_us, one.unmatched_envoy_us);
+    let errors: u64 = c.points.iter().map(|p| p.errors).sum();
+    vec![
+        Goal::new(
+            "routes",
+            "Envoy's CPU per matched request (a replay), 1,000 routes against one",
+            "<= 1.1x",
+            format!("{}x ({} against {} µs)", fig(matched, 2), fig(most.matched_envoy_us, 1), fig(one.matched_envoy_us, 1)),
+            Some(at_most(matched, 1.1)),
+        ),
+        Goal::new(
+            "routes",
+            "Envoy's CPU per unmatched request, 1,000 routes against one",
+            "<= 1.1x",
+            format!("{}x ({} against {} µs)", fig(unmatched, 2), fig(most.unmatched_envoy_us, 1), fig(one.unmatched_envoy_us, 1)),
+            Some(at_most(unmatched, 1.1)),
+        ),
+        Goal::new(
+            "routes",
+            "every answer as expected",
+            "0 errors",
+            format!("{errors} errors"),
+            Some(errors == 0),
+        ),
+    ]
+}
+
+fn markdown(c: &RoutesCurve) -> String {
+    let rows: Vec<Vec<String>> = c
+        .points
+        .iter()
+        .map(|p| {
+            vec![
+                p.routes.to_string(),
+                fig(p.matched_envoy_us, 1),
+                fig(p.matched_per_s, 0),
+                fig(p.unmatched_envoy_us, 1),
+                fig(p.unmatched_per_s, 0),
+                fig(p.matcher_matched_ns, 0),
+                fig(p.matcher_unmatched_ns, 0),
+                p.errors.to_string(),
+                fig(p.steal_cores, 2),
+            ]
+        })
+        .collect();
+    format!(
+        "### 4. Routes
+
+Protected routes in one configuration (half exact, half prefixes, `POST /checkout` last), each count in a filter Envoy of its own (its jwt_authn with as many rules), {CONNECTIONS} connections. Envoy's µs of CPU per request: matched (a replay of a completed key, answered from the worker's memory) and unmatched (`POST /echo`, passed through). The filter's matcher alone, natively: ns per lookup.
+
+{}",
+        table(
+            &["routes", "matched µs", "matched/s", "unmatched µs", "unmatched/s", "matcher ns (last route)", "matcher ns (no route)", "errors", "steal"],
+            &rows,
+            true
+        )
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_made_up_routes_come_first_and_alternate() {
+        let last = Route::new("POST", Match::Path("/checkout".into()), KeyPolicy::Required);
+        let r = routes(4, &last);
+        assert_eq!(r.len(), 4);
+        assert_eq!(r[0].matcher, Match::Path("/api/v1/orders-0/pay".into()));
+        assert_eq!(r[1].matcher, Match::Prefix("/api/v2/tenant-1/".into()));
+        assert_eq!(r[3].matcher, Match::Path("/checkout".into()));
+        assert_eq!(routes(1, &last).len(), 1);
+    }
+
+    #[test]
+    fn the_matcher_finds_the_last_route_and_no_other() {
+        let (matched, unmatched) = matcher_ns(100, Duration::from_millis(1)).unwrap_or((f64::NAN, f64::NAN));
+        assert!(matched > 0.0 && unmatched > 0.0, "{matched} {unmatched}");
+    }
+}

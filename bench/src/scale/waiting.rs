@@ -1,0 +1,307 @@
+//! Curve 6, waiting retries: 1,000 and 10,000 retries (quick: 100 and 1,000) wait with
+//! `Prefer: wait=60` on a few running keys (4, each held by a slow request through the same
+//! Envoy), each on a connection of its own, through one filter Envoy (one worker, its
+//! `max_waiters` at its most, 10,000) and one state API (`STATE_API_MAX_WAITERS` 20,000). While
+//! they wait: Envoy's and the state API's resident memory and CPU per waiter. When the slow
+//! requests end: the time from each key's completion (its slow request's answer, which comes
+//! after its outcome is stored) to its last waiter's replay. Every waiter must get the replay.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use stack::stack::{Stack, StackOptions};
+
+use super::{fig, memory_mib, table, CurveOutput, Goal, Quiet, Settings};
+use crate::load::Conn;
+use crate::{addr, checkout_req, procfs, Snapshot};
+
+const KEYS: usize = 4;
+const WAIT_S: u64 = 60;
+
+#[derive(Debug, Clone, Serialize)]
+struct Point {
+    waiters: usize,
+    /// Waiters whose request was in (answered or still waiting) when the window began.
+    connected_s: f64,
+    envoy_rss_before_mib: f64,
+    envoy_rss_waiting_mib: f64,
+    state_api_rss_before_mib: f64,
+    state_api_rss_waiting_mib: f64,
+    envoy_kib_per_waiter: f64,
+    state_api_kib_per_waiter: f64,
+    /// Thousandths of a core per waiter while they wait, by process.
+    cpu_per_waiter: BTreeMap<String, f64>,
+    /// Claim callouts the state API answered per waiter and second while they waited.
+    claims_per_waiter_s: f64,
+    /// From a key's completion to its last waiter's replay (the worst key), and the median
+    /// over every waiter.
+    last_replay_after_ms: f64,
+    median_replay_after_ms: f64,
+    answers: BTreeMap<String, u64>,
+    slow_statuses: Vec<String>,
+    steal_cores: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct WaitingCurve {
+    points: Vec<Point>,
+}
+
+/// What one waiter got, and when.
+type Answers = Arc<Mutex<Vec<(usize, String, Instant)>>>;
+
+fn measure(
+    rt: &tokio::runtime::Runtime,
+    stack: &Stack,
+    waiters: usize,
+    window: Duration,
+    quick: bool,
+) -> Result<Point, String> {
+    let envoy = addr(stack.envoy.params.listen_port);
+    let find = |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
+    let (envoy_pid, api_pid) = (find(stack.envoy.params.listen_port)?, find(stack.state_api.port)?);
+    let procs = crate::Procs {
+        named: vec![("envoy", envoy_pid), ("state-api", api_pid)],
+        postgres: procfs::pid_listening_on(stack.postgres.port()),
+    };
+    let run = format!("scale-wait-{waiters}-{}", std::process::id());
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("{run}-{k}")).collect();
+    // Time to connect every waiter, then the window, then the slow requests end.
+    let connect = Duration::from_secs(if quick { 3 } else { 2 + waiters as u64 / 1_000 });
+    let hold = connect + window + Duration::from_secs(2);
+    let (envoy_before, _) = memory_mib(envoy_pid);
+    let (api_before, _) = memory_mib(api_pid);
+    let answers: Answers = Arc::new(Mutex::new(Vec::new()));
+    let slow_done: Arc<Mutex<Vec<(usize, String, Instant)>>> = Arc::new(Mutex::new(Vec::new()));
+    let tck = procfs::clk_tck();
+    let port = stack.state_api.port;
+    let (a, b, envoy_waiting, api_waiting, started) = rt.block_on(async {
+        // The slow requests: each holds its key.
+        let mut slow = Vec::new();
+        for (k, key) in keys.iter().enumerate() {
+            let req = checkout_req(key).header("x-demo-delay-ms", &hold.as_millis().to_string());
+            let done = slow_done.clone();
+            slow.push(tokio::spawn(async move {
+                let status = match async { Conn::open(envoy).await?.send(&req).await }.await {
+                    Ok(a) => a.status.to_string(),
+                    Err(e) => format!("transport: {}", crate::load::short(&e)),
+                };
+                if let Ok(mut d) = done.lock() {
+                    d.push((k, status, Instant::now()));
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let started = Instant::now();
+        let mut tasks = Vec::with_capacity(waiters);
+        for w in 0..waiters {
+            let k = w % KEYS;
+            let req = checkout_req(&keys[k]).header("prefer", &format!("wait={WAIT_S}"));
+            let answers = answers.clone();
+            tasks.push(tokio::spawn(async move {
+                let kind = match async { Conn::open(envoy).await?.send(&req).await }.await {
+                    Ok(a) if a.status == 201 && a.headers.contains_key("idempotent-replayed") => {
+                        "replay".to_owned()
+                    }
+                    Ok(a) => format!("status {}", a.status),
+                    Err(e) => format!("transport: {}", crate::load::short(&e)),
+                };
+                if let Ok(mut s) = answers.lock() {
+                    s.push((k, kind, Instant::now()));
+                }
+            }));
+            // Connections opened at a pace the single-threaded generator keeps.
+            if w % 200 == 199 {
+                tokio::task::yield_now().await;
+            }
+        }
+        tokio::time::sleep_until((started + connect).into()).await;
+        let p = procs.clone();
+        let a = tokio::task::spawn_blocking(move || Snapshot::take(&p, port)).await.map_err(|e| e.to_string())?;
+        tokio::time::sleep(window).await;
+        let p = procs.clone();
+        let b = tokio::task::spawn_blocking(move || Snapshot::take(&p, port)).await.map_err(|e| e.to_string())?;
+        let (envoy_waiting, _) = memory_mib(envoy_pid);
+        let (api_waiting, _) = memory_mib(api_pid);
+        for t in slow {
+            let _ = tokio::time::timeout(hold + Duration::from_secs(30), t).await;
+        }
+        for t in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(WAIT_S + 30), t).await;
+        }
+        Ok::<_, String>((a, b, envoy_waiting, api_waiting, started))
+    })?;
+    let cpu = crate::cpu_between(&a, &b, tck);
+    let per_waiter = |cores: f64| cores * 1000.0 / waiters.max(1) as f64;
+    let mut cpu_per_waiter = BTreeMap::new();
+    for name in ["envoy", "state-api", "postgres", "bench"] {
+        cpu_per_waiter.insert(name.to_owned(), per_waiter(cpu.processes.get(name).copied().unwrap_or(0.0)));
+    }
+    cpu_per_waiter.insert("irq".into(), per_waiter(cpu.irq_cores));
+    let done: BTreeMap<usize, Instant> = slow_done
+        .lock()
+        .map(|d| d.iter().map(|(k, _, t)| (*k, *t)).collect())
+        .unwrap_or_default();
+    let slow_statuses: Vec<String> = slow_done
+        .lock()
+        .map(|d| d.iter().map(|(_, s, _)| s.clone()).collect())
+        .unwrap_or_default();
+    let got = answers.lock().map(|a| a.clone()).unwrap_or_default();
+    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+    let mut after_ms: Vec<f64> = Vec::new();
+    let mut last_by_key: BTreeMap<usize, f64> = BTreeMap::new();
+    for (k, kind, t) in &got {
+        *by_kind.entry(kind.clone()).or_default() += 1;
+        if let (true, Some(end)) = (kind == "replay", done.get(k)) {
+            // Signed: a waiter may be answered before the slow request's own answer arrives.
+            let ms = if *t >= *end {
+                t.duration_since(*end).as_secs_f64() * 1000.0
+            } else {
+                -(end.duration_since(*t).as_secs_f64() * 1000.0)
+            };
+            after_ms.push(ms);
+            let e = last_by_key.entry(*k).or_insert(f64::MIN);
+            *e = e.max(ms);
+        }
+    }
+    after_ms.sort_by(f64::total_cmp);
+    let median = after_ms.get(after_ms.len() / 2).copied().unwrap_or(f64::NAN);
+    let claims = cpu.state_api_requests.get("claim").copied().unwrap_or(0.0);
+    let point = Point {
+        waiters,
+        connected_s: connect.as_secs_f64(),
+        envoy_rss_before_mib: envoy_before,
+        envoy_rss_waiting_mib: envoy_waiting,
+        state_api_rss_before_mib: api_before,
+        state_api_rss_waiting_mib: api_waiting,
+        envoy_kib_per_waiter: (envoy_waiting - envoy_before) * 1024.0 / waiters as f64,
+        state_api_kib_per_waiter: (api_waiting - api_before) * 1024.0 / waiters as f64,
+        cpu_per_waiter,
+        claims_per_waiter_s: claims / waiters as f64 / cpu.window_s.max(1e-9),
+        last_replay_after_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
+        median_replay_after_ms: median,
+        answers: by_kind,
+        slow_statuses,
+        steal_cores: cpu.steal_cores,
+    };
+    let _ = started;
+    eprintln!(
+        "  {:>6} waiters: Envoy {:.0} -> {:.0} MiB ({:.1} KiB each), state API {:.0} -> {:.0} MiB ({:.1} KiB each); CPU per waiter {:?}; {:.3} claims/waiter/s; last replay {:.0} ms after its key completed (median {:.0}); answers {:?}; slow {:?}",
+        waiters, point.envoy_rss_before_mib, point.envoy_rss_waiting_mib, point.envoy_kib_per_waiter,
+        point.state_api_rss_before_mib, point.state_api_rss_waiting_mib, point.state_api_kib_per_waiter,
+        point.cpu_per_waiter, point.claims_per_waiter_s, point.last_replay_after_ms, point.median_replay_after_ms,
+        point.answers, point.slow_statuses
+    );
+    Ok(point)
+}
+
+pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
+    let mut quiet = Quiet::start();
+    let counts: &[usize] = if settings.quick { &[100, 1_000] } else { &[1_000, 10_000] };
+    let most = counts.iter().copied().max().unwrap_or(0) as u64;
+    // A waiter is a connection in the load generator, one in Envoy from the client and one to
+    // the state API, and one in the state API.
+    super::need_open_files(2 * most + 2_000, "the waiting curve")?;
+    let stack = Stack::start(StackOptions {
+        state_api_env: vec![
+            ("STATE_API_MAX_WAITERS".into(), (2 * most).max(256).to_string()),
+            ("STATE_API_MAX_WAIT_MS".into(), (WAIT_S * 1000).to_string()),
+        ],
+        tweak: Some(stack::envoy::Tweak::new(|cfg| {
+            cfg.filter.max_waiters = filter_core::config::MAX_WAITERS;
+            for r in &mut cfg.routes {
+                r.max_wait_s = WAIT_S;
+            }
+        })),
+        ..StackOptions::default()
+    })?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let window = settings.secs(5, 3);
+    let mut points = Vec::new();
+    for &n in counts {
+        let p = measure(&rt, &stack, n, window, settings.quick)?;
+        quiet.note(p.steal_cores, 0.0);
+        points.push(p);
+    }
+    drop(stack);
+    let curve = WaitingCurve { points };
+    Ok(CurveOutput {
+        name: "waiting",
+        goals: goals(&curve),
+        markdown: markdown(&curve),
+        json: serde_json::to_value(&curve).map_err(|e| e.to_string())?,
+        quiet: quiet.end(),
+    })
+}
+
+fn goals(c: &WaitingCurve) -> Vec<Goal> {
+    c.points
+        .iter()
+        .map(|p| {
+            let replays = p.answers.get("replay").copied().unwrap_or(0);
+            let other: Vec<String> = p
+                .answers
+                .iter()
+                .filter(|(k, _)| *k != "replay")
+                .map(|(k, v)| format!("{v} x {k}"))
+                .collect();
+            Goal::new(
+                "waiting",
+                format!("{} waiters on {KEYS} running keys: every one gets the replay when its key completes", p.waiters),
+                format!("{} replays", p.waiters),
+                format!(
+                    "{replays} replays{}; the last {} ms after its key completed",
+                    if other.is_empty() { String::new() } else { format!(", {}", other.join(", ")) },
+                    fig(p.last_replay_after_ms, 0)
+                ),
+                Some(replays as usize == p.waiters),
+            )
+        })
+        .collect()
+}
+
+fn markdown(c: &WaitingCurve) -> String {
+    let rows: Vec<Vec<String>> = c
+        .points
+        .iter()
+        .map(|p| {
+            let cpu = |k: &str| fig(p.cpu_per_waiter.get(k).copied().unwrap_or(f64::NAN), 3);
+            vec![
+                p.waiters.to_string(),
+                format!("{} -> {}", fig(p.envoy_rss_before_mib, 0), fig(p.envoy_rss_waiting_mib, 0)),
+                fig(p.envoy_kib_per_waiter, 1),
+                format!("{} -> {}", fig(p.state_api_rss_before_mib, 0), fig(p.state_api_rss_waiting_mib, 0)),
+                fig(p.state_api_kib_per_waiter, 1),
+                cpu("envoy"),
+                cpu("state-api"),
+                cpu("postgres"),
+                fig(p.claims_per_waiter_s, 3),
+                fig(p.median_replay_after_ms, 0),
+                fig(p.last_replay_after_ms, 0),
+                p.answers.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join(", "),
+                fig(p.steal_cores, 2),
+            ]
+        })
+        .collect();
+    format!(
+        "### 6. Waiting retries\n\nRetries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key).\n\n{}",
+        table(
+            &["waiters", "Envoy MiB", "Envoy KiB/waiter", "state API MiB", "state API KiB/waiter", "Envoy", "state API", "Postgres", "claims/waiter/s", "replay median ms", "last replay ms", "answers", "steal"],
+            &rows,
+            true
+        )
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_ratio_of_nothing_is_not_a_number() {
+        assert!(crate::scale::ratio(1.0, 0.0).is_nan());
+    }
+}
