@@ -567,7 +567,11 @@ fn main() {
         _ => real_main(),
     };
     if let Err(e) = result {
-        let name = if what.is_empty() { "bench" } else { what.as_str() };
+        let name = if what.is_empty() {
+            "bench"
+        } else {
+            what.as_str()
+        };
         eprintln!("{name} failed: {e}");
         std::process::exit(1);
     }

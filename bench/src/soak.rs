@@ -72,7 +72,13 @@ pub(crate) struct Settings {
 impl Settings {
     /// bench-scale's steady curve: `minutes` of `minute_s` seconds at `rate` new keys/s with
     /// records kept `retention_s`, readings every `sample_s`; the side loads as the soak's.
-    pub(crate) fn steady(minutes: u64, minute_s: u64, sample_s: u64, rate: u64, retention_s: u64) -> Self {
+    pub(crate) fn steady(
+        minutes: u64,
+        minute_s: u64,
+        sample_s: u64,
+        rate: u64,
+        retention_s: u64,
+    ) -> Self {
         let per_minute = (minute_s / sample_s.max(1)).max(1);
         Self {
             seconds: minutes * minute_s,

@@ -782,7 +782,10 @@ mod tests {
         for (key, token) in [("k1", 10), ("k2", 20), ("k3", 30)] {
             let (id, started) = a.start("charge", scope(key), Some(token), Duration::ZERO);
             assert_eq!(started, Started::Run);
-            assert!(matches!(commit(&mut a, id, &mut charges), Committed::Ran(_)));
+            assert!(matches!(
+                commit(&mut a, id, &mut charges),
+                Committed::Ran(_)
+            ));
         }
         assert_eq!(a.requests(), 2, "the oldest request was forgotten");
         assert_eq!(
@@ -832,7 +835,10 @@ mod tests {
         let (running, _) = a.start("charge", scope("k1"), Some(1), Duration::from_secs(5));
         let (id2, _) = a.start("charge", scope("k2"), Some(2), Duration::ZERO);
         assert_eq!(a.requests(), 2, "k1 runs: nothing may be forgotten yet");
-        assert!(matches!(commit(&mut a, id2, &mut charges), Committed::Ran(_)));
+        assert!(matches!(
+            commit(&mut a, id2, &mut charges),
+            Committed::Ran(_)
+        ));
         assert!(matches!(
             commit(&mut a, running, &mut charges),
             Committed::Ran(_)

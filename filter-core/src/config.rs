@@ -1062,7 +1062,11 @@ mod tests {
         assert!(!c.complete_in_background, "the response is held by default");
         assert_eq!(c.max_buffered_bytes(), 64 << 20);
         let big = with(|v| v["routes"][1]["max_request_body_bytes"] = (100 << 20).into()).unwrap();
-        assert_eq!(big.max_buffered_bytes(), 100 << 20, "room for the largest body");
+        assert_eq!(
+            big.max_buffered_bytes(),
+            100 << 20,
+            "room for the largest body"
+        );
         let r = c.route("POST", "/pay/x").unwrap();
         assert_eq!(
             (r.on_5xx, r.on_state_unavailable),

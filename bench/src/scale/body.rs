@@ -146,10 +146,21 @@ fn costs(min: Duration) -> Vec<CostAt> {
                 ))
             };
             // The canonical form must exist (else the JSON figure would be the raw one).
-            let alg = fingerprint_with("POST", "/checkout", "", Some("application/json"), &json, &Selection::Whole)
-                .map(|f| f.alg.to_string())
-                .unwrap_or_default();
-            assert_eq!(alg, contract::fingerprint::ALG_JCS, "the JSON body of {bytes} bytes is canonicalized");
+            let alg = fingerprint_with(
+                "POST",
+                "/checkout",
+                "",
+                Some("application/json"),
+                &json,
+                &Selection::Whole,
+            )
+            .map(|f| f.alg.to_string())
+            .unwrap_or_default();
+            assert_eq!(
+                alg,
+                contract::fingerprint::ALG_JCS,
+                "the JSON body of {bytes} bytes is canonicalized"
+            );
             let sha256_us = time_us(min, || {
                 std::hint::black_box(Sha256::digest(std::hint::black_box(&json)));
             });
@@ -194,7 +205,12 @@ fn class(a: &crate::load::Answer) -> String {
 }
 
 /// `n` concurrent requests with 1 MiB bodies and distinct keys through `envoy`.
-async fn burst(envoy: std::net::SocketAddr, prefix: &str, n: usize, body: Bytes) -> Vec<(String, String)> {
+async fn burst(
+    envoy: std::net::SocketAddr,
+    prefix: &str,
+    n: usize,
+    body: Bytes,
+) -> Vec<(String, String)> {
     let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
         let key = format!("{prefix}-{i}");
@@ -213,7 +229,10 @@ async fn burst(envoy: std::net::SocketAddr, prefix: &str, n: usize, body: Bytes)
     }
     let mut out = Vec::with_capacity(n);
     for t in tasks {
-        out.push(t.await.unwrap_or_else(|e| (String::new(), format!("task: {e}"))));
+        out.push(
+            t.await
+                .unwrap_or_else(|e| (String::new(), format!("task: {e}"))),
+        );
     }
     out
 }
@@ -242,7 +261,11 @@ fn measure_burst(
     // What reached the checkout: its ledger, by key.
     let charges = charges_by_key(stack, &prefix)?;
     let is_refusal = |k: &str| k.starts_with("503 ") && k != "503 without Retry-After";
-    let refused: Vec<&String> = answers.iter().filter(|(_, k)| is_refusal(k)).map(|(key, _)| key).collect();
+    let refused: Vec<&String> = answers
+        .iter()
+        .filter(|(_, k)| is_refusal(k))
+        .map(|(key, _)| key)
+        .collect();
     let refused_but_forwarded = refused.iter().filter(|k| charges.contains_key(**k)).count() as u64;
     let created_not_charged_once = answers
         .iter()
@@ -267,7 +290,8 @@ fn measure_burst(
                 }));
             }
             for t in tasks {
-                *out.entry(t.await.unwrap_or_else(|e| format!("task: {e}"))).or_default() += 1;
+                *out.entry(t.await.unwrap_or_else(|e| format!("task: {e}")))
+                    .or_default() += 1;
             }
         }
         out
@@ -317,7 +341,8 @@ fn measure_burst(
 /// Charges in the checkout's ledger per idempotency key starting with `prefix`.
 fn charges_by_key(stack: &Stack, prefix: &str) -> Result<BTreeMap<String, u64>, String> {
     let text = stack::envoy::http_get_blocking(stack.checkout.port, "/charges")?;
-    let entries: Vec<serde_json::Value> = serde_json::from_str(&text).map_err(|e| format!("/charges: {e}"))?;
+    let entries: Vec<serde_json::Value> =
+        serde_json::from_str(&text).map_err(|e| format!("/charges: {e}"))?;
     let mut out = BTreeMap::new();
     for e in entries {
         if let Some(k) = e.get("idempotency_key").and_then(|k| k.as_str()) {
@@ -340,7 +365,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             c.bytes, c.json_us, c.json_x, c.opaque_us, c.opaque_x, c.sha256_us
         );
     }
-    let n = env_u64("SCALE_BODY_REQUESTS", if settings.quick { 100 } else { 500 }) as usize;
+    let n = env_u64(
+        "SCALE_BODY_REQUESTS",
+        if settings.quick { 100 } else { 500 },
+    ) as usize;
     super::need_open_files(3 * n as u64 + 1_000, "the body curve")?;
     let default_bound = filter_core::config::DEFAULT_MAX_BUFFERED_BYTES;
     let unbounded: u64 = 1 << 30;
@@ -381,14 +409,24 @@ fn goals(c: &BodyCurve) -> Vec<Goal> {
             "body",
             "JSON fingerprint (canonical form) at 1 MiB against SHA-256 of the same bytes",
             "<= 4x",
-            format!("{}x ({} against {} µs)", fig(top.json_x, 2), fig(top.json_us, 0), fig(top.sha256_us, 0)),
+            format!(
+                "{}x ({} against {} µs)",
+                fig(top.json_x, 2),
+                fig(top.json_us, 0),
+                fig(top.sha256_us, 0)
+            ),
             Some(at_most(top.json_x, 4.0)),
         ));
         goals.push(Goal::new(
             "body",
             "opaque fingerprint at 1 MiB against SHA-256 of the same bytes",
             "<= 1.2x",
-            format!("{}x ({} against {} µs)", fig(top.opaque_x, 2), fig(top.opaque_us, 0), fig(top.sha256_us, 0)),
+            format!(
+                "{}x ({} against {} µs)",
+                fig(top.opaque_x, 2),
+                fig(top.opaque_us, 0),
+                fig(top.sha256_us, 0)
+            ),
             Some(at_most(top.opaque_x, 1.2)),
         ));
     }
@@ -488,7 +526,10 @@ mod tests {
         for size in SIZES {
             let j = json_body(size);
             assert_eq!(j.len(), size);
-            assert!(serde_json::from_slice::<serde_json::Value>(&j).is_ok(), "{size}");
+            assert!(
+                serde_json::from_slice::<serde_json::Value>(&j).is_ok(),
+                "{size}"
+            );
             assert_eq!(opaque_body(size).len(), size);
         }
     }

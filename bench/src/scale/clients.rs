@@ -70,7 +70,10 @@ fn class(a: &Answer) -> Result<&'static str, String> {
 }
 
 /// Sends what `request` makes for the operation, and records its class and latency.
-fn classified(seen: Seen, request: Arc<dyn Fn(usize, u64) -> crate::load::Req + Send + Sync>) -> OpFn {
+fn classified(
+    seen: Seen,
+    request: Arc<dyn Fn(usize, u64) -> crate::load::Req + Send + Sync>,
+) -> OpFn {
     Arc::new(move |conn: &mut Conn, client: usize, seq: u64| {
         let req = request(client, seq);
         let seen = seen.clone();
@@ -103,7 +106,11 @@ fn figures(mut lat: Vec<u32>, window_s: f64) -> ClassFigures {
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let mut quiet = Quiet::start();
-    let levels: &[usize] = if settings.quick { &[1, 16, 64] } else { &[1, 16, 64, 256] };
+    let levels: &[usize] = if settings.quick {
+        &[1, 16, 64]
+    } else {
+        &[1, 16, 64, 256]
+    };
     super::need_open_files(4 * 256 + 1_000, "the clients curve")?;
     let stack = Stack::start(StackOptions::default())?;
     let envoy = addr(stack.envoy.params.listen_port);
@@ -119,7 +126,8 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         Duration::ZERO,
     )?;
     let run_id = format!("scale-clients-{}", std::process::id());
-    let replay_keys: Arc<Vec<String>> = Arc::new((0..100).map(|i| format!("{run_id}-replay-{i}")).collect());
+    let replay_keys: Arc<Vec<String>> =
+        Arc::new((0..100).map(|i| format!("{run_id}-replay-{i}")).collect());
     super::create_keys(&bench.rt, envoy, &replay_keys, "setting up replay keys")?;
     let mut points = Vec::new();
     for kind in ["new", "replay"] {
@@ -127,11 +135,14 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             let seen: Seen = Arc::new(Mutex::new(Vec::new()));
             let prefix = format!("{run_id}-{kind}-{c}");
             let keys = replay_keys.clone();
-            let request: Arc<dyn Fn(usize, u64) -> crate::load::Req + Send + Sync> = if kind == "new" {
-                Arc::new(move |client, seq| checkout_req(&new_key(&prefix, client, seq)))
-            } else {
-                Arc::new(move |client, seq| checkout_req(&keys[(client * 7 + seq as usize) % keys.len()]))
-            };
+            let request: Arc<dyn Fn(usize, u64) -> crate::load::Req + Send + Sync> =
+                if kind == "new" {
+                    Arc::new(move |client, seq| checkout_req(&new_key(&prefix, client, seq)))
+                } else {
+                    Arc::new(move |client, seq| {
+                        checkout_req(&keys[(client * 7 + seq as usize) % keys.len()])
+                    })
+                };
             bench.settle();
             let from = Instant::now() + bench.warmup;
             let (r, cpu) = bench.measure_once(envoy, c, classified(seen.clone(), request));
@@ -165,7 +176,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             let point = Point {
                 kind: if kind == "new" { "new keys" } else { "replays" },
                 connections: c,
-                classes: by_class.into_iter().map(|(k, v)| (k, figures(v, window_s))).collect(),
+                classes: by_class
+                    .into_iter()
+                    .map(|(k, v)| (k, figures(v, window_s)))
+                    .collect(),
                 all_p50_ms: crate::load::percentile_us(&all, 50.0) / 1000.0,
                 all_p99_ms: crate::load::percentile_us(&all, 99.0) / 1000.0,
                 error_count: r.error_count(),
@@ -187,7 +201,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
                 point.all_p50_ms,
                 point.all_p99_ms,
                 point.error_count,
-                point.left_in_progress.map(|n| format!(", {n} left in progress")).unwrap_or_default()
+                point
+                    .left_in_progress
+                    .map(|n| format!(", {n} left in progress"))
+                    .unwrap_or_default()
             );
             points.push(point);
         }
@@ -205,7 +222,11 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
 }
 
 fn goals(c: &ClientsCurve, most: usize) -> Vec<Goal> {
-    let at = |kind: &str, n: usize| c.points.iter().find(|p| p.kind == kind && p.connections == n);
+    let at = |kind: &str, n: usize| {
+        c.points
+            .iter()
+            .find(|p| p.kind == kind && p.connections == n)
+    };
     let mut goals = Vec::new();
     let top: Vec<&Point> = c.points.iter().filter(|p| p.connections == most).collect();
     let wrong: u64 = top.iter().map(|p| p.error_count).sum();
@@ -217,7 +238,11 @@ fn goals(c: &ClientsCurve, most: usize) -> Vec<Goal> {
         "clients",
         format!("answers at {most} connections (new keys and replays)"),
         "only 201, replay, 409 and 503 + Retry-After",
-        if kinds.is_empty() { "0 other".to_owned() } else { kinds.join(", ") },
+        if kinds.is_empty() {
+            "0 other".to_owned()
+        } else {
+            kinds.join(", ")
+        },
         Some(wrong == 0),
     ));
     let refused: Vec<&ClassFigures> = top.iter().filter_map(|p| p.classes.get("503")).collect();
@@ -229,21 +254,38 @@ fn goals(c: &ClientsCurve, most: usize) -> Vec<Goal> {
         if refused.is_empty() {
             "no 503 (nothing refused)".to_owned()
         } else {
-            format!("{} ms ({} refused)", fig(p99_503, 2), refused.iter().map(|f| f.count).sum::<u64>())
+            format!(
+                "{} ms ({} refused)",
+                fig(p99_503, 2),
+                refused.iter().map(|f| f.count).sum::<u64>()
+            )
         },
         Some(refused.is_empty() || p99_503 < 50.0),
     ));
-    let rate = |p: Option<&Point>| p.and_then(|p| p.classes.get("created")).map_or(0.0, |f| f.per_s);
+    let rate = |p: Option<&Point>| {
+        p.and_then(|p| p.classes.get("created"))
+            .map_or(0.0, |f| f.per_s)
+    };
     let (peak, last) = (rate(at("new keys", 16)), rate(at("new keys", most)));
     let held = ratio(last, peak);
     goals.push(Goal::new(
         "clients",
         format!("new keys at {most} connections against 16"),
         ">= 0.9x",
-        format!("{}x ({} against {} new keys/s)", fig(held, 2), fig(last, 0), fig(peak, 0)),
+        format!(
+            "{}x ({} against {} new keys/s)",
+            fig(held, 2),
+            fig(last, 0),
+            fig(peak, 0)
+        ),
         Some(held.is_finite() && held >= 0.9),
     ));
-    let left: u64 = c.points.iter().filter_map(|p| p.left_in_progress).max().unwrap_or(0);
+    let left: u64 = c
+        .points
+        .iter()
+        .filter_map(|p| p.left_in_progress)
+        .max()
+        .unwrap_or(0);
     goals.push(Goal::new(
         "clients",
         "keys left in progress after a level (a commit whose caller got 503 or timed out)",
@@ -256,9 +298,14 @@ fn goals(c: &ClientsCurve, most: usize) -> Vec<Goal> {
 
 fn markdown(c: &ClientsCurve) -> String {
     let cell = |p: &Point, k: &str| {
-        p.classes
-            .get(k)
-            .map_or("-".to_owned(), |f| format!("{} ({} / {})", fig(f.per_s, 0), fig(f.p50_ms, 2), fig(f.p99_ms, 2)))
+        p.classes.get(k).map_or("-".to_owned(), |f| {
+            format!(
+                "{} ({} / {})",
+                fig(f.per_s, 0),
+                fig(f.p50_ms, 2),
+                fig(f.p99_ms, 2)
+            )
+        })
     };
     let rows: Vec<Vec<String>> = c
         .points
@@ -311,7 +358,10 @@ mod tests {
     #[test]
     fn only_the_four_answers_are_correct() {
         assert_eq!(class(&answer(201, &[])), Ok("created"));
-        assert_eq!(class(&answer(201, &[("idempotent-replayed", "true")])), Ok("replayed"));
+        assert_eq!(
+            class(&answer(201, &[("idempotent-replayed", "true")])),
+            Ok("replayed")
+        );
         assert_eq!(class(&answer(409, &[("retry-after", "1")])), Ok("409"));
         assert_eq!(class(&answer(503, &[("retry-after", "1")])), Ok("503"));
         assert!(class(&answer(503, &[])).is_err());

@@ -205,7 +205,11 @@ pub fn run() -> Result<(), String> {
     eprintln!(
         "bench scale: curves {} ({}), writing to {}",
         settings.curves.join(", "),
-        if settings.quick { "quick: smoke versions" } else { "full" },
+        if settings.quick {
+            "quick: smoke versions"
+        } else {
+            "full"
+        },
         out_dir.display()
     );
     let mut outputs: Vec<CurveOutput> = Vec::new();
@@ -366,7 +370,11 @@ pub fn at_most(v: f64, limit: f64) -> bool {
     v.is_finite() && v <= limit
 }
 
-fn write_outputs(report: &ScaleReport, outputs: &[CurveOutput], out_dir: &Path) -> Result<(), String> {
+fn write_outputs(
+    report: &ScaleReport,
+    outputs: &[CurveOutput],
+    out_dir: &Path,
+) -> Result<(), String> {
     std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
     let json = out_dir.join("scale.json");
     let text = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;

@@ -96,7 +96,10 @@ fn counters(stack: &Stack) -> DbCounters {
              blks_read, blks_hit FROM pg_stat_database WHERE datname = current_database()",
         )
         .unwrap_or_default();
-    let v: Vec<f64> = out.split('|').filter_map(|x| x.trim().parse().ok()).collect();
+    let v: Vec<f64> = out
+        .split('|')
+        .filter_map(|x| x.trim().parse().ok())
+        .collect();
     match v.as_slice() {
         [b, f, r, h] => DbCounters {
             wal_bytes: *b,
@@ -137,7 +140,13 @@ fn free_bytes(path: &std::path::Path) -> Result<f64, String> {
         .lines()
         .nth(1)
         .and_then(|l| l.trim().parse().ok())
-        .ok_or_else(|| format!("df {}: {}", path.display(), String::from_utf8_lossy(&out.stderr)))
+        .ok_or_else(|| {
+            format!(
+                "df {}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
 }
 
 /// The INSERT of rows `from..to` (exclusive): each column of the table from the template row
@@ -184,15 +193,22 @@ fn insert_sql(columns: &[String], from: u64, to: u64, token_base: i64) -> String
 }
 
 /// Loads rows `from..to` in chunks, printing progress.
-fn load(stack: &Stack, columns: &[String], from: u64, to: u64, token_base: i64) -> Result<(), String> {
+fn load(
+    stack: &Stack,
+    columns: &[String],
+    from: u64,
+    to: u64,
+    token_base: i64,
+) -> Result<(), String> {
     const CHUNK: u64 = 500_000;
     let started = Instant::now();
     let mut at = from;
     while at < to {
         let next = (at + CHUNK).min(to);
-        stack
-            .postgres
-            .psql(stack.database_name(), &insert_sql(columns, at, next, token_base))?;
+        stack.postgres.psql(
+            stack.database_name(),
+            &insert_sql(columns, at, next, token_base),
+        )?;
         at = next;
         eprintln!(
             "    loaded {} rows ({:.0} rows/s)",
@@ -222,7 +238,10 @@ fn levels(settings: &Settings) -> Vec<u64> {
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let mut quiet = Quiet::start();
-    let measure_s = env_u64("SCALE_RECORDS_SECONDS", if settings.quick { 10 } else { 60 });
+    let measure_s = env_u64(
+        "SCALE_RECORDS_SECONDS",
+        if settings.quick { 10 } else { 60 },
+    );
     let keep_free = env_u64("SCALE_RECORDS_KEEP_FREE_GIB", 8) as f64 * GIB;
     // The loaded rows carry their own expiry: the purge takes the 1 % past it, as in production.
     let mut stack = Stack::start(StackOptions::default())?;
@@ -234,9 +253,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         .data_dir()
         .ok_or("the throwaway cluster has no data directory")?;
     if let Ok(sb) = std::env::var("SCALE_RECORDS_SHARED_BUFFERS") {
-        stack
-            .postgres
-            .psql("postgres", &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"))?;
+        stack.postgres.psql(
+            "postgres",
+            &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"),
+        )?;
         stack.postgres.restart()?;
     }
     let shared_buffers = stack.postgres.psql("postgres", "SHOW shared_buffers")?;
@@ -268,7 +288,8 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         .parse::<i64>()
         .map_err(|e| e.to_string())?
         + 1_000;
-    let find = |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
+    let find =
+        |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
     let bench = Bench {
         rt,
         postgres: &stack.postgres,
@@ -437,7 +458,11 @@ fn measure(
 }
 
 fn goals(c: &Records) -> Vec<Goal> {
-    let plain: Vec<&Level> = c.levels.iter().filter(|l| l.wal_compression == "off").collect();
+    let plain: Vec<&Level> = c
+        .levels
+        .iter()
+        .filter(|l| l.wal_compression == "off")
+        .collect();
     let Some(empty) = plain.iter().find(|l| l.rows == 0) else {
         return vec![Goal::new(
             "records",
@@ -492,7 +517,11 @@ fn goals(c: &Records) -> Vec<Goal> {
         }
     }
     // The largest level measured, whatever it is (the same bound, for what it shows).
-    if let Some(l) = plain.iter().filter(|l| l.rows > 0 && l.rows != 50_000_000).max_by_key(|l| l.rows) {
+    if let Some(l) = plain
+        .iter()
+        .filter(|l| l.rows > 0 && l.rows != 50_000_000)
+        .max_by_key(|l| l.rows)
+    {
         let (m, pass) = at(l);
         goals.push(Goal::new(
             "records",
@@ -566,15 +595,27 @@ mod tests {
 
     #[test]
     fn the_load_keeps_the_template_but_for_what_a_day_makes_different() {
-        let cols: Vec<String> = ["scope_hash", "endpoint", "state", "response_body", "expires_at"]
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect();
+        let cols: Vec<String> = [
+            "scope_hash",
+            "endpoint",
+            "state",
+            "response_body",
+            "expires_at",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
         let sql = insert_sql(&cols, 10, 20, 1_000);
         assert!(sql.contains("generate_series(10, 19)"), "{sql}");
-        assert!(sql.contains("sha256(('scale-' || i)::text::bytea)"), "{sql}");
+        assert!(
+            sql.contains("sha256(('scale-' || i)::text::bytea)"),
+            "{sql}"
+        );
         assert!(sql.contains("t.endpoint"), "{sql}");
-        assert!(sql.contains("CASE WHEN i % 1000 < 5 THEN NULL ELSE t.response_body END"), "{sql}");
+        assert!(
+            sql.contains("CASE WHEN i % 1000 < 5 THEN NULL ELSE t.response_body END"),
+            "{sql}"
+        );
         assert!(sql.starts_with("INSERT INTO idempotency_records (scope_hash, endpoint, state, response_body, expires_at) SELECT"), "{sql}");
     }
 

@@ -96,11 +96,14 @@ fn matcher_ns(n: usize, min: Duration) -> Result<(f64, f64), String> {
         "subject": {"header": "x-jwt-sub"},
         "routes": routes,
     });
-    let cfg = filter_core::config::Config::parse(doc.to_string().as_bytes()).map_err(|e| e.to_string())?;
+    let cfg = filter_core::config::Config::parse(doc.to_string().as_bytes())
+        .map_err(|e| e.to_string())?;
     let per = |path: &str, expect: Option<usize>| -> Result<f64, String> {
         let found = cfg.route_index("POST", path);
         if found != expect {
-            return Err(format!("the matcher found {found:?} for {path}, not {expect:?}"));
+            return Err(format!(
+                "the matcher found {found:?} for {path}, not {expect:?}"
+            ));
         }
         let started = Instant::now();
         let mut calls = 0u64;
@@ -147,14 +150,19 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         let pid = procfs::pid_listening_on(envoy.params.listen_port).ok_or("no Envoy")?;
         bench.procs.named = vec![("envoy", pid)];
         let envoy_us = |cpu: &crate::CpuUse, rate: f64| {
-            ratio(cpu.processes.get("envoy").copied().unwrap_or(0.0) * 1e6, rate)
+            ratio(
+                cpu.processes.get("envoy").copied().unwrap_or(0.0) * 1e6,
+                rate,
+            )
         };
         let (m, mcpu, _) = bench.measure(target, CONNECTIONS, &op_replay(keys));
         let (u, ucpu, _) = bench.measure(target, CONNECTIONS, &op_unmatched());
         quiet.saw(&mcpu);
         quiet.saw(&ucpu);
-        let (matcher_matched_ns, matcher_unmatched_ns) =
-            matcher_ns(n, Duration::from_millis(if settings.quick { 50 } else { 300 }))?;
+        let (matcher_matched_ns, matcher_unmatched_ns) = matcher_ns(
+            n,
+            Duration::from_millis(if settings.quick { 50 } else { 300 }),
+        )?;
         let point = Point {
             routes: n,
             matched_envoy_us: envoy_us(&mcpu, m.rate()),
@@ -196,7 +204,13 @@ fn goals(c: &RoutesCurve) -> Vec<Goal> {
     let one = c.points.iter().find(|p| p.routes == 1);
     let most = c.points.iter().find(|p| p.routes == 1000);
     let (Some(one), Some(most)) = (one, most) else {
-        return vec![Goal::new("routes", "1,000 routes against one", "<= 1.1x", "not measured", None)];
+        return vec![Goal::new(
+            "routes",
+            "1,000 routes against one",
+            "<= 1.1x",
+            "not measured",
+            None,
+        )];
     };
     let matched = ratio(most.matched_envoy_us, one.matched_envoy_us);
     let unmatched = ratio(most.unmatched_envoy_us, one.unmatched_envoy_us);
@@ -206,14 +220,24 @@ fn goals(c: &RoutesCurve) -> Vec<Goal> {
             "routes",
             "Envoy's CPU per matched request (a replay), 1,000 routes against one",
             "<= 1.1x",
-            format!("{}x ({} against {} µs)", fig(matched, 2), fig(most.matched_envoy_us, 1), fig(one.matched_envoy_us, 1)),
+            format!(
+                "{}x ({} against {} µs)",
+                fig(matched, 2),
+                fig(most.matched_envoy_us, 1),
+                fig(one.matched_envoy_us, 1)
+            ),
             Some(at_most(matched, 1.1)),
         ),
         Goal::new(
             "routes",
             "Envoy's CPU per unmatched request, 1,000 routes against one",
             "<= 1.1x",
-            format!("{}x ({} against {} µs)", fig(unmatched, 2), fig(most.unmatched_envoy_us, 1), fig(one.unmatched_envoy_us, 1)),
+            format!(
+                "{}x ({} against {} µs)",
+                fig(unmatched, 2),
+                fig(most.unmatched_envoy_us, 1),
+                fig(one.unmatched_envoy_us, 1)
+            ),
             Some(at_most(unmatched, 1.1)),
         ),
         Goal::new(
@@ -275,7 +299,8 @@ mod tests {
 
     #[test]
     fn the_matcher_finds_the_last_route_and_no_other() {
-        let (matched, unmatched) = matcher_ns(100, Duration::from_millis(1)).unwrap_or((f64::NAN, f64::NAN));
+        let (matched, unmatched) =
+            matcher_ns(100, Duration::from_millis(1)).unwrap_or((f64::NAN, f64::NAN));
         assert!(matched > 0.0 && unmatched > 0.0, "{matched} {unmatched}");
     }
 }

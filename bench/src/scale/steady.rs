@@ -112,7 +112,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let from_s = (last_half.from_minute - 1) as f64 * minute_s as f64;
     let readings: Vec<&soak::Sample> = r.samples.iter().filter(|s| s.t_s > from_s).collect();
     let spread = |figure: &'static str, value: fn(&soak::Sample) -> u64| {
-        let v: Vec<f64> = readings.iter().map(|s| value(s) as f64 / 1_048_576.0).collect();
+        let v: Vec<f64> = readings
+            .iter()
+            .map(|s| value(s) as f64 / 1_048_576.0)
+            .collect();
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = v.iter().copied().fold(0.0, f64::max);
         SizeSpread {

@@ -60,8 +60,12 @@ fn measure(
     quick: bool,
 ) -> Result<Point, String> {
     let envoy = addr(stack.envoy.params.listen_port);
-    let find = |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
-    let (envoy_pid, api_pid) = (find(stack.envoy.params.listen_port)?, find(stack.state_api.port)?);
+    let find =
+        |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
+    let (envoy_pid, api_pid) = (
+        find(stack.envoy.params.listen_port)?,
+        find(stack.state_api.port)?,
+    );
     let procs = crate::Procs {
         named: vec![("envoy", envoy_pid), ("state-api", api_pid)],
         postgres: procfs::pid_listening_on(stack.postgres.port()),
@@ -119,10 +123,14 @@ fn measure(
         }
         tokio::time::sleep_until((started + connect).into()).await;
         let p = procs.clone();
-        let a = tokio::task::spawn_blocking(move || Snapshot::take(&p, port)).await.map_err(|e| e.to_string())?;
+        let a = tokio::task::spawn_blocking(move || Snapshot::take(&p, port))
+            .await
+            .map_err(|e| e.to_string())?;
         tokio::time::sleep(window).await;
         let p = procs.clone();
-        let b = tokio::task::spawn_blocking(move || Snapshot::take(&p, port)).await.map_err(|e| e.to_string())?;
+        let b = tokio::task::spawn_blocking(move || Snapshot::take(&p, port))
+            .await
+            .map_err(|e| e.to_string())?;
         let (envoy_waiting, _) = memory_mib(envoy_pid);
         let (api_waiting, _) = memory_mib(api_pid);
         for t in slow {
@@ -137,7 +145,10 @@ fn measure(
     let per_waiter = |cores: f64| cores * 1000.0 / waiters.max(1) as f64;
     let mut cpu_per_waiter = BTreeMap::new();
     for name in ["envoy", "state-api", "postgres", "bench"] {
-        cpu_per_waiter.insert(name.to_owned(), per_waiter(cpu.processes.get(name).copied().unwrap_or(0.0)));
+        cpu_per_waiter.insert(
+            name.to_owned(),
+            per_waiter(cpu.processes.get(name).copied().unwrap_or(0.0)),
+        );
     }
     cpu_per_waiter.insert("irq".into(), per_waiter(cpu.irq_cores));
     let done: BTreeMap<usize, Instant> = slow_done
@@ -167,7 +178,10 @@ fn measure(
         }
     }
     after_ms.sort_by(f64::total_cmp);
-    let median = after_ms.get(after_ms.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = after_ms
+        .get(after_ms.len() / 2)
+        .copied()
+        .unwrap_or(f64::NAN);
     let claims = cpu.state_api_requests.get("claim").copied().unwrap_or(0.0);
     let point = Point {
         waiters,
@@ -199,14 +213,21 @@ fn measure(
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let mut quiet = Quiet::start();
-    let counts: &[usize] = if settings.quick { &[100, 1_000] } else { &[1_000, 10_000] };
+    let counts: &[usize] = if settings.quick {
+        &[100, 1_000]
+    } else {
+        &[1_000, 10_000]
+    };
     let most = counts.iter().copied().max().unwrap_or(0) as u64;
     // A waiter is a connection in the load generator, one in Envoy from the client and one to
     // the state API, and one in the state API.
     super::need_open_files(2 * most + 2_000, "the waiting curve")?;
     let stack = Stack::start(StackOptions {
         state_api_env: vec![
-            ("STATE_API_MAX_WAITERS".into(), (2 * most).max(256).to_string()),
+            (
+                "STATE_API_MAX_WAITERS".into(),
+                (2 * most).max(256).to_string(),
+            ),
             ("STATE_API_MAX_WAIT_MS".into(), (WAIT_S * 1000).to_string()),
         ],
         tweak: Some(stack::envoy::Tweak::new(|cfg| {
@@ -273,9 +294,17 @@ fn markdown(c: &WaitingCurve) -> String {
             let cpu = |k: &str| fig(p.cpu_per_waiter.get(k).copied().unwrap_or(f64::NAN), 3);
             vec![
                 p.waiters.to_string(),
-                format!("{} -> {}", fig(p.envoy_rss_before_mib, 0), fig(p.envoy_rss_waiting_mib, 0)),
+                format!(
+                    "{} -> {}",
+                    fig(p.envoy_rss_before_mib, 0),
+                    fig(p.envoy_rss_waiting_mib, 0)
+                ),
                 fig(p.envoy_kib_per_waiter, 1),
-                format!("{} -> {}", fig(p.state_api_rss_before_mib, 0), fig(p.state_api_rss_waiting_mib, 0)),
+                format!(
+                    "{} -> {}",
+                    fig(p.state_api_rss_before_mib, 0),
+                    fig(p.state_api_rss_waiting_mib, 0)
+                ),
                 fig(p.state_api_kib_per_waiter, 1),
                 cpu("envoy"),
                 cpu("state-api"),
@@ -283,7 +312,11 @@ fn markdown(c: &WaitingCurve) -> String {
                 fig(p.claims_per_waiter_s, 3),
                 fig(p.median_replay_after_ms, 0),
                 fig(p.last_replay_after_ms, 0),
-                p.answers.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join(", "),
+                p.answers
+                    .iter()
+                    .map(|(k, v)| format!("{v} {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 fig(p.steal_cores, 2),
             ]
         })

@@ -560,7 +560,9 @@ impl Worker {
         end_of_stream: bool,
         now_ms: u64,
     ) -> Step {
-        let room = self.max_buffered_bytes.saturating_sub(self.held_request_bytes);
+        let room = self
+            .max_buffered_bytes
+            .saturating_sub(self.held_request_bytes);
         let (flow, turn) = Flow::start(&self.cfg, stream, head, end_of_stream, now_ms, room);
         self.held_request_bytes += flow.held_request_bytes();
         self.flows.insert(stream, flow);

@@ -527,13 +527,20 @@ fn request_bodies_held_are_bounded_per_worker_and_over_it_is_503_nothing_claimed
     let mut t = Harness::new(&with(r#""max_buffered_bytes": 250,"#));
     let announced = |t: &mut Harness, key: &str, len: &str| {
         let s = t.stream();
-        let hs = req_headers("/checkout", &[("idempotency-key", key), ("content-length", len)]);
+        let hs = req_headers(
+            "/checkout",
+            &[("idempotency-key", key), ("content-length", len)],
+        );
         (s, t.headers(s, &hs, false))
     };
     let (a, step) = announced(&mut t, "a", "100");
     assert_eq!((step.verdict, step.effects.len()), (Verdict::Pause, 0));
     let (b, _) = announced(&mut t, "b", "100");
-    assert_eq!(t.w.usage().held_request_bytes, 200, "held from the headers on");
+    assert_eq!(
+        t.w.usage().held_request_bytes,
+        200,
+        "held from the headers on"
+    );
     // A third announced body does not fit: 503 + Retry-After at its headers, nothing claimed.
     let (c, step) = announced(&mut t, "c", "60");
     assert_eq!(step.reply().status, 503);
