@@ -12,6 +12,7 @@
 //!   [`hostmap`]: the proxy-wasm header map encoding.
 
 pub mod config;
+pub mod effect;
 pub mod flow;
 pub mod headers;
 pub mod host;

@@ -3,12 +3,12 @@
 
 use super::{Claimed, Fingerprinted, Flow, Note, Out, State, Turn};
 use crate::config::{Config, OnStateUnavailable, OnUnknown};
+use crate::effect::{CalloutResult, Effect, Level};
 use crate::key;
 use crate::metrics::Metric;
 use crate::reply;
 use crate::reply::LocalReply;
 use crate::worker::replay_cache::Completed;
-use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{
     ClaimItem, ClaimResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER,
 };

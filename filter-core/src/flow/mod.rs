@@ -24,24 +24,19 @@ pub(crate) mod request;
 mod response;
 mod write;
 
+pub use crate::effect::Verdict;
+use crate::effect::{Effect, Level, StreamId};
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
+use crate::worker::registry::HeldClaim;
 use crate::worker::replay_cache::Completed;
-use crate::worker::{Effect, HeldClaim, Level, PendingWrite, StreamId};
+use crate::worker::writes::PendingWrite;
 use contract::fingerprint::Fingerprint;
 
 pub(crate) use claim::completed_reply;
 pub use claim::{ClaimAnswer, Remembered};
-pub(crate) use request::to_json;
 pub use request::{RequestHead, MAX_SUBJECT_LEN};
 pub use response::ResponseHead;
-
-/// The return value of the current stream callback.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    Continue,
-    Pause,
-}
 
 /// A callout a stream makes (the worker may answer a claim from memory instead, or take a
 /// complete over).
@@ -388,4 +383,17 @@ impl Flow {
     fn take(&mut self) -> State {
         std::mem::replace(&mut self.state, State::Finished)
     }
+}
+
+/// The worker tells the state API that the record's outcome is unknown (fenced by the claim's
+/// token): the stream may end before a callout of its own could be answered.
+pub(super) fn mark_unknown(claimed: &Claimed) -> Out {
+    Out::Note(Note::HandOver {
+        write: PendingWrite::fenced(
+            claimed.held(),
+            &claimed.req.req.namespace,
+            contract::wire::UNKNOWN_PATH,
+        ),
+        record: None,
+    })
 }

@@ -22,15 +22,14 @@
 //! with its answer), so the next retry asks again.
 
 use super::response::{capture_of, outcome, stored_body_limit};
-use super::{Call, Claimed, Flow, Note, Out, State, Turn, Write};
+use super::{mark_unknown, Call, Claimed, Flow, Note, State, Turn, Write};
 use crate::config::Config;
+use crate::effect::{CalloutResult, Effect, Level};
 use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
-use crate::worker::writes::PendingWrite;
-use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{
     ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER, OUTCOME_EXECUTED, OUTCOME_HEADER,
-    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER, UNKNOWN_PATH,
+    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER,
 };
 use contract::ProblemKind;
 
@@ -273,13 +272,4 @@ fn earlier_attempt_of(
         });
     }
     Ok(named)
-}
-
-/// The worker tells the state API that the record's outcome is unknown (fenced by the claim's
-/// token): the stream may end before a callout of its own could be answered.
-pub(super) fn mark_unknown(claimed: &Claimed) -> Out {
-    Out::Note(Note::HandOver {
-        write: PendingWrite::fenced(claimed.held(), &claimed.req.req.namespace, UNKNOWN_PATH),
-        record: None,
-    })
 }

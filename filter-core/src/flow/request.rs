@@ -3,10 +3,10 @@
 
 use super::{Call, Fingerprinted, Flow, Request, State, Turn};
 use crate::config::{Config, KeyPolicy, OnUnknown, Selection, SubjectSource};
+use crate::effect::{Effect, Level, StreamId};
 use crate::key::{self, parse_key_header};
 use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
-use crate::worker::{Effect, Level, StreamId};
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{ClaimRequest, FORWARDED_HEADERS};
 use contract::ProblemKind;
@@ -58,10 +58,6 @@ pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
                 .flatten()
         })
         .next()
-}
-
-pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Vec<u8> {
-    serde_json::to_vec(v).unwrap_or_default()
 }
 
 impl Flow {

@@ -1,16 +1,16 @@
 //! The response phase: what the upstream answered, and capturing it to store it before the
 //! client receives it.
 
-use super::reconcile::mark_unknown;
-use super::request::to_json;
+use super::mark_unknown;
 use super::{Call, Capture, Claimed, Flow, Note, State, Turn, Write};
 use crate::config::Config;
+use crate::effect::to_json;
+use crate::effect::{Effect, Level};
 use crate::headers;
 use crate::metrics::Metric;
 use crate::outcome::{classify, Outcome};
 use crate::worker::replay_cache::Completed;
 use crate::worker::writes::fenced_body;
-use crate::worker::{Effect, Level};
 use contract::wire::{CompleteRequest, StoredResponse};
 
 /// What the glue knows when response headers arrive.

@@ -3,14 +3,14 @@
 //! outcome, a released key (the upstream certainly never saw it), or a key that stays held:
 //! never in a key free to run again.
 
-use super::reconcile::mark_unknown;
+use super::mark_unknown;
 use super::response::cut_short;
 use super::{completed_reply, Call, Claimed, Flow, Note, Out, State, Turn, Write, WRITE_ATTEMPTS};
 use crate::config::Config;
+use crate::effect::{CalloutResult, Effect, Level};
 use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
 use crate::worker::writes::{PendingWrite, WriteAnswer, WriteVerdict};
-use crate::worker::{CalloutResult, Effect, Level};
 use contract::wire::{COMPLETE_PATH, RELEASE_PATH};
 
 impl Flow {

@@ -36,7 +36,6 @@ use crate::flow::{
     Call, ClaimAnswer, Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict,
 };
 use crate::metrics::Metric;
-use crate::reply::LocalReply;
 use contract::wire::{
     BatchResponse, ClaimRequest, HeartbeatResponse, ABANDON_PATH, CLAIM_PATH, COMPLETE_PATH,
     HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
@@ -48,154 +47,9 @@ use replay_cache::{Completed, ReplayCache};
 use std::collections::HashMap;
 use writes::{PendingWrites, WriteAnswer, WriteDone, WriteVerdict};
 
+pub use crate::effect::{CallId, CalloutResult, Dispatch, Effect, Level, Owner, Step, StreamId};
 pub use registry::HeldClaim;
 pub use writes::PendingWrite;
-
-/// An HTTP stream (Envoy's context id of its HTTP context).
-pub type StreamId = u32;
-
-/// A callout, as the worker names it (the glue maps Envoy's tokens to these).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CallId(pub u64);
-
-/// What became of a callout.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CalloutResult {
-    /// Could not be dispatched, was reset or timed out before any response.
-    Failed(String),
-    /// The other side answered (any status).
-    Response {
-        status: u16,
-        /// Its headers, pseudo-headers aside (read by the reconcile answer only).
-        headers: Vec<(String, String)>,
-        body: Vec<u8>,
-    },
-}
-
-impl CalloutResult {
-    /// An answer without headers (the state API's, as the worker reads them).
-    pub fn answer(status: u16, body: Vec<u8>) -> Self {
-        Self::Response {
-            status,
-            headers: Vec::new(),
-            body,
-        }
-    }
-
-    /// A header of an answer.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        match self {
-            Self::Response { headers, .. } => headers
-                .iter()
-                .find(|(n, _)| n.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str()),
-            Self::Failed(_) => None,
-        }
-    }
-}
-
-impl CalloutResult {
-    /// For logs: the failure, or the status and the start of the body.
-    pub fn describe(&self) -> String {
-        match self {
-            CalloutResult::Response { status, body, .. } => format!(
-                "HTTP {status}: {}",
-                String::from_utf8_lossy(body.get(..body.len().min(200)).unwrap_or_default())
-            ),
-            CalloutResult::Failed(why) => why.clone(),
-        }
-    }
-}
-
-/// Who receives a callout's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Owner {
-    /// The stream: made while it is handled; cancelled by Envoy when it ends.
-    Stream(StreamId),
-    /// The worker (root context): made only from the root context's events.
-    Worker,
-}
-
-/// An HTTP callout to make (`dispatch_http_call`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Dispatch {
-    pub id: CallId,
-    pub owner: Owner,
-    /// The Envoy cluster.
-    pub cluster: String,
-    /// Pseudo-headers included.
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-    pub timeout_ms: u64,
-}
-
-impl Dispatch {
-    /// The value of a header (`:path`, ...).
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Level {
-    Debug,
-    Info,
-    Warn,
-    Error,
-}
-
-/// What the glue does, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Effect {
-    /// `send_http_response`: the stream is answered and nothing is forwarded.
-    Reply {
-        stream: StreamId,
-        reply: LocalReply,
-    },
-    /// Replace a request header (all its values).
-    SetRequestHeader {
-        stream: StreamId,
-        name: &'static str,
-        value: String,
-    },
-    RemoveRequestHeader {
-        stream: StreamId,
-        name: &'static str,
-    },
-    /// Let the request go upstream (inside that stream's request callback: return Continue).
-    ResumeRequest {
-        stream: StreamId,
-    },
-    /// Let the response go to the client (inside its response callback: return Continue).
-    ResumeResponse {
-        stream: StreamId,
-    },
-    /// Make a callout; if it cannot be dispatched, tell [`Worker::on_callout_answer`] at once.
-    Dispatch(Dispatch),
-    /// Wake the root context soon ([`Worker::on_wake`]): it has writes to send.
-    Wake,
-    Count(Metric),
-    Log(Level, String),
-}
-
-/// What a stream callback returns: its verdict and the effects.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Step {
-    pub verdict: Verdict,
-    pub effects: Vec<Effect>,
-}
-
-impl Step {
-    fn cont() -> Self {
-        Self {
-            verdict: Verdict::Continue,
-            effects: Vec::new(),
-        }
-    }
-}
 
 /// What a callout was for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -779,7 +633,7 @@ impl Worker {
                     self.claim_queue.push(BatchedClaim { stream, request });
                     return None;
                 }
-                let body = crate::flow::to_json(&*request);
+                let body = crate::effect::to_json(&*request);
                 let call = self.state_api_call(CLAIM_PATH, body, wait_ms);
                 let call_id =
                     self.dispatch(self.owner_of(stream), Purpose::Claim(stream), call, effects);
@@ -915,7 +769,7 @@ impl Worker {
     fn send_batches(&mut self, effects: &mut Vec<Effect>) {
         if !self.batching {
             for c in std::mem::take(&mut self.claim_queue) {
-                let body = crate::flow::to_json(&*c.request);
+                let body = crate::effect::to_json(&*c.request);
                 let purpose = Purpose::Claim(c.stream);
                 self.dispatch_state_api(Owner::Worker, purpose, CLAIM_PATH, body, effects);
             }
@@ -936,7 +790,7 @@ impl Worker {
                 .claim_queue
                 .iter()
                 .take(most)
-                .map(|c| crate::flow::to_json(&*c.request))
+                .map(|c| crate::effect::to_json(&*c.request))
                 .collect();
             let mut bytes = 0;
             let claimed = fitting(claims.iter().map(Vec::len), &mut bytes);
@@ -1156,7 +1010,7 @@ impl Worker {
         let write = PendingWrite {
             claim,
             path: ABANDON_PATH,
-            payload: crate::flow::to_json(&req),
+            payload: crate::effect::to_json(&req),
             fallback: None,
             untried: true,
         };
@@ -1598,7 +1452,7 @@ impl Worker {
                 .due(now_ms, self.cfg.tick_period_ms(), &self.cfg.namespace);
             for hb in due {
                 let token = hb.token;
-                let body = crate::flow::to_json(&hb);
+                let body = crate::effect::to_json(&hb);
                 let mut call = self.state_api_call(HEARTBEAT_PATH, body, 0);
                 if let Some(within) = self
                     .registry

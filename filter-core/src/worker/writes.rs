@@ -17,7 +17,7 @@
 //! same either way.
 
 use super::registry::HeldClaim;
-use super::CalloutResult;
+use crate::effect::CalloutResult;
 use contract::wire::{WriteItem, WriteResponse};
 
 /// Writes on their way at once (per worker).
@@ -65,7 +65,7 @@ impl PendingWrite {
 
 /// The body of a release or an unknown mark (`/v1/release`, `/v1/unknown`).
 pub fn fenced_body(claim: &HeldClaim, namespace: &str) -> Vec<u8> {
-    crate::flow::to_json(&contract::wire::ReleaseRequest {
+    crate::effect::to_json(&contract::wire::ReleaseRequest {
         key: claim.key.clone(),
         subject: claim.subject.clone(),
         endpoint: claim.endpoint.clone(),

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::flow::{RequestHead, ResponseHead, Verdict};
+use crate::reply::LocalReply;
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, ReleaseRequest, StoredResponse,
     UnknownRequest, WriteResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER,
