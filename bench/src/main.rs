@@ -7,6 +7,7 @@
 //! Environment: BENCH_SECONDS (measured seconds per run, default 8), BENCH_WARMUP_SECONDS
 //! (default 2), BENCH_CONNECTIONS (default "1,16"), BENCH_OUT (default docs/).
 
+mod bench_doc;
 mod load;
 mod peer;
 mod pgbench;
@@ -1160,7 +1161,7 @@ fn real_main() -> Result<(), String> {
     let md_path = out_dir.join("BENCH.md");
     // The soak's and bench-scale's sections stay: they are runs of their own.
     let previous = std::fs::read_to_string(&md_path).unwrap_or_default();
-    let markdown = soak::keep_sections(&previous, rep.markdown());
+    let markdown = bench_doc::keep_sections(&previous, rep.markdown());
     std::fs::write(&md_path, markdown).map_err(|e| e.to_string())?;
     let png_path = out_dir.join("bench.png");
     plot(&json_path, &png_path);

@@ -47,8 +47,7 @@ const REPLAY_KEYS: usize = 100;
 /// How long a slow request holds its key, and how often a new one takes over.
 const HOLD: Duration = Duration::from_secs(60);
 const RENEW: Duration = Duration::from_secs(40);
-const BEGIN: &str = "<!-- soak -->";
-const END: &str = "<!-- /soak -->";
+use crate::bench_doc::{splice_between, SOAK_BEGIN as BEGIN, SOAK_END as END};
 
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Settings {
@@ -1038,43 +1037,6 @@ fn table(head: &[&str], rows: &[Vec<String>], md: bool) -> String {
     out
 }
 
-/// The section of `doc` from `begin` to `end`, markers included.
-pub fn section_between<'a>(doc: &'a str, begin: &str, end: &str) -> Option<&'a str> {
-    let a = doc.find(begin)?;
-    let b = doc[a..].find(end)? + a;
-    Some(&doc[a..b + end.len()])
-}
-
-/// docs/BENCH.md with the soak's section replaced (or appended when it has none).
-pub fn splice(doc: &str, section: &str) -> String {
-    splice_between(doc, section, BEGIN, END)
-}
-
-/// `doc` with its section from `begin` to `end` replaced by `section` (or appended when it has
-/// none).
-pub fn splice_between(doc: &str, section: &str, begin: &str, end: &str) -> String {
-    match (doc.find(begin), doc.find(end)) {
-        (Some(a), Some(b)) if b > a => {
-            let rest = doc[b + end.len()..].trim_start_matches('\n');
-            format!("{}{section}{rest}", &doc[..a])
-        }
-        _ => format!("{}\n\n{section}", doc.trim_end()),
-    }
-}
-
-/// `make bench`'s new docs/BENCH.md (`fresh`) with the sections of the runs of their own that
-/// `previous` holds (the soak's, bench-scale's): they stay.
-pub fn keep_sections(previous: &str, fresh: String) -> String {
-    [(BEGIN, END), (crate::scale::BEGIN, crate::scale::END)]
-        .into_iter()
-        .fold(fresh, |doc, (begin, end)| {
-            match section_between(previous, begin, end) {
-                Some(section) => splice_between(&doc, section, begin, end),
-                None => doc,
-            }
-        })
-}
-
 // ---------------------------------------------------------------------------------------------
 
 pub fn run() -> Result<(), String> {
@@ -1260,7 +1222,8 @@ fn write_outputs(report: &SoakReport, out_dir: &Path) -> Result<(), String> {
     std::fs::write(&json, text + "\n").map_err(|e| e.to_string())?;
     let md = out_dir.join("BENCH.md");
     let doc = std::fs::read_to_string(&md).unwrap_or_default();
-    std::fs::write(&md, splice(&doc, &report.markdown())).map_err(|e| e.to_string())?;
+    std::fs::write(&md, splice_between(&doc, &report.markdown(), BEGIN, END))
+        .map_err(|e| e.to_string())?;
     plot_script("plot_soak.py", &json, &out_dir.join("soak.png"));
     eprintln!(
         "soak: wrote {} and its section of {}",
@@ -1273,32 +1236,6 @@ fn write_outputs(report: &SoakReport, out_dir: &Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn splice_replaces_or_appends_the_section() {
-        let section = format!("{BEGIN}\nnew\n{END}\n");
-        let doc = format!("# Benchmark\n\ntext\n\n{BEGIN}\nold\n{END}\n\n## After\n");
-        assert_eq!(
-            splice(&doc, &section),
-            format!("# Benchmark\n\ntext\n\n{section}## After\n")
-        );
-        assert_eq!(
-            splice("# Benchmark\n\ntext\n", &section),
-            format!("# Benchmark\n\ntext\n\n{section}")
-        );
-    }
-
-    #[test]
-    fn the_benchs_report_keeps_the_soak_and_scale_sections() {
-        let soak = format!("{BEGIN}\nsoaked\n{END}\n");
-        let scale = format!("{}\ncurves\n{}\n", crate::scale::BEGIN, crate::scale::END);
-        let previous = format!("# Benchmark\n\nold\n\n{soak}\n{scale}");
-        let kept = keep_sections(&previous, "# Benchmark\n\nnew\n".into());
-        assert!(kept.starts_with("# Benchmark\n\nnew\n"), "{kept}");
-        assert!(kept.contains("soaked") && kept.contains("curves"), "{kept}");
-        assert!(!kept.contains("old"), "{kept}");
-        assert_eq!(keep_sections("nothing kept", "fresh".into()), "fresh");
-    }
 
     fn minute(rows: u64, dead: u64, p99: f64) -> MinuteRow {
         MinuteRow {

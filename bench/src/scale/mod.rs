@@ -36,10 +36,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::{env_u64, plot_script, procfs, soak, wait_for_quiet};
+use crate::{env_u64, plot_script, procfs, wait_for_quiet};
 
-pub const BEGIN: &str = "<!-- scale -->";
-pub const END: &str = "<!-- /scale -->";
+use crate::bench_doc::{splice_between, SCALE_BEGIN as BEGIN, SCALE_END as END};
 
 /// The curves, in the order they run.
 const CURVES: [&str; 6] = ["body", "routes", "clients", "waiting", "records", "steady"];
@@ -384,8 +383,7 @@ fn write_outputs(
     let md = out_dir.join("BENCH.md");
     let doc = std::fs::read_to_string(&md).unwrap_or_default();
     let section = markdown(report, outputs);
-    std::fs::write(&md, soak::splice_between(&doc, &section, BEGIN, END))
-        .map_err(|e| e.to_string())?;
+    std::fs::write(&md, splice_between(&doc, &section, BEGIN, END)).map_err(|e| e.to_string())?;
     eprintln!(
         "bench scale: wrote {}, {} and its section of {}",
         json.display(),
