@@ -21,10 +21,9 @@
 //! (the test harness does) and is checked again by [`Config::check`].
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
-use crate::mesh::MeshSettings;
 use filter_core::config as fc;
 pub use filter_core::config::{
     KeyPolicy, On5xx, OnStateUnavailable, OnUnknown, Pointer, Selection,
@@ -554,19 +553,9 @@ fn is_header_name(s: &str) -> bool {
 }
 
 impl Config {
-    /// Reads and checks a file; relative paths in it are read against its folder.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-            file: file.clone(),
-            message: format!("cannot read it: {e}"),
-        })?;
-        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::parse(&text, &file, &base)
-    }
-
-    /// Parses and checks the text of a file named `file`, in folder `base`.
-    pub fn parse(text: &str, file: &str, base: &Path) -> Result<Self, ConfigError> {
+    /// Parses the text of a file named `file`, in folder `base`, each field checked on its
+    /// own ([`Config::parse`] also checks the whole).
+    pub(crate) fn read(text: &str, file: &str, base: &Path) -> Result<Self, ConfigError> {
         let src = Source { file, text };
         let raw: RawFile = toml::from_str(text).map_err(|e| {
             let line = e.span().map_or(1, |s| src.line(s.start));
@@ -808,29 +797,7 @@ impl Config {
             lines,
             file: file.to_owned(),
         };
-        cfg.check()?;
         Ok(cfg)
-    }
-
-    /// Checks what the filter would refuse (the rendered plugin configuration, parsed by the
-    /// filter's own code) and what the addresses must not share.
-    pub fn check(&self) -> Result<(), ConfigError> {
-        let json = crate::render::filter_json(self, "check-only-token");
-        fc::Config::parse(json.as_bytes()).map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let mut used: Vec<(&str, SocketAddr)> =
-            vec![("listen", self.listen), ("state.listen", self.state.listen)];
-        if let Some(a) = self.admin {
-            used.push(("admin", a));
-        }
-        for (i, (a, x)) in used.iter().enumerate() {
-            if let Some((b, _)) = used[..i].iter().find(|(_, y)| {
-                y.port() == x.port()
-                    && (y.ip() == x.ip() || y.ip().is_unspecified() || x.ip().is_unspecified())
-            }) {
-                return Err(self.error_at(a, format!("{a} ({x}) is the same address as {b}")));
-            }
-        }
-        Ok(())
     }
 
     /// An error about field `name`, at its line when it came from a file.
@@ -896,7 +863,7 @@ fn mesh(src: &Source<'_>, raw: Option<&Spanned<RawMesh>>) -> Result<MeshSettings
     ];
     for (given, into, name) in names {
         if let Some(v) = given {
-            if !crate::mesh::is_object_name(v.get_ref()) {
+            if !is_object_name(v.get_ref()) {
                 return src.at(
                     v.span(),
                     format!("mesh.{name} must be a Kubernetes name: up to 63 of a-z 0-9 -"),
@@ -1146,7 +1113,7 @@ fn state_tls(
             }
             name.clone()
         }
-        None => crate::render::reachable(state_listen).host,
+        None => reachable(state_listen).host,
     };
     Ok(StateTls {
         cert_file,
@@ -1553,4 +1520,79 @@ fn is_storage_key(text: &str) -> bool {
     base64::engine::general_purpose::STANDARD
         .decode(text.trim())
         .is_ok_and(|k| k.len() == 32)
+}
+
+/// `[mesh]`: names and images the manifests need that `edge run` does not. Every field has a
+/// default; the images' defaults are placeholders under `registry.invalid` (never resolvable).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MeshSettings {
+    /// The Kubernetes namespace of the state API.
+    pub namespace: String,
+    /// The state API's container image (the Dockerfile's `state-api` target: user 10001).
+    pub state_api_image: String,
+    /// The filter's OCI image (`make oci`'s compat tag), without `oci://`.
+    pub filter_image: String,
+    /// State API replicas: at least 2, so that one can be drained while the other serves.
+    pub replicas: u32,
+    /// An existing state API outside the cluster: no Kubernetes objects for it, a
+    /// `ServiceEntry` (Istio) or a bootstrap cluster (Envoy Gateway) instead.
+    pub external_state_api: Option<Endpoint>,
+    /// Istio: the namespace and labels of the gateway Envoys the filter goes into.
+    pub istio_namespace: String,
+    pub istio_labels: BTreeMap<String, String>,
+    /// Envoy Gateway: the Gateway (its namespace and HTTP listener) and the namespace its
+    /// Envoys run in.
+    pub gateway: String,
+    pub gateway_namespace: String,
+    pub gateway_listener: String,
+    pub gateway_proxy_namespace: String,
+}
+
+impl Default for MeshSettings {
+    fn default() -> Self {
+        Self {
+            namespace: "idempotency".into(),
+            state_api_image: format!(
+                "registry.invalid/edge-state-api:{}",
+                env!("CARGO_PKG_VERSION")
+            ),
+            filter_image: format!(
+                "registry.invalid/idempotency-filter:{}",
+                env!("CARGO_PKG_VERSION")
+            ),
+            replicas: 2,
+            external_state_api: None,
+            istio_namespace: "istio-system".into(),
+            istio_labels: BTreeMap::from([("istio".into(), "ingressgateway".into())]),
+            gateway: "eg".into(),
+            gateway_namespace: "default".into(),
+            gateway_listener: "http".into(),
+            gateway_proxy_namespace: "envoy-gateway-system".into(),
+        }
+    }
+}
+
+/// A Kubernetes object name (RFC 1123 label): what `[mesh]`'s names must be.
+pub fn is_object_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+/// Where Envoy reaches a service that listens on `addr` (a wildcard address is this host).
+pub(crate) fn reachable(addr: SocketAddr) -> Endpoint {
+    let host = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_owned(),
+        IpAddr::V6(ip) if ip.is_unspecified() => "::1".to_owned(),
+        ip => ip.to_string(),
+    };
+    Endpoint {
+        tls: false,
+        host,
+        port: addr.port(),
+    }
 }

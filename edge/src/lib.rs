@@ -2,6 +2,7 @@
 //! ([`config`]), the Envoy configuration it renders ([`render`]), and `edge run`, which starts
 //! and supervises Postgres (embedded, unless the file names one), the state API and Envoy.
 
+pub mod check;
 pub mod config;
 pub mod data_home;
 pub mod envoy;

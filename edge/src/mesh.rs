@@ -31,6 +31,7 @@ use std::collections::BTreeMap;
 use filter_core::config as fc;
 use yaml_rust2::{Yaml, YamlEmitter};
 
+pub use crate::config::is_object_name;
 use crate::config::{Config, Endpoint, Jwks, OnStateUnavailable, Subject};
 use crate::render::{self, duration, map, n, s, Wiring};
 
@@ -39,67 +40,6 @@ use crate::render::{self, duration, map, n, s, Wiring};
 pub enum Target {
     Istio,
     EnvoyGateway,
-}
-
-/// `[mesh]`: names and images the manifests need that `edge run` does not. Every field has a
-/// default; the images' defaults are placeholders under `registry.invalid` (never resolvable).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MeshSettings {
-    /// The Kubernetes namespace of the state API.
-    pub namespace: String,
-    /// The state API's container image (the Dockerfile's `state-api` target: user 10001).
-    pub state_api_image: String,
-    /// The filter's OCI image (`make oci`'s compat tag), without `oci://`.
-    pub filter_image: String,
-    /// State API replicas: at least 2, so that one can be drained while the other serves.
-    pub replicas: u32,
-    /// An existing state API outside the cluster: no Kubernetes objects for it, a
-    /// `ServiceEntry` (Istio) or a bootstrap cluster (Envoy Gateway) instead.
-    pub external_state_api: Option<Endpoint>,
-    /// Istio: the namespace and labels of the gateway Envoys the filter goes into.
-    pub istio_namespace: String,
-    pub istio_labels: BTreeMap<String, String>,
-    /// Envoy Gateway: the Gateway (its namespace and HTTP listener) and the namespace its
-    /// Envoys run in.
-    pub gateway: String,
-    pub gateway_namespace: String,
-    pub gateway_listener: String,
-    pub gateway_proxy_namespace: String,
-}
-
-impl Default for MeshSettings {
-    fn default() -> Self {
-        Self {
-            namespace: "idempotency".into(),
-            state_api_image: format!(
-                "registry.invalid/edge-state-api:{}",
-                env!("CARGO_PKG_VERSION")
-            ),
-            filter_image: format!(
-                "registry.invalid/idempotency-filter:{}",
-                env!("CARGO_PKG_VERSION")
-            ),
-            replicas: 2,
-            external_state_api: None,
-            istio_namespace: "istio-system".into(),
-            istio_labels: BTreeMap::from([("istio".into(), "ingressgateway".into())]),
-            gateway: "eg".into(),
-            gateway_namespace: "default".into(),
-            gateway_listener: "http".into(),
-            gateway_proxy_namespace: "envoy-gateway-system".into(),
-        }
-    }
-}
-
-/// A Kubernetes object name (RFC 1123 label): what `[mesh]`'s names must be.
-pub fn is_object_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !name.starts_with('-')
-        && !name.ends_with('-')
 }
 
 /// The name of every object rendered here, and the state API's labels.

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use yaml_rust2::yaml::Hash;
 use yaml_rust2::{Yaml, YamlEmitter};
 
-use crate::config::{Config, Endpoint, Jwks, Match, StateTls, Subject};
+use crate::config::{reachable, Config, Endpoint, Jwks, Match, StateTls, Subject};
 use filter_core::config as fc;
 
 /// What the rendering needs besides the file: where Envoy finds the module, the token the filter
@@ -80,20 +80,6 @@ fn socket_address(addr: SocketAddr) -> Yaml {
             ("port_value", n(u64::from(addr.port()))),
         ]),
     )])
-}
-
-/// Where Envoy reaches a service that listens on `addr` (a wildcard address is this host).
-pub(crate) fn reachable(addr: SocketAddr) -> Endpoint {
-    let host = match addr.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_owned(),
-        IpAddr::V6(ip) if ip.is_unspecified() => "::1".to_owned(),
-        ip => ip.to_string(),
-    };
-    Endpoint {
-        tls: false,
-        host,
-        port: addr.port(),
-    }
 }
 
 pub(crate) fn cluster(name: &str, e: &Endpoint, connect_timeout_ms: u64, ca_file: &str) -> Yaml {
