@@ -122,6 +122,9 @@ struct EdgeRun {
     child: Child,
     ready: String,
     stderr: PathBuf,
+    /// The test's own run folder, removed with the cluster data it links to (as root in a
+    /// closed folder, under /var/lib/edge-postgres) once this run is over.
+    run_dir: Option<PathBuf>,
 }
 
 impl EdgeRun {
@@ -131,7 +134,9 @@ impl EdgeRun {
             .arg(config)
             .arg("--dir")
             .arg(dir.join("run"));
-        Self::launch(cmd, dir, Duration::from_secs(90))
+        let mut run = Self::launch(cmd, dir, Duration::from_secs(90))?;
+        run.run_dir = Some(dir.join("run"));
+        Ok(run)
     }
 
     /// `cmd` (an `edge run`), its stderr in `dir/edge.stderr`, up to its `ready:` line.
@@ -161,6 +166,7 @@ impl EdgeRun {
                         child,
                         ready: line,
                         stderr,
+                        run_dir: None,
                     })
                 }
                 Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
@@ -207,6 +213,9 @@ impl Drop for EdgeRun {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = &self.run_dir {
+            let _ = edge::data_home::remove_run_folder(dir);
+        }
     }
 }
 
