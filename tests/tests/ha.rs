@@ -235,9 +235,20 @@ async fn assert_once_and_replayed(stack: &HaStack, stories: &[Story]) -> usize {
             continue;
         }
         let amount = s.last.json()["amount"].as_u64().unwrap_or(0);
-        let a = c
-            .send(checkout(&s.key, "alice", &charge_body(amount)))
-            .await;
+        // A client may have had its 201 while the outcome's complete could not be stored (the
+        // state API answered 503 through the switch): the filter then lets the response go and
+        // its worker retries the complete, with delays of up to 8 s (`worker::writes`), so the
+        // key is in progress until that retry lands. Wait that out, never longer.
+        let patience = Instant::now() + Duration::from_secs(20);
+        let a = loop {
+            let a = c
+                .send(checkout(&s.key, "alice", &charge_body(amount)))
+                .await;
+            if classify(&a) != "in_progress_409" || Instant::now() > patience {
+                break a;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
         assert!(
             replayed(&a) && Some(&a.body) == outcome_of.get(s.key.as_str()),
             "{}: completed before or during the failover, not replayed after it: {}",
