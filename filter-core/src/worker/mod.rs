@@ -141,22 +141,6 @@ struct Outgoing {
     timeout_ms: u64,
 }
 
-impl Outgoing {
-    /// Gives up on the answer after `ms` if that is sooner (the caller-timeout header says so
-    /// too, so the state API drops a job its caller no longer waits for).
-    fn shorten(&mut self, ms: u64) {
-        if ms >= self.timeout_ms {
-            return;
-        }
-        self.timeout_ms = ms;
-        for (name, value) in self.headers.iter_mut() {
-            if name == contract::wire::CALLER_TIMEOUT_HEADER {
-                *value = ms.to_string();
-            }
-        }
-    }
-}
-
 /// How much memory the worker holds, for the limits the configuration sets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -1139,8 +1123,14 @@ impl Worker {
 
     /// A call to the state API; one that may wait there `wait_ms` has that much more time.
     fn state_api_call(&self, path: &str, body: Vec<u8>, wait_ms: u64) -> Outgoing {
+        let timeout_ms = self.cfg.state_api.timeout_ms.saturating_add(wait_ms);
+        self.state_api_call_within(path, body, timeout_ms)
+    }
+
+    /// A call to the state API given up after `timeout_ms` (the caller-timeout header says so,
+    /// so the state API drops a job its caller no longer waits for).
+    fn state_api_call_within(&self, path: &str, body: Vec<u8>, timeout_ms: u64) -> Outgoing {
         let api = &self.cfg.state_api;
-        let timeout_ms = api.timeout_ms.saturating_add(wait_ms);
         let headers = vec![
             (":method".into(), "POST".into()),
             (":path".into(), path.into()),
@@ -1453,13 +1443,12 @@ impl Worker {
             for hb in due {
                 let token = hb.token;
                 let body = crate::effect::to_json(&hb);
-                let mut call = self.state_api_call(HEARTBEAT_PATH, body, 0);
-                if let Some(within) = self
+                let within = self
                     .registry
                     .answer_within(token, self.cfg.tick_period_ms())
-                {
-                    call.shorten(within);
-                }
+                    .unwrap_or(u64::MAX);
+                let timeout_ms = self.cfg.state_api.timeout_ms.min(within);
+                let call = self.state_api_call_within(HEARTBEAT_PATH, body, timeout_ms);
                 self.dispatch(Owner::Worker, Purpose::Heartbeat(token), call, &mut effects);
             }
         }
