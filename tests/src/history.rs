@@ -14,7 +14,8 @@
 //! 4. no completed outcome lost: a key whose client got the upstream's answer replays it after
 //!    healing, through every Envoy;
 //! 5. no key whose request was never forwarded stays unusable longer than one lease after
-//!    healing (counted from when new keys are served again).
+//!    healing (counted from when new keys are served again); once an attempt of it reaches the
+//!    checkout, the key is in use and a retry meeting that attempt is not a refusal.
 //!
 //! A violation names its key and time; [`History::window`] prints what happened around it.
 
@@ -620,11 +621,15 @@ impl Verdict {
         if !forwarded_before_heal && !maybe_lost_upstream {
             let since = served_again.max(input.healed_at);
             let limit = since + input.lease_ms + input.tolerance_ms;
+            // Once an attempt reaches the checkout the key is in use: a refusal after that is
+            // a retry meeting its running attempt (409 in progress), not a key held unusable.
+            let first_forwarded = attempts.iter().map(|a| a.started).min();
             let refused_late = reqs
                 .iter()
                 .filter(|r| !r.kind.is_outcome() && r.sent > limit)
+                .filter(|r| first_forwarded.is_none_or(|at| r.sent < at))
                 .min_by_key(|r| r.sent);
-            let served = reqs.iter().any(|r| r.kind.is_outcome());
+            let served = first_forwarded.is_some() || reqs.iter().any(|r| r.kind.is_outcome());
             if refused_late.is_some() || !served {
                 self.unusable_keys += 1;
                 let last = reqs.iter().max_by_key(|r| r.sent);
@@ -894,6 +899,29 @@ mod tests {
         late.started = 7_000;
         let v = check(&history(served), &[late], Policy::Hold, 5_000);
         assert!(v.passed(), "{:?}", v.violations);
+    }
+
+    /// Seen once in CI (partition scenario 1): the key's first attempt reached a slow checkout
+    /// after the heal, within a lease; its retries met it running (409) past the lease. The key
+    /// was usable: the refusals were about its own running attempt.
+    #[test]
+    fn a_key_forwarded_within_a_lease_and_refused_while_it_runs_is_usable() {
+        let reqs = vec![
+            req("k", 0, Phase::Storm, 0, Kind::StateUnavailable, None),
+            req("k", 0, Phase::Storm, 8_500, Kind::GaveUp, None),
+            req("k", 1, Phase::Storm, 9_500, Kind::InProgress, None),
+            req("k", 0, Phase::Storm, 12_000, Kind::InProgress, None),
+            req("k", 0, Phase::Verify, 16_000, Kind::Replay, Some("aa")),
+            req("k", 1, Phase::Verify, 16_000, Kind::Replay, Some("aa")),
+        ];
+        let mut slow = executed("k", 1, 1, "aa");
+        (slow.started, slow.ended) = (8_500, Some(15_000));
+        let v = check(&history(reqs.clone()), &[slow.clone()], Policy::Hold, 5_000);
+        assert!(v.passed(), "{:?}", v.violations);
+        // Forwarded only after refusals past the lease: those refusals still count.
+        (slow.started, slow.ended) = (11_000, Some(15_000));
+        let v = check(&history(reqs), &[slow], Policy::Hold, 5_000);
+        assert_eq!(v.unusable_keys, 1, "{:?}", v.violations);
     }
 
     #[test]
