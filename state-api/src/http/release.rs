@@ -33,14 +33,7 @@ pub(crate) async fn release(
 ) -> Result<Json<WriteResponse>, ApiError> {
     // Where the record is (during a rotation, perhaps still under the previous secret), and
     // where this write moves it (the current secret's address).
-    let (scope, current) = located(
-        &state,
-        &req.namespace,
-        &req.key,
-        &req.subject,
-        &req.endpoint,
-    )
-    .await?;
+    let (scope, current) = located(&state, &req).await?;
     check_token(req.token)?;
     let ok = state
         .store()
@@ -72,14 +65,7 @@ pub(crate) async fn abandon(
 ) -> Result<Json<WriteResponse>, ApiError> {
     // Where the record is (during a rotation, perhaps still under the previous secret), and
     // where this write moves it (the current secret's address).
-    let (scope, current) = located(
-        &state,
-        &req.namespace,
-        &req.key,
-        &req.subject,
-        &req.endpoint,
-    )
-    .await?;
+    let (scope, current) = located(&state, &req).await?;
     check_nonce(&req.nonce)?;
     let done = state
         .store()
@@ -112,14 +98,7 @@ pub(crate) async fn outcome_unknown(
 ) -> Result<Json<WriteResponse>, ApiError> {
     // Where the record is (during a rotation, perhaps still under the previous secret), and
     // where this write moves it (the current secret's address).
-    let (scope, current) = located(
-        &state,
-        &req.namespace,
-        &req.key,
-        &req.subject,
-        &req.endpoint,
-    )
-    .await?;
+    let (scope, current) = located(&state, &req).await?;
     check_token(req.token)?;
     let marked = state
         .store()

@@ -60,15 +60,35 @@ pub(crate) fn addresses_of(
 /// previous secret).
 pub(crate) async fn located(
     state: &AppState,
-    namespace: &str,
-    key: &str,
-    subject: &str,
-    endpoint: &str,
+    req: &impl Addressed,
 ) -> Result<(ScopeHash, ScopeHash), ApiError> {
+    let (namespace, key, subject, endpoint) = req.address();
     let at = scope_of(state, namespace, key, subject, endpoint).await?;
     let current = state.scoper().hash_in(namespace, key, subject, endpoint);
     Ok((at, current))
 }
+
+/// An owner's write names its record by (namespace, key, subject, endpoint).
+pub(crate) trait Addressed {
+    fn address(&self) -> (&str, &str, &str, &str);
+}
+
+macro_rules! addressed {
+    ($($request:ty),*) => {$(
+        impl Addressed for $request {
+            fn address(&self) -> (&str, &str, &str, &str) {
+                (&self.namespace, &self.key, &self.subject, &self.endpoint)
+            }
+        }
+    )*};
+}
+// (`UnknownRequest` is `ReleaseRequest`.)
+addressed!(
+    contract::wire::HeartbeatRequest,
+    contract::wire::CompleteRequest,
+    contract::wire::ReleaseRequest,
+    contract::wire::AbandonRequest
+);
 
 pub(crate) async fn scope_of(
     state: &AppState,

@@ -41,14 +41,7 @@ pub(crate) async fn heartbeat(
 ) -> Result<Json<HeartbeatResponse>, ApiError> {
     // Where the record is (during a rotation, perhaps still under the previous secret), and
     // where this write moves it (the current secret's address).
-    let (scope, current) = located(
-        &state,
-        &req.namespace,
-        &req.key,
-        &req.subject,
-        &req.endpoint,
-    )
-    .await?;
+    let (scope, current) = located(&state, &req).await?;
     check_token(req.token)?;
     let lease_ms = state.config().lease_for(req.lease_ms);
     let beat = state
@@ -226,8 +219,7 @@ async fn prepare_complete(
     req: CompleteRequest,
     deadline: tokio::time::Instant,
 ) -> Result<CompleteJob, ApiError> {
-    let (at, current) =
-        located(state, &req.namespace, &req.key, &req.subject, &req.endpoint).await?;
+    let (at, current) = located(state, &req).await?;
     check_token(req.token)?;
     let row = checked_response(state, req.response)?;
     // A record under the previous key secret moves to the current one before its response is
