@@ -244,22 +244,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     );
     let keep_free = env_u64("SCALE_RECORDS_KEEP_FREE_GIB", 8) as f64 * GIB;
     // The loaded rows carry their own expiry: the purge takes the 1 % past it, as in production.
-    let mut stack = Stack::start(StackOptions::default())?;
-    if stack.postgres.is_external() {
-        return Err("the records curve loads millions of rows: it runs on a throwaway cluster of its own, not on DATABASE_URL (unset it)".into());
-    }
-    let data_dir = stack
-        .postgres
-        .data_dir()
-        .ok_or("the throwaway cluster has no data directory")?;
-    if let Ok(sb) = std::env::var("SCALE_RECORDS_SHARED_BUFFERS") {
-        stack.postgres.psql(
-            "postgres",
-            &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"),
-        )?;
-        stack.postgres.restart()?;
-    }
-    let shared_buffers = stack.postgres.psql("postgres", "SHOW shared_buffers")?;
+    let (stack, data_dir, shared_buffers) = start_stack()?;
     let db = stack.database_name().to_owned();
     let api = addr(stack.state_api.port);
     // The template: a record made through the state API.
@@ -271,23 +256,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         let mut conn = Conn::open(api).await?;
         claim_complete(&mut conn, format!("scale-template-{}", std::process::id())).await
     })?;
-    let columns: Vec<String> = stack
-        .postgres
-        .psql(
-            &db,
-            "SELECT column_name FROM information_schema.columns \
-             WHERE table_name = 'idempotency_records' ORDER BY ordinal_position",
-        )?
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    let token_base: i64 = stack
-        .postgres
-        .psql(&db, "SELECT last_value FROM idempotency_fencing_token_seq")?
-        .trim()
-        .parse::<i64>()
-        .map_err(|e| e.to_string())?
-        + 1_000;
+    let (columns, token_base) = template_facts(&stack, &db)?;
     let find =
         |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
     let bench = Bench {
@@ -323,16 +292,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let wanted = levels(settings);
     for (n, &rows) in wanted.iter().enumerate() {
         if rows > loaded {
-            let free = free_bytes(&data_dir)?;
-            let needed = (rows - loaded) as f64 * bytes_per_row * 1.1;
-            if free - needed < keep_free {
-                let why = format!(
-                    "{:.1} GiB more needed ({:.0} bytes a row), {:.1} GiB free: it would leave less than {:.0} GiB",
-                    needed / GIB,
-                    bytes_per_row,
-                    free / GIB,
-                    keep_free / GIB
-                );
+            if let Some(why) = no_room(&data_dir, rows - loaded, bytes_per_row, keep_free)? {
                 eprintln!("  {rows} rows: skipped, {why}");
                 curve.skipped.extend(wanted[n..].iter().map(|&r| Skipped {
                     rows: r,
@@ -385,6 +345,72 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         goals,
         quiet: quiet.end(),
     })
+}
+
+/// A stack on a throwaway cluster of its own (shared_buffers from SCALE_RECORDS_SHARED_BUFFERS
+/// if set): its data directory and the shared_buffers it runs with.
+fn start_stack() -> Result<(Stack, std::path::PathBuf, String), String> {
+    let mut stack = Stack::start(StackOptions::default())?;
+    if stack.postgres.is_external() {
+        return Err("the records curve loads millions of rows: it runs on a throwaway cluster of its own, not on DATABASE_URL (unset it)".into());
+    }
+    let data_dir = stack
+        .postgres
+        .data_dir()
+        .ok_or("the throwaway cluster has no data directory")?;
+    if let Ok(sb) = std::env::var("SCALE_RECORDS_SHARED_BUFFERS") {
+        stack.postgres.psql(
+            "postgres",
+            &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"),
+        )?;
+        stack.postgres.restart()?;
+    }
+    let shared_buffers = stack.postgres.psql("postgres", "SHOW shared_buffers")?;
+    Ok((stack, data_dir, shared_buffers))
+}
+
+/// The record table's columns (for the loader's copy of the template row) and a fencing token
+/// above every one the state API handed out.
+fn template_facts(stack: &Stack, db: &str) -> Result<(Vec<String>, i64), String> {
+    let columns: Vec<String> = stack
+        .postgres
+        .psql(
+            db,
+            "SELECT column_name FROM information_schema.columns \
+             WHERE table_name = 'idempotency_records' ORDER BY ordinal_position",
+        )?
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let token_base: i64 = stack
+        .postgres
+        .psql(db, "SELECT last_value FROM idempotency_fencing_token_seq")?
+        .trim()
+        .parse::<i64>()
+        .map_err(|e| e.to_string())?
+        + 1_000;
+    Ok((columns, token_base))
+}
+
+/// Why `more` rows would not fit, keeping `keep_free` bytes free (None: they fit).
+fn no_room(
+    data_dir: &std::path::Path,
+    more: u64,
+    bytes_per_row: f64,
+    keep_free: f64,
+) -> Result<Option<String>, String> {
+    let free = free_bytes(data_dir)?;
+    let needed = more as f64 * bytes_per_row * 1.1;
+    if free - needed >= keep_free {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "{:.1} GiB more needed ({:.0} bytes a row), {:.1} GiB free: it would leave less than {:.0} GiB",
+        needed / GIB,
+        bytes_per_row,
+        free / GIB,
+        keep_free / GIB
+    )))
 }
 
 /// One measured run of claim+complete pairs at 16 connections with `rows` loaded.

@@ -78,49 +78,14 @@ fn measure(
     let (envoy_before, _) = memory_mib(envoy_pid);
     let (api_before, _) = memory_mib(api_pid);
     let answers: Answers = Arc::new(Mutex::new(Vec::new()));
-    let slow_done: Arc<Mutex<Vec<(usize, String, Instant)>>> = Arc::new(Mutex::new(Vec::new()));
+    let slow_done: Answers = Arc::new(Mutex::new(Vec::new()));
     let tck = procfs::clk_tck();
     let port = stack.state_api.port;
     let (a, b, envoy_waiting, api_waiting, started) = rt.block_on(async {
-        // The slow requests: each holds its key.
-        let mut slow = Vec::new();
-        for (k, key) in keys.iter().enumerate() {
-            let req = checkout_req(key).header("x-demo-delay-ms", &hold.as_millis().to_string());
-            let done = slow_done.clone();
-            slow.push(tokio::spawn(async move {
-                let status = match async { Conn::open(envoy).await?.send(&req).await }.await {
-                    Ok(a) => a.status.to_string(),
-                    Err(e) => format!("transport: {}", crate::load::short(&e)),
-                };
-                if let Ok(mut d) = done.lock() {
-                    d.push((k, status, Instant::now()));
-                }
-            }));
-        }
+        let slow = hold_keys(envoy, &keys, hold, &slow_done);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let started = Instant::now();
-        let mut tasks = Vec::with_capacity(waiters);
-        for w in 0..waiters {
-            let k = w % KEYS;
-            let req = checkout_req(&keys[k]).header("prefer", &format!("wait={WAIT_S}"));
-            let answers = answers.clone();
-            tasks.push(tokio::spawn(async move {
-                let kind = match async { Conn::open(envoy).await?.send(&req).await }.await {
-                    Ok(a) if a.status == 201 && a.headers.contains_key("idempotent-replayed") => {
-                        "replay".to_owned()
-                    }
-                    Ok(a) => format!("status {}", a.status),
-                    Err(e) => format!("transport: {}", crate::load::short(&e)),
-                };
-                if let Ok(mut s) = answers.lock() {
-                    s.push((k, kind, Instant::now()));
-                }
-            }));
-            // Connections opened at a pace the single-threaded generator keeps.
-            if w % 200 == 199 {
-                tokio::task::yield_now().await;
-            }
-        }
+        let tasks = spawn_waiters(envoy, &keys, waiters, &answers).await;
         tokio::time::sleep_until((started + connect).into()).await;
         let p = procs.clone();
         let a = tokio::task::spawn_blocking(move || Snapshot::take(&p, port))
@@ -160,28 +125,7 @@ fn measure(
         .map(|d| d.iter().map(|(_, s, _)| s.clone()).collect())
         .unwrap_or_default();
     let got = answers.lock().map(|a| a.clone()).unwrap_or_default();
-    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
-    let mut after_ms: Vec<f64> = Vec::new();
-    let mut last_by_key: BTreeMap<usize, f64> = BTreeMap::new();
-    for (k, kind, t) in &got {
-        *by_kind.entry(kind.clone()).or_default() += 1;
-        if let (true, Some(end)) = (kind == "replay", done.get(k)) {
-            // Signed: a waiter may be answered before the slow request's own answer arrives.
-            let ms = if *t >= *end {
-                t.duration_since(*end).as_secs_f64() * 1000.0
-            } else {
-                -(end.duration_since(*t).as_secs_f64() * 1000.0)
-            };
-            after_ms.push(ms);
-            let e = last_by_key.entry(*k).or_insert(f64::MIN);
-            *e = e.max(ms);
-        }
-    }
-    after_ms.sort_by(f64::total_cmp);
-    let median = after_ms
-        .get(after_ms.len() / 2)
-        .copied()
-        .unwrap_or(f64::NAN);
+    let replays = ReplayTimes::of(&got, &done);
     let claims = cpu.state_api_requests.get("claim").copied().unwrap_or(0.0);
     let point = Point {
         waiters,
@@ -194,9 +138,9 @@ fn measure(
         state_api_kib_per_waiter: (api_waiting - api_before) * 1024.0 / waiters as f64,
         cpu_per_waiter,
         claims_per_waiter_s: claims / waiters as f64 / cpu.window_s.max(1e-9),
-        last_replay_after_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
-        median_replay_after_ms: median,
-        answers: by_kind,
+        last_replay_after_ms: replays.last_ms,
+        median_replay_after_ms: replays.median_ms,
+        answers: replays.by_kind,
         slow_statuses,
         steal_cores: cpu.steal_cores,
     };
@@ -209,6 +153,102 @@ fn measure(
         point.answers, point.slow_statuses
     );
     Ok(point)
+}
+
+/// The slow requests, one per key: each holds its key for `hold`.
+fn hold_keys(
+    envoy: std::net::SocketAddr,
+    keys: &[String],
+    hold: Duration,
+    slow_done: &Answers,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut slow = Vec::new();
+    for (k, key) in keys.iter().enumerate() {
+        let req = checkout_req(key).header("x-demo-delay-ms", &hold.as_millis().to_string());
+        let done = slow_done.clone();
+        slow.push(tokio::spawn(async move {
+            let status = match async { Conn::open(envoy).await?.send(&req).await }.await {
+                Ok(a) => a.status.to_string(),
+                Err(e) => format!("transport: {}", crate::load::short(&e)),
+            };
+            if let Ok(mut d) = done.lock() {
+                d.push((k, status, Instant::now()));
+            }
+        }));
+    }
+    slow
+}
+
+/// `waiters` retries with `Prefer: wait`, spread over the keys, each on its own connection.
+async fn spawn_waiters(
+    envoy: std::net::SocketAddr,
+    keys: &[String],
+    waiters: usize,
+    answers: &Answers,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut tasks = Vec::with_capacity(waiters);
+    for w in 0..waiters {
+        let k = w % KEYS;
+        let req = checkout_req(&keys[k]).header("prefer", &format!("wait={WAIT_S}"));
+        let answers = answers.clone();
+        tasks.push(tokio::spawn(async move {
+            let kind = match async { Conn::open(envoy).await?.send(&req).await }.await {
+                Ok(a) if a.status == 201 && a.headers.contains_key("idempotent-replayed") => {
+                    "replay".to_owned()
+                }
+                Ok(a) => format!("status {}", a.status),
+                Err(e) => format!("transport: {}", crate::load::short(&e)),
+            };
+            if let Ok(mut s) = answers.lock() {
+                s.push((k, kind, Instant::now()));
+            }
+        }));
+        // Connections opened at a pace the single-threaded generator keeps.
+        if w % 200 == 199 {
+            tokio::task::yield_now().await;
+        }
+    }
+    tasks
+}
+
+/// The waiters' answers by kind, and when the replays came after their key completed.
+struct ReplayTimes {
+    by_kind: BTreeMap<String, u64>,
+    /// The worst key's last replay after its completion.
+    last_ms: f64,
+    /// Over every replayed waiter.
+    median_ms: f64,
+}
+
+impl ReplayTimes {
+    fn of(got: &[(usize, String, Instant)], done: &BTreeMap<usize, Instant>) -> Self {
+        let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+        let mut after_ms: Vec<f64> = Vec::new();
+        let mut last_by_key: BTreeMap<usize, f64> = BTreeMap::new();
+        for (k, kind, t) in got {
+            *by_kind.entry(kind.clone()).or_default() += 1;
+            if let (true, Some(end)) = (kind == "replay", done.get(k)) {
+                // Signed: a waiter may be answered before the slow request's own answer arrives.
+                let ms = if *t >= *end {
+                    t.duration_since(*end).as_secs_f64() * 1000.0
+                } else {
+                    -(end.duration_since(*t).as_secs_f64() * 1000.0)
+                };
+                after_ms.push(ms);
+                let e = last_by_key.entry(*k).or_insert(f64::MIN);
+                *e = e.max(ms);
+            }
+        }
+        after_ms.sort_by(f64::total_cmp);
+        Self {
+            by_kind,
+            last_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
+            median_ms: after_ms
+                .get(after_ms.len() / 2)
+                .copied()
+                .unwrap_or(f64::NAN),
+        }
+    }
 }
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
