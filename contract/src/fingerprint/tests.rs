@@ -558,6 +558,20 @@ mod props {
             prop_assert_eq!(refused, parsed_infinite, "{}", text);
         }
 
+        /// A decimal without an exponent is often its own canonical text (a fast path): it
+        /// must be exactly what the general layout writes for the same value (`e0` forces it).
+        #[test]
+        fn decimals_as_written_match_the_general_layout(
+            int in "0|[1-9][0-9]{0,23}",
+            frac in "0{0,8}([1-9][0-9]{0,6})?0{0,2}",
+            last in "[0-9]",
+            minus in any::<bool>(),
+        ) {
+            let text = format!("{}{int}.{frac}{last}", if minus { "-" } else { "" });
+            let general = canonical_number(&format!("{text}e0")).map(|c| c.into_owned());
+            prop_assert_eq!(canonical_number(&text).map(|c| c.into_owned()), general, "{}", text);
+        }
+
         #[test]
         fn integers_are_exact(a in any::<i128>(), b in any::<i128>()) {
             prop_assume!(a != b);
