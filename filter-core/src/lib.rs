@@ -9,6 +9,7 @@
 //! * [`host`]: how the worker's effects become host actions (the glue and the simulation each
 //!   implement its [`host::Host`] and share its [`host::perform`]);
 //! * [`config`], [`key`], [`headers`], [`reply`], [`outcome`], [`metrics`]: the rules they use;
+//!   [`route_table`]: the routes as a trie per method (a request's route in the length of its path);
 //!   [`hostmap`]: the proxy-wasm header map encoding.
 
 pub mod config;
@@ -21,4 +22,5 @@ pub mod key;
 pub mod metrics;
 pub mod outcome;
 pub mod reply;
+pub mod route_table;
 pub mod worker;
