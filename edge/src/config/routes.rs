@@ -154,19 +154,7 @@ pub(super) fn route(
     if !is_token(&method) {
         return src.at(r.method.span(), "route.method must be an HTTP method");
     }
-    let matcher = match (&r.path, &r.prefix) {
-        (Some(p), None) => Match::Path(route_path(src, p, "path")?),
-        (None, Some(p)) => Match::Prefix(route_path(src, p, "prefix")?),
-        (Some(_), Some(p)) => {
-            return src.at(p.span(), "a route has either path or prefix, not both")
-        }
-        (None, None) => {
-            return src.at(
-                raw.span(),
-                "a route needs path = \"...\" or prefix = \"...\"",
-            )
-        }
-    };
+    let matcher = route_matcher(src, raw)?;
     let lease = r.lease_ms.as_ref().map(|l| *l.get_ref());
     let heartbeat = r.heartbeat_ms.as_ref().map(|h| *h.get_ref());
     if lease.is_some() || heartbeat.is_some() {
@@ -210,31 +198,7 @@ pub(super) fn route(
         Some(v) => *v.get_ref(),
         None => fc::DEFAULT_MAX_WAIT_S,
     };
-    let pointers = |list: &[String], name: &str| -> Result<Vec<fc::Pointer>, ConfigError> {
-        list.iter()
-            .map(|p| {
-                fc::Pointer::parse(p).or_else(|e| {
-                    let at = r.fingerprint.as_ref().map_or(raw.span(), Spanned::span);
-                    src.at(at, format!("route.fingerprint.{name}: {e}"))
-                })
-            })
-            .collect()
-    };
-    let fingerprint = match r.fingerprint.as_ref().map(|f| (f.get_ref(), f.span())) {
-        None => fc::Selection::Whole,
-        Some((RawFingerprint { ignore: Some(l), include: None }, _)) if !l.is_empty() => {
-            fc::Selection::Ignore(pointers(l, "ignore")?)
-        }
-        Some((RawFingerprint { ignore: None, include: Some(l) }, _)) if !l.is_empty() => {
-            fc::Selection::Include(pointers(l, "include")?)
-        }
-        Some((_, at)) => {
-            return src.at(
-                at,
-                "route.fingerprint needs exactly one non-empty list: { ignore = [\"/pointer\", ...] } or { include = [...] }",
-            )
-        }
-    };
+    let fingerprint = fingerprint(src, raw)?;
     let key_from = match &r.key_from {
         Some(k) => Some(
             fc::Pointer::parse(k.get_ref())
@@ -242,25 +206,7 @@ pub(super) fn route(
         ),
         None => None,
     };
-    let on_unknown = match r.on_unknown.as_ref().map(|o| *o.get_ref()) {
-        None | Some(RawOnUnknown::Hold) => OnUnknown::Hold,
-        Some(RawOnUnknown::Reconcile) => OnUnknown::Reconcile,
-        Some(RawOnUnknown::Reexecute) => OnUnknown::Reexecute,
-    };
-    let reconcile = match (&r.reconcile, on_unknown) {
-        (Some(rc), OnUnknown::Reconcile) => Some(reconcile(src, rc)?),
-        (None, OnUnknown::Reconcile) => {
-            let at = r.on_unknown.as_ref().map_or(raw.span(), Spanned::span);
-            return src.at(at, "on_unknown = \"reconcile\" needs reconcile = { path = \"/.../{key}\" }: where the upstream tells what became of a key");
-        }
-        (Some(rc), _) => {
-            return src.at(
-                rc.span(),
-                "reconcile is only used with on_unknown = \"reconcile\"",
-            )
-        }
-        (None, _) => None,
-    };
+    let (on_unknown, reconcile) = on_unknown(src, raw)?;
     Ok(Route {
         method,
         matcher,
@@ -286,6 +232,78 @@ pub(super) fn route(
         fingerprint,
         key_from,
     })
+}
+
+/// `path` or `prefix`, exactly one.
+fn route_matcher(src: &Source<'_>, raw: &Spanned<RawRoute>) -> Result<Match, ConfigError> {
+    let r = raw.get_ref();
+    match (&r.path, &r.prefix) {
+        (Some(p), None) => Ok(Match::Path(route_path(src, p, "path")?)),
+        (None, Some(p)) => Ok(Match::Prefix(route_path(src, p, "prefix")?)),
+        (Some(_), Some(p)) => src.at(p.span(), "a route has either path or prefix, not both"),
+        (None, None) => src.at(
+            raw.span(),
+            "a route needs path = \"...\" or prefix = \"...\"",
+        ),
+    }
+}
+
+/// What of a JSON body the fingerprint covers: the whole, or one non-empty list of pointers.
+fn fingerprint(src: &Source<'_>, raw: &Spanned<RawRoute>) -> Result<fc::Selection, ConfigError> {
+    let r = raw.get_ref();
+    let pointers = |list: &[String], name: &str| -> Result<Vec<fc::Pointer>, ConfigError> {
+        list.iter()
+            .map(|p| {
+                fc::Pointer::parse(p).or_else(|e| {
+                    let at = r.fingerprint.as_ref().map_or(raw.span(), Spanned::span);
+                    src.at(at, format!("route.fingerprint.{name}: {e}"))
+                })
+            })
+            .collect()
+    };
+    Ok(match r.fingerprint.as_ref().map(|f| (f.get_ref(), f.span())) {
+        None => fc::Selection::Whole,
+        Some((RawFingerprint { ignore: Some(l), include: None }, _)) if !l.is_empty() => {
+            fc::Selection::Ignore(pointers(l, "ignore")?)
+        }
+        Some((RawFingerprint { ignore: None, include: Some(l) }, _)) if !l.is_empty() => {
+            fc::Selection::Include(pointers(l, "include")?)
+        }
+        Some((_, at)) => {
+            return src.at(
+                at,
+                "route.fingerprint needs exactly one non-empty list: { ignore = [\"/pointer\", ...] } or { include = [...] }",
+            )
+        }
+    })
+}
+
+/// `on_unknown`, and the `reconcile` endpoint that goes with `"reconcile"` (and only with it).
+fn on_unknown(
+    src: &Source<'_>,
+    raw: &Spanned<RawRoute>,
+) -> Result<(OnUnknown, Option<Reconcile>), ConfigError> {
+    let r = raw.get_ref();
+    let on_unknown = match r.on_unknown.as_ref().map(|o| *o.get_ref()) {
+        None | Some(RawOnUnknown::Hold) => OnUnknown::Hold,
+        Some(RawOnUnknown::Reconcile) => OnUnknown::Reconcile,
+        Some(RawOnUnknown::Reexecute) => OnUnknown::Reexecute,
+    };
+    let reconcile = match (&r.reconcile, on_unknown) {
+        (Some(rc), OnUnknown::Reconcile) => Some(reconcile(src, rc)?),
+        (None, OnUnknown::Reconcile) => {
+            let at = r.on_unknown.as_ref().map_or(raw.span(), Spanned::span);
+            return src.at(at, "on_unknown = \"reconcile\" needs reconcile = { path = \"/.../{key}\" }: where the upstream tells what became of a key");
+        }
+        (Some(rc), _) => {
+            return src.at(
+                rc.span(),
+                "reconcile is only used with on_unknown = \"reconcile\"",
+            )
+        }
+        (None, _) => None,
+    };
+    Ok((on_unknown, reconcile))
 }
 
 fn route_path(src: &Source<'_>, p: &Spanned<String>, name: &str) -> Result<String, ConfigError> {
