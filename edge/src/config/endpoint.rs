@@ -9,21 +9,32 @@ pub struct Endpoint {
     pub port: u16,
 }
 
+/// Why a URL does not name an HTTP(S) service.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("{url:?} must start with http:// or https://")]
+    Scheme { url: String },
+    #[error("{url:?} must be scheme://host[:port], without a path, query or user")]
+    NotAnOrigin { url: String },
+    #[error("{url:?}: the port must be 1 to 65535")]
+    Port { url: String },
+    #[error("{url:?}: {host:?} is not a host name or address")]
+    Host { url: String, host: String },
+}
+
 impl Endpoint {
     /// `http://host[:port]` or `https://host[:port]`, nothing after the authority.
-    pub fn parse(url: &str) -> Result<Self, String> {
+    pub fn parse(url: &str) -> Result<Self, EndpointError> {
         let (tls, rest) = if let Some(r) = url.strip_prefix("http://") {
             (false, r)
         } else if let Some(r) = url.strip_prefix("https://") {
             (true, r)
         } else {
-            return Err(format!("{url:?} must start with http:// or https://"));
+            return Err(EndpointError::Scheme { url: url.into() });
         };
         let authority = rest.strip_suffix('/').unwrap_or(rest);
         if authority.is_empty() || authority.contains(['/', '?', '#', '@', ' ']) {
-            return Err(format!(
-                "{url:?} must be scheme://host[:port], without a path, query or user"
-            ));
+            return Err(EndpointError::NotAnOrigin { url: url.into() });
         }
         let (host, port) = match authority.rsplit_once(':') {
             Some((h, p)) if !h.ends_with(']') || authority.starts_with('[') => {
@@ -31,7 +42,7 @@ impl Endpoint {
                     .parse::<u16>()
                     .ok()
                     .filter(|p| *p > 0)
-                    .ok_or_else(|| format!("{url:?}: the port must be 1 to 65535"))?;
+                    .ok_or_else(|| EndpointError::Port { url: url.into() })?;
                 (h, port)
             }
             _ => (authority, if tls { 443 } else { 80 }),
@@ -42,7 +53,10 @@ impl Endpoint {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-._:".contains(&b))
         {
-            return Err(format!("{url:?}: {host:?} is not a host name or address"));
+            return Err(EndpointError::Host {
+                url: url.into(),
+                host: host.into(),
+            });
         }
         Ok(Self {
             tls,

@@ -37,7 +37,7 @@ mod state;
 mod state_tls;
 mod subject;
 
-pub use endpoint::Endpoint;
+pub use endpoint::{Endpoint, EndpointError};
 
 /// What is wrong with a configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -50,9 +50,44 @@ pub enum ConfigError {
         line: usize,
         message: String,
     },
-    /// A configuration built in code that the filter or the state API would refuse.
+    /// A configuration built in code that the state API would refuse, or an address in use.
     #[error("{0}")]
     Invalid(String),
+    /// The plugin configuration it renders, as the filter's own reader refuses it.
+    #[error("{0}")]
+    Filter(#[from] fc::ConfigError),
+}
+
+/// What is wrong with a file the configuration names (a PEM file, the JWKS): the
+/// [`ConfigError`] that names it says which field and line.
+#[derive(Debug, thiserror::Error)]
+pub enum NamedFileError {
+    #[error("cannot read {}: {source}", .path.display())]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)", .path.display())]
+    NoCertificate { path: PathBuf },
+    #[error("{} holds no PEM private key (-----BEGIN PRIVATE KEY-----)", .path.display())]
+    NoPrivateKey { path: PathBuf },
+    #[error("{} is not JSON: {source}", .path.display())]
+    NotJson {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{} has no \"keys\" (a JWKS document)", .path.display())]
+    NoKeys { path: PathBuf },
+}
+
+impl NamedFileError {
+    /// The file's text, or why it cannot be read.
+    fn read(path: &std::path::Path) -> Result<String, Self> {
+        std::fs::read_to_string(path).map_err(|source| Self::Unreadable {
+            path: path.to_owned(),
+            source,
+        })
+    }
 }
 
 /// Where the state API listens and what it runs on.

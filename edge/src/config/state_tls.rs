@@ -139,9 +139,8 @@ enum PemKind {
 
 /// A PEM file of this kind: readable, with a `-----BEGIN ...` block of it. Only the labels are
 /// looked at (the key's bytes are never part of an error).
-fn check_pem_file(path: &Path, kind: PemKind) -> Result<(), String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+fn check_pem_file(path: &Path, kind: PemKind) -> Result<(), NamedFileError> {
+    let text = NamedFileError::read(path)?;
     let found = text.lines().any(|l| {
         let l = l.trim();
         l.starts_with("-----BEGIN ")
@@ -153,14 +152,9 @@ fn check_pem_file(path: &Path, kind: PemKind) -> Result<(), String> {
     if found {
         return Ok(());
     }
+    let path = path.to_owned();
     Err(match kind {
-        PemKind::Certificate => format!(
-            "{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
-            path.display()
-        ),
-        PemKind::PrivateKey => format!(
-            "{} holds no PEM private key (-----BEGIN PRIVATE KEY-----)",
-            path.display()
-        ),
+        PemKind::Certificate => NamedFileError::NoCertificate { path },
+        PemKind::PrivateKey => NamedFileError::NoPrivateKey { path },
     })
 }

@@ -91,16 +91,17 @@ pub(super) fn subject(
 }
 
 /// A JWKS file Envoy can load: JSON with a non-empty `keys` array.
-fn check_jwks_file(path: &Path) -> Result<(), String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+fn check_jwks_file(path: &Path) -> Result<(), NamedFileError> {
+    let text = NamedFileError::read(path)?;
     let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|source| NamedFileError::NotJson {
+            path: path.to_owned(),
+            source,
+        })?;
     match v.get("keys").and_then(|k| k.as_array()) {
         Some(keys) if !keys.is_empty() => Ok(()),
-        _ => Err(format!(
-            "{} has no \"keys\" (a JWKS document)",
-            path.display()
-        )),
+        _ => Err(NamedFileError::NoKeys {
+            path: path.to_owned(),
+        }),
     }
 }
