@@ -58,6 +58,27 @@ pub const STATE_API: &str = "state-api";
 const ROOT_ID: &str = "idempotency";
 const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 
+/// Why a configuration or a module cannot be rendered as manifests.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    #[error("[state.tls] is not rendered for a mesh: inside the cluster the state API is reached over the mesh's network, admitted by its NetworkPolicy and token (remove [state.tls], or render --target envoy)")]
+    StateTls,
+    /// The module's image (whose digest the manifests pin) cannot be built.
+    #[error("{0}")]
+    Image(#[from] oci::OciError),
+    #[error("{0}")]
+    PluginJson(#[from] serde_json::Error),
+    #[error("{0}")]
+    Yaml(#[from] yaml_rust2::EmitError),
+}
+
+/// For callers that report errors as text (the end-to-end harness's `Result<_, String>`).
+impl From<MeshError> for String {
+    fn from(e: MeshError) -> Self {
+        e.to_string()
+    }
+}
+
 /// What pins the module: the manifest digest of its compat image (`make oci`), hex.
 pub struct Pins {
     pub image_digest_hex: String,
@@ -66,8 +87,8 @@ pub struct Pins {
 impl Pins {
     /// The digest `make oci` gives this module's compat image: the image is reproducible, so
     /// the module is enough to know it.
-    pub fn of_module(module: &[u8]) -> Result<Self, String> {
-        let images = oci::build(module, env!("CARGO_PKG_VERSION")).map_err(|e| e.to_string())?;
+    pub fn of_module(module: &[u8]) -> Result<Self, MeshError> {
+        let images = oci::build(module, env!("CARGO_PKG_VERSION"))?;
         let digest = images.compat.manifest.digest();
         Ok(Self {
             image_digest_hex: digest.trim_start_matches("sha256:").to_owned(),
@@ -76,13 +97,13 @@ impl Pins {
 }
 
 /// The manifests for `target`, or why this configuration cannot be rendered for it.
-pub fn manifests(cfg: &Config, target: Target, pins: &Pins) -> Result<String, String> {
+pub fn manifests(cfg: &Config, target: Target, pins: &Pins) -> Result<String, MeshError> {
     if cfg.state.tls.is_some() {
-        return Err("[state.tls] is not rendered for a mesh: inside the cluster the state API is reached over the mesh's network, admitted by its NetworkPolicy and token (remove [state.tls], or render --target envoy)".into());
+        return Err(MeshError::StateTls);
     }
     let m = &cfg.mesh;
     let plugin = render::plugin_config(cfg, &wiring(cfg, target), &secrets(cfg).token);
-    let plugin = serde_json::to_value(&plugin).map_err(|e| e.to_string())?;
+    let plugin = serde_json::to_value(&plugin)?;
     // The namespace and the state API first: `kubectl apply -f` creates in this order.
     let mut docs = match m.external_state_api {
         None => state_api_objects(cfg, target),
@@ -97,7 +118,7 @@ pub fn manifests(cfg: &Config, target: Target, pins: &Pins) -> Result<String, St
         let mut text = String::new();
         let mut emitter = YamlEmitter::new(&mut text);
         emitter.multiline_strings(true);
-        emitter.dump(&doc).map_err(|e| e.to_string())?;
+        emitter.dump(&doc)?;
         out.push_str(&text);
         out.push('\n');
     }
