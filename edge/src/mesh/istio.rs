@@ -8,73 +8,18 @@ use super::*;
 use crate::render::{duration, n};
 
 pub(super) fn istio(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Vec<Yaml> {
+    let mut docs = vec![envoy_filter(cfg, plugin, pins)];
+    docs.extend(request_authentication(cfg));
+    docs.extend(state_api_route(cfg));
+    docs
+}
+
+/// The filter as an ECDS extension (pulled from the OCI image, pinned by its digest), and the
+/// patch that inserts it before the router.
+fn envoy_filter(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
     let m = &cfg.mesh;
     let selector = map(vec![("labels", string_map(&m.istio_labels))]);
-    let wasm = map(vec![
-        ("name", s(NAME)),
-        (
-            "typed_config",
-            map(vec![
-                ("@type", s(WASM_TYPE)),
-                (
-                    "config",
-                    map(vec![
-                        ("name", s(NAME)),
-                        ("root_id", s(ROOT_ID)),
-                        // What Istio's WasmPlugin cannot say (module documentation).
-                        ("allow_on_headers_stop_iteration", Yaml::Boolean(true)),
-                        (
-                            "failure_policy",
-                            s(if fail_open(cfg) {
-                                "FAIL_OPEN"
-                            } else {
-                                "FAIL_CLOSED"
-                            }),
-                        ),
-                        (
-                            "vm_config",
-                            map(vec![
-                                ("vm_id", s(NAME)),
-                                ("runtime", s("envoy.wasm.runtime.v8")),
-                                (
-                                    "code",
-                                    map(vec![(
-                                        "remote",
-                                        map(vec![
-                                            (
-                                                "http_uri",
-                                                map(vec![
-                                                    // istio-agent pulls oci:// itself (so
-                                                    // Istio's WasmPlugin does): no cluster.
-                                                    ("uri", s(format!("oci://{}", m.filter_image))),
-                                                    ("cluster", s("_")),
-                                                    ("timeout", duration(30_000)),
-                                                ]),
-                                            ),
-                                            ("sha256", s(pins.image_digest_hex.clone())),
-                                        ]),
-                                    )]),
-                                ),
-                            ]),
-                        ),
-                        (
-                            "configuration",
-                            map(vec![
-                                (
-                                    "@type",
-                                    s("type.googleapis.com/google.protobuf.StringValue"),
-                                ),
-                                (
-                                    "value",
-                                    s(serde_json::to_string_pretty(plugin).unwrap_or_default()),
-                                ),
-                            ]),
-                        ),
-                    ]),
-                ),
-            ]),
-        ),
-    ]);
+    let wasm = extension_config(cfg, plugin, pins);
     let hcm_match = map(vec![
         ("context", s("GATEWAY")),
         (
@@ -94,7 +39,7 @@ pub(super) fn istio(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Ve
             )]),
         ),
     ]);
-    let mut docs = vec![object(
+    object(
         "networking.istio.io/v1alpha3",
         "EnvoyFilter",
         NAME,
@@ -140,45 +85,58 @@ pub(super) fn istio(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Ve
                 ),
             ]),
         )],
-    )];
-    if let Subject::Jwt(j) = &cfg.subject {
-        let mut rule = vec![
-            ("issuer", s(j.issuer.clone())),
-            (
-                "audiences",
-                Yaml::Array(j.audiences.iter().map(|a| s(a.clone())).collect()),
-            ),
-            ("forwardOriginalToken", Yaml::Boolean(j.forward_token)),
-            (
-                "outputClaimToHeaders",
-                Yaml::Array(vec![map(vec![
-                    ("header", s(j.header.clone())),
-                    ("claim", s(j.claim.clone())),
-                ])]),
-            ),
-        ];
-        match (jwks_uri(j), jwks_text(j)) {
-            (Some(uri), _) => rule.push(("jwksUri", s(uri))),
-            (None, Some(text)) => rule.push(("jwks", s(text))),
-            (None, None) => {}
-        }
-        docs.push(object(
-            "security.istio.io/v1",
-            "RequestAuthentication",
-            NAME,
-            &m.istio_namespace,
-            vec![(
-                "spec",
-                map(vec![
-                    (
-                        "selector",
-                        map(vec![("matchLabels", string_map(&m.istio_labels))]),
-                    ),
-                    ("jwtRules", Yaml::Array(vec![map(rule)])),
-                ]),
-            )],
-        ));
+    )
+}
+
+/// The JWT's `RequestAuthentication` on the gateways (none with a header subject).
+fn request_authentication(cfg: &Config) -> Option<Yaml> {
+    let m = &cfg.mesh;
+    let Subject::Jwt(j) = &cfg.subject else {
+        return None;
+    };
+    let mut rule = vec![
+        ("issuer", s(j.issuer.clone())),
+        (
+            "audiences",
+            Yaml::Array(j.audiences.iter().map(|a| s(a.clone())).collect()),
+        ),
+        ("forwardOriginalToken", Yaml::Boolean(j.forward_token)),
+        (
+            "outputClaimToHeaders",
+            Yaml::Array(vec![map(vec![
+                ("header", s(j.header.clone())),
+                ("claim", s(j.claim.clone())),
+            ])]),
+        ),
+    ];
+    match (jwks_uri(j), jwks_text(j)) {
+        (Some(uri), _) => rule.push(("jwksUri", s(uri))),
+        (None, Some(text)) => rule.push(("jwks", s(text))),
+        (None, None) => {}
     }
+    Some(object(
+        "security.istio.io/v1",
+        "RequestAuthentication",
+        NAME,
+        &m.istio_namespace,
+        vec![(
+            "spec",
+            map(vec![
+                (
+                    "selector",
+                    map(vec![("matchLabels", string_map(&m.istio_labels))]),
+                ),
+                ("jwtRules", Yaml::Array(vec![map(rule)])),
+            ]),
+        )],
+    ))
+}
+
+/// How the gateways reach the state API: a `DestinationRule`, after a `ServiceEntry` for one
+/// outside the cluster.
+fn state_api_route(cfg: &Config) -> Vec<Yaml> {
+    let m = &cfg.mesh;
+    let mut docs = Vec::new();
     let state_api = state_api_endpoint(cfg);
     let tls = if state_api.tls {
         map(vec![
@@ -242,4 +200,75 @@ pub(super) fn istio(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Ve
         )],
     ));
     docs
+}
+
+/// The ECDS extension: the module from the OCI image, pinned by its digest, and its
+/// configuration.
+fn extension_config(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
+    let m = &cfg.mesh;
+    map(vec![
+        ("name", s(NAME)),
+        (
+            "typed_config",
+            map(vec![
+                ("@type", s(WASM_TYPE)),
+                (
+                    "config",
+                    map(vec![
+                        ("name", s(NAME)),
+                        ("root_id", s(ROOT_ID)),
+                        // What Istio's WasmPlugin cannot say (module documentation).
+                        ("allow_on_headers_stop_iteration", Yaml::Boolean(true)),
+                        (
+                            "failure_policy",
+                            s(if fail_open(cfg) {
+                                "FAIL_OPEN"
+                            } else {
+                                "FAIL_CLOSED"
+                            }),
+                        ),
+                        (
+                            "vm_config",
+                            map(vec![
+                                ("vm_id", s(NAME)),
+                                ("runtime", s("envoy.wasm.runtime.v8")),
+                                (
+                                    "code",
+                                    map(vec![(
+                                        "remote",
+                                        map(vec![
+                                            (
+                                                "http_uri",
+                                                map(vec![
+                                                    // istio-agent pulls oci:// itself (so
+                                                    // Istio's WasmPlugin does): no cluster.
+                                                    ("uri", s(format!("oci://{}", m.filter_image))),
+                                                    ("cluster", s("_")),
+                                                    ("timeout", duration(30_000)),
+                                                ]),
+                                            ),
+                                            ("sha256", s(pins.image_digest_hex.clone())),
+                                        ]),
+                                    )]),
+                                ),
+                            ]),
+                        ),
+                        (
+                            "configuration",
+                            map(vec![
+                                (
+                                    "@type",
+                                    s("type.googleapis.com/google.protobuf.StringValue"),
+                                ),
+                                (
+                                    "value",
+                                    s(serde_json::to_string_pretty(plugin).unwrap_or_default()),
+                                ),
+                            ]),
+                        ),
+                    ]),
+                ),
+            ]),
+        ),
+    ])
 }

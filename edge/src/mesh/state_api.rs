@@ -48,7 +48,6 @@ const SECRET_VARIABLES: &[&str] = &[
     state_env::STATE_API_PREVIOUS_STORAGE_KEY,
     state_env::STATE_API_ADMIN_TOKEN,
 ];
-
 pub(super) fn state_api_objects(cfg: &Config, target: Target) -> Vec<Yaml> {
     let m = &cfg.mesh;
     let ns = &m.namespace;
@@ -65,117 +64,12 @@ pub(super) fn state_api_objects(cfg: &Config, target: Target) -> Vec<Yaml> {
         .into_iter()
         .filter(|(k, _)| k != state_env::LISTEN_ADDR)
         .partition(|(k, _)| SECRET_VARIABLES.contains(&k.as_str()));
-    let mut container_env = vec![map(vec![
-        ("name", s(state_env::LISTEN_ADDR)),
-        ("value", s(format!("0.0.0.0:{port}"))),
-    ])];
-    container_env.extend(
-        plain_env
-            .iter()
-            .map(|(k, v)| map(vec![("name", s(k.clone())), ("value", s(v.clone()))])),
-    );
     let selector = map(vec![("app.kubernetes.io/name", s(STATE_API))]);
-    let non_root = map(vec![
-        ("allowPrivilegeEscalation", Yaml::Boolean(false)),
-        ("readOnlyRootFilesystem", Yaml::Boolean(true)),
-        (
-            "capabilities",
-            map(vec![("drop", Yaml::Array(vec![s("ALL")]))]),
-        ),
-    ]);
-    let from_secret = Yaml::Array(vec![map(vec![(
-        "secretRef",
-        map(vec![("name", s(STATE_API))]),
-    )])]);
-    let probe = |path: &str, period_s: u64| {
-        map(vec![
-            ("httpGet", map(vec![("path", s(path)), ("port", s("http"))])),
-            ("periodSeconds", n(period_s)),
-        ])
-    };
-    let mut pod_labels = vec![("app.kubernetes.io/name", s(STATE_API))];
-    if target == Target::Istio {
-        // No sidecar: the gateways reach it directly (DestinationRule `tls: DISABLE`), and its
-        // migrations run before any sidecar could start.
-        pod_labels.push(("sidecar.istio.io/inject", s("false")));
-    }
-    let image = s(m.state_api_image.clone());
-    let pod = map(vec![
-        ("metadata", map(vec![("labels", map(pod_labels))])),
-        (
-            "spec",
-            map(vec![
-                (
-                    "securityContext",
-                    map(vec![
-                        ("runAsNonRoot", Yaml::Boolean(true)),
-                        ("runAsUser", n(10_001)),
-                        ("runAsGroup", n(10_001)),
-                        ("seccompProfile", map(vec![("type", s("RuntimeDefault"))])),
-                    ]),
-                ),
-                (
-                    // The migrations run to the end before the server of a new version
-                    // starts (sqlx holds an advisory lock: replicas starting together wait in
-                    // turn); with maxUnavailable 0 the old pods serve meanwhile.
-                    "initContainers",
-                    Yaml::Array(vec![map(vec![
-                        ("name", s("migrate")),
-                        ("image", image.clone()),
-                        ("args", Yaml::Array(vec![s("--migrate-only")])),
-                        ("envFrom", from_secret.clone()),
-                        ("securityContext", non_root.clone()),
-                    ])]),
-                ),
-                (
-                    "containers",
-                    Yaml::Array(vec![map(vec![
-                        ("name", s(STATE_API)),
-                        ("image", image),
-                        (
-                            "ports",
-                            Yaml::Array(vec![map(vec![
-                                ("name", s("http")),
-                                ("containerPort", n(u64::from(port))),
-                            ])]),
-                        ),
-                        ("env", Yaml::Array(container_env)),
-                        ("envFrom", from_secret),
-                        ("readinessProbe", probe("/readyz", 5)),
-                        ("livenessProbe", probe("/healthz", 10)),
-                        (
-                            "resources",
-                            map(vec![(
-                                "requests",
-                                map(vec![("cpu", s("250m")), ("memory", s("128Mi"))]),
-                            )]),
-                        ),
-                        ("securityContext", non_root),
-                    ])]),
-                ),
-            ]),
-        ),
-    ]);
+    let pod = pod_template(cfg, target, &plain_env);
     let secret_data = map(secret_env
         .iter()
         .map(|(k, v)| (k.as_str(), s(v.clone())))
         .collect());
-    let (envoy_ns, envoy_labels) = match target {
-        Target::Istio => (m.istio_namespace.clone(), m.istio_labels.clone()),
-        Target::EnvoyGateway => (
-            m.gateway_proxy_namespace.clone(),
-            BTreeMap::from([
-                (
-                    "gateway.envoyproxy.io/owning-gateway-name".into(),
-                    m.gateway.clone(),
-                ),
-                (
-                    "gateway.envoyproxy.io/owning-gateway-namespace".into(),
-                    m.gateway_namespace.clone(),
-                ),
-            ]),
-        ),
-    };
     vec![
         map(vec![
             ("apiVersion", s("v1")),
@@ -249,46 +143,167 @@ pub(super) fn state_api_objects(cfg: &Config, target: Target) -> Vec<Yaml> {
                 ]),
             )],
         ),
-        object(
-            "networking.k8s.io/v1",
-            "NetworkPolicy",
-            STATE_API,
-            ns,
-            vec![(
-                "spec",
-                map(vec![
-                    ("podSelector", map(vec![("matchLabels", selector)])),
-                    ("policyTypes", Yaml::Array(vec![s("Ingress")])),
-                    (
-                        "ingress",
-                        Yaml::Array(vec![map(vec![
-                            (
-                                "from",
-                                Yaml::Array(vec![map(vec![
-                                    (
-                                        "namespaceSelector",
-                                        map(vec![(
-                                            "matchLabels",
-                                            map(vec![("kubernetes.io/metadata.name", s(envoy_ns))]),
-                                        )]),
-                                    ),
-                                    (
-                                        "podSelector",
-                                        map(vec![("matchLabels", string_map(&envoy_labels))]),
-                                    ),
-                                ])]),
-                            ),
-                            (
-                                "ports",
-                                Yaml::Array(vec![map(vec![
-                                    ("protocol", s("TCP")),
-                                    ("port", n(u64::from(port))),
-                                ])]),
-                            ),
-                        ])]),
-                    ),
-                ]),
-            )],
-        ),
+        network_policy(cfg, target, selector),
     ]
+}
+
+/// The pod: non-root, read-only, the migrations in an init container, the plain settings in
+/// its environment and the secret ones from the Secret, probed on `/readyz` and `/healthz`.
+fn pod_template(cfg: &Config, target: Target, plain_env: &[(String, String)]) -> Yaml {
+    let m = &cfg.mesh;
+    let port = cfg.state.listen.port();
+    let mut container_env = vec![map(vec![
+        ("name", s(state_env::LISTEN_ADDR)),
+        ("value", s(format!("0.0.0.0:{port}"))),
+    ])];
+    container_env.extend(
+        plain_env
+            .iter()
+            .map(|(k, v)| map(vec![("name", s(k.clone())), ("value", s(v.clone()))])),
+    );
+    let non_root = map(vec![
+        ("allowPrivilegeEscalation", Yaml::Boolean(false)),
+        ("readOnlyRootFilesystem", Yaml::Boolean(true)),
+        (
+            "capabilities",
+            map(vec![("drop", Yaml::Array(vec![s("ALL")]))]),
+        ),
+    ]);
+    let from_secret = Yaml::Array(vec![map(vec![(
+        "secretRef",
+        map(vec![("name", s(STATE_API))]),
+    )])]);
+    let probe = |path: &str, period_s: u64| {
+        map(vec![
+            ("httpGet", map(vec![("path", s(path)), ("port", s("http"))])),
+            ("periodSeconds", n(period_s)),
+        ])
+    };
+    let mut pod_labels = vec![("app.kubernetes.io/name", s(STATE_API))];
+    if target == Target::Istio {
+        // No sidecar: the gateways reach it directly (DestinationRule `tls: DISABLE`), and its
+        // migrations run before any sidecar could start.
+        pod_labels.push(("sidecar.istio.io/inject", s("false")));
+    }
+    let image = s(m.state_api_image.clone());
+    map(vec![
+        ("metadata", map(vec![("labels", map(pod_labels))])),
+        (
+            "spec",
+            map(vec![
+                (
+                    "securityContext",
+                    map(vec![
+                        ("runAsNonRoot", Yaml::Boolean(true)),
+                        ("runAsUser", n(10_001)),
+                        ("runAsGroup", n(10_001)),
+                        ("seccompProfile", map(vec![("type", s("RuntimeDefault"))])),
+                    ]),
+                ),
+                (
+                    // The migrations run to the end before the server of a new version
+                    // starts (sqlx holds an advisory lock: replicas starting together wait in
+                    // turn); with maxUnavailable 0 the old pods serve meanwhile.
+                    "initContainers",
+                    Yaml::Array(vec![map(vec![
+                        ("name", s("migrate")),
+                        ("image", image.clone()),
+                        ("args", Yaml::Array(vec![s("--migrate-only")])),
+                        ("envFrom", from_secret.clone()),
+                        ("securityContext", non_root.clone()),
+                    ])]),
+                ),
+                (
+                    "containers",
+                    Yaml::Array(vec![map(vec![
+                        ("name", s(STATE_API)),
+                        ("image", image),
+                        (
+                            "ports",
+                            Yaml::Array(vec![map(vec![
+                                ("name", s("http")),
+                                ("containerPort", n(u64::from(port))),
+                            ])]),
+                        ),
+                        ("env", Yaml::Array(container_env)),
+                        ("envFrom", from_secret),
+                        ("readinessProbe", probe("/readyz", 5)),
+                        ("livenessProbe", probe("/healthz", 10)),
+                        (
+                            "resources",
+                            map(vec![(
+                                "requests",
+                                map(vec![("cpu", s("250m")), ("memory", s("128Mi"))]),
+                            )]),
+                        ),
+                        ("securityContext", non_root),
+                    ])]),
+                ),
+            ]),
+        ),
+    ])
+}
+
+/// Only the mesh's Envoys reach the state API.
+fn network_policy(cfg: &Config, target: Target, selector: Yaml) -> Yaml {
+    let m = &cfg.mesh;
+    let ns = &m.namespace;
+    let port = cfg.state.listen.port();
+    let (envoy_ns, envoy_labels) = match target {
+        Target::Istio => (m.istio_namespace.clone(), m.istio_labels.clone()),
+        Target::EnvoyGateway => (
+            m.gateway_proxy_namespace.clone(),
+            BTreeMap::from([
+                (
+                    "gateway.envoyproxy.io/owning-gateway-name".into(),
+                    m.gateway.clone(),
+                ),
+                (
+                    "gateway.envoyproxy.io/owning-gateway-namespace".into(),
+                    m.gateway_namespace.clone(),
+                ),
+            ]),
+        ),
+    };
+    object(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        STATE_API,
+        ns,
+        vec![(
+            "spec",
+            map(vec![
+                ("podSelector", map(vec![("matchLabels", selector)])),
+                ("policyTypes", Yaml::Array(vec![s("Ingress")])),
+                (
+                    "ingress",
+                    Yaml::Array(vec![map(vec![
+                        (
+                            "from",
+                            Yaml::Array(vec![map(vec![
+                                (
+                                    "namespaceSelector",
+                                    map(vec![(
+                                        "matchLabels",
+                                        map(vec![("kubernetes.io/metadata.name", s(envoy_ns))]),
+                                    )]),
+                                ),
+                                (
+                                    "podSelector",
+                                    map(vec![("matchLabels", string_map(&envoy_labels))]),
+                                ),
+                            ])]),
+                        ),
+                        (
+                            "ports",
+                            Yaml::Array(vec![map(vec![
+                                ("protocol", s("TCP")),
+                                ("port", n(u64::from(port))),
+                            ])]),
+                        ),
+                    ])]),
+                ),
+            ]),
+        )],
+    )
 }
