@@ -48,7 +48,7 @@ fn env_u64(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
-    // `bench soak` (`make soak`): the long run of src/soak.rs; `bench scale` (`make
+    // `bench soak` (`make soak`): the long run of src/soak/; `bench scale` (`make
     // bench-scale`): the curves of src/scale/; otherwise the benchmark.
     let what = std::env::args().nth(1).unwrap_or_default();
     let result = match what.as_str() {

@@ -1,5 +1,5 @@
-//! Reading the file: the top-level fields, `[state]`, `[mesh]`, each checked on its own, with
-//! the line an error names.
+//! Reading the file: the top-level fields, `[mesh]` and the list of routes, each checked on its
+//! own, with the line an error names; the sections in the files beside it.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
