@@ -306,6 +306,20 @@ impl Report {
     }
 }
 
+impl Ratio {
+    /// `r` against a baseline's (rate, p50, p99).
+    fn of(r: &ScenarioResult, (rate, p50_ms, p99_ms): (f64, f64, f64), baseline: &str) -> Self {
+        Self {
+            scenario: r.scenario.clone(),
+            connections: r.connections,
+            rate_ratio: r.rate / rate,
+            added_p50_ms: r.p50_ms - p50_ms,
+            added_p99_ms: r.p99_ms - p99_ms,
+            baseline: baseline.into(),
+        }
+    }
+}
+
 /// Each scenario's rate and latency against its baseline: the plain Envoy at the same
 /// connections, or pgbench for the state API alone.
 fn ratios(i: &Inputs) -> Vec<Ratio> {
@@ -316,26 +330,16 @@ fn ratios(i: &Inputs) -> Vec<Ratio> {
         }
         if r.scenario == "state_api" {
             if let Some(pg) = i.pgbench.iter().find(|p| p.clients == r.connections) {
-                ratios.push(Ratio {
-                    scenario: r.scenario.clone(),
-                    connections: r.connections,
-                    rate_ratio: r.rate / pg.tps,
-                    added_p50_ms: r.p50_ms - pg.p50_ms,
-                    added_p99_ms: r.p99_ms - pg.p99_ms,
-                    baseline: "pgbench INSERT ON CONFLICT".into(),
-                });
+                ratios.push(Ratio::of(
+                    r,
+                    (pg.tps, pg.p50_ms, pg.p99_ms),
+                    "pgbench INSERT ON CONFLICT",
+                ));
             }
             continue;
         }
         if let Some(p) = find(&i.results, "plain", r.connections) {
-            ratios.push(Ratio {
-                scenario: r.scenario.clone(),
-                connections: r.connections,
-                rate_ratio: r.rate / p.rate,
-                added_p50_ms: r.p50_ms - p.p50_ms,
-                added_p99_ms: r.p99_ms - p.p99_ms,
-                baseline: "plain Envoy".into(),
-            });
+            ratios.push(Ratio::of(r, (p.rate, p.p50_ms, p.p99_ms), "plain Envoy"));
         }
     }
     ratios

@@ -33,6 +33,7 @@ mod endpoint;
 mod raw;
 mod read;
 mod routes;
+mod source;
 mod state;
 mod state_tls;
 mod subject;

@@ -1,57 +1,16 @@
 //! Reading the file: the top-level fields, `[mesh]` and the list of routes, each checked on its
 //! own, with the line an error names; the sections in the files beside it.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::Path;
 
 use toml::Spanned;
 
 use super::raw::{RawFile, RawMesh, RawRoute};
 use super::routes::{filter, route};
+use super::source::{socket, Lines, Source};
 use super::state::state;
 use super::subject::subject;
 use super::*;
-
-/// Turns byte offsets into line numbers, and errors into [`ConfigError::At`].
-pub(super) struct Source<'a> {
-    file: &'a str,
-    text: &'a str,
-}
-
-impl Source<'_> {
-    pub(super) fn line(&self, offset: usize) -> usize {
-        1 + self
-            .text
-            .get(..offset.min(self.text.len()))
-            .unwrap_or("")
-            .bytes()
-            .filter(|b| *b == b'\n')
-            .count()
-    }
-
-    pub(super) fn at<T>(
-        &self,
-        span: std::ops::Range<usize>,
-        message: impl Into<String>,
-    ) -> Result<T, ConfigError> {
-        Err(ConfigError::At {
-            file: self.file.to_owned(),
-            line: self.line(span.start),
-            message: message.into(),
-        })
-    }
-}
-
-pub(super) fn is_token(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
-pub(super) fn is_header_name(s: &str) -> bool {
-    is_token(s) && !s.starts_with(':')
-}
 
 impl Config {
     /// Parses the text of a file named `file`, in folder `base`, each field checked on its
@@ -96,16 +55,6 @@ impl Config {
             lines: lines.0,
             file: file.to_owned(),
         })
-    }
-}
-
-/// The lines of the fields a later error may name (a port in use: [`Config::error_at`]).
-#[derive(Default)]
-pub(super) struct Lines(BTreeMap<String, usize>);
-
-impl Lines {
-    pub(super) fn note(&mut self, src: &Source<'_>, name: &str, span: std::ops::Range<usize>) {
-        self.0.insert(name.to_owned(), src.line(span.start));
     }
 }
 
@@ -277,20 +226,4 @@ fn mesh(src: &Source<'_>, raw: Option<&Spanned<RawMesh>>) -> Result<MeshSettings
         m.istio_labels = l.get_ref().clone();
     }
     Ok(m)
-}
-
-pub(super) fn socket(
-    src: &Source<'_>,
-    v: &Spanned<String>,
-    name: &str,
-) -> Result<SocketAddr, ConfigError> {
-    v.get_ref().parse::<SocketAddr>().or_else(|_| {
-        src.at(
-            v.span(),
-            format!(
-                "{name} must be an address and port like 127.0.0.1:10000, not {:?}",
-                v.get_ref()
-            ),
-        )
-    })
 }

@@ -5,7 +5,7 @@ use filter_core::config as fc;
 use toml::Spanned;
 
 use super::raw::*;
-use super::read::{is_header_name, is_token, Source};
+use super::source::{is_header_name, is_token, Source};
 use super::*;
 
 /// A lease the state API grants and a heartbeat that comes at least twice within it.

@@ -7,7 +7,7 @@ use filter_core::config as fc;
 use toml::Spanned;
 
 use super::raw::RawState;
-use super::read::{socket, Lines, Source};
+use super::source::{socket, Lines, Source};
 use super::state_tls::state_tls;
 use super::*;
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use toml::Spanned;
 
 use super::raw::RawStateTls;
-use super::read::Source;
+use super::source::Source;
 use super::*;
 
 /// `[state.tls]`: every file readable PEM of the right kind (relative to the configuration

@@ -6,7 +6,7 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::raw::RawSubject;
-use super::read::{is_header_name, Source};
+use super::source::{is_header_name, Source};
 use super::*;
 
 pub(super) fn subject(
