@@ -22,6 +22,8 @@
 //! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -245,21 +247,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let keep_free = env_u64("SCALE_RECORDS_KEEP_FREE_GIB", 8) as f64 * GIB;
     // The loaded rows carry their own expiry: the purge takes the 1 % past it, as in production.
     let mut stack = Stack::start(StackOptions::default())?;
-    if stack.postgres.is_external() {
-        return Err("the records curve loads millions of rows: it runs on a throwaway cluster of its own, not on DATABASE_URL (unset it)".into());
-    }
-    let data_dir = stack
-        .postgres
-        .data_dir()
-        .ok_or("the throwaway cluster has no data directory")?;
-    if let Ok(sb) = std::env::var("SCALE_RECORDS_SHARED_BUFFERS") {
-        stack.postgres.psql(
-            "postgres",
-            &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"),
-        )?;
-        stack.postgres.restart()?;
-    }
-    let shared_buffers = stack.postgres.psql("postgres", "SHOW shared_buffers")?;
+    let (data_dir, shared_buffers) = own_cluster(&mut stack)?;
     let db = stack.database_name().to_owned();
     let api = addr(stack.state_api.port);
     // The template: a record made through the state API.
@@ -267,27 +255,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    rt.block_on(async {
-        let mut conn = Conn::open(api).await?;
-        claim_complete(&mut conn, format!("scale-template-{}", std::process::id())).await
-    })?;
-    let columns: Vec<String> = stack
-        .postgres
-        .psql(
-            &db,
-            "SELECT column_name FROM information_schema.columns \
-             WHERE table_name = 'idempotency_records' ORDER BY ordinal_position",
-        )?
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    let token_base: i64 = stack
-        .postgres
-        .psql(&db, "SELECT last_value FROM idempotency_fencing_token_seq")?
-        .trim()
-        .parse::<i64>()
-        .map_err(|e| e.to_string())?
-        + 1_000;
+    let (columns, token_base) = template(&stack, &rt, api, &db)?;
     let find =
         |port: u16| procfs::pid_listening_on(port).ok_or(format!("nothing listens on :{port}"));
     let bench = Bench {
@@ -360,18 +328,9 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         }
     }
     if env_u64("SCALE_RECORDS_AB", 1) == 1 && loaded > 0 {
-        // The lever for full-page images: the same run with them compressed.
-        bench
-            .postgres
-            .psql(&db, "ALTER SYSTEM SET wal_compression = 'lz4'")?;
-        bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
-        let level = measure(&bench, &stack, loaded, "lz4", 0.0)?;
+        let level = with_wal_compression(&bench, &stack, &db, loaded)?;
         quiet.note(level.steal_cores, level.other_cores);
         curve.levels.push(level);
-        bench
-            .postgres
-            .psql(&db, "ALTER SYSTEM RESET wal_compression")?;
-        bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
     }
     curve.free_gib_at_largest = free_bytes(&data_dir).unwrap_or(0.0) / GIB;
     drop(bench);
@@ -385,6 +344,78 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         goals,
         quiet: quiet.end(),
     })
+}
+
+/// The curve's own throwaway cluster (never `DATABASE_URL`'s), with
+/// `SCALE_RECORDS_SHARED_BUFFERS` when set: its data directory and its `shared_buffers`.
+fn own_cluster(stack: &mut Stack) -> Result<(PathBuf, String), String> {
+    if stack.postgres.is_external() {
+        return Err("the records curve loads millions of rows: it runs on a throwaway cluster of its own, not on DATABASE_URL (unset it)".into());
+    }
+    let data_dir = stack
+        .postgres
+        .data_dir()
+        .ok_or("the throwaway cluster has no data directory")?;
+    if let Ok(sb) = std::env::var("SCALE_RECORDS_SHARED_BUFFERS") {
+        stack.postgres.psql(
+            "postgres",
+            &format!("ALTER SYSTEM SET shared_buffers = '{sb}'"),
+        )?;
+        stack.postgres.restart()?;
+    }
+    let shared_buffers = stack.postgres.psql("postgres", "SHOW shared_buffers")?;
+    Ok((data_dir, shared_buffers))
+}
+
+/// The template the loaded rows copy: a record made through the state API, the table's
+/// columns, and a fencing token above every one handed out.
+fn template(
+    stack: &Stack,
+    rt: &tokio::runtime::Runtime,
+    api: SocketAddr,
+    db: &str,
+) -> Result<(Vec<String>, i64), String> {
+    rt.block_on(async {
+        let mut conn = Conn::open(api).await?;
+        claim_complete(&mut conn, format!("scale-template-{}", std::process::id())).await
+    })?;
+    let columns: Vec<String> = stack
+        .postgres
+        .psql(
+            db,
+            "SELECT column_name FROM information_schema.columns \
+             WHERE table_name = 'idempotency_records' ORDER BY ordinal_position",
+        )?
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let token_base: i64 = stack
+        .postgres
+        .psql(db, "SELECT last_value FROM idempotency_fencing_token_seq")?
+        .trim()
+        .parse::<i64>()
+        .map_err(|e| e.to_string())?
+        + 1_000;
+    Ok((columns, token_base))
+}
+
+/// The lever for full-page images: the same run with them compressed (lz4), then reset.
+fn with_wal_compression(
+    bench: &Bench<'_>,
+    stack: &Stack,
+    db: &str,
+    loaded: u64,
+) -> Result<Level, String> {
+    bench
+        .postgres
+        .psql(db, "ALTER SYSTEM SET wal_compression = 'lz4'")?;
+    bench.postgres.psql(db, "SELECT pg_reload_conf()")?;
+    let level = measure(bench, stack, loaded, "lz4", 0.0)?;
+    bench
+        .postgres
+        .psql(db, "ALTER SYSTEM RESET wal_compression")?;
+    bench.postgres.psql(db, "SELECT pg_reload_conf()")?;
+    Ok(level)
 }
 
 /// One measured run of claim+complete pairs at 16 connections with `rows` loaded.

@@ -7,6 +7,7 @@
 //! after its outcome is stored) to its last waiter's replay. Every waiter must get the replay.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,25 +79,11 @@ fn measure(
     let (envoy_before, _) = memory_mib(envoy_pid);
     let (api_before, _) = memory_mib(api_pid);
     let answers: Answers = Arc::new(Mutex::new(Vec::new()));
-    let slow_done: Arc<Mutex<Vec<(usize, String, Instant)>>> = Arc::new(Mutex::new(Vec::new()));
+    let slow_done: Answers = Arc::new(Mutex::new(Vec::new()));
     let tck = procfs::clk_tck();
     let port = stack.state_api.port;
     let (a, b, envoy_waiting, api_waiting, started) = rt.block_on(async {
-        // The slow requests: each holds its key.
-        let mut slow = Vec::new();
-        for (k, key) in keys.iter().enumerate() {
-            let req = checkout_req(key).header("x-demo-delay-ms", &hold.as_millis().to_string());
-            let done = slow_done.clone();
-            slow.push(tokio::spawn(async move {
-                let status = match async { Conn::open(envoy).await?.send(&req).await }.await {
-                    Ok(a) => a.status.to_string(),
-                    Err(e) => format!("transport: {}", crate::load::short(&e)),
-                };
-                if let Ok(mut d) = done.lock() {
-                    d.push((k, status, Instant::now()));
-                }
-            }));
-        }
+        let slow = hold_keys(envoy, &keys, hold, &slow_done);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let started = Instant::now();
         let mut tasks = Vec::with_capacity(waiters);
@@ -142,46 +129,12 @@ fn measure(
         Ok::<_, String>((a, b, envoy_waiting, api_waiting, started))
     })?;
     let cpu = crate::cpu_between(&a, &b, tck);
-    let per_waiter = |cores: f64| cores * 1000.0 / waiters.max(1) as f64;
-    let mut cpu_per_waiter = BTreeMap::new();
-    for name in ["envoy", "state-api", "postgres", "bench"] {
-        cpu_per_waiter.insert(
-            name.to_owned(),
-            per_waiter(cpu.processes.get(name).copied().unwrap_or(0.0)),
-        );
-    }
-    cpu_per_waiter.insert("irq".into(), per_waiter(cpu.irq_cores));
-    let done: BTreeMap<usize, Instant> = slow_done
-        .lock()
-        .map(|d| d.iter().map(|(k, _, t)| (*k, *t)).collect())
-        .unwrap_or_default();
+    let cpu_per_waiter = cpu_per_waiter(&cpu, waiters);
     let slow_statuses: Vec<String> = slow_done
         .lock()
         .map(|d| d.iter().map(|(_, s, _)| s.clone()).collect())
         .unwrap_or_default();
-    let got = answers.lock().map(|a| a.clone()).unwrap_or_default();
-    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
-    let mut after_ms: Vec<f64> = Vec::new();
-    let mut last_by_key: BTreeMap<usize, f64> = BTreeMap::new();
-    for (k, kind, t) in &got {
-        *by_kind.entry(kind.clone()).or_default() += 1;
-        if let (true, Some(end)) = (kind == "replay", done.get(k)) {
-            // Signed: a waiter may be answered before the slow request's own answer arrives.
-            let ms = if *t >= *end {
-                t.duration_since(*end).as_secs_f64() * 1000.0
-            } else {
-                -(end.duration_since(*t).as_secs_f64() * 1000.0)
-            };
-            after_ms.push(ms);
-            let e = last_by_key.entry(*k).or_insert(f64::MIN);
-            *e = e.max(ms);
-        }
-    }
-    after_ms.sort_by(f64::total_cmp);
-    let median = after_ms
-        .get(after_ms.len() / 2)
-        .copied()
-        .unwrap_or(f64::NAN);
+    let replays = Replays::of(&slow_done, &answers);
     let claims = cpu.state_api_requests.get("claim").copied().unwrap_or(0.0);
     let point = Point {
         waiters,
@@ -194,9 +147,9 @@ fn measure(
         state_api_kib_per_waiter: (api_waiting - api_before) * 1024.0 / waiters as f64,
         cpu_per_waiter,
         claims_per_waiter_s: claims / waiters as f64 / cpu.window_s.max(1e-9),
-        last_replay_after_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
-        median_replay_after_ms: median,
-        answers: by_kind,
+        last_replay_after_ms: replays.last_after_ms,
+        median_replay_after_ms: replays.median_after_ms,
+        answers: replays.by_kind,
         slow_statuses,
         steal_cores: cpu.steal_cores,
     };
@@ -209,6 +162,88 @@ fn measure(
         point.answers, point.slow_statuses
     );
     Ok(point)
+}
+
+/// The slow requests: each holds its key for `hold`; when each ends is noted in `done`.
+fn hold_keys(
+    envoy: SocketAddr,
+    keys: &[String],
+    hold: Duration,
+    done: &Answers,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut slow = Vec::new();
+    for (k, key) in keys.iter().enumerate() {
+        let req = checkout_req(key).header("x-demo-delay-ms", &hold.as_millis().to_string());
+        let done = done.clone();
+        slow.push(tokio::spawn(async move {
+            let status = match async { Conn::open(envoy).await?.send(&req).await }.await {
+                Ok(a) => a.status.to_string(),
+                Err(e) => format!("transport: {}", crate::load::short(&e)),
+            };
+            if let Ok(mut d) = done.lock() {
+                d.push((k, status, Instant::now()));
+            }
+        }));
+    }
+    slow
+}
+
+/// Milliseconds of CPU per waiter and second, by process.
+fn cpu_per_waiter(cpu: &crate::CpuUse, waiters: usize) -> BTreeMap<String, f64> {
+    let per_waiter = |cores: f64| cores * 1000.0 / waiters.max(1) as f64;
+    let mut cpu_per_waiter = BTreeMap::new();
+    for name in ["envoy", "state-api", "postgres", "bench"] {
+        cpu_per_waiter.insert(
+            name.to_owned(),
+            per_waiter(cpu.processes.get(name).copied().unwrap_or(0.0)),
+        );
+    }
+    cpu_per_waiter.insert("irq".into(), per_waiter(cpu.irq_cores));
+    cpu_per_waiter
+}
+
+/// The waiters' answers by kind, and how long after its key completed a replay came.
+struct Replays {
+    by_kind: BTreeMap<String, u64>,
+    last_after_ms: f64,
+    median_after_ms: f64,
+}
+
+impl Replays {
+    fn of(slow_done: &Answers, answers: &Answers) -> Self {
+        let done: BTreeMap<usize, Instant> = slow_done
+            .lock()
+            .map(|d| d.iter().map(|(k, _, t)| (*k, *t)).collect())
+            .unwrap_or_default();
+        let got = answers.lock().map(|a| a.clone()).unwrap_or_default();
+        let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+        let mut after_ms: Vec<f64> = Vec::new();
+        let mut last_by_key: BTreeMap<usize, f64> = BTreeMap::new();
+        for (k, kind, t) in &got {
+            *by_kind.entry(kind.clone()).or_default() += 1;
+            if let (true, Some(end)) = (kind == "replay", done.get(k)) {
+                // Signed: a waiter may be answered before the slow request's own answer arrives.
+                let ms = if *t >= *end {
+                    t.duration_since(*end).as_secs_f64() * 1000.0
+                } else {
+                    -(end.duration_since(*t).as_secs_f64() * 1000.0)
+                };
+                after_ms.push(ms);
+                let e = last_by_key.entry(*k).or_insert(f64::MIN);
+                *e = e.max(ms);
+            }
+        }
+        after_ms.sort_by(f64::total_cmp);
+        let median = after_ms
+            .get(after_ms.len() / 2)
+            .copied()
+            .unwrap_or(f64::NAN);
+        Self {
+            by_kind,
+            last_after_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
+            median_after_ms: median,
+        }
+    }
 }
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
