@@ -33,7 +33,7 @@ impl Config {
     /// filter's own code) and what the addresses must not share.
     pub fn check(&self) -> Result<(), ConfigError> {
         let json = filter_json(self, "check-only-token");
-        fc::Config::parse(json.as_bytes()).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        fc::Config::parse(json.as_bytes())?;
         let mut used: Vec<(&str, SocketAddr)> =
             vec![("listen", self.listen), ("state.listen", self.state.listen)];
         if let Some(a) = self.admin {

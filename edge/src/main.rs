@@ -2,11 +2,13 @@
 //! COMMAND` for the tools.
 
 use contract::state_env;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use edge::config::Config;
+use edge::config::{Config, ConfigError};
+use edge::mesh::MeshError;
 
 #[derive(Parser, Debug)]
 #[command(version, about = "The idempotency layer in front of your own API")]
@@ -80,44 +82,107 @@ enum Command {
     },
 }
 
+/// Why a command failed: each is reported once, by `main`, with its exit status.
+#[derive(Debug, thiserror::Error)]
+enum EdgeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The filter module is not built (or `FILTER_WASM` names nothing).
+    #[error("{0}")]
+    Module(String),
+    #[error("{}: {source}", .path.display())]
+    ReadModule {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    #[error("unhealthy: {0}")]
+    Unhealthy(#[from] Unhealthy),
+    /// `edge clean` could not remove the folder.
+    #[error("{0}")]
+    Clean(String),
+    /// `edge with-postgres`: the throwaway Postgres did not start.
+    #[error("{0}")]
+    Postgres(String),
+    #[error("{program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("cannot start: {0}")]
+    Runtime(std::io::Error),
+    #[error(transparent)]
+    Start(#[from] edge::run::RunError),
+    /// What ended `edge run` other than a signal.
+    #[error("{0}")]
+    Stopped(String),
+}
+
+impl EdgeError {
+    /// 2: the file, the arguments or what they name; 1: a part that does not answer or did
+    /// not start.
+    fn exit_code(&self) -> ExitCode {
+        match self {
+            Self::Unhealthy(_) => ExitCode::from(1),
+            Self::Start(edge::run::RunError::Config(_)) => ExitCode::from(2),
+            Self::Start(_) => ExitCode::from(1),
+            Self::Runtime(_) | Self::Stopped(_) => ExitCode::FAILURE,
+            _ => ExitCode::from(2),
+        }
+    }
+}
+
+/// The first part `edge health` finds not answering.
+#[derive(Debug, thiserror::Error)]
+enum Unhealthy {
+    #[error("Envoy's /ready says {0:?}")]
+    NotLive(String),
+    #[error("Envoy's admin {admin}: {why}")]
+    Admin { admin: SocketAddr, why: String },
+    #[error("Envoy's listener {listen}: {why}")]
+    Listener { listen: SocketAddr, why: String },
+    #[error("the state API {state}: {why}")]
+    StateApi { state: SocketAddr, why: String },
+    #[error("the state API's /readyz on {state}: {why}")]
+    StateApiReady { state: SocketAddr, why: String },
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    match args.command {
+    match execute(args.command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("{e}");
+            e.exit_code()
+        }
+    }
+}
+
+fn execute(command: Command) -> Result<ExitCode, EdgeError> {
+    match command {
         Command::WithPostgres { command } => with_postgres(&command),
-        Command::Check { config } => match Config::load(&config) {
-            Ok(cfg) => {
-                println!(
-                    "{}: {} protected route(s), upstream {}, listen {}",
-                    config.display(),
-                    cfg.routes.len(),
-                    cfg.upstream.authority(),
-                    cfg.listen
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(2)
-            }
-        },
+        Command::Check { config } => {
+            let cfg = Config::load(&config)?;
+            println!(
+                "{}: {} protected route(s), upstream {}, listen {}",
+                config.display(),
+                cfg.routes.len(),
+                cfg.upstream.authority(),
+                cfg.listen
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Render {
             config,
             target,
             wasm,
             ca_file,
-        } => match Config::load(&config)
-            .map_err(|e| e.to_string())
-            .and_then(|cfg| render(&cfg, target, wasm, ca_file))
-        {
-            Ok(text) => {
-                print!("{text}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(2)
-            }
-        },
+        } => {
+            let cfg = Config::load(&config)?;
+            print!("{}", render(&cfg, target, wasm, ca_file)?);
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Run {
             config,
             dir,
@@ -126,72 +191,56 @@ fn main() -> ExitCode {
         } => run(&config, dir, wasm, ha),
         Command::Schema => {
             println!("{}", edge::render::plugin_schema_text());
-            ExitCode::SUCCESS
+            Ok(ExitCode::SUCCESS)
         }
-        Command::Clean { dir } => match edge::data_home::remove_run_folder(&dir) {
-            Ok(removed) => {
-                for path in removed {
-                    println!("removed {}", path.display());
-                }
-                ExitCode::SUCCESS
+        Command::Clean { dir } => {
+            for path in edge::data_home::remove_run_folder(&dir).map_err(EdgeError::Clean)? {
+                println!("removed {}", path.display());
             }
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(2)
-            }
-        },
-        Command::Health { config } => match Config::load(&config).map_err(|e| e.to_string()) {
-            Ok(cfg) => match health(&cfg) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(why) => {
-                    eprintln!("unhealthy: {why}");
-                    ExitCode::from(1)
-                }
-            },
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(2)
-            }
-        },
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Health { config } => {
+            health(&Config::load(&config)?)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
 /// What `edge health` checks (see its help); the first part that does not answer.
-fn health(cfg: &Config) -> Result<(), String> {
+fn health(cfg: &Config) -> Result<(), Unhealthy> {
     use edge::net::{http_get_blocking, wait_for_port};
     use std::time::Duration;
     match cfg.admin {
         Some(admin) => match http_get_blocking(admin.port(), "/ready") {
             Ok(body) if body.trim() == "LIVE" => {}
-            Ok(body) => return Err(format!("Envoy's /ready says {:?}", body.trim())),
-            Err(e) => return Err(format!("Envoy's admin {admin}: {e}")),
+            Ok(body) => return Err(Unhealthy::NotLive(body.trim().to_owned())),
+            Err(why) => return Err(Unhealthy::Admin { admin, why }),
         },
-        None => wait_for_port(cfg.listen.port(), Duration::from_secs(2))
-            .map_err(|e| format!("Envoy's listener {}: {e}", cfg.listen))?,
+        None => wait_for_port(cfg.listen.port(), Duration::from_secs(2)).map_err(|why| {
+            Unhealthy::Listener {
+                listen: cfg.listen,
+                why,
+            }
+        })?,
     }
     let state = cfg.state.listen;
     if cfg.state.tls.is_some() {
         wait_for_port(state.port(), Duration::from_secs(2))
-            .map_err(|e| format!("the state API {state}: {e}"))
+            .map_err(|why| Unhealthy::StateApi { state, why })
     } else {
         http_get_blocking(state.port(), "/readyz")
             .map(drop)
-            .map_err(|e| format!("the state API's /readyz on {state}: {e}"))
+            .map_err(|why| Unhealthy::StateApiReady { state, why })
     }
 }
 
-fn with_postgres(command: &[String]) -> ExitCode {
-    let started = edge::postgres::TempCluster::start_private()
-        .and_then(|cluster| cluster.fresh_database("tool").map(|url| (cluster, url)));
-    let (cluster, url) = match started {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+/// Runs `command` on a throwaway Postgres; its exit status is the command's.
+fn with_postgres(command: &[String]) -> Result<ExitCode, EdgeError> {
+    let (cluster, url) = edge::postgres::TempCluster::start_private()
+        .and_then(|cluster| cluster.fresh_database("tool").map(|url| (cluster, url)))
+        .map_err(EdgeError::Postgres)?;
     let Some((program, args)) = command.split_first() else {
-        return ExitCode::from(2);
+        return Ok(ExitCode::from(2));
     };
     let status = std::process::Command::new(program)
         .args(args)
@@ -199,12 +248,14 @@ fn with_postgres(command: &[String]) -> ExitCode {
         .status();
     drop(cluster);
     match status {
-        Ok(s) if s.success() => ExitCode::SUCCESS,
-        Ok(s) => ExitCode::from(u8::try_from(s.code().unwrap_or(1)).unwrap_or(1)),
-        Err(e) => {
-            eprintln!("{program}: {e}");
-            ExitCode::from(2)
-        }
+        Ok(s) if s.success() => Ok(ExitCode::SUCCESS),
+        Ok(s) => Ok(ExitCode::from(
+            u8::try_from(s.code().unwrap_or(1)).unwrap_or(1),
+        )),
+        Err(source) => Err(EdgeError::Spawn {
+            program: program.clone(),
+            source,
+        }),
     }
 }
 
@@ -224,7 +275,7 @@ fn render(
     target: RenderTarget,
     wasm: Option<PathBuf>,
     ca_file: String,
-) -> Result<String, String> {
+) -> Result<String, EdgeError> {
     let mesh = match target {
         RenderTarget::Envoy => {
             let wasm = wasm.unwrap_or_else(|| PathBuf::from("/etc/envoy/filter.wasm"));
@@ -233,10 +284,15 @@ fn render(
         RenderTarget::Istio => edge::mesh::Target::Istio,
         RenderTarget::EnvoyGateway => edge::mesh::Target::EnvoyGateway,
     };
-    let wasm = wasm.map_or_else(edge::envoy::filter_wasm, Ok)?;
-    let module = std::fs::read(&wasm).map_err(|e| format!("{}: {e}", wasm.display()))?;
+    let wasm = wasm
+        .map_or_else(edge::envoy::filter_wasm, Ok)
+        .map_err(EdgeError::Module)?;
+    let module = std::fs::read(&wasm).map_err(|source| EdgeError::ReadModule {
+        path: wasm.clone(),
+        source,
+    })?;
     let pins = edge::mesh::Pins::of_module(&module)?;
-    edge::mesh::manifests(cfg, mesh, &pins)
+    Ok(edge::mesh::manifests(cfg, mesh, &pins)?)
 }
 
 /// The Envoy YAML, then the state API's environment as comments.
@@ -270,56 +326,26 @@ fn run(
     dir: Option<PathBuf>,
     wasm: Option<PathBuf>,
     ha: bool,
-) -> ExitCode {
-    let cfg = match Config::load(config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
-    let wasm = match wasm.map_or_else(edge::envoy::filter_wasm, Ok) {
-        Ok(w) => w,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
+) -> Result<ExitCode, EdgeError> {
+    let cfg = Config::load(config)?;
+    let wasm = wasm
+        .map_or_else(edge::envoy::filter_wasm, Ok)
+        .map_err(EdgeError::Module)?;
     let dir = dir.unwrap_or_else(|| {
         let name = config
             .file_stem()
             .map_or("edge".into(), |s| s.to_string_lossy().into_owned());
         PathBuf::from(".run").join(name)
     });
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("cannot start: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let mut running = match edge::run::Running::start(cfg, edge::run::Options { dir, wasm, ha }) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(match e {
-                edge::run::RunError::Config(_) => 2,
-                _ => 1,
-            });
-        }
-    };
+        .map_err(EdgeError::Runtime)?;
+    let mut running = edge::run::Running::start(cfg, edge::run::Options { dir, wasm, ha })?;
     println!("{}", running.ready_line());
     let result = runtime.block_on(edge::run::until_signal(&mut running, Vec::new));
     eprintln!("stopping");
     running.stop();
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::FAILURE
-        }
-    }
+    result.map_err(EdgeError::Stopped)?;
+    Ok(ExitCode::SUCCESS)
 }

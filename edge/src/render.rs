@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use yaml_rust2::yaml::Hash;
 use yaml_rust2::{Yaml, YamlEmitter};
 
-use crate::config::{reachable, Config, Endpoint, Jwks, Match, StateTls, Subject};
+use crate::config::{reachable, Config, Endpoint, Jwks, Jwt, Match, StateTls, Subject};
 use filter_core::config as fc;
 
 /// What the rendering needs besides the file: where Envoy finds the module, the token the filter
@@ -366,87 +366,115 @@ fn jwt_rule(route: &crate::config::Route) -> Yaml {
     ])
 }
 
+/// The HTTP filters in order (the module's documentation lists them).
 fn http_filters(cfg: &Config, inputs: &Inputs) -> Vec<Yaml> {
     let mut out = Vec::new();
     if let Subject::Jwt(jwt) = &cfg.subject {
-        out.push(map(vec![
-            ("name", s("envoy.filters.http.header_mutation")),
-            (
-                "typed_config",
-                typed(
-                    "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-                    vec![(
-                        "mutations",
-                        map(vec![(
-                            "request_mutations",
-                            Yaml::Array(vec![map(vec![("remove", s(jwt.header.clone()))])]),
-                        )]),
-                    )],
-                ),
-            ),
-        ]));
-        let jwks = match &jwt.jwks {
-            Jwks::File(path) => (
-                "local_jwks",
-                map(vec![("filename", s(path.display().to_string()))]),
-            ),
-            Jwks::Url { endpoint, path } => (
-                "remote_jwks",
-                map(vec![
-                    (
-                        "http_uri",
-                        map(vec![
-                            (
-                                "uri",
-                                s(format!(
-                                    "{}://{}{path}",
-                                    if endpoint.tls { "https" } else { "http" },
-                                    endpoint.authority()
-                                )),
-                            ),
-                            ("cluster", s(JWKS_CLUSTER)),
-                            ("timeout", duration(5_000)),
-                        ]),
-                    ),
-                    ("cache_duration", duration(300_000)),
-                ]),
-            ),
-        };
-        let provider = map(vec![
-            ("issuer", s(jwt.issuer.clone())),
-            (
-                "audiences",
-                Yaml::Array(jwt.audiences.iter().map(|a| s(a.clone())).collect()),
-            ),
-            jwks,
-            ("forward", Yaml::Boolean(jwt.forward_token)),
-            ("jwt_cache_config", map(vec![("jwt_cache_size", n(1000))])),
-            (
-                "claim_to_headers",
-                Yaml::Array(vec![map(vec![
-                    ("header_name", s(jwt.header.clone())),
-                    ("claim_name", s(jwt.claim.clone())),
-                ])]),
-            ),
-        ]);
-        out.push(map(vec![
-            ("name", s("envoy.filters.http.jwt_authn")),
-            (
-                "typed_config",
-                typed(
-                    "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
-                    vec![
-                        ("providers", map(vec![(JWT_PROVIDER, provider)])),
-                        (
-                            "rules",
-                            Yaml::Array(cfg.routes.iter().map(jwt_rule).collect()),
-                        ),
-                    ],
-                ),
-            ),
-        ]));
+        out.push(subject_header_removal(jwt));
+        out.push(jwt_authn(cfg, jwt));
     }
+    out.push(wasm_filter(cfg, inputs));
     out.push(map(vec![
+        ("name", s("envoy.filters.http.router")),
+        (
+            "typed_config",
+            typed("envoy.extensions.filters.http.router.v3.Router", vec![]),
+        ),
+    ]));
+    out
+}
+
+/// `header_mutation`: the subject header removed from every client request.
+fn subject_header_removal(jwt: &Jwt) -> Yaml {
+    map(vec![
+        ("name", s("envoy.filters.http.header_mutation")),
+        (
+            "typed_config",
+            typed(
+                "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                vec![(
+                    "mutations",
+                    map(vec![(
+                        "request_mutations",
+                        Yaml::Array(vec![map(vec![("remove", s(jwt.header.clone()))])]),
+                    )]),
+                )],
+            ),
+        ),
+    ])
+}
+
+/// `jwt_authn`: the provider, and a rule that requires a token on each protected route.
+fn jwt_authn(cfg: &Config, jwt: &Jwt) -> Yaml {
+    let provider = map(vec![
+        ("issuer", s(jwt.issuer.clone())),
+        (
+            "audiences",
+            Yaml::Array(jwt.audiences.iter().map(|a| s(a.clone())).collect()),
+        ),
+        jwks_source(&jwt.jwks),
+        ("forward", Yaml::Boolean(jwt.forward_token)),
+        ("jwt_cache_config", map(vec![("jwt_cache_size", n(1000))])),
+        (
+            "claim_to_headers",
+            Yaml::Array(vec![map(vec![
+                ("header_name", s(jwt.header.clone())),
+                ("claim_name", s(jwt.claim.clone())),
+            ])]),
+        ),
+    ]);
+    map(vec![
+        ("name", s("envoy.filters.http.jwt_authn")),
+        (
+            "typed_config",
+            typed(
+                "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+                vec![
+                    ("providers", map(vec![(JWT_PROVIDER, provider)])),
+                    (
+                        "rules",
+                        Yaml::Array(cfg.routes.iter().map(jwt_rule).collect()),
+                    ),
+                ],
+            ),
+        ),
+    ])
+}
+
+/// Where jwt_authn finds the keys: a local file, or a URL fetched through [`JWKS_CLUSTER`].
+fn jwks_source(jwks: &Jwks) -> (&'static str, Yaml) {
+    match jwks {
+        Jwks::File(path) => (
+            "local_jwks",
+            map(vec![("filename", s(path.display().to_string()))]),
+        ),
+        Jwks::Url { endpoint, path } => (
+            "remote_jwks",
+            map(vec![
+                (
+                    "http_uri",
+                    map(vec![
+                        (
+                            "uri",
+                            s(format!(
+                                "{}://{}{path}",
+                                if endpoint.tls { "https" } else { "http" },
+                                endpoint.authority()
+                            )),
+                        ),
+                        ("cluster", s(JWKS_CLUSTER)),
+                        ("timeout", duration(5_000)),
+                    ]),
+                ),
+                ("cache_duration", duration(300_000)),
+            ]),
+        ),
+    }
+}
+
+/// The idempotency filter: the module, and its plugin configuration.
+fn wasm_filter(cfg: &Config, inputs: &Inputs) -> Yaml {
+    map(vec![
         ("name", s("envoy.filters.http.wasm")),
         (
             "typed_config",
@@ -487,15 +515,7 @@ fn http_filters(cfg: &Config, inputs: &Inputs) -> Vec<Yaml> {
                 )],
             ),
         ),
-    ]));
-    out.push(map(vec![
-        ("name", s("envoy.filters.http.router")),
-        (
-            "typed_config",
-            typed("envoy.extensions.filters.http.router.v3.Router", vec![]),
-        ),
-    ]));
-    out
+    ])
 }
 
 /// Envoy's own default `stream_idle_timeout` (5 minutes).

@@ -490,7 +490,9 @@ fn what_a_mesh_cannot_take_is_refused() {
         client_cert: None,
         client_ca_file: None,
     });
-    let e = manifests(&cfg, Target::Istio, &pins()).unwrap_err();
+    let e = manifests(&cfg, Target::Istio, &pins())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("[state.tls]"), "{e}");
     for (bad, line, says) in [
         ("replicas = 1", 2, "mesh.replicas must be at least 2"),
