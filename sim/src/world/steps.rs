@@ -1,0 +1,384 @@
+//! The schedule's steps: what may happen next (each with its weight), carrying one out, and the
+//! drain at the end (no more faults, everything in flight delivered).
+
+use super::faults::{Faults, Outage};
+use super::{World, START_MS};
+use crate::check;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Action {
+    NewAttempt(usize),
+    SendPart(usize),
+    GiveUp(usize),
+    Process(usize),
+    Deliver(usize),
+    FailCallout(usize),
+    UpstreamPart(usize),
+    Arrive(usize),
+    UpstreamFinish(usize),
+    Tick(usize),
+    Wake(usize),
+    Kill(usize),
+    Restart(usize),
+    ToggleApi,
+    DatabaseOutage,
+    ToggleUpstream,
+    SkewClock,
+    EnvoyReply(usize),
+    RotateSecret,
+    DropPreviousSecret,
+    Operator,
+    Purge,
+    Advance,
+}
+
+impl World {
+    /// Runs the random part of the schedule (at most `max_steps`), then drains and checks the
+    /// final answers. Stops at the first violation.
+    pub fn run(&mut self, max_steps: usize) {
+        self.reach_setup();
+        for _ in 0..max_steps {
+            if !self.step() {
+                break;
+            }
+            self.steps += 1;
+            check::after_step(self);
+            if !self.violations.is_empty() {
+                return;
+            }
+        }
+        self.drain();
+        if self
+            .setup
+            .retention_s
+            .is_some_and(|r| r * 1000 < self.now - START_MS)
+        {
+            self.reach("region: a retention shorter than the run");
+        }
+        if self.violations.is_empty() {
+            check::final_answers(self);
+        }
+    }
+
+    /// One random step; `false` when nothing is left to do.
+    pub(super) fn step(&mut self) -> bool {
+        let mut actions: Vec<(u32, Action)> = Vec::new();
+        for (i, op) in self.ops.iter().enumerate() {
+            if op.attempts_left > 0 && op.next_at <= self.now {
+                // A retry, or an impatient duplicate while an attempt is still running.
+                let weight = if op.active.is_none() { 8 } else { 1 };
+                actions.push((weight, Action::NewAttempt(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.ended {
+                continue;
+            }
+            if s.parts_sent < s.request_parts() && s.client.status.is_none() {
+                actions.push((10, Action::SendPart(i)));
+            }
+            if self.fault(Faults::GIVE_UP) && !s.client.complete {
+                actions.push((1, Action::GiveUp(i)));
+            }
+        }
+        for (i, c) in self.callouts.iter().enumerate() {
+            if c.answer.is_none() {
+                actions.push((6, Action::Process(i)));
+            } else if !c.orphan {
+                actions.push((8, Action::Deliver(i)));
+            }
+            if self.fault(Faults::CALLOUT) && !c.orphan {
+                actions.push((1, Action::FailCallout(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.forwarded.is_some() && !s.ended && !s.resp_end_seen && !s.router_reply {
+                actions.push((6, Action::UpstreamPart(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.in_transit {
+                actions.push((4, Action::Arrive(i)));
+            }
+        }
+        for (e, x) in self.upstream.executions.iter().enumerate() {
+            let caller = &self.streams[x.stream];
+            if !x.finished && (caller.ended || caller.router_reply) {
+                // Its caller left: it works on, and finishes in its own time.
+                actions.push((2, Action::UpstreamFinish(e)));
+            }
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            if w.w.is_some() {
+                actions.push((2, Action::Tick(i)));
+                if w.wake_requested {
+                    actions.push((4, Action::Wake(i)));
+                }
+                if self.fault(Faults::KILL) {
+                    actions.push((1, Action::Kill(i)));
+                }
+            } else {
+                actions.push((2, Action::Restart(i)));
+            }
+        }
+        if self.fault(Faults::API_DOWN) && matches!(self.outage, Outage::None | Outage::ApiDown) {
+            actions.push((1, Action::ToggleApi));
+        }
+        if self.fault(Faults::DATABASE) && self.outage == Outage::None {
+            actions.push((1, Action::DatabaseOutage));
+        }
+        if self.fault(Faults::SKEW) {
+            actions.push((1, Action::SkewClock));
+        }
+        if self.fault(Faults::UPSTREAM) {
+            actions.push((1, Action::ToggleUpstream));
+        }
+        if self.fault(Faults::ENVOY) {
+            for (i, s) in self.streams.iter().enumerate() {
+                if s.forwarded.is_some() && !s.ended && s.resp_head.is_none() && !s.router_reply {
+                    actions.push((1, Action::EnvoyReply(i)));
+                }
+            }
+        }
+        if self.fault(Faults::ROTATE) {
+            // As the operator is told: the previous secret goes (by a drop, or by the next
+            // rotation) once the longest retention has passed since the rotation.
+            let settled = self
+                .rotated_at
+                .is_none_or(|t| t + self.setup.state_api.max_retention_ms <= self.now);
+            if settled && self.api.secret < 2 {
+                actions.push((1, Action::RotateSecret));
+            }
+            if settled && self.api.previous_secret.is_some() {
+                actions.push((1, Action::DropPreviousSecret));
+            }
+        }
+        if self.fault(Faults::OPERATOR) && self.outage == Outage::None {
+            actions.push((1, Action::Operator));
+        }
+        // The state API's purge runs now and then.
+        if self.outage == Outage::None {
+            actions.push((1, Action::Purge));
+        }
+        actions.push((3, Action::Advance));
+        let weights: Vec<u32> = actions.iter().map(|a| a.0).collect();
+        let pick = self.c.weighted(&weights);
+        let action = actions[pick].1;
+        self.act(action);
+        true
+    }
+
+    pub(crate) fn act(&mut self, action: Action) {
+        match action {
+            Action::NewAttempt(op) => self.new_attempt(op, None),
+            Action::SendPart(s) => self.send_part(s),
+            Action::GiveUp(s) => {
+                self.reach("sim.client_gave_up");
+                self.log(format!("client gives up on stream {s}"));
+                self.end_stream(s, true);
+            }
+            Action::Process(i) => self.process(i),
+            Action::Deliver(i) => self.deliver(i),
+            Action::FailCallout(i) => self.fail_callout(i),
+            Action::UpstreamPart(s) => self.upstream_part(s),
+            Action::Arrive(s) => {
+                self.log(format!("stream {s}: the request reaches the upstream"));
+                self.arrive(s);
+            }
+            Action::UpstreamFinish(e) => {
+                self.reach("sim.finished_after_caller_left");
+                self.commit(e);
+                self.log(format!(
+                    "the execution of stream {} finishes, its caller gone",
+                    self.upstream.executions[e].stream
+                ));
+            }
+            Action::Tick(w) => self.tick(w),
+            Action::Wake(w) => self.wake(w),
+            Action::Kill(w) => self.kill(w),
+            Action::Restart(w) => self.restart(w),
+            Action::ToggleApi => {
+                if self.outage == Outage::None {
+                    self.start_outage(Outage::ApiDown, None);
+                } else {
+                    self.end_outage();
+                }
+            }
+            Action::DatabaseOutage => {
+                let kind = match self.c.weighted(&[3, 1, 2]) {
+                    0 => Outage::Database { in_place: true },
+                    1 => Outage::Database { in_place: false },
+                    _ => Outage::Paused,
+                };
+                let lease = self.setup.lease_ms;
+                let lasts = *self.c.pick(&[lease / 2, lease * 3 / 2, lease * 3, 40_000]);
+                self.start_outage(kind, Some(lasts.max(1)));
+            }
+            Action::EnvoyReply(s) => self.envoy_reply(s),
+            Action::RotateSecret => {
+                self.api.rotate_secret();
+                self.rotated_at = Some(self.now);
+                self.reach("region: the key secret rotated");
+                self.log(format!(
+                    "the key secret rotates: new records under secret {}, records under secret {} still looked up",
+                    self.api.secret,
+                    self.api.secret - 1
+                ));
+            }
+            Action::DropPreviousSecret => {
+                self.api.drop_previous_secret();
+                self.reach("region: the previous key secret dropped");
+                self.log(
+                    "the previous key secret is dropped: records under it are no longer found"
+                        .into(),
+                );
+            }
+            Action::Operator => self.operator_action(),
+            Action::Purge => {
+                let (deleted, marked) = self.api.purge(self.now);
+                if deleted > 0 {
+                    self.reach("region: the purge deleted records");
+                }
+                if deleted + marked > 0 {
+                    self.log(format!(
+                        "the state API's purge deletes {deleted} expired records and marks {marked} unknown"
+                    ));
+                }
+                self.after_purge();
+            }
+            Action::ToggleUpstream => {
+                self.upstream_down = !self.upstream_down;
+                self.log(format!(
+                    "upstream {}",
+                    if self.upstream_down { "down" } else { "up" }
+                ));
+            }
+            Action::SkewClock => {
+                let w = self.c.below(self.workers.len() as u32) as usize;
+                // A little skew, or the wall clock stepped (NTP, a VM resumed), either way.
+                let to: i64 = match self.c.weighted(&[4, 1, 1, 1, 1]) {
+                    0 => i64::from(self.c.below(300)),
+                    1 => -5_000,
+                    2 => -120_000,
+                    3 => 5_000,
+                    _ => 900_000,
+                };
+                let by = to - self.workers[w].skew_ms;
+                self.workers[w].skew_ms = to;
+                if by.abs() >= 1_000 {
+                    let holds = self.workers[w].w.as_ref().is_some_and(|wk| {
+                        !wk.held_tokens().is_empty() || !wk.write_tokens().is_empty()
+                    });
+                    if holds {
+                        self.reach(if by < 0 {
+                            "region: a clock stepped back while its worker held a claim"
+                        } else {
+                            "region: a clock stepped forward while its worker held a claim"
+                        });
+                    }
+                    self.ev
+                        .clock_steps
+                        .entry(w)
+                        .or_default()
+                        .push((self.now, by));
+                }
+                self.log(format!("worker {w} clock skew {to} ms ({by:+} ms)"));
+            }
+            Action::Advance => {
+                let ms = *self
+                    .c
+                    .pick(&[1u64, 10, 100, 500, 2_000, 10_000, 40_000, 700_000]);
+                self.advance(ms);
+            }
+        }
+    }
+
+    /// No more faults: everything in flight is delivered, every worker ticks until its writes
+    /// are done, leases run out.
+    pub(crate) fn drain(&mut self) {
+        self.faults = false;
+        if self.outage != Outage::None {
+            self.end_outage();
+        }
+        self.upstream_down = false;
+        self.log("drain: no more faults".into());
+        for w in 0..self.workers.len() {
+            if self.workers[w].w.is_none() {
+                self.restart(w);
+            }
+        }
+        for _ in 0..400 {
+            let mut busy = false;
+            if let Some(i) = self.ready_callout() {
+                self.process(i);
+                busy = true;
+            } else if let Some(i) = self
+                .callouts
+                .iter()
+                .position(|c| !c.orphan && c.answer.is_some())
+            {
+                self.deliver(i);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| {
+                let st = &self.streams[s];
+                !st.ended && st.parts_sent < st.request_parts() && st.client.status.is_none()
+            }) {
+                self.send_part(s);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| self.streams[s].in_transit) {
+                self.arrive(s);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| {
+                let st = &self.streams[s];
+                st.forwarded.is_some() && !st.ended && !st.resp_end_seen && !st.router_reply
+            }) {
+                self.upstream_part(s);
+                busy = true;
+            } else if let Some(op) = (0..self.ops.len())
+                .find(|&o| self.ops[o].active.is_none() && self.ops[o].attempts_left > 0)
+            {
+                self.ops[op].next_at = self.now;
+                self.new_attempt(op, None);
+                busy = true;
+            }
+            if !self.violations.is_empty() {
+                return;
+            }
+            if !busy {
+                let pending = self.workers.iter().any(|w| {
+                    w.w.as_ref().is_some_and(|wk| {
+                        let u = wk.usage();
+                        u.writes > 0 || u.claims > 0 || u.batched_claims + u.batched_writes > 0
+                    })
+                });
+                if !pending {
+                    break;
+                }
+                for w in 0..self.workers.len() {
+                    if self.workers[w].wake_requested {
+                        self.wake(w);
+                    }
+                }
+                self.advance(1_000);
+            }
+            check::after_step(self);
+        }
+        // Claims still waiting for their key get their answer now: their wait ends before the
+        // time skipped below.
+        for c in self.callouts.iter_mut() {
+            if let Some(p) = c.parked.as_mut() {
+                p.until = p.until.min(self.now);
+            }
+        }
+        self.timeouts();
+        // Past every lease: a dead owner's key is decided by the state API now, and every
+        // execution whose caller left has finished.
+        self.now += self.setup.lease_ms + 1;
+        for e in 0..self.upstream.executions.len() {
+            self.commit(e);
+        }
+        for w in 0..self.workers.len() {
+            self.workers[w].skew_ms = 0;
+        }
+    }
+}
