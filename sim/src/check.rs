@@ -30,239 +30,52 @@
 //! received the upstream's whole answer gets that answer back when it is retried (on a route
 //! that holds unknown outcomes, 409 `outcome-unknown` if its outcome was never stored).
 
-use crate::state_api::{Deleter, Grant, Scope};
+use crate::state_api::Scope;
 use crate::upstream::{Produced, Sent};
-use crate::world::{ClientView, Outage, World};
+use crate::world::{ClientView, Invariants, Outage, World, CLIENT_TOKEN};
 use contract::wire::FENCING_TOKEN_HEADER;
+use filter_core::config::OnUnknown;
 use filter_core::worker::CalloutResult;
-use std::collections::{BTreeMap, BTreeSet};
 
-/// The fencing token a misbehaving client sends (the filter must strip it).
-pub const CLIENT_TOKEN: i64 = 999_999;
+/// The invariants as the world calls them at each event ([`World`] is made with them).
+pub struct Checker;
 
-/// What the invariants remember of a run (times are global, in ms).
-#[derive(Debug, Default)]
-pub struct Evidence {
-    /// When each token was granted, and to which worker (index, generation) it was answered.
-    pub granted_at: BTreeMap<i64, u64>,
-    pub granted_to: BTreeMap<i64, (usize, u32)>,
-    /// The key secret each token's record was made under.
-    pub secret_of: BTreeMap<i64, u32>,
-    /// The last time the state API heard from each token's owner: its grant, an accepted
-    /// heartbeat, its unknown mark, its complete.
-    pub last_sign: BTreeMap<i64, u64>,
-    /// Why the key was free for each token granted as a new key or by a reuse: the token
-    /// whose record made way, whether that was legitimate, and how (for the violation).
-    pub freed: BTreeMap<i64, Freed>,
-    /// When each token's owner marked its record unknown (the `seq` of the mark).
-    pub owner_marks: BTreeMap<i64, u64>,
-    /// When each heartbeat of a token failed, as its owner heard it.
-    pub heartbeat_failures: BTreeMap<i64, Vec<u64>>,
-    /// Since when each (worker, generation, token) is held (registered for heartbeats), and
-    /// since when a write of it is pending.
-    pub held_since: BTreeMap<(usize, u32, i64), u64>,
-    pub write_since: BTreeMap<(usize, u32, i64), u64>,
-    /// Database outages (crashes, restarts, pauses) and when they ended.
-    pub database_outages: Vec<(u64, u64, Outage)>,
-    /// When the state API process was down (connections refused).
-    pub api_outages: Vec<(u64, u64)>,
-    /// Clock steps of each worker: (when, by how much).
-    pub clock_steps: BTreeMap<usize, Vec<(u64, i64)>>,
-    /// Scopes invariant 8 leaves out: a worker died holding a grant for them.
-    pub grant_died: BTreeSet<Scope>,
-    /// A worker gave a write up (invariant 8 is left out for the endpoint its log names, or
-    /// for the run when it names none).
-    pub gave_up_a_write: bool,
-    pub gave_up_for: BTreeSet<String>,
-    /// Claims the state API committed whose answer never reached the filter, by scope (how).
-    pub lost_grants: BTreeMap<Scope, String>,
-    /// How the last record of each scope ended (deleted, or reused past its retention), and
-    /// every end, in order.
-    pub scope_end: BTreeMap<Scope, Freed>,
-    pub ends: BTreeMap<Scope, Vec<Freed>>,
-    /// For each token whose record an operator deleted: how long its owner had been silent,
-    /// and its lease.
-    pub operator_silent: BTreeMap<i64, (u64, u64)>,
-    /// Scopes an operator released or purged (the promise starts over for them).
-    pub operator_scopes: BTreeSet<Scope>,
-    /// The retention of each token's record, as the state API kept it.
-    pub retention_of: BTreeMap<i64, u64>,
-    /// Answers Envoy made itself for a scope after forwarding (status, details).
-    pub envoy_replies: Vec<(Scope, Produced, String)>,
-    /// Answers the reconcile endpoints gave, by the scope they were asked for.
-    pub reconcile_answers: Vec<(Scope, Produced)>,
-}
-
-/// Why a key was free when a token was granted, or how a record ended.
-#[derive(Debug, Clone)]
-pub struct Freed {
-    /// The token whose record made way (none: there was none at the address).
-    pub from: Option<i64>,
-    pub legit: bool,
-    pub how: String,
-    /// When.
-    pub at: u64,
-}
-
-impl Evidence {
-    /// A record of `scope` ended: it is the scope's last end unless a newer record (a larger
-    /// token) ended before it (an older record can outlive a newer one under another key
-    /// secret).
-    pub fn record_ended(&mut self, scope: &Scope, end: Freed) {
-        self.ends
-            .entry(scope.clone())
-            .or_default()
-            .push(end.clone());
-        let newer = self.scope_end.get(scope).is_some_and(|e| e.from > end.from);
-        if !newer {
-            self.scope_end.insert(scope.clone(), end);
-        }
+impl Invariants for Checker {
+    fn after_step(&self, w: &World) -> Vec<String> {
+        after_step(w)
     }
-
-    /// Whether a re-execution (or a second charge) with `token` after the earlier one with
-    /// `prior` is allowed because the key became free legitimately in between; otherwise why
-    /// it was free.
-    fn freed_since(&self, scope: &Scope, prior: i64, token: i64) -> Result<(), String> {
-        // The outcome of `prior` was legitimately let go before `token` was granted: a record
-        // at least as new as `prior`'s ended legitimately by then.
-        let granted = self.granted_at.get(&token).copied().unwrap_or(u64::MAX);
-        let ends = self.ends.get(scope).map(Vec::as_slice).unwrap_or_default();
-        let since = |e: &&Freed| e.from.is_some_and(|q| q >= prior) && e.at <= granted;
-        if ends.iter().filter(since).any(|e| e.legit) {
-            return Ok(());
-        }
-        let f = self.freed.get(&token);
-        if let Some(f) = f.filter(|f| !f.legit) {
-            return Err(format!(": token {token} was granted {}", f.how));
-        }
-        if let Some(e) = ends.iter().rev().find(since) {
-            return Err(format!(
-                ": token {token} was granted as a new key: {}",
-                e.how
-            ));
-        }
-        match (self.secret_of.get(&prior), self.secret_of.get(&token)) {
-            (Some(a), Some(b)) if a != b => Err(format!(
-                ": token {token} was granted as a new key under key secret {b} while token {prior}'s record lived under key secret {a} (a rotation of the key secret)"
-            )),
-            _ => Err(f
-                .map(|f| format!(": token {token} was granted {}", f.how))
-                .unwrap_or_default()),
-        }
+    fn execution(
+        &self,
+        w: &World,
+        scope: &Scope,
+        token: Option<i64>,
+        stream: usize,
+    ) -> Vec<String> {
+        execution(w, scope, token, stream)
     }
-}
-
-fn retention_of(w: &World, token: i64) -> u64 {
-    w.ev.retention_of
-        .get(&token)
-        .copied()
-        .unwrap_or(w.setup.state_api.retention_ms)
-}
-
-/// Why the key of a claim's grant was free (the state API's [`Grant`]), judged.
-pub fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
-    match how {
-        // A record of the key lives under another key secret (it could not be found): that
-        // is legitimate only once it could have gone anyway (a retention past its owner's last
-        // sign of life).
-        Grant::New {
-            elsewhere: Some((secret, token)),
-            secret: mine,
-        } => Freed {
-            from: Some(*token),
-            legit: silent_for(w, *token) >= retention_of(w, *token),
-            how: format!(
-                "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret), {} ms after its owner's last sign of life",
-                silent_for(w, *token)
-            ),
-            at: w.now,
-        },
-        // No record anywhere: the last one of the scope ended, legitimately or not.
-        Grant::New { .. } => match w.ev.scope_end.get(scope) {
-            Some(end) => Freed {
-                from: end.from,
-                legit: end.legit,
-                how: format!("as a new key: {}", end.how),
-                at: w.now,
-            },
-            None => Freed {
-                from: None,
-                legit: true,
-                how: "as a new key".into(),
-                at: w.now,
-            },
-        },
-        Grant::RetentionReuse {
-            from,
-            was_in_progress,
-        } => {
-            let retention = retention_of(w, *from);
-            let silent = silent_for(w, *from);
-            Freed {
-                from: Some(*from),
-                legit: silent >= retention,
-                how: format!(
-                    "as a new key past its retention: token {from}'s record ({}, retention {retention} ms) was reused {silent} ms after its owner's last sign of life",
-                    if *was_in_progress { "its outcome never stored" } else { "completed" },
-                ),
-                at: w.now,
-            }
-        }
-        Grant::Reclaimed { from } => Freed {
-            from: Some(*from),
-            legit: false,
-            how: format!("by taking over token {from}'s unknown outcome"),
-            at: w.now,
-        },
+    fn unprotected(&self, _: &World, headers: &[(String, String)], stream: usize) -> Vec<String> {
+        unprotected(headers, stream)
     }
-}
-
-/// How long the state API has not heard from `token`'s owner.
-fn silent_for(w: &World, token: i64) -> u64 {
-    w.now
-        .saturating_sub(w.ev.last_sign.get(&token).copied().unwrap_or(0))
-}
-
-/// A record of `token` was deleted by `by`: whether that was legitimate, and how.
-pub fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
-    let silent = silent_for(w, token);
-    let (legit, how) = match by {
-        Deleter::Owner => (true, "its owner released it".to_owned()),
-        Deleter::Abandon | Deleter::GoneCaller => (true, by.describe().to_owned()),
-        Deleter::Purge => {
-            let retention = retention_of(w, token);
-            (
-                silent >= retention,
-                format!(
-                    "the purge deleted it past its retention ({retention} ms), {silent} ms after its owner's last sign of life"
-                ),
-            )
-        }
-        Deleter::OperatorRelease | Deleter::OperatorPurge => {
-            let (silent, lease) =
-                w.ev.operator_silent
-                    .get(&token)
-                    .copied()
-                    .unwrap_or((silent, w.setup.lease_ms));
-            (
-                silent >= lease,
-                format!(
-                    "{} deleted it {silent} ms after its owner's last sign of life (its lease is {lease} ms)",
-                    by.describe()
-                ),
-            )
-        }
-    };
-    Freed {
-        from: Some(token),
-        legit,
-        how: format!("token {token}'s record was gone ({how})"),
-        at: w.now,
+    fn charge(&self, w: &World, e: usize) -> Vec<String> {
+        charge(w, e)
+    }
+    fn answered(&self, w: &World, s: usize) -> Vec<String> {
+        answered(w, s)
+    }
+    fn lapse(&self, w: &World, token: i64, scope: &Scope, lease_ms: u64, by: &str) -> Vec<String> {
+        lapse(w, token, scope, lease_ms, by)
+    }
+    fn heartbeat_after_mark(&self, w: &World, token: i64, sent: u64) -> Vec<String> {
+        heartbeat_after_mark(w, token, sent)
+    }
+    fn gave_up(&self, w: &World, wi: usize, token: i64) -> Vec<String> {
+        gave_up(w, wi, token)
     }
 }
 
 /// A request reaches the upstream (`stream` is its attempt).
-pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize) {
+pub fn execution(w: &World, scope: &Scope, token: Option<i64>, stream: usize) -> Vec<String> {
+    let mut found = Vec::new();
     let earlier: Vec<(Option<i64>, usize)> = w
         .upstream
         .of_scope(scope)
@@ -271,19 +84,19 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
     match token {
         None => {
             if w.streams[stream].claim_refused {
-                w.violations.push(format!(
+                found.push(format!(
                     "1: stream {stream} forwarded without protection although the state API answered (it refused the claim)"
                 ));
             }
         }
         Some(CLIENT_TOKEN) if w.api.issued.get(&CLIENT_TOKEN) != Some(scope) => {
-            w.violations.push(format!(
+            found.push(format!(
                 "1: stream {stream} reached the upstream with a client-sent fencing token ({CLIENT_TOKEN}) on a protected route"
             ));
         }
         Some(t) => {
             if w.api.issued.get(&t) != Some(scope) {
-                w.violations.push(format!(
+                found.push(format!(
                     "1: stream {stream} reached the upstream with fencing token {t}, which the state API never issued for this scope"
                 ));
             }
@@ -300,7 +113,7 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
                         ),
                         _ => String::new(),
                     };
-                    w.violations.push(format!(
+                    found.push(format!(
                         "1: stream {stream} executed {scope:?} again with token {t}, not larger than the earlier {prior}{rotation}"
                     ));
                     continue;
@@ -324,12 +137,13 @@ pub fn execution(w: &mut World, scope: &Scope, token: Option<i64>, stream: usize
                 } else {
                     "; its stream is still open"
                 };
-                w.violations.push(format!(
+                found.push(format!(
                     "1: stream {stream} executed {scope:?} a second time (token {t}; the earlier execution with token {prior} was never released; its client got {earlier_client}{open}){why}"
                 ));
             }
         }
     }
+    found
 }
 
 fn reexecutes(w: &World, scope: &Scope) -> bool {
@@ -339,7 +153,8 @@ fn reexecutes(w: &World, scope: &Scope) -> bool {
 }
 
 /// Execution `e` charged (the reference upstream committed it).
-pub fn charge(w: &mut World, e: usize) {
+pub fn charge(w: &World, e: usize) -> Vec<String> {
+    let mut found = Vec::new();
     let x = &w.upstream.executions[e];
     let (scope, token) = (x.scope.clone(), x.token);
     let earlier: Vec<Option<i64>> = w
@@ -359,19 +174,22 @@ pub fn charge(w: &mut World, e: usize) {
         {
             continue;
         }
-        w.violations.push(format!(
+        found.push(format!(
             "7: the upstream charged {scope:?} a second time (token {t}, after token {prior} charged): the reference checkout accepted a token larger than one that already executed"
         ));
     }
+    found
 }
 
 /// An unprotected request reaches the upstream.
-pub fn unprotected(w: &mut World, headers: &[(String, String)], stream: usize) {
+pub fn unprotected(headers: &[(String, String)], stream: usize) -> Vec<String> {
+    let mut found = Vec::new();
     if headers.iter().any(|(n, _)| n == FENCING_TOKEN_HEADER) {
-        w.violations.push(format!(
+        found.push(format!(
             "1: stream {stream} reached the upstream with a client-sent fencing token"
         ));
     }
+    found
 }
 
 /// Whether a replay is this response, byte for byte.
@@ -389,7 +207,8 @@ fn replays(view: &ClientView, p: &Produced) -> bool {
 }
 
 /// A client has its whole answer.
-pub fn answered(w: &mut World, s: usize) {
+pub fn answered(w: &World, s: usize) -> Vec<String> {
+    let mut found = Vec::new();
     let st = w.streams[s].clone();
     if let Some(applied) = st.client.header("preference-applied") {
         // Route max_wait_s is the default 10 s.
@@ -399,13 +218,13 @@ pub fn answered(w: &mut World, s: usize) {
             || applied != format!("wait={asked}")
             || !(st.client.replayed() || answer == Some(409))
         {
-            w.violations.push(format!(
+            found.push(format!(
                 "stream {s} got Preference-Applied: {applied} with {answer:?} (asked to wait {asked} s)"
             ));
         }
     }
     if !st.client.replayed() {
-        return;
+        return found;
     }
     let scope = w.ops[st.op].scope();
     let matching: Vec<Sent> = w
@@ -427,18 +246,18 @@ pub fn answered(w: &mut World, s: usize) {
                 .iter()
                 .find(|(sc, p, _)| *sc == scope && replays(&st.client, p))
         {
-            w.violations.push(format!(
+            found.push(format!(
                 "2: stream {s} got a replay of Envoy's own answer ({} {details}), not one the upstream produced",
                 p.status
             ));
-            return;
+            return found;
         }
         let elsewhere = w
             .upstream
             .executions
             .iter()
             .any(|e| e.scope != scope && replays(&st.client, &e.plan.response));
-        w.violations.push(format!(
+        found.push(format!(
             "{}: stream {s} got a replay ({:?}, {} body bytes, content-encoding {:?}) that no execution of {scope:?} produced{}",
             if elsewhere { "3" } else { "2" },
             st.client.status,
@@ -446,16 +265,17 @@ pub fn answered(w: &mut World, s: usize) {
             st.client.header("content-encoding"),
             from_reconcile(w, &scope, &st.client),
         ));
-        return;
+        return found;
     }
     if !matching.iter().any(|r| r.same_as(&st.request)) {
-        w.violations.push(format!(
+        found.push(format!(
             "3: stream {s} sent another request under the same key ({} {:?}) and got the replay of the first{}",
             String::from_utf8_lossy(&st.request.body),
             st.request.content_type,
             from_reconcile(w, &scope, &st.client),
         ));
     }
+    found
 }
 
 /// Where a wrong replay came from, when a reconcile endpoint gave it for this scope.
@@ -471,20 +291,12 @@ fn from_reconcile(w: &World, scope: &Scope, view: &ClientView) -> String {
     }
 }
 
-/// After every step: the worker's memory within its bounds; what each worker holds, noted.
-pub fn after_step(w: &mut World) {
+/// After every step: the worker's memory within its bounds.
+pub fn after_step(w: &World) -> Vec<String> {
+    let mut found = Vec::new();
     let cfg = &w.cfg;
-    let now = w.now;
     for (i, sw) in w.workers.iter().enumerate() {
         let Some(wk) = &sw.w else { continue };
-        for t in wk.held_tokens() {
-            w.ev.held_since.entry((i, sw.generation, t)).or_insert(now);
-        }
-        for (t, since) in wk.write_tokens() {
-            // Handed over at `since` on the worker's own clock.
-            let at = since.saturating_sub(sw.steady_ms);
-            w.ev.write_since.entry((i, sw.generation, t)).or_insert(at);
-        }
         let u = wk.usage();
         let live_streams = w
             .streams
@@ -519,29 +331,32 @@ pub fn after_step(w: &mut World) {
             ));
         }
         if !over.is_empty() {
-            w.violations
-                .push(format!("4: worker {i} holds too much: {}", over.join(", ")));
+            found.push(format!("4: worker {i} holds too much: {}", over.join(", ")));
         }
     }
+    found
 }
 
 /// A heartbeat of `token` sent at dispatch `sent` was accepted after its owner's mark: the
 /// record is in progress again (invariant 5).
-pub fn heartbeat_after_mark(w: &mut World, token: i64, sent: u64) {
+pub fn heartbeat_after_mark(w: &World, token: i64, sent: u64) -> Vec<String> {
+    let mut found = Vec::new();
     if let Some(&marked) = w.ev.owner_marks.get(&token) {
         if sent < marked {
-            w.violations.push(format!(
+            found.push(format!(
                 "5: a heartbeat of token {token} sent before its owner's unknown mark was answered after it and undid the mark (the record is in progress again)"
             ));
         }
     }
+    found
 }
 
 /// The state API found the lease of `token` run out (invariant 6): its owner, if it lives and
 /// held the grant for a whole lease, must have lost it for a reason of its own (two failed
 /// heartbeats in the last lease), not for one failed heartbeat, a clock step or a database
 /// that just came back.
-pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) {
+pub fn lapse(w: &World, token: i64, scope: &Scope, lease_ms: u64, by: &str) -> Vec<String> {
+    let mut found = Vec::new();
     let now = w.now;
     let owner = w.workers.iter().enumerate().find_map(|(i, sw)| {
         let wk = sw.w.as_ref()?;
@@ -550,14 +365,14 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
             .then_some((i, sw.generation))
     });
     let Some((wi, generation)) = owner else {
-        return;
+        return found;
     };
     let Some(&since) = w.ev.held_since.get(&(wi, generation, token)) else {
-        return;
+        return found;
     };
     if since + lease_ms > now {
         // Its grant reached it less than a lease ago (a slow answer): not its heartbeats' fault.
-        return;
+        return found;
     }
     let window = now.saturating_sub(lease_ms);
     // A database outage that ended within the last lease (a pause counts once it is long
@@ -582,18 +397,18 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
             ),
             _ => "a restart".to_owned(),
         };
-        w.violations.push(format!(
+        found.push(format!(
             "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) {} ms after the database came back from {what}, while its owner on worker {wi} lives",
             now - end,
         ));
-        return;
+        return found;
     }
     // The state API could not hear anyone for a while in the last lease: its owner's lease
     // ran out for a reason of its own.
     let api_down =
         w.outage == Outage::ApiDown || w.ev.api_outages.iter().any(|(_, end)| *end > window);
     if api_down {
-        return;
+        return found;
     }
     let failed =
         w.ev.heartbeat_failures
@@ -611,7 +426,7 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
         })
         .count();
     if failed + pending >= 2 {
-        return;
+        return found;
     }
     // Its clock's steps since a lease before the state API last heard from it.
     let heard = w.ev.last_sign.get(&token).copied().unwrap_or(0);
@@ -630,150 +445,173 @@ pub fn lapse(w: &mut World, token: i64, scope: &Scope, lease_ms: u64, by: &str) 
     if skew.abs() >= 1_000 {
         steps.push(format!("its wall clock is {skew:+} ms off"));
     }
-    w.violations.push(format!(
+    found.push(format!(
         "6: the lease of token {token} ({scope:?}, {lease_ms} ms) lapsed ({by}) while its owner on worker {wi} lives: {} of its heartbeats failed in the last lease{}{}",
         failed + pending,
         if pending > 0 { " (one still unanswered)" } else { "" },
         if steps.is_empty() { String::new() } else { format!("; {}", steps.join(", ")) }
     ));
+    found
 }
 
 /// Worker `wi` gave up a write of `token` because `complete_retry_ms` passed on its clock
 /// (invariant 6: real time must have passed too).
-pub fn gave_up(w: &mut World, wi: usize, token: i64) {
+pub fn gave_up(w: &World, wi: usize, token: i64) -> Vec<String> {
+    let mut found = Vec::new();
     let generation = w.workers[wi].generation;
     let Some(&since) = w.ev.write_since.get(&(wi, generation, token)) else {
-        return;
+        return found;
     };
     let waited = w.now.saturating_sub(since);
     if waited < w.setup.complete_retry_ms {
-        w.violations.push(format!(
+        found.push(format!(
             "6: worker {wi} gave up the write of token {token} after {waited} ms of real time (complete_retry_ms is {} ms): its clock stepped",
             w.setup.complete_retry_ms
         ));
     }
+    found
 }
 
-/// Once drained: a retry of every operation whose client got the upstream's whole answer to
-/// the very request the retry sends; invariant 8 for keys never forwarded; invariant 9.
-pub fn final_answers(w: &mut World) {
-    for op in 0..w.ops.len() {
-        if w.ops[op].key.is_empty() {
-            // No key: no idempotency to check (its retry runs again, by design).
-            continue;
-        }
-        let scope = w.ops[op].scope();
-        let original = w.ops[op].request();
-        // The upstream's answer as a client received it whole (not a router's, not a replay).
-        let delivered: Option<Produced> = w.streams.iter().find_map(|s| {
-            let e = s.forwarded?;
-            let exec = w.upstream.executions.get(e)?;
-            (s.op == op
-                && s.client.complete
-                && !s.client.local
-                && !s.router_reply
-                && exec.token.is_some()
-                && exec.request.same_as(&original)
-                && s.client.status == Some(exec.plan.response.status)
-                && s.client.body == exec.plan.response.body)
-                .then(|| exec.plan.response.clone())
-        });
-        let release_route = w.ops[op].path == "/refunds";
-        let route = w.cfg.route("POST", &w.ops[op].path).map(|r| r.on_unknown);
-        let unknown = w.api.outcome_unknown(&scope, w.now);
-        let never_forwarded = route.is_some()
-            && w.upstream.of_scope(&scope).next().is_none()
-            && !w
-                .streams
-                .iter()
-                .any(|s| w.ops[s.op].scope() == scope && (s.in_transit || s.forwarded.is_some()));
-        let executions_before = w.upstream.executions.len();
-        let Some(view) = w.final_retry(op) else {
-            continue;
-        };
-        if !w.violations.is_empty() {
-            return;
-        }
-        if never_forwarded {
-            never_forwarded_is_usable(w, &scope, &view);
-            if !w.violations.is_empty() {
-                return;
-            }
-        }
-        let Some(delivered) = delivered else {
-            continue;
-        };
-        if release_route && delivered.status >= 500 {
-            continue;
-        }
-        if w.upstream.executions.len() > executions_before
-            || w.setup.state_api.max_retention_ms < w.now
-            || w.ev.operator_scopes.contains(&scope)
-        {
-            // It ran again, and the check at its execution found that legitimate (its record
-            // had gone past its retention); or its record may have (the run was longer).
-            continue;
-        }
-        // Handed over as an unknown outcome: on a route that re-executes, what the later
-        // attempt got (its own execution, or the upstream's answer for the key) is the outcome.
-        let reexecuted = w.api.took_over_unknown.values().any(|s| *s == scope);
-        if route == Some(filter_core::config::OnUnknown::Reexecute) && reexecuted {
-            // The route chose to run it again: the later execution's answer is the outcome.
-            continue;
-        }
-        if unknown {
-            use filter_core::config::OnUnknown;
-            let held = view.status == Some(409)
-                && crate::world::problem_type(&view.body)
-                    == contract::ProblemKind::OutcomeUnknown.type_uri();
-            match route {
-                // The answer was delivered but never stored: held, or run again by choice.
-                Some(OnUnknown::Hold) if held => continue,
-                Some(OnUnknown::Reexecute) => continue,
-                _ => {}
-            }
-        }
-        let max_body = w
-            .setup
-            .max_stored_body_bytes
-            .min(w.setup.state_api.max_body_bytes);
-        let headers_kept =
-            filter_core::headers::stored(&delivered.headers, &w.cfg.replay_extra_headers).complete;
-        let replayable = delivered.body.len() <= max_body
-            && headers_kept
-            && contract::limits::STATUS.contains(&delivered.status);
-        // A refused complete is stored as its status alone, unless an earlier attempt of the
-        // whole one, lost on its way back, was stored first: either is the outcome.
-        let refused = w.refused_completes.contains(&scope);
-        let replay_ok = view.replayed() && replays(&view, &delivered);
-        let ok = match (replayable, refused) {
-            (true, false) => replay_ok,
-            (true, true) => replay_ok || view.status == Some(409),
-            (false, _) => view.status == Some(409),
-        };
-        if !ok {
-            w.violations.push(format!(
-                "eventual: the client of {scope:?} received {} ({} body bytes{}), but its retry after the drain got {:?} {}",
-                delivered.status,
-                delivered.body.len(),
-                if replayable { "" } else { ", not replayable" },
-                view.status,
-                String::from_utf8_lossy(&view.body).chars().take(160).collect::<String>()
-            ));
-            return;
+/// What the final check of an operation needs from before its final retry (the retry changes
+/// the world): the upstream's answer its client received whole, and what became of its key.
+pub struct BeforeRetry {
+    scope: Scope,
+    delivered: Option<Produced>,
+    release_route: bool,
+    route: Option<OnUnknown>,
+    unknown: bool,
+    never_forwarded: bool,
+    executions_before: usize,
+}
+
+/// Once drained, before the final retry of `op`: what its check needs (none for an operation
+/// without a key: no idempotency to check, its retry runs again by design).
+pub fn before_final_retry(w: &World, op: usize) -> Option<BeforeRetry> {
+    if w.ops[op].key.is_empty() {
+        return None;
+    }
+    let scope = w.ops[op].scope();
+    let original = w.ops[op].request();
+    // The upstream's answer as a client received it whole (not a router's, not a replay).
+    let delivered: Option<Produced> = w.streams.iter().find_map(|s| {
+        let e = s.forwarded?;
+        let exec = w.upstream.executions.get(e)?;
+        (s.op == op
+            && s.client.complete
+            && !s.client.local
+            && !s.router_reply
+            && exec.token.is_some()
+            && exec.request.same_as(&original)
+            && s.client.status == Some(exec.plan.response.status)
+            && s.client.body == exec.plan.response.body)
+            .then(|| exec.plan.response.clone())
+    });
+    let release_route = w.ops[op].path == "/refunds";
+    let route = w.cfg.route("POST", &w.ops[op].path).map(|r| r.on_unknown);
+    let unknown = w.api.outcome_unknown(&scope, w.now);
+    let never_forwarded = route.is_some()
+        && w.upstream.of_scope(&scope).next().is_none()
+        && !w
+            .streams
+            .iter()
+            .any(|s| w.ops[s.op].scope() == scope && (s.in_transit || s.forwarded.is_some()));
+    Some(BeforeRetry {
+        executions_before: w.upstream.executions.len(),
+        scope,
+        delivered,
+        release_route,
+        route,
+        unknown,
+        never_forwarded,
+    })
+}
+
+/// Once drained, the final retry of an operation got `view`: if its client got the upstream's
+/// whole answer to the very request the retry sends, the retry gets it back; invariant 8 for a
+/// key never forwarded. The first violation, if any.
+pub fn final_answer(w: &World, before: &BeforeRetry, view: &ClientView) -> Option<String> {
+    let BeforeRetry {
+        scope,
+        delivered,
+        release_route,
+        route,
+        unknown,
+        never_forwarded,
+        executions_before,
+    } = before;
+    let (route, scope, view) = (*route, scope, view);
+    if *never_forwarded {
+        if let Some(v) = never_forwarded_is_usable(w, scope, view).into_iter().next() {
+            return Some(v);
         }
     }
-    fingerprints_are_keyed(w);
+    let delivered = delivered.as_ref()?;
+    if *release_route && delivered.status >= 500 {
+        return None;
+    }
+    if w.upstream.executions.len() > *executions_before
+        || w.setup.state_api.max_retention_ms < w.now
+        || w.ev.operator_scopes.contains(scope)
+    {
+        // It ran again, and the check at its execution found that legitimate (its record
+        // had gone past its retention); or its record may have (the run was longer).
+        return None;
+    }
+    // Handed over as an unknown outcome: on a route that re-executes, what the later
+    // attempt got (its own execution, or the upstream's answer for the key) is the outcome.
+    let reexecuted = w.api.took_over_unknown.values().any(|s| s == scope);
+    if route == Some(OnUnknown::Reexecute) && reexecuted {
+        // The route chose to run it again: the later execution's answer is the outcome.
+        return None;
+    }
+    if *unknown {
+        let held = view.status == Some(409)
+            && crate::world::problem_type(&view.body)
+                == contract::ProblemKind::OutcomeUnknown.type_uri();
+        match route {
+            // The answer was delivered but never stored: held, or run again by choice.
+            Some(OnUnknown::Hold) if held => return None,
+            Some(OnUnknown::Reexecute) => return None,
+            _ => {}
+        }
+    }
+    let max_body = w
+        .setup
+        .max_stored_body_bytes
+        .min(w.setup.state_api.max_body_bytes);
+    let headers_kept =
+        filter_core::headers::stored(&delivered.headers, &w.cfg.replay_extra_headers).complete;
+    let replayable = delivered.body.len() <= max_body
+        && headers_kept
+        && contract::limits::STATUS.contains(&delivered.status);
+    // A refused complete is stored as its status alone, unless an earlier attempt of the
+    // whole one, lost on its way back, was stored first: either is the outcome.
+    let refused = w.refused_completes.contains(scope);
+    let replay_ok = view.replayed() && replays(view, delivered);
+    let ok = match (replayable, refused) {
+        (true, false) => replay_ok,
+        (true, true) => replay_ok || view.status == Some(409),
+        (false, _) => view.status == Some(409),
+    };
+    (!ok).then(|| format!(
+        "eventual: the client of {scope:?} received {} ({} body bytes{}), but its retry after the drain got {:?} {}",
+        delivered.status,
+        delivered.body.len(),
+        if replayable { "" } else { ", not replayable" },
+        view.status,
+        String::from_utf8_lossy(&view.body).chars().take(160).collect::<String>()
+    ))
 }
 
 /// Invariant 8: nothing of `scope` was ever forwarded, so its retry after the drain (past
 /// every lease) must not be held.
-fn never_forwarded_is_usable(w: &mut World, scope: &Scope, view: &ClientView) {
+fn never_forwarded_is_usable(w: &World, scope: &Scope, view: &ClientView) -> Vec<String> {
+    let mut found = Vec::new();
     if w.ev.gave_up_a_write
         || w.ev.gave_up_for.contains(&scope.2)
         || w.ev.grant_died.contains(scope)
     {
-        return;
+        return found;
     }
     let kind = crate::world::problem_type(&view.body);
     let held = view.status == Some(409)
@@ -785,14 +623,16 @@ fn never_forwarded_is_usable(w: &mut World, scope: &Scope, view: &ClientView) {
                 .get(scope)
                 .map(|h| format!(": {h}"))
                 .unwrap_or_default();
-        w.violations.push(format!(
+        found.push(format!(
             "8: nothing of {scope:?} was ever forwarded, yet its retry a lease later got 409 {kind}{how}"
         ));
     }
+    found
 }
 
 /// Invariant 9: no fingerprint the state API stored is the plain SHA-256 of its request.
-fn fingerprints_are_keyed(w: &mut World) {
+pub fn fingerprints_are_keyed(w: &World) -> Vec<String> {
+    let mut found = Vec::new();
     for s in 0..w.streams.len() {
         let st = &w.streams[s];
         let scope = w.ops[st.op].scope();
@@ -810,21 +650,11 @@ fn fingerprints_are_keyed(w: &mut World) {
             .stored_fingerprints
             .contains(&(scope.clone(), plain.hex))
         {
-            w.violations.push(format!(
+            found.push(format!(
                 "9: the state API stored the fingerprint of {scope:?}'s request as its plain SHA-256 (a copy of the table confirms a guess of the body)"
             ));
-            return;
+            return found;
         }
     }
-}
-
-/// The database outage that just ended, for invariant 6.
-pub fn outage_ended(w: &mut World, since: u64, outage: Outage) {
-    match outage {
-        Outage::Database { .. } | Outage::Paused => {
-            w.ev.database_outages.push((since, w.now, outage))
-        }
-        Outage::ApiDown => w.ev.api_outages.push((since, w.now)),
-        Outage::None => {}
-    }
+    found
 }

@@ -4,8 +4,7 @@
 
 use super::callouts::{describe, Callout, Parked};
 use super::faults::Outage;
-use super::{World, UPSTREAM_CLUSTER};
-use crate::check;
+use super::{evidence, World, UPSTREAM_CLUSTER};
 use crate::state_api::{Address, Event, Scope};
 use contract::wire::CLAIM_PATH;
 use contract::ProblemKind;
@@ -156,7 +155,7 @@ impl World {
         for event in self.api.take_events() {
             match event {
                 Event::Granted { token, scope, how } => {
-                    let freed = check::judge_grant(self, &scope, &how);
+                    let freed = evidence::judge_grant(self, &scope, &how);
                     if let crate::state_api::Grant::New {
                         elsewhere: Some(_), ..
                     } = how
@@ -204,7 +203,8 @@ impl World {
                     by,
                 } => {
                     self.reach("region: a lease found run out");
-                    check::lapse(self, token, &scope, lease_ms, by);
+                    let found = self.invariants.lapse(self, token, &scope, lease_ms, by);
+                    self.found(found);
                 }
                 Event::OwnerMarked { token, .. } => {
                     let seq = self.next_seq();
@@ -218,7 +218,8 @@ impl World {
                             "state API: a heartbeat of token {token} from worker {} (sent at {}) makes its unknown record in progress again",
                             c.worker, c.sent_at
                         ));
-                        check::heartbeat_after_mark(self, token, c.seq);
+                        let found = self.invariants.heartbeat_after_mark(self, token, c.seq);
+                        self.found(found);
                     }
                 }
                 Event::HeartbeatOnMarked { .. } => {
@@ -232,7 +233,7 @@ impl World {
                 Event::Deleted {
                     token, scope, by, ..
                 } => {
-                    let end = check::judge_deletion(self, token, by);
+                    let end = evidence::judge_deletion(self, token, by);
                     self.ev.record_ended(&scope, end);
                 }
             }

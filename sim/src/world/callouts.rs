@@ -1,8 +1,7 @@
 //! Callouts on their way between a worker and the state API (or a reconcile endpoint): their
 //! answers delivered, lost, cut short or refused, and the grants lost with them.
 
-use super::host::Current;
-use super::{World, UPSTREAM_CLUSTER};
+use super::{Current, World, UPSTREAM_CLUSTER};
 use crate::state_api::Address;
 use contract::wire::{CLAIM_PATH, WRITES_PATH};
 use contract::ProblemKind;

@@ -1,13 +1,59 @@
 //! The clients: each operation's attempts (the same request, or a changed one under the same
 //! key), what a client saw of one, and the final retry after the drain.
 
-use super::envoy::Stream;
 use super::faults::Faults;
 use super::World;
-use crate::check;
 use crate::state_api::Scope;
-use crate::upstream::Sent;
+use crate::upstream::{Produced, Sent};
 use contract::wire::FENCING_TOKEN_HEADER;
+use filter_core::worker::StreamId;
+
+/// The fencing token a misbehaving client sends (the filter must strip it).
+pub const CLIENT_TOKEN: i64 = 999_999;
+
+/// One attempt: an HTTP stream on one worker.
+#[derive(Debug, Clone)]
+pub struct Stream {
+    pub worker: usize,
+    pub generation: u32,
+    pub sid: StreamId,
+    pub op: usize,
+    pub request: Sent,
+    pub headers: Vec<(String, String)>,
+    /// Body chunk sizes; `trailers`: the body ends with trailers, not end of stream.
+    pub chunks: Vec<usize>,
+    pub trailers: bool,
+    /// Request parts given to the filter: 0 none, 1 headers, then one per chunk (+1 trailers).
+    pub parts_sent: usize,
+    /// Bytes Envoy holds for the filter (cumulative while it pauses).
+    pub req_buffered: usize,
+    pub forwarded: Option<usize>,
+    /// Its claim was refused (a 4xx), not failed: the state API was there.
+    pub claim_refused: bool,
+    // The response as Envoy holds it.
+    pub resp_head: Option<Produced>,
+    pub resp_head_passed: bool,
+    pub resp_buffer: Vec<u8>,
+    pub resp_end_seen: bool,
+    pub resp_paused: bool,
+    pub resp_chunks_sent: usize,
+    pub router_reply: bool,
+    /// The upstream refused its fencing token (nothing ran).
+    pub refused_by_upstream: bool,
+    /// Sent upstream, not received yet.
+    pub in_transit: bool,
+    pub client: ClientView,
+    pub ended: bool,
+}
+
+impl Stream {
+    pub(super) fn body_len(&self) -> usize {
+        self.chunks.iter().sum()
+    }
+    pub(crate) fn request_parts(&self) -> usize {
+        1 + self.chunks.len() + usize::from(self.trailers)
+    }
+}
 
 /// A client's operation: one key, retried until it gets an answer or runs out of attempts.
 #[derive(Debug, Clone)]
@@ -154,10 +200,7 @@ impl World {
         }
         if self.fault(Faults::CLIENT) && self.c.chance(5) {
             // A client that tries to set its own fencing token.
-            headers.push((
-                FENCING_TOKEN_HEADER.to_owned(),
-                check::CLIENT_TOKEN.to_string(),
-            ));
+            headers.push((FENCING_TOKEN_HEADER.to_owned(), CLIENT_TOKEN.to_string()));
             if o.key.is_empty() {
                 self.reach(
                     "region: a key_from request without a key, with a client's fencing token",

@@ -3,59 +3,11 @@
 //! own answers; the end of a stream, which cancels its callouts.
 
 use super::callouts::Callout;
-use super::clients::ClientView;
 use super::faults::Faults;
-use super::host::Current;
-use super::World;
-use crate::check;
-use crate::upstream::{Produced, Sent};
+use super::{Current, World};
+use crate::upstream::Produced;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
 use filter_core::outcome::flags;
-use filter_core::worker::StreamId;
-
-/// One attempt: an HTTP stream on one worker.
-#[derive(Debug, Clone)]
-pub struct Stream {
-    pub worker: usize,
-    pub generation: u32,
-    pub sid: StreamId,
-    pub op: usize,
-    pub request: Sent,
-    pub headers: Vec<(String, String)>,
-    /// Body chunk sizes; `trailers`: the body ends with trailers, not end of stream.
-    pub chunks: Vec<usize>,
-    pub trailers: bool,
-    /// Request parts given to the filter: 0 none, 1 headers, then one per chunk (+1 trailers).
-    pub parts_sent: usize,
-    /// Bytes Envoy holds for the filter (cumulative while it pauses).
-    pub req_buffered: usize,
-    pub forwarded: Option<usize>,
-    /// Its claim was refused (a 4xx), not failed: the state API was there.
-    pub claim_refused: bool,
-    // The response as Envoy holds it.
-    pub resp_head: Option<Produced>,
-    pub resp_head_passed: bool,
-    pub resp_buffer: Vec<u8>,
-    pub resp_end_seen: bool,
-    pub resp_paused: bool,
-    pub resp_chunks_sent: usize,
-    pub router_reply: bool,
-    /// The upstream refused its fencing token (nothing ran).
-    pub refused_by_upstream: bool,
-    /// Sent upstream, not received yet.
-    pub in_transit: bool,
-    pub client: ClientView,
-    pub ended: bool,
-}
-
-impl Stream {
-    fn body_len(&self) -> usize {
-        self.chunks.iter().sum()
-    }
-    pub(crate) fn request_parts(&self) -> usize {
-        1 + self.chunks.len() + usize::from(self.trailers)
-    }
-}
 
 /// `response.flags` of Envoy's own timeouts (`CoreResponseFlag` bits 16 and 22), which the
 /// filter's `outcome::flags` does not name.
@@ -302,7 +254,8 @@ impl World {
     /// A stream whose client has its whole answer is over (Envoy calls `on_done`).
     pub(super) fn end_if_answered(&mut self, s: usize) {
         if self.streams[s].client.complete && !self.streams[s].ended {
-            check::answered(self, s);
+            let found = self.invariants.answered(self, s);
+            self.found(found);
             self.end_stream(s, false);
         }
     }
@@ -359,5 +312,34 @@ impl World {
         {
             self.perform(w, Current::Stream(s), Verdict::Continue, effects);
         }
+    }
+
+    /// Envoy answers a forwarded request itself before the upstream's response: one of its
+    /// timeouts, a payload over its limit, a reset.
+    pub(super) fn envoy_reply(&mut self, s: usize) {
+        let (status, details, fl) = *self.c.pick(&[
+            (408u16, "stream_idle_timeout", STREAM_IDLE_TIMEOUT),
+            (408, "request_overall_timeout", 0),
+            (408, "max_duration_timeout", DURATION_TIMEOUT),
+            (413, "request_payload_too_large", 0),
+            (
+                503,
+                "upstream_reset_before_response_started{connection_termination}",
+                flags::UPSTREAM_CONNECTION_TERMINATION,
+            ),
+            (
+                504,
+                "upstream_per_try_timeout",
+                flags::UPSTREAM_REQUEST_TIMEOUT,
+            ),
+            (0, "reset", 0),
+        ]);
+        if status == 0 {
+            self.reach("region: Envoy reset a forwarded stream");
+            self.log(format!("stream {s}: Envoy resets the stream"));
+            self.end_stream(s, false);
+            return;
+        }
+        self.router_reply(s, status, details, fl);
     }
 }

@@ -5,7 +5,6 @@
 use super::callouts::Callout;
 use super::faults::Faults;
 use super::{problem_type, World};
-use crate::check;
 use crate::upstream::{Ending, Execution, Plan, Produced};
 use contract::wire::FENCING_TOKEN_HEADER;
 use filter_core::outcome::flags;
@@ -93,10 +92,12 @@ impl World {
             }
         ));
         if protected {
-            check::execution(self, &scope, token, s);
+            let found = self.invariants.execution(self, &scope, token, s);
+            self.found(found);
         } else {
             let headers = self.streams[s].headers.clone();
-            check::unprotected(self, &headers, s);
+            let found = self.invariants.unprotected(self, &headers, s);
+            self.found(found);
         }
         self.upstream.executions.push(Execution {
             scope,
@@ -115,7 +116,10 @@ impl World {
     /// Execution `e` commits at the upstream (by the reference's rules): a charge, checked.
     pub(super) fn commit(&mut self, e: usize) {
         match self.upstream.commit(e) {
-            crate::upstream::Commit::Charged => check::charge(self, e),
+            crate::upstream::Commit::Charged => {
+                let found = self.invariants.charge(self, e);
+                self.found(found);
+            }
             crate::upstream::Commit::Answered => {
                 let x = &self.upstream.executions[e];
                 let line = format!(

@@ -5,22 +5,12 @@
 use super::callouts::Callout;
 use super::clients::ClientView;
 use super::faults::Faults;
-use super::{problem_type, World, UPSTREAM_CLUSTER};
-use crate::check;
+use super::{problem_type, Current, World, UPSTREAM_CLUSTER};
 use filter_core::flow::Verdict;
 use filter_core::host::{Current as HostCurrent, Host};
 use filter_core::metrics::Metric;
 use filter_core::reply::LocalReply;
 use filter_core::worker::{Dispatch, Effect, Level, Owner, StreamId, Worker};
-
-/// Where effects are carried out (the host's [`HostCurrent`], by stream index).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Current {
-    Request(usize),
-    Response(usize),
-    Stream(usize),
-    Root(usize),
-}
 
 /// Envoy around one callback of worker `w`: the host the shared interpreter carries the
 /// worker's effects out with.
@@ -188,7 +178,8 @@ impl Host for Envoy<'_> {
         if let Some(token) = given_up_for_time(&msg) {
             self.world
                 .reach("region: a write given up after complete_retry_ms");
-            check::gave_up(self.world, self.w, token);
+            let found = self.world.invariants.gave_up(self.world, self.w, token);
+            self.world.found(found);
         }
         let world = &mut *self.world;
         let routine = msg.starts_with("heartbeat failed");

@@ -1,7 +1,9 @@
 //! One schedule: Envoy workers running the real [`Worker`], a model state API, a model upstream
 //! and clients, with a model of what Envoy does around the filter (buffering, resuming, local
 //! replies, the router's own answers, cancelled callouts, a worker's death). Every decision comes
-//! from [`Choices`]; after every step the invariants are checked ([`crate::check`]).
+//! from [`Choices`]; after every step, and at each event they judge, the world is checked by
+//! the [`Invariants`] it was made with (`crate::check`'s), which read it and name what they
+//! find broken: the world records it and never names the checks.
 //!
 //! This file is the container (the world's state, and what every part of it uses); each job
 //! has a file of its own.
@@ -11,28 +13,53 @@ mod callouts;
 mod clients;
 mod clock;
 mod envoy;
+mod evidence;
 mod faults;
 mod forwarding;
 mod host;
+mod outages;
 mod setup;
 mod steps;
 mod workers;
 
 pub use callouts::{describe, Callout, Parked};
-pub use clients::{ClientView, Op};
-pub use envoy::Stream;
+pub use clients::{ClientView, Op, Stream, CLIENT_TOKEN};
+pub use evidence::{Evidence, Freed};
 pub use faults::{Faults, Outage, PULSE_SILENCE_MS};
 pub use setup::{FilterParams, Setup};
 pub(crate) use steps::Action;
 pub use workers::SimWorker;
 
-use crate::check;
 use crate::choice::Choices;
 use crate::state_api::{ModelStateApi, Scope};
 use crate::upstream::Upstream;
 use filter_core::config::Config;
 use std::collections::BTreeSet;
 use workers::{new_worker, steady_origin};
+
+/// The invariants, as the world meets the events they judge: each reads the world at that moment
+/// and returns the violations it finds (none: it holds), which the world records. `crate::check`
+/// holds them; the world calls them through this, so that it never names the checks.
+pub trait Invariants: Sync {
+    /// After every step (the worker's memory within its bounds).
+    fn after_step(&self, w: &World) -> Vec<String>;
+    /// A request reaches the upstream on a protected route (`stream` is its attempt), before its
+    /// execution is recorded.
+    fn execution(&self, w: &World, scope: &Scope, token: Option<i64>, stream: usize)
+        -> Vec<String>;
+    /// A request reaches the upstream on an unprotected route, with these headers.
+    fn unprotected(&self, w: &World, headers: &[(String, String)], stream: usize) -> Vec<String>;
+    /// Execution `e` charged (the reference upstream committed it).
+    fn charge(&self, w: &World, e: usize) -> Vec<String>;
+    /// Stream `s`'s client has its whole answer.
+    fn answered(&self, w: &World, s: usize) -> Vec<String>;
+    /// The state API found the lease of `token` run out.
+    fn lapse(&self, w: &World, token: i64, scope: &Scope, lease_ms: u64, by: &str) -> Vec<String>;
+    /// A heartbeat of `token` sent at dispatch `sent` made its unknown record in progress again.
+    fn heartbeat_after_mark(&self, w: &World, token: i64, sent: u64) -> Vec<String>;
+    /// Worker `wi` gave up a write of `token` because `complete_retry_ms` passed on its clock.
+    fn gave_up(&self, w: &World, wi: usize, token: i64) -> Vec<String>;
+}
 
 pub struct World {
     pub c: Choices,
@@ -51,7 +78,9 @@ pub struct World {
     /// When the key secret last rotated.
     pub(crate) rotated_at: Option<u64>,
     /// What the invariants remember of the run.
-    pub ev: check::Evidence,
+    pub ev: Evidence,
+    /// What judges the world at each event (`crate::check`).
+    invariants: &'static dyn Invariants,
     pub callouts: Vec<Callout>,
     pub streams: Vec<Stream>,
     pub upstream: Upstream,
@@ -77,6 +106,15 @@ pub struct World {
     pub reached: std::collections::BTreeMap<&'static str, u64>,
 }
 
+/// Where effects are carried out (the host's [`HostCurrent`], by stream index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Current {
+    Request(usize),
+    Response(usize),
+    Stream(usize),
+    Root(usize),
+}
+
 /// The global time a run starts at.
 const START_MS: u64 = 1_000;
 /// The cluster of the upstream (its reconcile endpoint is asked through it).
@@ -84,8 +122,14 @@ const UPSTREAM_CLUSTER: &str = "upstream";
 
 impl World {
     /// A world of `setup`'s workers and clients `ops`, with faults of `kinds` (those of `setup`
-    /// among them), its further choices from `c`.
-    pub fn build(c: Choices, setup: Setup, ops: Vec<Op>, kinds: Faults) -> Self {
+    /// among them), its further choices from `c`, judged by `invariants`.
+    pub fn build(
+        c: Choices,
+        setup: Setup,
+        ops: Vec<Op>,
+        kinds: Faults,
+        invariants: &'static dyn Invariants,
+    ) -> Self {
         let kinds = Faults(kinds.0 & setup.kinds.0);
         let cfg = match Config::parse(setup.filter_config.as_bytes()) {
             Ok(cfg) => cfg,
@@ -115,7 +159,8 @@ impl World {
             outage_until: None,
             seq: 0,
             rotated_at: None,
-            ev: check::Evidence::default(),
+            ev: Evidence::default(),
+            invariants,
             callouts: Vec::new(),
             streams: Vec::new(),
             upstream: Upstream::default(),
@@ -149,6 +194,23 @@ impl World {
     /// Worker `w`'s time: the host's monotonic clock, which no wall clock step moves.
     fn worker_now(&self, w: usize) -> u64 {
         self.now + self.workers[w].steady_ms
+    }
+
+    /// The global time the run started at.
+    pub fn started_at(&self) -> u64 {
+        START_MS
+    }
+
+    /// Records what the invariants found broken.
+    fn found(&mut self, violations: Vec<String>) {
+        self.violations.extend(violations);
+    }
+
+    /// The check after every step: what each worker holds noted, then the invariants judge.
+    pub fn check_step(&mut self) {
+        self.note_holdings();
+        let found = self.invariants.after_step(self);
+        self.found(found);
     }
 
     /// The next number of the run's order of dispatches and writes.

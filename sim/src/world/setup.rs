@@ -3,7 +3,7 @@
 
 use super::clients::Op;
 use super::faults::Faults;
-use super::{World, UPSTREAM_CLUSTER};
+use super::{Invariants, World, UPSTREAM_CLUSTER};
 use crate::choice::Choices;
 use crate::state_api::StateApiConfig;
 
@@ -193,7 +193,7 @@ fn long_path() -> String {
 }
 
 impl World {
-    pub fn new(mut c: Choices, kinds: Faults) -> Self {
+    pub fn new(mut c: Choices, kinds: Faults, invariants: &'static dyn Invariants) -> Self {
         let setup = Setup::draw(&mut c);
         let nops = 1 + c.below(3) as usize;
         let mut ops: Vec<Op> = Vec::new();
@@ -256,11 +256,11 @@ impl World {
                 wait_s: *c.pick(&[0, 0, 1, 5, 30]),
             });
         }
-        Self::build(c, setup, ops, kinds)
+        Self::build(c, setup, ops, kinds, invariants)
     }
 
     /// The dangerous ends of the run's parameters it was drawn with.
-    pub(super) fn reach_setup(&mut self) {
+    pub(crate) fn reach_setup(&mut self) {
         let su = &self.setup;
         let mut reached = Vec::new();
         if su.lease_ms == crate::state_api::MIN_LEASE_MS {

@@ -2,8 +2,7 @@
 //! drain at the end (no more faults, everything in flight delivered).
 
 use super::faults::{Faults, Outage};
-use super::{World, START_MS};
-use crate::check;
+use super::World;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Action {
@@ -33,35 +32,8 @@ pub(crate) enum Action {
 }
 
 impl World {
-    /// Runs the random part of the schedule (at most `max_steps`), then drains and checks the
-    /// final answers. Stops at the first violation.
-    pub fn run(&mut self, max_steps: usize) {
-        self.reach_setup();
-        for _ in 0..max_steps {
-            if !self.step() {
-                break;
-            }
-            self.steps += 1;
-            check::after_step(self);
-            if !self.violations.is_empty() {
-                return;
-            }
-        }
-        self.drain();
-        if self
-            .setup
-            .retention_s
-            .is_some_and(|r| r * 1000 < self.now - START_MS)
-        {
-            self.reach("region: a retention shorter than the run");
-        }
-        if self.violations.is_empty() {
-            check::final_answers(self);
-        }
-    }
-
     /// One random step; `false` when nothing is left to do.
-    pub(super) fn step(&mut self) -> bool {
+    pub(crate) fn step(&mut self) -> bool {
         let mut actions: Vec<(u32, Action)> = Vec::new();
         for (i, op) in self.ops.iter().enumerate() {
             if op.attempts_left > 0 && op.next_at <= self.now {
@@ -361,7 +333,7 @@ impl World {
                 }
                 self.advance(1_000);
             }
-            check::after_step(self);
+            self.check_step();
         }
         // Claims still waiting for their key get their answer now: their wait ends before the
         // time skipped below.

@@ -1,8 +1,7 @@
 //! The Envoy workers' lives: a worker VM made as the glue configures it, its ticks and wakes,
 //! its death (memory gone, streams vanished, callouts orphaned) and its restart.
 
-use super::host::Current;
-use super::World;
+use super::{Current, World};
 use crate::state_api::Scope;
 use filter_core::config::Config;
 use filter_core::flow::Verdict;
