@@ -38,9 +38,9 @@ use filter_core::config::OnUnknown;
 use filter_core::worker::CalloutResult;
 
 /// The invariants as the world calls them at each event ([`World`] is made with them).
-pub struct Checker;
+pub struct Checks;
 
-impl Invariants for Checker {
+impl Invariants for Checks {
     fn after_step(&self, w: &World) -> Vec<String> {
         after_step(w)
     }

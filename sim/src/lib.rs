@@ -142,7 +142,7 @@ impl Default for Params {
 }
 
 pub fn run(choices: Choices, p: Params) -> Outcome {
-    let mut w = World::new(choices, p.faults, &check::Checker);
+    let mut w = World::new(choices, p.faults, &check::Checks);
     schedule::run(&mut w, p.steps);
     Outcome {
         violation: w.violations.first().cloned(),

@@ -31,65 +31,11 @@ impl World {
                 ),
                 // Stalled: answered once the database resumes, or timed out.
                 Outage::Paused => return,
-                Outage::None => {
-                    // (Claims look and write in one statement since the fix of path 9.)
-                    let claim = matches!(c.path.as_str(), CLAIM_PATH | contract::wire::CLAIMS_PATH);
-                    if self.api.previous_secret.is_some() && c.looked_up.is_none() && !claim {
-                        // `scope_of` looks the record up first; the statement runs later, and
-                        // other calls may run in between.
-                        let scopes = crate::state_api::scopes_of(&c.path, &c.body);
-                        if !scopes.is_empty() {
-                            let found: Vec<Address> =
-                                scopes.iter().map(|s| self.api.lookup(s)).collect();
-                            let old = found.iter().filter(|a| a.0 != self.api.secret).count();
-                            if old > 0 {
-                                self.reach("region: a record found under the previous key secret");
-                            }
-                            if !(self.quiet && c.path == contract::wire::HEARTBEAT_PATH) {
-                                self.log(format!(
-                                    "state API {} from worker {}: looked up ({old} of {} under the previous key secret)",
-                                    c.path,
-                                    c.worker,
-                                    found.len()
-                                ));
-                            }
-                            self.callouts[i].looked_up = Some(found);
-                            self.callouts[i].looked_at = self.now;
-                            return;
-                        }
-                    }
-                    // A request works only until its caller's deadline (the filter's timeout):
-                    // one whose statement would run later is dropped before it reaches the
-                    // database, and answered 503.
-                    let stale = c.looked_up.is_some()
-                        && self.now > c.looked_at + self.setup.callout_timeout_ms;
-                    let (status, body) = if stale {
-                        (
-                            503,
-                            contract::Problem::new(
-                                ProblemKind::StateUnavailable,
-                                "the request's deadline passed",
-                            )
-                            .to_json(),
-                        )
-                    } else {
-                        self.api
-                            .handle(&c.path, &c.body, self.now, c.looked_up.as_deref())
-                    };
-                    self.after_api(Some(&c));
-                    if c.path == contract::wire::RELEASE_PATH && status == 200 {
-                        if let Ok(r) =
-                            serde_json::from_slice::<contract::wire::ReleaseRequest>(&c.body)
-                        {
-                            self.released.insert(r.token);
-                        }
-                    }
-                    match self.waited(i, status, body) {
-                        Some(answer) => answer,
-                        // Parked: it waits for its key.
-                        None => return,
-                    }
-                }
+                Outage::None => match self.serve(i, &c) {
+                    Some(answer) => answer,
+                    // Looked up (the statement runs later), or parked.
+                    None => return,
+                },
             }
         };
         // Heartbeats are left out of the trace unless they change something: in quiet time,
@@ -129,6 +75,62 @@ impl World {
             self.callouts[i].parked = None;
             self.callouts[i].answer = Some(result);
         }
+    }
+
+    /// The state API, up, handles callout `i` (`c`): `None` while its answer is not ready (looked
+    /// up during a rotation of the key secret, its statement to run later; or parked, waiting
+    /// for its key).
+    fn serve(&mut self, i: usize, c: &Callout) -> Option<CalloutResult> {
+        // (Claims look and write in one statement since the fix of path 9.)
+        let claim = matches!(c.path.as_str(), CLAIM_PATH | contract::wire::CLAIMS_PATH);
+        if self.api.previous_secret.is_some() && c.looked_up.is_none() && !claim {
+            // `scope_of` looks the record up first; the statement runs later, and
+            // other calls may run in between.
+            let scopes = crate::state_api::scopes_of(&c.path, &c.body);
+            if !scopes.is_empty() {
+                let found: Vec<Address> = scopes.iter().map(|s| self.api.lookup(s)).collect();
+                let old = found.iter().filter(|a| a.0 != self.api.secret).count();
+                if old > 0 {
+                    self.reach("region: a record found under the previous key secret");
+                }
+                if !(self.quiet && c.path == contract::wire::HEARTBEAT_PATH) {
+                    self.log(format!(
+                        "state API {} from worker {}: looked up ({old} of {} under the previous key secret)",
+                        c.path,
+                        c.worker,
+                        found.len()
+                    ));
+                }
+                self.callouts[i].looked_up = Some(found);
+                self.callouts[i].looked_at = self.now;
+                return None;
+            }
+        }
+        // A request works only until its caller's deadline (the filter's timeout):
+        // one whose statement would run later is dropped before it reaches the
+        // database, and answered 503.
+        let stale = c.looked_up.is_some() && self.now > c.looked_at + self.setup.callout_timeout_ms;
+        let (status, body) = if stale {
+            (
+                503,
+                contract::Problem::new(
+                    ProblemKind::StateUnavailable,
+                    "the request's deadline passed",
+                )
+                .to_json(),
+            )
+        } else {
+            self.api
+                .handle(&c.path, &c.body, self.now, c.looked_up.as_deref())
+        };
+        self.after_api(Some(c));
+        if c.path == contract::wire::RELEASE_PATH && status == 200 {
+            if let Ok(r) = serde_json::from_slice::<contract::wire::ReleaseRequest>(&c.body) {
+                self.released.insert(r.token);
+            }
+        }
+        // None: parked, it waits for its key.
+        self.waited(i, status, body)
     }
 
     /// Whether a call nobody waits for any more arrives too late to run: past its caller's
@@ -405,5 +407,38 @@ impl World {
     /// The first callout the state API has to handle and can answer now.
     pub(super) fn ready_callout(&self) -> Option<usize> {
         (0..self.callouts.len()).find(|&i| self.callouts[i].answer.is_none() && self.answerable(i))
+    }
+
+    /// The key secret rotates: new records under the new one, the previous one still looked up.
+    pub(super) fn rotate_secret(&mut self) {
+        self.api.rotate_secret();
+        self.rotated_at = Some(self.now);
+        self.reach("region: the key secret rotated");
+        self.log(format!(
+            "the key secret rotates: new records under secret {}, records under secret {} still looked up",
+            self.api.secret,
+            self.api.secret - 1
+        ));
+    }
+
+    /// The previous key secret is dropped: records under it are no longer found.
+    pub(super) fn drop_previous_secret(&mut self) {
+        self.api.drop_previous_secret();
+        self.reach("region: the previous key secret dropped");
+        self.log("the previous key secret is dropped: records under it are no longer found".into());
+    }
+
+    /// The state API's purge runs: expired records deleted, lapsed ones marked unknown.
+    pub(super) fn purge(&mut self) {
+        let (deleted, marked) = self.api.purge(self.now);
+        if deleted > 0 {
+            self.reach("region: the purge deleted records");
+        }
+        if deleted + marked > 0 {
+            self.log(format!(
+                "the state API's purge deletes {deleted} expired records and marks {marked} unknown"
+            ));
+        }
+        self.after_purge();
     }
 }

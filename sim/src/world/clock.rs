@@ -173,4 +173,38 @@ impl World {
         .map(|(after, status, details, fl)| (at + after, status, details, fl))
         .min_by_key(|d| d.0)
     }
+
+    /// A worker's wall clock is skewed a little, or stepped (NTP, a VM resumed) either way.
+    pub(super) fn skew_clock(&mut self) {
+        let w = self.c.below(self.workers.len() as u32) as usize;
+        // A little skew, or the wall clock stepped (NTP, a VM resumed), either way.
+        let to: i64 = match self.c.weighted(&[4, 1, 1, 1, 1]) {
+            0 => i64::from(self.c.below(300)),
+            1 => -5_000,
+            2 => -120_000,
+            3 => 5_000,
+            _ => 900_000,
+        };
+        let by = to - self.workers[w].skew_ms;
+        self.workers[w].skew_ms = to;
+        if by.abs() >= 1_000 {
+            let holds = self.workers[w]
+                .w
+                .as_ref()
+                .is_some_and(|wk| !wk.held_tokens().is_empty() || !wk.write_tokens().is_empty());
+            if holds {
+                self.reach(if by < 0 {
+                    "region: a clock stepped back while its worker held a claim"
+                } else {
+                    "region: a clock stepped forward while its worker held a claim"
+                });
+            }
+            self.ev
+                .clock_steps
+                .entry(w)
+                .or_default()
+                .push((self.now, by));
+        }
+        self.log(format!("worker {w} clock skew {to} ms ({by:+} ms)"));
+    }
 }

@@ -345,4 +345,13 @@ impl World {
             body: a.body,
         }
     }
+
+    /// The upstream goes down, or comes back.
+    pub(super) fn toggle_upstream(&mut self) {
+        self.upstream_down = !self.upstream_down;
+        self.log(format!(
+            "upstream {}",
+            if self.upstream_down { "down" } else { "up" }
+        ));
+    }
 }

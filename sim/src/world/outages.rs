@@ -62,4 +62,17 @@ impl World {
         self.log(format!("state API back after {lasted} ms ({kind:?})"));
         evidence::outage_ended(self, since, kind);
     }
+
+    /// The database goes out: a crash recovery in place, a restart or a pause, for some leases
+    /// or not.
+    pub(super) fn database_outage(&mut self) {
+        let kind = match self.c.weighted(&[3, 1, 2]) {
+            0 => Outage::Database { in_place: true },
+            1 => Outage::Database { in_place: false },
+            _ => Outage::Paused,
+        };
+        let lease = self.setup.lease_ms;
+        let lasts = *self.c.pick(&[lease / 2, lease * 3 / 2, lease * 3, 40_000]);
+        self.start_outage(kind, Some(lasts.max(1)));
+    }
 }

@@ -176,86 +176,14 @@ impl World {
                     self.end_outage();
                 }
             }
-            Action::DatabaseOutage => {
-                let kind = match self.c.weighted(&[3, 1, 2]) {
-                    0 => Outage::Database { in_place: true },
-                    1 => Outage::Database { in_place: false },
-                    _ => Outage::Paused,
-                };
-                let lease = self.setup.lease_ms;
-                let lasts = *self.c.pick(&[lease / 2, lease * 3 / 2, lease * 3, 40_000]);
-                self.start_outage(kind, Some(lasts.max(1)));
-            }
+            Action::DatabaseOutage => self.database_outage(),
             Action::EnvoyReply(s) => self.envoy_reply(s),
-            Action::RotateSecret => {
-                self.api.rotate_secret();
-                self.rotated_at = Some(self.now);
-                self.reach("region: the key secret rotated");
-                self.log(format!(
-                    "the key secret rotates: new records under secret {}, records under secret {} still looked up",
-                    self.api.secret,
-                    self.api.secret - 1
-                ));
-            }
-            Action::DropPreviousSecret => {
-                self.api.drop_previous_secret();
-                self.reach("region: the previous key secret dropped");
-                self.log(
-                    "the previous key secret is dropped: records under it are no longer found"
-                        .into(),
-                );
-            }
+            Action::RotateSecret => self.rotate_secret(),
+            Action::DropPreviousSecret => self.drop_previous_secret(),
             Action::Operator => self.operator_action(),
-            Action::Purge => {
-                let (deleted, marked) = self.api.purge(self.now);
-                if deleted > 0 {
-                    self.reach("region: the purge deleted records");
-                }
-                if deleted + marked > 0 {
-                    self.log(format!(
-                        "the state API's purge deletes {deleted} expired records and marks {marked} unknown"
-                    ));
-                }
-                self.after_purge();
-            }
-            Action::ToggleUpstream => {
-                self.upstream_down = !self.upstream_down;
-                self.log(format!(
-                    "upstream {}",
-                    if self.upstream_down { "down" } else { "up" }
-                ));
-            }
-            Action::SkewClock => {
-                let w = self.c.below(self.workers.len() as u32) as usize;
-                // A little skew, or the wall clock stepped (NTP, a VM resumed), either way.
-                let to: i64 = match self.c.weighted(&[4, 1, 1, 1, 1]) {
-                    0 => i64::from(self.c.below(300)),
-                    1 => -5_000,
-                    2 => -120_000,
-                    3 => 5_000,
-                    _ => 900_000,
-                };
-                let by = to - self.workers[w].skew_ms;
-                self.workers[w].skew_ms = to;
-                if by.abs() >= 1_000 {
-                    let holds = self.workers[w].w.as_ref().is_some_and(|wk| {
-                        !wk.held_tokens().is_empty() || !wk.write_tokens().is_empty()
-                    });
-                    if holds {
-                        self.reach(if by < 0 {
-                            "region: a clock stepped back while its worker held a claim"
-                        } else {
-                            "region: a clock stepped forward while its worker held a claim"
-                        });
-                    }
-                    self.ev
-                        .clock_steps
-                        .entry(w)
-                        .or_default()
-                        .push((self.now, by));
-                }
-                self.log(format!("worker {w} clock skew {to} ms ({by:+} ms)"));
-            }
+            Action::Purge => self.purge(),
+            Action::ToggleUpstream => self.toggle_upstream(),
+            Action::SkewClock => self.skew_clock(),
             Action::Advance => {
                 let ms = *self
                     .c
