@@ -7,6 +7,10 @@
 //!
 //! What happens to records is also told as [`Event`]s, for the invariants and their
 //! explanations (why a token was granted, who deleted a record, whose lease ran out).
+//!
+//! This file holds the model's types and where a record lives (its address during a rotation);
+//! `http.rs` routes and validates calls, `calls.rs` carries out the filter's, `upkeep.rs` the
+//! rest (the purge, operators, a rotation, a caller gone).
 
 use contract::wire::StoredResponse;
 use state_rules::rotation;

@@ -1,5 +1,6 @@
-//! Time: the global clock advancing, the workers' ticks on their period, and every timeout that
-//! runs out on the way (callouts, waits at the state API, Envoy's own timeouts).
+//! Time: the global clock advancing, the workers' ticks on their period, a wall clock stepped,
+//! and every timeout that runs out on the way (callouts, waits at the state API, Envoy's own
+//! timeouts).
 
 use super::envoy::{DURATION_TIMEOUT, STREAM_IDLE_TIMEOUT};
 use super::faults::Outage;
