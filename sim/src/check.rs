@@ -530,26 +530,17 @@ pub fn before_final_retry(w: &World, op: usize) -> Option<BeforeRetry> {
 /// whole answer to the very request the retry sends, the retry gets it back; invariant 8 for a
 /// key never forwarded. The first violation, if any.
 pub fn final_answer(w: &World, before: &BeforeRetry, view: &ClientView) -> Option<String> {
-    let BeforeRetry {
-        scope,
-        delivered,
-        release_route,
-        route,
-        unknown,
-        never_forwarded,
-        executions_before,
-    } = before;
-    let (route, scope, view) = (*route, scope, view);
-    if *never_forwarded {
+    let (route, scope) = (before.route, &before.scope);
+    if before.never_forwarded {
         if let Some(v) = never_forwarded_is_usable(w, scope, view).into_iter().next() {
             return Some(v);
         }
     }
-    let delivered = delivered.as_ref()?;
-    if *release_route && delivered.status >= 500 {
+    let delivered = before.delivered.as_ref()?;
+    if before.release_route && delivered.status >= 500 {
         return None;
     }
-    if w.upstream.executions.len() > *executions_before
+    if w.upstream.executions.len() > before.executions_before
         || w.setup.state_api.max_retention_ms < w.now
         || w.ev.operator_scopes.contains(scope)
     {
@@ -564,7 +555,7 @@ pub fn final_answer(w: &World, before: &BeforeRetry, view: &ClientView) -> Optio
         // The route chose to run it again: the later execution's answer is the outcome.
         return None;
     }
-    if *unknown {
+    if before.unknown {
         let held = view.status == Some(409)
             && crate::world::problem_type(&view.body)
                 == contract::ProblemKind::OutcomeUnknown.type_uri();

@@ -1,25 +1,114 @@
-//! The filter's calls on a record, each the function of `state-rules` the store carries out in
-//! SQL: a claim (and what it tells the invariants), a heartbeat, a complete, a release, an
-//! abandon, an unknown mark.
+//! The filter's calls, each path routed to its handler (a batch item by item), each handler the
+//! function of `state-rules` the store carries out in SQL: a claim (and what it tells the
+//! invariants), a heartbeat, a complete, a release, an abandon, an unknown mark.
 
 use contract::wire::{
-    valid_nonce, AbandonRequest, ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest,
-    HeartbeatResponse, OnUnknown, ReleaseRequest, StoredResponse, UnknownRequest, WriteResponse,
-    WriteState,
+    valid_nonce, AbandonRequest, ClaimBatchRequest, ClaimRequest, ClaimResponse,
+    CompleteBatchRequest, CompleteRequest, HeartbeatRequest, HeartbeatResponse, OnUnknown,
+    ReleaseRequest, StoredResponse, UnknownRequest, WriteBatchRequest, WriteResponse, WriteState,
+    ABANDON_PATH, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH, HEARTBEAT_PATH,
+    MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use contract::ProblemKind;
 use state_rules::fingerprint::Keyed;
 use state_rules::writes::{self, Abandoned, Beat, Completion, Marked};
 use state_rules::{ClaimOutcome, ClaimTerms, Clock, Fingerprint, RecordState};
 
-use super::http::{fenced, is_tchar, json, problem, scope};
+use super::http::{batch, fenced, is_tchar, json, problem, scope};
 use super::{
     fingerprint_key, Address, Answer, Deleter, Event, Grant, Looked, ModelStateApi, Record,
 };
 use contract::limits::{MAX_HEADERS, MAX_HEADER_VALUE_LEN};
 
 impl ModelStateApi {
-    pub(super) fn claim(&mut self, r: ClaimRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
+    /// Handles one call at time `now` (the state API and its database are up). `looked_up`:
+    /// the addresses its scopes were looked up at in an earlier step (`scope_of` runs before
+    /// the statement, and other calls may run in between); looked up now when absent.
+    pub fn handle(
+        &mut self,
+        path: &str,
+        body: &[u8],
+        now: u64,
+        looked_up: Option<&[Address]>,
+    ) -> Answer {
+        let mut looked = Looked {
+            given: looked_up,
+            at: 0,
+        };
+        let l = &mut looked;
+        match path {
+            CLAIM_PATH => match serde_json::from_slice::<ClaimRequest>(body) {
+                Ok(r) => self.claim(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            // Batches: each item as its single call would answer it, one after the other,
+            // claims first (the real one runs them together; for two requests of one scope
+            // this is one of its orders, and a scope's second request in one call comes after
+            // the first there too).
+            CLAIMS_PATH => match serde_json::from_slice::<ClaimBatchRequest>(body) {
+                Ok(b) if b.claims.is_empty() => problem(ProblemKind::BadRequest, "no claims"),
+                Ok(b) => self.batch(b.claims, Vec::new(), now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            COMPLETES_PATH => match serde_json::from_slice::<CompleteBatchRequest>(body) {
+                Ok(b) if b.completes.is_empty() => problem(ProblemKind::BadRequest, "no completes"),
+                Ok(b) => self.batch(Vec::new(), b.completes, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            WRITES_PATH => match serde_json::from_slice::<WriteBatchRequest>(body) {
+                Ok(b) if b.claims.is_empty() && b.completes.is_empty() => {
+                    problem(ProblemKind::BadRequest, "no writes")
+                }
+                Ok(b) => self.batch(b.claims, b.completes, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            HEARTBEAT_PATH => match serde_json::from_slice::<HeartbeatRequest>(body) {
+                Ok(r) => self.heartbeat(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            COMPLETE_PATH => match serde_json::from_slice::<CompleteRequest>(body) {
+                Ok(r) => self.complete(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            RELEASE_PATH => match serde_json::from_slice::<ReleaseRequest>(body) {
+                Ok(r) => self.release(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            UNKNOWN_PATH => match serde_json::from_slice::<UnknownRequest>(body) {
+                Ok(r) => self.owner_unknown(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            ABANDON_PATH => match serde_json::from_slice::<AbandonRequest>(body) {
+                Ok(r) => self.abandon(r, now, l),
+                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
+            },
+            _ => problem(ProblemKind::NotFound, "no such route"),
+        }
+    }
+
+    /// A batch's claims and completes (at most 128 of each, no waiting claim).
+    fn batch(
+        &mut self,
+        claims: Vec<ClaimRequest>,
+        completes: Vec<CompleteRequest>,
+        now: u64,
+        looked: &mut Looked<'_>,
+    ) -> Answer {
+        if claims.len() > MAX_BATCH_CLAIMS || completes.len() > MAX_BATCH_CLAIMS {
+            return problem(ProblemKind::BadRequest, "1 to 128 of each");
+        }
+        if claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
+            return problem(ProblemKind::BadRequest, "wait_ms in a batch");
+        }
+        let mut answers: Vec<Answer> = claims
+            .into_iter()
+            .map(|r| self.claim(r, now, looked))
+            .collect();
+        answers.extend(completes.into_iter().map(|r| self.complete(r, now, looked)));
+        batch(answers)
+    }
+
+    fn claim(&mut self, r: ClaimRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
         let scope = match scope(&r.key, &r.subject, &r.endpoint) {
             Ok(s) => s,
             Err(a) => return a,
@@ -124,7 +213,7 @@ impl ModelStateApi {
     }
 
     /// The events of a claim, from the record before and what it came to.
-    pub(super) fn note_claim(
+    fn note_claim(
         &mut self,
         address: &Address,
         before: Option<&Record>,
@@ -200,12 +289,7 @@ impl ModelStateApi {
         }
     }
 
-    pub(super) fn heartbeat(
-        &mut self,
-        r: HeartbeatRequest,
-        now: u64,
-        looked: &mut Looked<'_>,
-    ) -> Answer {
+    fn heartbeat(&mut self, r: HeartbeatRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
         let (_, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
             Ok(found) => found,
             Err(a) => return a,
@@ -238,7 +322,7 @@ impl ModelStateApi {
         }
     }
 
-    pub(super) fn stored(&self, r: StoredResponse) -> Result<StoredResponse, Answer> {
+    fn stored(&self, r: StoredResponse) -> Result<StoredResponse, Answer> {
         if !contract::limits::STATUS.contains(&r.status) {
             return Err(problem(ProblemKind::BadRequest, "status"));
         }
@@ -267,12 +351,7 @@ impl ModelStateApi {
         Ok(r)
     }
 
-    pub(super) fn complete(
-        &mut self,
-        r: CompleteRequest,
-        now: u64,
-        looked: &mut Looked<'_>,
-    ) -> Answer {
+    fn complete(&mut self, r: CompleteRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
         let (_, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
             Ok(found) => found,
             Err(a) => return a,
@@ -299,12 +378,7 @@ impl ModelStateApi {
         }
     }
 
-    pub(super) fn release(
-        &mut self,
-        r: ReleaseRequest,
-        now: u64,
-        looked: &mut Looked<'_>,
-    ) -> Answer {
+    fn release(&mut self, r: ReleaseRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
         let (scope, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
             Ok(found) => found,
             Err(a) => return a,
@@ -351,12 +425,7 @@ impl ModelStateApi {
 
     /// A claim whose answer never reached the filter, given back by its nonce (nothing was
     /// forwarded under it).
-    pub(super) fn abandon(
-        &mut self,
-        r: AbandonRequest,
-        now: u64,
-        looked: &mut Looked<'_>,
-    ) -> Answer {
+    fn abandon(&mut self, r: AbandonRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
         let (_, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
             Ok(found) => found,
             Err(a) => return a,
@@ -385,12 +454,7 @@ impl ModelStateApi {
     }
 
     /// The owner lost sight of its forwarded request.
-    pub(super) fn owner_unknown(
-        &mut self,
-        r: UnknownRequest,
-        now: u64,
-        looked: &mut Looked<'_>,
-    ) -> Answer {
+    fn owner_unknown(&mut self, r: UnknownRequest, now: u64, looked: &mut Looked<'_>) -> Answer {
         let (scope, address) = match self.located(&r.key, &r.subject, &r.endpoint, looked) {
             Ok(found) => found,
             Err(a) => return a,

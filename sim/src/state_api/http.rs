@@ -1,11 +1,10 @@
-//! The state API's HTTP layer restated (`state-api/src/http.rs`): each path routed to its call,
-//! the validation and limits of what a call names, the answers' shapes (a problem, a batch).
+//! The state API's HTTP layer restated (`state-api/src/http.rs`): the validation and limits of
+//! what a call names (its scope, as `scope_of` finds it), the answers' shapes (a problem, a
+//! batch).
 
 use contract::wire::{
-    AbandonRequest, BatchItem, BatchResponse, ClaimBatchRequest, ClaimRequest,
-    CompleteBatchRequest, CompleteRequest, HeartbeatRequest, ReleaseRequest, UnknownRequest,
-    WriteBatchRequest, ABANDON_PATH, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH,
-    HEARTBEAT_PATH, MAX_BATCH_CLAIMS, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
+    BatchItem, BatchResponse, ABANDON_PATH, CLAIMS_PATH, CLAIM_PATH, COMPLETES_PATH, COMPLETE_PATH,
+    HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
 };
 use contract::{validate_key, Problem, ProblemKind};
 
@@ -86,93 +85,6 @@ pub fn scopes_of(path: &str, body: &[u8]) -> Vec<Scope> {
 }
 
 impl ModelStateApi {
-    /// Handles one call at time `now` (the state API and its database are up). `looked_up`:
-    /// the addresses its scopes were looked up at in an earlier step (`scope_of` runs before
-    /// the statement, and other calls may run in between); looked up now when absent.
-    pub fn handle(
-        &mut self,
-        path: &str,
-        body: &[u8],
-        now: u64,
-        looked_up: Option<&[Address]>,
-    ) -> Answer {
-        let mut looked = Looked {
-            given: looked_up,
-            at: 0,
-        };
-        let l = &mut looked;
-        match path {
-            CLAIM_PATH => match serde_json::from_slice::<ClaimRequest>(body) {
-                Ok(r) => self.claim(r, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            // Batches: each item as its single call would answer it, one after the other,
-            // claims first (the real one runs them together; for two requests of one scope
-            // this is one of its orders, and a scope's second request in one call comes after
-            // the first there too).
-            CLAIMS_PATH => match serde_json::from_slice::<ClaimBatchRequest>(body) {
-                Ok(b) if b.claims.is_empty() => problem(ProblemKind::BadRequest, "no claims"),
-                Ok(b) => self.batch(b.claims, Vec::new(), now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            COMPLETES_PATH => match serde_json::from_slice::<CompleteBatchRequest>(body) {
-                Ok(b) if b.completes.is_empty() => problem(ProblemKind::BadRequest, "no completes"),
-                Ok(b) => self.batch(Vec::new(), b.completes, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            WRITES_PATH => match serde_json::from_slice::<WriteBatchRequest>(body) {
-                Ok(b) if b.claims.is_empty() && b.completes.is_empty() => {
-                    problem(ProblemKind::BadRequest, "no writes")
-                }
-                Ok(b) => self.batch(b.claims, b.completes, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            HEARTBEAT_PATH => match serde_json::from_slice::<HeartbeatRequest>(body) {
-                Ok(r) => self.heartbeat(r, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            COMPLETE_PATH => match serde_json::from_slice::<CompleteRequest>(body) {
-                Ok(r) => self.complete(r, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            RELEASE_PATH => match serde_json::from_slice::<ReleaseRequest>(body) {
-                Ok(r) => self.release(r, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            UNKNOWN_PATH => match serde_json::from_slice::<UnknownRequest>(body) {
-                Ok(r) => self.owner_unknown(r, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            ABANDON_PATH => match serde_json::from_slice::<AbandonRequest>(body) {
-                Ok(r) => self.abandon(r, now, l),
-                Err(e) => problem(ProblemKind::BadRequest, &e.to_string()),
-            },
-            _ => problem(ProblemKind::NotFound, "no such route"),
-        }
-    }
-
-    /// A batch's claims and completes (at most 128 of each, no waiting claim).
-    pub(super) fn batch(
-        &mut self,
-        claims: Vec<ClaimRequest>,
-        completes: Vec<CompleteRequest>,
-        now: u64,
-        looked: &mut Looked<'_>,
-    ) -> Answer {
-        if claims.len() > MAX_BATCH_CLAIMS || completes.len() > MAX_BATCH_CLAIMS {
-            return problem(ProblemKind::BadRequest, "1 to 128 of each");
-        }
-        if claims.iter().any(|c| c.wait_ms.is_some_and(|w| w > 0)) {
-            return problem(ProblemKind::BadRequest, "wait_ms in a batch");
-        }
-        let mut answers: Vec<Answer> = claims
-            .into_iter()
-            .map(|r| self.claim(r, now, looked))
-            .collect();
-        answers.extend(completes.into_iter().map(|r| self.complete(r, now, looked)));
-        batch(answers)
-    }
-
     /// A write's scope, validated, and the address it was looked up at (`scope_of`).
     pub(super) fn located(
         &self,

@@ -9,8 +9,8 @@
 //! explanations (why a token was granted, who deleted a record, whose lease ran out).
 //!
 //! This file holds the model's types and where a record lives (its address during a rotation);
-//! `http.rs` routes and validates calls, `calls.rs` carries out the filter's, `upkeep.rs` the
-//! rest (the purge, operators, a rotation, a caller gone).
+//! `http.rs` validates what a call names and shapes answers, `calls.rs` routes and carries out
+//! the filter's calls, `upkeep.rs` the rest (the purge, operators, a rotation, a caller gone).
 
 use contract::wire::StoredResponse;
 use state_rules::rotation;

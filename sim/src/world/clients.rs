@@ -208,18 +208,7 @@ impl World {
             }
         }
         let len = body.len();
-        let chunks = if len == 0 {
-            Vec::new()
-        } else if self.c.chance(50) {
-            vec![len]
-        } else {
-            let cut = 1 + self.c.below(len as u32) as usize % len;
-            if cut >= len {
-                vec![len]
-            } else {
-                vec![cut, len - cut]
-            }
-        };
+        let chunks = self.chunks_of(len);
         let trailers = len > 0 && self.c.chance(10);
         let (path, query) = match o.path.split_once('?') {
             Some((p, q)) => (p.to_owned(), q.to_owned()),

@@ -8,6 +8,7 @@ use super::{Current, World};
 use crate::upstream::Produced;
 use filter_core::flow::{RequestHead, ResponseHead, Verdict};
 use filter_core::outcome::flags;
+use filter_core::worker::Step;
 
 /// `response.flags` of Envoy's own timeouts (`CoreResponseFlag` bits 16 and 22), which the
 /// filter's `outcome::flags` does not name.
@@ -167,18 +168,11 @@ impl World {
                     now,
                 )
             });
-            match step {
-                Some(step) => self.perform(w, Current::Response(s), step.verdict, step.effects),
-                None => Verdict::Continue,
-            }
+            self.response_step(w, s, step)
         } else {
             Verdict::Continue
         };
-        self.streams[s].resp_paused = verdict == Verdict::Pause;
-        if verdict == Verdict::Continue {
-            self.pass_response(s);
-        }
-        self.end_if_answered(s);
+        self.on_response_verdict(s, verdict);
     }
 
     pub(super) fn response_body(&mut self, s: usize, chunk: Vec<u8>, end: bool) {
@@ -197,15 +191,8 @@ impl World {
         let step = self.call(w, |wk| {
             wk.on_response_body(st.sid, size, end, &mut |n| read(&buffer, n), now)
         });
-        let verdict = match step {
-            Some(step) => self.perform(w, Current::Response(s), step.verdict, step.effects),
-            None => Verdict::Continue,
-        };
-        self.streams[s].resp_paused = verdict == Verdict::Pause;
-        if verdict == Verdict::Continue {
-            self.pass_response(s);
-        }
-        self.end_if_answered(s);
+        let verdict = self.response_step(w, s, step);
+        self.on_response_verdict(s, verdict);
     }
 
     pub(super) fn response_trailers(&mut self, s: usize) {
@@ -220,10 +207,21 @@ impl World {
         let step = self.call(w, |wk| {
             wk.on_response_trailers(st.sid, &mut |n| read(&buffer, n), now)
         });
-        let verdict = match step {
+        let verdict = self.response_step(w, s, step);
+        self.on_response_verdict(s, verdict);
+    }
+
+    /// Carries out the filter's step on a response part (none: its worker is gone); its verdict.
+    fn response_step(&mut self, w: usize, s: usize, step: Option<Step>) -> Verdict {
+        match step {
             Some(step) => self.perform(w, Current::Response(s), step.verdict, step.effects),
             None => Verdict::Continue,
-        };
+        }
+    }
+
+    /// Envoy holds the response while the filter pauses it, and passes on what it holds
+    /// otherwise; a stream whose client has its whole answer is over.
+    fn on_response_verdict(&mut self, s: usize, verdict: Verdict) {
         self.streams[s].resp_paused = verdict == Verdict::Pause;
         if verdict == Verdict::Continue {
             self.pass_response(s);

@@ -163,18 +163,7 @@ impl World {
         };
         let body = if gzip { gzipish(&body) } else { body };
         let len = body.len();
-        let chunks = if len == 0 {
-            Vec::new()
-        } else if self.c.chance(50) {
-            vec![len]
-        } else {
-            let cut = (1 + self.c.below(len as u32) as usize).min(len);
-            if cut >= len {
-                vec![len]
-            } else {
-                vec![cut, len - cut]
-            }
-        };
+        let chunks = self.chunks_of(len);
         let ending = if faults {
             match self.c.weighted(&[10, 2, 1, 1, 1]) {
                 0 => Ending::WithLastChunk,

@@ -213,6 +213,22 @@ impl World {
         self.found(found);
     }
 
+    /// How a body of `len` bytes arrives: whole, or cut in two at a drawn byte.
+    fn chunks_of(&mut self, len: usize) -> Vec<usize> {
+        if len == 0 {
+            Vec::new()
+        } else if self.c.chance(50) {
+            vec![len]
+        } else {
+            let cut = (1 + self.c.below(len as u32) as usize).min(len);
+            if cut >= len {
+                vec![len]
+            } else {
+                vec![cut, len - cut]
+            }
+        }
+    }
+
     /// The next number of the run's order of dispatches and writes.
     pub fn next_seq(&mut self) -> u64 {
         self.seq += 1;
