@@ -62,48 +62,48 @@ pub trait Invariants: Sync {
 }
 
 pub struct World {
-    pub c: Choices,
-    pub now: u64,
-    pub setup: Setup,
-    pub cfg: Config,
-    pub workers: Vec<SimWorker>,
-    pub api: ModelStateApi,
+    pub(crate) c: Choices,
+    pub(crate) now: u64,
+    pub(crate) setup: Setup,
+    pub(crate) cfg: Config,
+    pub(crate) workers: Vec<SimWorker>,
+    pub(crate) api: ModelStateApi,
     /// What of the state API is out, if anything (and when it started).
-    pub outage: Outage,
+    pub(crate) outage: Outage,
     outage_since: u64,
     /// When the current outage ends by itself (a database back from its recovery or pause).
     outage_until: Option<u64>,
     /// Dispatches and writes in the order they happen (several happen at one instant).
-    pub seq: u64,
+    pub(crate) seq: u64,
     /// When the key secret last rotated.
     pub(crate) rotated_at: Option<u64>,
     /// What the invariants remember of the run.
-    pub ev: Evidence,
+    pub(crate) ev: Evidence,
     /// What judges the world at each event (`crate::check`).
     invariants: &'static dyn Invariants,
-    pub callouts: Vec<Callout>,
-    pub streams: Vec<Stream>,
-    pub upstream: Upstream,
-    pub upstream_down: bool,
-    pub ops: Vec<Op>,
-    pub trace: Vec<String>,
-    pub violations: Vec<String>,
+    pub(crate) callouts: Vec<Callout>,
+    pub(crate) streams: Vec<Stream>,
+    pub(crate) upstream: Upstream,
+    pub(crate) upstream_down: bool,
+    pub(crate) ops: Vec<Op>,
+    pub(crate) trace: Vec<String>,
+    pub(crate) violations: Vec<String>,
     /// Tokens released by the state API: a re-execution after one is allowed.
-    pub released: BTreeSet<i64>,
+    pub(crate) released: BTreeSet<i64>,
     /// Scopes a complete of which the state API refused (their outcome may be stored as its
     /// status alone).
-    pub refused_completes: BTreeSet<Scope>,
+    pub(crate) refused_completes: BTreeSet<Scope>,
     /// Whether faults may still be injected (off while draining).
     faults: bool,
     /// Inside a quiet tick: routine heartbeats are not traced.
     quiet: bool,
-    pub kinds: Faults,
+    pub(crate) kinds: Faults,
     /// A worker that cannot reach the state API (the model checker's partition): its calls
     /// fail at dispatch.
-    pub partitioned: Option<usize>,
-    pub steps: usize,
+    pub(crate) partitioned: Option<usize>,
+    pub(crate) steps: usize,
     /// What the run reached: the filter's counters (by name) and the model's own events.
-    pub reached: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) reached: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Where effects are carried out (the host's [`HostCurrent`], by stream index).
