@@ -87,7 +87,7 @@ pub struct World {
     pub(crate) upstream_down: bool,
     pub(crate) ops: Vec<Op>,
     pub(crate) trace: Vec<String>,
-    pub(crate) violations: Vec<String>,
+    pub violations: Vec<String>,
     /// Tokens released by the state API: a re-execution after one is allowed.
     pub(crate) released: BTreeSet<i64>,
     /// Scopes a complete of which the state API refused (their outcome may be stored as its
