@@ -141,19 +141,7 @@ pub struct FilterParams {
 impl FilterParams {
     /// The filter's plugin configuration (JSON).
     pub fn config(&self) -> String {
-        let FilterParams {
-            callout_timeout_ms,
-            reconcile_timeout_ms,
-            retention_s,
-            complete_retry_ms,
-            max_stored,
-            lease_ms,
-            heartbeat_ms,
-            cache,
-            background,
-            max_waiters,
-        } = *self;
-        let retention = match retention_s {
+        let retention = match self.retention_s {
             Some(r) => format!(r#", "retention_s": {r}"#),
             None => String::new(),
         };
@@ -181,7 +169,15 @@ impl FilterParams {
   "complete_in_background": {background},
   "max_waiters": {max_waiters}
 }}"#,
-            cache_bytes = if cache { 8192 } else { 0 },
+            callout_timeout_ms = self.callout_timeout_ms,
+            reconcile_timeout_ms = self.reconcile_timeout_ms,
+            max_stored = self.max_stored,
+            lease_ms = self.lease_ms,
+            heartbeat_ms = self.heartbeat_ms,
+            cache_bytes = if self.cache { 8192 } else { 0 },
+            complete_retry_ms = self.complete_retry_ms,
+            background = self.background,
+            max_waiters = self.max_waiters,
         )
     }
 }
