@@ -3,7 +3,7 @@
 //! It drives the real [`filter_core::worker::Worker`] of several Envoy workers against a model
 //! state API ([`state_api`]), a model upstream ([`upstream`]) and clients that retry, change
 //! their request, give up at any point or see their Envoy die ([`world`]). A seed picks one
-//! schedule; the same seed replays the same run. After every step the invariants of
+//! schedule; the same seed replays the same run ([`schedule`]). After every step the invariants of
 //! [`check`] hold, or the run stops with the violation and a readable trace, which
 //! [`shrink`] makes as short as it can. See `docs/simulation.md`.
 
@@ -11,6 +11,7 @@ pub mod check;
 pub mod choice;
 pub mod driver;
 pub mod model;
+pub mod schedule;
 pub mod state_api;
 pub mod upstream;
 pub mod world;
@@ -141,8 +142,8 @@ impl Default for Params {
 }
 
 pub fn run(choices: Choices, p: Params) -> Outcome {
-    let mut w = World::new(choices, p.faults);
-    w.run(p.steps);
+    let mut w = World::new(choices, p.faults, &check::Checks);
+    schedule::run(&mut w, p.steps);
     Outcome {
         violation: w.violations.first().cloned(),
         trace: std::mem::take(&mut w.trace),

@@ -6,7 +6,7 @@
 //! API calling the record rules of `state-rules`, the model upstream following the reference
 //! checkout's rules. Each action is one of the simulation's own steps, taken with the plainest
 //! alternative of each of its inner choices, and after each the simulation's invariants are
-//! checked (`check::after_step`; after the drain, `check::final_answers`). stateright explores
+//! checked (`check::after_step`; after the drain, `schedule::final_answers`). stateright explores
 //! the actions breadth first and recognises a world it has seen by [`World::fingerprint`].
 //!
 //! A state is the list of actions that leads to it (the world is rebuilt by replaying them: a
@@ -195,7 +195,8 @@ impl Protocol {
                 wait_s: 0,
             })
             .collect();
-        World::build(Choices::replay(Vec::new()), setup, ops, Faults(0))
+        let c = Choices::replay(Vec::new());
+        World::build(c, setup, ops, Faults(0), &check::Checks)
     }
 
     /// The world `steps` lead to.
@@ -430,13 +431,13 @@ pub fn apply(w: &mut World, step: Step) {
         Step::Drain => {
             w.drain();
             if w.violations.is_empty() {
-                check::final_answers(w);
+                crate::schedule::final_answers(w);
             }
             return;
         }
     }
     w.steps += 1;
-    check::after_step(w);
+    w.check_step();
 }
 
 /// Time runs to `t` (the other worker ticking on time up to just before it), and worker `i`

@@ -1,0 +1,284 @@
+//! The schedule's steps: what may happen next (each with its weight), carrying one out, and the
+//! drain at the end (no more faults, everything in flight delivered).
+
+use super::faults::{Faults, Outage};
+use super::World;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Action {
+    NewAttempt(usize),
+    SendPart(usize),
+    GiveUp(usize),
+    Process(usize),
+    Deliver(usize),
+    FailCallout(usize),
+    UpstreamPart(usize),
+    Arrive(usize),
+    UpstreamFinish(usize),
+    Tick(usize),
+    Wake(usize),
+    Kill(usize),
+    Restart(usize),
+    ToggleApi,
+    DatabaseOutage,
+    ToggleUpstream,
+    SkewClock,
+    EnvoyReply(usize),
+    RotateSecret,
+    DropPreviousSecret,
+    Operator,
+    Purge,
+    Advance,
+}
+
+impl World {
+    /// One random step; `false` when nothing is left to do.
+    pub(crate) fn step(&mut self) -> bool {
+        let mut actions: Vec<(u32, Action)> = Vec::new();
+        for (i, op) in self.ops.iter().enumerate() {
+            if op.attempts_left > 0 && op.next_at <= self.now {
+                // A retry, or an impatient duplicate while an attempt is still running.
+                let weight = if op.active.is_none() { 8 } else { 1 };
+                actions.push((weight, Action::NewAttempt(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.ended {
+                continue;
+            }
+            if s.parts_sent < s.request_parts() && s.client.status.is_none() {
+                actions.push((10, Action::SendPart(i)));
+            }
+            if self.fault(Faults::GIVE_UP) && !s.client.complete {
+                actions.push((1, Action::GiveUp(i)));
+            }
+        }
+        for (i, c) in self.callouts.iter().enumerate() {
+            if c.answer.is_none() {
+                actions.push((6, Action::Process(i)));
+            } else if !c.orphan {
+                actions.push((8, Action::Deliver(i)));
+            }
+            if self.fault(Faults::CALLOUT) && !c.orphan {
+                actions.push((1, Action::FailCallout(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.forwarded.is_some() && !s.ended && !s.resp_end_seen && !s.router_reply {
+                actions.push((6, Action::UpstreamPart(i)));
+            }
+        }
+        for (i, s) in self.streams.iter().enumerate() {
+            if s.in_transit {
+                actions.push((4, Action::Arrive(i)));
+            }
+        }
+        for (e, x) in self.upstream.executions.iter().enumerate() {
+            let caller = &self.streams[x.stream];
+            if !x.finished && (caller.ended || caller.router_reply) {
+                // Its caller left: it works on, and finishes in its own time.
+                actions.push((2, Action::UpstreamFinish(e)));
+            }
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            if w.w.is_some() {
+                actions.push((2, Action::Tick(i)));
+                if w.wake_requested {
+                    actions.push((4, Action::Wake(i)));
+                }
+                if self.fault(Faults::KILL) {
+                    actions.push((1, Action::Kill(i)));
+                }
+            } else {
+                actions.push((2, Action::Restart(i)));
+            }
+        }
+        if self.fault(Faults::API_DOWN) && matches!(self.outage, Outage::None | Outage::ApiDown) {
+            actions.push((1, Action::ToggleApi));
+        }
+        if self.fault(Faults::DATABASE) && self.outage == Outage::None {
+            actions.push((1, Action::DatabaseOutage));
+        }
+        if self.fault(Faults::SKEW) {
+            actions.push((1, Action::SkewClock));
+        }
+        if self.fault(Faults::UPSTREAM) {
+            actions.push((1, Action::ToggleUpstream));
+        }
+        if self.fault(Faults::ENVOY) {
+            for (i, s) in self.streams.iter().enumerate() {
+                if s.forwarded.is_some() && !s.ended && s.resp_head.is_none() && !s.router_reply {
+                    actions.push((1, Action::EnvoyReply(i)));
+                }
+            }
+        }
+        if self.fault(Faults::ROTATE) {
+            // As the operator is told: the previous secret goes (by a drop, or by the next
+            // rotation) once the longest retention has passed since the rotation.
+            let settled = self
+                .rotated_at
+                .is_none_or(|t| t + self.setup.state_api.max_retention_ms <= self.now);
+            if settled && self.api.secret < 2 {
+                actions.push((1, Action::RotateSecret));
+            }
+            if settled && self.api.previous_secret.is_some() {
+                actions.push((1, Action::DropPreviousSecret));
+            }
+        }
+        if self.fault(Faults::OPERATOR) && self.outage == Outage::None {
+            actions.push((1, Action::Operator));
+        }
+        // The state API's purge runs now and then.
+        if self.outage == Outage::None {
+            actions.push((1, Action::Purge));
+        }
+        actions.push((3, Action::Advance));
+        let weights: Vec<u32> = actions.iter().map(|a| a.0).collect();
+        let pick = self.c.weighted(&weights);
+        let action = actions[pick].1;
+        self.act(action);
+        true
+    }
+
+    pub(crate) fn act(&mut self, action: Action) {
+        match action {
+            Action::NewAttempt(op) => self.new_attempt(op, None),
+            Action::SendPart(s) => self.send_part(s),
+            Action::GiveUp(s) => {
+                self.reach("sim.client_gave_up");
+                self.log(format!("client gives up on stream {s}"));
+                self.end_stream(s, true);
+            }
+            Action::Process(i) => self.process(i),
+            Action::Deliver(i) => self.deliver(i),
+            Action::FailCallout(i) => self.fail_callout(i),
+            Action::UpstreamPart(s) => self.upstream_part(s),
+            Action::Arrive(s) => {
+                self.log(format!("stream {s}: the request reaches the upstream"));
+                self.arrive(s);
+            }
+            Action::UpstreamFinish(e) => {
+                self.reach("sim.finished_after_caller_left");
+                self.commit(e);
+                self.log(format!(
+                    "the execution of stream {} finishes, its caller gone",
+                    self.upstream.executions[e].stream
+                ));
+            }
+            Action::Tick(w) => self.tick(w),
+            Action::Wake(w) => self.wake(w),
+            Action::Kill(w) => self.kill(w),
+            Action::Restart(w) => self.restart(w),
+            Action::ToggleApi => {
+                if self.outage == Outage::None {
+                    self.start_outage(Outage::ApiDown, None);
+                } else {
+                    self.end_outage();
+                }
+            }
+            Action::DatabaseOutage => self.database_outage(),
+            Action::EnvoyReply(s) => self.envoy_reply(s),
+            Action::RotateSecret => self.rotate_secret(),
+            Action::DropPreviousSecret => self.drop_previous_secret(),
+            Action::Operator => self.operator_action(),
+            Action::Purge => self.purge(),
+            Action::ToggleUpstream => self.toggle_upstream(),
+            Action::SkewClock => self.skew_clock(),
+            Action::Advance => {
+                let ms = *self
+                    .c
+                    .pick(&[1u64, 10, 100, 500, 2_000, 10_000, 40_000, 700_000]);
+                self.advance(ms);
+            }
+        }
+    }
+
+    /// No more faults: everything in flight is delivered, every worker ticks until its writes
+    /// are done, leases run out.
+    pub(crate) fn drain(&mut self) {
+        self.faults = false;
+        if self.outage != Outage::None {
+            self.end_outage();
+        }
+        self.upstream_down = false;
+        self.log("drain: no more faults".into());
+        for w in 0..self.workers.len() {
+            if self.workers[w].w.is_none() {
+                self.restart(w);
+            }
+        }
+        for _ in 0..400 {
+            let mut busy = false;
+            if let Some(i) = self.ready_callout() {
+                self.process(i);
+                busy = true;
+            } else if let Some(i) = self
+                .callouts
+                .iter()
+                .position(|c| !c.orphan && c.answer.is_some())
+            {
+                self.deliver(i);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| {
+                let st = &self.streams[s];
+                !st.ended && st.parts_sent < st.request_parts() && st.client.status.is_none()
+            }) {
+                self.send_part(s);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| self.streams[s].in_transit) {
+                self.arrive(s);
+                busy = true;
+            } else if let Some(s) = (0..self.streams.len()).find(|&s| {
+                let st = &self.streams[s];
+                st.forwarded.is_some() && !st.ended && !st.resp_end_seen && !st.router_reply
+            }) {
+                self.upstream_part(s);
+                busy = true;
+            } else if let Some(op) = (0..self.ops.len())
+                .find(|&o| self.ops[o].active.is_none() && self.ops[o].attempts_left > 0)
+            {
+                self.ops[op].next_at = self.now;
+                self.new_attempt(op, None);
+                busy = true;
+            }
+            if !self.violations.is_empty() {
+                return;
+            }
+            if !busy {
+                let pending = self.workers.iter().any(|w| {
+                    w.w.as_ref().is_some_and(|wk| {
+                        let u = wk.usage();
+                        u.writes > 0 || u.claims > 0 || u.batched_claims + u.batched_writes > 0
+                    })
+                });
+                if !pending {
+                    break;
+                }
+                for w in 0..self.workers.len() {
+                    if self.workers[w].wake_requested {
+                        self.wake(w);
+                    }
+                }
+                self.advance(1_000);
+            }
+            self.check_step();
+        }
+        // Claims still waiting for their key get their answer now: their wait ends before the
+        // time skipped below.
+        for c in self.callouts.iter_mut() {
+            if let Some(p) = c.parked.as_mut() {
+                p.until = p.until.min(self.now);
+            }
+        }
+        self.timeouts();
+        // Past every lease: a dead owner's key is decided by the state API now, and every
+        // execution whose caller left has finished.
+        self.now += self.setup.lease_ms + 1;
+        for e in 0..self.upstream.executions.len() {
+            self.commit(e);
+        }
+        for w in 0..self.workers.len() {
+            self.workers[w].skew_ms = 0;
+        }
+    }
+}
