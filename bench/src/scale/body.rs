@@ -533,38 +533,32 @@ fn cost_goals(costs: &Costs) -> Vec<Goal> {
     let (Some(v8), native) = (at_mib(&costs.v8), at_mib(&costs.native)) else {
         return Vec::new();
     };
-    let native_x = |x: fn(&CostAt) -> f64| {
-        native.as_ref().map_or("n/a".to_owned(), |n| {
+    // A fingerprint's goal: its time (`us`) and ratio (`x`) in V8, the native ratio beside.
+    let goal = |what: &str, limit: f64, us: fn(&CostAt) -> f64, x: fn(&CostAt) -> f64| {
+        let natively = native.as_ref().map_or("n/a".to_owned(), |n| {
             format!("{}x, {}", fig(x(n), 2), native_floor(costs))
-        })
+        });
+        Goal::new(
+            "body",
+            format!("{what} at 1 MiB in V8 against the module's SHA-256 of the same bytes"),
+            format!("<= {limit}x"),
+            format!(
+                "{}x ({} against {} µs; natively {natively})",
+                fig(x(&v8), 2),
+                fig(us(&v8), 0),
+                fig(v8.sha256_us, 0),
+            ),
+            Some(at_most(x(&v8), limit)),
+        )
     };
     vec![
-        Goal::new(
-            "body",
-            "JSON fingerprint (canonical form) at 1 MiB in V8 against the module's SHA-256 of the same bytes",
-            "<= 4x",
-            format!(
-                "{}x ({} against {} µs; natively {})",
-                fig(v8.json_x, 2),
-                fig(v8.json_us, 0),
-                fig(v8.sha256_us, 0),
-                native_x(|n| n.json_x)
-            ),
-            Some(at_most(v8.json_x, 4.0)),
+        goal(
+            "JSON fingerprint (canonical form)",
+            4.0,
+            |c| c.json_us,
+            |c| c.json_x,
         ),
-        Goal::new(
-            "body",
-            "opaque fingerprint at 1 MiB in V8 against the module's SHA-256 of the same bytes",
-            "<= 1.2x",
-            format!(
-                "{}x ({} against {} µs; natively {})",
-                fig(v8.opaque_x, 2),
-                fig(v8.opaque_us, 0),
-                fig(v8.sha256_us, 0),
-                native_x(|n| n.opaque_x)
-            ),
-            Some(at_most(v8.opaque_x, 1.2)),
-        ),
+        goal("opaque fingerprint", 1.2, |c| c.opaque_us, |c| c.opaque_x),
     ]
 }
 
