@@ -315,9 +315,16 @@ soak: tools build-release
 # builds, on a loaded machine) into target/scale-quick/. SCALE_CURVES=body,routes runs some.
 # Thousands of waiting connections need open files: raised here to 65,536, or the hard limit
 # when that is lower (each curve says what it needs). Not part of `make test`.
+# The body curve times the fingerprint where the filter runs it, in V8: the fingerprint-probe
+# module (built here like the filter's, wasm32-wasip1 release) under Node.js (`node` on PATH).
+# SCALE_CURVES=body SCALE_BODY_PARTS=cost: that part alone, in seconds, without a stack.
 QUICK ?=
+.PHONY: build-fingerprint-probe
+build-fingerprint-probe: tools-rust
+	$(CARGO) build --locked --release -p fingerprint-probe --target wasm32-wasip1
+
 .PHONY: bench-scale
-bench-scale: tools build-release
+bench-scale: tools build-release build-fingerprint-probe
 	@$(VENV)/bin/python -c 'import matplotlib' 2>/dev/null || \
 	  $(VENV)/bin/pip install --quiet --disable-pip-version-check matplotlib
 	@ulimit -n 65536 2>/dev/null || ulimit -n "$$(ulimit -Hn)"; \

@@ -61,11 +61,16 @@ def steady(ax, c):
 
 
 def body(ax, c):
-    ax.set_title("3. body size: fingerprint MiB/s (natively)")
-    b = [x["bytes"] for x in c["costs"]]
-    ax.plot(b, [x["sha256_mib_per_s"] for x in c["costs"]], "o-", label="SHA-256 (floor)")
-    ax.plot(b, [x["opaque_mib_per_s"] for x in c["costs"]], "s-", label="opaque")
-    ax.plot(b, [x["json_mib_per_s"] for x in c["costs"]], "^-", label="JSON, canonical")
+    ax.set_title("3. body size: fingerprint MiB/s (V8, and natively dashed)")
+    costs = c.get("costs") or {}
+    for engine, style in (("v8", "-"), ("native", "--")):
+        rows = costs.get(engine, [])
+        b = [x["bytes"] for x in rows]
+        for key, marker, color, label in (("sha256_mib_per_s", "o", "tab:blue", "SHA-256 (floor)"),
+                                          ("opaque_mib_per_s", "s", "tab:orange", "opaque"),
+                                          ("json_mib_per_s", "^", "tab:green", "JSON, canonical")):
+            ax.plot(b, [x[key] for x in rows], marker + style, color=color,
+                    label=f"{label}, {'V8' if engine == 'v8' else 'natively'}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("body bytes")
