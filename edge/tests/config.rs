@@ -646,3 +646,66 @@ fn no_connection_manager_timeout_is_shorter_than_the_route_timeout() {
         }
     }
 }
+
+/// Past 16 routes of one method, jwt_authn gets one rule for them whose path is one RE2
+/// pattern (its rules are tried in order on every request), and Envoy's runtime the room to
+/// compile it; a method with fewer keeps a rule a route.
+#[test]
+fn many_routes_of_a_method_are_one_jwt_rule_with_one_pattern() {
+    let mut text = GOOD.replace(
+        "[[route]]\nmethod = \"POST\"\npath = \"/orders\"\nkey = \"required\"\n",
+        "",
+    );
+    for i in 0..40 {
+        let (kind, path) = if i % 2 == 0 {
+            ("path", format!("/api/v1/orders-{i}/pay"))
+        } else {
+            ("prefix", format!("/api/v2/tenant.{i}+(x)/"))
+        };
+        text +=
+            &format!("\n[[route]]\nmethod = \"POST\"\n{kind} = \"{path}\"\nkey = \"required\"\n");
+    }
+    text += "\n[[route]]\nmethod = \"PUT\"\npath = \"/carts\"\nkey = \"required\"\n";
+    let c = parse(&text).unwrap();
+    let inputs = edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    };
+    let yaml = edge::render::envoy_yaml(&c, &inputs);
+    let doc = &yaml_rust2::YamlLoader::load_from_str(&yaml).unwrap()[0];
+    let filters = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]["http_filters"]
+        .as_vec()
+        .unwrap();
+    let jwt = filters
+        .iter()
+        .find(|f| f["name"].as_str() == Some("envoy.filters.http.jwt_authn"))
+        .unwrap();
+    let rules = jwt["typed_config"]["rules"].as_vec().unwrap();
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    assert_eq!(rules[0]["match"]["path"].as_str(), Some("/carts"));
+    let pattern = rules[1]["match"]["safe_regex"]["regex"].as_str().unwrap();
+    assert!(
+        pattern.starts_with("(?s:/api/v1/orders\\-0/pay|")
+            || pattern.starts_with("(?s:/api/v1/orders-0/pay|"),
+        "{pattern}"
+    );
+    assert!(
+        pattern.contains("|/api/v2/tenant\\.1\\+\\(x\\)/.*|"),
+        "{pattern}"
+    );
+    assert_eq!(
+        rules[1]["match"]["headers"][0]["string_match"]["exact"].as_str(),
+        Some("POST")
+    );
+    let size = doc["layered_runtime"]["layers"][0]["static_layer"]
+        ["re2.max_program_size.error_level"]
+        .as_i64()
+        .unwrap();
+    assert!(size >= 4 * pattern.len() as i64, "{size}");
+    // A few routes: a rule each, and no runtime layer.
+    let few = parse(GOOD).unwrap();
+    let yaml = edge::render::envoy_yaml(&few, &inputs);
+    assert!(!yaml.contains("safe_regex") && !yaml.contains("layered_runtime"));
+}
