@@ -97,7 +97,7 @@ fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a Sc
 
 /// The commit the figures belong to, and whether the work tree had changes then.
 pub fn git_state() -> String {
-    let root = stack::process::workspace_root();
+    let root = e2e::process::workspace_root();
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .arg("-C")
@@ -423,7 +423,7 @@ impl Report {
             envoy_cluster_stats: i.envoy_stats,
             waiting: i.waiting,
             purge: i.purge,
-            notes: std::fs::read_to_string(stack::process::workspace_root().join("bench/NOTES.md"))
+            notes: std::fs::read_to_string(e2e::process::workspace_root().join("bench/NOTES.md"))
                 .ok(),
         }
     }

@@ -6,7 +6,7 @@
 //! and restarted on a private Docker engine).
 
 use edge::config::Config;
-use stack::process::workspace_root;
+use e2e::process::workspace_root;
 use yaml_rust2::{Yaml, YamlLoader};
 
 fn compose() -> Yaml {
@@ -113,7 +113,7 @@ fn the_images_build_everything_from_source_with_docker_alone() {
     assert!(file.contains("-p filter --target wasm32-wasip1"));
     assert!(file.contains(&format!(
         "envoyproxy/envoy:v{}",
-        stack::envoy::ENVOY_VERSION
+        e2e::envoy::ENVOY_VERSION
     )));
     let ignore =
         std::fs::read_to_string(workspace_root().join(".dockerignore")).unwrap_or_default();

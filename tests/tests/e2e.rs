@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use libtest_mimic::Arguments;
 use serde_json::json;
-use stack::client::{unique_key, Client, Request};
-use stack::stack::{mint_token, token, Stack, StackOptions};
-use stack::testkit::*;
+use e2e::client::{unique_key, Client, Request};
+use e2e::stack::{mint_token, token, Stack, StackOptions};
+use e2e::testkit::*;
 
 static SHARED: SharedStack = SharedStack::new(default_stack);
 

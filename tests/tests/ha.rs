@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 use edge::config::OnUnknown;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
-use stack::client::{unique_key, Answer, Client, Request};
-use stack::envoy::Tweak;
-use stack::faults::{executions_per_key, ledger, record_figures, Rng};
-use stack::ha::HaStack;
-use stack::process::Signal;
-use stack::stack::StackOptions;
-use stack::testkit::*;
+use e2e::client::{unique_key, Answer, Client, Request};
+use e2e::envoy::Tweak;
+use e2e::faults::{executions_per_key, ledger, record_figures, Rng};
+use e2e::ha::HaStack;
+use e2e::process::Signal;
+use e2e::stack::StackOptions;
+use e2e::testkit::*;
 
 const SUITE: &str = "ha";
 
@@ -285,7 +285,7 @@ async fn storm_through_two_failovers(mut stack: HaStack) {
     let alone = blocking(|| {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            let ready = stack::net::http_get_blocking(api_port, "/readyz").unwrap_or_default();
+            let ready = e2e::net::http_get_blocking(api_port, "/readyz").unwrap_or_default();
             if ready.contains("no standby") || Instant::now() > deadline {
                 return ready;
             }

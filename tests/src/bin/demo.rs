@@ -9,9 +9,9 @@
 use contract::state_env;
 use edge::config::Config;
 use edge::run::{Options, Running};
-use stack::envoy::demo_config_path;
-use stack::process::workspace_root;
-use stack::services::{start_checkout, Service};
+use e2e::envoy::demo_config_path;
+use e2e::process::workspace_root;
+use e2e::services::{start_checkout, Service};
 
 const CHECKOUT_PORT: u16 = 8082;
 
