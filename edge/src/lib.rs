@@ -10,4 +10,11 @@ pub mod render;
 pub mod run;
 
 /// The parts `edge run` starts and supervises (crate `edge-runtime`), under their old paths.
-pub use edge_runtime::{data_home, ha, net, postgres, process, services};
+pub use edge_runtime::{data_home, ha, net, process, services};
+
+/// The embedded cluster (crate `edge-runtime`); `TempCluster` is its old name, which `edge
+/// with-postgres` (main.rs) still uses.
+pub mod postgres {
+    pub use edge_runtime::postgres::Cluster as TempCluster;
+    pub use edge_runtime::postgres::*;
+}

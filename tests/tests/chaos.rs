@@ -13,12 +13,13 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use libtest_mimic::Arguments;
-use serde_json::json;
 use e2e::client::{unique_key, Answer, Client, Request};
 use e2e::faults::{executions_per_key, ledger, record_figures, DelayProxy, ProxyMode, Rng};
+use e2e::services::ServiceTestExt as _;
 use e2e::stack::{Stack, StackOptions};
 use e2e::testkit::*;
+use libtest_mimic::Arguments;
+use serde_json::json;
 
 const SUITE: &str = "chaos";
 

@@ -15,13 +15,13 @@ use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
 use e2e::client::{unique_key, Client, Request};
 use e2e::docker::{
     last_lines, run, run_logged, snapshot_source, state_dir, BaseImages, DockerError, Dockerd,
 };
 use e2e::process::{send_signal, workspace_root, Signal};
 use e2e::testkit::{block_on, charge_body, checkout, is_problem, replayed};
+use libtest_mimic::{Arguments, Failed, Trial};
 
 const PROJECT: &str = "edge-compose-test";
 const ENVOY: &str = "http://127.0.0.1:10000";
@@ -289,8 +289,7 @@ fn wait_healthy(engine: &Dockerd, limit: Duration) -> Result<f64, Failed> {
         .map_err(|e| e.to_string())?
         .trim()
         .to_owned();
-        let answers = e2e::net::http_get_blocking(9901, "/ready")
-            .is_ok_and(|b| b.trim() == "LIVE")
+        let answers = e2e::net::http_get_blocking(9901, "/ready").is_ok_and(|b| b.trim() == "LIVE")
             && e2e::net::http_get_blocking(8081, "/readyz").is_ok()
             && e2e::net::http_get_blocking(8082, "/healthz").is_ok();
         if last == "running healthy" && answers {

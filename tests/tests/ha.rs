@@ -12,16 +12,18 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use edge::config::OnUnknown;
-use libtest_mimic::{Arguments, Failed, Trial};
-use serde_json::json;
 use e2e::client::{unique_key, Answer, Client, Request};
 use e2e::envoy::Tweak;
 use e2e::faults::{executions_per_key, ledger, record_figures, Rng};
 use e2e::ha::HaStack;
 use e2e::process::Signal;
+use e2e::services::ServiceTestExt as _;
 use e2e::stack::StackOptions;
 use e2e::testkit::*;
+use edge::config::OnUnknown;
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::json;
+use test_support::ha::HaClusterTestExt as _;
 
 const SUITE: &str = "ha";
 
@@ -316,8 +318,8 @@ async fn storm_through_two_failovers(mut stack: HaStack) {
     record_figures(
         SUITE,
         "primary_lost_under_a_storm",
-        json!({"keys_per_storm": 48, "duplicates_per_key": 4, "patroni_ttl_s": edge::ha::TTL_S,
-               "patroni_loop_wait_s": edge::ha::LOOP_WAIT_S,
+        json!({"keys_per_storm": 48, "duplicates_per_key": 4, "patroni_ttl_s": test_support::ha::TTL_S,
+               "patroni_loop_wait_s": test_support::ha::LOOP_WAIT_S,
                "first_failover": {"answers": tally, "new_keys_again_after_ms": recovered.as_millis() as u64, "completed_replayed_after": replays},
                "rejoined_as_sync_standby_after_ms": rejoined.as_millis() as u64,
                "failover_back": {"answers": tally_back, "new_keys_again_after_ms": recovered_back.as_millis() as u64, "completed_replayed_after": replays_back},
@@ -471,7 +473,7 @@ async fn attempt_states_at(stack: &HaStack, key: &str) -> Vec<String> {
 /// One-row INSERT commits, one client, on the primary: with the synchronous standby
 /// (`synchronous_commit=on`) and without waiting for it (`local`), in the same run.
 fn sync_commit_cost() -> Result<(), Failed> {
-    let ha = edge::ha::HaCluster::start()?;
+    let ha = test_support::ha::HaCluster::start()?;
     ha.psql(
         "postgres",
         "CREATE TABLE commit_cost (id bigserial PRIMARY KEY, at timestamptz DEFAULT now())",

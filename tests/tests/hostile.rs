@@ -15,14 +15,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use libtest_mimic::{Arguments, Failed, Trial};
-use serde_json::json;
-use sha2::{Digest, Sha256};
 use e2e::client::{unique_key, Answer, Client, Request};
 use e2e::envoy::Envoy;
 use e2e::faults::{raw_request, FakeClaim, FakeStateApi, RawAnswer};
+use e2e::services::ServiceTestExt as _;
 use e2e::stack::{token, Stack, StackOptions, TEST_API_TOKEN, TEST_KEY_SECRET};
 use e2e::testkit::*;
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::json;
+use sha2::{Digest, Sha256};
 
 // ---------------------------------------------------------------------------------------------
 // The environment shared by the cases: the stack, a fake state API and an Envoy pointed at it.

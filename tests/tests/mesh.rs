@@ -12,14 +12,14 @@
 
 use std::time::Duration;
 
-use edge::config::{Config, Endpoint};
-use edge::mesh::{json_of_yaml, manifests, Pins, Target};
-use libtest_mimic::{Arguments, Failed, Trial};
-use serde_json::{json, Value};
 use e2e::client::{unique_key, Client};
 use e2e::envoy::{filter_wasm, Envoy};
 use e2e::stack::{Stack, StackOptions};
 use e2e::testkit::{block_on, charge_body, checkout, is_problem, replayed};
+use edge::config::{Config, Endpoint};
+use edge::mesh::{json_of_yaml, manifests, Pins, Target};
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::{json, Value};
 
 fn main() {
     let args = Arguments::from_args();

@@ -5,12 +5,12 @@
 use contract::state_env;
 use std::sync::Arc;
 
-use edge::config::{KeyPolicy, Match, OnStateUnavailable, Route};
-use libtest_mimic::{Arguments, Trial};
 use e2e::client::{unique_key, Request};
 use e2e::envoy::{Envoy, Tweak};
 use e2e::stack::{token, Stack, StackOptions};
 use e2e::testkit::*;
+use edge::config::{KeyPolicy, Match, OnStateUnavailable, Route};
+use libtest_mimic::{Arguments, Trial};
 
 static SHARED: SharedStack = SharedStack::new(default_stack);
 

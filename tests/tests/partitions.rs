@@ -36,15 +36,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
-use serde_json::json;
 use e2e::client::{unique_key, Client, Request};
 use e2e::faults::{record_figures, ProxyMode, Rng};
 use e2e::history::{CheckInput, History, Kind, Ms, Phase, Policy, Verdict};
 use e2e::netns::{Cut, Link, NetHost};
 use e2e::netstack::*;
+use e2e::services::ServiceTestExt as _;
 use e2e::stack::StackOptions;
 use e2e::testkit::{block_on, charge_body, checkout, refund};
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde_json::json;
 
 const SUITE: &str = "partitions";
 const LEASE_MS: u64 = 3_000;

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
 use e2e::client::{unique_key, Client, Request};
 use e2e::net::free_port;
 use e2e::postgres::TempCluster;
@@ -15,6 +14,7 @@ use e2e::process::{send_signal, workspace_binary, workspace_root, Signal};
 use e2e::stack::token;
 use e2e::testkit::{block_on, replayed};
 use e2e::upstream::OwnApi;
+use libtest_mimic::{Arguments, Failed, Trial};
 
 fn main() {
     let args = Arguments::from_args();

@@ -13,12 +13,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use libtest_mimic::Arguments;
 use e2e::client::unique_key;
 use e2e::process::Signal;
+use e2e::services::ServiceTestExt as _;
 use e2e::stack::{run_dir, Stack, StackOptions};
 use e2e::testkit::*;
 use e2e::tls::{https_get, plaintext_get, CertFiles, TestPki};
+use libtest_mimic::Arguments;
 
 static SHARED: SharedStack = SharedStack::new(start_tls_stack);
 

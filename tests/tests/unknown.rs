@@ -7,13 +7,13 @@
 
 use std::time::{Duration, Instant};
 
-use edge::config::{Endpoint, OnUnknown, Reconcile};
-use libtest_mimic::{Arguments, Trial};
 use e2e::client::{unique_key, Answer, Client};
 use e2e::envoy::{Envoy, Tweak};
 use e2e::faults::{record_figures, DelayProxy, ProxyMode};
 use e2e::stack::{Stack, StackOptions};
 use e2e::testkit::*;
+use edge::config::{Endpoint, OnUnknown, Reconcile};
+use libtest_mimic::{Arguments, Trial};
 
 const SUITE: &str = "unknown";
 
