@@ -29,9 +29,9 @@ use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, StoredResponse, CLAIM_PATH, COMPLETE_PATH,
 };
 use serde::Serialize;
-use e2e::envoy::{plain_template_path, Envoy};
-use e2e::postgres::TempCluster;
-use e2e::stack::{token, Stack, StackOptions, TEST_API_TOKEN};
+use test_support::envoy::{plain_template_path, Envoy};
+use test_support::postgres::TempCluster;
+use test_support::stack::{token, Stack, StackOptions, TEST_API_TOKEN};
 
 use crate::load::{Conn, OpFn, Outcome, Req, RunResult};
 
@@ -113,7 +113,7 @@ impl Snapshot {
 /// `state_api_request_duration_seconds_{sum,count}` by route and `state_api_batch_size_{sum,count}`
 /// (requests per statement of the group commit), from /metrics.
 fn state_api_metrics(port: u16) -> BTreeMap<String, f64> {
-    let text = e2e::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
+    let text = test_support::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
     text.lines()
         .filter(|l| {
             l.starts_with("state_api_request_duration_seconds_sum")
@@ -598,7 +598,7 @@ fn real_main() -> Result<(), String> {
         .collect();
     let out_dir = std::env::var("BENCH_OUT")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| e2e::process::workspace_root().join("docs"));
+        .unwrap_or_else(|_| test_support::process::workspace_root().join("docs"));
 
     wait_for_quiet(Duration::from_secs(env_u64("BENCH_QUIET_WAIT_SECONDS", 90)));
     let load_before = procfs::loadavg();
@@ -643,7 +643,9 @@ fn real_main() -> Result<(), String> {
     // BENCH_JWT_TEMPLATE: another jwt-only config to compare (e.g. with jwt_cache_config).
     let jwt_template = std::env::var("BENCH_JWT_TEMPLATE")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| e2e::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"));
+        .unwrap_or_else(|_| {
+            test_support::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl")
+        });
     let jwt =
         Envoy::start_with_template(&jwt_template, plain_params(&stack), &stack.dir, "envoy-jwt")?;
     // BENCH_SCENARIOS="new,replay" runs a subset (for profiling); default: all.
@@ -664,7 +666,9 @@ fn real_main() -> Result<(), String> {
     // new_single): what batching the claims saves, in the same run.
     let single = if wanted("new_single") {
         let mut p = plain_params(&stack);
-        p.tweak = Some(e2e::envoy::Tweak::new(|cfg| cfg.filter.batch_max = 1));
+        p.tweak = Some(test_support::envoy::Tweak::new(|cfg| {
+            cfg.filter.batch_max = 1
+        }));
         Some(Envoy::start(p, &stack.dir, "envoy-single")?)
     } else {
         None
@@ -673,12 +677,12 @@ fn real_main() -> Result<(), String> {
     // database serving HTTPS with client certificates required, and a filter Envoy that
     // verifies it and presents its own (certificates made now, rcgen), next to the plain pair.
     let tls_hop = if wanted("new_tls") {
-        let pki = e2e::tls::TestPki::generate(&stack.dir.join("pki"))?;
+        let pki = test_support::tls::TestPki::generate(&stack.dir.join("pki"))?;
         let api = stack.start_extra_state_api_tls(&pki, &pki.server)?;
         let mut p = plain_params(&stack);
         p.state_api_port = api.port;
         let tls = pki.state_tls(&pki.server);
-        p.tweak = Some(e2e::envoy::Tweak::new(move |cfg| {
+        p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
             cfg.state.tls = Some(tls.clone())
         }));
         let envoy = Envoy::start(p, &stack.dir, "envoy-tls")?;
@@ -707,7 +711,7 @@ fn real_main() -> Result<(), String> {
         }
         _ => None,
     };
-    let wasm_bytes = std::fs::metadata(e2e::envoy::filter_wasm()?)
+    let wasm_bytes = std::fs::metadata(test_support::envoy::filter_wasm()?)
         .map(|m| m.len())
         .map_err(|e| e.to_string())?;
 
@@ -1125,7 +1129,7 @@ fn real_main() -> Result<(), String> {
         envoy_stats.insert(name.to_owned(), stats);
     }
     let load_after = procfs::loadavg();
-    let envoy_version = std::process::Command::new(e2e::envoy::envoy_binary()?)
+    let envoy_version = std::process::Command::new(test_support::envoy::envoy_binary()?)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
@@ -1240,10 +1244,10 @@ fn port(envoy: &Envoy) -> u16 {
     envoy.params.listen_port
 }
 
-fn plain_params(stack: &Stack) -> e2e::envoy::EnvoyParams {
+fn plain_params(stack: &Stack) -> test_support::envoy::EnvoyParams {
     let mut p = stack.envoy.params.clone();
-    p.listen_port = e2e::net::free_port();
-    p.admin_port = e2e::net::free_port();
+    p.listen_port = test_support::net::free_port();
+    p.admin_port = test_support::net::free_port();
     p
 }
 
@@ -1254,7 +1258,7 @@ fn plot(json: &std::path::Path, png: &std::path::Path) {
 
 /// `png` from `json` with bench/`script` in the project's .venv (matplotlib), when available.
 fn plot_script(script: &str, json: &std::path::Path, png: &std::path::Path) {
-    let root = e2e::process::workspace_root();
+    let root = test_support::process::workspace_root();
     let python = root.join(".venv/bin/python");
     let python = if python.is_file() {
         python

@@ -97,7 +97,7 @@ fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a Sc
 
 /// The commit the figures belong to, and whether the work tree had changes then.
 pub fn git_state() -> String {
-    let root = e2e::process::workspace_root();
+    let root = test_support::process::workspace_root();
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .arg("-C")
@@ -423,8 +423,10 @@ impl Report {
             envoy_cluster_stats: i.envoy_stats,
             waiting: i.waiting,
             purge: i.purge,
-            notes: std::fs::read_to_string(e2e::process::workspace_root().join("bench/NOTES.md"))
-                .ok(),
+            notes: std::fs::read_to_string(
+                test_support::process::workspace_root().join("bench/NOTES.md"),
+            )
+            .ok(),
         }
     }
 

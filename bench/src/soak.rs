@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use e2e::stack::{Stack, StackOptions};
+use test_support::stack::{Stack, StackOptions};
 
 use crate::load::{self, Conn, OpFn, Outcome};
 use crate::{
@@ -510,7 +510,7 @@ struct Watched<'a> {
 
 impl Watched<'_> {
     fn sample(&self, t_s: f64) -> Sample {
-        let metrics = e2e::envoy::http_get_blocking(self.stack.state_api.port, "/metrics")
+        let metrics = test_support::envoy::http_get_blocking(self.stack.state_api.port, "/metrics")
             .unwrap_or_default();
         let metric = |name: &str| purge::metric(&metrics, name).map_or(0, |v| v as u64);
         let mut s = Sample {
@@ -1046,7 +1046,7 @@ pub fn run() -> Result<(), String> {
     let settings = Settings::from_env()?;
     let out_dir = std::env::var("SOAK_OUT")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| e2e::process::workspace_root().join("docs"));
+        .unwrap_or_else(|_| test_support::process::workspace_root().join("docs"));
     wait_for_quiet(Duration::from_secs(env_u64("SOAK_QUIET_WAIT_SECONDS", 30)));
     let report = measure(settings)?.report;
     println!("{}", report.text());

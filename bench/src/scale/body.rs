@@ -20,8 +20,8 @@ use bytes::Bytes;
 use contract::fingerprint::{fingerprint_with, Selection};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use e2e::envoy::Envoy;
-use e2e::stack::{Stack, StackOptions};
+use test_support::envoy::Envoy;
+use test_support::stack::{Stack, StackOptions};
 
 use super::{at_most, fig, memory_mib, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Conn, Req};
@@ -340,7 +340,7 @@ fn measure_burst(
 
 /// Charges in the checkout's ledger per idempotency key starting with `prefix`.
 fn charges_by_key(stack: &Stack, prefix: &str) -> Result<BTreeMap<String, u64>, String> {
-    let text = e2e::envoy::http_get_blocking(stack.checkout.port, "/charges")?;
+    let text = test_support::envoy::http_get_blocking(stack.checkout.port, "/charges")?;
     let entries: Vec<serde_json::Value> =
         serde_json::from_str(&text).map_err(|e| format!("/charges: {e}"))?;
     let mut out = BTreeMap::new();
@@ -374,7 +374,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let unbounded: u64 = 1 << 30;
     let stack = Stack::start(StackOptions::default())?;
     let mut p = plain_params(&stack);
-    p.tweak = Some(e2e::envoy::Tweak::new(move |cfg| {
+    p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
         cfg.filter.max_buffered_bytes = Some(unbounded)
     }));
     let wide = Envoy::start(p, &stack.dir, "envoy-wide")?;
