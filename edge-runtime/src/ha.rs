@@ -494,7 +494,7 @@ impl HaCluster {
         let pg_port = p.postgres[i];
         let address = self.hosts.nodes[i].address;
         format!(
-            r#"# Written by edge (edge/src/ha.rs); rewritten at every start.
+            r#"# Written by edge (edge-runtime/src/ha.rs); rewritten at every start.
 scope: idempotency
 namespace: /edge/
 name: {name}
@@ -578,7 +578,7 @@ watchdog:
     fn haproxy_cfg(&self) -> String {
         let p = self.ports;
         format!(
-            r#"# Written by edge (edge/src/ha.rs): one port to whichever node Patroni says is primary.
+            r#"# Written by edge (edge-runtime/src/ha.rs): one port to whichever node Patroni says is primary.
 global
     maxconn 2000
 defaults

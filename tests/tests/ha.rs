@@ -130,7 +130,7 @@ async fn persist(c: Client, key: String, amount: u64, delay_ms: u64) -> Story {
 /// Keys × duplicates, a third of them slow (2 s in the checkout), sent over `spread` while
 /// `fault` runs once `fault_after` has passed. Returns every story, and the time from the fault
 /// to the first new key executed after it.
-async fn storm<F: FnOnce(&mut edge::ha::HaCluster)>(
+async fn storm<F: FnOnce(&mut test_support::ha::HaCluster)>(
     stack: &mut HaStack,
     label: &str,
     fault_after: Duration,
@@ -483,7 +483,7 @@ fn sync_commit_cost() -> Result<(), Failed> {
         let script = std::env::temp_dir().join(format!("commit-cost-{}.sql", std::process::id()));
         std::fs::write(&script, "INSERT INTO commit_cost DEFAULT VALUES;\n")
             .map_err(|e| e.to_string())?;
-        let bin = edge::postgres::find_bin_dir()?;
+        let bin = test_support::postgres::find_bin_dir()?;
         let out = std::process::Command::new(bin.join("pgbench"))
             .args(["-n", "-c", "1", "-T", "4", "-f"])
             .arg(&script)

@@ -194,8 +194,8 @@ fn as_the_mesh(target: Target, stop_iteration: bool) -> Result<(), Failed> {
     });
     let w = wiring(&cfg, target)?;
     let mut params = stack.envoy.params.clone();
-    params.listen_port = edge::net::free_port();
-    params.admin_port = edge::net::free_port();
+    params.listen_port = test_support::net::free_port();
+    params.admin_port = test_support::net::free_port();
     let mut config = mesh_envoy_config(&stack, &w, stop_iteration)?;
     for (pointer, port) in [
         (

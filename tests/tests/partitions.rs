@@ -820,7 +820,7 @@ fn zombie_probe(
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<Vec<ZombieCommit>> {
     std::thread::spawn(move || {
-        let psql = edge::postgres::find_bin_dir()
+        let psql = test_support::postgres::find_bin_dir()
             .map(|d| d.join("psql"))
             .unwrap_or_else(|e| panic!("{e}"));
         let url = format!(
@@ -931,10 +931,10 @@ async fn zombie_primary(stack: &NetStack) {
         assert!(Instant::now() < deadline, "no failover\n{}", stack.logs());
         let (old_role, new_role) = blocking(|| (stack.ha.role(old), stack.ha.role(new)));
         let now = run.history.now();
-        if old_demoted_at.is_none() && old_role != edge::ha::Role::Primary {
+        if old_demoted_at.is_none() && old_role != test_support::ha::Role::Primary {
             old_demoted_at = Some(now);
         }
-        if new_role == edge::ha::Role::Primary {
+        if new_role == test_support::ha::Role::Primary {
             new_serves_at = Some(now);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -959,7 +959,7 @@ async fn zombie_primary(stack: &NetStack) {
     let rejoined_ms = rejoin.elapsed().as_millis() as u64;
     assert_eq!(
         blocking(|| (stack.ha.leader(), stack.ha.role(old))),
-        (Some(new), edge::ha::Role::SyncStandby),
+        (Some(new), test_support::ha::Role::SyncStandby),
         "after healing the old primary must be the new one's synchronous standby\n{}",
         stack.logs()
     );
