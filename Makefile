@@ -118,7 +118,7 @@ build: build-filter
 
 .PHONY: build-release
 build-release: build-filter
-	$(CARGO) build --locked --release -p state-api -p checkout -p edge -p idemctl -p stack --bins
+	$(CARGO) build --locked --release -p state-api -p checkout -p edge -p idemctl -p e2e --bins
 
 # What `make run` runs: the filter, the state API and edge.
 .PHONY: build-run
@@ -134,7 +134,7 @@ test: tools build test-native test-wasm test-e2e fuzz-smoke
 
 .PHONY: test-native
 test-native: build
-	FILTER_WASM_REQUIRED=1 $(CARGO) test --locked --workspace --exclude stack
+	FILTER_WASM_REQUIRED=1 $(CARGO) test --locked --workspace --exclude e2e
 	$(CARGO) test --locked -p sim --features undo-fixes --test model_undo
 
 # The developers' inner loop (not the contract: `make test` is): every unit, property and
@@ -144,7 +144,7 @@ test-native: build
 .PHONY: test-fast
 test-fast:
 	$(CARGO) build --locked -q -p state-api -p checkout -p edge
-	SIM_SCHEDULES=10000 $(CARGO) test --locked --workspace --exclude stack --exclude bench
+	SIM_SCHEDULES=10000 $(CARGO) test --locked --workspace --exclude e2e --exclude bench
 
 .PHONY: test-wasm
 test-wasm: tools-rust-test tools-wasm-bindgen
@@ -160,7 +160,7 @@ test-e2e: build
 	@if [ "$$(id -u)" != 0 ]; then \
 	  echo "test-e2e: the partition tests need root (network namespaces, nftables) and are not run: sudo make chaos-net"; \
 	fi
-	PARTITIONS_WITHOUT_ROOT=ignore PARTITION_SECONDS=$(PARTITION_SECONDS_IN_TEST) $(CARGO) test --locked -p stack
+	PARTITIONS_WITHOUT_ROOT=ignore PARTITION_SECONDS=$(PARTITION_SECONDS_IN_TEST) $(CARGO) test --locked -p e2e
 
 # `docker compose up --build` tested for real (README, *Docker*): a private dockerd (state in
 # target/compose/, its socket under /tmp), the Dockerfile's base images made locally, the
@@ -174,7 +174,7 @@ tools-compose:
 	  else echo "dockerd, docker-compose or debootstrap not found: sudo apt-get install -y docker.io docker-compose debootstrap"; exit 1; fi; \
 	fi
 test-compose: tools-compose $(ENVOY_BIN)
-	$(CARGO) test --locked -p stack --test compose_stack
+	$(CARGO) test --locked -p e2e --test compose_stack
 # The harness's engine data (images, build cache) and the base root file system.
 clean-compose:
 	rm -rf target/compose
@@ -218,7 +218,7 @@ oci: tools-oci tools-run build-filter
 	$(CARGO) build --locked -p oci -p state-api -p checkout -p edge
 	mkdir -p target/oci && target/debug/edge schema > target/oci/plugin-config.schema.json
 	target/debug/wasm-oci --wasm $(FILTER_WASM) --schema target/oci/plugin-config.schema.json --out target/oci
-	$(CARGO) test --locked -p stack --test oci
+	$(CARGO) test --locked -p e2e --test oci
 
 # Alerts (README, *Alerts*): promtool checks examples/prometheus (the configuration and the
 # rules) and runs every alert's unit test, then a real Prometheus on that configuration scrapes
@@ -231,14 +231,14 @@ tools-prometheus:
 	fi
 test-alerts: tools-prometheus tools-run build
 	cd examples/prometheus && promtool check config prometheus.yml && promtool test rules alerts.test.yml
-	$(CARGO) test --locked -p stack --test alerts
+	$(CARGO) test --locked -p e2e --test alerts
 
 # ---------------------------------------------------------------------------------------------
 # Demo
 
 .PHONY: demo
 demo: tools-run build-release
-	HA=$(HA) $(CARGO) run --locked --release -q -p stack --bin demo
+	HA=$(HA) $(CARGO) run --locked --release -q -p e2e --bin demo
 
 .PHONY: clean-demo
 clean-demo:
@@ -340,7 +340,7 @@ bench-scale: tools build-release build-fingerprint-probe
 CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: tools build
-	$(CARGO) test --locked -p stack --test chaos --test hostile --test ha -- $(CHAOS_ARGS)
+	$(CARGO) test --locked -p e2e --test chaos --test hostile --test ha -- $(CHAOS_ARGS)
 
 # Partitions (issue 35), as root: every part on a host of its own (network namespaces), links
 # cut (nftables) and slowed or stalled (a relay), seven scenarios under a storm of retrying
@@ -352,7 +352,7 @@ chaos: tools build
 chaos-net:
 	@[ "$$(id -u)" = 0 ] || { echo "make chaos-net needs root (network namespaces, nftables): sudo make chaos-net"; exit 1; }
 	@$(MAKE) -s tools build
-	PARTITION_SECONDS=$(if $(filter-out 0,$(SECONDS)),$(SECONDS),60) $(CARGO) test --locked -p stack --test partitions -- $(CHAOS_ARGS)
+	PARTITION_SECONDS=$(if $(filter-out 0,$(SECONDS)),$(SECONDS),60) $(CARGO) test --locked -p e2e --test partitions -- $(CHAOS_ARGS)
 
 # libFuzzer targets in fuzz/ (its own workspace). cargo-fuzz on the stable toolchain:
 # RUSTC_BOOTSTRAP=1 for its -Z flags, and no sanitizer (ASan needs nightly's -Zsanitizer).

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stack::envoy::Envoy;
-use stack::stack::{Stack, StackOptions};
+use test_support::envoy::Envoy;
+use test_support::stack::{Stack, StackOptions};
 
 use crate::cpu::Procs;
 use crate::fleet::Fleet;
@@ -55,7 +55,7 @@ impl Settings {
                 .collect(),
             out_dir: std::env::var("BENCH_OUT")
                 .map(PathBuf::from)
-                .unwrap_or_else(|_| stack::process::workspace_root().join("docs")),
+                .unwrap_or_else(|_| test_support::process::workspace_root().join("docs")),
             state_api_env: std::env::var("BENCH_STATE_API_ENV")
                 .unwrap_or_default()
                 .split(',')
@@ -102,7 +102,7 @@ pub(crate) fn run() -> Result<(), String> {
         ..StackOptions::default()
     })?;
     let fleet = Fleet::start(&stack, |name| settings.wanted(name))?;
-    let wasm_bytes = std::fs::metadata(stack::envoy::filter_wasm()?)
+    let wasm_bytes = std::fs::metadata(test_support::envoy::filter_wasm()?)
         .map(|m| m.len())
         .map_err(|e| e.to_string())?;
     let procs = fleet.procs(&stack)?;
@@ -587,7 +587,7 @@ fn envoy_stats(envoys: &[(&'static str, &Envoy)]) -> BTreeMap<String, BTreeMap<S
 }
 
 fn envoy_version() -> Result<String, String> {
-    Ok(std::process::Command::new(stack::envoy::envoy_binary()?)
+    Ok(std::process::Command::new(test_support::envoy::envoy_binary()?)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())

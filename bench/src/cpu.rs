@@ -70,7 +70,7 @@ impl Snapshot {
 /// `state_api_request_duration_seconds_{sum,count}` by route and `state_api_batch_size_{sum,count}`
 /// (requests per statement of the group commit), from /metrics.
 pub(crate) fn state_api_metrics(port: u16) -> BTreeMap<String, f64> {
-    let text = stack::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
+    let text = test_support::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
     text.lines()
         .filter(|l| {
             l.starts_with("state_api_request_duration_seconds_sum")

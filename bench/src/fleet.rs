@@ -4,9 +4,9 @@
 
 use std::path::PathBuf;
 
-use stack::envoy::{plain_template_path, Envoy};
-use stack::services::Service;
-use stack::stack::Stack;
+use test_support::envoy::{plain_template_path, Envoy};
+use test_support::services::Service;
+use test_support::stack::Stack;
 
 use crate::cpu::Procs;
 use crate::{peer, plain_params, procfs};
@@ -63,7 +63,7 @@ impl Fleet {
         };
         let single = if wanted("new_single") {
             let mut p = plain_params(stack);
-            p.tweak = Some(stack::envoy::Tweak::new(|cfg| cfg.filter.batch_max = 1));
+            p.tweak = Some(test_support::envoy::Tweak::new(|cfg| cfg.filter.batch_max = 1));
             Some(Envoy::start(p, &stack.dir, "envoy-single")?)
         } else {
             None
@@ -185,19 +185,19 @@ impl Fleet {
 fn jwt_template() -> PathBuf {
     std::env::var("BENCH_JWT_TEMPLATE")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| stack::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"))
+        .unwrap_or_else(|_| test_support::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"))
 }
 
 /// The state API hop over mutual TLS: a second state API on the same database serving HTTPS
 /// with client certificates required, and a filter Envoy that verifies it and presents its own
 /// (certificates made now, rcgen), next to the plain pair.
 fn start_tls_hop(stack: &Stack) -> Result<(Service, Envoy), String> {
-    let pki = stack::tls::TestPki::generate(&stack.dir.join("pki"))?;
+    let pki = test_support::tls::TestPki::generate(&stack.dir.join("pki"))?;
     let api = stack.start_extra_state_api_tls(&pki, &pki.server)?;
     let mut p = plain_params(stack);
     p.state_api_port = api.port;
     let tls = pki.state_tls(&pki.server);
-    p.tweak = Some(stack::envoy::Tweak::new(move |cfg| {
+    p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
         cfg.state.tls = Some(tls.clone())
     }));
     let envoy = Envoy::start(p, &stack.dir, "envoy-tls")?;

@@ -27,7 +27,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use stack::stack::Stack;
+use test_support::stack::Stack;
 
 // What the soak, bench-scale and the waiting runs share with the benchmark, by the names they
 // import.
@@ -92,10 +92,10 @@ fn wait_for_quiet(limit: Duration) {
     }
 }
 
-fn plain_params(stack: &Stack) -> stack::envoy::EnvoyParams {
+fn plain_params(stack: &Stack) -> test_support::envoy::EnvoyParams {
     let mut p = stack.envoy.params.clone();
-    p.listen_port = stack::net::free_port();
-    p.admin_port = stack::net::free_port();
+    p.listen_port = test_support::net::free_port();
+    p.admin_port = test_support::net::free_port();
     p
 }
 
@@ -106,7 +106,7 @@ fn plot(json: &std::path::Path, png: &std::path::Path) {
 
 /// `png` from `json` with bench/`script` in the project's .venv (matplotlib), when available.
 fn plot_script(script: &str, json: &std::path::Path, png: &std::path::Path) {
-    let root = stack::process::workspace_root();
+    let root = test_support::process::workspace_root();
     let python = root.join(".venv/bin/python");
     let python = if python.is_file() {
         python

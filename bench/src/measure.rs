@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stack::postgres::TempCluster;
+use test_support::postgres::TempCluster;
 
 use crate::cpu::{cpu_between, CpuUse, Procs, Snapshot, NOISY_CORES};
 use crate::load::{self, OpFn, RunResult};

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, StoredResponse, CLAIM_PATH, COMPLETE_PATH,
 };
-use stack::stack::{token, TEST_API_TOKEN};
+use test_support::stack::{token, TEST_API_TOKEN};
 
 use crate::load::{self, Conn, OpFn, Outcome, Req};
 

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use stack::process::{workspace_root, ChildGuard};
-use stack::stack::Stack;
+use test_support::process::{workspace_root, ChildGuard};
+use test_support::stack::Stack;
 
 /// The seeds' table, as its bench.sh creates it.
 const SEED_TABLE: &str = "CREATE TABLE IF NOT EXISTS idempotency_keys (key text NOT NULL, \
@@ -55,7 +55,7 @@ impl SeedNode {
             stack.database_name(),
             &format!("{SEED_TABLE}; TRUNCATE idempotency_keys"),
         )?;
-        let port = stack::net::free_port();
+        let port = test_support::net::free_port();
         let log_path = dir.join(format!("seed-node-{port}.log"));
         let log = std::fs::File::create(&log_path).map_err(|e| e.to_string())?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
@@ -69,8 +69,8 @@ impl SeedNode {
             .stdout(log)
             .stderr(log2);
         let mut child = ChildGuard::spawn("seed-node", &mut cmd)?;
-        if let Err(e) = stack::net::wait_for_port(port, Duration::from_secs(15)) {
-            let tail = stack::process::log_tail(&log_path);
+        if let Err(e) = test_support::net::wait_for_port(port, Duration::from_secs(15)) {
+            let tail = test_support::process::log_tail(&log_path);
             child.kill();
             return Err(format!(
                 "the seed peer did not listen on :{port}: {e}\n{tail}"

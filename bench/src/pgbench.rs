@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde::Serialize;
-use stack::postgres::TempCluster;
+use test_support::postgres::TempCluster;
 
 /// The statement: the INSERT branch of the state API's claim (state-api/src/store/claim.rs CLAIM_SQL),
 /// with a random 32-byte scope hash, so every transaction inserts a new row and commits.
@@ -48,7 +48,7 @@ pub struct Pgbench {
 impl Pgbench {
     /// Creates the database with the state API's schema (its migration file) and the script.
     pub fn prepare(cluster: &TempCluster, run_dir: &Path) -> Result<Self, String> {
-        let bin = stack::postgres::find_bin_dir()?.join("pgbench");
+        let bin = test_support::postgres::find_bin_dir()?.join("pgbench");
         if !bin.is_file() {
             return Err(format!(
                 "{} not found (it comes with the postgresql-15 package)",
@@ -57,7 +57,7 @@ impl Pgbench {
         }
         let db = "bench_pgbench".to_owned();
         cluster.create_database(&db)?;
-        let migrations = stack::process::workspace_root().join("state-api/migrations");
+        let migrations = test_support::process::workspace_root().join("state-api/migrations");
         let mut files: Vec<PathBuf> = std::fs::read_dir(&migrations)
             .map_err(|e| format!("{}: {e}", migrations.display()))?
             .flatten()

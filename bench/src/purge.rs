@@ -10,7 +10,7 @@ use contract::state_env;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stack::stack::Stack;
+use test_support::stack::Stack;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PurgeCapacity {

@@ -4,13 +4,17 @@
 
 pub mod check;
 pub mod config;
-pub mod data_home;
 pub mod envoy;
-pub mod ha;
 pub mod mesh;
-pub mod net;
-pub mod postgres;
-pub mod process;
 pub mod render;
 pub mod run;
-pub mod services;
+
+/// The parts `edge run` starts and supervises (crate `edge-runtime`), under their old paths.
+pub use edge_runtime::{data_home, ha, net, process, services};
+
+/// The embedded cluster (crate `edge-runtime`); `TempCluster` is its old name, which `edge
+/// with-postgres` (main.rs) still uses.
+pub mod postgres {
+    pub use edge_runtime::postgres::Cluster as TempCluster;
+    pub use edge_runtime::postgres::*;
+}

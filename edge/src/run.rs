@@ -18,7 +18,7 @@ use std::time::Duration;
 use crate::config::{Config, ConfigError};
 use crate::envoy::EnvoyProcess;
 use crate::ha::{HaCluster, HaPorts};
-use crate::postgres::TempCluster;
+use crate::postgres::Cluster;
 use crate::process::Stopped;
 use crate::render;
 use crate::services::{start_state_api, Service, StateApiSettings};
@@ -49,7 +49,7 @@ pub struct Options {
 
 /// Where the state API's records live.
 enum Database {
-    Embedded(TempCluster),
+    Embedded(Cluster),
     Ha(Box<HaCluster>),
     /// The file's `database_url`: not ours to supervise.
     External,
@@ -203,11 +203,11 @@ impl Running {
             }
             None => {
                 let cluster =
-                    TempCluster::start_at(&options.dir.join("postgres"), cfg.state.postgres_port)
+                    Cluster::start_at(&options.dir.join("postgres"), cfg.state.postgres_port)
                         .map_err(|why| RunError::Start {
-                        part: "Postgres",
-                        why,
-                    })?;
+                            part: "Postgres",
+                            why,
+                        })?;
                 let url =
                     cluster
                         .ensure_database(EMBEDDED_DATABASE)

@@ -212,8 +212,8 @@ async fn main() {
     let (base, token) = match &args.url {
         Some(u) => (u.trim_end_matches('/').to_owned(), args.token.clone()),
         None => {
-            let cluster =
-                edge::postgres::TempCluster::start_private().unwrap_or_else(|e| panic!("{e}"));
+            let cluster = test_support::postgres::TempCluster::start_private()
+                .unwrap_or_else(|e| panic!("{e}"));
             let db = cluster
                 .create_database("bench")
                 .unwrap_or_else(|e| panic!("{e}"));

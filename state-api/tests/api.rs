@@ -837,7 +837,7 @@ async fn the_served_openapi_document_is_valid_and_says_what_the_handlers_do() {
 
 #[tokio::test]
 async fn pooled_connections_commit_durably_and_never_jit_whatever_the_database_default() {
-    let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let url = cluster.fresh_database("durable").unwrap();
     let db = url.rsplit('/').next().unwrap();
     cluster
@@ -1106,7 +1106,7 @@ async fn the_expiry_is_zero_not_negative_once_past_retention() {
 
 /// Expired rows made in bulk, straight in the table (what a day of sustained new keys leaves).
 fn expired_rows(api: &Api, n: u32) {
-    let cluster = edge::postgres::shared().unwrap();
+    let cluster = test_support::postgres::shared().unwrap();
     let db = api.db_url.rsplit('/').next().unwrap();
     cluster
         .psql(

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use contract::wire::{ClaimRequest, ClaimResponse, OnUnknown, CLAIM_PATH};
-use edge::postgres::TempCluster;
+use test_support::postgres::TempCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_503_while_postgres_is_down_and_recovers_by_itself() {
@@ -222,8 +222,8 @@ async fn reclaimed_a_lease_later(api: &Api, take_over: &ClaimRequest, stale: i64
 /// lease to be heard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_runs_out_only_a_whole_lease_after_the_database_was_frozen() {
-    use edge::process::Signal;
-    let mut cluster = edge::postgres::TempCluster::start_private().unwrap();
+    use test_support::process::Signal;
+    let mut cluster = test_support::postgres::TempCluster::start_private().unwrap();
     let url = cluster.fresh_database("frozen").unwrap();
     let api = Api::start_on(&url, &[]).await;
     // Serving (and beating) for longer than a lease.

@@ -16,10 +16,10 @@ use common::*;
 use contract::wire::{
     ClaimResponse, StoredResponse, CALLER_TIMEOUT_HEADER, CLAIM_PATH, COMPLETE_PATH,
 };
-use edge::postgres::TempCluster;
-use edge::process::Signal;
-use edge::services::{start_state_api, Service, StateApiSettings};
 use serde_json::Value;
+use test_support::postgres::TempCluster;
+use test_support::process::Signal;
+use test_support::services::{start_state_api, Service, ServiceTestExt as _, StateApiSettings};
 
 const CLIENTS: usize = 16;
 const CALLER_TIMEOUT_MS: u64 = 1_000;
@@ -137,7 +137,7 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
     let db = cluster.create_database("overload").unwrap();
     let dir = std::env::temp_dir().join(format!("overload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let port = edge::net::free_port();
+    let port = test_support::net::free_port();
     let api: Service = start_state_api(
         &StateApiSettings {
             port,

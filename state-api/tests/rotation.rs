@@ -15,7 +15,7 @@ const NEW: &str = "new-key-secret-9876543210";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_key_secret_finds_the_previous_records_and_writes_new_ones_with_the_new() {
-    let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let db = cluster.fresh_database("rotation").unwrap();
 
     let before = Api::start_on(&db, &["--key-secret", OLD]).await;
@@ -148,7 +148,7 @@ fn the_previous_secret_must_differ_and_be_long_enough() {
 /// address only, so no two records of one key can live under the two secrets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_statement_looks_under_both_secrets_and_inserts_under_the_current_only() {
-    let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let db = cluster.fresh_database("rotation_race").unwrap();
     let before = Api::start_on(&db, &["--key-secret", OLD]).await;
     let old = token_of(&before.claim("k", &fp(1), Some(1_000)).await);

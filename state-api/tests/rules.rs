@@ -243,8 +243,8 @@ struct Db {
 
 impl Db {
     async fn start() -> Self {
-        let cluster =
-            edge::postgres::shared().unwrap_or_else(|e| panic!("no Postgres for the tests: {e}"));
+        let cluster = test_support::postgres::shared()
+            .unwrap_or_else(|e| panic!("no Postgres for the tests: {e}"));
         let url = cluster.fresh_database("rules").unwrap();
         let pool = store::pool(
             &url,

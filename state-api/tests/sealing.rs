@@ -45,7 +45,7 @@ async fn replayed(api: &Api, key: &str) -> StoredResponse {
 
 /// Everything the table holds about its responses, as text (what a stolen copy shows).
 fn raw_table(db: &str) -> String {
-    let cluster = edge::postgres::shared().unwrap();
+    let cluster = test_support::postgres::shared().unwrap();
     let name = db.rsplit('/').next().unwrap();
     cluster
         .psql(
@@ -60,7 +60,7 @@ fn raw_table(db: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_responses_are_sealed_and_a_rotated_key_still_replays_them() {
-    let cluster = edge::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
     let db = cluster.fresh_database("sealing").unwrap();
 
     // In clear without a storage key: the markers are there to find (the search works).
@@ -167,7 +167,7 @@ async fn a_tampered_or_moved_response_is_a_500_never_a_replay() {
     complete(&api, "victim").await;
     complete(&api, "other").await;
     let name = api.db_url.rsplit('/').next().unwrap().to_owned();
-    let cluster = edge::postgres::shared().unwrap();
+    let cluster = test_support::postgres::shared().unwrap();
     let scope = |key: &str| {
         let h = api.state.scoper().hash(key, "alice", ENDPOINT);
         h.iter().map(|b| format!("{b:02x}")).collect::<String>()

@@ -1,10 +1,10 @@
 //! The stack on a highly available Postgres (issue 16): Patroni with a synchronous standby and
-//! HAProxy ([`edge::ha::HaCluster`]), state APIs connected through HAProxy, the demo checkout and
+//! HAProxy ([`test_support::ha::HaCluster`]), state APIs connected through HAProxy, the demo checkout and
 //! Envoys with the filter. For the HA tests (`tests/tests/ha.rs`).
 
 use std::path::PathBuf;
 
-use edge::ha::HaCluster;
+use test_support::ha::{HaCluster, HaClusterTestExt as _};
 
 use crate::envoy::Envoy;
 use crate::net::free_port;

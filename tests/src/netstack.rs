@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 
-use edge::ha::{HaCluster, HaHosts, HaPorts};
+use test_support::ha::{HaCluster, HaClusterTestExt as _, HaHosts, HaPorts};
 
 use crate::envoy::Envoy;
 use crate::faults::{DelayProxy, ProxyMode};

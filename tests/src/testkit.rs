@@ -8,6 +8,7 @@ use libtest_mimic::{Failed, Trial};
 use sha2::{Digest, Sha256};
 
 use crate::client::{Answer, Client, Request};
+use crate::services::ServiceTestExt as _;
 use crate::stack::{token, Stack, StackOptions};
 
 /// Runs an async test body on a runtime of its own.

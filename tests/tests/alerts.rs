@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, urlencode, Client};
+use e2e::net::free_port;
+use e2e::process::{workspace_root, ChildGuard};
+use e2e::stack::{run_dir, Stack, StackOptions};
+use e2e::testkit::{block_on, charge_body, checkout};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::Value;
-use stack::client::{unique_key, urlencode, Client};
-use stack::net::free_port;
-use stack::process::{workspace_root, ChildGuard};
-use stack::stack::{run_dir, Stack, StackOptions};
-use stack::testkit::{block_on, charge_body, checkout};
 use yaml_rust2::{Yaml, YamlEmitter, YamlLoader};
 
 const ALERT: &str = "IdempotencyOutcomeUnknown";
@@ -166,7 +166,7 @@ impl Prometheus {
     }
 
     fn log(&self) -> String {
-        stack::process::log_tail(&self.dir.join("prometheus.log"))
+        e2e::process::log_tail(&self.dir.join("prometheus.log"))
     }
 
     async fn get(&self, path: &str) -> Result<Value, String> {

@@ -13,12 +13,13 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Answer, Client, Request};
+use e2e::faults::{executions_per_key, ledger, record_figures, DelayProxy, ProxyMode, Rng};
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::{Stack, StackOptions};
+use e2e::testkit::*;
 use libtest_mimic::Arguments;
 use serde_json::json;
-use stack::client::{unique_key, Answer, Client, Request};
-use stack::faults::{executions_per_key, ledger, record_figures, DelayProxy, ProxyMode, Rng};
-use stack::stack::{Stack, StackOptions};
-use stack::testkit::*;
 
 const SUITE: &str = "chaos";
 
@@ -429,7 +430,7 @@ async fn postgres_killed_during_slow_request(mut stack: Stack) {
     // The state API reconnects by itself: no restart of it.
     let mut recovered = None;
     while killed_at.elapsed() < Duration::from_secs(20) {
-        if stack::envoy::http_get_blocking(stack.state_api.port, "/readyz").is_ok() {
+        if e2e::envoy::http_get_blocking(stack.state_api.port, "/readyz").is_ok() {
             recovered = Some(killed_at.elapsed());
             break;
         }
@@ -952,7 +953,7 @@ async fn lost_complete_postgres_down(mut stack: Stack) {
     tokio::time::sleep(Duration::from_millis(stack.options.lease_ms)).await;
     blocking(|| stack.postgres.restart()).unwrap_or_else(|e| panic!("{e}"));
     let started = Instant::now();
-    while stack::envoy::http_get_blocking(stack.state_api.port, "/readyz").is_err()
+    while e2e::envoy::http_get_blocking(stack.state_api.port, "/readyz").is_err()
         && started.elapsed() < Duration::from_secs(20)
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1007,7 +1008,7 @@ async fn gap_other_envoy_after_long_outage(mut stack: Stack) {
     };
     blocking(|| stack.postgres.restart()).unwrap_or_else(|e| panic!("{e}"));
     let started = Instant::now();
-    while stack::envoy::http_get_blocking(stack.state_api.port, "/readyz").is_err()
+    while e2e::envoy::http_get_blocking(stack.state_api.port, "/readyz").is_err()
         && started.elapsed() < Duration::from_secs(20)
     {
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -5,8 +5,8 @@
 //! it ran the stack for real (tests/compose_stack.rs: the images built, the stack up, stopped
 //! and restarted on a private Docker engine).
 
+use e2e::process::workspace_root;
 use edge::config::Config;
-use stack::process::workspace_root;
 use yaml_rust2::{Yaml, YamlLoader};
 
 fn compose() -> Yaml {
@@ -111,10 +111,7 @@ fn the_images_build_everything_from_source_with_docker_alone() {
     // The module is built in a stage, not mounted from a host build.
     assert!(file.contains("rustup target add wasm32-wasip1"));
     assert!(file.contains("-p filter --target wasm32-wasip1"));
-    assert!(file.contains(&format!(
-        "envoyproxy/envoy:v{}",
-        stack::envoy::ENVOY_VERSION
-    )));
+    assert!(file.contains(&format!("envoyproxy/envoy:v{}", e2e::envoy::ENVOY_VERSION)));
     let ignore =
         std::fs::read_to_string(workspace_root().join(".dockerignore")).unwrap_or_default();
     assert!(

@@ -1,7 +1,7 @@
 //! `make test-compose`: `docker compose up --build` as a new user runs it, on a Docker engine
 //! of its own (not part of `make test`: it builds the images, minutes on 2 cores).
 //!
-//! The harness starts a private `dockerd` (stack::docker), makes the base images the
+//! The harness starts a private `dockerd` (e2e::docker), makes the base images the
 //! Dockerfile names under those names, then runs docker-compose.yml and the Dockerfile
 //! unchanged, in a copy of the working tree as a clone has it (edits during the run stay out): `docker-compose up --build`, the stack healthy, the checks of
 //! `make demo` (201, 409 during a slow request, the replay, 422, the seeds' story with one
@@ -15,13 +15,13 @@ use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Failed, Trial};
-use stack::client::{unique_key, Client, Request};
-use stack::docker::{
+use e2e::client::{unique_key, Client, Request};
+use e2e::docker::{
     last_lines, run, run_logged, snapshot_source, state_dir, BaseImages, DockerError, Dockerd,
 };
-use stack::process::{send_signal, workspace_root, Signal};
-use stack::testkit::{block_on, charge_body, checkout, is_problem, replayed};
+use e2e::process::{send_signal, workspace_root, Signal};
+use e2e::testkit::{block_on, charge_body, checkout, is_problem, replayed};
+use libtest_mimic::{Arguments, Failed, Trial};
 
 const PROJECT: &str = "edge-compose-test";
 const ENVOY: &str = "http://127.0.0.1:10000";
@@ -40,7 +40,7 @@ struct Teardown {
     docker_host: String,
     dockerd_pid: u32,
 }
-/// The copy of the working tree docker-compose runs in (stack::docker::snapshot_source).
+/// The copy of the working tree docker-compose runs in (e2e::docker::snapshot_source).
 static SOURCE: OnceLock<PathBuf> = OnceLock::new();
 static TEARDOWN: OnceLock<Teardown> = OnceLock::new();
 
@@ -129,7 +129,7 @@ fn prepare() -> Result<(), DockerError> {
             taken.join(", ")
         )));
     }
-    stack::docker::require_program("docker-compose")?;
+    e2e::docker::require_program("docker-compose")?;
     std::fs::create_dir_all(state_dir()).map_err(|source| DockerError::Io {
         what: state_dir().display().to_string(),
         source,
@@ -289,10 +289,9 @@ fn wait_healthy(engine: &Dockerd, limit: Duration) -> Result<f64, Failed> {
         .map_err(|e| e.to_string())?
         .trim()
         .to_owned();
-        let answers = stack::net::http_get_blocking(9901, "/ready")
-            .is_ok_and(|b| b.trim() == "LIVE")
-            && stack::net::http_get_blocking(8081, "/readyz").is_ok()
-            && stack::net::http_get_blocking(8082, "/healthz").is_ok();
+        let answers = e2e::net::http_get_blocking(9901, "/ready").is_ok_and(|b| b.trim() == "LIVE")
+            && e2e::net::http_get_blocking(8081, "/readyz").is_ok()
+            && e2e::net::http_get_blocking(8082, "/healthz").is_ok();
         if last == "running healthy" && answers {
             return Ok(started.elapsed().as_secs_f64());
         }
@@ -475,7 +474,7 @@ fn restart_edge() -> Result<(), Failed> {
             assert_eq!(c.charges_for_key(CHECKOUT, &key).await.len(), 1);
             // Whatever the checkout lists, through Envoy as the demo prints it.
             let listed = c
-                .send(Request::get("/charges").token(&stack::stack::token("alice")))
+                .send(Request::get("/charges").token(&e2e::stack::token("alice")))
                 .await;
             assert_eq!(listed.status, 200, "{}", listed.describe());
         })

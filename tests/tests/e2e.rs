@@ -6,11 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use e2e::client::{unique_key, Client, Request};
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::{mint_token, token, Stack, StackOptions};
+use e2e::testkit::*;
 use libtest_mimic::Arguments;
 use serde_json::json;
-use stack::client::{unique_key, Client, Request};
-use stack::stack::{mint_token, token, Stack, StackOptions};
-use stack::testkit::*;
 
 static SHARED: SharedStack = SharedStack::new(default_stack);
 

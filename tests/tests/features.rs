@@ -8,15 +8,16 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Answer, Client, Request};
+use e2e::envoy::{Envoy, Tweak};
+use e2e::faults::record_figures;
+use e2e::process::workspace_binary;
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::{token, Stack, StackOptions, TEST_API_TOKEN};
+use e2e::testkit::*;
 use edge::config::{Config, Pointer, Selection};
 use libtest_mimic::Arguments;
 use serde_json::json;
-use stack::client::{unique_key, Answer, Client, Request};
-use stack::envoy::{Envoy, Tweak};
-use stack::faults::record_figures;
-use stack::process::workspace_binary;
-use stack::stack::{token, Stack, StackOptions, TEST_API_TOKEN};
-use stack::testkit::*;
 
 const SUITE: &str = "features";
 /// The operators' token of these stacks (never the filter's).

@@ -12,16 +12,18 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Answer, Client, Request};
+use e2e::envoy::Tweak;
+use e2e::faults::{executions_per_key, ledger, record_figures, Rng};
+use e2e::ha::HaStack;
+use e2e::process::Signal;
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::StackOptions;
+use e2e::testkit::*;
 use edge::config::OnUnknown;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
-use stack::client::{unique_key, Answer, Client, Request};
-use stack::envoy::Tweak;
-use stack::faults::{executions_per_key, ledger, record_figures, Rng};
-use stack::ha::HaStack;
-use stack::process::Signal;
-use stack::stack::StackOptions;
-use stack::testkit::*;
+use test_support::ha::HaClusterTestExt as _;
 
 const SUITE: &str = "ha";
 
@@ -128,7 +130,7 @@ async fn persist(c: Client, key: String, amount: u64, delay_ms: u64) -> Story {
 /// Keys × duplicates, a third of them slow (2 s in the checkout), sent over `spread` while
 /// `fault` runs once `fault_after` has passed. Returns every story, and the time from the fault
 /// to the first new key executed after it.
-async fn storm<F: FnOnce(&mut edge::ha::HaCluster)>(
+async fn storm<F: FnOnce(&mut test_support::ha::HaCluster)>(
     stack: &mut HaStack,
     label: &str,
     fault_after: Duration,
@@ -285,7 +287,7 @@ async fn storm_through_two_failovers(mut stack: HaStack) {
     let alone = blocking(|| {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            let ready = stack::net::http_get_blocking(api_port, "/readyz").unwrap_or_default();
+            let ready = e2e::net::http_get_blocking(api_port, "/readyz").unwrap_or_default();
             if ready.contains("no standby") || Instant::now() > deadline {
                 return ready;
             }
@@ -316,8 +318,8 @@ async fn storm_through_two_failovers(mut stack: HaStack) {
     record_figures(
         SUITE,
         "primary_lost_under_a_storm",
-        json!({"keys_per_storm": 48, "duplicates_per_key": 4, "patroni_ttl_s": edge::ha::TTL_S,
-               "patroni_loop_wait_s": edge::ha::LOOP_WAIT_S,
+        json!({"keys_per_storm": 48, "duplicates_per_key": 4, "patroni_ttl_s": test_support::ha::TTL_S,
+               "patroni_loop_wait_s": test_support::ha::LOOP_WAIT_S,
                "first_failover": {"answers": tally, "new_keys_again_after_ms": recovered.as_millis() as u64, "completed_replayed_after": replays},
                "rejoined_as_sync_standby_after_ms": rejoined.as_millis() as u64,
                "failover_back": {"answers": tally_back, "new_keys_again_after_ms": recovered_back.as_millis() as u64, "completed_replayed_after": replays_back},
@@ -471,7 +473,7 @@ async fn attempt_states_at(stack: &HaStack, key: &str) -> Vec<String> {
 /// One-row INSERT commits, one client, on the primary: with the synchronous standby
 /// (`synchronous_commit=on`) and without waiting for it (`local`), in the same run.
 fn sync_commit_cost() -> Result<(), Failed> {
-    let ha = edge::ha::HaCluster::start()?;
+    let ha = test_support::ha::HaCluster::start()?;
     ha.psql(
         "postgres",
         "CREATE TABLE commit_cost (id bigserial PRIMARY KEY, at timestamptz DEFAULT now())",
@@ -481,7 +483,7 @@ fn sync_commit_cost() -> Result<(), Failed> {
         let script = std::env::temp_dir().join(format!("commit-cost-{}.sql", std::process::id()));
         std::fs::write(&script, "INSERT INTO commit_cost DEFAULT VALUES;\n")
             .map_err(|e| e.to_string())?;
-        let bin = edge::postgres::find_bin_dir()?;
+        let bin = test_support::postgres::find_bin_dir()?;
         let out = std::process::Command::new(bin.join("pgbench"))
             .args(["-n", "-c", "1", "-T", "4", "-f"])
             .arg(&script)

@@ -15,14 +15,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use e2e::client::{unique_key, Answer, Client, Request};
+use e2e::envoy::Envoy;
+use e2e::faults::{raw_request, FakeClaim, FakeStateApi, RawAnswer};
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::{token, Stack, StackOptions, TEST_API_TOKEN, TEST_KEY_SECRET};
+use e2e::testkit::*;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use stack::client::{unique_key, Answer, Client, Request};
-use stack::envoy::Envoy;
-use stack::faults::{raw_request, FakeClaim, FakeStateApi, RawAnswer};
-use stack::stack::{token, Stack, StackOptions, TEST_API_TOKEN, TEST_KEY_SECRET};
-use stack::testkit::*;
 
 // ---------------------------------------------------------------------------------------------
 // The environment shared by the cases: the stack, a fake state API and an Envoy pointed at it.
@@ -163,7 +164,7 @@ impl Env {
     /// Executions recorded whose body had exactly these bytes (for keys that cannot be queried).
     async fn runs_of_body(&self, body: &[u8]) -> usize {
         let sha = sha256_hex(body);
-        stack::faults::ledger(&self.stack.checkout.url(""))
+        e2e::faults::ledger(&self.stack.checkout.url(""))
             .await
             .iter()
             .filter(|e| e["body_sha256"] == sha.as_str())
@@ -545,7 +546,7 @@ fn table(cases: &[Case]) -> String {
 
 fn doc_table_matches_cases() -> Result<(), Failed> {
     let cases = cases();
-    let path = stack::process::workspace_root().join(DOC);
+    let path = e2e::process::workspace_root().join(DOC);
     let doc = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {DOC}: {e}"))?;
     let (Some(b), Some(e)) = (doc.find(BEGIN), doc.find(END)) else {
         return Err(format!("{DOC} lacks the markers {BEGIN} / {END}").into());
@@ -773,7 +774,7 @@ async fn logs_never_contain_keys_bodies_or_tokens() {
             }
         }
     }
-    stack::faults::record_figures(
+    e2e::faults::record_figures(
         "hostile",
         "logs_never_contain_keys_bodies_or_tokens",
         json!({"log_bytes_checked": total, "markers": secrets.len()}),

@@ -12,14 +12,14 @@
 
 use std::time::Duration;
 
+use e2e::client::{unique_key, Client};
+use e2e::envoy::{filter_wasm, Envoy};
+use e2e::stack::{Stack, StackOptions};
+use e2e::testkit::{block_on, charge_body, checkout, is_problem, replayed};
 use edge::config::{Config, Endpoint};
 use edge::mesh::{json_of_yaml, manifests, Pins, Target};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{json, Value};
-use stack::client::{unique_key, Client};
-use stack::envoy::{filter_wasm, Envoy};
-use stack::stack::{Stack, StackOptions};
-use stack::testkit::{block_on, charge_body, checkout, is_problem, replayed};
 
 fn main() {
     let args = Arguments::from_args();
@@ -194,8 +194,8 @@ fn as_the_mesh(target: Target, stop_iteration: bool) -> Result<(), Failed> {
     });
     let w = wiring(&cfg, target)?;
     let mut params = stack.envoy.params.clone();
-    params.listen_port = edge::net::free_port();
-    params.admin_port = edge::net::free_port();
+    params.listen_port = test_support::net::free_port();
+    params.admin_port = test_support::net::free_port();
     let mut config = mesh_envoy_config(&stack, &w, stop_iteration)?;
     for (pointer, port) in [
         (
@@ -226,7 +226,7 @@ fn as_the_mesh(target: Target, stop_iteration: bool) -> Result<(), Failed> {
 }
 
 async fn smoke(c: Client) {
-    stack::testkit::smoke(&c, "mesh").await;
+    e2e::testkit::smoke(&c, "mesh").await;
     let body = charge_body(4990);
     let key = unique_key("mesh-subject");
     let first = c.send(checkout(&key, "alice", &body)).await;
@@ -249,7 +249,7 @@ async fn smoke(c: Client) {
         bobs.describe()
     );
     // No token: jwt_authn lets it through, the filter finds no subject.
-    let anonymous = stack::client::Request::post("/checkout")
+    let anonymous = e2e::client::Request::post("/checkout")
         .key(&unique_key("mesh-anon"))
         .header("x-jwt-sub", "alice")
         .json(&body);

@@ -11,15 +11,15 @@ use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use e2e::client::unique_key;
+use e2e::process::{workspace_binary, workspace_root};
+use e2e::stack::{Stack, StackOptions};
+use e2e::testkit::{
+    block_on, charge_body, checkout, client, is_problem, replayed, send_in_background,
+};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use stack::client::unique_key;
-use stack::process::{workspace_binary, workspace_root};
-use stack::stack::{Stack, StackOptions};
-use stack::testkit::{
-    block_on, charge_body, checkout, client, is_problem, replayed, send_in_background,
-};
 
 const COMPAT_LAYER: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 const WASM_CONFIG: &str = "application/vnd.module.wasm.config.v1+json";
@@ -375,5 +375,5 @@ fn envoy_smoke() -> Result<(), Failed> {
 }
 
 async fn smoke(stack: Stack) {
-    stack::testkit::smoke(&client(&stack), "oci").await;
+    e2e::testkit::smoke(&client(&stack), "oci").await;
 }

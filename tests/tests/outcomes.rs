@@ -5,12 +5,12 @@
 use contract::state_env;
 use std::sync::Arc;
 
+use e2e::client::{unique_key, Request};
+use e2e::envoy::{Envoy, Tweak};
+use e2e::stack::{token, Stack, StackOptions};
+use e2e::testkit::*;
 use edge::config::{KeyPolicy, Match, OnStateUnavailable, Route};
 use libtest_mimic::{Arguments, Trial};
-use stack::client::{unique_key, Request};
-use stack::envoy::{Envoy, Tweak};
-use stack::stack::{token, Stack, StackOptions};
-use stack::testkit::*;
 
 static SHARED: SharedStack = SharedStack::new(default_stack);
 
@@ -303,15 +303,15 @@ async fn small_state_api_body_limit(stack: Stack) {
 }
 
 async fn lease_over_the_maximum_is_refused() {
-    let dir = stack::stack::run_dir("lease-refused").unwrap_or_else(|e| panic!("{e}"));
+    let dir = e2e::stack::run_dir("lease-refused").unwrap_or_else(|e| panic!("{e}"));
     let stack_params = Stack::envoy_params_for(
         &StackOptions {
             lease_ms: 900_000,
             heartbeat_ms: 10_000,
             ..StackOptions::default()
         },
-        stack::net::free_port(),
-        stack::net::free_port(),
+        e2e::net::free_port(),
+        e2e::net::free_port(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let started = Envoy::start(stack_params, &dir, "envoy");

@@ -1,6 +1,6 @@
 //! Partitions, not just crashes (issue 35): every part on a host of its own
-//! (`stack::netstack`), links cut with nftables on the switch or slowed and stalled by a relay,
-//! under a storm of retrying clients, and a history checker (`stack::history`).
+//! (`e2e::netstack`), links cut with nftables on the switch or slowed and stalled by a relay,
+//! under a storm of retrying clients, and a history checker (`e2e::history`).
 //!
 //! 1. An Envoy cut off from both state APIs while its upstream requests run (its heartbeats
 //!    are lost; its clients give up and retry through the other Envoy); healed after two leases.
@@ -36,15 +36,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Client, Request};
+use e2e::faults::{record_figures, ProxyMode, Rng};
+use e2e::history::{CheckInput, History, Kind, Ms, Phase, Policy, Verdict};
+use e2e::netns::{Cut, Link, NetHost};
+use e2e::netstack::*;
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::StackOptions;
+use e2e::testkit::{block_on, charge_body, checkout, refund};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
-use stack::client::{unique_key, Client, Request};
-use stack::faults::{record_figures, ProxyMode, Rng};
-use stack::history::{CheckInput, History, Kind, Ms, Phase, Policy, Verdict};
-use stack::netns::{Cut, Link, NetHost};
-use stack::netstack::*;
-use stack::stack::StackOptions;
-use stack::testkit::{block_on, charge_body, checkout, refund};
 
 const SUITE: &str = "partitions";
 const LEASE_MS: u64 = 3_000;
@@ -100,7 +101,7 @@ fn main() {
         .into_iter()
         .map(|(name, scenario)| Trial::test(name, move || run_scenario(scenario)))
         .collect();
-    if let Err(why) = stack::netns::require() {
+    if let Err(why) = e2e::netns::require() {
         // `make test` as a normal user says so and runs the rest; run alone, they fail.
         if std::env::var("PARTITIONS_WITHOUT_ROOT").as_deref() == Ok("ignore") {
             eprintln!("partitions: not run: {why}");
@@ -130,7 +131,7 @@ fn options() -> StackOptions {
         lease_ms: LEASE_MS,
         heartbeat_ms: HEARTBEAT_MS,
         state_api_timeout_ms: STATE_API_TIMEOUT_MS,
-        tweak: Some(stack::envoy::Tweak::new(|c| {
+        tweak: Some(e2e::envoy::Tweak::new(|c| {
             c.upstream_timeout_ms = UPSTREAM_TIMEOUT_MS;
         })),
         ..StackOptions::default()
@@ -169,7 +170,7 @@ fn make_whole(stack: &NetStack) -> Result<(), String> {
     stack.ha.wait_healthy(Duration::from_secs(90))?;
     for api in &stack.state_apis {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while stack::envoy::http_get_at(api.addr, "/readyz").is_err() {
+        while e2e::envoy::http_get_at(api.addr, "/readyz").is_err() {
             if Instant::now() > deadline {
                 return Err(format!("{} not ready\n{}", api.addr, stack.logs()));
             }
@@ -681,11 +682,11 @@ impl<'a> Run<'a> {
             let path = format!(
                 "{}?key={}&subject=alice&endpoint={}",
                 contract::wire::RECORDS_PATH,
-                stack::client::urlencode(&key),
-                stack::client::urlencode(&format!("POST {}", spec.endpoint))
+                e2e::client::urlencode(&key),
+                e2e::client::urlencode(&format!("POST {}", spec.endpoint))
             );
             let state = match api
-                .try_send(Request::get(&path).token(stack::stack::TEST_API_TOKEN))
+                .try_send(Request::get(&path).token(e2e::stack::TEST_API_TOKEN))
                 .await
             {
                 Ok(a) if a.status == 200 => a.json()["state"].as_str().unwrap_or("?").to_owned(),
@@ -699,7 +700,7 @@ impl<'a> Run<'a> {
 }
 
 /// Sends `req`: `Ok(None)` when the client gave up waiting, `Err` without an HTTP answer.
-async fn send(c: &Client, req: Request) -> Result<Option<stack::client::Answer>, String> {
+async fn send(c: &Client, req: Request) -> Result<Option<e2e::client::Answer>, String> {
     match c.try_send(req).await {
         Ok(a) => Ok(Some(a)),
         Err(e) if e.is_timeout() => Ok(None),
@@ -819,12 +820,12 @@ fn zombie_probe(
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<Vec<ZombieCommit>> {
     std::thread::spawn(move || {
-        let psql = edge::postgres::find_bin_dir()
+        let psql = test_support::postgres::find_bin_dir()
             .map(|d| d.join("psql"))
             .unwrap_or_else(|e| panic!("{e}"));
         let url = format!(
             "postgres://postgres@{node}/{}?connect_timeout=2&options=-c%20statement_timeout%3D5000%20-c%20synchronous_commit%3Don",
-            stack::ha::DATABASE
+            e2e::ha::DATABASE
         );
         host.run(|| {
             let mut tries = Vec::new();
@@ -884,7 +885,7 @@ async fn zombie_primary(stack: &NetStack) {
     let new = 1 - old;
     blocking(|| {
         stack.ha.psql(
-            stack::ha::DATABASE,
+            e2e::ha::DATABASE,
             "CREATE TABLE IF NOT EXISTS zombie_probe (id bigserial PRIMARY KEY, note text, at timestamptz DEFAULT clock_timestamp())",
         )
     })
@@ -930,10 +931,10 @@ async fn zombie_primary(stack: &NetStack) {
         assert!(Instant::now() < deadline, "no failover\n{}", stack.logs());
         let (old_role, new_role) = blocking(|| (stack.ha.role(old), stack.ha.role(new)));
         let now = run.history.now();
-        if old_demoted_at.is_none() && old_role != edge::ha::Role::Primary {
+        if old_demoted_at.is_none() && old_role != test_support::ha::Role::Primary {
             old_demoted_at = Some(now);
         }
-        if new_role == edge::ha::Role::Primary {
+        if new_role == test_support::ha::Role::Primary {
             new_serves_at = Some(now);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -958,7 +959,7 @@ async fn zombie_primary(stack: &NetStack) {
     let rejoined_ms = rejoin.elapsed().as_millis() as u64;
     assert_eq!(
         blocking(|| (stack.ha.leader(), stack.ha.role(old))),
-        (Some(new), edge::ha::Role::SyncStandby),
+        (Some(new), test_support::ha::Role::SyncStandby),
         "after healing the old primary must be the new one's synchronous standby\n{}",
         stack.logs()
     );
@@ -969,7 +970,7 @@ async fn zombie_primary(stack: &NetStack) {
     let surviving: Vec<i64> = blocking(|| {
         stack
             .ha
-            .psql(stack::ha::DATABASE, "SELECT id FROM zombie_probe")
+            .psql(e2e::ha::DATABASE, "SELECT id FROM zombie_probe")
     })
     .unwrap_or_else(|e| panic!("{e}"))
     .lines()
@@ -1118,7 +1119,7 @@ async fn state_api_answers_delayed(stack: &NetStack) {
             .host(ENVOYS[0])
             .run(|| {
                 let t = Instant::now();
-                stack::envoy::http_get_at(through, "/healthz").map(|_| t.elapsed())
+                e2e::envoy::http_get_at(through, "/healthz").map(|_| t.elapsed())
             })
             .unwrap_or_else(|e| panic!("{e}"))
     })
@@ -1187,7 +1188,7 @@ async fn asymmetric_cuts(stack: &NetStack) {
     // HAProxy takes the primary out once three checks have failed: until then nothing changes.
     let api = stack.state_apis[0].addr;
     let cut_at = Instant::now();
-    while blocking(|| stack::envoy::http_get_at(api, "/readyz")).is_ok() {
+    while blocking(|| e2e::envoy::http_get_at(api, "/readyz")).is_ok() {
         assert!(
             cut_at.elapsed() < Duration::from_secs(30),
             "HAProxy never took the primary out\n{}",

@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Client, Request};
+use e2e::net::free_port;
+use e2e::postgres::TempCluster;
+use e2e::process::{send_signal, workspace_binary, workspace_root, Signal};
+use e2e::stack::token;
+use e2e::testkit::{block_on, replayed};
+use e2e::upstream::OwnApi;
 use libtest_mimic::{Arguments, Failed, Trial};
-use stack::client::{unique_key, Client, Request};
-use stack::net::free_port;
-use stack::postgres::TempCluster;
-use stack::process::{send_signal, workspace_binary, workspace_root, Signal};
-use stack::stack::token;
-use stack::testkit::{block_on, replayed};
-use stack::upstream::OwnApi;
 
 fn main() {
     let args = Arguments::from_args();
@@ -338,7 +338,7 @@ async fn protects_own_api() {
     assert_eq!(e["method"], "PUT");
     assert_eq!(e["path_and_query"], "/things/42?b=2&a=1&a=%2F");
     assert_eq!(e["body_len"], 70_000);
-    assert_eq!(e["body_sha256"], stack::testkit::sha256_hex(&[7u8; 70_000]));
+    assert_eq!(e["body_sha256"], e2e::testkit::sha256_hex(&[7u8; 70_000]));
     let headers: Vec<(String, String)> = e["headers"]
         .as_array()
         .into_iter()
@@ -373,7 +373,7 @@ async fn protects_own_api() {
     );
     assert_eq!(
         streamed_in.json()["body_sha256"],
-        stack::testkit::sha256_hex(&all)
+        e2e::testkit::sha256_hex(&all)
     );
     assert!(streamed_in.json()["headers"]
         .as_array()
@@ -471,7 +471,7 @@ async fn protects_own_api() {
 async fn state_api_over_mutual_tls() {
     let api = OwnApi::start().unwrap_or_else(|e| panic!("{e}"));
     let dir = folder("state-tls");
-    let pki = stack::tls::TestPki::generate(&dir.join("pki")).unwrap_or_else(|e| panic!("{e}"));
+    let pki = e2e::tls::TestPki::generate(&dir.join("pki")).unwrap_or_else(|e| panic!("{e}"));
     let p = Ports::free();
     let config = dir.join("edge.toml");
     let state_extra = format!(
@@ -498,16 +498,16 @@ async fn state_api_over_mutual_tls() {
     assert_eq!(first.status, 201, "{}\n{}", first.describe(), edge.stderr());
     assert!(replayed(&c.send(order(&key, 10)).await));
     // The state API's port: HTTPS with Envoy's certificate, nothing without one.
-    let ready = stack::tls::https_get(p.state, "/readyz", &pki.ca, Some(&pki.client)).await;
+    let ready = e2e::tls::https_get(p.state, "/readyz", &pki.ca, Some(&pki.client)).await;
     assert!(
         ready.as_ref().is_ok_and(|a| a.starts_with("HTTP/1.1 200")),
         "{ready:?}"
     );
     assert!(
-        stack::envoy::http_get_blocking(p.state, "/readyz").is_err(),
+        e2e::envoy::http_get_blocking(p.state, "/readyz").is_err(),
         "plain HTTP to the state API's TLS port"
     );
-    assert!(stack::tls::https_get(p.state, "/readyz", &pki.ca, None)
+    assert!(e2e::tls::https_get(p.state, "/readyz", &pki.ca, None)
         .await
         .is_err());
     edge.stop().unwrap_or_else(|e| panic!("{e}"));
@@ -564,7 +564,7 @@ async fn existing_postgres() {
 }
 
 fn validate(yaml_path: &Path) -> Result<(), String> {
-    let envoy = stack::envoy::envoy_binary()?;
+    let envoy = e2e::envoy::envoy_binary()?;
     let out = Command::new(envoy)
         .args(["--mode", "validate", "-c"])
         .arg(yaml_path)
@@ -584,7 +584,7 @@ fn validate(yaml_path: &Path) -> Result<(), String> {
 
 fn rendered_configs_validate() -> Result<(), String> {
     let edge = workspace_binary("edge")?;
-    let wasm = stack::envoy::filter_wasm()?;
+    let wasm = e2e::envoy::filter_wasm()?;
     let dir = folder("render");
     // Every feature the renderer has: a remote JWKS over TLS, a reconcile service of its own
     // over TLS, per-route options; and a header subject.

@@ -13,14 +13,14 @@
 
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Answer, Client, Request};
+use e2e::crash_recovery::{crash_and_hold_recovery, process_state};
+use e2e::envoy::{Envoy, Tweak};
+use e2e::faults::record_figures;
+use e2e::stack::{Stack, StackOptions};
+use e2e::testkit::*;
 use edge::config::{Match, OnUnknown};
 use libtest_mimic::{Arguments, Trial};
-use stack::client::{unique_key, Answer, Client, Request};
-use stack::crash_recovery::{crash_and_hold_recovery, process_state};
-use stack::envoy::{Envoy, Tweak};
-use stack::faults::record_figures;
-use stack::stack::{Stack, StackOptions};
-use stack::testkit::*;
 
 const SUITE: &str = "second_execution";
 

@@ -3,7 +3,7 @@
 //! verifies the state API's certificate against the test CA and presents its own client
 //! certificate, which the state API verifies); state API -> Postgres is `sslmode=verify-full`
 //! on a cluster that accepts TLS connections only. Every certificate is made by the test
-//! (`stack::tls::TestPki`, rcgen).
+//! (`e2e::tls::TestPki`, rcgen).
 //!
 //! The usual answers hold over TLS (201, replay, 409, 422); a state API whose certificate is
 //! from another CA or expired is refused by Envoy (the client gets the filter's 503, nothing is
@@ -13,12 +13,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use e2e::client::unique_key;
+use e2e::process::Signal;
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::{run_dir, Stack, StackOptions};
+use e2e::testkit::*;
+use e2e::tls::{https_get, plaintext_get, CertFiles, TestPki};
 use libtest_mimic::Arguments;
-use stack::client::unique_key;
-use stack::process::Signal;
-use stack::stack::{run_dir, Stack, StackOptions};
-use stack::testkit::*;
-use stack::tls::{https_get, plaintext_get, CertFiles, TestPki};
 
 static SHARED: SharedStack = SharedStack::new(start_tls_stack);
 
@@ -242,7 +243,7 @@ async fn envoy_refuses_the_state_api_serving(stack: Arc<Stack>, served: CertFile
     let envoy = stack
         .start_extra_envoy(impostor.port, &format!("envoy-{name}"))
         .unwrap_or_else(|e| panic!("{e}"));
-    let c = stack::client::Client::new(&envoy.url(""));
+    let c = e2e::client::Client::new(&envoy.url(""));
     let key = unique_key(&format!("tls-{name}"));
     let body = charge_body(700);
     let answer = c.send(checkout(&key, "alice", &body)).await;
@@ -323,7 +324,7 @@ async fn renewed_certificate_is_served_after_sighup(stack: Arc<Stack>) {
 }
 
 /// Waits (at most 5 s) until the service's log says `line`, the service still running.
-async fn wait_for_log(service: &mut stack::services::Service, line: &str) {
+async fn wait_for_log(service: &mut e2e::services::Service, line: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while !service.log().contains(line) {
         assert!(

@@ -7,13 +7,13 @@
 
 use std::time::{Duration, Instant};
 
+use e2e::client::{unique_key, Answer, Client};
+use e2e::envoy::{Envoy, Tweak};
+use e2e::faults::{record_figures, DelayProxy, ProxyMode};
+use e2e::stack::{Stack, StackOptions};
+use e2e::testkit::*;
 use edge::config::{Endpoint, OnUnknown, Reconcile};
 use libtest_mimic::{Arguments, Trial};
-use stack::client::{unique_key, Answer, Client};
-use stack::envoy::{Envoy, Tweak};
-use stack::faults::{record_figures, DelayProxy, ProxyMode};
-use stack::stack::{Stack, StackOptions};
-use stack::testkit::*;
 
 const SUITE: &str = "unknown";
 
@@ -58,7 +58,7 @@ fn main() {
 }
 
 /// The first attempt of a story: sent by a client that gives up after `patience`.
-async fn give_up_after(stack: &Stack, patience: Duration, req: stack::client::Request) {
+async fn give_up_after(stack: &Stack, patience: Duration, req: e2e::client::Request) {
     let impatient = Client::impatient(&stack.envoy.url(""), patience);
     let first = impatient.try_send(req).await;
     assert!(
@@ -231,7 +231,7 @@ async fn held_route(stack: Stack) {
 }
 
 /// Sends `req()` again while it is answered 409 (the key in progress), for at most 8 s.
-async fn past_409(c: &Client, req: impl Fn() -> stack::client::Request) -> Answer {
+async fn past_409(c: &Client, req: impl Fn() -> e2e::client::Request) -> Answer {
     let asked = Instant::now();
     loop {
         let a = c.send(req()).await;

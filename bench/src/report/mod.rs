@@ -100,7 +100,7 @@ fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a Sc
 
 /// The commit the figures belong to, and whether the work tree had changes then.
 pub fn git_state() -> String {
-    let root = stack::process::workspace_root();
+    let root = test_support::process::workspace_root();
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .arg("-C")
@@ -183,7 +183,7 @@ impl Report {
             envoy_cluster_stats: i.envoy_stats,
             waiting: i.waiting,
             purge: i.purge,
-            notes: std::fs::read_to_string(stack::process::workspace_root().join("bench/NOTES.md"))
+            notes: std::fs::read_to_string(test_support::process::workspace_root().join("bench/NOTES.md"))
                 .ok(),
         }
     }

@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use fingerprint_probe::{json_body, Cost, MIB, SIZES};
 use serde::Serialize;
-use stack::envoy::Envoy;
-use stack::stack::{Stack, StackOptions};
+use test_support::envoy::Envoy;
+use test_support::stack::{Stack, StackOptions};
 
 use super::{at_most, fig, memory_mib, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Conn, Req};
@@ -178,7 +178,7 @@ fn node() -> Result<PathBuf, String> {
 fn probe_module() -> Result<PathBuf, String> {
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| stack::process::workspace_root().join("target"));
+        .unwrap_or_else(|_| test_support::process::workspace_root().join("target"));
     let module = target.join("wasm32-wasip1/release/fingerprint-probe.wasm");
     if module.is_file() {
         Ok(module)
@@ -195,7 +195,7 @@ fn probe_module() -> Result<PathBuf, String> {
 fn v8_costs(min: Duration) -> Result<(String, Vec<Cost>), String> {
     let node = node()?;
     let module = probe_module()?;
-    let runner = stack::process::workspace_root().join("bench/fingerprint-probe/run.mjs");
+    let runner = test_support::process::workspace_root().join("bench/fingerprint-probe/run.mjs");
     let version = Command::new(&node)
         .arg("--version")
         .output()
@@ -397,7 +397,7 @@ fn measure_burst(
 
 /// Charges in the checkout's ledger per idempotency key starting with `prefix`.
 fn charges_by_key(stack: &Stack, prefix: &str) -> Result<BTreeMap<String, u64>, String> {
-    let text = stack::envoy::http_get_blocking(stack.checkout.port, "/charges")?;
+    let text = test_support::envoy::http_get_blocking(stack.checkout.port, "/charges")?;
     let entries: Vec<serde_json::Value> =
         serde_json::from_str(&text).map_err(|e| format!("/charges: {e}"))?;
     let mut out = BTreeMap::new();
@@ -463,7 +463,7 @@ fn bursts(settings: &Settings) -> Result<Vec<Burst>, String> {
     let unbounded: u64 = 1 << 30;
     let stack = Stack::start(StackOptions::default())?;
     let mut p = plain_params(&stack);
-    p.tweak = Some(stack::envoy::Tweak::new(move |cfg| {
+    p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
         cfg.filter.max_buffered_bytes = Some(unbounded)
     }));
     let wide = Envoy::start(p, &stack.dir, "envoy-wide")?;

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stack::stack::{Stack, StackOptions};
+use test_support::stack::{Stack, StackOptions};
 
 use super::{fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Answer, Conn, OpFn, Outcome};

@@ -194,8 +194,10 @@ pub fn run() -> Result<(), String> {
     let settings = Settings::from_env()?;
     let out_dir = match std::env::var("SCALE_OUT") {
         Ok(d) => PathBuf::from(d),
-        Err(_) if settings.quick => stack::process::workspace_root().join("target/scale-quick"),
-        Err(_) => stack::process::workspace_root().join("docs"),
+        Err(_) if settings.quick => {
+            test_support::process::workspace_root().join("target/scale-quick")
+        }
+        Err(_) => test_support::process::workspace_root().join("docs"),
     };
     wait_for_quiet(Duration::from_secs(env_u64(
         "SCALE_QUIET_WAIT_SECONDS",
@@ -420,7 +422,7 @@ fn markdown(report: &ScaleReport, outputs: &[CurveOutput]) -> String {
 /// and Postgres, with runs of `warmup` and `measure`; noisy runs are repeated until `retry_for`
 /// from now.
 pub(crate) fn bench_on<'a>(
-    stack: &'a stack::stack::Stack,
+    stack: &'a test_support::stack::Stack,
     ports: &[(&'static str, u16)],
     warmup: Duration,
     measure: Duration,

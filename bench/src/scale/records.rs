@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stack::stack::{Stack, StackOptions};
+use test_support::stack::{Stack, StackOptions};
 
 use super::{at_most, fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::Conn;

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use edge::config::{KeyPolicy, Match, OnUnknown, Route};
 use serde::Serialize;
-use stack::envoy::Envoy;
-use stack::stack::{Stack, StackOptions};
+use test_support::envoy::Envoy;
+use test_support::stack::{Stack, StackOptions};
 
 use super::{at_most, fig, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Conn, OpFn, Outcome, Req};
@@ -132,7 +132,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let run_id = format!("scale-routes-{}", std::process::id());
     for n in COUNTS {
         let mut p = plain_params(&stack);
-        p.tweak = Some(stack::envoy::Tweak::new(move |cfg| {
+        p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
             let checkout = cfg
                 .routes
                 .iter()

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stack::stack::{Stack, StackOptions};
+use test_support::stack::{Stack, StackOptions};
 
 use super::{fig, memory_mib, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::Conn;
@@ -270,7 +270,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             ),
             ("STATE_API_MAX_WAIT_MS".into(), (WAIT_S * 1000).to_string()),
         ],
-        tweak: Some(stack::envoy::Tweak::new(|cfg| {
+        tweak: Some(test_support::envoy::Tweak::new(|cfg| {
             cfg.filter.max_waiters = filter_core::config::MAX_WAITERS;
             for r in &mut cfg.routes {
                 r.max_wait_s = WAIT_S;

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stack::stack::{Stack, StackOptions};
+use test_support::stack::{Stack, StackOptions};
 
 use crate::load::{self, Conn, OpFn, Outcome};
 use crate::{
@@ -141,7 +141,7 @@ pub fn run() -> Result<(), String> {
     let settings = Settings::from_env()?;
     let out_dir = std::env::var("SOAK_OUT")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| stack::process::workspace_root().join("docs"));
+        .unwrap_or_else(|_| test_support::process::workspace_root().join("docs"));
     wait_for_quiet(Duration::from_secs(env_u64("SOAK_QUIET_WAIT_SECONDS", 30)));
     let report = measure(settings)?.report;
     println!("{}", report.text());

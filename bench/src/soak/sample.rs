@@ -2,7 +2,7 @@
 //! the purge's counters and the CPU ticks.
 
 use serde::Serialize;
-use stack::stack::Stack;
+use test_support::stack::Stack;
 
 use super::*;
 
@@ -68,7 +68,7 @@ impl<'a> Watched<'a> {
 
 impl Watched<'_> {
     pub(super) fn sample(&self, t_s: f64) -> Sample {
-        let metrics = stack::envoy::http_get_blocking(self.stack.state_api.port, "/metrics")
+        let metrics = test_support::envoy::http_get_blocking(self.stack.state_api.port, "/metrics")
             .unwrap_or_default();
         let metric = |name: &str| purge::metric(&metrics, name).map_or(0, |v| v as u64);
         let mut s = Sample {

@@ -1,5 +1,5 @@
 //! The state API served in-process on a free port, on its own database of a real Postgres
-//! (one throwaway cluster per test binary, see `edge::postgres`).
+//! (one throwaway cluster per test binary, see `test_support::postgres`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
 use std::collections::HashMap;
@@ -186,8 +186,8 @@ pub fn config(db_url: &str, args: &[&str]) -> Config {
 impl Api {
     /// A fresh database on the shared cluster, migrated, and the API serving it.
     pub async fn start(args: &[&str]) -> Self {
-        let cluster =
-            edge::postgres::shared().unwrap_or_else(|e| panic!("no Postgres for the tests: {e}"));
+        let cluster = test_support::postgres::shared()
+            .unwrap_or_else(|e| panic!("no Postgres for the tests: {e}"));
         let db_url = cluster
             .fresh_database("state_api")
             .unwrap_or_else(|e| panic!("{e}"));
@@ -431,7 +431,7 @@ impl Drop for Api {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }
-        if let (Some(db), Ok(cluster)) = (self.drop_db.take(), edge::postgres::shared()) {
+        if let (Some(db), Ok(cluster)) = (self.drop_db.take(), test_support::postgres::shared()) {
             let _ = cluster.drop_database(&db);
         }
     }

@@ -7,11 +7,11 @@
 //! :2379) with a synchronous standby, and HAProxy on :54329 (data under .run/demo/ha/).
 
 use contract::state_env;
+use e2e::envoy::demo_config_path;
+use e2e::process::workspace_root;
+use e2e::services::{start_checkout, Service};
 use edge::config::Config;
 use edge::run::{Options, Running};
-use stack::envoy::demo_config_path;
-use stack::process::workspace_root;
-use stack::services::{start_checkout, Service};
 
 const CHECKOUT_PORT: u16 = 8082;
 

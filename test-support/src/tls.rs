@@ -18,8 +18,8 @@ use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
+use crate::postgres::ServerTls;
 use edge::config::{ClientCert, StateTls};
-use edge::postgres::ServerTls;
 
 /// A certificate and its key, as PEM files.
 #[derive(Debug, Clone)]

@@ -8,7 +8,9 @@ use crate::envoy::{filter_wasm, Envoy, EnvoyParams};
 use crate::net::free_port;
 use crate::postgres::TempCluster;
 use crate::process::workspace_root;
-use crate::services::{start_checkout, start_state_api, Service, StateApiSettings};
+use crate::services::{
+    start_checkout, start_state_api, Service, ServiceTestExt as _, StateApiSettings,
+};
 use crate::tls::{CertFiles, TestPki};
 
 /// The bearer token Envoy's filter presents to the state API in tests.

@@ -192,25 +192,6 @@ pub fn send_signal(pid: u32, signal: Signal) -> Result<(), SignalError> {
     })
 }
 
-/// The processes whose parent is `pid` (from `/proc`): a postmaster's backends and workers.
-pub fn children_of(pid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|child| parent_of(*child) == Some(pid))
-        .collect()
-}
-
-/// The parent of `pid`, from `/proc/<pid>/stat` (the field after the command's closing `)`).
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_command = &stat[stat.rfind(')')? + 1..];
-    after_command.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// A shell running `script` as `sh -c script name <our pid> <root> remove|keep`: it waits for
 /// this process to end, then stops what it was told to and, when asked, removes `root` (a
 /// cluster that lives in a `static` is never dropped).
@@ -289,36 +270,6 @@ pub fn log_tail(path: &std::path::Path) -> String {
     )
 }
 
-/// Runs `program` with `input` on its stdin and returns its stdout, or why it failed.
-pub fn run_with_stdin(program: &str, args: &[&str], input: &[u8]) -> Result<Vec<u8>, String> {
-    use std::io::Write;
-    use std::process::Stdio;
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {program}: {e}"))?;
-    child
-        .stdin
-        .take()
-        .ok_or_else(|| format!("{program}: no stdin"))?
-        .write_all(input)
-        .map_err(|e| format!("cannot write to {program}: {e}"))?;
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("{program} did not finish: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{program} {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(out.stdout)
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -335,7 +286,6 @@ mod tests {
         let pid = child.pid().unwrap();
         send_signal(pid, Signal::STOP).unwrap();
         send_signal(pid, Signal::CONT).unwrap();
-        assert!(children_of(std::process::id()).contains(&pid));
         assert_eq!(child.terminate(Duration::from_secs(5)), Stopped::Cleanly);
         assert_eq!(child.terminate(Duration::from_secs(5)), Stopped::NotRunning);
         assert!(matches!(

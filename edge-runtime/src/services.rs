@@ -1,5 +1,5 @@
-//! The project's own services as real processes: the state API (and, for the demo and the
-//! tests, the demo checkout).
+//! The project's own services as real processes: the state API (`edge run`; the tests start the
+//! demo checkout the same way, through crate `test-support`).
 
 use contract::state_env;
 use std::net::SocketAddr;
@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use crate::net::{http_get_at, wait_for_addr};
-use crate::process::{send_signal, workspace_binary, ChildGuard, Host, Signal};
+use crate::process::{workspace_binary, ChildGuard, Host};
 
 /// A running service binary of this workspace, on a loopback port or on a host of its own.
 pub struct Service {
@@ -17,7 +17,8 @@ pub struct Service {
     /// Where it answers (`127.0.0.1:<port>` on loopback).
     pub addr: SocketAddr,
     pub log_path: std::path::PathBuf,
-    child: ChildGuard,
+    /// The process (tests signal and kill it).
+    pub child: ChildGuard,
 }
 
 /// When a started service counts as ready.
@@ -31,24 +32,6 @@ pub enum Ready<'a> {
 }
 
 impl Service {
-    pub fn start(
-        name: &str,
-        port: u16,
-        envs: &[(&str, String)],
-        dir: &Path,
-        ready_path: &str,
-    ) -> Result<Self, String> {
-        let addr = Host::loopback().addr(port);
-        Self::start_with(
-            name,
-            &Host::loopback(),
-            addr,
-            envs,
-            dir,
-            Ready::Http(ready_path),
-        )
-    }
-
     /// Starts `name` on `host`, ready once it answers at `addr`.
     pub fn start_with(
         name: &str,
@@ -121,21 +104,8 @@ impl Service {
         ))
     }
 
-    pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
-    }
-
     pub fn log_tail(&self) -> String {
         crate::process::log_tail(&self.log_path)
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log_path).unwrap_or_default()
-    }
-
-    /// SIGKILL, as a crash would.
-    pub fn kill(&mut self) {
-        self.child.kill();
     }
 
     /// SIGTERM, then SIGKILL after `grace`; says which it took.
@@ -145,20 +115,6 @@ impl Service {
 
     pub fn is_running(&mut self) -> bool {
         self.child.is_running()
-    }
-
-    pub fn pid(&self) -> Option<u32> {
-        self.child.pid()
-    }
-
-    /// Sends `signal` (SIGSTOP, SIGCONT, SIGHUP, ...): a process frozen alive, as a long GC
-    /// pause or a stalled host would leave it, or told to reload.
-    pub fn signal(&self, signal: Signal) -> Result<(), String> {
-        let pid = self
-            .child
-            .pid()
-            .ok_or_else(|| format!("{} is not running", self.name))?;
-        send_signal(pid, signal).map_err(|e| format!("{}: {e}", self.name))
     }
 }
 
@@ -208,21 +164,4 @@ pub fn start_state_api_on(
         Ready::Http("/readyz")
     };
     Service::start_with("state-api", host, probe, &envs, dir, ready)
-}
-
-pub fn start_checkout(port: u16, dir: &Path) -> Result<Service, String> {
-    start_checkout_on(&Host::loopback(), port, dir)
-}
-
-/// The demo checkout on `host`.
-pub fn start_checkout_on(host: &Host, port: u16, dir: &Path) -> Result<Service, String> {
-    let addr = host.addr(port);
-    Service::start_with(
-        "checkout",
-        host,
-        addr,
-        &[("CHECKOUT_LISTEN", addr.to_string())],
-        dir,
-        Ready::Http("/healthz"),
-    )
 }

@@ -1,43 +1,33 @@
-//! A Postgres cluster of our own: throwaway for tests (or the one in `DATABASE_URL`), or kept
-//! across runs in a folder for `edge run` and the demo ([`TempCluster::start_at`]).
+//! A Postgres cluster of our own, kept across runs in a folder for `edge run` and the demo
+//! ([`Cluster::start_at`]), or throwaway in a fresh temporary folder ([`Cluster::start_private`]:
+//! `edge with-postgres`, and the tests through crate `test-support`).
 //!
-//! `TempCluster::start()` uses `DATABASE_URL` when it is set; otherwise it runs `initdb` into a
-//! fresh temporary directory and starts `postgres` on a free loopback port (`fsync` left on,
-//! trust authentication, user `postgres`). When the tests run as root, the server runs as the
-//! unprivileged `postgres` user (initdb refuses root). The server binaries are found in
+//! A cluster runs `initdb` when its folder holds none and starts `postgres` on its port
+//! (`fsync` left on, trust authentication, user `postgres`). When we are root, the server runs as
+//! the unprivileged `postgres` user (initdb refuses root). The server binaries are found in
 //! `PG_BIN`, `pg_config --bindir` or `/usr/lib/postgresql/<version>/bin`; when none is found
-//! the caller fails with a message that says how to get them: tests never skip silently.
+//! the caller fails with a message that says how to get them.
 //!
-//! Starting a cluster takes a second or two, so a test binary usually shares one
-//! ([`shared`]) and gives every test its own database ([`TempCluster::fresh_database`]).
-//!
-//! Cleanup: dropping the guard stops the server and removes the directory. A cluster that is
-//! never dropped (the shared one lives in a `static`) is stopped and removed by a small
-//! watchdog process once the test process has exited.
+//! Cleanup: dropping the guard stops the server and, for a throwaway cluster, removes the
+//! directory. A cluster that is never dropped (one that lives in a `static`) is stopped and
+//! removed by a small watchdog process once this process has exited.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::net::free_port;
-use crate::process::{children_of, send_signal, ChildGuard, Signal, SignalError, Stopped};
+use crate::process::{ChildGuard, Signal, Stopped};
 
 const INSTALL_HINT: &str = "install the Postgres server (`apt-get install postgresql-15`), set PG_BIN to the \
      directory holding initdb/postgres, or set DATABASE_URL to a server where this user may CREATE DATABASE";
 
-/// A Postgres server for tests: a private cluster, or an external one from `DATABASE_URL`.
+/// A Postgres server of our own (see the module docs).
 #[derive(Debug)]
-pub struct TempCluster {
-    inner: Inner,
-}
-
-#[derive(Debug)]
-enum Inner {
-    Local(Local),
-    External { url: String },
+pub struct Cluster {
+    local: Local,
 }
 
 #[derive(Debug)]
@@ -50,68 +40,25 @@ struct Local {
     run_as: Option<(u32, u32)>,
     /// Remove `root` when dropped (not for `start_at`).
     remove_on_drop: bool,
-    /// `ssl=on` with the certificate written into `root` ([`ServerTls`]).
-    ssl: bool,
     server: Option<ChildGuard>,
     watchdog: Option<ChildGuard>,
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
-/// A server certificate for a private cluster: it runs with `ssl=on`.
-#[derive(Debug, Clone)]
-pub struct ServerTls {
-    /// The certificate chain (PEM), the server's first.
-    pub cert_pem: String,
-    /// Its private key (PEM); written readable by the server's user only, as Postgres asks.
-    pub key_pem: String,
-    /// Only TLS connections are accepted (`hostssl` in `pg_hba.conf`): a client that does not
-    /// ask for TLS is refused.
-    pub require: bool,
-}
+/// Called once a new cluster's folder holds its data (initdb ran), before its server first
+/// starts: the folder and the server's user (uid, gid) when we are root. The tests write a
+/// server certificate there and turn `ssl` on.
+pub type Prepare<'a> = &'a dyn Fn(&Path, Option<(u32, u32)>) -> Result<(), String>;
 
-/// The certificate files' names in the cluster's folder.
-const TLS_CERT_FILE: &str = "server.crt";
-const TLS_KEY_FILE: &str = "server.key";
-
-/// One cluster per test process, started on first use (see the module docs for cleanup).
-pub fn shared() -> Result<&'static TempCluster, String> {
-    static SHARED: OnceLock<Result<TempCluster, String>> = OnceLock::new();
-    SHARED
-        .get_or_init(TempCluster::start)
-        .as_ref()
-        .map_err(Clone::clone)
-}
-
-impl TempCluster {
-    /// `DATABASE_URL` when set, else a private throwaway cluster.
-    pub fn start() -> Result<Self, String> {
-        match std::env::var("DATABASE_URL") {
-            Ok(url) if !url.trim().is_empty() => {
-                let c = Self {
-                    inner: Inner::External { url },
-                };
-                c.psql("postgres", "SELECT 1")
-                    .map_err(|e| format!("DATABASE_URL is set but unusable: {e}"))?;
-                Ok(c)
-            }
-            _ => Self::start_private(),
-        }
-    }
-
-    /// Always a private throwaway cluster, whatever `DATABASE_URL` says (crash tests need
-    /// to kill and restart the server).
+impl Cluster {
+    /// A private throwaway cluster on a free port.
     pub fn start_private() -> Result<Self, String> {
-        Self::start_private_with(None)
+        Self::start_private_prepared(&|_, _| Ok(()))
     }
 
-    /// A private throwaway cluster with `ssl=on` and this certificate (clients connect with
-    /// `sslmode=verify-full&sslrootcert=<its CA>`).
-    pub fn start_private_tls(tls: &ServerTls) -> Result<Self, String> {
-        Self::start_private_with(Some(tls.clone()))
-    }
-
-    fn start_private_with(tls: Option<ServerTls>) -> Result<Self, String> {
+    /// The same, with `prepare` run on its folder before the server starts.
+    pub fn start_private_prepared(prepare: Prepare<'_>) -> Result<Self, String> {
         let bin = find_bin_dir()?;
         let run_as = unprivileged_ids()?;
         let mut last_err = String::new();
@@ -123,13 +70,9 @@ impl TempCluster {
                 crate::data_home::throwaway_home(unique_temp_dir()?, run_as)?,
                 free_port(),
                 true,
-                tls.clone(),
+                prepare,
             ) {
-                Ok(local) => {
-                    return Ok(Self {
-                        inner: Inner::Local(local),
-                    })
-                }
+                Ok(local) => return Ok(Self { local }),
                 Err(e) => last_err = e,
             }
         }
@@ -143,159 +86,49 @@ impl TempCluster {
         let root = crate::data_home::cluster_home(dir, unprivileged_ids()?, |d| {
             d.join("data/PG_VERSION").is_file()
         })?;
-        Local::create(bin, root, port, false, None).map(|local| Self {
-            inner: Inner::Local(local),
-        })
-    }
-
-    /// URL of the `postgres` database.
-    pub fn url(&self) -> String {
-        self.url_for("postgres")
+        Local::create(bin, root, port, false, &|_, _| Ok(())).map(|local| Self { local })
     }
 
     /// URL of database `db` on this server.
     pub fn url_for(&self, db: &str) -> String {
-        match &self.inner {
-            Inner::Local(l) => format!("postgres://postgres@127.0.0.1:{}/{db}", l.port),
-            Inner::External { url } => replace_database(url, db),
-        }
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.local.port)
     }
 
-    /// The server's port (of the URL's, for an external server: 5432 when it names none).
-    pub fn port(&self) -> u16 {
-        match &self.inner {
-            Inner::Local(l) => l.port,
-            Inner::External { url } => external_port(url),
-        }
+    /// The data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        self.local.root.join("data")
     }
 
-    /// True when this is the server from `DATABASE_URL`.
-    pub fn is_external(&self) -> bool {
-        matches!(self.inner, Inner::External { .. })
+    /// The postmaster, while it runs.
+    pub fn postmaster(&self) -> Option<&ChildGuard> {
+        self.local.server.as_ref()
     }
 
-    /// The data directory (private clusters only).
-    pub fn data_dir(&self) -> Option<PathBuf> {
-        match &self.inner {
-            Inner::Local(l) => Some(l.root.join("data")),
-            Inner::External { .. } => None,
-        }
-    }
-
-    /// The postmaster's process id (private clusters only, while it runs): a test signals its
-    /// children (a backend to SIGKILL, the startup process to hold during crash recovery).
-    pub fn postmaster_pid(&self) -> Option<u32> {
-        match &self.inner {
-            Inner::Local(l) => l.server.as_ref().and_then(ChildGuard::pid),
-            Inner::External { .. } => None,
-        }
+    /// The postmaster, to signal or stop (a test kills it as a crash would).
+    pub fn postmaster_mut(&mut self) -> Option<&mut ChildGuard> {
+        self.local.server.as_mut()
     }
 
     /// Creates database `name` (letters, digits and `_` only) and returns its URL.
     pub fn create_database(&self, name: &str) -> Result<String, String> {
-        if name.is_empty()
-            || name.len() > 63
-            || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-        {
-            return Err(format!("invalid database name {name:?}"));
-        }
-        self.psql("postgres", &format!("CREATE DATABASE \"{name}\""))?;
+        self.psql("postgres", &create_database_sql(name)?)?;
         Ok(self.url_for(name))
-    }
-
-    /// Drops database `name`, disconnecting its sessions (Postgres 13+).
-    pub fn drop_database(&self, name: &str) -> Result<(), String> {
-        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(format!("invalid database name {name:?}"));
-        }
-        self.psql(
-            "postgres",
-            &format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"),
-        )
-        .map(drop)
     }
 
     /// Creates a database with a unique name starting with `prefix` and returns its URL.
     pub fn fresh_database(&self, prefix: &str) -> Result<String, String> {
-        let clean: String = prefix
-            .chars()
-            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .take(30)
-            .collect::<String>()
-            .to_lowercase();
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        self.create_database(&format!("{clean}_{}_{n}_{nanos:x}", std::process::id()))
+        self.create_database(&unique_database_name(prefix))
     }
 
     /// Runs one SQL command with `psql` in database `db`; returns its unaligned output.
     pub fn psql(&self, db: &str, sql: &str) -> Result<String, String> {
-        let (program, conn) = match &self.inner {
-            Inner::Local(l) => (l.bin.join("psql"), self.url_for(db)),
-            Inner::External { url } => (psql_on_path(), replace_database(url, db)),
-        };
-        let out = Command::new(&program)
-            .args([
-                "-X",
-                "-q",
-                "-A",
-                "-t",
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-d",
-                &conn,
-                "-c",
-                sql,
-            ])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e} ({INSTALL_HINT})", program.display()))?;
-        if !out.status.success() {
-            return Err(format!(
-                "psql failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        run_psql(&self.local.bin.join("psql"), &self.url_for(db), sql)
     }
 
-    /// SIGKILL to the postmaster, as a crash would (private clusters only).
-    pub fn kill_postmaster(&mut self) -> Result<(), String> {
-        let l = self.local_mut()?;
-        if let Some(mut s) = l.server.take() {
-            s.kill();
-        }
-        Ok(())
-    }
-
-    /// Freezes every process of the server (SIGSTOP: a stalled host or disk, the statements
-    /// in flight hang without an error) or thaws it (SIGCONT). Private clusters only.
-    pub fn signal_all(&mut self, signal: Signal) -> Result<(), String> {
-        let pid = self
-            .local_mut()?
-            .server
-            .as_ref()
-            .and_then(ChildGuard::pid)
-            .ok_or("the server is not running")?;
-        // The postmaster, then its children (backends, walwriter, checkpointer, ...); a child
-        // that ended meanwhile is no failure.
-        send_signal(pid, signal).map_err(|e| e.to_string())?;
-        for child in children_of(pid) {
-            match send_signal(child, signal) {
-                Ok(()) | Err(SignalError::Gone { .. }) => {}
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(())
-    }
-
-    /// Starts the server again on the same port and data (after `kill_postmaster` or `stop`);
-    /// crash recovery runs as after a real crash.
+    /// Starts the server again on the same port and data (after a crash or a stop); crash
+    /// recovery runs as after a real crash.
     pub fn restart(&mut self) -> Result<(), String> {
-        let l = self.local_mut()?;
+        let l = &mut self.local;
         if let Some(mut s) = l.server.take() {
             s.terminate(Duration::from_secs(10));
         }
@@ -314,13 +147,9 @@ impl TempCluster {
         }
     }
 
-    /// Whether the server runs (an external one: always, as far as this process knows). A
-    /// server that exited is reaped.
+    /// Whether the server runs. A server that exited is reaped.
     pub fn is_running(&mut self) -> bool {
-        match &mut self.inner {
-            Inner::Local(l) => l.server.as_mut().is_some_and(ChildGuard::is_running),
-            Inner::External { .. } => true,
-        }
+        self.postmaster_mut().is_some_and(ChildGuard::is_running)
     }
 
     /// Creates database `name` unless it exists; its URL.
@@ -337,24 +166,60 @@ impl TempCluster {
         }
         self.create_database(name)
     }
+}
 
-    /// Fast shutdown (private clusters only); `restart` starts it again.
-    pub fn stop(&mut self) -> Result<(), String> {
-        let l = self.local_mut()?;
-        if let Some(mut s) = l.server.take() {
-            s.terminate(Duration::from_secs(10));
-        }
-        Ok(())
+/// `CREATE DATABASE "name"`, for a name of letters, digits and `_` only.
+pub fn create_database_sql(name: &str) -> Result<String, String> {
+    if name.is_empty()
+        || name.len() > 63
+        || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    {
+        return Err(format!("invalid database name {name:?}"));
     }
+    Ok(format!("CREATE DATABASE \"{name}\""))
+}
 
-    fn local_mut(&mut self) -> Result<&mut Local, String> {
-        match &mut self.inner {
-            Inner::Local(l) => Ok(l),
-            Inner::External { .. } => Err(
-                "not possible on the DATABASE_URL server: use TempCluster::start_private()".into(),
-            ),
-        }
+/// A database name unique to this process and moment, starting with `prefix` (cleaned).
+pub fn unique_database_name(prefix: &str) -> String {
+    let clean: String = prefix
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .take(30)
+        .collect::<String>()
+        .to_lowercase();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{clean}_{}_{n}_{nanos:x}", std::process::id())
+}
+
+/// Runs one SQL command with the `psql` at `program` on `conn` (a URL); its unaligned output.
+pub fn run_psql(program: &Path, conn: &str, sql: &str) -> Result<String, String> {
+    let out = Command::new(program)
+        .args([
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            conn,
+            "-c",
+            sql,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e} ({INSTALL_HINT})", program.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "psql failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
     }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 impl Local {
@@ -363,7 +228,7 @@ impl Local {
         root: PathBuf,
         port: u16,
         throwaway: bool,
-        tls: Option<ServerTls>,
+        prepare: Prepare<'_>,
     ) -> Result<Self, String> {
         let run_as = unprivileged_ids()?;
         let data = root.join("data");
@@ -373,7 +238,6 @@ impl Local {
             port,
             run_as,
             remove_on_drop: throwaway,
-            ssl: tls.is_some(),
             server: None,
             watchdog: None,
         };
@@ -382,9 +246,7 @@ impl Local {
         }
         if !data.join("PG_VERSION").is_file() {
             local.initdb(throwaway)?;
-        }
-        if let Some(tls) = &tls {
-            local.write_tls_files(tls)?;
+            prepare(&local.root, run_as)?;
         }
         local.launch()?;
         local.watchdog = Some(spawn_watchdog(&local.root, throwaway)?);
@@ -446,40 +308,6 @@ impl Local {
         Ok(())
     }
 
-    /// The certificate and key for `ssl=on` (the key readable by the server's user only, or
-    /// Postgres refuses it), and `hostssl` instead of `host` when only TLS is accepted.
-    fn write_tls_files(&self, tls: &ServerTls) -> Result<(), String> {
-        use std::os::unix::fs::PermissionsExt as _;
-        let write = |name: &str, text: &str, mode: u32| -> Result<(), String> {
-            let path = self.root.join(name);
-            fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-            fs::set_permissions(&path, fs::Permissions::from_mode(mode))
-                .map_err(|e| format!("cannot chmod {}: {e}", path.display()))?;
-            if let Some((uid, gid)) = self.run_as {
-                std::os::unix::fs::chown(&path, Some(uid), Some(gid))
-                    .map_err(|e| format!("cannot chown {}: {e}", path.display()))?;
-            }
-            Ok(())
-        };
-        write(TLS_CERT_FILE, &tls.cert_pem, 0o644)?;
-        write(TLS_KEY_FILE, &tls.key_pem, 0o600)?;
-        if tls.require {
-            let hba = self.root.join("data/pg_hba.conf");
-            let text = fs::read_to_string(&hba)
-                .map_err(|e| format!("cannot read {}: {e}", hba.display()))?;
-            let only_tls: String = text
-                .lines()
-                .map(|l| match l.strip_prefix("host ") {
-                    Some(rest) => format!("hostssl {rest}\n"),
-                    None => format!("{l}\n"),
-                })
-                .collect();
-            fs::write(&hba, only_tls)
-                .map_err(|e| format!("cannot write {}: {e}", hba.display()))?;
-        }
-        Ok(())
-    }
-
     /// Starts the postmaster and waits until it accepts queries.
     fn launch(&mut self) -> Result<(), String> {
         let log_path = self.root.join("postgres.log");
@@ -507,18 +335,6 @@ impl Local {
                 "-c",
                 "autovacuum_naptime=10s",
             ]);
-        if self.ssl {
-            cmd.args(["-c", "ssl=on", "-c"])
-                .arg(format!(
-                    "ssl_cert_file={}",
-                    self.root.join(TLS_CERT_FILE).display()
-                ))
-                .arg("-c")
-                .arg(format!(
-                    "ssl_key_file={}",
-                    self.root.join(TLS_KEY_FILE).display()
-                ));
-        }
         cmd.stdout(log).stderr(log2);
         let mut server = ChildGuard::spawn("postgres", &mut cmd)?;
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -640,14 +456,8 @@ fn find_bin_dir_from(pg_bin: Option<String>) -> Result<PathBuf, String> {
         .ok_or_else(|| format!("no Postgres server binaries found: {INSTALL_HINT}"))
 }
 
-fn psql_on_path() -> PathBuf {
-    find_bin_dir()
-        .map(|d| d.join("psql"))
-        .unwrap_or_else(|_| PathBuf::from("psql"))
-}
-
 /// When we are root: the uid and gid of `postgres` (initdb and postgres refuse root).
-pub(crate) fn unprivileged_ids() -> Result<Option<(u32, u32)>, String> {
+pub fn unprivileged_ids() -> Result<Option<(u32, u32)>, String> {
     if id(&["-u"])? != 0 {
         return Ok(None);
     }
@@ -673,7 +483,7 @@ fn id(args: &[&str]) -> Result<u32, String> {
 }
 
 /// `chown -R uid:gid dir` through the OS (symbolic links themselves, never their targets).
-pub(crate) fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), String> {
+pub fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), String> {
     std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
         .map_err(|e| format!("cannot chown {}: {e}", dir.display()))?;
     let is_dir = fs::symlink_metadata(dir)
@@ -688,7 +498,8 @@ pub(crate) fn chown_recursive(dir: &Path, uid: u32, gid: u32) -> Result<(), Stri
     Ok(())
 }
 
-pub(crate) fn unique_temp_dir() -> Result<PathBuf, String> {
+/// A fresh folder under the system's temporary directory (a throwaway cluster's).
+pub fn unique_temp_dir() -> Result<PathBuf, String> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -707,36 +518,6 @@ pub(crate) fn tail(path: &Path, lines: usize) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
-}
-
-/// `postgres://u@h:1/old?x=y` with the database replaced by `db`.
-fn replace_database(url: &str, db: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let after_scheme = base.find("://").map(|i| i + 3).unwrap_or(0);
-    let host_part_end = base[after_scheme..]
-        .find('/')
-        .map(|i| after_scheme + i)
-        .unwrap_or(base.len());
-    let mut out = format!("{}/{db}", &base[..host_part_end]);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    out
-}
-
-fn external_port(url: &str) -> u16 {
-    let after_scheme = url.find("://").map(|i| i + 3).unwrap_or(0);
-    let rest = &url[after_scheme..];
-    let authority = rest.split(['/', '?']).next().unwrap_or("");
-    let host_port = authority.rsplit('@').next().unwrap_or("");
-    host_port
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse().ok())
-        .unwrap_or(5432)
 }
 
 #[cfg(test)]
@@ -760,17 +541,17 @@ mod tests {
         let dir = unique_temp_dir().unwrap();
         let port = free_port();
         {
-            let mut c = TempCluster::start_at(&dir, port).unwrap_or_else(|e| panic!("{e}"));
+            let mut c = Cluster::start_at(&dir, port).unwrap_or_else(|e| panic!("{e}"));
             let url = c.create_database("keep").unwrap();
             assert_eq!(url, format!("postgres://postgres@127.0.0.1:{port}/keep"));
             c.psql("keep", "CREATE TABLE t (v int); INSERT INTO t VALUES (42)")
                 .unwrap();
-            c.kill_postmaster().unwrap();
+            c.postmaster_mut().unwrap().kill();
             assert!(c.psql("keep", "SELECT 1").is_err());
             c.restart().unwrap();
             assert_eq!(c.psql("keep", "SELECT v FROM t").unwrap(), "42");
         }
-        let c = TempCluster::start_at(&dir, port).unwrap_or_else(|e| panic!("{e}"));
+        let c = Cluster::start_at(&dir, port).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.psql("keep", "SELECT v FROM t").unwrap(), "42");
         assert_eq!(c.psql("postgres", "SHOW fsync").unwrap(), "on");
         drop(c);
@@ -779,19 +560,5 @@ mod tests {
             "start_at keeps its directory"
         );
         let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn urls() {
-        assert_eq!(
-            replace_database("postgres://u:p@h:5/old?sslmode=disable", "new"),
-            "postgres://u:p@h:5/new?sslmode=disable"
-        );
-        assert_eq!(
-            replace_database("postgres://u@h", "new"),
-            "postgres://u@h/new"
-        );
-        assert_eq!(external_port("postgres://u:p@h:6543/db"), 6543);
-        assert_eq!(external_port("postgres://h/db"), 5432);
     }
 }

@@ -13,8 +13,8 @@ use edge::envoy::EnvoyProcess;
 
 use crate::process::{workspace_root, Host};
 
+pub use crate::net::{http_get_at, http_get_blocking};
 pub use edge::envoy::{envoy_binary, filter_wasm, ENVOY_VERSION};
-pub use edge::net::{http_get_at, http_get_blocking};
 
 /// A change to the rendered configuration a test makes (a route's policy, a reconcile
 /// endpoint of its own).

@@ -4,9 +4,9 @@
 //! `haproxy`), started here as plain processes (there is no service manager), as root or not:
 //! when we are root, every part runs as the unprivileged `postgres` user (initdb refuses root).
 //!
-//! `HaCluster::start_at` keeps its folder across runs (`HA=1 make demo`); `HaCluster::start`
-//! makes a throwaway one on free ports (the HA tests), stopped and removed by a watchdog once
-//! the test process has exited, like [`crate::postgres::TempCluster`].
+//! `HaCluster::start_at` keeps its folder across runs (`HA=1 make demo`); the tests make
+//! throwaway ones ([`HaCluster::launch`], through crate `test-support`), stopped and removed by a
+//! watchdog once the test process has exited, like a throwaway [`crate::postgres::Cluster`].
 //!
 //! Every part runs on loopback, or, for the partition tests, each on a host of its own
 //! ([`HaHosts`]): etcd, each node (its Patroni and Postgres) and HAProxy.
@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::net::{free_port, http_get_at, wait_for_addr};
-use crate::postgres::{chown_recursive, find_bin_dir, tail, unique_temp_dir, unprivileged_ids};
+use crate::net::{http_get_at, wait_for_addr};
+use crate::postgres::{chown_recursive, find_bin_dir, tail, unprivileged_ids};
 use crate::process::{send_signal, ChildGuard, Host, Signal};
 
 const INSTALL_HINT: &str = "HA needs Debian's `patroni`, `etcd-server` and `haproxy` packages: \
@@ -54,17 +54,6 @@ impl HaPorts {
             rest: [8008, 8009],
             postgres: [54331, 54332],
             proxy,
-        }
-    }
-
-    /// Free loopback ports (tests).
-    pub fn free() -> Self {
-        Self {
-            etcd_client: free_port(),
-            etcd_peer: free_port(),
-            rest: [free_port(), free_port()],
-            postgres: [free_port(), free_port()],
-            proxy: free_port(),
         }
     }
 
@@ -159,18 +148,6 @@ pub fn check_installed() -> Result<(), String> {
 }
 
 impl HaCluster {
-    /// A throwaway cluster on free ports (tests).
-    pub fn start() -> Result<Self, String> {
-        let root = crate::data_home::throwaway_home(unique_temp_dir()?, unprivileged_ids()?)?;
-        Self::launch(root, HaPorts::free(), HaHosts::loopback(), true)
-    }
-
-    /// A throwaway cluster whose parts run on `hosts`, on `ports` (the partition tests).
-    pub fn start_on(hosts: HaHosts, ports: HaPorts) -> Result<Self, String> {
-        let root = crate::data_home::throwaway_home(unique_temp_dir()?, unprivileged_ids()?)?;
-        Self::launch(root, ports, hosts, true)
-    }
-
     /// A cluster in `dir` that keeps its data across runs (the demo, `edge run`).
     pub fn start_at(dir: &Path, ports: HaPorts) -> Result<Self, String> {
         let root = crate::data_home::cluster_home(dir, unprivileged_ids()?, |d| {
@@ -181,7 +158,10 @@ impl HaCluster {
         Self::launch(root, ports, HaHosts::loopback(), false)
     }
 
-    fn launch(
+    /// Starts a cluster in `root` (made) on `ports`, its parts on `hosts`; `throwaway`: initdb
+    /// skips nothing, but the folder is removed when the cluster is dropped (or, never dropped,
+    /// by the watchdog once this process has exited).
+    pub fn launch(
         root: PathBuf,
         ports: HaPorts,
         hosts: HaHosts,
@@ -231,10 +211,6 @@ impl HaCluster {
         self.ports
     }
 
-    pub fn hosts(&self) -> &HaHosts {
-        &self.hosts
-    }
-
     /// The folder with every part's data, configuration and log.
     pub fn root(&self) -> &Path {
         &self.root
@@ -262,11 +238,6 @@ impl HaCluster {
                 done => return done,
             }
         }
-    }
-
-    /// Runs one SQL command on node `i` directly (a standby answers reads).
-    pub fn psql_node(&self, i: usize, db: &str, sql: &str) -> Result<String, String> {
-        self.psql_at(self.hosts.nodes[i].addr(self.ports.postgres[i]), db, sql)
     }
 
     fn psql_at(&self, at: std::net::SocketAddr, db: &str, sql: &str) -> Result<String, String> {
@@ -397,28 +368,6 @@ impl HaCluster {
             .ok()
     }
 
-    /// The node is lost: its Patroni and its postmaster SIGKILLed together. The other node
-    /// takes the leader key once its `ttl` has run out.
-    pub fn lose_node(&mut self, i: usize) {
-        let postmaster = self.postmaster_pid(i);
-        if let Some(mut p) = self.nodes[i].patroni.take() {
-            p.kill();
-        }
-        if let Some(pid) = postmaster {
-            let _ = send_signal(pid, Signal::KILL);
-        }
-    }
-
-    /// SIGKILL to node `i`'s postmaster alone: its Patroni restarts it in place (crash
-    /// recovery), keeping the leader key.
-    pub fn kill_postmaster(&self, i: usize) -> Result<u32, String> {
-        let pid = self
-            .postmaster_pid(i)
-            .ok_or_else(|| format!("{} has no postmaster", self.nodes[i].name))?;
-        send_signal(pid, Signal::KILL).map_err(|e| format!("{}: {e}", self.nodes[i].name))?;
-        Ok(pid)
-    }
-
     /// Starts node `i`'s Patroni (again): a node that was lost rejoins as a standby, rewound
     /// with pg_rewind (or cloned again when that fails).
     pub fn start_node(&mut self, i: usize) -> Result<(), String> {
@@ -435,6 +384,11 @@ impl HaCluster {
         wait_for_addr(rest, Duration::from_secs(20)).map_err(|e| format!("{e}\n{}", tail(&log, 20)))
     }
 
+    /// Node `i`'s Patroni, while it runs (a test kills it to lose the node).
+    pub fn patroni_mut(&mut self, i: usize) -> Option<&mut ChildGuard> {
+        self.nodes[i].patroni.as_mut()
+    }
+
     /// Restarts the parts that died; says which (`edge run` supervises with it).
     pub fn supervise(&mut self) -> Vec<String> {
         let mut said = Vec::new();
@@ -445,11 +399,7 @@ impl HaCluster {
             }
         }
         for i in 0..2 {
-            if !self.nodes[i]
-                .patroni
-                .as_mut()
-                .is_some_and(ChildGuard::is_running)
-            {
+            if !self.patroni_mut(i).is_some_and(ChildGuard::is_running) {
                 said.push(format!(
                     "Patroni {} died; restarting it (it rejoins as a standby if another node leads)",
                     self.nodes[i].name
@@ -544,7 +494,7 @@ impl HaCluster {
         let pg_port = p.postgres[i];
         let address = self.hosts.nodes[i].address;
         format!(
-            r#"# Written by edge (edge/src/ha.rs); rewritten at every start.
+            r#"# Written by edge (edge-runtime/src/ha.rs); rewritten at every start.
 scope: idempotency
 namespace: /edge/
 name: {name}
@@ -628,7 +578,7 @@ watchdog:
     fn haproxy_cfg(&self) -> String {
         let p = self.ports;
         format!(
-            r#"# Written by edge (edge/src/ha.rs): one port to whichever node Patroni says is primary.
+            r#"# Written by edge (edge-runtime/src/ha.rs): one port to whichever node Patroni says is primary.
 global
     maxconn 2000
 defaults
