@@ -2,6 +2,7 @@
 //! queued in the batching lane, or made as callouts; and the callouts to the state API.
 
 use super::*;
+use contract::fingerprint::Fingerprint;
 
 /// A callout's request, before it has an id and an owner.
 pub(super) struct Outgoing {
@@ -24,57 +25,15 @@ impl Worker {
         let stream = flow.stream();
         match call {
             Call::Claim {
-                mut request,
+                request,
                 id,
                 fingerprint,
             } => {
                 let waits = request.wait_ms.is_some();
-                if self.replays.enabled() {
-                    if let Some(rec) = self.replays.get(&id, now_ms) {
-                        let rec = rec.clone();
-                        return Some(flow.on_remembered(&self.cfg, Remembered::Completed(rec)));
-                    }
-                    // A retry that asks to wait is not answered 409 from memory.
-                    if let Some(retry_after_s) = (!waits)
-                        .then(|| self.in_flight.retry_after(&id, &fingerprint, now_ms))
-                        .flatten()
-                    {
-                        return Some(
-                            flow.on_remembered(&self.cfg, Remembered::Running { retry_after_s }),
-                        );
-                    }
+                if let Some(remembered) = self.remembered(&id, &fingerprint, waits, now_ms) {
+                    return Some(flow.on_remembered(&self.cfg, remembered));
                 }
-                if waits && self.waiting.len() as u64 >= self.cfg.max_waiters {
-                    request.wait_ms = None;
-                    flow.wait_refused();
-                    effects.push(Effect::Count(Metric::WaitRefused));
-                    effects.push(Effect::Log(
-                        Level::Debug,
-                        format!(
-                            "{} retries already wait on this worker (max_waiters): this one is answered at once",
-                            self.waiting.len()
-                        ),
-                    ));
-                }
-                let nonce = self.next_nonce();
-                request.nonce = Some(nonce.clone());
-                flow.claim_sent(nonce);
-                let wait_ms = request.wait_ms.unwrap_or(0);
-                if wait_ms == 0 && self.batching && self.lane_behind() {
-                    self.claim_queue.push(BatchedClaim { stream, request });
-                    return None;
-                }
-                let body = crate::effect::to_json(&*request);
-                let call = self.state_api_call(CLAIM_PATH, body, wait_ms);
-                let call_id =
-                    self.dispatch(self.owner_of(stream), Purpose::Claim(stream), call, effects);
-                if wait_ms > 0 {
-                    self.waiting.push(Waiter {
-                        stream,
-                        id,
-                        call: call_id,
-                    });
-                }
+                self.send_claim(flow, request, id, effects);
                 None
             }
             Call::Complete {
@@ -105,18 +64,7 @@ impl Worker {
                         ),
                     ));
                 }
-                if self.batching && self.lane_behind() && body.len() <= BATCH_WRITE_BYTES {
-                    let by = Writer::Stream(stream);
-                    self.complete_queue.push(BatchedWrite { by, body });
-                    return None;
-                }
-                self.dispatch_state_api(
-                    self.owner_of(stream),
-                    Purpose::StreamWrite(stream),
-                    COMPLETE_PATH,
-                    body,
-                    effects,
-                );
+                self.send_held_complete(stream, body, effects);
                 None
             }
             Call::Release { body } => {
@@ -149,6 +97,92 @@ impl Worker {
                 None
             }
         }
+    }
+
+    /// What this worker's memory answers a claim with, if anything: the completed record, or
+    /// 409 while the key runs elsewhere (never to a retry that asks to wait).
+    fn remembered(
+        &mut self,
+        id: &ids::Id,
+        fingerprint: &Fingerprint,
+        waits: bool,
+        now_ms: u64,
+    ) -> Option<Remembered> {
+        if self.replays.enabled() {
+            if let Some(rec) = self.replays.get(id, now_ms) {
+                let rec = rec.clone();
+                return Some(Remembered::Completed(rec));
+            }
+            // A retry that asks to wait is not answered 409 from memory.
+            if let Some(retry_after_s) = (!waits)
+                .then(|| self.in_flight.retry_after(id, fingerprint, now_ms))
+                .flatten()
+            {
+                return Some(Remembered::Running { retry_after_s });
+            }
+        }
+        None
+    }
+
+    /// Sends a stream's claim with the next nonce: queued in the lane when it is behind, else
+    /// as the stream's callout (one that waits for a running key is counted among the
+    /// waiters, or sent without its wait when they are at `max_waiters`).
+    fn send_claim(
+        &mut self,
+        flow: &mut Flow,
+        mut request: Box<ClaimRequest>,
+        id: ids::Id,
+        effects: &mut Vec<Effect>,
+    ) {
+        let stream = flow.stream();
+        let waits = request.wait_ms.is_some();
+        if waits && self.waiting.len() as u64 >= self.cfg.max_waiters {
+            request.wait_ms = None;
+            flow.wait_refused();
+            effects.push(Effect::Count(Metric::WaitRefused));
+            effects.push(Effect::Log(
+                Level::Debug,
+                format!(
+                    "{} retries already wait on this worker (max_waiters): this one is answered at once",
+                    self.waiting.len()
+                ),
+            ));
+        }
+        let nonce = self.next_nonce();
+        request.nonce = Some(nonce.clone());
+        flow.claim_sent(nonce);
+        let wait_ms = request.wait_ms.unwrap_or(0);
+        if wait_ms == 0 && self.batching && self.lane_behind() {
+            self.claim_queue.push(BatchedClaim { stream, request });
+            return;
+        }
+        let body = crate::effect::to_json(&*request);
+        let call = self.state_api_call(CLAIM_PATH, body, wait_ms);
+        let call_id = self.dispatch(self.owner_of(stream), Purpose::Claim(stream), call, effects);
+        if wait_ms > 0 {
+            self.waiting.push(Waiter {
+                stream,
+                id,
+                call: call_id,
+            });
+        }
+    }
+
+    /// Sends the complete of a held response: queued in the lane when it is behind (and it
+    /// fits a batch), else as the stream's callout.
+    fn send_held_complete(&mut self, stream: StreamId, body: Vec<u8>, effects: &mut Vec<Effect>) {
+        if self.batching && self.lane_behind() && body.len() <= BATCH_WRITE_BYTES {
+            let by = Writer::Stream(stream);
+            self.complete_queue.push(BatchedWrite { by, body });
+            return;
+        }
+        self.dispatch_state_api(
+            self.owner_of(stream),
+            Purpose::StreamWrite(stream),
+            COMPLETE_PATH,
+            body,
+            effects,
+        );
     }
 
     /// Who makes a stream's callout: the stream, or the worker when the stream is handled from

@@ -25,6 +25,7 @@
 //! lane is busy waits for that answer's wake instead of asking for its own. A batch of only
 //! such completes is not in the lane (their responses have gone; no claim waits for them).
 
+mod batch;
 mod calls;
 mod handover;
 mod heartbeat;
@@ -52,8 +53,8 @@ use std::collections::HashMap;
 use writes::{PendingWrites, WriteAnswer, WriteDone, WriteVerdict};
 
 pub use crate::effect::{CallId, CalloutResult, Dispatch, Effect, Level, Owner, Step, StreamId};
-pub use lane::BATCH_WRITE_BYTES;
-use lane::{Batch, BatchedClaim, BatchedWrite, Writer};
+pub use batch::BATCH_WRITE_BYTES;
+use batch::{Batch, BatchedClaim, BatchedWrite, Writer};
 pub use registry::HeldClaim;
 pub use writes::PendingWrite;
 
