@@ -120,7 +120,6 @@ impl Flow {
     /// The state API refuses the write: a complete with a fallback stores its status alone;
     /// anything else is given up.
     fn write_refused(&mut self, cfg: &Config, claimed: Claimed, write: Write, why: &str) -> Turn {
-        let what = write_name(&write);
         let token = claimed.token;
         if let Write::Complete {
             fallback: Some(minimal),
@@ -161,18 +160,8 @@ impl Flow {
             );
             return t;
         }
-        let mut t = Turn::pause().with(Effect::Count(Metric::StateApiErrors));
-        if matches!(write, Write::Complete { .. }) {
-            t.push(Effect::Count(Metric::CompleteGaveUp));
-        }
-        t.push(Flow::log(
-            Level::Error,
-            format!(
-                "{what} for {} refused ({why}); {UNSTORED}",
-                claimed.endpoint()
-            ),
-        ));
-        self.give_up(cfg, t, token, write)
+        let t = Turn::pause().with(Effect::Count(Metric::StateApiErrors));
+        self.give_up_logged(cfg, t, &claimed, write, &format!("refused ({why})"))
     }
 
     /// The write failed: once more from the stream, then handed over to the worker (or given
@@ -229,17 +218,7 @@ impl Flow {
                 };
             }
             write => {
-                if matches!(write, Write::Complete { .. }) {
-                    t.push(Effect::Count(Metric::CompleteGaveUp));
-                }
-                t.push(Flow::log(
-                    Level::Error,
-                    format!(
-                        "{what} for {} failed ({why}); {UNSTORED}",
-                        claimed.endpoint()
-                    ),
-                ));
-                return self.give_up(cfg, t, token, write);
+                return self.give_up_logged(cfg, t, &claimed, write, &format!("failed ({why})"));
             }
         };
         t.outs.insert(
@@ -258,6 +237,30 @@ impl Flow {
         t.push(Note::Unregister(token));
         t.push(self.effect(|stream| Effect::ResumeResponse { stream }));
         t
+    }
+
+    /// A write that will not be stored, counted and logged with why (`refused (...)`), then
+    /// given up.
+    fn give_up_logged(
+        &mut self,
+        cfg: &Config,
+        mut t: Turn,
+        claimed: &Claimed,
+        write: Write,
+        failure: &str,
+    ) -> Turn {
+        if matches!(write, Write::Complete { .. }) {
+            t.push(Effect::Count(Metric::CompleteGaveUp));
+        }
+        t.push(Flow::log(
+            Level::Error,
+            format!(
+                "{} for {} {failure}; {UNSTORED}",
+                write_name(&write),
+                claimed.endpoint()
+            ),
+        ));
+        self.give_up(cfg, t, claimed.token, write)
     }
 
     /// A write that will not be stored: the heartbeat stops. A reconciled outcome is still
