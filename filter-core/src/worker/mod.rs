@@ -24,6 +24,10 @@
 //! batches too: due ones go in the worker's next `/v1/writes`, and one handed over while the
 //! lane is busy waits for that answer's wake instead of asking for its own. A batch of only
 //! such completes is not in the lane (their responses have gone; no claim waits for them).
+//!
+//! Here: the worker's state and its host events. A stream's calls are routed in `calls.rs`,
+//! the lane works in `lane.rs` (what it holds: `batch.rs`), heartbeats go in `heartbeat.rs`,
+//! and the writes the worker took over are kept and retried in `handover.rs`.
 
 mod batch;
 mod calls;
