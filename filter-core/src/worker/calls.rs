@@ -1,8 +1,14 @@
 //! A stream's calls routed: answered from the worker's memory, taken over by the worker,
 //! queued in the batching lane, or made as callouts; and the callouts to the state API.
 
-use super::*;
+use super::batch::{BatchedClaim, BatchedWrite, Writer, BATCH_WRITE_BYTES};
+use super::writes::PendingWrite;
+use super::{ids, Purpose, Waiter, Worker};
+use crate::effect::{CallId, Dispatch, Effect, Level, Owner, StreamId};
+use crate::flow::{Call, Flow, Remembered, Turn};
+use crate::metrics::Metric;
 use contract::fingerprint::Fingerprint;
+use contract::wire::{ClaimRequest, CLAIM_PATH, COMPLETE_PATH, RELEASE_PATH};
 
 /// A callout's request, before it has an id and an owner.
 pub(super) struct Outgoing {

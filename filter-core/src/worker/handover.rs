@@ -1,7 +1,14 @@
 //! The writes the worker took over from its streams (completes, releases, abandons): kept,
 //! sent when due, retried, and settled when answered.
 
-use super::*;
+use super::batch::{BatchedWrite, Writer, BATCH_WRITE_BYTES};
+use super::registry::{self, HeldClaim};
+use super::replay_cache::Completed;
+use super::writes::{PendingWrite, WriteAnswer, WriteDone, WriteVerdict};
+use super::{ids, Purpose, Worker};
+use crate::effect::{Effect, Level, Owner};
+use crate::metrics::Metric;
+use contract::wire::{ABANDON_PATH, COMPLETE_PATH, RELEASE_PATH, UNKNOWN_PATH};
 
 impl Worker {
     /// Gives back the record of a claim whose answer never came (`/v1/abandon`): sent and
@@ -240,7 +247,7 @@ impl Worker {
         }
     }
 
-    /// Sends the writes that are due (within [`writes::MAX_IN_FLIGHT`]) and settles the ones
+    /// Sends the writes that are due (within [`MAX_IN_FLIGHT`](super::writes::MAX_IN_FLIGHT)) and settles the ones
     /// given up.
     pub(super) fn send_writes(&mut self, now_ms: u64, effects: &mut Vec<Effect>) {
         if self.writes.is_empty() {

@@ -1,11 +1,15 @@
 //! The heartbeats that extend the leases of the claims this worker holds: sent when due (at a
 //! tick), and their answers.
 
-use super::*;
+use super::{ids, Purpose, Worker};
+use crate::effect::{CalloutResult, Effect, Level, Owner};
+use crate::metrics::Metric;
+use contract::wire::{HeartbeatResponse, HEARTBEAT_PATH};
+use contract::ProblemKind;
 
 impl Worker {
     /// Sends the heartbeats that are due, each given up in time to be sent again before its
-    /// lease runs out ([`Registry::answer_within`]).
+    /// lease runs out ([`Registry::answer_within`](super::registry::Registry::answer_within)).
     pub(super) fn send_heartbeats(&mut self, now_ms: u64, effects: &mut Vec<Effect>) {
         if !self.registry.is_empty() {
             let due = self

@@ -2,7 +2,16 @@
 //! way, sent together as the worker's `/v1/writes`, and that callout's answers handed to their
 //! streams (see the worker's module comment).
 
-use super::*;
+use super::batch::{Batch, BatchedWrite, Writer, BATCH_WRITE_BYTES};
+use super::registry::HeldClaim;
+use super::writes::{PendingWrite, WriteAnswer};
+use super::{Purpose, Worker};
+use crate::effect::{CallId, CalloutResult, Effect, Level, Owner, Step, StreamId};
+use crate::flow::ClaimAnswer;
+use crate::metrics::Metric;
+use contract::wire::{
+    BatchResponse, ClaimRequest, CLAIM_PATH, COMPLETE_PATH, RELEASE_PATH, WRITES_PATH,
+};
 
 impl Worker {
     /// The streams whose claims, and whose completes, a `/v1/writes` callout carries, in

@@ -41,24 +41,16 @@ pub mod replay_cache;
 pub mod writes;
 
 use crate::config::Config;
-use crate::flow::{
-    Call, ClaimAnswer, Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict,
-};
-use crate::metrics::Metric;
-use contract::wire::{
-    BatchResponse, ClaimRequest, HeartbeatResponse, ABANDON_PATH, CLAIM_PATH, COMPLETE_PATH,
-    HEARTBEAT_PATH, RELEASE_PATH, UNKNOWN_PATH, WRITES_PATH,
-};
-use contract::ProblemKind;
+use crate::flow::{Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
 use std::collections::HashMap;
-use writes::{PendingWrites, WriteAnswer, WriteDone, WriteVerdict};
+use writes::{PendingWrites, WriteAnswer};
 
 pub use crate::effect::{CallId, CalloutResult, Dispatch, Effect, Level, Owner, Step, StreamId};
 pub use batch::BATCH_WRITE_BYTES;
-use batch::{Batch, BatchedClaim, BatchedWrite, Writer};
+use batch::{Batch, BatchedClaim, BatchedWrite};
 pub use registry::HeldClaim;
 pub use writes::PendingWrite;
 
