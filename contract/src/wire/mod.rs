@@ -4,8 +4,7 @@
 //! `Authorization: Bearer <token>`. Errors come back as `application/problem+json`.
 //! The state API serves the same contract as OpenAPI at `GET /openapi.json`.
 
-use crate::json::{self, Fields};
-use base64::Engine as _;
+use crate::json;
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/claim`: claim the key for one execution, or learn why not.
@@ -519,8 +518,24 @@ pub struct RecordView {
     pub lease_ms: u64,
 }
 
+/// Why an answer could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct AnswerError(pub String);
+
+impl From<json::Error> for AnswerError {
+    fn from(e: json::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+impl From<String> for AnswerError {
+    fn from(e: String) -> Self {
+        Self(e)
+    }
+}
+
 mod read;
-pub use read::AnswerError;
 
 #[cfg(test)]
 mod tests;

@@ -1,24 +1,12 @@
 //! Reading the state API's answers (the filter, the tests and the tools all read them here),
 //! with the project's own JSON reader; and the answers as the state API builds them.
 
-use super::*;
-
-/// Why an answer could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct AnswerError(pub String);
-
-impl From<json::Error> for AnswerError {
-    fn from(e: json::Error) -> Self {
-        Self(e.to_string())
-    }
-}
-
-impl From<String> for AnswerError {
-    fn from(e: String) -> Self {
-        Self(e)
-    }
-}
+use super::{
+    AnswerError, BatchResponse, ClaimItem, ClaimResponse, HeartbeatResponse, Item, StoredResponse,
+    WriteItem, WriteResponse, WriteState,
+};
+use crate::json::{self, Fields};
+use base64::Engine as _;
 
 fn document(body: &[u8]) -> Result<json::Value, AnswerError> {
     Ok(json::parse(body)?)

@@ -2,9 +2,10 @@
 //! checked once per worker in `on_configure`. An error here makes Envoy refuse the plugin; the
 //! message names the field at fault.
 
-use crate::headers;
 pub use contract::fingerprint::{Pointer, Selection};
-use contract::json::{self, Fields, Value};
+use contract::json;
+// The JSON Schema's bounds are the state API's limits.
+#[cfg(feature = "schema")]
 use contract::limits;
 use serde::Serialize;
 use std::fmt;

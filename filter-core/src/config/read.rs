@@ -1,7 +1,14 @@
 //! The plugin configuration's own JSON reader: each field by name, unknown ones refused,
 //! `null` no value; [`Config::validate`] checks the values after it.
 
-use super::*;
+use super::{
+    default_batch_max, default_complete_retry_bytes, default_complete_retry_ms,
+    default_heartbeat_ms, default_in_flight_cache_ms, default_lease_ms, default_max_body,
+    default_max_wait_s, default_max_waiters, default_reconcile_method, default_replay_cache_bytes,
+    default_replay_cache_ttl_ms, default_timeout_ms, Config, KeyPolicy, On5xx, OnStateUnavailable,
+    OnUnknown, Pointer, Reconcile, Route, Selection, StateApi, SubjectSource,
+};
+use contract::json::{Fields, Value};
 
 const CONFIG_FIELDS: &[&str] = &[
     "state_api",

@@ -1,6 +1,6 @@
 //! The plugin configuration's JSON Schema (`edge schema`), generated from its types.
 
-use super::*;
+use super::Config;
 
 /// The JSON Schema of the plugin configuration, generated from [`Config`]'s types, in JSON
 /// Schema draft 4: the draft Kong reads (a filter's `config_schema`), which every validator

@@ -1,7 +1,12 @@
 //! The plugin configuration's values checked, after [`Config::read`]: what each field may
 //! hold, and what only the whole shows (leases, body limits, the worker's bounds).
 
-use super::*;
+use super::{
+    err, Config, ConfigError, OnUnknown, Route, StateApi, SubjectSource, MAX_IN_FLIGHT_CACHE_MS,
+    MAX_WAITERS,
+};
+use crate::headers;
+use contract::limits;
 
 /// A lease the state API grants, and a heartbeat at most half of it (a lease outlives a lost
 /// heartbeat). `what` prefixes the field names (`routes[2].`).
