@@ -10,7 +10,8 @@ use crate::reply;
 use crate::reply::LocalReply;
 use crate::worker::replay_cache::Completed;
 use contract::wire::{
-    ClaimItem, ClaimResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER,
+    ClaimItem, ClaimResponse, StoredResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER,
+    FINGERPRINT_HEADER,
 };
 use contract::ProblemKind;
 
@@ -164,25 +165,7 @@ impl Flow {
                     lease_ms,
                     max_body: max_body_bytes,
                 };
-                let policy = cfg.routes.get(claimed.req.req.route).map(|r| r.on_unknown);
-                match (reclaimed, policy) {
-                    // An earlier attempt's outcome was unknown and this claim took it over.
-                    (true, Some(OnUnknown::Reconcile)) => self.reconcile(cfg, claimed),
-                    (true, Some(OnUnknown::Reexecute)) => {
-                        let log = claimed.unknown_log(Level::Warn, "run again (the route re-executes)");
-                        self.forward_logged(cfg, claimed, log)
-                            .with(Effect::Count(Metric::Reexecuted))
-                    }
-                    // A held route takes a record over only past its retention: a new request.
-                    (true, _) => {
-                        let log = claimed.unknown_log(
-                            Level::Info,
-                            "a record past its retention, whose outcome was never stored, is reused",
-                        );
-                        self.forward_logged(cfg, claimed, log)
-                    }
-                    (false, _) => self.forward(cfg, claimed),
-                }
+                self.won(cfg, claimed, reclaimed)
             }
             Ok(ClaimResponse::Unknown) => self
                 .reply(
@@ -203,33 +186,7 @@ impl Flow {
                 retry_after_s,
                 lease_remaining_ms,
                 waited_ms,
-            }) => {
-                let hold = Note::HoldRunning {
-                    id: req.req.id(),
-                    fingerprint: req.fingerprint.clone(),
-                    retry_after_s,
-                    since_ms: req.sent_ms,
-                    lease_remaining_ms,
-                };
-                let asked = req.req.wait_s;
-                let (reply, wait_metric) = match waited_ms {
-                    // Still running at the deadline.
-                    Some(_) => (
-                        waited(reply::in_progress(retry_after_s), asked),
-                        Some(Metric::WaitTimedOut),
-                    ),
-                    // The state API's waiters were at their bound.
-                    None if asked > 0 => {
-                        (reply::in_progress(retry_after_s), Some(Metric::WaitRefused))
-                    }
-                    None => (reply::in_progress(retry_after_s), None),
-                };
-                let mut t = self.reply(Some(Metric::InProgress409), reply).with(hold);
-                if let Some(m) = wait_metric {
-                    t.push(Effect::Count(m));
-                }
-                t
-            }
+            }) => self.running_elsewhere(&req, retry_after_s, lease_remaining_ms, waited_ms),
             Ok(ClaimResponse::Mismatch) => self.reply(
                 Some(Metric::Mismatch422),
                 reply::mismatch(&req.req.endpoint),
@@ -238,37 +195,107 @@ impl Flow {
                 response,
                 expires_in_ms,
                 waited_ms,
-            }) => {
-                let rec = Completed {
-                    fingerprint: req.fingerprint.clone(),
-                    status: response.status,
-                    headers: response.headers,
-                    body: response.body,
-                    replayable: response.replayable,
-                };
-                match completed_reply(cfg, &rec) {
-                    Ok((metric, reply)) => {
-                        let id = req.req.id();
-                        let mut t = match waited_ms {
-                            Some(_) => self
-                                .reply(Some(metric), waited(reply, req.req.wait_s))
-                                .with(Effect::Count(Metric::WaitReplayed)),
-                            None => self.reply(Some(metric), reply),
-                        };
-                        // No expiry (an older state API): nothing to bound the entry by.
-                        if let Some(expires_in_ms) = expires_in_ms {
-                            t.push(Note::Remember {
-                                id,
-                                record: Box::new(rec),
-                                since_ms: req.sent_ms,
-                                expires_in_ms,
-                            });
-                        }
-                        t
-                    }
-                    Err(why) => self.unavailable(cfg, req, why),
-                }
+            }) => self.already_completed(cfg, req, response, expires_in_ms, waited_ms),
+        }
+    }
+
+    /// The claim is won: forward the request, or, when it took over an earlier attempt whose
+    /// outcome was unknown, do what the route says (reconcile, run again, or reuse a record
+    /// past its retention).
+    fn won(&mut self, cfg: &Config, claimed: Claimed, reclaimed: bool) -> Turn {
+        let policy = cfg.routes.get(claimed.req.req.route).map(|r| r.on_unknown);
+        match (reclaimed, policy) {
+            // An earlier attempt's outcome was unknown and this claim took it over.
+            (true, Some(OnUnknown::Reconcile)) => self.reconcile(cfg, claimed),
+            (true, Some(OnUnknown::Reexecute)) => {
+                let log = claimed.unknown_log(Level::Warn, "run again (the route re-executes)");
+                self.forward_logged(cfg, claimed, log)
+                    .with(Effect::Count(Metric::Reexecuted))
             }
+            // A held route takes a record over only past its retention: a new request.
+            (true, _) => {
+                let log = claimed.unknown_log(
+                    Level::Info,
+                    "a record past its retention, whose outcome was never stored, is reused",
+                );
+                self.forward_logged(cfg, claimed, log)
+            }
+            (false, _) => self.forward(cfg, claimed),
+        }
+    }
+
+    /// The key runs elsewhere: 409, remembered for a short time (a waiting retry is told
+    /// whether its wait ran out or was refused).
+    fn running_elsewhere(
+        &mut self,
+        req: &Fingerprinted,
+        retry_after_s: u32,
+        lease_remaining_ms: u64,
+        waited_ms: Option<u64>,
+    ) -> Turn {
+        let hold = Note::HoldRunning {
+            id: req.req.id(),
+            fingerprint: req.fingerprint.clone(),
+            retry_after_s,
+            since_ms: req.sent_ms,
+            lease_remaining_ms,
+        };
+        let asked = req.req.wait_s;
+        let (reply, wait_metric) = match waited_ms {
+            // Still running at the deadline.
+            Some(_) => (
+                waited(reply::in_progress(retry_after_s), asked),
+                Some(Metric::WaitTimedOut),
+            ),
+            // The state API's waiters were at their bound.
+            None if asked > 0 => (reply::in_progress(retry_after_s), Some(Metric::WaitRefused)),
+            None => (reply::in_progress(retry_after_s), None),
+        };
+        let mut t = self.reply(Some(Metric::InProgress409), reply).with(hold);
+        if let Some(m) = wait_metric {
+            t.push(Effect::Count(m));
+        }
+        t
+    }
+
+    /// The key's outcome is stored: the replay (remembered until the record expires), or
+    /// the state API's unavailability when it cannot be replayed.
+    fn already_completed(
+        &mut self,
+        cfg: &Config,
+        req: Fingerprinted,
+        response: StoredResponse,
+        expires_in_ms: Option<u64>,
+        waited_ms: Option<u64>,
+    ) -> Turn {
+        let rec = Completed {
+            fingerprint: req.fingerprint.clone(),
+            status: response.status,
+            headers: response.headers,
+            body: response.body,
+            replayable: response.replayable,
+        };
+        match completed_reply(cfg, &rec) {
+            Ok((metric, reply)) => {
+                let id = req.req.id();
+                let mut t = match waited_ms {
+                    Some(_) => self
+                        .reply(Some(metric), waited(reply, req.req.wait_s))
+                        .with(Effect::Count(Metric::WaitReplayed)),
+                    None => self.reply(Some(metric), reply),
+                };
+                // No expiry (an older state API): nothing to bound the entry by.
+                if let Some(expires_in_ms) = expires_in_ms {
+                    t.push(Note::Remember {
+                        id,
+                        record: Box::new(rec),
+                        since_ms: req.sent_ms,
+                        expires_in_ms,
+                    });
+                }
+                t
+            }
+            Err(why) => self.unavailable(cfg, req, why),
         }
     }
 

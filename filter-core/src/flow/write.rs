@@ -45,113 +45,130 @@ impl Flow {
                 "write answer in an unexpected state".into(),
             ));
         };
-        let (what, ok_metric) = match &write {
-            Write::Complete { .. } => ("complete", Metric::Completed),
-            Write::Release { .. } => ("release", Metric::Released),
-        };
-        let token = claimed.token;
         let WriteAnswer {
             verdict,
             expires_in_ms,
             why,
         } = answer;
         match verdict {
-            WriteVerdict::Stored => {
-                // Duplicates told "in progress" while this request ran are not any more.
-                let id = claimed.req.req.id();
-                let mut t = Turn::cont()
-                    .with(Effect::Count(ok_metric))
-                    .with(Note::ForgetRunning(id));
-                let Write::Complete { record, reply, .. } = write else {
-                    return self.done(t, token);
-                };
-                let answer = reply.then(|| completed_reply(cfg, &record));
-                if let Some(expires_in_ms) = expires_in_ms {
-                    t.push(Note::Remember {
-                        id,
-                        record,
-                        since_ms: claimed.req.sent_ms,
-                        expires_in_ms,
-                    });
-                }
-                return match answer {
-                    None => self.done(t, token),
-                    Some(answer) => self.answer_reconciled(t.with(Note::Unregister(token)), answer),
-                };
-            }
-            WriteVerdict::FencedOut => {
-                let log = Flow::log(
-                    Level::Warn,
-                    format!(
-                        "{what} for {} refused, a newer claim owns the key (token {token}): {why}",
-                        claimed.endpoint()
-                    ),
-                );
-                let t = Turn::cont()
-                    .with(Effect::Count(Metric::FencedOut))
-                    .with(log);
-                if write.replies() {
-                    // A newer claim reconciles the key now: this retry is told to wait.
-                    let t = t.with(Note::Unregister(token));
-                    return self.answer_reconciled(t, Err("fenced out".into()));
-                }
-                return self.done(t, token);
-            }
-            WriteVerdict::Refused(_) => {
-                if let Write::Complete {
-                    fallback: Some(minimal),
+            WriteVerdict::Stored => self.write_stored(cfg, claimed, write, expires_in_ms),
+            WriteVerdict::FencedOut => self.write_fenced_out(claimed, write, &why),
+            WriteVerdict::Refused(_) => self.write_refused(cfg, claimed, write, &why),
+            WriteVerdict::Failed => self.write_failed(cfg, claimed, write, &why),
+        }
+    }
+
+    /// The write is stored: the key's outcome is known, and a reconciled one is the client's
+    /// answer.
+    fn write_stored(
+        &mut self,
+        cfg: &Config,
+        claimed: Claimed,
+        write: Write,
+        expires_in_ms: Option<u64>,
+    ) -> Turn {
+        let ok_metric = match &write {
+            Write::Complete { .. } => Metric::Completed,
+            Write::Release { .. } => Metric::Released,
+        };
+        let token = claimed.token;
+        // Duplicates told "in progress" while this request ran are not any more.
+        let id = claimed.req.req.id();
+        let mut t = Turn::cont()
+            .with(Effect::Count(ok_metric))
+            .with(Note::ForgetRunning(id));
+        let Write::Complete { record, reply, .. } = write else {
+            return self.done(t, token);
+        };
+        let answer = reply.then(|| completed_reply(cfg, &record));
+        if let Some(expires_in_ms) = expires_in_ms {
+            t.push(Note::Remember {
+                id,
+                record,
+                since_ms: claimed.req.sent_ms,
+                expires_in_ms,
+            });
+        }
+        match answer {
+            None => self.done(t, token),
+            Some(answer) => self.answer_reconciled(t.with(Note::Unregister(token)), answer),
+        }
+    }
+
+    /// A newer claim owns the key: this write is refused for good.
+    fn write_fenced_out(&mut self, claimed: Claimed, write: Write, why: &str) -> Turn {
+        let what = write_name(&write);
+        let token = claimed.token;
+        let log = Flow::log(
+            Level::Warn,
+            format!(
+                "{what} for {} refused, a newer claim owns the key (token {token}): {why}",
+                claimed.endpoint()
+            ),
+        );
+        let t = Turn::cont()
+            .with(Effect::Count(Metric::FencedOut))
+            .with(log);
+        if write.replies() {
+            // A newer claim reconciles the key now: this retry is told to wait.
+            let t = t.with(Note::Unregister(token));
+            return self.answer_reconciled(t, Err("fenced out".into()));
+        }
+        self.done(t, token)
+    }
+
+    /// The state API refuses the write: a complete with a fallback stores its status alone;
+    /// anything else is given up.
+    fn write_refused(&mut self, cfg: &Config, claimed: Claimed, write: Write, why: &str) -> Turn {
+        let token = claimed.token;
+        if let Write::Complete {
+            fallback: Some(minimal),
+            record,
+            reply,
+            ..
+        } = write
+        {
+            // The state API will not store this response (a limit the filter could not
+            // know): store its status alone, not replayable. Never leave the key free.
+            let log = Flow::log(
+                Level::Warn,
+                format!(
+                    "complete for {} refused ({why}); storing its status alone, not replayable (token {token})",
+                    claimed.endpoint()
+                ),
+            );
+            let record = Box::new(record.not_replayable());
+            let t = Turn::pause()
+                .with(Effect::Count(Metric::CompleteRefused))
+                .with(log)
+                .with(Call::Complete {
+                    body: minimal.clone(),
+                    fallback: None,
+                    claim: claimed.held(),
+                    record: record.clone(),
+                    first: false,
+                });
+            self.state = State::Writing(
+                claimed,
+                Write::Complete {
+                    body: minimal,
+                    fallback: None,
+                    attempts: 1,
                     record,
                     reply,
-                    ..
-                } = write
-                {
-                    // The state API will not store this response (a limit the filter could not
-                    // know): store its status alone, not replayable. Never leave the key free.
-                    let log = Flow::log(
-                        Level::Warn,
-                        format!(
-                            "complete for {} refused ({why}); storing its status alone, not replayable (token {token})",
-                            claimed.endpoint()
-                        ),
-                    );
-                    let record = Box::new(record.not_replayable());
-                    let t = Turn::pause()
-                        .with(Effect::Count(Metric::CompleteRefused))
-                        .with(log)
-                        .with(Call::Complete {
-                            body: minimal.clone(),
-                            fallback: None,
-                            claim: claimed.held(),
-                            record: record.clone(),
-                            first: false,
-                        });
-                    self.state = State::Writing(
-                        claimed,
-                        Write::Complete {
-                            body: minimal,
-                            fallback: None,
-                            attempts: 1,
-                            record,
-                            reply,
-                        },
-                    );
-                    return t;
-                }
-                let mut t = Turn::pause().with(Effect::Count(Metric::StateApiErrors));
-                if matches!(write, Write::Complete { .. }) {
-                    t.push(Effect::Count(Metric::CompleteGaveUp));
-                }
-                t.push(Flow::log(
-                    Level::Error,
-                    format!(
-                        "{what} for {} refused ({why}); {UNSTORED}",
-                        claimed.endpoint()
-                    ),
-                ));
-                return self.give_up(cfg, t, token, write);
-            }
-            WriteVerdict::Failed => {}
+                },
+            );
+            return t;
         }
+        let t = Turn::pause().with(Effect::Count(Metric::StateApiErrors));
+        self.give_up_logged(cfg, t, &claimed, write, &format!("refused ({why})"))
+    }
+
+    /// The write failed: once more from the stream, then handed over to the worker (or given
+    /// up where the route does not retry completes).
+    fn write_failed(&mut self, cfg: &Config, claimed: Claimed, write: Write, why: &str) -> Turn {
+        let what = write_name(&write);
+        let token = claimed.token;
         // Failed: once more from the stream, then handed over to the worker.
         let mut t = Turn::pause().with(Effect::Count(Metric::StateApiErrors));
         let write = match write {
@@ -201,17 +218,7 @@ impl Flow {
                 };
             }
             write => {
-                if matches!(write, Write::Complete { .. }) {
-                    t.push(Effect::Count(Metric::CompleteGaveUp));
-                }
-                t.push(Flow::log(
-                    Level::Error,
-                    format!(
-                        "{what} for {} failed ({why}); {UNSTORED}",
-                        claimed.endpoint()
-                    ),
-                ));
-                return self.give_up(cfg, t, token, write);
+                return self.give_up_logged(cfg, t, &claimed, write, &format!("failed ({why})"));
             }
         };
         t.outs.insert(
@@ -230,6 +237,30 @@ impl Flow {
         t.push(Note::Unregister(token));
         t.push(self.effect(|stream| Effect::ResumeResponse { stream }));
         t
+    }
+
+    /// A write that will not be stored, counted and logged with why (`refused (...)`), then
+    /// given up.
+    fn give_up_logged(
+        &mut self,
+        cfg: &Config,
+        mut t: Turn,
+        claimed: &Claimed,
+        write: Write,
+        failure: &str,
+    ) -> Turn {
+        if matches!(write, Write::Complete { .. }) {
+            t.push(Effect::Count(Metric::CompleteGaveUp));
+        }
+        t.push(Flow::log(
+            Level::Error,
+            format!(
+                "{} for {} {failure}; {UNSTORED}",
+                write_name(&write),
+                claimed.endpoint()
+            ),
+        ));
+        self.give_up(cfg, t, claimed.token, write)
     }
 
     /// A write that will not be stored: the heartbeat stops. A reconciled outcome is still
@@ -373,6 +404,14 @@ impl Write {
 }
 
 /// What the log says of a write that will not be stored.
+/// A write's name, for logs.
+fn write_name(write: &Write) -> &'static str {
+    match write {
+        Write::Complete { .. } => "complete",
+        Write::Release { .. } => "release",
+    }
+}
+
 const UNSTORED: &str =
     "the key stays held until its lease runs out, and then its outcome is unknown";
 

@@ -4,11 +4,13 @@
 
 use super::*;
 use crate::flow::{RequestHead, ResponseHead, Verdict};
+use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use contract::wire::{
     ClaimRequest, ClaimResponse, CompleteRequest, HeartbeatRequest, ReleaseRequest, StoredResponse,
-    UnknownRequest, WriteResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER, FINGERPRINT_HEADER,
-    OUTCOME_EXECUTED, OUTCOME_HEADER, OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, SUBJECT_HEADER,
+    UnknownRequest, WriteResponse, CLAIM_PATH, COMPLETE_PATH, ENDPOINT_HEADER,
+    FENCING_TOKEN_HEADER, FINGERPRINT_HEADER, HEARTBEAT_PATH, OUTCOME_EXECUTED, OUTCOME_HEADER,
+    OUTCOME_NOT_EXECUTED, OUTCOME_RUNNING, RELEASE_PATH, SUBJECT_HEADER, UNKNOWN_PATH,
 };
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 use wasm_bindgen_test::wasm_bindgen_test as test;
