@@ -7,6 +7,7 @@ use crate::effect::{Effect, Level, StreamId};
 use crate::key::{self, parse_key_header};
 use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
+use crate::route_table::RouteTable;
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{ClaimRequest, FORWARDED_HEADERS};
 use contract::ProblemKind;
@@ -61,10 +62,12 @@ pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
 }
 
 impl Flow {
-    /// A new stream's request headers. `room`: the request body bytes its worker may still
-    /// hold (`max_buffered_bytes` less what its other streams hold).
+    /// A new stream's request headers. `routes`: `cfg`'s routes as its worker looks them up.
+    /// `room`: the request body bytes its worker may still hold (`max_buffered_bytes` less what
+    /// its other streams hold).
     pub fn start(
         cfg: &Config,
+        routes: &RouteTable,
         stream: StreamId,
         head: RequestHead<'_>,
         end_of_stream: bool,
@@ -75,13 +78,14 @@ impl Flow {
             stream,
             state: State::Passthrough,
         };
-        let turn = flow.on_request_headers(cfg, head, end_of_stream, now_ms, room);
+        let turn = flow.on_request_headers(cfg, routes, head, end_of_stream, now_ms, room);
         (flow, turn)
     }
 
     fn on_request_headers(
         &mut self,
         cfg: &Config,
+        routes: &RouteTable,
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
@@ -95,7 +99,7 @@ impl Flow {
             .into_iter()
             .filter(|name| head.first(name).is_some())
             .collect();
-        let mut turn = self.read_request_headers(cfg, head, end_of_stream, now_ms, room);
+        let mut turn = self.read_request_headers(cfg, routes, head, end_of_stream, now_ms, room);
         let strips = forged
             .into_iter()
             .map(|name| self.effect(|stream| Effect::RemoveRequestHeader { stream, name }));
@@ -106,6 +110,7 @@ impl Flow {
     fn read_request_headers(
         &mut self,
         cfg: &Config,
+        routes: &RouteTable,
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
@@ -117,8 +122,8 @@ impl Flow {
             Some((p, q)) => (p.to_owned(), q.to_owned()),
             None => (full_path.to_owned(), String::new()),
         };
-        let Some((route_idx, route)) = cfg
-            .route_index(&method, &path)
+        let Some((route_idx, route)) = routes
+            .find(&method, &path)
             .and_then(|i| cfg.routes.get(i).map(|r| (i, r)))
         else {
             return Turn::cont();

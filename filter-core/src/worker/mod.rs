@@ -42,6 +42,7 @@ pub mod writes;
 
 use crate::config::Config;
 use crate::flow::{Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
+use crate::route_table::RouteTable;
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
@@ -159,6 +160,8 @@ pub struct Worker {
     held_request_bytes: u64,
     /// [`Config::max_buffered_bytes`], computed once.
     max_buffered_bytes: u64,
+    /// `cfg`'s routes as a request's are looked up, built once (from `cfg`, so not printed).
+    routes: RouteTable,
 }
 
 // Written out rather than derived: the streams and calls print in order, so the same state
@@ -228,6 +231,7 @@ impl Worker {
             abandons: 0,
             held_request_bytes: 0,
             max_buffered_bytes: cfg.max_buffered_bytes(),
+            routes: RouteTable::of(&cfg),
             cfg,
         }
     }
@@ -333,7 +337,15 @@ impl Worker {
         let room = self
             .max_buffered_bytes
             .saturating_sub(self.held_request_bytes);
-        let (flow, turn) = Flow::start(&self.cfg, stream, head, end_of_stream, now_ms, room);
+        let (flow, turn) = Flow::start(
+            &self.cfg,
+            &self.routes,
+            stream,
+            head,
+            end_of_stream,
+            now_ms,
+            room,
+        );
         self.held_request_bytes += flow.held_request_bytes();
         self.flows.insert(stream, flow);
         self.run(stream, turn, now_ms)
