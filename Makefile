@@ -151,7 +151,7 @@ test-wasm: tools-rust-test tools-wasm-bindgen
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 	  $(CARGO) test --locked --target wasm32-unknown-unknown -p contract -p filter-core
 
-# Every test binary of the stack crate. The partition suite needs root: as root (CI) it runs
+# Every test binary of the e2e crate. The partition suite needs root: as root (CI) it runs
 # here too, its random scenario for PARTITION_SECONDS_IN_TEST s; otherwise it is listed as
 # ignored and this says how to run it.
 PARTITION_SECONDS_IN_TEST ?= 20
@@ -335,7 +335,7 @@ bench-scale: tools build-release build-fingerprint-probe
 
 # The fault suite (SIGKILLs, a slow state API, resets, two Envoys), the Postgres failover suite
 # (Patroni) and the hostile-input suite, alone. `make test` runs them too (test-e2e runs every
-# test binary of the stack crate). CHAOS_ARGS go to each test binary (a name filter, --nocapture).
+# test binary of the e2e crate). CHAOS_ARGS go to each test binary (a name filter, --nocapture).
 # Figures of the run: target/fault-figures.jsonl (docs/RELIABILITY.md).
 CHAOS_ARGS ?=
 .PHONY: chaos

@@ -1,4 +1,6 @@
-//! The state API served in-process on a free port, on its own database of a real Postgres
+//! The state API on its own database of a real Postgres, called in process through its router
+//! (`Router` + `tower::ServiceExt::oneshot`: [`Api::post`], [`Api::get`]) and served on a free
+//! port for the cases that need a socket (`client`, `url`: a connection cut, a raw body)
 //! (one throwaway cluster per test binary, see `test_support::postgres`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
@@ -150,6 +152,8 @@ static CONTRACT: tokio::sync::OnceCell<Contract> = tokio::sync::OnceCell::const_
 pub struct Api {
     pub base: String,
     pub client: reqwest::Client,
+    /// The same routes, called in process by [`Api::post`] and [`Api::get`].
+    router: axum::Router,
     pub state: AppState,
     pub db_url: String,
     /// A database of the shared cluster to drop afterwards when that is a DATABASE_URL server
@@ -221,6 +225,7 @@ impl Api {
         Self {
             base,
             client,
+            router: state_api::app(state.clone()),
             state,
             db_url: db_url.to_owned(),
             drop_db: None,
@@ -242,19 +247,28 @@ impl Api {
         format!("{}{path}", self.base)
     }
 
-    /// POST with the right token; status and JSON body (Null when not JSON).
-    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value, reqwest::header::HeaderMap) {
-        let r = self
-            .client
-            .post(self.url(path))
-            .bearer_auth(TOKEN)
-            .json(body)
-            .send()
-            .await
-            .unwrap();
+    /// One request through the router in this process, with no socket (the handlers,
+    /// extractors and layers as served; `client` and `url` are there for what needs one).
+    pub async fn call(
+        &self,
+        request: axum::http::Request<axum::body::Body>,
+    ) -> (u16, reqwest::header::HeaderMap, axum::body::Bytes) {
+        use tower::ServiceExt as _;
+        let r = self.router.clone().oneshot(request).await.unwrap();
         let status = r.status().as_u16();
         let headers = r.headers().clone();
-        let bytes = r.bytes().await.unwrap();
+        let bytes = axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap();
+        (status, headers, bytes)
+    }
+
+    /// POST with the right token, in process; status and JSON body (Null when not JSON).
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value, reqwest::header::HeaderMap) {
+        let request = axum::http::Request::post(path)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.to_string()))
+            .unwrap();
+        let (status, headers, bytes) = self.call(request).await;
         let answer = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         let c = self.contract().await;
         c.check_answer("post", path, status, content_type(&headers), &answer);
@@ -286,29 +300,23 @@ impl Api {
     pub async fn contract(&self) -> &'static Contract {
         CONTRACT
             .get_or_init(|| async {
-                let r = self
-                    .client
-                    .get(self.url("/openapi.json"))
-                    .send()
-                    .await
+                let request = axum::http::Request::get("/openapi.json")
+                    .body(axum::body::Body::empty())
                     .unwrap();
-                assert_eq!(r.status(), 200);
-                Contract::new(r.json().await.unwrap())
+                let (status, _, bytes) = self.call(request).await;
+                assert_eq!(status, 200);
+                Contract::new(serde_json::from_slice(&bytes).unwrap())
             })
             .await
     }
 
+    /// GET with the right token, in process.
     pub async fn get(&self, path_and_query: &str) -> (u16, Value) {
-        let r = self
-            .client
-            .get(self.url(path_and_query))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
+        let request = axum::http::Request::get(path_and_query)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(axum::body::Body::empty())
             .unwrap();
-        let status = r.status().as_u16();
-        let headers = r.headers().clone();
-        let bytes = r.bytes().await.unwrap();
+        let (status, headers, bytes) = self.call(request).await;
         let answer = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         self.contract().await.check_answer(
             "get",
