@@ -587,11 +587,13 @@ fn envoy_stats(envoys: &[(&'static str, &Envoy)]) -> BTreeMap<String, BTreeMap<S
 }
 
 fn envoy_version() -> Result<String, String> {
-    Ok(std::process::Command::new(test_support::envoy::envoy_binary()?)
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default())
+    Ok(
+        std::process::Command::new(test_support::envoy::envoy_binary()?)
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default(),
+    )
 }
 
 /// docs/bench.json, docs/BENCH.md (the soak's and bench-scale's sections kept) and the plot.

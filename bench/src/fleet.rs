@@ -63,7 +63,9 @@ impl Fleet {
         };
         let single = if wanted("new_single") {
             let mut p = plain_params(stack);
-            p.tweak = Some(test_support::envoy::Tweak::new(|cfg| cfg.filter.batch_max = 1));
+            p.tweak = Some(test_support::envoy::Tweak::new(|cfg| {
+                cfg.filter.batch_max = 1
+            }));
             Some(Envoy::start(p, &stack.dir, "envoy-single")?)
         } else {
             None
@@ -185,7 +187,9 @@ impl Fleet {
 fn jwt_template() -> PathBuf {
     std::env::var("BENCH_JWT_TEMPLATE")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| test_support::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl"))
+        .unwrap_or_else(|_| {
+            test_support::process::workspace_root().join("bench/envoy-jwt.yaml.tmpl")
+        })
 }
 
 /// The state API hop over mutual TLS: a second state API on the same database serving HTTPS

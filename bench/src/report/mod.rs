@@ -183,8 +183,10 @@ impl Report {
             envoy_cluster_stats: i.envoy_stats,
             waiting: i.waiting,
             purge: i.purge,
-            notes: std::fs::read_to_string(test_support::process::workspace_root().join("bench/NOTES.md"))
-                .ok(),
+            notes: std::fs::read_to_string(
+                test_support::process::workspace_root().join("bench/NOTES.md"),
+            )
+            .ok(),
         }
     }
 

@@ -257,7 +257,9 @@ impl Api {
         let r = self.router.clone().oneshot(request).await.unwrap();
         let status = r.status().as_u16();
         let headers = r.headers().clone();
-        let bytes = axum::body::to_bytes(r.into_body(), usize::MAX).await.unwrap();
+        let bytes = axum::body::to_bytes(r.into_body(), usize::MAX)
+            .await
+            .unwrap();
         (status, headers, bytes)
     }
 
