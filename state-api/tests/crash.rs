@@ -33,7 +33,7 @@ async fn crash_and_recover(extra: &[&str]) {
 
     let token = token_of(&api.claim("survivor", &fp(1), Some(600_000)).await);
 
-    cluster.kill_postmaster().unwrap();
+    cluster.kill_server().unwrap();
     let start = Instant::now();
     let body = serde_json::to_value(claim_req("during", "alice", &fp(1), None)).unwrap();
     let (status, problem, headers) = api.post(CLAIM_PATH, &body).await;

@@ -164,6 +164,29 @@ impl TempCluster {
         Ok(())
     }
 
+    /// SIGKILL to the postmaster, then waits (10 s at most) until its backends, orphaned, have
+    /// exited too: the whole server down, as after its host crashed. Right after
+    /// [`TempCluster::kill_postmaster`] alone an orphaned backend may still answer a pooled
+    /// connection for a few milliseconds (a test calling the state API in process got a claim
+    /// through in that window).
+    pub fn kill_server(&mut self) -> Result<(), String> {
+        let backends = self.postmaster_pid().map(children_of).unwrap_or_default();
+        self.kill_postmaster()?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while backends
+            .iter()
+            .any(|pid| Path::new(&format!("/proc/{pid}")).exists())
+        {
+            if std::time::Instant::now() > deadline {
+                return Err(format!(
+                    "backends of the killed postmaster still run: {backends:?}"
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
     /// Freezes every process of the server (SIGSTOP: a stalled host or disk, the statements
     /// in flight hang without an error) or thaws it (SIGCONT). Private clusters only.
     pub fn signal_all(&mut self, signal: Signal) -> Result<(), String> {
