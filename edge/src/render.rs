@@ -221,7 +221,28 @@ fn state_api_cluster(cfg: &Config, ca_file: &str) -> Yaml {
     if let (Some(tls), Yaml::Hash(h)) = (&cfg.state.tls, &mut c) {
         h.insert(s("transport_socket"), state_api_tls_socket(tls));
     }
+    if let Yaml::Hash(h) = &mut c {
+        h.insert(s("circuit_breakers"), state_api_breakers());
+    }
     c
+}
+
+/// Envoy's default circuit breakers allow 1,024 requests (and connections, over HTTP/1.1) to a
+/// cluster at once; past them a callout fails at once. Each waiting retry (`Prefer: wait`) holds
+/// a claim callout to the state API for as long as it waits (up to `max_waiters` a worker), so
+/// a crowd of them tripped the default (issue 38, curve 6). The state API bounds its own
+/// waiters and sheds with 503 + Retry-After, so Envoy's bound only has to stay above them.
+const STATE_API_MAX_REQUESTS: u64 = 100_000;
+
+fn state_api_breakers() -> Yaml {
+    map(vec![(
+        "thresholds",
+        Yaml::Array(vec![map(vec![
+            ("max_connections", n(STATE_API_MAX_REQUESTS)),
+            ("max_pending_requests", n(STATE_API_MAX_REQUESTS)),
+            ("max_requests", n(STATE_API_MAX_REQUESTS)),
+        ])]),
+    )])
 }
 
 /// The cluster of route `i`'s reconcile endpoint when it is another service than the upstream.

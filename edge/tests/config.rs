@@ -709,3 +709,29 @@ fn many_routes_of_a_method_are_one_jwt_rule_with_one_pattern() {
     let yaml = edge::render::envoy_yaml(&few, &inputs);
     assert!(!yaml.contains("safe_regex") && !yaml.contains("layered_runtime"));
 }
+
+/// The state API's cluster allows far more requests at once than Envoy's default 1,024: each
+/// waiting retry holds a claim callout for as long as it waits.
+#[test]
+fn the_state_api_cluster_is_not_bounded_by_envoys_default_circuit_breakers() {
+    let c = parse(GOOD).unwrap();
+    let inputs = edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    };
+    let yaml = edge::render::envoy_yaml(&c, &inputs);
+    let doc = &yaml_rust2::YamlLoader::load_from_str(&yaml).unwrap()[0];
+    let clusters = doc["static_resources"]["clusters"].as_vec().unwrap();
+    let state = clusters
+        .iter()
+        .find(|c| c["name"].as_str() == Some("state_api"))
+        .unwrap();
+    let thresholds = &state["circuit_breakers"]["thresholds"][0];
+    for field in ["max_connections", "max_pending_requests", "max_requests"] {
+        assert!(
+            thresholds[field].as_i64().unwrap() >= 10 * 1024,
+            "{field}: {thresholds:?}"
+        );
+    }
+}
