@@ -40,6 +40,15 @@ path = "/orders"
 key = "required"
 "#;
 
+/// What rendering needs besides the file: a module path, a token and the CA bundle.
+fn inputs() -> edge::render::Inputs {
+    edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    }
+}
+
 fn parse(text: &str) -> Result<Config, ConfigError> {
     Config::parse(text, "edge.toml", &folder())
 }
@@ -466,11 +475,7 @@ fn state_tls_is_read_and_rendered_as_an_upstream_tls_context() {
     assert_eq!(tls.server_name, "state-api.internal");
     assert!(tls.cert_file.is_absolute() && tls.cert_file.ends_with("state.pem"));
     assert!(tls.client_cert.is_some() && tls.client_ca_file.is_some());
-    let inputs = edge::render::Inputs {
-        wasm: "/x/filter.wasm".into(),
-        state_token: "t".repeat(16),
-        ca_file: edge::render::DEFAULT_CA_FILE.into(),
-    };
+    let inputs = inputs();
     let yaml = edge::render::envoy_yaml(&c, &inputs);
     let state_cluster = &yaml[yaml.find("name: state_api").unwrap()..];
     let state_cluster =
@@ -516,11 +521,7 @@ fn state_tls_is_read_and_rendered_as_an_upstream_tls_context() {
 fn plain_http_to_the_state_api_stays_the_default() {
     let c = parse(GOOD).unwrap();
     assert_eq!(c.state.tls, None);
-    let inputs = edge::render::Inputs {
-        wasm: "/x/filter.wasm".into(),
-        state_token: "t".repeat(16),
-        ca_file: edge::render::DEFAULT_CA_FILE.into(),
-    };
+    let inputs = inputs();
     assert!(!edge::render::envoy_yaml(&c, &inputs).contains("UpstreamTlsContext"));
     let env = edge::render::state_api_env(&c, "postgres://x@h/db", "t", "k");
     assert!(!env.iter().any(|(k, _)| k.starts_with("STATE_API_TLS")));
@@ -616,11 +617,7 @@ fn duration_ms(text: &str) -> u64 {
 /// plus the filter's own waits and a margin, and nothing sets a shorter stream timeout.
 #[test]
 fn no_connection_manager_timeout_is_shorter_than_the_route_timeout() {
-    let inputs = edge::render::Inputs {
-        wasm: "/x/filter.wasm".into(),
-        state_token: "t".repeat(16),
-        ca_file: edge::render::DEFAULT_CA_FILE.into(),
-    };
+    let inputs = inputs();
     for upstream_timeout_ms in [1_000, 60_000, 299_000, 600_000, 3_600_000] {
         let mut c = parse(GOOD).unwrap();
         c.upstream_timeout_ms = upstream_timeout_ms;
@@ -667,11 +664,7 @@ fn many_routes_of_a_method_are_one_jwt_rule_with_one_pattern() {
     }
     text += "\n[[route]]\nmethod = \"PUT\"\npath = \"/carts\"\nkey = \"required\"\n";
     let c = parse(&text).unwrap();
-    let inputs = edge::render::Inputs {
-        wasm: "/x/filter.wasm".into(),
-        state_token: "t".repeat(16),
-        ca_file: edge::render::DEFAULT_CA_FILE.into(),
-    };
+    let inputs = inputs();
     let yaml = edge::render::envoy_yaml(&c, &inputs);
     let doc = &yaml_rust2::YamlLoader::load_from_str(&yaml).unwrap()[0];
     let filters = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
@@ -715,11 +708,7 @@ fn many_routes_of_a_method_are_one_jwt_rule_with_one_pattern() {
 #[test]
 fn the_state_api_cluster_is_not_bounded_by_envoys_default_circuit_breakers() {
     let c = parse(GOOD).unwrap();
-    let inputs = edge::render::Inputs {
-        wasm: "/x/filter.wasm".into(),
-        state_token: "t".repeat(16),
-        ca_file: edge::render::DEFAULT_CA_FILE.into(),
-    };
+    let inputs = inputs();
     let yaml = edge::render::envoy_yaml(&c, &inputs);
     let doc = &yaml_rust2::YamlLoader::load_from_str(&yaml).unwrap()[0];
     let clusters = doc["static_resources"]["clusters"].as_vec().unwrap();
