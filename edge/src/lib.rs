@@ -5,6 +5,7 @@
 pub mod check;
 pub mod config;
 pub mod envoy;
+mod jwt_rules;
 pub mod mesh;
 pub mod render;
 pub mod run;

@@ -360,125 +360,6 @@ pub fn plugin_schema_text() -> String {
     serde_json::to_string_pretty(&fc::json_schema()).unwrap_or_default()
 }
 
-/// Up to this many protected routes of one method each have a jwt_authn rule of their own (the
-/// rendered configuration reads as the file does). Past it, the method's routes are one rule
-/// whose path is one RE2 pattern: jwt_authn tries its rules in order on every request, so a
-/// rule a route made Envoy's CPU per request grow with the routes (issue 38, curve 4), while
-/// RE2 matches the pattern in the length of the path. Every rule requires the same provider,
-/// so their order does not change which requests need a token.
-const JWT_RULES_PER_METHOD: usize = 16;
-
-/// The jwt_authn rules: a verified token is required on each protected route.
-fn jwt_rules(routes: &[crate::config::Route]) -> Vec<Yaml> {
-    let mut methods: Vec<&str> = Vec::new();
-    for r in routes {
-        if !methods.contains(&r.method.as_str()) {
-            methods.push(&r.method);
-        }
-    }
-    let many =
-        |method: &str| routes.iter().filter(|r| r.method == method).count() > JWT_RULES_PER_METHOD;
-    let mut rules: Vec<Yaml> = routes
-        .iter()
-        .filter(|r| !many(&r.method))
-        .map(|r| {
-            let (kind, p) = match &r.matcher {
-                Match::Path(p) => ("path", s(p.clone())),
-                Match::Prefix(p) => ("prefix", s(p.clone())),
-            };
-            jwt_rule(kind, p, &r.method)
-        })
-        .collect();
-    for method in methods.into_iter().filter(|m| many(m)) {
-        let pattern = paths_pattern(routes.iter().filter(|r| r.method == method));
-        let regex = map(vec![("regex", s(pattern))]);
-        rules.push(jwt_rule("safe_regex", regex, method));
-    }
-    rules
-}
-
-/// One RE2 pattern that matches a whole path exactly when one of `routes` matches it (Envoy
-/// matches `safe_regex` against the whole path without the query, as `path` and `prefix`).
-pub(crate) fn paths_pattern<'a>(routes: impl Iterator<Item = &'a crate::config::Route>) -> String {
-    let alternatives: Vec<String> = routes
-        .map(|r| match &r.matcher {
-            Match::Path(p) => re2_literal(p),
-            Match::Prefix(p) => format!("{}.*", re2_literal(p)),
-        })
-        .collect();
-    format!("(?s:{})", alternatives.join("|"))
-}
-
-/// `text` as an RE2 literal: every character that means something in a pattern escaped.
-fn re2_literal(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if "\\.+*?()|[]{}^$".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// A jwt_authn rule: requests of `method` whose path `kind` (`path`, `prefix` or `safe_regex`)
-/// matches need a verified token.
-fn jwt_rule(kind: &str, path: Yaml, method: &str) -> Yaml {
-    map(vec![
-        (
-            "match",
-            map(vec![
-                (kind, path),
-                (
-                    "headers",
-                    Yaml::Array(vec![map(vec![
-                        ("name", s(":method")),
-                        ("string_match", map(vec![("exact", s(method))])),
-                    ])]),
-                ),
-            ]),
-        ),
-        ("requires", map(vec![("provider_name", s(JWT_PROVIDER))])),
-    ])
-}
-
-/// Envoy refuses an RE2 pattern whose program is larger than its runtime's
-/// `re2.max_program_size.error_level` (100 by default): room for the routes' pattern, when
-/// there is one (an RE2 program is at most a few instructions a character).
-fn runtime_layer(cfg: &Config) -> Option<Yaml> {
-    let Subject::Jwt(_) = &cfg.subject else {
-        return None;
-    };
-    let mut methods: Vec<&str> = cfg.routes.iter().map(|r| r.method.as_str()).collect();
-    methods.sort_unstable();
-    methods.dedup();
-    let longest = methods
-        .into_iter()
-        .map(|m| {
-            cfg.routes
-                .iter()
-                .filter(|r| r.method == m)
-                .collect::<Vec<_>>()
-        })
-        .filter(|group| group.len() > JWT_RULES_PER_METHOD)
-        .map(|group| paths_pattern(group.into_iter()).len())
-        .max()?;
-    let program_size = u64::try_from(longest)
-        .unwrap_or(u64::MAX)
-        .saturating_mul(4)
-        .max(1_000);
-    Some(map(vec![(
-        "layers",
-        Yaml::Array(vec![map(vec![
-            ("name", s("routes-pattern")),
-            (
-                "static_layer",
-                map(vec![("re2.max_program_size.error_level", n(program_size))]),
-            ),
-        ])]),
-    )]))
-}
-
 /// The HTTP filters in order (the module's documentation lists them).
 fn http_filters(cfg: &Config, inputs: &Inputs) -> Vec<Yaml> {
     let mut out = Vec::new();
@@ -544,7 +425,7 @@ fn jwt_authn(cfg: &Config, jwt: &Jwt) -> Yaml {
                 "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
                 vec![
                     ("providers", map(vec![(JWT_PROVIDER, provider)])),
-                    ("rules", Yaml::Array(jwt_rules(&cfg.routes))),
+                    ("rules", Yaml::Array(crate::jwt_rules::rules(&cfg.routes))),
                 ],
             ),
         ),
@@ -746,7 +627,7 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
             ("clusters", Yaml::Array(clusters)),
         ]),
     ));
-    if let Some(runtime) = runtime_layer(cfg) {
+    if let Some(runtime) = crate::jwt_rules::runtime_layer(cfg) {
         top.push(("layered_runtime", runtime));
     }
     let doc = map(top);
