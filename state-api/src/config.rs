@@ -93,6 +93,14 @@ pub struct Config {
     #[arg(long, env = state_env::STATE_API_STATEMENT_TIMEOUT_MS, default_value_t = 5_000)]
     pub statement_timeout_ms: u64,
 
+    /// A database round trip unanswered after this long is taken for a dead link (a partition:
+    /// no reset, no FIN): the request answers 503 and the connection is closed and replaced,
+    /// instead of waiting for TCP to retransmit, seconds after the link heals. Keep it above
+    /// the slowest statement you expect (every one is a lookup by key) and below the lease.
+    #[arg(long, env = state_env::STATE_API_DB_STALL_MS, default_value_t = 3_000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub db_stall_ms: u64,
+
     /// Lease of a claim when the caller does not ask for one (clamped to 1 s .. 10 min).
     #[arg(long, env = state_env::STATE_API_LEASE_MS, default_value_t = 30_000)]
     pub lease_ms: u64,
@@ -340,6 +348,10 @@ impl Config {
 
     pub fn acquire_timeout(&self) -> Duration {
         Duration::from_millis(self.acquire_timeout_ms)
+    }
+
+    pub fn db_stall(&self) -> Duration {
+        Duration::from_millis(self.db_stall_ms)
     }
 
     /// The HTTP body limit: a maximal stored body in base64 plus room for the JSON around it.

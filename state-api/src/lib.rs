@@ -33,7 +33,7 @@ pub use router::app;
 use crate::batch::Batcher;
 use crate::metrics::Metrics;
 use crate::scope::Scoper;
-use crate::store::{PoolSettings, Store};
+use crate::store::{PoolSettings, StallLimit, Store};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -130,8 +130,15 @@ impl AppState {
             config.max_waiters,
             std::time::Duration::from_millis(config.wait_poll_ms),
         );
-        let store = Store::new(pool, Arc::new(sealer(&config)?));
         let metrics = Arc::new(Metrics::default());
+        let store = Store::new(
+            pool,
+            Arc::new(sealer(&config)?),
+            StallLimit {
+                after: config.db_stall(),
+                given_up: metrics.db_connections_given_up(),
+            },
+        );
         let batcher = Batcher::new(store.clone(), metrics.clone(), config.batch_limits());
         Ok(Self {
             inner: Arc::new(Inner {

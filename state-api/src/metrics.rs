@@ -265,6 +265,7 @@ pub struct Metrics {
     batch_single: [[Counter; SinglePathReason::ALL.len()]; BatchOp::ALL.len()],
     pool_connections: [Gauge; 2],
     pool_max: Gauge,
+    db_given_up: Counter,
 }
 
 /// The pool's state at scrape time.
@@ -404,6 +405,12 @@ impl Default for Metrics {
             "The pool's maximum size",
             pool_max.clone(),
         );
+        let db_given_up = Counter::default();
+        r.register(
+            "state_api_db_connections_given_up",
+            "Database connections closed because a round trip went unanswered past --db-stall-ms (a dead link)",
+            db_given_up.clone(),
+        );
         Self {
             registry: r,
             claims,
@@ -426,6 +433,7 @@ impl Default for Metrics {
             batch_single,
             pool_connections,
             pool_max,
+            db_given_up,
         }
     }
 }
@@ -528,6 +536,11 @@ impl Metrics {
     }
     pub fn purged_total(&self) -> u64 {
         get(&self.purged_rows)
+    }
+
+    /// The counter of connections the store gives up (it counts them itself).
+    pub fn db_connections_given_up(&self) -> Counter {
+        self.db_given_up.clone()
     }
 
     /// The OpenMetrics text format, with the pool's state at this moment.

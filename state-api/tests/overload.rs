@@ -155,6 +155,11 @@ async fn postgres_frozen_under_load_sheds_within_the_callers_time_and_burns_no_k
                     MAX_QUEUED_BYTES.to_string(),
                 ),
                 (state_env::STATE_API_PURGE_INTERVAL_S.into(), "0".into()),
+                // The freeze (3 s) stays under the stall limit: the hung statements' late
+                // answers arrive, and a claim committed after its caller left is released. A
+                // longer stall gives the connection up (tests/dead_link.rs), and such a claim is
+                // given back by the filter's abandon of its nonce instead.
+                (state_env::STATE_API_DB_STALL_MS.into(), "10000".into()),
             ],
         },
         &dir,

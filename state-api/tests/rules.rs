@@ -256,7 +256,14 @@ impl Db {
             },
         )
         .unwrap();
-        let store = Store::new(pool.clone(), std::sync::Arc::new(Sealer::new(None, None)));
+        let store = Store::new(
+            pool.clone(),
+            std::sync::Arc::new(Sealer::new(None, None)),
+            store::StallLimit {
+                after: Duration::from_secs(10),
+                given_up: Default::default(),
+            },
+        );
         store.migrate().await.unwrap();
         // New tokens never equal the records' own (7) or a stranger's (1,007).
         sqlx::query("SELECT setval('idempotency_fencing_token_seq', 1000000)")

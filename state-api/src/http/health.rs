@@ -70,7 +70,7 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Result<String, ApiE
     path = "/metrics",
     tag = "operations",
     summary = r#"Prometheus text format (no token)"#,
-    description = r#"state_api_claims_total{outcome}, state_api_reclaims_total, state_api_fenced_out_total{op}, state_api_writes_total{op}, state_api_purged_rows_total, state_api_errors_total{kind}, state_api_request_duration_seconds{route} (histogram), state_api_db_pool_connections{state}, state_api_db_pool_max_connections."#,
+    description = r#"state_api_claims_total{outcome}, state_api_reclaims_total, state_api_fenced_out_total{op}, state_api_writes_total{op}, state_api_purged_rows_total, state_api_errors_total{kind}, state_api_request_duration_seconds{route} (histogram), state_api_db_pool_connections{state}, state_api_db_pool_max_connections, state_api_db_connections_given_up_total."#,
     responses(
         (status = 200, description = r#"metrics"#, content_type = "text/plain")
     )

@@ -181,27 +181,31 @@ impl Store {
             c_retentions.push(it.retention_ms);
             key_ids.push(sealed.key_id);
         }
-        let rows = sqlx::query(WRITE_BATCH_SQL)
-            .bind(scopes)
-            .bind(subjects)
-            .bind(endpoints)
-            .bind(algs)
-            .bind(fingerprints)
-            .bind(leases)
-            .bind(retentions)
-            .bind(namespaces)
-            .bind(c_scopes)
-            .bind(tokens)
-            .bind(statuses)
-            .bind(headers)
-            .bind(bodies)
-            .bind(replayables)
-            .bind(c_retentions)
-            .bind(key_ids)
-            .bind(nonces)
-            .bind(previous)
-            .bind(key_ids_of_fingerprints)
-            .fetch_all(&self.pool)
+        let rows = self
+            .on_conn(async |conn| {
+                sqlx::query(WRITE_BATCH_SQL)
+                    .bind(scopes)
+                    .bind(subjects)
+                    .bind(endpoints)
+                    .bind(algs)
+                    .bind(fingerprints)
+                    .bind(leases)
+                    .bind(retentions)
+                    .bind(namespaces)
+                    .bind(c_scopes)
+                    .bind(tokens)
+                    .bind(statuses)
+                    .bind(headers)
+                    .bind(bodies)
+                    .bind(replayables)
+                    .bind(c_retentions)
+                    .bind(key_ids)
+                    .bind(nonces)
+                    .bind(previous)
+                    .bind(key_ids_of_fingerprints)
+                    .fetch_all(conn)
+                    .await
+            })
             .await?;
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
         let mut done: Vec<Option<u64>> = vec![None; m];

@@ -325,19 +325,23 @@ impl Store {
         c: &NewClaim<'_>,
         lease: i64,
     ) -> Result<Option<ClaimRow>, StoreError> {
-        let inserted_or_found = sqlx::query_as::<_, ClaimRow>(CLAIM_SQL)
-            .bind(&c.scope[..])
-            .bind(c.subject)
-            .bind(c.endpoint)
-            .bind(c.fingerprint_alg)
-            .bind(&c.fingerprint.stored)
-            .bind(lease)
-            .bind(c.retention_ms)
-            .bind(c.namespace)
-            .bind(c.nonce)
-            .bind(c.previous.as_ref().map(|p| &p[..]))
-            .bind(c.fingerprint.key_id)
-            .fetch_optional(&self.pool)
+        let inserted_or_found = self
+            .on_conn(async |conn| {
+                sqlx::query_as::<_, ClaimRow>(CLAIM_SQL)
+                    .bind(&c.scope[..])
+                    .bind(c.subject)
+                    .bind(c.endpoint)
+                    .bind(c.fingerprint_alg)
+                    .bind(&c.fingerprint.stored)
+                    .bind(lease)
+                    .bind(c.retention_ms)
+                    .bind(c.namespace)
+                    .bind(c.nonce)
+                    .bind(c.previous.as_ref().map(|p| &p[..]))
+                    .bind(c.fingerprint.key_id)
+                    .fetch_optional(conn)
+                    .await
+            })
             .await?;
         match inserted_or_found {
             Some(r) => Ok(Some(r)),
@@ -360,7 +364,7 @@ impl Store {
                 // Takes over a record whose outcome is unknown (marked so, or an in_progress one whose lease
                 // ran out) for a claim that asked to: compare-and-set on the observed token, with the database
                 // clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
-                let won = sqlx::query_scalar!(
+                let won = self.on_conn(async |conn| sqlx::query_scalar!(
                     "UPDATE idempotency_records
                         SET state = 'in_progress', unknown_before = true, claim_nonce = $5,
                             owner_seen_at = clock_timestamp(),
@@ -384,7 +388,7 @@ impl Store {
                     c.nonce,
                     &c.scope[..]
                 )
-                .fetch_optional(&self.pool)
+                .fetch_optional(conn).await)
                 .await?;
                 Ok(Carried::won(won, true))
             }
@@ -393,7 +397,7 @@ impl Store {
                 was_in_progress,
             } => {
                 // Reuses a record past its retention as if it were new (compare-and-set on the observed token).
-                let won = sqlx::query_scalar!(
+                let won = self.on_conn(async |conn| sqlx::query_scalar!(
                     "UPDATE idempotency_records
     SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6, fingerprint_key_id = $12,
         state = 'in_progress', unknown_before = false,
@@ -424,14 +428,14 @@ impl Store {
                     &c.scope[..],
                     c.fingerprint.key_id
                 )
-                .fetch_optional(&self.pool)
+                .fetch_optional(conn).await)
                 .await?;
                 Ok(Carried::won(won, was_in_progress))
             }
             Decision::MarkUnknown { observed } => {
                 // An in_progress record whose lease ran out is unknown: marks it so (compare-and-set on the
                 // observed token) for a claim that holds unknown outcomes.
-                let marked = sqlx::query_scalar!(
+                let marked = self.on_conn(async |conn| sqlx::query_scalar!(
                     "UPDATE idempotency_records SET state = 'unknown',
                             scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
                             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
@@ -447,7 +451,7 @@ impl Store {
                     c.retention_ms,
                     &c.scope[..]
                 )
-                .fetch_optional(&self.pool)
+                .fetch_optional(conn).await)
                 .await?;
                 Ok(match marked {
                     Some(_) => Carried::MarkedUnknown,
@@ -467,28 +471,35 @@ impl Store {
     /// its old value), so that a record outlives the previous key secret and records from
     /// before keying stop being plain. Best effort: a failure leaves it matching as it was.
     pub(super) async fn rekey_fingerprint(&self, r: &Rekey, fingerprint: &Keyed) {
-        let done = sqlx::query!(
-            "UPDATE idempotency_records SET fingerprint = $4, fingerprint_key_id = $5
+        let done = self
+            .on_conn(async |conn| {
+                sqlx::query!(
+                    "UPDATE idempotency_records SET fingerprint = $4, fingerprint_key_id = $5
             WHERE scope_hash = $1 AND fencing_token = $2 AND fingerprint = $3",
-            &r.address[..],
-            r.token,
-            r.old,
-            fingerprint.stored,
-            fingerprint.key_id
-        )
-        .execute(&self.pool)
-        .await;
+                    &r.address[..],
+                    r.token,
+                    r.old,
+                    fingerprint.stored,
+                    fingerprint.key_id
+                )
+                .execute(conn)
+                .await
+            })
+            .await;
         if let Err(e) = done {
             tracing::warn!(error = %e, "a fingerprint could not be re-keyed; it is re-keyed at its next claim");
         }
     }
 
     async fn read(&self, c: &NewClaim<'_>) -> Result<Option<ClaimRow>, StoreError> {
-        Ok(sqlx::query_as::<_, ClaimRow>(READ_SQL)
-            .bind(&c.scope[..])
-            .bind(c.previous.as_ref().map(|p| &p[..]))
-            .fetch_optional(&self.pool)
-            .await?)
+        self.on_conn(async |conn| {
+            sqlx::query_as::<_, ClaimRow>(READ_SQL)
+                .bind(&c.scope[..])
+                .bind(c.previous.as_ref().map(|p| &p[..]))
+                .fetch_optional(conn)
+                .await
+        })
+        .await
     }
 
     /// Whether the claim attempt `c` was abandoned by its filter before it got here.
@@ -496,13 +507,17 @@ impl Store {
         let Some(nonce) = c.nonce else {
             return Ok(false);
         };
-        Ok(sqlx::query_scalar!(
-            "SELECT 1 AS one FROM idempotency_abandoned WHERE nonce = $1",
-            nonce
-        )
-        .fetch_optional(&self.pool)
-        .await?
-        .is_some())
+        Ok(self
+            .on_conn(async |conn| {
+                sqlx::query_scalar!(
+                    "SELECT 1 AS one FROM idempotency_abandoned WHERE nonce = $1",
+                    nonce
+                )
+                .fetch_optional(conn)
+                .await
+            })
+            .await?
+            .is_some())
     }
 }
 

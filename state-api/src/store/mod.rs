@@ -20,7 +20,7 @@ mod writes;
 
 pub use batch::{BatchAnswers, BatchedClaim, CompleteItem};
 pub use claim::NewClaim;
-pub use pool::{pool, PoolSettings, Readiness, PULSE_EVERY};
+pub use pool::{pool, PoolSettings, Readiness, StallLimit, PULSE_EVERY};
 pub use purge::{PurgePass, PURGE_BATCH_GROWTH};
 pub use records::RecordRow;
 pub use writes::WriteResult;
@@ -56,6 +56,10 @@ pub enum StoreError {
     /// Postgres, or its answer came too late and a claim it made was released).
     #[error("the caller's time ran out")]
     CallerGone,
+    /// A round trip to the database went unanswered past `--db-stall-ms`: its connection was
+    /// given up (see `Store::on_conn`).
+    #[error("the database did not answer in time: its connection was given up")]
+    Stalled,
 }
 
 impl StoreError {
@@ -96,7 +100,11 @@ impl StoreError {
                 }
                 _ => false,
             },
-            Self::Contention | Self::Unanswered | Self::Overloaded | Self::CallerGone => true,
+            Self::Contention
+            | Self::Unanswered
+            | Self::Overloaded
+            | Self::CallerGone
+            | Self::Stalled => true,
             Self::Batch(e) => e.is_unavailable(),
             Self::Migrate(_) | Self::Corrupt(_) | Self::Sealed(_) => false,
         }
@@ -112,11 +120,16 @@ pub fn ms(v: i64) -> u64 {
 pub struct Store {
     pool: PgPool,
     sealer: Arc<Sealer>,
+    stall: StallLimit,
 }
 
 impl Store {
-    pub fn new(pool: PgPool, sealer: Arc<Sealer>) -> Self {
-        Self { pool, sealer }
+    pub fn new(pool: PgPool, sealer: Arc<Sealer>, stall: StallLimit) -> Self {
+        Self {
+            pool,
+            sealer,
+            stall,
+        }
     }
 
     /// The storage keys that seal and open stored responses.

@@ -4,7 +4,8 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use prometheus_client::metrics::counter::Counter;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use super::{Store, StoreError};
 
@@ -20,6 +21,46 @@ pub struct PoolSettings {
     /// with a restarted Postgres. A busy connection broken by a restart fails one request with
     /// 503, which the filter answers fail-closed (and a `complete` is retried).
     pub ping_when_idle: Option<Duration>,
+}
+
+/// When a database round trip is taken for a dead link (`--db-stall-ms`), and the count of the
+/// connections given up on that account.
+#[derive(Debug, Clone)]
+pub struct StallLimit {
+    pub after: Duration,
+    /// `state_api_db_connections_given_up_total`.
+    pub given_up: Counter,
+}
+
+impl Store {
+    /// Runs `query` on a connection of the pool. A round trip still unanswered after the stall
+    /// limit is taken for a dead link: a partition loses bytes without a reset or a FIN, and
+    /// TCP would deliver the answer only at its retransmission pace, seconds after the link
+    /// heals, while the pool stays full of connections waiting for it. So the connection is
+    /// closed and taken out of the pool (a new one replaces it) and the caller gets
+    /// [`StoreError::Stalled`] (503). Whether a write it carried committed is unknown, as for
+    /// any connection lost mid-statement.
+    pub(super) async fn on_conn<T>(
+        &self,
+        query: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.pool.acquire().await?;
+        let answered = tokio::time::timeout(self.stall.after, query(&mut conn)).await;
+        match answered {
+            Ok(result) => Ok(result?),
+            Err(_) => {
+                // Detached, its socket closed at once (a goodbye would wait on the dead link);
+                // the pool may open a replacement.
+                drop(conn.detach());
+                self.stall.given_up.inc();
+                tracing::warn!(
+                    stall_limit_ms = self.stall.after.as_millis() as u64,
+                    "a database round trip went unanswered: its connection was given up"
+                );
+                Err(StoreError::Stalled)
+            }
+        }
+    }
 }
 
 /// A lazily connecting pool: it (re)connects on demand, so the API starts answering 503 when
@@ -114,8 +155,7 @@ pub const PULSE_EVERY: Duration = Duration::from_millis(250);
 
 impl Store {
     pub async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query!("SELECT 1 AS one")
-            .fetch_one(&self.pool)
+        self.on_conn(async |conn| sqlx::query!("SELECT 1 AS one").fetch_one(conn).await)
             .await?;
         Ok(())
     }
@@ -123,14 +163,14 @@ impl Store {
     /// What the database behind the pool is: a primary (its timeline, and how many synchronous
     /// standbys it has, when this user may see them), or a server that cannot take writes.
     pub async fn readiness(&self) -> Result<Readiness, StoreError> {
-        let row = sqlx::query!(
+        let row = self.on_conn(async |conn| sqlx::query!(
             r#"SELECT pg_is_in_recovery() AS "standby!",
                CASE WHEN pg_is_in_recovery() THEN NULL ELSE idempotency_current_timeline() END AS timeline,
                (SELECT count(*) FROM pg_stat_replication WHERE sync_state IN ('sync', 'quorum')) AS "sync_standbys!",
                (SELECT count(*) FROM pg_stat_replication) AS "standbys!",
                current_setting('synchronous_standby_names') <> '' AS "synchronous!""#
         )
-        .fetch_one(&self.pool)
+        .fetch_one(conn).await)
         .await?;
         if row.standby {
             return Ok(Readiness::ReadOnly);
@@ -146,9 +186,12 @@ impl Store {
     /// One beat of the database's pulse (`idempotency_pulse()`, every [`PULSE_EVERY`] from
     /// every state API): the lease guard counts a silence of more than a second as an outage.
     pub async fn pulse(&self) -> Result<(), StoreError> {
-        sqlx::query!("SELECT idempotency_pulse() AS beat")
-            .fetch_one(&self.pool)
-            .await?;
+        self.on_conn(async |conn| {
+            sqlx::query!("SELECT idempotency_pulse() AS beat")
+                .fetch_one(conn)
+                .await
+        })
+        .await?;
         Ok(())
     }
 }

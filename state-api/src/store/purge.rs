@@ -27,7 +27,7 @@ impl Store {
         // `FOR UPDATE SKIP LOCKED` re-checks the condition on a row a concurrent write just
         // renewed, and skips rows being written right now. The CASE fixes the order: the lease
         // guard's function is asked only of an in-progress row past its lease.
-        let done = sqlx::query!(
+        let done = self.on_conn(async |conn| sqlx::query!(
             r#"WITH due AS (
         SELECT scope_hash, state FROM idempotency_records
         WHERE expires_at < clock_timestamp()
@@ -55,7 +55,7 @@ impl Store {
             i64::from(batch),
             retention_ms
         )
-        .fetch_one(&self.pool)
+        .fetch_one(conn).await)
         .await?;
         Ok(u64::try_from(done.rows).unwrap_or(0))
     }
@@ -72,10 +72,10 @@ impl Store {
     ) -> Result<PurgePass, StoreError> {
         let started = tokio::time::Instant::now();
         // Tombstones of abandoned claims outlive any claim that could still arrive by minutes.
-        sqlx::query!(
+        self.on_conn(async |conn| sqlx::query!(
             "DELETE FROM idempotency_abandoned WHERE abandoned_at < clock_timestamp() - interval '10 minutes'"
         )
-        .execute(&self.pool)
+        .execute(conn).await)
         .await?;
         let max = batch.saturating_mul(PURGE_BATCH_GROWTH);
         let mut size = batch.max(1);

@@ -28,17 +28,21 @@ pub struct RecordRow {
 impl Store {
     /// Whether a record lives at `scope` (a lookup during a rotation of the key secret).
     pub async fn exists(&self, scope: &ScopeHash) -> Result<bool, StoreError> {
-        Ok(sqlx::query_scalar!(
-            "SELECT 1 AS one FROM idempotency_records WHERE scope_hash = $1",
-            &scope[..]
-        )
-        .fetch_optional(&self.pool)
-        .await?
-        .is_some())
+        Ok(self
+            .on_conn(async |conn| {
+                sqlx::query_scalar!(
+                    "SELECT 1 AS one FROM idempotency_records WHERE scope_hash = $1",
+                    &scope[..]
+                )
+                .fetch_optional(conn)
+                .await
+            })
+            .await?
+            .is_some())
     }
 
     pub async fn record(&self, scope: &ScopeHash) -> Result<Option<RecordRow>, StoreError> {
-        let Some(r) = sqlx::query!(r#"
+        let Some(r) = self.on_conn(async |conn| sqlx::query!(r#"
     SELECT r.state, r.subject, r.endpoint, r.fingerprint_alg, r.fencing_token,
         CASE WHEN r.state = 'in_progress'
              THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
@@ -56,7 +60,7 @@ impl Store {
         r.lease_ms
     FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
     WHERE r.scope_hash = $1"#, &scope[..])
-            .fetch_optional(&self.pool)
+            .fetch_optional(conn).await)
             .await?
         else {
             return Ok(None);

@@ -37,7 +37,7 @@ impl Store {
         retention_ms: i64,
     ) -> Result<Beat, StoreError> {
         let lease = i64::try_from(lease_ms).unwrap_or(i64::MAX);
-        let row = sqlx::query_scalar!(
+        let row = self.on_conn(async |conn| sqlx::query_scalar!(
             "UPDATE idempotency_records
     SET lease_ms = $3, owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $5 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $5) THEN $5 ELSE scope_hash END,
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
@@ -51,19 +51,23 @@ impl Store {
             retention_ms,
             &current[..]
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(conn).await)
         .await?;
         if row.is_some() {
             return Ok(Beat::Extended);
         }
-        let marked = sqlx::query_scalar!(
-            "SELECT 1 AS one FROM idempotency_records
+        let marked = self
+            .on_conn(async |conn| {
+                sqlx::query_scalar!(
+                    "SELECT 1 AS one FROM idempotency_records
     WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'unknown'",
-            &scope[..],
-            token
-        )
-        .fetch_optional(&self.pool)
-        .await?;
+                    &scope[..],
+                    token
+                )
+                .fetch_optional(conn)
+                .await
+            })
+            .await?;
         Ok(if marked.is_some() {
             Beat::LeaseEnded
         } else {
@@ -80,7 +84,7 @@ impl Store {
         retention_ms: i64,
     ) -> Result<WriteResult, StoreError> {
         let sealed = self.sealer.seal(&scope[..], token, response);
-        let done = sqlx::query_scalar!(
+        let done = self.on_conn(async |conn| sqlx::query_scalar!(
             r#"UPDATE idempotency_records
             SET state = 'completed',
                 response_status = $3, response_headers = $4, response_body = $5,
@@ -101,7 +105,7 @@ impl Store {
             retention_ms,
             sealed.key_id
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(conn).await)
         .await?;
         match done {
             Some(expires_in_ms) => Ok(WriteResult::Done {
@@ -121,17 +125,21 @@ impl Store {
         current: &ScopeHash,
         token: i64,
     ) -> Result<bool, StoreError> {
-        let moved = sqlx::query_scalar!(
-            "UPDATE idempotency_records SET scope_hash = $2
+        let moved = self
+            .on_conn(async |conn| {
+                sqlx::query_scalar!(
+                    "UPDATE idempotency_records SET scope_hash = $2
             WHERE scope_hash = $1 AND fencing_token = $3 AND state IN ('in_progress', 'unknown')
               AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $2)
             RETURNING fencing_token",
-            &at[..],
-            &current[..],
-            token
-        )
-        .fetch_optional(&self.pool)
-        .await?;
+                    &at[..],
+                    &current[..],
+                    token
+                )
+                .fetch_optional(conn)
+                .await
+            })
+            .await?;
         Ok(moved.is_some())
     }
 
@@ -143,14 +151,14 @@ impl Store {
         token: i64,
     ) -> Result<WriteResult, StoreError> {
         // A retried complete of the same owner (its first answer was lost): the record as stored.
-        let same_owner_done = sqlx::query_scalar!(
+        let same_owner_done = self.on_conn(async |conn| sqlx::query_scalar!(
             r#"SELECT GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::bigint AS "expires_in_ms!"
             FROM idempotency_records
             WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'"#,
             &scope[..],
             token
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(conn).await)
         .await?;
         Ok(match same_owner_done {
             Some(expires_in_ms) => WriteResult::AlreadyDone {
@@ -171,7 +179,7 @@ impl Store {
     ) -> Result<Option<bool>, StoreError> {
         // The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
         // lease ends now: nothing heartbeats it any more; the retention counts from the mark.
-        let marked = sqlx::query_scalar!(
+        let marked = self.on_conn(async |conn| sqlx::query_scalar!(
             "UPDATE idempotency_records
     SET state = 'unknown', owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
@@ -184,7 +192,7 @@ impl Store {
             retention_ms,
             &current[..]
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(conn).await)
         .await?;
         if marked.is_some() {
             return Ok(Some(true));
@@ -205,7 +213,7 @@ impl Store {
     ) -> Result<bool, StoreError> {
         // Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
         // it over): then it is unknown again, since only this owner's attempt certainly did not run.
-        let row = sqlx::query_scalar!(
+        let row = self.on_conn(async |conn| sqlx::query_scalar!(
             r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
@@ -228,7 +236,7 @@ impl Store {
             retention_ms,
             &current[..]
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(conn).await)
         .await?;
         Ok(row.is_some())
     }
@@ -245,7 +253,7 @@ impl Store {
         nonce: &str,
         retention_ms: i64,
     ) -> Result<Abandoned, StoreError> {
-        let row = sqlx::query_scalar!(
+        let row = self.on_conn(async |conn| sqlx::query_scalar!(
             r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', claim_nonce = NULL, scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
@@ -272,7 +280,7 @@ impl Store {
             retention_ms,
             &current[..]
         )
-        .fetch_optional(&self.pool)
+        .fetch_optional(conn).await)
         .await?;
         Ok(match row.as_deref() {
             Some("unknown") => Abandoned::Unknown,

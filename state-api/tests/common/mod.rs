@@ -153,7 +153,7 @@ pub struct Api {
     pub base: String,
     pub client: reqwest::Client,
     /// The same routes, called in process by [`Api::post`] and [`Api::get`].
-    router: axum::Router,
+    pub router: axum::Router,
     pub state: AppState,
     pub db_url: String,
     /// A database of the shared cluster to drop afterwards when that is a DATABASE_URL server
