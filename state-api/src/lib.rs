@@ -109,18 +109,16 @@ impl AppState {
                 .with_previous(previous.expose_secret().as_bytes())
                 .map_err(|e| StartError::KeySecret(e.to_string()))?;
         }
-        let pool = store::pool(
-            config.database_url.expose_secret(),
-            &PoolSettings {
-                max_connections: config.pool_size,
-                acquire_timeout: config.acquire_timeout(),
-                statement_timeout_ms: config.statement_timeout_ms,
-                ping_when_idle: config
-                    .pool_ping
-                    .then(|| Duration::from_millis(config.pool_ping_idle_ms)),
-            },
-        )
-        .map_err(StartError::DatabaseUrl)?;
+        let pool_settings = PoolSettings {
+            max_connections: config.pool_size,
+            acquire_timeout: config.acquire_timeout(),
+            statement_timeout_ms: config.statement_timeout_ms,
+            ping_when_idle: config
+                .pool_ping
+                .then(|| Duration::from_millis(config.pool_ping_idle_ms)),
+        };
+        let pool = store::pool(config.database_url.expose_secret(), &pool_settings)
+            .map_err(StartError::DatabaseUrl)?;
         let token_digest = token_digest(config.api_token.expose_secret());
         let admin_digest = config
             .admin_token
@@ -133,6 +131,7 @@ impl AppState {
         let metrics = Arc::new(Metrics::default());
         let store = Store::new(
             pool,
+            &pool_settings,
             Arc::new(sealer(&config)?),
             StallLimit {
                 after: config.db_stall(),
@@ -332,7 +331,7 @@ where
         let _ = p.await;
     }
     let _ = pulse.await;
-    state.store().pool().close().await;
+    state.store().close().await;
     result.map_err(StartError::Io)
 }
 

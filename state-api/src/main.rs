@@ -60,7 +60,7 @@ async fn run(config: Config) -> Result<(), state_api::StartError> {
     state_api::migrate(&state, Duration::from_secs(15)).await?;
     tracing::info!("migrations applied");
     if migrate_only {
-        state.store().pool().close().await;
+        state.store().close().await;
         return Ok(());
     }
     let listener = tokio::net::TcpListener::bind(listen).await?;

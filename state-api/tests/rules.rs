@@ -246,18 +246,16 @@ impl Db {
         let cluster = test_support::postgres::shared()
             .unwrap_or_else(|e| panic!("no Postgres for the tests: {e}"));
         let url = cluster.fresh_database("rules").unwrap();
-        let pool = store::pool(
-            &url,
-            &PoolSettings {
-                max_connections: 2,
-                acquire_timeout: Duration::from_secs(10),
-                statement_timeout_ms: 10_000,
-                ping_when_idle: None,
-            },
-        )
-        .unwrap();
+        let settings = PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(10),
+            statement_timeout_ms: 10_000,
+            ping_when_idle: None,
+        };
+        let pool = store::pool(&url, &settings).unwrap();
         let store = Store::new(
             pool.clone(),
+            &settings,
             std::sync::Arc::new(Sealer::new(None, None)),
             store::StallLimit {
                 after: Duration::from_secs(10),

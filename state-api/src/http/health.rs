@@ -76,10 +76,10 @@ pub(crate) async fn readyz(State(state): State<AppState>) -> Result<String, ApiE
     )
 )]
 pub(crate) async fn metrics_text(State(state): State<AppState>) -> Response {
-    let pool = state.store().pool();
+    let (size, idle) = state.store().connections();
     let gauges = metrics::PoolGauges {
-        size: pool.size(),
-        idle: u32::try_from(pool.num_idle()).unwrap_or(u32::MAX),
+        size,
+        idle,
         max: state.config().pool_size,
     };
     (

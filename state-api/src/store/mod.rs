@@ -13,6 +13,7 @@ use crate::sealing::{OpenError, Sealer};
 
 mod batch;
 mod claim;
+mod held;
 mod pool;
 mod purge;
 mod records;
@@ -20,7 +21,8 @@ mod writes;
 
 pub use batch::{BatchAnswers, BatchedClaim, CompleteItem};
 pub use claim::NewClaim;
-pub use pool::{pool, PoolSettings, Readiness, StallLimit, PULSE_EVERY};
+pub use held::{StallLimit, POOL_SLOTS_BEYOND_THE_STORE};
+pub use pool::{pool, PoolSettings, Readiness, PULSE_EVERY};
 pub use purge::{PurgePass, PURGE_BATCH_GROWTH};
 pub use records::RecordRow;
 pub use writes::WriteResult;
@@ -57,7 +59,7 @@ pub enum StoreError {
     #[error("the caller's time ran out")]
     CallerGone,
     /// A round trip to the database went unanswered past `--db-stall-ms`: its connection was
-    /// given up (see `Store::on_conn`).
+    /// given up (see `held`).
     #[error("the database did not answer in time: its connection was given up")]
     Stalled,
 }
@@ -119,17 +121,42 @@ pub fn ms(v: i64) -> u64 {
 #[derive(Clone)]
 pub struct Store {
     pool: PgPool,
+    held: Arc<held::Held>,
     sealer: Arc<Sealer>,
-    stall: StallLimit,
 }
 
 impl Store {
-    pub fn new(pool: PgPool, sealer: Arc<Sealer>, stall: StallLimit) -> Self {
+    /// The store over `pool` (made by [`pool`] with the same `settings`).
+    pub fn new(
+        pool: PgPool,
+        settings: &PoolSettings,
+        sealer: Arc<Sealer>,
+        stall: StallLimit,
+    ) -> Self {
         Self {
             pool,
+            held: held::Held::new(
+                settings.max_connections,
+                settings.acquire_timeout,
+                settings.ping_when_idle,
+                stall,
+            ),
             sealer,
-            stall,
         }
+    }
+
+    /// Connections in the pool (the store's, in use or held idle, and the pool's own), and
+    /// those idle.
+    pub fn connections(&self) -> (u32, u32) {
+        let idle = self.held.idle_count() + self.pool.num_idle();
+        (self.pool.size(), u32::try_from(idle).unwrap_or(u32::MAX))
+    }
+
+    /// Closes every connection: the store's idle ones, then the pool (which waits for those
+    /// in use).
+    pub async fn close(&self) {
+        self.held.drain();
+        self.pool.close().await;
     }
 
     /// The storage keys that seal and open stored responses.

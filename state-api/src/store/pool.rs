@@ -4,9 +4,9 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use prometheus_client::metrics::counter::Counter;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
+use super::held::POOL_SLOTS_BEYOND_THE_STORE;
 use super::{Store, StoreError};
 
 /// Pool settings taken from the configuration.
@@ -21,46 +21,6 @@ pub struct PoolSettings {
     /// with a restarted Postgres. A busy connection broken by a restart fails one request with
     /// 503, which the filter answers fail-closed (and a `complete` is retried).
     pub ping_when_idle: Option<Duration>,
-}
-
-/// When a database round trip is taken for a dead link (`--db-stall-ms`), and the count of the
-/// connections given up on that account.
-#[derive(Debug, Clone)]
-pub struct StallLimit {
-    pub after: Duration,
-    /// `state_api_db_connections_given_up_total`.
-    pub given_up: Counter,
-}
-
-impl Store {
-    /// Runs `query` on a connection of the pool. A round trip still unanswered after the stall
-    /// limit is taken for a dead link: a partition loses bytes without a reset or a FIN, and
-    /// TCP would deliver the answer only at its retransmission pace, seconds after the link
-    /// heals, while the pool stays full of connections waiting for it. So the connection is
-    /// closed and taken out of the pool (a new one replaces it) and the caller gets
-    /// [`StoreError::Stalled`] (503). Whether a write it carried committed is unknown, as for
-    /// any connection lost mid-statement.
-    pub(super) async fn on_conn<T>(
-        &self,
-        query: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
-    ) -> Result<T, StoreError> {
-        let mut conn = self.pool.acquire().await?;
-        let answered = tokio::time::timeout(self.stall.after, query(&mut conn)).await;
-        match answered {
-            Ok(result) => Ok(result?),
-            Err(_) => {
-                // Detached, its socket closed at once (a goodbye would wait on the dead link);
-                // the pool may open a replacement.
-                drop(conn.detach());
-                self.stall.given_up.inc();
-                tracing::warn!(
-                    stall_limit_ms = self.stall.after.as_millis() as u64,
-                    "a database round trip went unanswered: its connection was given up"
-                );
-                Err(StoreError::Stalled)
-            }
-        }
-    }
 }
 
 /// A lazily connecting pool: it (re)connects on demand, so the API starts answering 503 when
@@ -92,21 +52,14 @@ pub fn pool(url: &str, s: &PoolSettings) -> Result<PgPool, sqlx::Error> {
             // call, 70-170 ms of Postgres CPU for each claim of an abandoned key (auto_explain).
             ("jit", "off"),
         ]);
-    let mut options = PgPoolOptions::new()
-        .max_connections(s.max_connections)
+    // The store's own uses are bounded by `max_connections` in `Held`; the pool keeps a few
+    // slots beyond them for the operator's actions and the migrations. Idle connections are
+    // pinged by `Held` (`ping_when_idle`): the store's stay out of this pool between uses.
+    let options = PgPoolOptions::new()
+        .max_connections(s.max_connections + POOL_SLOTS_BEYOND_THE_STORE)
         .acquire_timeout(s.acquire_timeout)
         .test_before_acquire(false)
         .after_connect(|conn, _| Box::pin(register_timeline(conn)));
-    if let Some(idle) = s.ping_when_idle {
-        options = options.before_acquire(move |conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= idle {
-                    sqlx::Connection::ping(conn).await?;
-                }
-                Ok(true)
-            })
-        });
-    }
     Ok(options.connect_lazy_with(opts))
 }
 
