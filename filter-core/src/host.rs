@@ -8,7 +8,9 @@
 //! running means returning `Continue`, any other stream is resumed by a host call; a callout is
 //! made only from the context Envoy will deliver its answer to (a stream's from that stream's
 //! callbacks, the worker's from the root context's), and one that cannot be made is answered at
-//! once as failed, the worker's answer to that going first, before the effects still queued.
+//! once as failed, the worker's answer to that going first, before the effects still queued;
+//! at most [`REPLIES_PER_CALLBACK`] local replies go out in one callback, the rest at the next
+//! wake.
 
 use crate::flow::Verdict;
 use crate::metrics::Metric;
@@ -79,17 +81,35 @@ pub trait Host {
     fn log(&mut self, level: Level, message: String);
 }
 
+/// The most local replies one callback sends. Envoy sends each after the callback returns,
+/// and runs the next one from inside the response callback into the module that the one before
+/// caused: replies made in one callback nest as deep as they are many. 250 of them (a crowd of
+/// waiting retries answered when their key completed) overflowed V8's stack ("Maximum call
+/// stack size exceeded" in `proxy_on_response_headers`), which killed the worker's VM: the
+/// streams it held were reset and every later request on the worker answered 503. Past this
+/// many, the replies to other streams wait in the worker for the next wake (a callback of its
+/// own); the current stream's own reply always goes.
+pub const REPLIES_PER_CALLBACK: usize = 16;
+
 /// Carries out `effects` in order and returns the verdict of the current callback (`verdict`
 /// unless an effect changes it).
 pub fn perform<H: Host>(host: &mut H, verdict: Verdict, effects: Vec<Effect>) -> Verdict {
     let current = host.current();
     let mut verdict = verdict;
     let mut queue: VecDeque<Effect> = effects.into();
+    let mut replies = 0;
+    let mut deferred = Vec::new();
     while let Some(effect) = queue.pop_front() {
         match effect {
             Effect::Reply { stream, reply } => {
+                let own = current.stream() == Some(stream);
+                if !own && replies >= REPLIES_PER_CALLBACK {
+                    deferred.push((stream, reply));
+                    continue;
+                }
+                replies += 1;
                 host.reply(stream, reply);
-                if current.stream() == Some(stream) {
+                if own {
                     verdict = Verdict::Pause;
                 }
             }
@@ -136,6 +156,10 @@ pub fn perform<H: Host>(host: &mut H, verdict: Verdict, effects: Vec<Effect>) ->
             Effect::Count(m) => host.count(m),
             Effect::Log(level, msg) => host.log(level, msg),
         }
+    }
+    if !deferred.is_empty() {
+        host.with_worker(|w, _| w.defer_replies(deferred));
+        host.wake();
     }
     verdict
 }
@@ -258,6 +282,91 @@ mod tests {
             vec![Effect::Reply { stream: 3, reply }],
         );
         assert_eq!(v, Verdict::Pause);
+    }
+
+    /// A host with a worker, that records the replies it sends.
+    struct Replier {
+        current: Current,
+        worker: Worker,
+        replied: Vec<StreamId>,
+        wakes: usize,
+    }
+
+    impl Host for Replier {
+        fn current(&self) -> Current {
+            self.current
+        }
+        fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
+            Some(f(&mut self.worker, 0))
+        }
+        fn reply(&mut self, stream: StreamId, _reply: LocalReply) {
+            self.replied.push(stream);
+        }
+        fn set_request_header(&mut self, _: StreamId, _: &'static str, _: String) {}
+        fn remove_request_header(&mut self, _: StreamId, _: &'static str) {}
+        fn resume_request(&mut self, _: StreamId) {}
+        fn resume_response(&mut self, _: StreamId) {}
+        fn dispatch(&mut self, _: Dispatch) -> Result<(), String> {
+            Ok(())
+        }
+        fn misplaced_callout(&mut self, _: &Dispatch) {}
+        fn wake(&mut self) {
+            self.wakes += 1;
+        }
+        fn count(&mut self, _: Metric) {}
+        fn log(&mut self, _: Level, _: String) {}
+    }
+
+    #[test]
+    fn a_callback_sends_a_bounded_number_of_replies_and_the_rest_go_at_the_next_wakes() {
+        let cfg = crate::config::Config::parse(
+            br#"{"state_api": {"cluster": "s", "authority": "s", "token": "t", "timeout_ms": 1000},
+                 "subject": {"header": "x-jwt-sub"},
+                 "routes": [{"method": "POST", "path": "/checkout", "key": "required"}]}"#,
+        )
+        .unwrap();
+        let mut h = Replier {
+            current: Current::Stream(30),
+            worker: Worker::new(cfg),
+            replied: Vec::new(),
+            wakes: 0,
+        };
+        let reply = LocalReply::problem(contract::ProblemKind::Internal, "x");
+        let effects: Vec<Effect> = (1..=40)
+            .map(|stream| Effect::Reply {
+                stream,
+                reply: reply.clone(),
+            })
+            .collect();
+        let v = perform(&mut h, Verdict::Continue, effects);
+        // The first 16, and the current stream's own reply although it comes past them.
+        let mut first: Vec<StreamId> = (1..=16).collect();
+        first.push(30);
+        assert_eq!(h.replied, first);
+        assert_eq!(v, Verdict::Pause);
+        assert_eq!(h.wakes, 1);
+        // A stream that ended meanwhile gets nothing.
+        h.worker.on_stream_done(40, 0);
+        // Each wake sends the next ones, in order, at most the bound.
+        h.current = Current::Root;
+        for round in 1..=2 {
+            let effects = h.worker.on_wake(0);
+            let before = h.replied.len();
+            perform(&mut h, Verdict::Continue, effects);
+            assert!(
+                h.replied.len() - before <= REPLIES_PER_CALLBACK,
+                "round {round}"
+            );
+        }
+        let mut rest: Vec<StreamId> = (17..=29).chain(31..=39).collect();
+        first.append(&mut rest);
+        assert_eq!(h.replied, first);
+        assert_eq!(h.wakes, 2, "one wake a callback that left replies waiting");
+        assert!(h
+            .worker
+            .on_wake(0)
+            .iter()
+            .all(|e| !matches!(e, Effect::Reply { .. })));
     }
 
     #[test]

@@ -42,6 +42,7 @@ pub mod writes;
 
 use crate::config::Config;
 use crate::flow::{Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
+use crate::reply::LocalReply;
 use crate::route_table::RouteTable;
 use in_flight::InFlightMemory;
 use registry::Registry;
@@ -155,6 +156,8 @@ pub struct Worker {
     /// Abandons handed over so far: each is kept under a negative token of its own, since the
     /// claim it gives back never learnt its token.
     abandons: i64,
+    /// Replies past the bound of one callback, for the next wake.
+    deferred_replies: Vec<(StreamId, LocalReply)>,
     /// Request body bytes its streams hold before forwarding (their sum of
     /// [`Flow::held_request_bytes`]), bounded by `max_buffered_bytes`.
     held_request_bytes: u64,
@@ -194,6 +197,7 @@ impl std::fmt::Debug for Worker {
             .field("instance", &self.instance)
             .field("claims_sent", &self.claims_sent)
             .field("abandons", &self.abandons)
+            .field("deferred_replies", &self.deferred_replies)
             .finish()
     }
 }
@@ -229,6 +233,7 @@ impl Worker {
             instance: "w".into(),
             claims_sent: 0,
             abandons: 0,
+            deferred_replies: Vec::new(),
             held_request_bytes: 0,
             max_buffered_bytes: cfg.max_buffered_bytes(),
             routes: RouteTable::of(&cfg),
@@ -439,6 +444,8 @@ impl Worker {
 
     /// The stream is over (`on_done`): its callouts are cancelled by Envoy, its flow goes.
     pub fn on_stream_done(&mut self, stream: StreamId, now_ms: u64) -> Vec<Effect> {
+        // A reply still waiting for a wake has nobody to go to.
+        self.deferred_replies.retain(|(s, _)| *s != stream);
         let Some(mut flow) = self.flows.remove(&stream) else {
             return Vec::new();
         };
@@ -653,6 +660,12 @@ impl Worker {
     // Root context events
 
     /// The root context's tick: heartbeats that are due, writes that are due, expired memory.
+    /// Local replies a callback could not send ([`crate::host::REPLIES_PER_CALLBACK`]): they go,
+    /// in order, at the next wake, which the host asks for.
+    pub fn defer_replies(&mut self, replies: Vec<(StreamId, LocalReply)>) {
+        self.deferred_replies.extend(replies);
+    }
+
     pub fn on_tick(&mut self, now_ms: u64) -> Vec<Effect> {
         let mut effects = Vec::new();
         self.replays.purge_expired(now_ms);
@@ -671,7 +684,11 @@ impl Worker {
     pub fn on_wake(&mut self, now_ms: u64) -> Vec<Effect> {
         self.wake_pending = false;
         self.handed_await_lane = false;
-        let mut effects = Vec::new();
+        let mut effects: Vec<Effect> = self
+            .deferred_replies
+            .drain(..)
+            .map(|(stream, reply)| Effect::Reply { stream, reply })
+            .collect();
         self.send_writes(now_ms, &mut effects);
         self.send_batches(&mut effects);
         effects
