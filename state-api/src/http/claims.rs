@@ -233,6 +233,11 @@ async fn wait_for_outcome(
     };
     let started = tokio::time::Instant::now();
     let deadline = started + std::time::Duration::from_millis(wait_ms);
+    let poll = state.waiters().poll();
+    // Claims that began to wait together would look again together, every poll: a burst as
+    // large as the crowd each time, over the group commit's queue bound. Each one's first look
+    // comes at a point of its own within the poll.
+    let mut next_look = first_look_within(poll);
     let mut outcome = first;
     loop {
         let woken = slot.notify.notified();
@@ -243,21 +248,39 @@ async fn wait_for_outcome(
             state.metrics().wait(metrics::WaitEnd::TimedOut);
             return Ok((outcome, Some(elapsed_ms(started))));
         }
-        let nap = (deadline - now).min(state.waiters().poll());
+        let nap = (deadline - now).min(next_look);
+        next_look = poll;
         tokio::select! {
             _ = &mut woken => {}
             _ = tokio::time::sleep(nap) => {}
         }
-        outcome = state
-            .batcher()
-            .claim(job.clone())
-            .await
-            .inspect_err(|e| state.metrics().count_unopenable(e))?;
+        outcome = match state.batcher().claim(job.clone()).await {
+            Ok(now_seen) => now_seen,
+            // A look that could not be made (the queue full as a crowd of waiters woke at
+            // once, the pool busy, a dead link) does not end the wait with a 503: the next
+            // look comes at the next poll or wake-up, and at the deadline the last answer
+            // stands (in progress: 409 and Retry-After). A caller gone ends it.
+            Err(e) if e.is_unavailable() && !matches!(e, StoreError::CallerGone) => {
+                tracing::debug!(error = %e, "a waiting claim could not look again; it waits on");
+                continue;
+            }
+            Err(e) => {
+                state.metrics().count_unopenable(&e);
+                return Err(e.into());
+            }
+        };
         if !matches!(outcome, ClaimResponse::InProgress { .. }) {
             state.metrics().wait(metrics::WaitEnd::Settled);
             return Ok((outcome, Some(elapsed_ms(started))));
         }
     }
+}
+
+/// A point within `poll`, different for each call.
+fn first_look_within(poll: std::time::Duration) -> std::time::Duration {
+    use std::hash::BuildHasher;
+    let r = std::collections::hash_map::RandomState::new().hash_one(std::time::Instant::now());
+    poll.mul_f64((r % 1_000) as f64 / 1_000.0)
 }
 
 fn elapsed_ms(since: tokio::time::Instant) -> u64 {
