@@ -63,7 +63,7 @@ async fn run(config: Config) -> Result<(), state_api::StartError> {
         state.store().close().await;
         return Ok(());
     }
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let listener = bind(listen)?;
     let addr = listener.local_addr()?;
     match tls {
         None => {
@@ -84,4 +84,23 @@ async fn run(config: Config) -> Result<(), state_api::StartError> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Pending connections the listener keeps (the kernel caps it at `net.core.somaxconn`). Each
+/// waiting claim (`Prefer: wait`) holds a connection from Envoy of its own: a crowd of them
+/// arriving at once overflowed tokio's default of 1,024 (`TcpExtListenOverflows`), and Envoy's
+/// 500 ms connect timeout failed the callouts whose handshakes the kernel dropped (20-66 of
+/// 1,000 waiters answered 503 in the waiting curve).
+const LISTEN_BACKLOG: u32 = 8_192;
+
+fn bind(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restarted state API binds while old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }

@@ -149,7 +149,7 @@ fn measure(
     // refused streams, and the filter's and state API's refusals.
     let envoy_counters = stack
         .envoy
-        .admin_get("/stats?usedonly&filter=(downstream_cx_destroy|downstream_rq_[45]xx|rq_timeout|overflow|reset|wasmcustom)")
+        .admin_get("/stats?usedonly&filter=(downstream_cx_destroy|downstream_rq_[45]xx|rq_timeout|overflow|reset|wasmcustom|connect_fail|upstream_rq_5xx|with_active_rq|protocol_error)")
         .unwrap_or_else(|e| format!("(Envoy's stats: {e})"));
     for line in envoy_counters.lines().filter(|l| !l.ends_with(": 0")) {
         eprintln!("    envoy {line}");
