@@ -14,6 +14,7 @@
 //! replaces it), and the caller gets [`StoreError::Stalled`] (503). Whether a write it carried
 //! committed is unknown, as for any connection lost mid-statement.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -48,6 +49,9 @@ pub(super) struct Held {
     /// Ping an idle connection before use when it has been idle at least this long.
     ping_when_idle: Option<Duration>,
     stall: StallLimit,
+    /// Set at shutdown: a connection coming back from a use is closed, not kept (the pool's
+    /// close waits for every connection it counts).
+    closed: AtomicBool,
 }
 
 impl Held {
@@ -63,6 +67,7 @@ impl Held {
             acquire_timeout,
             ping_when_idle,
             stall,
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -75,11 +80,24 @@ impl Held {
         self.idle().len()
     }
 
-    /// Closes the idle connections (at shutdown, before the pool closes).
+    /// Closes the idle connections, and from now on every one that comes back from a use (at
+    /// shutdown, before the pool closes).
     pub(super) fn drain(&self) {
+        self.closed.store(true, Ordering::SeqCst);
         let idle = std::mem::take(&mut *self.idle());
         for (conn, _) in idle {
             give_up(conn);
+        }
+    }
+
+    /// Keeps a connection that came back from a use for the next one (closes it at shutdown).
+    fn keep(&self, conn: PoolConnection<Postgres>) {
+        let mut idle = self.idle();
+        if self.closed.load(Ordering::SeqCst) {
+            drop(idle);
+            give_up(conn);
+        } else {
+            idle.push((conn, Instant::now()));
         }
     }
 
@@ -157,12 +175,12 @@ impl Store {
         let answered = tokio::time::timeout(held.stall.after, query(&mut conn)).await;
         match answered {
             Ok(Ok(v)) => {
-                held.idle().push((conn, Instant::now()));
+                held.keep(conn);
                 Ok(v)
             }
             Ok(Err(e)) => {
                 if connection_survives(&e) {
-                    held.idle().push((conn, Instant::now()));
+                    held.keep(conn);
                 } else {
                     give_up(conn);
                 }
