@@ -111,6 +111,23 @@ pub struct CpuUse {
     pub state_api_requests_per_statement: Option<f64>,
 }
 
+impl CpuUse {
+    /// Thousandths of a core each of `n` things (waiters, say) cost during the window, for
+    /// Envoy, the state API, Postgres, the bench itself and interrupts.
+    pub fn thousandths_each(&self, n: usize) -> BTreeMap<String, f64> {
+        let each = |cores: f64| cores * 1000.0 / n.max(1) as f64;
+        let mut out: BTreeMap<String, f64> = ["envoy", "state-api", "postgres", "bench"]
+            .into_iter()
+            .map(|name| {
+                let cores = self.processes.get(name).copied().unwrap_or(0.0);
+                (name.to_owned(), each(cores))
+            })
+            .collect();
+        out.insert("irq".into(), each(self.irq_cores));
+        out
+    }
+}
+
 /// How much of the machine was not ours to measure: other work or the hypervisor's steal,
 /// whichever was larger (they overlap), in cores.
 pub fn noise_cores(other_cores: f64, steal_cores: f64) -> f64 {

@@ -93,15 +93,7 @@ pub fn measure(
             wrong.load(Relaxed)
         ));
     }
-    let per = |cores: f64| cores * 1000.0 / waiters.max(1) as f64;
-    let mut cpu_ms = std::collections::BTreeMap::new();
-    for name in ["envoy", "state-api", "postgres", "bench"] {
-        cpu_ms.insert(
-            name.to_owned(),
-            per(cpu.processes.get(name).copied().unwrap_or(0.0)),
-        );
-    }
-    cpu_ms.insert("irq".into(), per(cpu.irq_cores));
+    let cpu_ms = cpu.thousandths_each(waiters);
     let total = cpu_ms.values().sum();
     let claims = cpu.state_api_requests.get("claim").copied().unwrap_or(0.0);
     Ok(WaitCost {

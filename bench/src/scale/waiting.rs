@@ -107,15 +107,7 @@ fn measure(
         Ok::<_, String>((a, b, envoy_waiting, api_waiting, started))
     })?;
     let cpu = crate::cpu_between(&a, &b, tck);
-    let per_waiter = |cores: f64| cores * 1000.0 / waiters.max(1) as f64;
-    let mut cpu_per_waiter = BTreeMap::new();
-    for name in ["envoy", "state-api", "postgres", "bench"] {
-        cpu_per_waiter.insert(
-            name.to_owned(),
-            per_waiter(cpu.processes.get(name).copied().unwrap_or(0.0)),
-        );
-    }
-    cpu_per_waiter.insert("irq".into(), per_waiter(cpu.irq_cores));
+    let cpu_per_waiter = cpu.thousandths_each(waiters);
     let done: BTreeMap<usize, Instant> = slow_done
         .lock()
         .map(|d| d.iter().map(|(k, _, t)| (*k, *t)).collect())
@@ -145,53 +137,9 @@ fn measure(
         steal_cores: cpu.steal_cores,
     };
     let _ = started;
-    // Where the answers that were not replays came from: Envoy's own counters of reset and
-    // refused streams, and the filter's and state API's refusals.
-    let envoy_counters = stack
-        .envoy
-        .admin_get("/stats?usedonly&filter=(downstream_cx_destroy|downstream_rq_[45]xx|rq_timeout|overflow|reset|wasmcustom|connect_fail|upstream_rq_5xx|with_active_rq|protocol_error)")
-        .unwrap_or_else(|e| format!("(Envoy's stats: {e})"));
-    for line in envoy_counters.lines().filter(|l| !l.ends_with(": 0")) {
-        eprintln!("    envoy {line}");
-    }
-    // The filter's and its Wasm VM's complaints (a host call that failed, a trap), each kind
-    // once with its count.
-    let mut complaints: BTreeMap<String, u64> = BTreeMap::new();
-    for line in stack.envoy.log().lines() {
-        let complaint = [
-            "idempotency",
-            "wasm",
-            "panicked",
-            "RuntimeError",
-            "critical",
-        ]
-        .iter()
-        .filter_map(|w| line.find(w))
-        .min();
-        if let Some(at) = complaint.filter(|_| !line.contains("filter configured")) {
-            let text: String = line[at..]
-                .chars()
-                .filter(|c| !c.is_ascii_digit())
-                .take(160)
-                .collect();
-            *complaints.entry(text).or_default() += 1;
-        }
-    }
-    for (text, n) in complaints.iter().rev().take(12) {
-        eprintln!("    envoy log x{n}: {text}");
-    }
-    let api_metrics = test_support::net::http_get_at(addr(port), "/metrics")
-        .unwrap_or_else(|e| format!("(the state API's metrics: {e})"));
-    for line in api_metrics.lines().filter(|l| {
-        (l.starts_with("state_api_errors_total")
-            || l.starts_with("state_api_shed_total")
-            || l.starts_with("state_api_waits_total"))
-            && !l.ends_with(" 0")
-    }) {
-        eprintln!("    state API {line}");
-    }
+    print_refusal_sources(stack, port);
     eprintln!(
-        "  {:>6} waiters: Envoy {:.0} -> {:.0} MiB ({:.1} KiB each), state API {:.0} -> {:.0} MiB ({:.1} KiB each); CPU per waiter {:?}; {:.3} claims/waiter/s; last replay {:.0} ms after its key completed (median {:.0}); answers {:?}; slow {:?}",
+        "  {:>6} waiters: Envoy {:.0} -> {:.0} MiB ({:.1} KiB each), state API {:.0} -> {:.0} MiB ({:.1} KiB each); CPU per waiter {:?}; {:.3} claim answers/waiter/s; last replay {:.0} ms after its key completed (median {:.0}); answers {:?}; slow {:?}",
         waiters, point.envoy_rss_before_mib, point.envoy_rss_waiting_mib, point.envoy_kib_per_waiter,
         point.state_api_rss_before_mib, point.state_api_rss_waiting_mib, point.state_api_kib_per_waiter,
         point.cpu_per_waiter, point.claims_per_waiter_s, point.last_replay_after_ms, point.median_replay_after_ms,
@@ -371,6 +319,55 @@ fn goals(c: &WaitingCurve) -> Vec<Goal> {
         .collect()
 }
 
+/// Where the answers that were not replays came from: Envoy's own counters of reset and
+/// refused streams, the filter's and its Wasm VM's complaints in Envoy's log, and the state
+/// API's refusals.
+fn print_refusal_sources(stack: &Stack, port: u16) {
+    let envoy_counters = stack
+        .envoy
+        .admin_get("/stats?usedonly&filter=(downstream_cx_destroy|downstream_rq_[45]xx|rq_timeout|overflow|reset|wasmcustom|connect_fail|upstream_rq_5xx|with_active_rq|protocol_error)")
+        .unwrap_or_else(|e| format!("(Envoy's stats: {e})"));
+    for line in envoy_counters.lines().filter(|l| !l.ends_with(": 0")) {
+        eprintln!("    envoy {line}");
+    }
+    // The filter's and its Wasm VM's complaints (a host call that failed, a trap), each kind
+    // once with its count.
+    let mut complaints: BTreeMap<String, u64> = BTreeMap::new();
+    for line in stack.envoy.log().lines() {
+        let complaint = [
+            "idempotency",
+            "wasm",
+            "panicked",
+            "RuntimeError",
+            "critical",
+        ]
+        .iter()
+        .filter_map(|w| line.find(w))
+        .min();
+        if let Some(at) = complaint.filter(|_| !line.contains("filter configured")) {
+            let text: String = line[at..]
+                .chars()
+                .filter(|c| !c.is_ascii_digit())
+                .take(160)
+                .collect();
+            *complaints.entry(text).or_default() += 1;
+        }
+    }
+    for (text, n) in complaints.iter().rev().take(12) {
+        eprintln!("    envoy log x{n}: {text}");
+    }
+    let api_metrics = test_support::net::http_get_at(addr(port), "/metrics")
+        .unwrap_or_else(|e| format!("(the state API's metrics: {e})"));
+    for line in api_metrics.lines().filter(|l| {
+        (l.starts_with("state_api_errors_total")
+            || l.starts_with("state_api_shed_total")
+            || l.starts_with("state_api_waits_total"))
+            && !l.ends_with(" 0")
+    }) {
+        eprintln!("    state API {line}");
+    }
+}
+
 fn markdown(c: &WaitingCurve) -> String {
     let rows: Vec<Vec<String>> = c
         .points
@@ -407,9 +404,9 @@ fn markdown(c: &WaitingCurve) -> String {
         })
         .collect();
     format!(
-        "### 6. Waiting retries\n\nRetries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key).\n\n{}",
+        "### 6. Waiting retries\n\nRetries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Claim answers per waiter per second while they wait: 0 means no waiter asked again (each holds its one claim open while the state API looks at the record for it; those looks are in the state API's and Postgres's CPU). Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key).\n\n{}",
         table(
-            &["waiters", "Envoy MiB", "Envoy KiB/waiter", "state API MiB", "state API KiB/waiter", "Envoy", "state API", "Postgres", "claims/waiter/s", "replay median ms", "last replay ms", "answers", "steal"],
+            &["waiters", "Envoy MiB", "Envoy KiB/waiter", "state API MiB", "state API KiB/waiter", "Envoy", "state API", "Postgres", "claim answers/waiter/s", "replay median ms", "last replay ms", "answers", "steal"],
             &rows,
             true
         )

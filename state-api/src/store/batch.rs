@@ -207,6 +207,18 @@ impl Store {
                     .await
             })
             .await?;
+        self.answers(rows, claims, m).await
+    }
+
+    /// The statement's rows, each answered as the single path would answer it, in the order of
+    /// the inputs; a fingerprint found under the previous key is re-keyed on the way.
+    async fn answers(
+        &self,
+        rows: Vec<sqlx::postgres::PgRow>,
+        claims: &[NewClaim<'_>],
+        completes: usize,
+    ) -> Result<BatchAnswers, StoreError> {
+        let (n, m) = (claims.len(), completes);
         let mut found: Vec<Option<ClaimRow>> = std::iter::repeat_with(|| None).take(n).collect();
         let mut done: Vec<Option<u64>> = vec![None; m];
         let slot = |idx: i64, len: usize| {
