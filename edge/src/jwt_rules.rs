@@ -4,7 +4,10 @@
 use yaml_rust2::Yaml;
 
 use crate::config::{Config, Match, Route, Subject};
-use crate::render::{map, n, s, JWT_PROVIDER};
+use crate::yaml::{map, n, s};
+
+/// The jwt_authn provider.
+pub const JWT_PROVIDER: &str = "edge";
 
 /// Up to this many protected routes of one method each have a jwt_authn rule of their own (the
 /// rendered configuration reads as the file does). Past it, the method's routes are one rule

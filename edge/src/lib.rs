@@ -9,6 +9,7 @@ mod jwt_rules;
 pub mod mesh;
 pub mod render;
 pub mod run;
+mod yaml;
 
 /// The parts `edge run` starts and supervises (crate `edge-runtime`), under their old paths.
 pub use edge_runtime::{data_home, ha, net, process, services};

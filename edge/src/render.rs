@@ -17,10 +17,10 @@ use contract::state_env;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
-use yaml_rust2::yaml::Hash;
 use yaml_rust2::{Yaml, YamlEmitter};
 
 use crate::config::{reachable, Config, Endpoint, Jwks, Jwt, Match, StateTls, Subject};
+use crate::yaml::{duration, map, n, s};
 use filter_core::config as fc;
 
 /// What the rendering needs besides the file: where Envoy finds the module, the token the filter
@@ -40,36 +40,11 @@ pub const UPSTREAM_CLUSTER: &str = "upstream";
 pub const STATE_API_CLUSTER: &str = "state_api";
 pub const JWKS_CLUSTER: &str = "jwks";
 /// The jwt_authn provider.
-pub const JWT_PROVIDER: &str = "edge";
-
-pub(crate) fn s(v: impl Into<String>) -> Yaml {
-    Yaml::String(v.into())
-}
-
-pub(crate) fn n(v: u64) -> Yaml {
-    Yaml::Integer(i64::try_from(v).unwrap_or(i64::MAX))
-}
-
-pub(crate) fn map(pairs: Vec<(&str, Yaml)>) -> Yaml {
-    let mut h = Hash::new();
-    for (k, v) in pairs {
-        h.insert(s(k), v);
-    }
-    Yaml::Hash(h)
-}
+pub use crate::jwt_rules::JWT_PROVIDER;
 
 fn typed(type_name: &str, mut pairs: Vec<(&str, Yaml)>) -> Yaml {
     pairs.insert(0, ("@type", s(format!("type.googleapis.com/{type_name}"))));
     map(pairs)
-}
-
-/// Envoy's duration syntax (`1.500s`).
-pub(crate) fn duration(ms: u64) -> Yaml {
-    if ms.is_multiple_of(1000) {
-        s(format!("{}s", ms / 1000))
-    } else {
-        s(format!("{}.{:03}s", ms / 1000, ms % 1000))
-    }
 }
 
 fn socket_address(addr: SocketAddr) -> Yaml {

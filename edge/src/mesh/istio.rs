@@ -5,7 +5,7 @@
 use yaml_rust2::Yaml;
 
 use super::*;
-use crate::render::{duration, n};
+use crate::yaml::{duration, n};
 
 pub(super) fn istio(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Vec<Yaml> {
     let mut docs = vec![envoy_filter(cfg, plugin, pins)];

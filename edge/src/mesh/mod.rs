@@ -32,7 +32,8 @@ use yaml_rust2::{Yaml, YamlEmitter};
 
 pub use crate::config::is_object_name;
 use crate::config::{Config, Endpoint, Jwks, OnStateUnavailable, Subject};
-use crate::render::{self, map, s, Wiring};
+use crate::render::{self, Wiring};
+use crate::yaml::{map, s};
 
 mod gateway;
 mod istio;

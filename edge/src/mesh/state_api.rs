@@ -7,7 +7,7 @@ use contract::state_env;
 use yaml_rust2::Yaml;
 
 use super::*;
-use crate::render::n;
+use crate::yaml::n;
 
 /// The state API's secrets, from the file or as placeholders that say where to set them.
 pub struct Secrets {
