@@ -21,6 +21,7 @@ mod purge;
 mod report;
 mod scale;
 mod soak;
+mod table;
 mod waiting;
 
 use std::net::SocketAddr;

@@ -310,42 +310,9 @@ fn goals_table(goals: &[Goal], md: bool) -> String {
     table(&head, &rows, md)
 }
 
-/// A table: Markdown (every column after the first two right-aligned), or aligned text.
+/// A table whose first two columns are names: Markdown or aligned text.
 pub fn table(head: &[&str], rows: &[Vec<String>], md: bool) -> String {
-    if md {
-        let mut out = format!("| {} |\n|", head.join(" | "));
-        for i in 0..head.len() {
-            out += if i < 2 { "---|" } else { "---:|" };
-        }
-        out += "\n";
-        for r in rows {
-            out += &format!("| {} |\n", r.join(" | "));
-        }
-        return out;
-    }
-    let width: Vec<usize> = (0..head.len())
-        .map(|i| {
-            rows.iter()
-                .filter_map(|r| r.get(i))
-                .map(|c| c.chars().count())
-                .chain([head[i].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for r in std::iter::once(head.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>())
-        .chain(rows.iter().cloned())
-    {
-        let cells: Vec<String> = r
-            .iter()
-            .zip(&width)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        out += cells.join("  ").trim_end();
-        out += "\n";
-    }
-    out
+    crate::table::table(head, rows, md, 2)
 }
 
 /// A figure with `digits` decimals, or "n/a".

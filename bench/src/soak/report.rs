@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::*;
+use crate::table::table;
 
 /// One minute as reported: the load's counts and the figures read at its end.
 #[derive(Debug, Clone, Serialize)]
@@ -327,7 +328,7 @@ impl SoakReport {
                 ]
             })
             .collect();
-        table(&head, &cells, md)
+        table(&head, &cells, md, 1)
     }
 
     pub(super) fn verdict_table(&self, md: bool) -> String {
@@ -353,7 +354,7 @@ impl SoakReport {
                 ]
             })
             .collect();
-        table(&head, &cells, md)
+        table(&head, &cells, md, 1)
     }
 
     pub(super) fn summary(&self) -> String {
@@ -444,40 +445,6 @@ impl SoakReport {
             RULE
         )
     }
-}
-
-/// A table: Markdown, or aligned text for the terminal.
-pub(super) fn table(head: &[&str], rows: &[Vec<String>], md: bool) -> String {
-    let mut out = String::new();
-    if md {
-        out += &format!("| {} |\n", head.join(" | "));
-        out += &format!("|---|{}\n", "---:|".repeat(head.len() - 1));
-        for r in rows {
-            out += &format!("| {} |\n", r.join(" | "));
-        }
-        return out;
-    }
-    let width: Vec<usize> = (0..head.len())
-        .map(|i| {
-            rows.iter()
-                .map(|r| r[i].chars().count())
-                .chain([head[i].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    for r in
-        std::iter::once(head.iter().map(|h| (*h).to_owned()).collect()).chain(rows.iter().cloned())
-    {
-        let line: Vec<String> = r
-            .iter()
-            .zip(&width)
-            .map(|(c, w)| format!("{c:>w$}"))
-            .collect();
-        out += &line.join("  ");
-        out += "\n";
-    }
-    out
 }
 
 #[cfg(test)]
