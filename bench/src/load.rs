@@ -62,17 +62,10 @@ pub struct Conn {
 
 impl Conn {
     pub async fn open(addr: SocketAddr) -> Result<Self, String> {
-        let stream = TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connect {addr}: {e}"))?;
-        stream.set_nodelay(true).map_err(|e| e.to_string())?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Ok(Self { addr, sender })
+        Ok(Self {
+            addr,
+            sender: handshake(addr).await?,
+        })
     }
 
     pub async fn send(&mut self, req: &Req) -> Result<Answer, String> {
@@ -95,20 +88,47 @@ impl Conn {
             .send_request(request)
             .await
             .map_err(|e| format!("send: {e}"))?;
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| format!("body: {e}"))?
-            .to_bytes();
-        Ok(Answer {
-            status,
-            headers,
-            body,
-        })
+        read_answer(response).await
     }
+}
+
+/// A new HTTP/1.1 connection to `addr` (no Nagle), its requests' bodies of type `B`.
+pub async fn handshake<B>(addr: SocketAddr) -> Result<SendRequest<B>, String>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
+}
+
+/// A response read to the end.
+pub async fn read_answer(
+    response: hyper::Response<hyper::body::Incoming>,
+) -> Result<Answer, String> {
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("body: {e}"))?
+        .to_bytes();
+    Ok(Answer {
+        status,
+        headers,
+        body,
+    })
 }
 
 /// What one operation of a scenario did.

@@ -15,10 +15,13 @@
 //! (b) Envoy's memory with many large bodies in flight: 500 concurrent 1 MiB requests with
 //! distinct keys (quick: 100), through the filter with its default `max_buffered_bytes`
 //! (64 MiB per worker) and through a second filter Envoy with it at 1 GiB (where only Envoy's
-//! memory bounded the buffering before). Every answer must be 201 or 503 + Retry-After (the
+//! memory bounded the buffering before). Each request holds all of its body but the last byte in
+//! flight until every one has come that far (`held_body`), so the bodies are held at once, and
+//! Envoy is measured then. Every answer must be 201 or 503 + Retry-After (the
 //! bound), no 503's request may reach the checkout, and each refused key, sent again
-//! afterwards, must run once (201, not a replay): nothing lost. Goal: Envoy's resident memory
-//! grows by at most the bound and a quarter (Envoy's own read buffers).
+//! afterwards (as a client would, again while refused with 503 + Retry-After), must run once
+//! (201, not a replay): nothing lost. Goal: Envoy's resident memory grows by at most the bound
+//! and a quarter (Envoy's own read buffers).
 //!
 //! Settings: SCALE_BODY_PARTS, the parts to run, `cost` (a), `burst` (b) or both (the default,
 //! `cost,burst`): `SCALE_CURVES=body SCALE_BODY_PARTS=cost` measures the fingerprint alone, in
@@ -35,6 +38,7 @@ use serde::Serialize;
 use test_support::envoy::Envoy;
 use test_support::stack::{Stack, StackOptions};
 
+use super::held_body;
 use super::{at_most, fig, memory_mib, ratio, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::{Conn, Req};
 use crate::{addr, alice, env_u64, plain_params, procfs};
@@ -106,8 +110,14 @@ struct Burst {
     retried_other: BTreeMap<String, u64>,
     /// Charges per key of the created ones that were not exactly one.
     created_not_charged_once: u64,
+    /// Requests Envoy held in progress at once, their bodies but the last byte read, when it was
+    /// measured.
+    held_at_once: u64,
     rss_before_mib: f64,
+    /// Envoy's resident memory while the bodies were held.
+    rss_held_mib: f64,
     hwm_after_mib: f64,
+    /// Resident: the high-water mark after, less before.
     growth_mib: f64,
     seconds: f64,
 }
@@ -261,13 +271,22 @@ fn class(a: &crate::load::Answer) -> String {
     }
 }
 
-/// `n` concurrent requests with 1 MiB bodies and distinct keys through `envoy`.
-async fn burst(
-    envoy: std::net::SocketAddr,
-    prefix: &str,
-    n: usize,
-    body: Bytes,
-) -> Vec<(String, String)> {
+/// What a burst's requests got, and Envoy's resident memory while their bodies were held.
+struct BurstAnswers {
+    /// (key, class of its answer), in the order sent.
+    answers: Vec<(String, String)>,
+    /// Requests Envoy held in progress at once, their bodies but the last byte read, before the
+    /// last bytes went.
+    held: u64,
+    rss_held_mib: f64,
+}
+
+/// `n` concurrent requests with 1 MiB bodies and distinct keys through `envoy`, each body held
+/// but for its last byte until all of them are in flight (`held_body`); Envoy (`pid`) is
+/// measured then.
+async fn burst(envoy: &Envoy, pid: u32, prefix: &str, n: usize, body: Bytes) -> BurstAnswers {
+    let gate = held_body::Gate::new();
+    let target = addr(envoy.params.listen_port);
     let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
         let key = format!("{prefix}-{i}");
@@ -275,23 +294,50 @@ async fn burst(
             .header("authorization", &format!("Bearer {}", alice()))
             .header("content-type", "application/json")
             .header("idempotency-key", &key);
+        let gate = gate.clone();
         tasks.push(tokio::spawn(async move {
-            let answer = async { Conn::open(envoy).await?.send(&req).await }.await;
-            let kind = match answer {
+            let kind = match held_body::send(target, &req, &gate).await {
                 Ok(a) => class(&a),
                 Err(e) => format!("transport: {}", crate::load::short(&e)),
             };
             (key, kind)
         }));
     }
-    let mut out = Vec::with_capacity(n);
+    let counts = || envoy_in_progress_and_read(envoy);
+    let (held, _) = gate.all_held(n, Duration::from_secs(60), counts).await;
+    let (rss_held_mib, _) = memory_mib(pid);
+    gate.open();
+    let mut answers = Vec::with_capacity(n);
     for t in tasks {
-        out.push(
+        answers.push(
             t.await
                 .unwrap_or_else(|e| (String::new(), format!("task: {e}"))),
         );
     }
-    out
+    BurstAnswers {
+        answers,
+        held,
+        rss_held_mib,
+    }
+}
+
+/// Envoy's requests in progress on its listener and the bytes it has read from its clients
+/// (its admin stats, the admin listener's own left out).
+fn envoy_in_progress_and_read(envoy: &Envoy) -> Option<(u64, u64)> {
+    let stats = envoy
+        .admin_get("/stats?filter=(downstream_rq_active|downstream_cx_rx_bytes_total)$")
+        .ok()?;
+    let (mut active, mut read) = (0, 0);
+    for line in stats.lines().filter(|l| !l.starts_with("http.admin.")) {
+        let (name, value) = line.split_once(": ")?;
+        let value: u64 = value.trim().parse().ok()?;
+        if name.ends_with(".downstream_rq_active") {
+            active += value;
+        } else if name.ends_with(".downstream_cx_rx_bytes_total") {
+            read += value;
+        }
+    }
+    Some((active, read))
 }
 
 fn measure_burst(
@@ -308,9 +354,14 @@ fn measure_burst(
     let body = Bytes::from(json_body(MIB));
     let prefix = format!("scale-body-{name}-{}", std::process::id());
     let t0 = Instant::now();
-    let answers = rt.block_on(burst(target, &prefix, n, body.clone()));
+    let BurstAnswers {
+        answers,
+        held,
+        rss_held_mib,
+    } = rt.block_on(burst(envoy, pid, &prefix, n, body.clone()));
     let seconds = t0.elapsed().as_secs_f64();
     let (_, hwm_after) = memory_mib(pid);
+    super::print_refusal_sources(envoy, stack.state_api.port);
     let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
     for (_, k) in &answers {
         *by_kind.entry(k.clone()).or_default() += 1;
@@ -329,30 +380,8 @@ fn measure_burst(
         .filter(|(_, k)| k == "201")
         .filter(|(key, _)| charges.get(key).copied().unwrap_or(0) != 1)
         .count() as u64;
-    // Nothing lost: each refused key, sent again (16 at a time), runs once.
-    let retried = rt.block_on(async {
-        let mut out: BTreeMap<String, u64> = BTreeMap::new();
-        for group in refused.chunks(16) {
-            let mut tasks = Vec::new();
-            for key in group {
-                let req = Req::post("/checkout", body.clone())
-                    .header("authorization", &format!("Bearer {}", alice()))
-                    .header("content-type", "application/json")
-                    .header("idempotency-key", key);
-                tasks.push(tokio::spawn(async move {
-                    match async { Conn::open(target).await?.send(&req).await }.await {
-                        Ok(a) => class(&a),
-                        Err(e) => format!("transport: {}", crate::load::short(&e)),
-                    }
-                }));
-            }
-            for t in tasks {
-                *out.entry(t.await.unwrap_or_else(|e| format!("task: {e}")))
-                    .or_default() += 1;
-            }
-        }
-        out
-    });
+    // Nothing lost: each refused key, sent again, runs once.
+    let retried = rt.block_on(send_again(target, &refused, &body));
     let retried_created = retried.get("201").copied().unwrap_or(0);
     let mut other = by_kind.clone();
     let created = other.remove("201").unwrap_or(0);
@@ -383,16 +412,61 @@ fn measure_burst(
         retried_created,
         retried_other,
         created_not_charged_once,
+        held_at_once: held,
         rss_before_mib: rss_before,
+        rss_held_mib,
         hwm_after_mib: hwm_after,
         growth_mib: hwm_after - rss_before,
         seconds,
     };
     eprintln!(
-        "  {n} x 1 MiB through {name} (max_buffered_bytes {:.0} MiB): {} x 201, {} x 503 ({} edge-buffers-full), other {:?}; Envoy {:.0} -> {:.0} MiB (+{:.0}); refused sent again: {} x 201, other {:?}",
-        b.max_buffered_mib, b.created, b.refused_503, b.buffers_full_503, b.other, b.rss_before_mib, b.hwm_after_mib, b.growth_mib, b.retried_created, b.retried_other
+        "  {n} x 1 MiB through {name} (max_buffered_bytes {:.0} MiB; {} held at once, Envoy {:.0} MiB then): {} x 201, {} x 503 ({} edge-buffers-full), other {:?}; Envoy {:.0} -> {:.0} MiB (+{:.0}); refused sent again: {} x 201, other {:?}",
+        b.max_buffered_mib, b.held_at_once, b.rss_held_mib, b.created, b.refused_503, b.buffers_full_503, b.other, b.rss_before_mib, b.hwm_after_mib, b.growth_mib, b.retried_created, b.retried_other
     );
     Ok(b)
+}
+
+/// Each of `keys` sent again (16 at a time) as a client would: again after a second while the
+/// answer is a 503 + Retry-After, three times at most. The last answer of each, by class.
+async fn send_again(
+    target: std::net::SocketAddr,
+    keys: &[&String],
+    body: &Bytes,
+) -> BTreeMap<String, u64> {
+    let mut out: BTreeMap<String, u64> = BTreeMap::new();
+    for group in keys.chunks(16) {
+        let mut tasks = Vec::new();
+        for key in group {
+            let req = Req::post("/checkout", body.clone())
+                .header("authorization", &format!("Bearer {}", alice()))
+                .header("content-type", "application/json")
+                .header("idempotency-key", key);
+            tasks.push(tokio::spawn(async move {
+                let mut class_of_last = String::new();
+                for attempt in 0..3 {
+                    if attempt > 0 {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    class_of_last = match async { Conn::open(target).await?.send(&req).await }.await
+                    {
+                        Ok(a) => class(&a),
+                        Err(e) => format!("transport: {}", crate::load::short(&e)),
+                    };
+                    let try_again = class_of_last.starts_with("503 ")
+                        && class_of_last != "503 without Retry-After";
+                    if !try_again {
+                        break;
+                    }
+                }
+                class_of_last
+            }));
+        }
+        for t in tasks {
+            *out.entry(t.await.unwrap_or_else(|e| format!("task: {e}")))
+                .or_default() += 1;
+        }
+    }
+    out
 }
 
 /// Charges in the checkout's ledger per idempotency key starting with `prefix`.
@@ -566,14 +640,15 @@ fn goals(c: &BodyCurve) -> Vec<Goal> {
     let mut goals = c.costs.as_ref().map(cost_goals).unwrap_or_default();
     if let Some(b) = c.bursts.iter().find(|b| b.envoy == "bounded") {
         let allowed = b.max_buffered_mib * 1.25;
+        let wide = c.bursts.iter().find(|w| w.envoy == "wide");
         goals.push(Goal::new(
             "body",
-            format!("{} concurrent 1 MiB requests: Envoy's memory growth with max_buffered_bytes {} MiB", b.requests, fig(b.max_buffered_mib, 0)),
+            format!("{} concurrent 1 MiB requests ({} held at once): Envoy's memory growth with max_buffered_bytes {} MiB", b.requests, b.held_at_once, fig(b.max_buffered_mib, 0)),
             format!("<= {} MiB (the bound and a quarter)", fig(allowed, 0)),
             format!(
-                "+{} MiB ({} MiB with the bound at 1 GiB)",
+                "+{} MiB ({} with the bound at 1 GiB)",
                 fig(b.growth_mib, 0),
-                c.bursts.iter().find(|w| w.envoy == "wide").map_or("n/a".into(), |w| format!("+{}", fig(w.growth_mib, 0)))
+                wide.map_or("n/a".into(), |w| format!("+{} MiB, {} held", fig(w.growth_mib, 0), w.held_at_once)),
             ),
             Some(at_most(b.growth_mib, allowed)),
         ));
@@ -661,12 +736,14 @@ fn markdown(c: &BodyCurve) -> String {
                 b.envoy.clone(),
                 fig(b.max_buffered_mib, 0),
                 b.requests.to_string(),
+                b.held_at_once.to_string(),
                 b.created.to_string(),
                 format!("{} ({} buffers full)", b.refused_503, b.buffers_full_503),
                 (b.other.values().sum::<u64>() + b.refused_without_retry_after).to_string(),
                 b.refused_but_forwarded.to_string(),
                 format!("{} of {}", b.retried_created, b.refused_503),
                 fig(b.rss_before_mib, 0),
+                fig(b.rss_held_mib, 0),
                 fig(b.hwm_after_mib, 0),
                 fig(b.growth_mib, 0),
                 fig(b.seconds, 1),
@@ -674,9 +751,9 @@ fn markdown(c: &BodyCurve) -> String {
         })
         .collect();
     out += &format!(
-        "Many large bodies in flight: concurrent 1 MiB JSON requests with distinct keys through the filter with its default `max_buffered_bytes` and through a second filter Envoy with it at 1 GiB; Envoy's resident memory before, and its high-water mark after; the refused keys sent again afterwards.\n\n{}",
+        "Many large bodies in flight: concurrent 1 MiB JSON requests with distinct keys through the filter with its default `max_buffered_bytes` and through a second filter Envoy with it at 1 GiB. Each request sends all of its body but the last byte and holds it until every request has come that far or was answered (held at once); Envoy's resident memory before, while they are held, and its high-water mark after; the refused keys sent again afterwards (again after a second while refused with 503 + Retry-After, three times at most).\n\n{}",
         table(
-            &["Envoy", "max_buffered MiB", "requests", "201", "503 + Retry-After", "other", "503 forwarded", "refused, again: 201", "RSS before MiB", "HWM after MiB", "growth MiB", "seconds"],
+            &["Envoy", "max_buffered MiB", "requests", "held at once", "201", "503 + Retry-After", "other", "503 forwarded", "refused, again: 201", "RSS before MiB", "RSS held MiB", "HWM after MiB", "growth MiB", "seconds"],
             &burst_rows,
             true
         )

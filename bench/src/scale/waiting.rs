@@ -137,7 +137,7 @@ fn measure(
         steal_cores: cpu.steal_cores,
     };
     let _ = started;
-    print_refusal_sources(stack, port);
+    super::print_refusal_sources(&stack.envoy, port);
     eprintln!(
         "  {:>6} waiters: Envoy {:.0} -> {:.0} MiB ({:.1} KiB each), state API {:.0} -> {:.0} MiB ({:.1} KiB each); CPU per waiter {:?}; {:.3} claim answers/waiter/s; last replay {:.0} ms after its key completed (median {:.0}); answers {:?}; slow {:?}",
         waiters, point.envoy_rss_before_mib, point.envoy_rss_waiting_mib, point.envoy_kib_per_waiter,
@@ -317,55 +317,6 @@ fn goals(c: &WaitingCurve) -> Vec<Goal> {
             )
         })
         .collect()
-}
-
-/// Where the answers that were not replays came from: Envoy's own counters of reset and
-/// refused streams, the filter's and its Wasm VM's complaints in Envoy's log, and the state
-/// API's refusals.
-fn print_refusal_sources(stack: &Stack, port: u16) {
-    let envoy_counters = stack
-        .envoy
-        .admin_get("/stats?usedonly&filter=(downstream_cx_destroy|downstream_rq_[45]xx|rq_timeout|overflow|reset|wasmcustom|connect_fail|upstream_rq_5xx|with_active_rq|protocol_error)")
-        .unwrap_or_else(|e| format!("(Envoy's stats: {e})"));
-    for line in envoy_counters.lines().filter(|l| !l.ends_with(": 0")) {
-        eprintln!("    envoy {line}");
-    }
-    // The filter's and its Wasm VM's complaints (a host call that failed, a trap), each kind
-    // once with its count.
-    let mut complaints: BTreeMap<String, u64> = BTreeMap::new();
-    for line in stack.envoy.log().lines() {
-        let complaint = [
-            "idempotency",
-            "wasm",
-            "panicked",
-            "RuntimeError",
-            "critical",
-        ]
-        .iter()
-        .filter_map(|w| line.find(w))
-        .min();
-        if let Some(at) = complaint.filter(|_| !line.contains("filter configured")) {
-            let text: String = line[at..]
-                .chars()
-                .filter(|c| !c.is_ascii_digit())
-                .take(160)
-                .collect();
-            *complaints.entry(text).or_default() += 1;
-        }
-    }
-    for (text, n) in complaints.iter().rev().take(12) {
-        eprintln!("    envoy log x{n}: {text}");
-    }
-    let api_metrics = test_support::net::http_get_at(addr(port), "/metrics")
-        .unwrap_or_else(|e| format!("(the state API's metrics: {e})"));
-    for line in api_metrics.lines().filter(|l| {
-        (l.starts_with("state_api_errors_total")
-            || l.starts_with("state_api_shed_total")
-            || l.starts_with("state_api_waits_total"))
-            && !l.ends_with(" 0")
-    }) {
-        eprintln!("    state API {line}");
-    }
 }
 
 fn markdown(c: &WaitingCurve) -> String {
