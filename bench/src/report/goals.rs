@@ -113,11 +113,12 @@ fn cost_goals(i: &Inputs, ratios: &[Ratio]) -> Vec<Goal> {
         |v| v <= 50.0,
     );
     goal(
+        // Issue 38 raised the budget from 300 KiB, for correctness rather than bytes.
         "filter .wasm size",
-        "<= 300 KiB",
+        "<= 350 KiB",
         Some(i.wasm_bytes as f64 / 1024.0),
         " KiB",
-        |v| v <= 300.0,
+        |v| v <= 350.0,
     );
     goals
 }
