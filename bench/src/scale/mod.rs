@@ -24,6 +24,7 @@
 //! the curves' own settings (see each module).
 
 mod body;
+mod burst;
 mod clients;
 mod held_body;
 mod records;
