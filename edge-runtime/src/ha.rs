@@ -532,6 +532,8 @@ bootstrap:
         # (tests/tests/partitions.rs, the zombie primary).
         wal_sender_timeout: 5s
         autovacuum_naptime: 10s
+        # Full-page images of random-key index leaves, compressed (bench/NOTES.md, nineteenth round).
+        wal_compression: lz4
   initdb:
     - encoding: UTF8
     - locale: C.UTF-8

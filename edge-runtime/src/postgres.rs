@@ -334,6 +334,11 @@ impl Local {
                 // (with the table's own thresholds, see the migrations), not once a minute.
                 "-c",
                 "autovacuum_naptime=10s",
+                // Records are addressed by random 32-byte keys, so after each checkpoint almost
+                // every write touches an index leaf for the first time and logs its whole page:
+                // compressed, that WAL is about half (bench/NOTES.md, nineteenth round).
+                "-c",
+                "wal_compression=lz4",
             ]);
         cmd.stdout(log).stderr(log2);
         let mut server = ChildGuard::spawn("postgres", &mut cmd)?;
