@@ -176,20 +176,21 @@ mod tests {
     #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    /// A host that records what it is asked to do.
+    /// A host that records what it is asked to do; with a worker, it hands it over.
     struct Recorder {
         current: Current,
         done: Vec<String>,
         dispatch_fails: bool,
+        worker: Option<Worker>,
     }
 
     impl Host for Recorder {
         fn current(&self) -> Current {
             self.current
         }
-        fn with_worker<T>(&mut self, _f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
+        fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
             self.done.push("worker told".into());
-            None
+            self.worker.as_mut().map(|w| f(w, 0))
         }
         fn reply(&mut self, stream: StreamId, reply: LocalReply) {
             self.done.push(format!("reply {stream} {}", reply.status));
@@ -233,6 +234,22 @@ mod tests {
             current,
             done: Vec::new(),
             dispatch_fails: false,
+            worker: None,
+        }
+    }
+
+    impl Recorder {
+        /// The streams replied to, in order.
+        fn replied(&self) -> Vec<StreamId> {
+            self.done
+                .iter()
+                .filter_map(|d| d.strip_prefix("reply "))
+                .filter_map(|d| d.split(' ').next()?.parse().ok())
+                .collect()
+        }
+
+        fn wakes(&self) -> usize {
+            self.done.iter().filter(|d| *d == "wake").count()
         }
     }
 
@@ -284,39 +301,6 @@ mod tests {
         assert_eq!(v, Verdict::Pause);
     }
 
-    /// A host with a worker, that records the replies it sends.
-    struct Replier {
-        current: Current,
-        worker: Worker,
-        replied: Vec<StreamId>,
-        wakes: usize,
-    }
-
-    impl Host for Replier {
-        fn current(&self) -> Current {
-            self.current
-        }
-        fn with_worker<T>(&mut self, f: impl FnOnce(&mut Worker, u64) -> T) -> Option<T> {
-            Some(f(&mut self.worker, 0))
-        }
-        fn reply(&mut self, stream: StreamId, _reply: LocalReply) {
-            self.replied.push(stream);
-        }
-        fn set_request_header(&mut self, _: StreamId, _: &'static str, _: String) {}
-        fn remove_request_header(&mut self, _: StreamId, _: &'static str) {}
-        fn resume_request(&mut self, _: StreamId) {}
-        fn resume_response(&mut self, _: StreamId) {}
-        fn dispatch(&mut self, _: Dispatch) -> Result<(), String> {
-            Ok(())
-        }
-        fn misplaced_callout(&mut self, _: &Dispatch) {}
-        fn wake(&mut self) {
-            self.wakes += 1;
-        }
-        fn count(&mut self, _: Metric) {}
-        fn log(&mut self, _: Level, _: String) {}
-    }
-
     #[test]
     fn a_callback_sends_a_bounded_number_of_replies_and_the_rest_go_at_the_next_wakes() {
         let cfg = crate::config::Config::parse(
@@ -325,11 +309,9 @@ mod tests {
                  "routes": [{"method": "POST", "path": "/checkout", "key": "required"}]}"#,
         )
         .unwrap();
-        let mut h = Replier {
-            current: Current::Stream(30),
-            worker: Worker::new(cfg),
-            replied: Vec::new(),
-            wakes: 0,
+        let mut h = Recorder {
+            worker: Some(Worker::new(cfg)),
+            ..recorder(Current::Stream(30))
         };
         let reply = LocalReply::problem(contract::ProblemKind::Internal, "x");
         let effects: Vec<Effect> = (1..=40)
@@ -342,28 +324,35 @@ mod tests {
         // The first 16, and the current stream's own reply although it comes past them.
         let mut first: Vec<StreamId> = (1..=16).collect();
         first.push(30);
-        assert_eq!(h.replied, first);
+        assert_eq!(h.replied(), first);
         assert_eq!(v, Verdict::Pause);
-        assert_eq!(h.wakes, 1);
+        assert_eq!(h.wakes(), 1);
         // A stream that ended meanwhile gets nothing.
-        h.worker.on_stream_done(40, 0);
+        let worker = h.worker.as_mut().unwrap();
+        worker.on_stream_done(40, 0);
         // Each wake sends the next ones, in order, at most the bound.
         h.current = Current::Root;
         for round in 1..=2 {
-            let effects = h.worker.on_wake(0);
-            let before = h.replied.len();
+            let effects = h.worker.as_mut().unwrap().on_wake(0);
+            let before = h.replied().len();
             perform(&mut h, Verdict::Continue, effects);
             assert!(
-                h.replied.len() - before <= REPLIES_PER_CALLBACK,
+                h.replied().len() - before <= REPLIES_PER_CALLBACK,
                 "round {round}"
             );
         }
         let mut rest: Vec<StreamId> = (17..=29).chain(31..=39).collect();
         first.append(&mut rest);
-        assert_eq!(h.replied, first);
-        assert_eq!(h.wakes, 2, "one wake a callback that left replies waiting");
+        assert_eq!(h.replied(), first);
+        assert_eq!(
+            h.wakes(),
+            2,
+            "one wake a callback that left replies waiting"
+        );
         assert!(h
             .worker
+            .as_mut()
+            .unwrap()
             .on_wake(0)
             .iter()
             .all(|e| !matches!(e, Effect::Reply { .. })));
