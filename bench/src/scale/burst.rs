@@ -100,7 +100,7 @@ async fn burst(envoy: &Envoy, pid: u32, prefix: &str, n: usize, body: Bytes) -> 
         }));
     }
     let counts = || envoy_in_progress_and_read(envoy);
-    let (held, _) = gate.all_held(n, Duration::from_secs(60), counts).await;
+    let held = gate.all_held(n, Duration::from_secs(60), counts).await;
     let (rss_held_mib, _) = memory_mib(pid);
     gate.open();
     let mut answers = Vec::with_capacity(n);
