@@ -21,7 +21,10 @@
 //! bound), no 503's request may reach the checkout, and each refused key, sent again
 //! afterwards (as a client would, again while refused with 503 + Retry-After), must run once
 //! (201, not a replay): nothing lost. Goal: Envoy's resident memory grows by at most the bound
-//! and a quarter (Envoy's own read buffers).
+//! and, for each connection, what Envoy reads from it before it stops reading (the listener's
+//! `per_connection_buffer_limit_bytes`, `edge::render::CONNECTION_READ_BYTES`), and a quarter:
+//! a request refused at its headers keeps its connection, and what its client sends is read
+//! and dropped that much at a time.
 //!
 //! Settings: SCALE_BODY_PARTS, the parts to run, `cost` (a), `burst` (b) or both (the default,
 //! `cost,burst`): `SCALE_CURVES=body SCALE_BODY_PARTS=cost` measures the fingerprint alone, in
@@ -345,12 +348,19 @@ fn cost_goals(costs: &Costs) -> Vec<Goal> {
 fn goals(c: &BodyCurve) -> Vec<Goal> {
     let mut goals = c.costs.as_ref().map(cost_goals).unwrap_or_default();
     if let Some(b) = c.bursts.iter().find(|b| b.envoy == "bounded") {
-        let allowed = b.max_buffered_mib * 1.25;
+        // What Envoy may hold: the filter's bound, and for every connection what Envoy reads
+        // from it before it stops reading (the listener's limit), and a quarter.
+        let per_connection_mib = edge::render::CONNECTION_READ_BYTES as f64 / MIB as f64;
+        let allowed = (b.max_buffered_mib + b.requests as f64 * per_connection_mib) * 1.25;
         let wide = c.bursts.iter().find(|w| w.envoy == "wide");
         goals.push(Goal::new(
             "body",
             format!("{} concurrent 1 MiB requests ({} held at once): Envoy's memory growth with max_buffered_bytes {} MiB", b.requests, b.held_at_once, fig(b.max_buffered_mib, 0)),
-            format!("<= {} MiB (the bound and a quarter)", fig(allowed, 0)),
+            format!(
+                "<= {} MiB (the bound, {} KiB read a connection, and a quarter)",
+                fig(allowed, 0),
+                edge::render::CONNECTION_READ_BYTES / 1024
+            ),
             format!(
                 "+{} MiB ({} with the bound at 1 GiB)",
                 fig(b.growth_mib, 0),
