@@ -71,8 +71,9 @@ def body(ax, c):
                                           ("json_mib_per_s", "^", "tab:green", "JSON, canonical")):
             ax.plot(b, [x[key] for x in rows], marker + style, color=color,
                     label=f"{label}, {'V8' if engine == 'v8' else 'natively'}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if costs:  # a run of the burst alone has no sizes to put on a log scale
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_xlabel("body bytes")
     ax.set_ylabel("MiB/s")
     text = "\n".join(
@@ -142,7 +143,8 @@ def main(src, dst):
         else:
             empty(ax, title)
         ax.grid(True, alpha=0.3)
-    quick = " (quick: smoke versions)" if report["settings"]["quick"] else ""
+    measured = report.get("measured", {})
+    quick = " (quick: smoke versions)" if any(m.get("quick") for m in measured.values()) else ""
     fig.suptitle(f"make bench-scale{quick}, {report['git']}")
     fig.tight_layout()
     fig.savefig(dst, dpi=90)

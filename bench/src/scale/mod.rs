@@ -28,19 +28,18 @@ mod burst;
 mod clients;
 mod held_body;
 mod records;
+mod report;
 mod routes;
 mod steady;
 mod waiting;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::{env_u64, plot_script, procfs, wait_for_quiet};
-
-use crate::bench_doc::{splice_between, SCALE_BEGIN as BEGIN, SCALE_END as END};
+use crate::{env_u64, procfs, wait_for_quiet};
 
 /// The curves, in the order they run.
 const CURVES: [&str; 6] = ["body", "routes", "clients", "waiting", "records", "steady"];
@@ -81,7 +80,7 @@ impl Settings {
 
 /// How quiet the machine was while a curve ran: the load average around it and the highest
 /// steal and other work of its measured runs, in cores (figures from a noisy machine are noise).
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct Quiet {
     pub load_before: f64,
     pub load_after: f64,
@@ -130,9 +129,9 @@ impl Quiet {
 }
 
 /// One goal of a curve, as printed.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Goal {
-    pub curve: &'static str,
+    pub curve: String,
     pub goal: String,
     pub target: String,
     pub measured: String,
@@ -149,7 +148,7 @@ impl Goal {
         pass: Option<bool>,
     ) -> Self {
         Self {
-            curve,
+            curve: curve.to_owned(),
             goal: goal.into(),
             target: target.into(),
             measured: measured.into(),
@@ -173,19 +172,6 @@ pub struct CurveOutput {
     pub goals: Vec<Goal>,
     pub markdown: String,
     pub quiet: Quiet,
-}
-
-#[derive(Debug, Clone, Serialize)]
-struct ScaleReport {
-    generated_unix_s: u64,
-    git: String,
-    settings: Settings,
-    total_s: f64,
-    curves: BTreeMap<String, serde_json::Value>,
-    quiet: BTreeMap<String, Quiet>,
-    goals: Vec<Goal>,
-    /// Curves that failed to run, with why.
-    failed: BTreeMap<String, String>,
 }
 
 pub fn run() -> Result<(), String> {
@@ -254,27 +240,13 @@ pub fn run() -> Result<(), String> {
             Some(false),
         ));
     }
-    let report = ScaleReport {
-        generated_unix_s: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+    println!("{}", report::goals_table(&goals, false));
+    let run = report::Run {
         git: crate::report::git_state(),
         settings: settings.clone(),
         total_s: started.elapsed().as_secs_f64(),
-        curves: outputs
-            .iter()
-            .map(|o| (o.name.to_owned(), o.json.clone()))
-            .collect(),
-        quiet: outputs
-            .iter()
-            .map(|o| (o.name.to_owned(), o.quiet.clone()))
-            .collect(),
-        goals: goals.clone(),
-        failed: failed.clone(),
     };
-    println!("{}", goals_table(&goals, false));
-    write_outputs(&report, &outputs, &out_dir)?;
+    report::write(&run, &outputs, &failed, &out_dir)?;
     let failing = goals.iter().filter(|g| g.pass == Some(false)).count();
     eprintln!(
         "bench scale: {} goals, {} pass, {} fail, {} not measured; {:.0} s in all",
@@ -293,23 +265,6 @@ pub fn run() -> Result<(), String> {
             failed.keys().cloned().collect::<Vec<_>>().join(", ")
         ))
     }
-}
-
-fn goals_table(goals: &[Goal], md: bool) -> String {
-    let head = ["curve", "goal", "target", "measured", ""];
-    let rows: Vec<Vec<String>> = goals
-        .iter()
-        .map(|g| {
-            vec![
-                g.curve.to_owned(),
-                g.goal.clone(),
-                g.target.clone(),
-                g.measured.clone(),
-                g.verdict().to_owned(),
-            ]
-        })
-        .collect();
-    table(&head, &rows, md)
 }
 
 /// A table whose first two columns are names: Markdown or aligned text.
@@ -338,53 +293,6 @@ pub fn ratio(a: f64, b: f64) -> f64 {
 /// Whether `v` is at most `limit` (NaN: no).
 pub fn at_most(v: f64, limit: f64) -> bool {
     v.is_finite() && v <= limit
-}
-
-fn write_outputs(
-    report: &ScaleReport,
-    outputs: &[CurveOutput],
-    out_dir: &Path,
-) -> Result<(), String> {
-    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
-    let json = out_dir.join("scale.json");
-    let text = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
-    std::fs::write(&json, text + "\n").map_err(|e| e.to_string())?;
-    let png = out_dir.join("scale.png");
-    plot_script("plot_scale.py", &json, &png);
-    let md = out_dir.join("BENCH.md");
-    let doc = std::fs::read_to_string(&md).unwrap_or_default();
-    let section = markdown(report, outputs);
-    std::fs::write(&md, splice_between(&doc, &section, BEGIN, END)).map_err(|e| e.to_string())?;
-    eprintln!(
-        "bench scale: wrote {}, {} and its section of {}",
-        json.display(),
-        png.display(),
-        md.display()
-    );
-    Ok(())
-}
-
-fn markdown(report: &ScaleReport, outputs: &[CurveOutput]) -> String {
-    let mut out = format!(
-        "{BEGIN}\n## How the cost grows (`make bench-scale`)\n\nGenerated by `make bench-scale` (bench/src/scale/, issue 38){} at {} ({:.0} s); raw figures in [scale.json](scale.json), plots in [scale.png](scale.png). Each curve is measured against its own first point in the same run, on this 2-core machine shared by the load generator, Envoy, the checkout, the state API and Postgres. How quiet the machine was is given for each curve: figures from a run with steal or other work above {} cores are noise.\n\n### Goals\n\n{}\n",
-        if report.settings.quick {
-            ", **quick version** (`QUICK=1`: the machinery's smoke test, not the curves)"
-        } else {
-            ""
-        },
-        report.git,
-        report.total_s,
-        crate::NOISY_CORES,
-        goals_table(&report.goals, true)
-    );
-    for o in outputs {
-        out += &format!("\n{}\n_{}._\n", o.markdown.trim_end(), o.quiet.describe());
-    }
-    for (curve, why) in &report.failed {
-        out += &format!("\n### {curve}\n\nThe curve failed to run: {why}\n");
-    }
-    out += &format!("\n![scale](scale.png)\n{END}\n");
-    out
 }
 
 /// A [`crate::Bench`] on `stack` that measures the processes listening on `ports` (by name)
