@@ -5,6 +5,10 @@
 //! they wait: Envoy's and the state API's resident memory and CPU per waiter. When the slow
 //! requests end: the time from each key's completion (its slow request's answer, which comes
 //! after its outcome is stored) to its last waiter's replay. Every waiter must get the replay.
+//!
+//! SCALE_WAITING_LEVELS (waiters, comma-separated). A level needs twice its waiters and 2,000
+//! open files in one process (Envoy holds two connections a waiter); one this process's limit
+//! cannot hold is reported not measured, with the limit, and the others are measured.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -47,6 +51,29 @@ struct Point {
 #[derive(Debug, Clone, Serialize)]
 struct WaitingCurve {
     points: Vec<Point>,
+    /// Levels not measured, with why (the open files a level needs).
+    skipped: Vec<(usize, String)>,
+}
+
+/// Open files a level of `waiters` needs in one process: a waiter is a connection in the load
+/// generator, one in Envoy from the client and one to the state API, and one in the state API.
+fn open_files_needed(waiters: usize) -> u64 {
+    2 * waiters as u64 + 2_000
+}
+
+/// The levels: SCALE_WAITING_LEVELS (comma-separated), or 1,000 and 10,000 (quick: 100, 1,000).
+fn levels(settings: &Settings) -> Vec<usize> {
+    let default = if settings.quick {
+        "100,1000"
+    } else {
+        "1000,10000"
+    };
+    std::env::var("SCALE_WAITING_LEVELS")
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .filter(|n| *n > 0)
+        .collect()
 }
 
 /// What one waiter got, and when.
@@ -246,15 +273,21 @@ impl ReplayTimes {
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let mut quiet = Quiet::start();
-    let counts: &[usize] = if settings.quick {
-        &[100, 1_000]
-    } else {
-        &[1_000, 10_000]
-    };
+    // A level this process's open-files limit cannot hold is reported, not measured.
+    let (counts, skipped): (Vec<usize>, Vec<usize>) = levels(settings)
+        .into_iter()
+        .partition(|n| super::need_open_files(open_files_needed(*n), "a waiting level").is_ok());
+    let skipped: Vec<(usize, String)> = skipped
+        .into_iter()
+        .map(|n| {
+            let why = super::need_open_files(open_files_needed(n), "this level")
+                .err()
+                .unwrap_or_default();
+            eprintln!("  {n} waiters: not measured: {why}");
+            (n, why)
+        })
+        .collect();
     let most = counts.iter().copied().max().unwrap_or(0) as u64;
-    // A waiter is a connection in the load generator, one in Envoy from the client and one to
-    // the state API, and one in the state API.
-    super::need_open_files(2 * most + 2_000, "the waiting curve")?;
     let stack = Stack::start(StackOptions {
         state_api_env: vec![
             (
@@ -277,13 +310,13 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         .map_err(|e| e.to_string())?;
     let window = settings.secs(5, 3);
     let mut points = Vec::new();
-    for &n in counts {
+    for &n in &counts {
         let p = measure(&rt, &stack, n, window, settings.quick)?;
         quiet.note(p.steal_cores, 0.0);
         points.push(p);
     }
     drop(stack);
-    let curve = WaitingCurve { points };
+    let curve = WaitingCurve { points, skipped };
     Ok(CurveOutput {
         name: "waiting",
         goals: goals(&curve),
@@ -294,6 +327,15 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
 }
 
 fn goals(c: &WaitingCurve) -> Vec<Goal> {
+    let not_measured = c.skipped.iter().map(|(n, why)| {
+        Goal::new(
+            "waiting",
+            format!("{n} waiters on {KEYS} running keys: every one gets the replay when its key completes"),
+            format!("{n} replays"),
+            format!("not measured: {why}"),
+            None,
+        )
+    });
     c.points
         .iter()
         .map(|p| {
@@ -316,6 +358,7 @@ fn goals(c: &WaitingCurve) -> Vec<Goal> {
                 Some(replays as usize == p.waiters),
             )
         })
+        .chain(not_measured)
         .collect()
 }
 
@@ -355,7 +398,11 @@ fn markdown(c: &WaitingCurve) -> String {
         })
         .collect();
     format!(
-        "### 6. Waiting retries\n\nRetries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Claim answers per waiter per second while they wait: 0 means no waiter asked again (each holds its one claim open while the state API looks at the record for it; those looks are in the state API's and Postgres's CPU). Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key).\n\n{}",
+        "### 6. Waiting retries\n\n{}Retries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Claim answers per waiter per second while they wait: 0 means no waiter asked again (each holds its one claim open while the state API looks at the record for it; those looks are in the state API's and Postgres's CPU). Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key).\n\n{}",
+        c.skipped
+            .iter()
+            .map(|(n, why)| format!("{n} waiters: not measured ({why}).\n\n"))
+            .collect::<String>(),
         table(
             &["waiters", "Envoy MiB", "Envoy KiB/waiter", "state API MiB", "state API KiB/waiter", "Envoy", "state API", "Postgres", "claim answers/waiter/s", "replay median ms", "last replay ms", "answers", "steal"],
             &rows,
