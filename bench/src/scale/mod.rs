@@ -20,7 +20,8 @@
 //! `<!-- /scale -->`; with `SCALE_QUICK=1` (`make bench-scale QUICK=1`) a short version of each
 //! curve (figures that prove the machinery, not the curves) into target/scale-quick/ instead.
 //!
-//! Environment: SCALE_CURVES (e.g. "records,body"; default all), SCALE_QUICK, SCALE_OUT, and
+//! Environment: SCALE_CURVES (e.g. "records,body"; default all; `none` writes the report again
+//! from the scale.json there, measuring nothing), SCALE_QUICK, SCALE_OUT, and
 //! the curves' own settings (see each module).
 
 mod body;
@@ -56,6 +57,8 @@ impl Settings {
     fn from_env() -> Result<Self, String> {
         let quick = env_u64("SCALE_QUICK", 0) == 1;
         let curves: Vec<String> = match std::env::var("SCALE_CURVES") {
+            // No curve: the report is written again from the scale.json there.
+            Ok(v) if v.trim() == "none" => Vec::new(),
             Ok(v) if !v.trim().is_empty() => v.split(',').map(|s| s.trim().to_owned()).collect(),
             _ => CURVES.iter().map(|s| (*s).to_owned()).collect(),
         };
@@ -70,6 +73,17 @@ impl Settings {
 
     pub fn wants(&self, curve: &str) -> bool {
         self.curves.iter().any(|c| c == curve)
+    }
+
+    /// The levels of a curve: `var` (comma-separated numbers) if set, else `full`, or `quick`
+    /// in a quick run.
+    pub fn levels<T: std::str::FromStr>(&self, var: &str, full: &str, quick: &str) -> Vec<T> {
+        let default = if self.quick { quick } else { full };
+        std::env::var(var)
+            .unwrap_or_else(|_| default.into())
+            .split(',')
+            .filter_map(|v| v.trim().parse().ok())
+            .collect()
     }
 
     /// `full` seconds, or `quick` in a quick run.
@@ -187,10 +201,12 @@ pub fn run() -> Result<(), String> {
         }
         Err(_) => test_support::process::workspace_root().join("docs"),
     };
-    wait_for_quiet(Duration::from_secs(env_u64(
-        "SCALE_QUIET_WAIT_SECONDS",
-        if settings.quick { 5 } else { 90 },
-    )));
+    if !settings.curves.is_empty() {
+        wait_for_quiet(Duration::from_secs(env_u64(
+            "SCALE_QUIET_WAIT_SECONDS",
+            if settings.quick { 5 } else { 90 },
+        )));
+    }
     eprintln!(
         "bench scale: curves {} ({}), writing to {}",
         settings.curves.join(", "),
