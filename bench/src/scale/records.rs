@@ -15,8 +15,10 @@
 //! the full-page images of the leaves it touches first: the cost of random keys in a B-tree
 //! larger than memory, as after every checkpoint in production.
 //!
-//! At the largest level the same run is made again with `wal_compression = lz4` (the lever for
-//! those full-page images; SCALE_RECORDS_AB=0 skips it). The cluster is the stack's throwaway
+//! Every level runs with the cluster's own `wal_compression` (lz4, as `edge run` starts it), named
+//! in each row. At the largest level the same run is made again with the other setting (the lever
+//! for those full-page images; SCALE_RECORDS_AB=0 skips it), where the cluster lets it be changed:
+//! a setting on the server's command line (as the stack's is) is not, and the A/B is not run. The cluster is the stack's throwaway
 //! one (never `DATABASE_URL`): it is removed with everything loaded into it at the end.
 //! SCALE_RECORDS_LEVELS (rows, comma-separated), SCALE_RECORDS_SECONDS (60; quick 10),
 //! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
@@ -71,6 +73,8 @@ struct Skipped {
 #[derive(Debug, Clone, Serialize)]
 struct Records {
     shared_buffers: String,
+    /// The cluster's `wal_compression`, which every level but the A/B runs with.
+    wal_compression: String,
     measure_s: u64,
     levels: Vec<Level>,
     skipped: Vec<Skipped>,
@@ -126,6 +130,18 @@ fn sizes(stack: &Stack) -> Result<(u64, u64, u64), String> {
     match v.as_slice() {
         [r, t, i] => Ok((*r, *t, *i)),
         _ => Err(format!("unexpected table sizes {out:?}")),
+    }
+}
+
+/// A server setting's value and where it comes from (`pg_settings.source`).
+fn setting(stack: &Stack, name: &str) -> Result<(String, String), String> {
+    let out = stack.postgres.psql(
+        stack.database_name(),
+        &format!("SELECT setting || '|' || source FROM pg_settings WHERE name = '{name}'"),
+    )?;
+    match out.trim().split_once('|') {
+        Some((value, source)) => Ok((value.to_owned(), source.to_owned())),
+        None => Err(format!("{name}: unexpected {out:?}")),
     }
 }
 
@@ -224,16 +240,11 @@ fn load(
 }
 
 fn levels(settings: &Settings) -> Vec<u64> {
-    let default = if settings.quick {
-        "0,200000,1000000"
-    } else {
-        "0,10000000,50000000,100000000"
-    };
-    std::env::var("SCALE_RECORDS_LEVELS")
-        .unwrap_or_else(|_| default.into())
-        .split(',')
-        .filter_map(|v| v.trim().parse().ok())
-        .collect()
+    settings.levels(
+        "SCALE_RECORDS_LEVELS",
+        "0,10000000,50000000,100000000",
+        "0,200000,1000000",
+    )
 }
 
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
@@ -279,8 +290,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         },
     };
     let mut loaded = 0u64;
+    let (wal_compression, wal_compression_source) = setting(&stack, "wal_compression")?;
     let mut curve = Records {
         shared_buffers,
+        wal_compression: wal_compression.clone(),
         measure_s,
         levels: Vec::new(),
         skipped: Vec::new(),
@@ -310,28 +323,41 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             let (_, table_b, index_b) = sizes(&stack)?;
             bytes_per_row = (table_b + index_b) as f64 / rows.max(1) as f64;
             loaded = rows;
-            let level = measure(&bench, &stack, rows, "off", load_seconds)?;
+            let level = measure(&bench, &stack, rows, &wal_compression, load_seconds)?;
             quiet.note(level.steal_cores, level.other_cores);
             curve.levels.push(level);
         } else {
-            let level = measure(&bench, &stack, rows, "off", 0.0)?;
+            let level = measure(&bench, &stack, rows, &wal_compression, 0.0)?;
             quiet.note(level.steal_cores, level.other_cores);
             curve.levels.push(level);
         }
     }
+    let other = if wal_compression == "off" {
+        "lz4"
+    } else {
+        "off"
+    };
     if env_u64("SCALE_RECORDS_AB", 1) == 1 && loaded > 0 {
-        // The lever for full-page images: the same run with them compressed.
-        bench
-            .postgres
-            .psql(&db, "ALTER SYSTEM SET wal_compression = 'lz4'")?;
-        bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
-        let level = measure(&bench, &stack, loaded, "lz4", 0.0)?;
-        quiet.note(level.steal_cores, level.other_cores);
-        curve.levels.push(level);
-        bench
-            .postgres
-            .psql(&db, "ALTER SYSTEM RESET wal_compression")?;
-        bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+        // The lever for full-page images: the same run with the other setting. ALTER SYSTEM
+        // does not override a setting on the server's command line.
+        if wal_compression_source == "command line" {
+            eprintln!(
+                "  the A/B with wal_compression {other}: not run (the cluster's command line sets {wal_compression})"
+            );
+        } else {
+            bench.postgres.psql(
+                &db,
+                &format!("ALTER SYSTEM SET wal_compression = '{other}'"),
+            )?;
+            bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+            let level = measure(&bench, &stack, loaded, other, 0.0)?;
+            quiet.note(level.steal_cores, level.other_cores);
+            curve.levels.push(level);
+            bench
+                .postgres
+                .psql(&db, "ALTER SYSTEM RESET wal_compression")?;
+            bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+        }
     }
     curve.free_gib_at_largest = free_bytes(&data_dir).unwrap_or(0.0) / GIB;
     drop(bench);
@@ -470,9 +496,9 @@ fn measure(
         other_cores: cpu.other_cores,
     };
     eprintln!(
-        "  {:>11} rows{}: {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair",
+        "  {:>11} rows (wal_compression {}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair",
         rows,
-        if wal_compression == "off" { String::new() } else { format!(" (wal_compression {wal_compression})") },
+        wal_compression,
         level.pairs_per_s,
         level.p99_ms,
         level.cpu_us,
@@ -487,7 +513,7 @@ fn goals(c: &Records) -> Vec<Goal> {
     let plain: Vec<&Level> = c
         .levels
         .iter()
-        .filter(|l| l.wal_compression == "off")
+        .filter(|l| l.wal_compression == c.wal_compression)
         .collect();
     let Some(empty) = plain.iter().find(|l| l.rows == 0) else {
         return vec![Goal::new(

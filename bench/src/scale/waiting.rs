@@ -63,17 +63,8 @@ fn open_files_needed(waiters: usize) -> u64 {
 
 /// The levels: SCALE_WAITING_LEVELS (comma-separated), or 1,000 and 10,000 (quick: 100, 1,000).
 fn levels(settings: &Settings) -> Vec<usize> {
-    let default = if settings.quick {
-        "100,1000"
-    } else {
-        "1000,10000"
-    };
-    std::env::var("SCALE_WAITING_LEVELS")
-        .unwrap_or_else(|_| default.into())
-        .split(',')
-        .filter_map(|v| v.trim().parse().ok())
-        .filter(|n| *n > 0)
-        .collect()
+    let levels: Vec<usize> = settings.levels("SCALE_WAITING_LEVELS", "1000,10000", "100,1000");
+    levels.into_iter().filter(|n| *n > 0).collect()
 }
 
 /// What one waiter got, and when.
