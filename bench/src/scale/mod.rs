@@ -155,7 +155,7 @@ pub struct Goal {
 
 impl Goal {
     pub fn new(
-        curve: &'static str,
+        curve: &str,
         goal: impl Into<String>,
         target: impl Into<String>,
         measured: impl Into<String>,
@@ -168,6 +168,11 @@ impl Goal {
             measured: measured.into(),
             pass,
         }
+    }
+
+    /// The goal every curve has: that it ran (`why` it did not).
+    pub fn failed_to_run(curve: &str, why: &str) -> Self {
+        Self::new(curve, "the curve ran", "no failure", why, Some(false))
     }
 
     fn verdict(&self) -> &'static str {
@@ -247,15 +252,11 @@ pub fn run() -> Result<(), String> {
         }
     }
     let mut goals: Vec<Goal> = outputs.iter().flat_map(|o| o.goals.clone()).collect();
-    for (curve, why) in &failed {
-        goals.push(Goal::new(
-            CURVES.iter().find(|c| *c == curve).copied().unwrap_or("?"),
-            "the curve ran",
-            "no failure",
-            why.clone(),
-            Some(false),
-        ));
-    }
+    goals.extend(
+        failed
+            .iter()
+            .map(|(curve, why)| Goal::failed_to_run(curve, why)),
+    );
     println!("{}", report::goals_table(&goals, false));
     let run = report::Run {
         git: crate::report::git_state(),

@@ -106,13 +106,7 @@ fn merged(
             report.goals.extend(m.goals.iter().cloned());
         }
         if let Some(why) = failed.get(name) {
-            report.goals.push(Goal::new(
-                name,
-                "the curve ran",
-                "no failure",
-                why.clone(),
-                Some(false),
-            ));
+            report.goals.push(Goal::failed_to_run(name, why));
         }
     }
     report
