@@ -98,6 +98,14 @@ fn find<'a>(rs: &'a [ScenarioResult], scenario: &str, c: usize) -> Option<&'a Sc
         .find(|r| r.scenario == scenario && r.connections == c)
 }
 
+/// Seconds since the Unix epoch, now (0 if the clock is before it).
+pub fn unix_now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
 /// The commit the figures belong to, and whether the work tree had changes then.
 pub fn git_state() -> String {
     let root = test_support::process::workspace_root();
@@ -163,10 +171,7 @@ impl Report {
         let machine = machine(&i);
         let method = method(&i);
         Self {
-            generated_unix_s: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            generated_unix_s: unix_now_s(),
             method,
             machine,
             scenarios: i.results,

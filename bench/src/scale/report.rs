@@ -49,13 +49,6 @@ struct ScaleReport {
     failed: BTreeMap<String, String>,
 }
 
-fn now_unix_s() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// The report of `run`, keeping from `earlier` the curves this run did not measure.
 fn merged(
     run: &Run,
@@ -63,7 +56,7 @@ fn merged(
     failed: &BTreeMap<String, String>,
     earlier: ScaleReport,
 ) -> ScaleReport {
-    let unix_s = now_unix_s();
+    let unix_s = crate::report::unix_now_s();
     let mut report = ScaleReport {
         generated_unix_s: unix_s,
         git: run.git.clone(),

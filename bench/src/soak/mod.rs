@@ -212,10 +212,7 @@ pub(crate) fn measure(settings: Settings) -> Result<Soaked, String> {
     let failure_kinds = failure_kinds(&minutes, &calibration);
     let failures: u64 = failure_kinds.values().sum();
     let report = SoakReport {
-        generated_unix_s: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        generated_unix_s: crate::report::unix_now_s(),
         git: crate::report::git_state(),
         pass: failures == 0 && verdict.iter().all(|v| v.pass),
         settings,
