@@ -15,11 +15,12 @@
 //! the full-page images of the leaves it touches first: the cost of random keys in a B-tree
 //! larger than memory, as after every checkpoint in production.
 //!
-//! Every level runs with the cluster's own `wal_compression` (lz4, as `edge run` starts it), named
-//! in each row. At the largest level the same run is made again with the other setting (the lever
-//! for those full-page images; SCALE_RECORDS_AB=0 skips it), where the cluster lets it be changed:
-//! a setting on the server's command line (as the stack's is) is not, and the A/B is not run. The cluster is the stack's throwaway
-//! one (never `DATABASE_URL`): it is removed with everything loaded into it at the end.
+//! Every level runs with the cluster's own `wal_compression` (lz4, as `edge run` starts it),
+//! named in each row. At the largest level the same run is made again with the other setting
+//! (the lever for those full-page images; SCALE_RECORDS_AB=0 skips it), where the cluster lets
+//! it be changed: a setting on the server's command line (as the stack's is) is not, and the
+//! A/B is not run. The cluster is the stack's throwaway one (never `DATABASE_URL`): it is
+//! removed with everything loaded into it at the end.
 //! SCALE_RECORDS_LEVELS (rows, comma-separated), SCALE_RECORDS_SECONDS (60; quick 10),
 //! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
 

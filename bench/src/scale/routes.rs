@@ -200,9 +200,10 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             let (u, ucpu, _) = bench.measure(*target, CONNECTIONS, &op_unmatched());
             quiet.saw(&mcpu);
             quiet.saw(&ucpu);
-            samples.matched_us.push(envoy_us(&mcpu, m.rate()));
+            let (matched_us, unmatched_us) = (envoy_us(&mcpu, m.rate()), envoy_us(&ucpu, u.rate()));
+            samples.matched_us.push(matched_us);
             samples.matched_per_s.push(m.rate());
-            samples.unmatched_us.push(envoy_us(&ucpu, u.rate()));
+            samples.unmatched_us.push(unmatched_us);
             samples.unmatched_per_s.push(u.rate());
             samples.errors += m.error_count() + u.error_count();
             samples.steal_cores = samples
@@ -211,9 +212,9 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             eprintln!(
                 "  round {round}: {:>5} routes: matched {:>6.1} µs Envoy/request ({:.0}/s), unmatched {:>6.1} µs ({:.0}/s)",
                 n,
-                envoy_us(&mcpu, m.rate()),
+                matched_us,
                 m.rate(),
-                envoy_us(&ucpu, u.rate()),
+                unmatched_us,
                 u.rate(),
             );
         }
@@ -343,15 +344,14 @@ Protected routes in one configuration (half exact, half prefixes, `POST /checkou
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn the_median_of_rounds_is_the_middle_one() {
-        assert_eq!(super::median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(super::median(&[4.0, 1.0]), 1.0);
-        assert!(super::median(&[]).is_nan());
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0]), 1.0);
+        assert!(median(&[]).is_nan());
     }
-
-    use super::*;
 
     #[test]
     fn the_made_up_routes_come_first_and_alternate() {

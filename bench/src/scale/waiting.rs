@@ -265,19 +265,17 @@ impl ReplayTimes {
 pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let mut quiet = Quiet::start();
     // A level this process's open-files limit cannot hold is reported, not measured.
-    let (counts, skipped): (Vec<usize>, Vec<usize>) = levels(settings)
-        .into_iter()
-        .partition(|n| super::need_open_files(open_files_needed(*n), "a waiting level").is_ok());
-    let skipped: Vec<(usize, String)> = skipped
-        .into_iter()
-        .map(|n| {
-            let why = super::need_open_files(open_files_needed(n), "this level")
-                .err()
-                .unwrap_or_default();
-            eprintln!("  {n} waiters: not measured: {why}");
-            (n, why)
-        })
-        .collect();
+    let mut counts = Vec::new();
+    let mut skipped = Vec::new();
+    for n in levels(settings) {
+        match super::need_open_files(open_files_needed(n), "this level") {
+            Ok(()) => counts.push(n),
+            Err(why) => {
+                eprintln!("  {n} waiters: not measured: {why}");
+                skipped.push((n, why));
+            }
+        }
+    }
     let most = counts.iter().copied().max().unwrap_or(0) as u64;
     let stack = Stack::start(StackOptions {
         state_api_env: vec![
