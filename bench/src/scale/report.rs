@@ -142,23 +142,13 @@ pub fn write(
 
 /// A Unix time as `YYYY-MM-DD HH:MM UTC`.
 fn utc(unix_s: u64) -> String {
-    let days = (unix_s / 86_400) as i64;
-    let secs = unix_s % 86_400;
-    // Howard Hinnant's days-to-civil.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
-        secs / 3_600,
-        secs % 3_600 / 60
-    )
+    i64::try_from(unix_s)
+        .ok()
+        .and_then(|s| chrono::DateTime::from_timestamp(s, 0))
+        .map_or_else(
+            || format!("{unix_s} s after the epoch"),
+            |t| t.format("%Y-%m-%d %H:%M UTC").to_string(),
+        )
 }
 
 fn markdown(report: &ScaleReport) -> String {
