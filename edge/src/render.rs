@@ -38,6 +38,8 @@ pub const DEFAULT_CA_FILE: &str = "/etc/ssl/certs/ca-certificates.crt";
 /// The cluster names the rendered configuration uses.
 pub const UPSTREAM_CLUSTER: &str = "upstream";
 pub const STATE_API_CLUSTER: &str = "state_api";
+/// The same state API over HTTP/2, for the claims that wait (`Prefer: wait`).
+pub const STATE_API_WAIT_CLUSTER: &str = "state_api_wait";
 pub const JWKS_CLUSTER: &str = "jwks";
 /// The jwt_authn provider.
 pub use crate::jwt_rules::JWT_PROVIDER;
@@ -185,28 +187,50 @@ fn state_api_tls_socket(tls: &StateTls) -> Yaml {
     ])
 }
 
-/// The cluster of the state API, over TLS when `[state.tls]` says so.
-fn state_api_cluster(cfg: &Config, ca_file: &str) -> Yaml {
-    let mut c = cluster(
-        STATE_API_CLUSTER,
-        &reachable(cfg.state.listen),
-        500,
-        ca_file,
-    );
+/// The clusters of the state API (`name`: [`STATE_API_CLUSTER`] or, over HTTP/2,
+/// [`STATE_API_WAIT_CLUSTER`]), over TLS when `[state.tls]` says so.
+fn state_api_cluster(cfg: &Config, ca_file: &str, name: &str) -> Yaml {
+    let mut c = cluster(name, &reachable(cfg.state.listen), 500, ca_file);
     if let (Some(tls), Yaml::Hash(h)) = (&cfg.state.tls, &mut c) {
         h.insert(s("transport_socket"), state_api_tls_socket(tls));
     }
-    if let Yaml::Hash(h) = &mut c {
-        h.insert(s("circuit_breakers"), state_api_breakers());
-    }
+    state_api_calls(&mut c, name == STATE_API_WAIT_CLUSTER);
     c
 }
 
-/// Envoy's default circuit breakers allow 1,024 requests (and connections, over HTTP/1.1) to a
-/// cluster at once; past them a callout fails at once. Each waiting retry (`Prefer: wait`) holds
-/// a claim callout to the state API for as long as it waits (up to `max_waiters` a worker), so
-/// a crowd of them tripped the default (issue 38, curve 6). The state API bounds its own
-/// waiters and sheds with 503 + Retry-After, so Envoy's bound only has to stay above them.
+/// How Envoy calls the state API, wherever its clusters are written (`edge run`'s Envoy, Envoy
+/// Gateway's bootstrap): past Envoy's default circuit breakers, and the waiting claims' cluster
+/// over HTTP/2. Every other call stays on HTTP/1.1 keep-alive: HTTP/2 cost new keys 7 % of
+/// their rate and doubled their p99 at 16 connections (docs/BENCH.md, "Tried and not kept").
+pub(crate) fn state_api_calls(cluster: &mut Yaml, http2: bool) {
+    if let Yaml::Hash(h) = cluster {
+        h.insert(s("circuit_breakers"), state_api_breakers());
+    }
+    if let (true, Yaml::Hash(h)) = (http2, cluster) {
+        h.insert(
+            s("typed_extension_protocol_options"),
+            map(vec![(
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                typed(
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    vec![(
+                        "explicit_http_config",
+                        map(vec![("http2_protocol_options", map(vec![]))]),
+                    )],
+                ),
+            )]),
+        );
+    }
+}
+
+/// Envoy's default circuit breakers allow 1,024 requests to a cluster at once; past them a
+/// callout fails at once. Each waiting retry (`Prefer: wait`) holds a claim callout to the state
+/// API for as long as it waits (up to `max_waiters` a worker), so a crowd of them tripped the
+/// default (issue 38, curve 6). The state API bounds its own waiters and sheds with 503 +
+/// Retry-After, so Envoy's bound only has to stay above them. Waiting claims go over HTTP/2:
+/// over HTTP/1.1 each held a connection of its own, and 9,000 opened at once overflowed the
+/// state API's listen backlog (bench/NOTES.md, twentieth round); as streams they share a
+/// connection per 200 (the state API's `SETTINGS_MAX_CONCURRENT_STREAMS`).
 const STATE_API_MAX_REQUESTS: u64 = 100_000;
 
 fn state_api_breakers() -> Yaml {
@@ -230,6 +254,8 @@ pub(crate) fn reconcile_cluster(i: usize) -> String {
 pub struct Wiring {
     /// The Envoy cluster of the state API, and the `:authority` of the calls.
     pub state_api_cluster: String,
+    /// The cluster for claims that wait, when the Envoy has one (`fc::StateApi::wait_cluster`).
+    pub state_api_wait_cluster: Option<String>,
     pub state_api_authority: String,
     pub subject: fc::SubjectSource,
     /// The Envoy cluster of route `i`'s reconcile endpoint.
@@ -246,6 +272,7 @@ impl Wiring {
         };
         Self {
             state_api_cluster: STATE_API_CLUSTER.to_owned(),
+            state_api_wait_cluster: Some(STATE_API_WAIT_CLUSTER.to_owned()),
             state_api_authority: reachable(cfg.state.listen).authority(),
             subject: fc::SubjectSource::Header(subject_header),
             reconcile_cluster: |cfg, i| match cfg.routes.get(i).and_then(reconcile_upstream) {
@@ -298,6 +325,7 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
     fc::Config {
         state_api: fc::StateApi {
             cluster: wiring.state_api_cluster.clone(),
+            wait_cluster: wiring.state_api_wait_cluster.clone(),
             authority: wiring.state_api_authority.clone(),
             token: token.to_owned(),
             timeout_ms: cfg.state.timeout_ms,
@@ -593,7 +621,8 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
     ]);
     let mut clusters = vec![
         cluster(UPSTREAM_CLUSTER, &cfg.upstream, 1_000, &inputs.ca_file),
-        state_api_cluster(cfg, &inputs.ca_file),
+        state_api_cluster(cfg, &inputs.ca_file, STATE_API_CLUSTER),
+        state_api_cluster(cfg, &inputs.ca_file, STATE_API_WAIT_CLUSTER),
     ];
     if let Subject::Jwt(j) = &cfg.subject {
         if let Jwks::Url { endpoint, .. } = &j.jwks {

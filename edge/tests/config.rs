@@ -725,6 +725,54 @@ fn the_state_api_cluster_is_not_bounded_by_envoys_default_circuit_breakers() {
     }
 }
 
+/// Claims that wait go to a cluster of their own over HTTP/2, in `edge run`'s Envoy and in
+/// Envoy Gateway's bootstrap alike: a crowd of them is streams on a few connections, not a
+/// connection each (over HTTP/1.1, 9,000 at once overflowed the state API's listen backlog).
+/// Every other call stays on the HTTP/1.1 cluster, cheaper per call.
+#[test]
+fn waiting_claims_reach_the_state_api_over_http2_and_the_rest_over_http1() {
+    let c = parse(GOOD).unwrap();
+    let inputs = inputs();
+    let edge_run = edge::render::envoy_yaml(&c, &inputs);
+    let gateway = edge::mesh::gateway_bootstrap_clusters(&c);
+    for (who, yaml) in [("edge run", &edge_run), ("gateway", &gateway)] {
+        let doc = &yaml_rust2::YamlLoader::load_from_str(yaml).unwrap()[0];
+        let clusters = doc["static_resources"]["clusters"].as_vec().unwrap();
+        let named = |name: &str| {
+            clusters
+                .iter()
+                .find(|c| c["name"].as_str() == Some(name))
+                .unwrap_or_else(|| panic!("{who}: no cluster {name}"))
+        };
+        let http2 = |c: &yaml_rust2::Yaml| {
+            !c["typed_extension_protocol_options"]
+                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+                ["explicit_http_config"]["http2_protocol_options"]
+                .is_badvalue()
+        };
+        let (plain, wait) = (named("state_api"), named("state_api_wait"));
+        assert!(!http2(plain) && http2(wait), "{who}: {plain:?} {wait:?}");
+        for c in [plain, wait] {
+            assert!(
+                c["circuit_breakers"]["thresholds"][0]["max_requests"]
+                    .as_i64()
+                    .unwrap()
+                    >= 10 * 1024,
+                "{who}: {c:?}"
+            );
+            // The same state API behind both.
+            assert_eq!(
+                c["load_assignment"]["endpoints"], plain["load_assignment"]["endpoints"],
+                "{who}"
+            );
+        }
+    }
+    // The filter is told which is which.
+    let plugin = edge::render::plugin_config(&c, &edge::render::Wiring::envoy(&c), "t");
+    assert_eq!(plugin.state_api.cluster, "state_api");
+    assert_eq!(plugin.state_api.wait_cluster.as_deref(), Some("state_api_wait"));
+}
+
 #[test]
 fn envoy_reads_a_connection_32_kib_at_a_time_and_a_stream_buffers_the_largest_body() {
     let text = GOOD.replace(

@@ -156,6 +156,7 @@ async fn wait_then_replay(stack: Arc<Stack>) {
     for (name, envoy) in [("same envoy", &stack.envoy), ("another envoy", &other)] {
         let waiting = Client::new(&envoy.url(""));
         let before = envoy.filter_counter("wait_replayed");
+        let h2_before = envoy.counter("cluster.state_api_wait.upstream_rq_total");
         let key = unique_key("wait");
         let body = charge_body(1200);
         let first = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(2_000));
@@ -181,6 +182,16 @@ async fn wait_then_replay(stack: Arc<Stack>) {
         );
         assert_eq!(executions(&stack, &key).await.len(), 1, "{name}");
         assert_eq!(envoy.filter_counter("wait_replayed"), before + 1, "{name}");
+        // The waiting claim went over the HTTP/2 cluster; the first request's calls did not.
+        assert_eq!(
+            envoy.counter("cluster.state_api_wait.upstream_rq_total"),
+            h2_before + 1,
+            "{name}"
+        );
+        assert!(
+            envoy.counter("cluster.state_api_wait.upstream_cx_http2_total") >= 1,
+            "{name}"
+        );
         record_figures(
             SUITE,
             "wait_then_replay",

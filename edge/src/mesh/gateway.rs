@@ -188,12 +188,15 @@ fn security_policy(cfg: &Config) -> Option<Yaml> {
 /// and each reconcile endpoint's (`reconcile_<i>`, the route's upstream when it names none).
 pub fn gateway_bootstrap_clusters(cfg: &Config) -> String {
     let ca = render::DEFAULT_CA_FILE;
-    let mut clusters = vec![render::cluster(
-        render::STATE_API_CLUSTER,
-        &state_api_endpoint(cfg),
-        500,
-        ca,
-    )];
+    let mut clusters = Vec::new();
+    for (name, http2) in [
+        (render::STATE_API_CLUSTER, false),
+        (render::STATE_API_WAIT_CLUSTER, true),
+    ] {
+        let mut c = render::cluster(name, &state_api_endpoint(cfg), 500, ca);
+        render::state_api_calls(&mut c, http2);
+        clusters.push(c);
+    }
     for (i, r) in cfg.routes.iter().enumerate() {
         if let Some(rc) = &r.reconcile {
             let e = rc.upstream.as_ref().unwrap_or(&cfg.upstream);

@@ -197,6 +197,9 @@ fn wiring(cfg: &Config, target: Target) -> Wiring {
     match target {
         Target::Istio => Wiring {
             state_api_cluster: istio_cluster(&state_api),
+            // Istio names one cluster per Service port, with that port's protocol: waiting
+            // claims share the HTTP/1.1 one (a second, HTTP/2 port is not rendered).
+            state_api_wait_cluster: None,
             state_api_authority: state_api.authority(),
             subject: subject_source(cfg, "payload"),
             reconcile_cluster: |cfg, i| {
@@ -209,6 +212,7 @@ fn wiring(cfg: &Config, target: Target) -> Wiring {
         },
         Target::EnvoyGateway => Wiring {
             state_api_cluster: render::STATE_API_CLUSTER.to_owned(),
+            state_api_wait_cluster: Some(render::STATE_API_WAIT_CLUSTER.to_owned()),
             state_api_authority: state_api.authority(),
             subject: subject_source(cfg, render::JWT_PROVIDER),
             reconcile_cluster: |_, i| render::reconcile_cluster(i),

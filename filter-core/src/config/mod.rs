@@ -190,6 +190,12 @@ pub struct StateApi {
     /// An Envoy cluster name (not a URL).
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub cluster: String,
+    /// The Envoy cluster for claims that wait (`Prefer: wait`), when it is another: the same
+    /// state API over HTTP/2, so that a crowd of waiting claims shares a few connections while
+    /// every other call keeps HTTP/1.1 keep-alive (cheaper per call). Unset: `cluster`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    pub wait_cluster: Option<String>,
     /// The `:authority` of the calls.
     #[cfg_attr(feature = "schema", schemars(regex(pattern = "^[!-~]+$")))]
     pub authority: String,

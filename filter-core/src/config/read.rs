@@ -30,7 +30,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "batch_max",
     "max_buffered_bytes",
 ];
-const STATE_API_FIELDS: &[&str] = &["cluster", "authority", "token", "timeout_ms"];
+const STATE_API_FIELDS: &[&str] = &["cluster", "wait_cluster", "authority", "token", "timeout_ms"];
 const ROUTE_FIELDS: &[&str] = &[
     "method",
     "path",
@@ -60,6 +60,7 @@ impl Config {
         s.deny_unknown(STATE_API_FIELDS)?;
         let state_api = StateApi {
             cluster: s.str("cluster")?.to_owned(),
+            wait_cluster: s.opt_str("wait_cluster")?.map(str::to_owned),
             authority: s.str("authority")?.to_owned(),
             token: s.str("token")?.to_owned(),
             timeout_ms: s.u64_or("timeout_ms", default_timeout_ms())?,

@@ -308,6 +308,7 @@ fn every_field_set() -> Config {
     Config {
         state_api: StateApi {
             cluster: "outbound|8081||state-api.idem.svc.cluster.local".into(),
+            wait_cluster: Some("outbound|8082||state-api.idem.svc.cluster.local".into()),
             authority: "state-api.idem.svc.cluster.local:8081".into(),
             token: "a token with spaces".into(),
             timeout_ms: 2_500,

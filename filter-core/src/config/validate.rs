@@ -139,6 +139,9 @@ impl StateApi {
         if s.cluster.is_empty() {
             return err("state_api.cluster must not be empty");
         }
+        if s.wait_cluster.as_ref().is_some_and(String::is_empty) {
+            return err("state_api.wait_cluster must not be empty (leave it out to use `cluster`)");
+        }
         if s.authority.is_empty() || s.authority.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
             return err("state_api.authority must be a non-empty host[:port]");
         }

@@ -238,10 +238,16 @@ impl Worker {
         self.dispatch(owner, purpose, call, effects);
     }
 
-    /// A call to the state API; one that may wait there `wait_ms` has that much more time.
+    /// A call to the state API; one that may wait there `wait_ms` has that much more time, and
+    /// goes to the cluster for waiting claims when there is one.
     pub(super) fn state_api_call(&self, path: &str, body: Vec<u8>, wait_ms: u64) -> Outgoing {
-        let timeout_ms = self.cfg.state_api.timeout_ms.saturating_add(wait_ms);
-        self.state_api_call_within(path, body, timeout_ms)
+        let api = &self.cfg.state_api;
+        let timeout_ms = api.timeout_ms.saturating_add(wait_ms);
+        let mut call = self.state_api_call_within(path, body, timeout_ms);
+        if let (true, Some(wait_cluster)) = (wait_ms > 0, &api.wait_cluster) {
+            call.cluster = wait_cluster.clone();
+        }
+        call
     }
 
     /// A call to the state API given up after `timeout_ms` (the caller-timeout header says so,

@@ -113,6 +113,27 @@ fn a_retry_that_prefers_to_wait_asks_the_state_api_to_wait_within_the_route_boun
     assert_eq!(step.claim().wait_ms, None);
 }
 
+/// Claims that wait go to the state API's cluster for them (HTTP/2 in `edge run`'s Envoy);
+/// every other call, and every call when none is configured, to `cluster`.
+#[test]
+fn only_claims_that_wait_go_to_the_wait_cluster() {
+    let with = CONFIG.replace(
+        r#""cluster": "state_api","#,
+        r#""cluster": "state_api", "wait_cluster": "state_api_wait","#,
+    );
+    assert_ne!(with, CONFIG);
+    for (cfg, waiting_cluster) in [(with.as_str(), "state_api_wait"), (CONFIG, "state_api")] {
+        let mut t = Harness::new(cfg);
+        let (_, step) = t.waiting("wait=3", b"{}");
+        assert!(step.claim().wait_ms.is_some());
+        assert_eq!(step.dispatch(CLAIM_PATH).cluster, waiting_cluster);
+        let s = t.stream();
+        let step = t.send_with(s, &[], b"{}");
+        assert_eq!(step.claim().wait_ms, None);
+        assert_eq!(step.dispatch(CLAIM_PATH).cluster, "state_api");
+    }
+}
+
 #[test]
 fn the_answers_after_a_wait_say_the_preference_was_applied() {
     let mut t = Harness::new(CONFIG);
