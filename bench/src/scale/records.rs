@@ -15,12 +15,14 @@
 //! the full-page images of the leaves it touches first: the cost of random keys in a B-tree
 //! larger than memory, as after every checkpoint in production.
 //!
-//! Every level runs with the cluster's own `wal_compression` (lz4, as `edge run` starts it),
-//! named in each row. At the largest level the same run is made again with the other setting
-//! (the lever for those full-page images; SCALE_RECORDS_AB=0 skips it), where the cluster lets
-//! it be changed: a setting on the server's command line (as the stack's is) is not, and the
-//! A/B is not run. The cluster is the stack's throwaway one (never `DATABASE_URL`): it is
-//! removed with everything loaded into it at the end.
+//! Every level runs with the cluster's own settings (`wal_compression` lz4, as `edge run` starts
+//! it, named in each row). At the largest level the same run is made again once for each trial
+//! (SCALE_RECORDS_AB=0 skips them): `wal_compression` the other way (the lever for those
+//! full-page images), and `full_page_writes = off`, a diagnosis only (a torn page after a crash
+//! could not be repaired: never in production), which shows what the full-page images cost. A
+//! trial runs only where the cluster lets the setting change: one on the server's command line
+//! (as the stack's `wal_compression` is) is not. The cluster is the stack's throwaway one (never
+//! `DATABASE_URL`): it is removed with everything loaded into it at the end.
 //! SCALE_RECORDS_LEVELS (rows, comma-separated), SCALE_RECORDS_SECONDS (60; quick 10),
 //! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
 
@@ -43,6 +45,8 @@ struct Level {
     rows: u64,
     /// `wal_compression` for this run.
     wal_compression: String,
+    /// The setting this run changed (`name=value`) at the largest level; `None`: the cluster's.
+    trial: Option<String>,
     table_mib: f64,
     index_mib: f64,
     bytes_per_row: f64,
@@ -74,7 +78,7 @@ struct Skipped {
 #[derive(Debug, Clone, Serialize)]
 struct Records {
     shared_buffers: String,
-    /// The cluster's `wal_compression`, which every level but the A/B runs with.
+    /// The cluster's `wal_compression`, which every level runs with (a trial may change it).
     wal_compression: String,
     measure_s: u64,
     levels: Vec<Level>,
@@ -291,7 +295,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         },
     };
     let mut loaded = 0u64;
-    let (wal_compression, wal_compression_source) = setting(&stack, "wal_compression")?;
+    let (wal_compression, _) = setting(&stack, "wal_compression")?;
     let mut curve = Records {
         shared_buffers,
         wal_compression: wal_compression.clone(),
@@ -324,40 +328,44 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             let (_, table_b, index_b) = sizes(&stack)?;
             bytes_per_row = (table_b + index_b) as f64 / rows.max(1) as f64;
             loaded = rows;
-            let level = measure(&bench, &stack, rows, &wal_compression, load_seconds)?;
+            let level = measure(&bench, &stack, rows, &wal_compression, None, load_seconds)?;
             quiet.note(level.steal_cores, level.other_cores);
             curve.levels.push(level);
         } else {
-            let level = measure(&bench, &stack, rows, &wal_compression, 0.0)?;
+            let level = measure(&bench, &stack, rows, &wal_compression, None, 0.0)?;
             quiet.note(level.steal_cores, level.other_cores);
             curve.levels.push(level);
         }
     }
-    let other = if wal_compression == "off" {
-        "lz4"
-    } else {
-        "off"
-    };
     if env_u64("SCALE_RECORDS_AB", 1) == 1 && loaded > 0 {
-        // The lever for full-page images: the same run with the other setting. ALTER SYSTEM
-        // does not override a setting on the server's command line.
-        if wal_compression_source == "command line" {
-            eprintln!(
-                "  the A/B with wal_compression {other}: not run (the cluster's command line sets {wal_compression})"
-            );
+        let other = if wal_compression == "off" {
+            "lz4"
         } else {
-            bench.postgres.psql(
-                &db,
-                &format!("ALTER SYSTEM SET wal_compression = '{other}'"),
-            )?;
-            bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
-            let level = measure(&bench, &stack, loaded, other, 0.0)?;
-            quiet.note(level.steal_cores, level.other_cores);
-            curve.levels.push(level);
+            "off"
+        };
+        for (name, value) in [("wal_compression", other), ("full_page_writes", "off")] {
+            // ALTER SYSTEM does not override a setting on the server's command line.
+            let (current, source) = setting(&stack, name)?;
+            if source == "command line" {
+                eprintln!(
+                    "  the trial {name}={value}: not run (the cluster's command line sets {current})"
+                );
+                continue;
+            }
             bench
                 .postgres
-                .psql(&db, "ALTER SYSTEM RESET wal_compression")?;
+                .psql(&db, &format!("ALTER SYSTEM SET {name} = '{value}'"))?;
             bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+            let (compression, _) = setting(&stack, "wal_compression")?;
+            let trial = format!("{name}={value}");
+            let level = measure(&bench, &stack, loaded, &compression, Some(&trial), 0.0);
+            bench
+                .postgres
+                .psql(&db, &format!("ALTER SYSTEM RESET {name}"))?;
+            bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
+            let level = level?;
+            quiet.note(level.steal_cores, level.other_cores);
+            curve.levels.push(level);
         }
     }
     curve.free_gib_at_largest = free_bytes(&data_dir).unwrap_or(0.0) / GIB;
@@ -446,9 +454,14 @@ fn measure(
     stack: &Stack,
     rows: u64,
     wal_compression: &str,
+    trial: Option<&str>,
     load_seconds: f64,
 ) -> Result<Level, String> {
-    let prefix = format!("scale-rec-{rows}-{wal_compression}-{}", std::process::id());
+    let prefix = format!(
+        "scale-rec-{rows}-{}-{}",
+        trial.unwrap_or(wal_compression).replace('=', "-"),
+        std::process::id()
+    );
     let before = counters(stack);
     let metrics_before = crate::state_api_metrics(stack.state_api.port);
     let (r, cpu, _) = bench.measure(
@@ -477,6 +490,7 @@ fn measure(
     let level = Level {
         rows,
         wal_compression: wal_compression.to_owned(),
+        trial: trial.map(str::to_owned),
         table_mib: table_b as f64 / 1_048_576.0,
         index_mib: index_b as f64 / 1_048_576.0,
         bytes_per_row: ratio((table_b + index_b) as f64, rows as f64),
@@ -497,9 +511,10 @@ fn measure(
         other_cores: cpu.other_cores,
     };
     eprintln!(
-        "  {:>11} rows (wal_compression {}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair",
+        "  {:>11} rows (wal_compression {}{}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair",
         rows,
         wal_compression,
+        trial.map(|t| format!(", {t}")).unwrap_or_default(),
         level.pairs_per_s,
         level.p99_ms,
         level.cpu_us,
@@ -514,7 +529,7 @@ fn goals(c: &Records) -> Vec<Goal> {
     let plain: Vec<&Level> = c
         .levels
         .iter()
-        .filter(|l| l.wal_compression == c.wal_compression)
+        .filter(|l| l.trial.is_none())
         .collect();
     let Some(empty) = plain.iter().find(|l| l.rows == 0) else {
         return vec![Goal::new(
@@ -602,7 +617,10 @@ fn markdown(c: &Records) -> String {
         .map(|l| {
             vec![
                 l.rows.to_string(),
-                l.wal_compression.clone(),
+                match &l.trial {
+                    Some(t) => format!("{} ({t})", l.wal_compression),
+                    None => l.wal_compression.clone(),
+                },
                 fig(l.table_mib, 0),
                 fig(l.index_mib, 0),
                 fig(l.bytes_per_row, 0),

@@ -30,7 +30,13 @@ const CONFIG_FIELDS: &[&str] = &[
     "batch_max",
     "max_buffered_bytes",
 ];
-const STATE_API_FIELDS: &[&str] = &["cluster", "wait_cluster", "authority", "token", "timeout_ms"];
+const STATE_API_FIELDS: &[&str] = &[
+    "cluster",
+    "wait_cluster",
+    "authority",
+    "token",
+    "timeout_ms",
+];
 const ROUTE_FIELDS: &[&str] = &[
     "method",
     "path",
