@@ -526,11 +526,7 @@ fn measure(
 }
 
 fn goals(c: &Records) -> Vec<Goal> {
-    let plain: Vec<&Level> = c
-        .levels
-        .iter()
-        .filter(|l| l.trial.is_none())
-        .collect();
+    let plain: Vec<&Level> = c.levels.iter().filter(|l| l.trial.is_none()).collect();
     let Some(empty) = plain.iter().find(|l| l.rows == 0) else {
         return vec![Goal::new(
             "records",
