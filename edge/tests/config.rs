@@ -746,8 +746,8 @@ fn waiting_claims_reach_the_state_api_over_http2_and_the_rest_over_http1() {
         };
         let http2 = |c: &yaml_rust2::Yaml| {
             !c["typed_extension_protocol_options"]
-                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
-                ["explicit_http_config"]["http2_protocol_options"]
+                ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+                ["http2_protocol_options"]
                 .is_badvalue()
         };
         let (plain, wait) = (named("state_api"), named("state_api_wait"));
@@ -770,7 +770,10 @@ fn waiting_claims_reach_the_state_api_over_http2_and_the_rest_over_http1() {
     // The filter is told which is which.
     let plugin = edge::render::plugin_config(&c, &edge::render::Wiring::envoy(&c), "t");
     assert_eq!(plugin.state_api.cluster, "state_api");
-    assert_eq!(plugin.state_api.wait_cluster.as_deref(), Some("state_api_wait"));
+    assert_eq!(
+        plugin.state_api.wait_cluster.as_deref(),
+        Some("state_api_wait")
+    );
 }
 
 #[test]
