@@ -215,7 +215,17 @@ pub(crate) fn state_api_calls(cluster: &mut Yaml, http2: bool) {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                     vec![(
                         "explicit_http_config",
-                        map(vec![("http2_protocol_options", map(vec![]))]),
+                        map(vec![(
+                            "http2_protocol_options",
+                            // Below the state API's 200 (hyper's default), so that Envoy opens
+                            // another connection before the state API refuses a stream: with
+                            // Envoy's own default (2^31 - 1) all went on one connection, and
+                            // every waiting claim past the 200th was reset (REFUSED_STREAM).
+                            map(vec![(
+                                "max_concurrent_streams",
+                                n(STATE_API_STREAMS_PER_CONNECTION),
+                            )]),
+                        )]),
                     )],
                 ),
             )]),
@@ -230,8 +240,11 @@ pub(crate) fn state_api_calls(cluster: &mut Yaml, http2: bool) {
 /// Retry-After, so Envoy's bound only has to stay above them. Waiting claims go over HTTP/2:
 /// over HTTP/1.1 each held a connection of its own, and 9,000 opened at once overflowed the
 /// state API's listen backlog (bench/NOTES.md, twentieth round); as streams they share a
-/// connection per 200 (the state API's `SETTINGS_MAX_CONCURRENT_STREAMS`).
+/// connection per 100 ([`STATE_API_STREAMS_PER_CONNECTION`]).
 const STATE_API_MAX_REQUESTS: u64 = 100_000;
+
+/// Streams Envoy puts on one HTTP/2 connection to the state API.
+const STATE_API_STREAMS_PER_CONNECTION: u64 = 100;
 
 fn state_api_breakers() -> Yaml {
     map(vec![(

@@ -752,6 +752,14 @@ fn waiting_claims_reach_the_state_api_over_http2_and_the_rest_over_http1() {
         };
         let (plain, wait) = (named("state_api"), named("state_api_wait"));
         assert!(!http2(plain) && http2(wait), "{who}: {plain:?} {wait:?}");
+        // Fewer streams a connection than the state API allows (hyper's 200): past them Envoy
+        // opens another connection instead of having its streams refused.
+        let streams = wait["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+            ["http2_protocol_options"]["max_concurrent_streams"]
+            .as_i64()
+            .unwrap();
+        assert!((1..200).contains(&streams), "{who}: {streams}");
         for c in [plain, wait] {
             assert!(
                 c["circuit_breakers"]["thresholds"][0]["max_requests"]
