@@ -4,11 +4,15 @@
 //! `max_waiters` at its most, 10,000) and one state API (`STATE_API_MAX_WAITERS` 20,000). While
 //! they wait: Envoy's and the state API's resident memory and CPU per waiter. When the slow
 //! requests end: the time from each key's completion (its slow request's answer, which comes
-//! after its outcome is stored) to its last waiter's replay. Every waiter must get the replay.
+//! after its outcome is stored) to its last waiter's replay. Every waiter must get the replay,
+//! or be refused at once with 503 + Retry-After by the state API's bounded queue (the answer
+//! past saturation that curve 5 asks for); up to that bound (1,024 queued claims), every one
+//! the replay.
 //!
-//! SCALE_WAITING_LEVELS (waiters, comma-separated). A level needs twice its waiters and 2,000
-//! open files in one process (Envoy holds two connections a waiter); one this process's limit
-//! cannot hold is reported not measured, with the limit, and the others are measured.
+//! SCALE_WAITING_LEVELS (waiters, comma-separated). A level needs its waiters and 2,000 open
+//! files in one process (Envoy holds a connection a waiter; the claims are HTTP/2 streams); one
+//! this process's limit cannot hold is reported not measured, with the limit, and the others
+//! are measured.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -17,12 +21,18 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use test_support::stack::{Stack, StackOptions};
 
-use super::{fig, memory_mib, table, CurveOutput, Goal, Quiet, Settings};
+use super::{at_most, fig, memory_mib, table, CurveOutput, Goal, Quiet, Settings};
 use crate::load::Conn;
 use crate::{addr, checkout_req, procfs, Snapshot};
 
 const KEYS: usize = 4;
 const WAIT_S: u64 = 60;
+/// The state API's `--batch-max-queued` default: claims queued past it are refused at once.
+const STATE_API_QUEUE_BOUND: usize = 1_024;
+/// Curve 5's bound on how fast a refusal comes.
+const REFUSAL_P99_MS: f64 = 50.0;
+/// The answer a refused waiter gets.
+const REFUSED: &str = "503 + Retry-After";
 
 #[derive(Debug, Clone, Serialize)]
 struct Point {
@@ -44,6 +54,8 @@ struct Point {
     last_replay_after_ms: f64,
     median_replay_after_ms: f64,
     answers: BTreeMap<String, u64>,
+    /// p99 of the refused waiters' time from sending to their 503 (NaN: none refused).
+    refused_p99_ms: f64,
     slow_statuses: Vec<String>,
     steal_cores: f64,
 }
@@ -68,8 +80,17 @@ fn levels(settings: &Settings) -> Vec<usize> {
     levels.into_iter().filter(|n| *n > 0).collect()
 }
 
-/// What one waiter got, and when.
-type Answers = Arc<Mutex<Vec<(usize, String, Instant)>>>;
+/// What one request got: its key's index, the kind of answer, when, and how long after it was
+/// sent.
+#[derive(Debug, Clone)]
+struct Answer {
+    key: usize,
+    kind: String,
+    at: Instant,
+    took_ms: f64,
+}
+
+type Answers = Arc<Mutex<Vec<Answer>>>;
 
 fn measure(
     rt: &tokio::runtime::Runtime,
@@ -129,11 +150,11 @@ fn measure(
     let cpu_per_waiter = cpu.thousandths_each(waiters);
     let done: BTreeMap<usize, Instant> = slow_done
         .lock()
-        .map(|d| d.iter().map(|(k, _, t)| (*k, *t)).collect())
+        .map(|d| d.iter().map(|a| (a.key, a.at)).collect())
         .unwrap_or_default();
     let slow_statuses: Vec<String> = slow_done
         .lock()
-        .map(|d| d.iter().map(|(_, s, _)| s.clone()).collect())
+        .map(|d| d.iter().map(|a| a.kind.clone()).collect())
         .unwrap_or_default();
     let got = answers.lock().map(|a| a.clone()).unwrap_or_default();
     let replays = ReplayTimes::of(&got, &done);
@@ -152,6 +173,7 @@ fn measure(
         last_replay_after_ms: replays.last_ms,
         median_replay_after_ms: replays.median_ms,
         answers: replays.by_kind,
+        refused_p99_ms: replays.refused_p99_ms,
         slow_statuses,
         steal_cores: cpu.steal_cores,
     };
@@ -179,12 +201,13 @@ fn hold_keys(
         let req = checkout_req(key).header("x-demo-delay-ms", &hold.as_millis().to_string());
         let done = slow_done.clone();
         slow.push(tokio::spawn(async move {
+            let sent = Instant::now();
             let status = match async { Conn::open(envoy).await?.send(&req).await }.await {
                 Ok(a) => a.status.to_string(),
                 Err(e) => format!("transport: {}", crate::load::short(&e)),
             };
             if let Ok(mut d) = done.lock() {
-                d.push((k, status, Instant::now()));
+                d.push(Answer::now(k, status, sent));
             }
         }));
     }
@@ -204,15 +227,19 @@ async fn spawn_waiters(
         let req = checkout_req(&keys[k]).header("prefer", &format!("wait={WAIT_S}"));
         let answers = answers.clone();
         tasks.push(tokio::spawn(async move {
+            let sent = Instant::now();
             let kind = match async { Conn::open(envoy).await?.send(&req).await }.await {
                 Ok(a) if a.status == 201 && a.headers.contains_key("idempotent-replayed") => {
                     "replay".to_owned()
+                }
+                Ok(a) if a.status == 503 && a.headers.contains_key("retry-after") => {
+                    REFUSED.to_owned()
                 }
                 Ok(a) => format!("status {}", a.status),
                 Err(e) => format!("transport: {}", crate::load::short(&e)),
             };
             if let Ok(mut s) = answers.lock() {
-                s.push((k, kind, Instant::now()));
+                s.push(Answer::now(k, kind, sent));
             }
         }));
         // Connections opened at a pace the single-threaded generator keeps.
@@ -223,22 +250,41 @@ async fn spawn_waiters(
     tasks
 }
 
-/// The waiters' answers by kind, and when the replays came after their key completed.
+impl Answer {
+    fn now(key: usize, kind: String, sent: Instant) -> Self {
+        let at = Instant::now();
+        Self {
+            key,
+            kind,
+            at,
+            took_ms: at.duration_since(sent).as_secs_f64() * 1000.0,
+        }
+    }
+}
+
+/// The waiters' answers by kind, when the replays came after their key completed, and how
+/// fast the refusals came.
 struct ReplayTimes {
     by_kind: BTreeMap<String, u64>,
     /// The worst key's last replay after its completion.
     last_ms: f64,
     /// Over every replayed waiter.
     median_ms: f64,
+    refused_p99_ms: f64,
 }
 
 impl ReplayTimes {
-    fn of(got: &[(usize, String, Instant)], done: &BTreeMap<usize, Instant>) -> Self {
+    fn of(got: &[Answer], done: &BTreeMap<usize, Instant>) -> Self {
         let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
         let mut after_ms: Vec<f64> = Vec::new();
         let mut last_by_key: BTreeMap<usize, f64> = BTreeMap::new();
-        for (k, kind, t) in got {
+        let mut refused_ms: Vec<f64> = Vec::new();
+        for a in got {
+            let (k, kind, t) = (&a.key, &a.kind, &a.at);
             *by_kind.entry(kind.clone()).or_default() += 1;
+            if kind == REFUSED {
+                refused_ms.push(a.took_ms);
+            }
             if let (true, Some(end)) = (kind == "replay", done.get(k)) {
                 // Signed: a waiter may be answered before the slow request's own answer arrives.
                 let ms = if *t >= *end {
@@ -252,7 +298,12 @@ impl ReplayTimes {
             }
         }
         after_ms.sort_by(f64::total_cmp);
+        refused_ms.sort_by(f64::total_cmp);
         Self {
+            refused_p99_ms: refused_ms
+                .get((refused_ms.len() * 99).div_ceil(100).saturating_sub(1))
+                .copied()
+                .unwrap_or(f64::NAN),
             by_kind,
             last_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
             median_ms: after_ms
@@ -317,39 +368,49 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
 }
 
 fn goals(c: &WaitingCurve) -> Vec<Goal> {
-    let not_measured = c.skipped.iter().map(|(n, why)| {
+    let mut goals = Vec::new();
+    for p in &c.points {
+        let count = |k: &str| p.answers.get(k).copied().unwrap_or(0) as usize;
+        let (replays, refused) = (count("replay"), count(REFUSED));
+        let other: Vec<String> = p
+            .answers
+            .iter()
+            .filter(|(k, _)| *k != "replay" && *k != REFUSED)
+            .map(|(k, v)| format!("{v} x {k}"))
+            .collect();
+        let refusals_fast = refused == 0 || at_most(p.refused_p99_ms, REFUSAL_P99_MS);
+        goals.push(Goal::new(
+            "waiting",
+            format!("{} waiters on {KEYS} running keys: the replay when the key completes, or {REFUSED} at once (the state API's bounded queue); nothing else", p.waiters),
+            format!("{} answers of the two; refusals p99 <= {REFUSAL_P99_MS} ms", p.waiters),
+            format!(
+                "{replays} replays (the last {} ms after its key completed), {refused} refused{}{}",
+                fig(p.last_replay_after_ms, 0),
+                if refused > 0 { format!(" (p99 {} ms)", fig(p.refused_p99_ms, 1)) } else { String::new() },
+                if other.is_empty() { String::new() } else { format!(", {}", other.join(", ")) },
+            ),
+            Some(other.is_empty() && refusals_fast),
+        ));
+        if p.waiters <= STATE_API_QUEUE_BOUND {
+            goals.push(Goal::new(
+                "waiting",
+                format!("{} waiters (within the state API's queue bound, {STATE_API_QUEUE_BOUND}): every one gets the replay", p.waiters),
+                format!("{} replays", p.waiters),
+                format!("{replays} replays"),
+                Some(replays == p.waiters),
+            ));
+        }
+    }
+    goals.extend(c.skipped.iter().map(|(n, why)| {
         Goal::new(
             "waiting",
-            format!("{n} waiters on {KEYS} running keys: every one gets the replay when its key completes"),
-            format!("{n} replays"),
+            format!("{n} waiters on {KEYS} running keys: the replay, or {REFUSED} at once"),
+            format!("{n} answers of the two"),
             format!("not measured: {why}"),
             None,
         )
-    });
-    c.points
-        .iter()
-        .map(|p| {
-            let replays = p.answers.get("replay").copied().unwrap_or(0);
-            let other: Vec<String> = p
-                .answers
-                .iter()
-                .filter(|(k, _)| *k != "replay")
-                .map(|(k, v)| format!("{v} x {k}"))
-                .collect();
-            Goal::new(
-                "waiting",
-                format!("{} waiters on {KEYS} running keys: every one gets the replay when its key completes", p.waiters),
-                format!("{} replays", p.waiters),
-                format!(
-                    "{replays} replays{}; the last {} ms after its key completed",
-                    if other.is_empty() { String::new() } else { format!(", {}", other.join(", ")) },
-                    fig(p.last_replay_after_ms, 0)
-                ),
-                Some(replays as usize == p.waiters),
-            )
-        })
-        .chain(not_measured)
-        .collect()
+    }));
+    goals
 }
 
 fn markdown(c: &WaitingCurve) -> String {
@@ -383,18 +444,19 @@ fn markdown(c: &WaitingCurve) -> String {
                     .map(|(k, v)| format!("{v} {k}"))
                     .collect::<Vec<_>>()
                     .join(", "),
+                fig(p.refused_p99_ms, 1),
                 fig(p.steal_cores, 2),
             ]
         })
         .collect();
     format!(
-        "### 6. Waiting retries\n\n{}Retries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Claim answers per waiter per second while they wait: 0 means no waiter asked again (each holds its one claim open while the state API looks at the record for it; those looks are in the state API's and Postgres's CPU). Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key).\n\n{}",
+        "### 6. Waiting retries\n\n{}Retries with `Prefer: wait={WAIT_S}` on {KEYS} keys held by slow requests, one connection each, through one filter Envoy (one worker). Memory: resident, before the waiters and while they wait. CPU: thousandths of a core per waiter while they wait. Claim answers per waiter per second while they wait: 0 means no waiter asked again (each holds its one claim open while the state API looks at the record for it; those looks are in the state API's and Postgres's CPU). Replay: ms from a key's completion (its slow request's answer) to its waiters' replays (median over every waiter; the last of the worst key). A waiter refused at once (the state API's bounded queue: 1,024 claims) gets 503 + Retry-After; refused p99: ms from sending to that answer.\n\n{}",
         c.skipped
             .iter()
             .map(|(n, why)| format!("{n} waiters: not measured ({why}).\n\n"))
             .collect::<String>(),
         table(
-            &["waiters", "Envoy MiB", "Envoy KiB/waiter", "state API MiB", "state API KiB/waiter", "Envoy", "state API", "Postgres", "claim answers/waiter/s", "replay median ms", "last replay ms", "answers", "steal"],
+            &["waiters", "Envoy MiB", "Envoy KiB/waiter", "state API MiB", "state API KiB/waiter", "Envoy", "state API", "Postgres", "claim answers/waiter/s", "replay median ms", "last replay ms", "answers", "refused p99 ms", "steal"],
             &rows,
             true
         )
@@ -403,8 +465,100 @@ fn markdown(c: &WaitingCurve) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn a_ratio_of_nothing_is_not_a_number() {
         assert!(crate::scale::ratio(1.0, 0.0).is_nan());
+    }
+
+    fn point(waiters: usize, answers: &[(&str, u64)], refused_p99_ms: f64) -> Point {
+        Point {
+            waiters,
+            connected_s: 1.0,
+            envoy_rss_before_mib: 0.0,
+            envoy_rss_waiting_mib: 0.0,
+            state_api_rss_before_mib: 0.0,
+            state_api_rss_waiting_mib: 0.0,
+            envoy_kib_per_waiter: 0.0,
+            state_api_kib_per_waiter: 0.0,
+            cpu_per_waiter: BTreeMap::new(),
+            claims_per_waiter_s: 0.0,
+            last_replay_after_ms: 10.0,
+            median_replay_after_ms: 5.0,
+            answers: answers.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            refused_p99_ms,
+            slow_statuses: Vec::new(),
+            steal_cores: 0.0,
+        }
+    }
+
+    /// Past the state API's queue bound a fast 503 + Retry-After is a right answer; within
+    /// it, or slow, or any other answer, is not.
+    #[test]
+    fn a_waiter_gets_the_replay_or_a_fast_refusal_and_within_the_queue_bound_the_replay() {
+        let verdicts = |points: Vec<Point>| -> Vec<Option<bool>> {
+            goals(&WaitingCurve {
+                points,
+                skipped: Vec::new(),
+            })
+            .iter()
+            .map(|g| g.pass)
+            .collect()
+        };
+        assert_eq!(
+            verdicts(vec![point(1_000, &[("replay", 1_000)], f64::NAN)]),
+            [Some(true), Some(true)]
+        );
+        assert_eq!(
+            verdicts(vec![point(1_000, &[("replay", 990), (REFUSED, 10)], 3.0)]),
+            [Some(true), Some(false)]
+        );
+        assert_eq!(
+            verdicts(vec![point(
+                10_000,
+                &[("replay", 6_000), (REFUSED, 4_000)],
+                30.0
+            )]),
+            [Some(true)]
+        );
+        assert_eq!(
+            verdicts(vec![point(
+                10_000,
+                &[("replay", 6_000), (REFUSED, 4_000)],
+                80.0
+            )]),
+            [Some(false)]
+        );
+        assert_eq!(
+            verdicts(vec![point(
+                10_000,
+                &[("replay", 9_999), ("status 503", 1)],
+                f64::NAN
+            )]),
+            [Some(false)]
+        );
+    }
+
+    #[test]
+    fn the_refusals_p99_is_over_the_refused_answers_only() {
+        let t0 = Instant::now();
+        let mut got: Vec<Answer> = (0..100)
+            .map(|i| Answer {
+                key: 0,
+                kind: REFUSED.into(),
+                at: t0,
+                took_ms: f64::from(i + 1),
+            })
+            .collect();
+        got.push(Answer {
+            key: 0,
+            kind: "replay".into(),
+            at: t0,
+            took_ms: 60_000.0,
+        });
+        let r = ReplayTimes::of(&got, &BTreeMap::new());
+        assert_eq!(r.refused_p99_ms, 99.0);
+        assert_eq!(r.by_kind[REFUSED], 100);
     }
 }
