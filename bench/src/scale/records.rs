@@ -18,10 +18,12 @@
 //! Every level runs with the cluster's own settings (`wal_compression` lz4, as `edge run` starts
 //! it, named in each row). At the largest level the same run is made again once for each trial
 //! (SCALE_RECORDS_AB=0 skips them): `wal_compression` the other way (the lever for those
-//! full-page images), and `full_page_writes = off`, a diagnosis only (a torn page after a crash
-//! could not be repaired: never in production), which shows what the full-page images cost. A
-//! trial runs only where the cluster lets the setting change: one on the server's command line
-//! (as the stack's `wal_compression` is) is not. The cluster is the stack's throwaway one (never
+//! full-page images), `full_page_writes = off`, a diagnosis only (a torn page after a crash
+//! could not be repaired: never in production), which shows what the full-page images cost,
+//! and `max_wal_size = 16GB`, with which no checkpoint comes within the run (Postgres's 1 GB
+//! brings one every half minute or so at this WAL rate, and each makes every leaf's next touch
+//! log its whole page again). A trial runs only where the cluster lets the setting change:
+//! one on the server's command line (as the stack's `wal_compression` is) is not. The cluster is the stack's throwaway one (never
 //! `DATABASE_URL`): it is removed with everything loaded into it at the end.
 //! SCALE_RECORDS_LEVELS (rows, comma-separated), SCALE_RECORDS_SECONDS (60; quick 10),
 //! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
@@ -343,7 +345,11 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         } else {
             "off"
         };
-        for (name, value) in [("wal_compression", other), ("full_page_writes", "off")] {
+        for (name, value) in [
+            ("wal_compression", other),
+            ("full_page_writes", "off"),
+            ("max_wal_size", "16GB"),
+        ] {
             // ALTER SYSTEM does not override a setting on the server's command line.
             let (current, source) = setting(&stack, name)?;
             if source == "command line" {
