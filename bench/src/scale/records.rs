@@ -23,8 +23,9 @@
 //! and `max_wal_size = 16GB`, with which no checkpoint comes within the run (Postgres's 1 GB
 //! brings one every half minute or so at this WAL rate, and each makes every leaf's next touch
 //! log its whole page again). A trial runs only where the cluster lets the setting change:
-//! one on the server's command line (as the stack's `wal_compression` is) is not. The cluster is the stack's throwaway one (never
-//! `DATABASE_URL`): it is removed with everything loaded into it at the end.
+//! one on the server's command line (as the stack's `wal_compression` is) is not. The cluster
+//! is the stack's throwaway one (never `DATABASE_URL`): it is removed with everything loaded
+//! into it at the end.
 //! SCALE_RECORDS_LEVELS (rows, comma-separated), SCALE_RECORDS_SECONDS (60; quick 10),
 //! SCALE_RECORDS_SHARED_BUFFERS (e.g. `4GB`; default: the stack's, Postgres' 128 MB).
 
