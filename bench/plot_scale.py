@@ -86,9 +86,12 @@ def body(ax, c):
 
 def routes(ax, c):
     ax.set_title("4. routes: Envoy µs of CPU per request")
-    n = [x["routes"] for x in c["points"]]
-    ax.plot(n, [x["matched_envoy_us"] for x in c["points"]], "o-", label="matched (replay)")
-    ax.plot(n, [x["unmatched_envoy_us"] for x in c["points"]], "s-", label="unmatched (passed on)")
+    plain = [x for x in c["points"] if not x.get("variant")]
+    n = [x["routes"] for x in plain]
+    ax.plot(n, [x["matched_envoy_us"] for x in plain], "o-", label="matched (replay)")
+    ax.plot(n, [x["unmatched_envoy_us"] for x in plain], "s-", label="unmatched (passed on)")
+    for x in [x for x in c["points"] if x.get("variant")]:
+        ax.plot([x["routes"]], [x["unmatched_envoy_us"]], "D", label=f"unmatched, {x['variant']}")
     ax.set_xscale("log")
     ax.set_xlabel("routes")
     ax.set_ylabel("µs")

@@ -25,10 +25,16 @@ use crate::{addr, alice, op_replay, plain_params, procfs};
 
 const CONNECTIONS: usize = 16;
 const COUNTS: [usize; 3] = [1, 100, 1000];
+/// The A/B measured beside the counts: 1,000 routes in the filter, and jwt_authn's one RE2
+/// pattern cut to the last route's, so that it and the 1,000-route Envoy differ in that
+/// pattern only (bench/NOTES.md, twentieth round, named it the one part that still grows).
+const ONE_ROUTE_PATTERN: &str = "jwt_authn's pattern of one route";
 
 #[derive(Debug, Clone, Serialize)]
 struct Point {
     routes: usize,
+    /// What this Envoy changes beside its routes ([`ONE_ROUTE_PATTERN`]); `None`: nothing.
+    variant: Option<String>,
     /// Envoy's µs of CPU per request, and the rate.
     matched_envoy_us: f64,
     matched_per_s: f64,
@@ -103,6 +109,27 @@ pub fn routes(n: usize, last: &Route) -> Vec<Route> {
         .collect();
     out.push(last.clone());
     out
+}
+
+/// `yaml` with its one jwt_authn RE2 pattern (the POST routes') matching `/checkout` alone.
+fn with_one_route_pattern(yaml: &str) -> Result<String, String> {
+    let mut replaced = 0;
+    let lines: Vec<String> = yaml
+        .lines()
+        .map(|l| match l.find("regex: ") {
+            Some(at) => {
+                replaced += 1;
+                format!("{}regex: \"(?s:/checkout)\"", &l[..at])
+            }
+            None => l.to_owned(),
+        })
+        .collect();
+    if replaced != 1 {
+        return Err(format!(
+            "the routes A/B: {replaced} RE2 patterns in the rendered configuration, not one"
+        ));
+    }
+    Ok(lines.join("\n"))
 }
 
 /// `POST /echo` (no route has it): the checkout echoes the headers, 200.
@@ -183,7 +210,11 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     // window a point was noisier here than the 10 % the goal looks for (bench/NOTES.md,
     // twentieth round), and interleaving keeps a slow minute from landing on one count only.
     let mut levels = Vec::new();
-    for n in COUNTS {
+    let variants = COUNTS
+        .iter()
+        .map(|&n| (n, None))
+        .chain([(1000, Some(ONE_ROUTE_PATTERN))]);
+    for (n, variant) in variants {
         let mut p = plain_params(&stack);
         p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
             let checkout = cfg
@@ -195,13 +226,20 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
                 cfg.routes = routes(n, &last);
             }
         }));
-        let envoy = Envoy::start(p, &stack.dir, &format!("envoy-routes-{n}"))?;
+        let envoy = match variant {
+            None => Envoy::start(p, &stack.dir, &format!("envoy-routes-{n}"))?,
+            Some(_) => {
+                let yaml = with_one_route_pattern(&p.render()?)?;
+                Envoy::start_with_yaml(yaml, p, &stack.dir, &format!("envoy-routes-{n}-ab"))?
+            }
+        };
         let target = addr(envoy.params.listen_port);
+        let tag = if variant.is_some() { "ab" } else { "" };
         let keys: Arc<Vec<String>> =
-            Arc::new((0..100).map(|i| format!("{run_id}-{n}-{i}")).collect());
+            Arc::new((0..100).map(|i| format!("{run_id}-{n}{tag}-{i}")).collect());
         super::create_keys(&bench.rt, target, &keys, &format!("routes {n}: setting up"))?;
         let pid = procfs::pid_listening_on(envoy.params.listen_port).ok_or("no Envoy")?;
-        levels.push((n, envoy, target, keys, pid, Samples::default()));
+        levels.push((n, variant, envoy, target, keys, pid, Samples::default()));
     }
     let rounds = if settings.quick {
         1
@@ -209,7 +247,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         crate::env_u64("SCALE_ROUTES_ROUNDS", ROUNDS).max(1)
     };
     for round in 1..=rounds {
-        for (n, _, target, keys, pid, samples) in levels.iter_mut() {
+        for (n, variant, _, target, keys, pid, samples) in levels.iter_mut() {
             bench.procs.named = vec![("envoy", *pid)];
             let (m, mcpu, _) = bench.measure(*target, CONNECTIONS, &op_replay(keys.clone()));
             let (u, ucpu, _) = bench.measure(*target, CONNECTIONS, &op_unmatched());
@@ -225,8 +263,9 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
                 .steal_cores
                 .max(mcpu.steal_cores.max(ucpu.steal_cores));
             eprintln!(
-                "  round {round}: {:>5} routes: matched {:>6.1} µs Envoy/request ({:.0}/s), unmatched {:>6.1} µs ({:.0}/s)",
+                "  round {round}: {:>5} routes{}: matched {:>6.1} µs Envoy/request ({:.0}/s), unmatched {:>6.1} µs ({:.0}/s)",
                 n,
+                variant.map(|v| format!(" ({v})")).unwrap_or_default(),
                 matched_us,
                 m.rate(),
                 unmatched_us,
@@ -235,7 +274,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         }
     }
     let mut points = Vec::new();
-    for (n, envoy, _, _, _, samples) in levels {
+    for (n, variant, envoy, _, _, _, samples) in levels {
         drop(envoy);
         let (matcher_matched_ns, matcher_unmatched_ns) = matcher_ns(
             n,
@@ -243,6 +282,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         )?;
         let point = Point {
             routes: n,
+            variant: variant.map(str::to_owned),
             matched_envoy_us: median(&samples.matched_us),
             matched_per_s: median(&samples.matched_per_s),
             unmatched_envoy_us: median(&samples.unmatched_us),
@@ -278,8 +318,12 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
 }
 
 fn goals(c: &RoutesCurve) -> Vec<Goal> {
-    let one = c.points.iter().find(|p| p.routes == 1);
-    let most = c.points.iter().find(|p| p.routes == 1000);
+    let plain = |n: usize| {
+        c.points
+            .iter()
+            .find(|p| p.routes == n && p.variant.is_none())
+    };
+    let (one, most) = (plain(1), plain(1000));
     let (Some(one), Some(most)) = (one, most) else {
         return vec![Goal::new(
             "routes",
@@ -327,13 +371,50 @@ fn goals(c: &RoutesCurve) -> Vec<Goal> {
     ]
 }
 
+/// The A/B's line: each 1,000-route Envoy against one route's, both ways, by the rounds' ratios.
+fn ab_line(c: &RoutesCurve) -> String {
+    let find = |n: usize, v: Option<&str>| {
+        c.points
+            .iter()
+            .find(|p| p.routes == n && p.variant.as_deref() == v)
+    };
+    let (Some(one), Some(whole), Some(cut)) = (
+        find(1, None),
+        find(1000, None),
+        find(1000, Some(ONE_ROUTE_PATTERN)),
+    ) else {
+        return String::new();
+    };
+    let against_one = |p: &Point| {
+        format!(
+            "matched {}x, unmatched {}x",
+            fig(
+                paired_ratio(&p.matched_rounds_us, &one.matched_rounds_us),
+                2
+            ),
+            fig(
+                paired_ratio(&p.unmatched_rounds_us, &one.unmatched_rounds_us),
+                2
+            )
+        )
+    };
+    format!(
+        "\n\nThe A/B, 1,000 routes against one route, each the median of the rounds' own ratios: with jwt_authn's pattern of every route {}; with {ONE_ROUTE_PATTERN} {}.",
+        against_one(whole),
+        against_one(cut)
+    )
+}
+
 fn markdown(c: &RoutesCurve) -> String {
     let rows: Vec<Vec<String>> = c
         .points
         .iter()
         .map(|p| {
             vec![
-                p.routes.to_string(),
+                match &p.variant {
+                    Some(v) => format!("{} ({v})", p.routes),
+                    None => p.routes.to_string(),
+                },
                 fig(p.matched_envoy_us, 1),
                 fig(p.matched_per_s, 0),
                 fig(p.unmatched_envoy_us, 1),
@@ -348,9 +429,11 @@ fn markdown(c: &RoutesCurve) -> String {
     format!(
         "### 4. Routes
 
-Protected routes in one configuration (half exact, half prefixes, `POST /checkout` last), each count in a filter Envoy of its own (its jwt_authn with as many rules), {CONNECTIONS} connections. Envoy's µs of CPU per request: matched (a replay of a completed key, answered from the worker's memory) and unmatched (`POST /echo`, passed through). The filter's matcher alone, natively: ns per lookup.
+Protected routes in one configuration (half exact, half prefixes, `POST /checkout` last), each count in a filter Envoy of its own (its jwt_authn with as many rules), {CONNECTIONS} connections. Envoy's µs of CPU per request: matched (a replay of a completed key, answered from the worker's memory) and unmatched (`POST /echo`, passed through). The filter's matcher alone, natively: ns per lookup. Each figure is the median of {} interleaved rounds.{}
 
 {}",
+        c.points.first().map_or(0, |p| p.matched_rounds_us.len()),
+        ab_line(c),
         table(
             &["routes", "matched µs", "matched/s", "unmatched µs", "unmatched/s", "matcher ns (last route)", "matcher ns (no route)", "errors", "steal"],
             &rows,
@@ -380,6 +463,15 @@ mod tests {
         assert!((paired_ratio(&most, &one) - 1.1).abs() < 1e-9);
         assert!((paired_ratio(&[105.0, 210.0], &[100.0, 200.0]) - 1.05).abs() < 1e-9);
         assert!(paired_ratio(&[], &[]).is_nan());
+    }
+
+    #[test]
+    fn the_ab_cuts_the_one_pattern_to_the_last_route() {
+        let yaml = "rules:\n  - match:\n      safe_regex:\n        regex: \"(?s:/a|/b.*)\"\n      headers: []";
+        let cut = with_one_route_pattern(yaml).unwrap();
+        assert!(cut.contains("        regex: \"(?s:/checkout)\"\n      headers"), "{cut}");
+        assert!(!cut.contains("/a|"));
+        assert!(with_one_route_pattern("rules: []").is_err());
     }
 
     #[test]
