@@ -43,6 +43,10 @@ fn main() {
             duplicate_during_a_slow_request_gets_409,
         ),
         SHARED.trial(
+            "over_tls_a_retry_that_waits_gets_the_replay_over_http2",
+            retry_that_waits_gets_the_replay_over_http2,
+        ),
+        SHARED.trial(
             "over_tls_the_same_key_with_another_body_gets_422",
             same_key_other_body_gets_422,
         ),
@@ -110,6 +114,39 @@ async fn duplicate_during_a_slow_request_gets_409(stack: Arc<Stack>) {
     let first = slow.await.unwrap_or_else(|e| panic!("slow request: {e}"));
     assert_eq!(first.status, 201, "{}", first.describe());
     assert_eq!(executions(&stack, &key).await.len(), 1, "one charge");
+}
+
+/// A waiting claim goes to the state API's HTTP/2 cluster: over mutual TLS that is ALPN `h2`
+/// on the state API's rustls listener, beside the HTTP/1.1 of every other call.
+async fn retry_that_waits_gets_the_replay_over_http2(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let key = unique_key("tls-wait");
+    let body = charge_body(3_300);
+    let h2_before = stack
+        .envoy
+        .counter("cluster.state_api_wait.upstream_rq_total");
+    let slow = send_in_background(&c, checkout(&key, "alice", &body).delay_ms(1_500));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let retry = c
+        .send(checkout(&key, "alice", &body).header("prefer", "wait=5"))
+        .await;
+    let first = slow.await.unwrap_or_else(|e| panic!("slow request: {e}"));
+    assert_eq!(first.status, 201, "{}", first.describe());
+    assert!(
+        retry.status == 201 && replayed(&retry),
+        "the waiting retry gets the replay: {}\n{}",
+        retry.describe(),
+        stack.logs()
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(executions(&stack, &key).await.len(), 1, "one charge");
+    let envoy = &stack.envoy;
+    assert_eq!(
+        envoy.counter("cluster.state_api_wait.upstream_rq_total"),
+        h2_before + 1
+    );
+    assert!(envoy.counter("cluster.state_api_wait.upstream_cx_http2_total") >= 1);
+    assert!(envoy.counter("cluster.state_api_wait.ssl.handshake") >= 1);
 }
 
 async fn same_key_other_body_gets_422(stack: Arc<Stack>) {
