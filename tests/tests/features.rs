@@ -182,12 +182,15 @@ async fn wait_then_replay(stack: Arc<Stack>) {
         );
         assert_eq!(executions(&stack, &key).await.len(), 1, "{name}");
         assert_eq!(envoy.filter_counter("wait_replayed"), before + 1, "{name}");
-        // The waiting claim went over the HTTP/2 cluster; the first request's calls did not.
-        assert_eq!(
-            envoy.counter("cluster.state_api_wait.upstream_rq_total"),
-            h2_before + 1,
-            "{name}"
-        );
+        // The waiting claim went over the HTTP/2 cluster, and the first request's calls did
+        // not: counted exactly on the Envoy this test has to itself (the shared one also carries
+        // the other tests' waiting claims, which run beside this one).
+        let h2_calls = envoy.counter("cluster.state_api_wait.upstream_rq_total") - h2_before;
+        if name == "another envoy" {
+            assert_eq!(h2_calls, 1, "{name}");
+        } else {
+            assert!(h2_calls >= 1, "{name}: {h2_calls}");
+        }
         assert!(
             envoy.counter("cluster.state_api_wait.upstream_cx_http2_total") >= 1,
             "{name}"

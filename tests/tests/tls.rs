@@ -141,10 +141,8 @@ async fn retry_that_waits_gets_the_replay_over_http2(stack: Arc<Stack>) {
     assert_eq!(retry.body, first.body);
     assert_eq!(executions(&stack, &key).await.len(), 1, "one charge");
     let envoy = &stack.envoy;
-    assert_eq!(
-        envoy.counter("cluster.state_api_wait.upstream_rq_total"),
-        h2_before + 1
-    );
+    // At least this one: the suite's other tests run beside it on the same Envoy.
+    assert!(envoy.counter("cluster.state_api_wait.upstream_rq_total") > h2_before);
     assert!(envoy.counter("cluster.state_api_wait.upstream_cx_http2_total") >= 1);
     assert!(envoy.counter("cluster.state_api_wait.ssl.handshake") >= 1);
 }

@@ -469,7 +469,10 @@ mod tests {
     fn the_ab_cuts_the_one_pattern_to_the_last_route() {
         let yaml = "rules:\n  - match:\n      safe_regex:\n        regex: \"(?s:/a|/b.*)\"\n      headers: []";
         let cut = with_one_route_pattern(yaml).unwrap();
-        assert!(cut.contains("        regex: \"(?s:/checkout)\"\n      headers"), "{cut}");
+        assert!(
+            cut.contains("        regex: \"(?s:/checkout)\"\n      headers"),
+            "{cut}"
+        );
         assert!(!cut.contains("/a|"));
         assert!(with_one_route_pattern("rules: []").is_err());
     }
