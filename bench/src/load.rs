@@ -176,16 +176,17 @@ impl RunResult {
 
     /// Percentile `p` (0..=100) in milliseconds (nearest rank).
     pub fn pct_ms(&self, p: f64) -> f64 {
-        percentile_us(&self.lat_us, p) / 1000.0
+        percentile(&self.lat_us, p) / 1000.0
     }
 }
 
-pub fn percentile_us(sorted: &[u32], p: f64) -> f64 {
+/// Percentile `p` (0..=100) of `sorted` by nearest rank, in the values' own unit; NaN for none.
+pub fn percentile<T: Copy + Into<f64>>(sorted: &[T], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
     let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    f64::from(sorted[rank.clamp(1, sorted.len()) - 1])
+    sorted[rank.clamp(1, sorted.len()) - 1].into()
 }
 
 /// Runs `op` in a closed loop on `connections` connections: `warmup` unrecorded, then `measure`

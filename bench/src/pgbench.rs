@@ -169,7 +169,7 @@ impl Pgbench {
             let _ = std::fs::remove_file(e.path());
         }
         lat_us.sort_unstable();
-        let pct = |p: f64| crate::load::percentile_us(&lat_us, p) / 1000.0;
+        let pct = |p: f64| crate::load::percentile(&lat_us, p) / 1000.0;
         Ok(PgbenchResult {
             clients,
             transactions: lat_us.len() as u64,

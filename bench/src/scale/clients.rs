@@ -98,8 +98,8 @@ fn figures(mut lat: Vec<u32>, window_s: f64) -> ClassFigures {
     lat.sort_unstable();
     ClassFigures {
         per_s: lat.len() as f64 / window_s.max(1e-9),
-        p50_ms: crate::load::percentile_us(&lat, 50.0) / 1000.0,
-        p99_ms: crate::load::percentile_us(&lat, 99.0) / 1000.0,
+        p50_ms: crate::load::percentile(&lat, 50.0) / 1000.0,
+        p99_ms: crate::load::percentile(&lat, 99.0) / 1000.0,
         count: lat.len() as u64,
     }
 }
@@ -180,8 +180,8 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
                     .into_iter()
                     .map(|(k, v)| (k, figures(v, window_s)))
                     .collect(),
-                all_p50_ms: crate::load::percentile_us(&all, 50.0) / 1000.0,
-                all_p99_ms: crate::load::percentile_us(&all, 99.0) / 1000.0,
+                all_p50_ms: crate::load::percentile(&all, 50.0) / 1000.0,
+                all_p99_ms: crate::load::percentile(&all, 99.0) / 1000.0,
                 error_count: r.error_count(),
                 errors: r.errors.clone(),
                 left_in_progress,

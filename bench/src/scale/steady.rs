@@ -63,7 +63,7 @@ fn p99_of(latencies: &[Vec<u32>], w: &Window) -> f64 {
         .copied()
         .collect();
     all.sort_unstable();
-    crate::load::percentile_us(&all, 99.0) / 1000.0
+    crate::load::percentile(&all, 99.0) / 1000.0
 }
 
 /// The windows of a run of `m` minutes: levelling, first and last sixth, last half (30: 1-5,

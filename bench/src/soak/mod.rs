@@ -311,7 +311,7 @@ fn attach_latencies(samples: &mut [Sample], by_minute: &[MinuteLoad]) {
     for (s, lat) in samples.iter_mut().skip(1).zip(intervals) {
         let mut lat = lat.clone();
         lat.sort_unstable();
-        let pct = |p| (!lat.is_empty()).then(|| load::percentile_us(&lat, p) / 1000.0);
+        let pct = |p| (!lat.is_empty()).then(|| load::percentile(&lat, p) / 1000.0);
         (s.new_p50_ms, s.new_p99_ms) = (pct(50.0), pct(99.0));
     }
 }

@@ -89,7 +89,7 @@ pub(super) fn minute_rows(
             let mut lat_us = m.lat_us.concat();
             lat_us.sort_unstable();
             let (machine_cores, other_cores, steal_cores) = cores_between(&before, &end, tck);
-            let pct = |p: f64| load::percentile_us(&lat_us, p) / 1000.0;
+            let pct = |p: f64| load::percentile(&lat_us, p) / 1000.0;
             MinuteRow {
                 minute: i + 1,
                 end_s: to,
