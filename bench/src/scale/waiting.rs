@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use contract::state_env;
 use serde::Serialize;
 use test_support::stack::{Stack, StackOptions};
 
@@ -28,7 +29,8 @@ use crate::{addr, checkout_req, procfs, Snapshot};
 
 const KEYS: usize = 4;
 const WAIT_S: u64 = 60;
-/// The state API's `--batch-max-queued` default: claims queued past it are refused at once.
+/// The state API's `--batch-max-queued` in this curve's stack (its default): claims queued past
+/// it are refused at once.
 const STATE_API_QUEUE_BOUND: usize = 1_024;
 /// The answer a refused waiter gets.
 const REFUSED: &str = "503 + Retry-After";
@@ -299,10 +301,7 @@ impl ReplayTimes {
         after_ms.sort_by(f64::total_cmp);
         refused_ms.sort_by(f64::total_cmp);
         Self {
-            refused_p99_ms: refused_ms
-                .get((refused_ms.len() * 99).div_ceil(100).saturating_sub(1))
-                .copied()
-                .unwrap_or(f64::NAN),
+            refused_p99_ms: crate::load::percentile(&refused_ms, 99.0),
             by_kind,
             last_ms: last_by_key.values().copied().fold(f64::NAN, f64::max),
             median_ms: after_ms
@@ -331,10 +330,18 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     let stack = Stack::start(StackOptions {
         state_api_env: vec![
             (
-                "STATE_API_MAX_WAITERS".into(),
+                state_env::STATE_API_MAX_WAITERS.into(),
                 (2 * most).max(256).to_string(),
             ),
-            ("STATE_API_MAX_WAIT_MS".into(), (WAIT_S * 1000).to_string()),
+            (
+                state_env::STATE_API_MAX_WAIT_MS.into(),
+                (WAIT_S * 1000).to_string(),
+            ),
+            // Set, not assumed: the goals count against this bound.
+            (
+                state_env::STATE_API_BATCH_MAX_QUEUED.into(),
+                STATE_API_QUEUE_BOUND.to_string(),
+            ),
         ],
         tweak: Some(test_support::envoy::Tweak::new(|cfg| {
             cfg.filter.max_waiters = filter_core::config::MAX_WAITERS;
