@@ -129,6 +129,7 @@ pub(crate) fn run() -> Result<(), String> {
         measure: Duration::from_secs(settings.measure_s),
         started,
         retry_budget_until: started + Duration::from_secs(240),
+        window_counters: None,
     };
     let mut session = Session::open(&bench, &stack, &fleet, &settings)?;
     for &c in &settings.levels {

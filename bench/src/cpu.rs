@@ -68,7 +68,7 @@ impl Snapshot {
 }
 
 /// `state_api_request_duration_seconds_{sum,count}` by route and `state_api_batch_size_{sum,count}`
-/// (requests per statement of the group commit), from /metrics.
+/// (requests per statement of the group commit) and `state_api_purged_rows`, from /metrics.
 pub(crate) fn state_api_metrics(port: u16) -> BTreeMap<String, f64> {
     let text = test_support::envoy::http_get_blocking(port, "/metrics").unwrap_or_default();
     text.lines()
@@ -77,6 +77,7 @@ pub(crate) fn state_api_metrics(port: u16) -> BTreeMap<String, f64> {
                 || l.starts_with("state_api_request_duration_seconds_count")
                 || l.starts_with("state_api_batch_size_sum")
                 || l.starts_with("state_api_batch_size_count")
+                || l.starts_with("state_api_purged_rows")
         })
         .filter_map(|l| {
             l.rsplit_once(' ')
@@ -109,6 +110,9 @@ pub struct CpuUse {
     pub state_api_requests: BTreeMap<String, f64>,
     /// Claims and completes per statement written (group commit; 1.0: every request alone).
     pub state_api_requests_per_statement: Option<f64>,
+    /// Differences of [`crate::Bench`]'s `window_counters` over the window (empty without them).
+    #[serde(skip)]
+    pub window_counters: Vec<f64>,
 }
 
 impl CpuUse {
@@ -197,5 +201,6 @@ pub(crate) fn cpu_between(a: &Snapshot, b: &Snapshot, tck: f64) -> CpuUse {
         envoy_worker_cores,
         state_api_mean_ms,
         state_api_requests,
+        window_counters: Vec::new(),
     }
 }

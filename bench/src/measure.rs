@@ -83,6 +83,10 @@ pub(crate) struct Bench<'a> {
     pub(crate) started: Instant,
     /// Past this, noisy runs are not repeated (the whole bench stays bounded in time).
     pub(crate) retry_budget_until: Instant,
+    /// A query of the database's cumulative counters (numbers separated by `|`), read at the
+    /// two moments the CPU is: their differences over the measured window are in
+    /// [`CpuUse::window_counters`], so the settling before a run and its warm-up are not in them.
+    pub(crate) window_counters: Option<&'static str>,
 }
 
 impl Bench<'_> {
@@ -154,24 +158,44 @@ impl Bench<'_> {
         let port = self.state_api_port;
         // The /proc readings run on their own threads, so they never stall the load loop.
         let t0 = Instant::now();
-        let p1 = procs.clone();
-        let snap_a = std::thread::spawn(move || {
-            std::thread::sleep(warmup);
-            Snapshot::take(&p1, port)
-        });
-        let p2 = procs;
-        let snap_b = std::thread::spawn(move || {
-            std::thread::sleep((t0 + warmup + measure).saturating_duration_since(Instant::now()));
-            Snapshot::take(&p2, port)
-        });
-        let r = self
-            .rt
-            .block_on(load::run(addr, connections, warmup, measure, op));
-        let (a, b) = (snap_a.join().ok(), snap_b.join().ok());
-        let cpu = match (a, b) {
-            (Some(a), Some(b)) => cpu_between(&a, &b, self.tck),
-            _ => CpuUse::default(),
+        let counters = || {
+            self.window_counters
+                .map(|sql| numbers(&self.postgres.psql(&self.database, sql).unwrap_or_default()))
         };
-        (r, cpu)
+        std::thread::scope(|scope| {
+            let snap_a = scope.spawn(|| {
+                std::thread::sleep(warmup);
+                (Snapshot::take(&procs, port), counters())
+            });
+            let snap_b = scope.spawn(|| {
+                std::thread::sleep(
+                    (t0 + warmup + measure).saturating_duration_since(Instant::now()),
+                );
+                (Snapshot::take(&procs, port), counters())
+            });
+            let r = self
+                .rt
+                .block_on(load::run(addr, connections, warmup, measure, op));
+            let (a, b) = (snap_a.join().ok(), snap_b.join().ok());
+            let cpu = match (a, b) {
+                (Some((a, ca)), Some((b, cb))) => {
+                    let mut cpu = cpu_between(&a, &b, self.tck);
+                    if let (Some(ca), Some(cb)) = (ca, cb) {
+                        cpu.window_counters = cb.iter().zip(&ca).map(|(b, a)| b - a).collect();
+                    }
+                    cpu
+                }
+                _ => CpuUse::default(),
+            };
+            (r, cpu)
+        })
     }
+}
+
+/// The numbers of a psql line (`1|2.5|3`); a field that is not a number (NULL) reads 0.
+fn numbers(line: &str) -> Vec<f64> {
+    line.trim()
+        .split('|')
+        .map(|x| x.trim().parse().unwrap_or(0.0))
+        .collect()
 }

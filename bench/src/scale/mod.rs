@@ -347,6 +347,7 @@ pub(crate) fn bench_on<'a>(
         measure,
         started: Instant::now(),
         retry_budget_until: Instant::now() + retry_for,
+        window_counters: None,
     })
 }
 

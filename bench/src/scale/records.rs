@@ -9,9 +9,12 @@
 //!
 //! The rows are what a day leaves: addresses are SHA-256 of a counter (random 32-byte keys, as
 //! the HMAC addresses are), 99.4 % completed with the response of a real claim+complete made
-//! through the state API first (its sealed headers and body copied), 0.5 % in progress, 1 % past
-//! their retention (the purge takes them: it runs all along, as in production), created over
-//! the last 24 hours. Every run starts after `VACUUM (ANALYZE)` and `CHECKPOINT`, so each pays
+//! through the state API first (its sealed headers and body copied), 0.5 % in progress, created
+//! in the order they are written at a day's rate (100 M a day), each level's oldest 1 % past its
+//! retention (the purge takes them: it runs all along, as in production) and so lying together,
+//! as a day's oldest rows do. Besides CPU and latency each level reports where its misses were
+//! (the table's heap or its indexes), how many heap pages the run's new rows went to per row,
+//! and the rows the purge deleted per pair. Every run starts after `VACUUM (ANALYZE)` and `CHECKPOINT`, so each pays
 //! the full-page images of the leaves it touches first: the cost of random keys in a B-tree
 //! larger than memory, as after every checkpoint in production.
 //!
@@ -66,7 +69,16 @@ struct Level {
     fpi_per_pair: f64,
     /// Shared-buffer misses (blocks read from the OS) per pair, and the hit ratio.
     blocks_read_per_pair: f64,
+    /// Of those, the records table's heap and its indexes.
+    heap_reads_per_pair: f64,
+    index_reads_per_pair: f64,
     hit_ratio: f64,
+    /// Heap pages the run's new rows were written to, per row: where the free space they fill
+    /// lies (about 1/9 when they fill pages one after another, 1 when each lands on a page of
+    /// its own).
+    pages_per_new_row: f64,
+    /// Rows the purge deleted during the run, per pair.
+    purged_per_pair: f64,
     load_seconds: f64,
     steal_cores: f64,
     other_cores: f64,
@@ -90,36 +102,41 @@ struct Records {
     free_gib_at_largest: f64,
 }
 
-/// Cumulative WAL and buffer figures of the database.
+/// The database's cumulative WAL and buffer figures, read by the bench at both ends of each
+/// measured window ([`crate::Bench::window_counters`]): WAL bytes and full-page images, the
+/// database's shared-buffer misses and hits, and the records table's own misses, heap and
+/// indexes. (Until the twenty-second round they were read around the whole run, the VACUUM,
+/// ANALYZE and CHECKPOINT that settle it and the warm-up included.)
+const COUNTERS_SQL: &str = "SELECT (SELECT wal_bytes FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal), \
+     blks_read, blks_hit, \
+     (SELECT heap_blks_read FROM pg_statio_user_tables WHERE relname = 'idempotency_records'), \
+     (SELECT idx_blks_read FROM pg_statio_user_tables WHERE relname = 'idempotency_records') \
+     FROM pg_stat_database WHERE datname = current_database()";
+
+/// [`COUNTERS_SQL`]'s differences over a window, by name.
 #[derive(Debug, Clone, Copy, Default)]
 struct DbCounters {
     wal_bytes: f64,
     wal_fpi: f64,
     blks_read: f64,
     blks_hit: f64,
+    heap_read: f64,
+    index_read: f64,
 }
 
-fn counters(stack: &Stack) -> DbCounters {
-    let out = stack
-        .postgres
-        .psql(
-            stack.database_name(),
-            "SELECT (SELECT wal_bytes FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal), \
-             blks_read, blks_hit FROM pg_stat_database WHERE datname = current_database()",
-        )
-        .unwrap_or_default();
-    let v: Vec<f64> = out
-        .split('|')
-        .filter_map(|x| x.trim().parse().ok())
-        .collect();
-    match v.as_slice() {
-        [b, f, r, h] => DbCounters {
-            wal_bytes: *b,
-            wal_fpi: *f,
-            blks_read: *r,
-            blks_hit: *h,
-        },
-        _ => DbCounters::default(),
+impl DbCounters {
+    fn from_window(v: &[f64]) -> Self {
+        match v {
+            [b, f, r, h, hr, ir] => DbCounters {
+                wal_bytes: *b,
+                wal_fpi: *f,
+                blks_read: *r,
+                blks_hit: *h,
+                heap_read: *hr,
+                index_read: *ir,
+            },
+            _ => DbCounters::default(),
+        }
     }
 }
 
@@ -173,10 +190,32 @@ fn free_bytes(path: &std::path::Path) -> Result<f64, String> {
         })
 }
 
-/// The INSERT of rows `from..to` (exclusive): each column of the table from the template row
-/// `t` (a record the state API made), but for the ones a day of keys makes different.
-fn insert_sql(columns: &[String], from: u64, to: u64, token_base: i64) -> String {
+/// A day of keys: 100 M at about 1,157 new keys a second, one every 864 µs. Loaded rows are
+/// created in the order they are written (row `i` before row `i + 1`), as a day's claims are:
+/// the heap's physical order is the order of creation and so of expiry.
+const DAY_OF_KEYS: u64 = 100_000_000;
+const MICROS_PER_KEY: u64 = 86_400_000_000 / DAY_OF_KEYS;
+
+/// The INSERT of rows `chunk` (exclusive end) of a level that loads `level` (exclusive end):
+/// each column of the table from the template row `t` (a record the state API made), but for
+/// the ones a day of keys makes different. The level's last row is created now, each earlier
+/// one [`MICROS_PER_KEY`] before it; the level's oldest 1 % is past its retention (the purge's),
+/// as the oldest rows of a day are, and lies together at the start of the level's pages, where
+/// a day's oldest rows lie. (Until the twenty-second round the 1 % was every hundredth row and
+/// the times cycled by the row's number, which spread the purge's deletions, and so the free
+/// space new rows fill, over the whole heap: bench/NOTES.md.)
+fn insert_sql(
+    columns: &[String],
+    chunk: std::ops::Range<u64>,
+    level: std::ops::Range<u64>,
+    token_base: i64,
+) -> String {
     let running = "i % 1000 < 5";
+    let created = format!(
+        "(now() - ({} - i) * interval '{MICROS_PER_KEY} microseconds')",
+        level.end - 1
+    );
+    let expired_below = level.start + (level.end - level.start) / 100;
     let exprs: Vec<String> = columns
         .iter()
         .map(|c| {
@@ -186,18 +225,16 @@ fn insert_sql(columns: &[String], from: u64, to: u64, token_base: i64) -> String
                 "fingerprint" => "md5(i::text) || md5((-i)::text)".to_owned(),
                 "state" => format!("CASE WHEN {running} THEN 'in_progress' ELSE 'completed' END"),
                 "fencing_token" => format!("{token_base} + i"),
-                "created_at" => "now() - (i % 86400) * interval '1 second'".to_owned(),
-                "owner_seen_at" => "now() - (i % 86400) * interval '1 second'".to_owned(),
-                "lease_expires_at" => {
-                    "now() - (i % 86400) * interval '1 second' + interval '30 seconds'".to_owned()
-                }
-                // 1 % past their retention: the purge's.
-                "expires_at" => "CASE WHEN i % 100 = 99 THEN now() - interval '1 minute' \
-                     ELSE now() + interval '1 day' - (i % 86400) * interval '1 second' END"
-                    .to_owned(),
+                "created_at" | "owner_seen_at" => created.clone(),
+                "lease_expires_at" => format!("{created} + interval '30 seconds'"),
+                // The level's oldest 1 %: past their retention, the purge's.
+                "expires_at" => format!(
+                    "CASE WHEN i < {expired_below} THEN now() - interval '1 minute' \
+                     ELSE {created} + interval '1 day' END"
+                ),
                 "claim_nonce" => "'scale.' || i".to_owned(),
                 "completed_at" => format!(
-                    "CASE WHEN {running} THEN NULL ELSE now() - (i % 86400) * interval '1 second' + interval '1 second' END"
+                    "CASE WHEN {running} THEN NULL ELSE {created} + interval '1 second' END"
                 ),
                 r if r.starts_with("response_") => {
                     format!("CASE WHEN {running} THEN NULL ELSE t.{r} END")
@@ -208,11 +245,12 @@ fn insert_sql(columns: &[String], from: u64, to: u64, token_base: i64) -> String
         })
         .collect();
     format!(
-        "INSERT INTO idempotency_records ({}) SELECT {} FROM generate_series({from}, {}) i, \
+        "INSERT INTO idempotency_records ({}) SELECT {} FROM generate_series({}, {}) i, \
          (SELECT * FROM idempotency_records WHERE state = 'completed' LIMIT 1) t",
         columns.join(", "),
         exprs.join(", "),
-        to - 1
+        chunk.start,
+        chunk.end - 1
     )
 }
 
@@ -231,7 +269,7 @@ fn load(
         let next = (at + CHUNK).min(to);
         stack.postgres.psql(
             stack.database_name(),
-            &insert_sql(columns, at, next, token_base),
+            &insert_sql(columns, at..next, from..to, token_base),
         )?;
         at = next;
         eprintln!(
@@ -296,6 +334,7 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         } else {
             Instant::now() + Duration::from_secs(3_600)
         },
+        window_counters: Some(COUNTERS_SQL),
     };
     let mut loaded = 0u64;
     let (wal_compression, _) = setting(&stack, "wal_compression")?;
@@ -469,31 +508,61 @@ fn measure(
         trial.unwrap_or(wal_compression).replace('=', "-"),
         std::process::id()
     );
-    let before = counters(stack);
+    // The run's rows expire a retention (a day) after their complete, later than every row
+    // already in the table: they are the rows past this.
+    let newest_expiry = stack.postgres.psql(
+        stack.database_name(),
+        "SELECT COALESCE(max(expires_at), '-infinity') FROM idempotency_records",
+    )?;
     let metrics_before = crate::state_api_metrics(stack.state_api.port);
     let (r, cpu, _) = bench.measure(
         addr(stack.state_api.port),
         CONNECTIONS,
         &op_claim_complete(prefix),
     );
-    let after = counters(stack);
     let metrics_after = crate::state_api_metrics(stack.state_api.port);
-    // Pairs over the whole span of the counters (warm-up included): the completes the state
-    // API answered.
+    // Pairs in the measured window (the database's counters are read at its ends) and over the
+    // whole span (the purge's rows, from the state API's metrics before and after): the
+    // completes the state API answered.
+    let window = DbCounters::from_window(&cpu.window_counters);
+    let pairs = cpu
+        .state_api_requests
+        .get("complete")
+        .copied()
+        .unwrap_or(0.0)
+        .max(1.0);
     let completes = |m: &BTreeMap<String, f64>| {
         m.get("state_api_request_duration_seconds_count{route=\"complete\"}")
             .copied()
             .unwrap_or(0.0)
     };
-    let pairs = (completes(&metrics_after) - completes(&metrics_before)).max(1.0);
+    let pairs_in_span = (completes(&metrics_after) - completes(&metrics_before)).max(1.0);
+    let purged = |m: &BTreeMap<String, f64>| {
+        m.iter()
+            .filter(|(k, _)| k.starts_with("state_api_purged_rows"))
+            .map(|(_, v)| v)
+            .sum::<f64>()
+    };
+    let pages_per_new_row = stack
+        .postgres
+        .psql(
+            stack.database_name(),
+            &format!(
+                "SELECT count(DISTINCT (ctid::text::point)[0])::float8 / GREATEST(count(*), 1) \
+                 FROM idempotency_records WHERE expires_at > '{}'",
+                newest_expiry.trim()
+            ),
+        )?
+        .trim()
+        .parse::<f64>()
+        .map_err(|e| format!("pages per new row: {e}"))?;
     let (_, table_b, index_b) = sizes(stack)?;
     let rate = r.rate();
     let per = |cores: f64| ratio(cores * 1e6, rate);
     let proc = |name: &str| cpu.processes.get(name).copied().unwrap_or(0.0);
     let state_api_us = per(proc("state-api"));
     let postgres_us = per(proc("postgres"));
-    let reads = after.blks_read - before.blks_read;
-    let hits = after.blks_hit - before.blks_hit;
+    let (reads, hits) = (window.blks_read, window.blks_hit);
     let level = Level {
         rows,
         wal_compression: wal_compression.to_owned(),
@@ -509,16 +578,20 @@ fn measure(
         postgres_us,
         cpu_us: state_api_us + postgres_us,
         all_us: per(cpu.machine_cores),
-        wal_bytes_per_pair: (after.wal_bytes - before.wal_bytes) / pairs,
-        fpi_per_pair: (after.wal_fpi - before.wal_fpi) / pairs,
+        wal_bytes_per_pair: window.wal_bytes / pairs,
+        fpi_per_pair: window.wal_fpi / pairs,
         blocks_read_per_pair: reads / pairs,
+        heap_reads_per_pair: window.heap_read / pairs,
+        index_reads_per_pair: window.index_read / pairs,
+        pages_per_new_row,
+        purged_per_pair: (purged(&metrics_after) - purged(&metrics_before)) / pairs_in_span,
         hit_ratio: ratio(hits, hits + reads),
         load_seconds,
         steal_cores: cpu.steal_cores,
         other_cores: cpu.other_cores,
     };
     eprintln!(
-        "  {:>11} rows (wal_compression {}{}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair",
+        "  {:>11} rows (wal_compression {}{}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair (heap {:.2}, index {:.2}), {:.2} pages/new row, {:.2} purged/pair",
         rows,
         wal_compression,
         trial.map(|t| format!(", {t}")).unwrap_or_default(),
@@ -527,7 +600,11 @@ fn measure(
         level.cpu_us,
         level.wal_bytes_per_pair,
         level.fpi_per_pair,
-        level.blocks_read_per_pair
+        level.blocks_read_per_pair,
+        level.heap_reads_per_pair,
+        level.index_reads_per_pair,
+        level.pages_per_new_row,
+        level.purged_per_pair
     );
     Ok(level)
 }
@@ -635,6 +712,13 @@ fn markdown(c: &Records) -> String {
                 fig(l.wal_bytes_per_pair, 0),
                 fig(l.fpi_per_pair, 2),
                 fig(l.blocks_read_per_pair, 2),
+                format!(
+                    "{} / {}",
+                    fig(l.heap_reads_per_pair, 2),
+                    fig(l.index_reads_per_pair, 2)
+                ),
+                fig(l.pages_per_new_row, 2),
+                fig(l.purged_per_pair, 2),
                 fig(l.hit_ratio, 4),
                 fig(l.steal_cores, 2),
             ]
@@ -646,7 +730,7 @@ fn markdown(c: &Records) -> String {
         .map(|s| format!("\n- {} rows: not loaded, {}.", s.rows, s.why))
         .collect();
     format!(
-        "### 1. Records in the table\n\nThe state API's claim+complete at {CONNECTIONS} connections, {} s per level after `VACUUM (ANALYZE)` and `CHECKPOINT`, on a table loaded with straight SQL (random 32-byte addresses; 99.4 % completed with a real sealed response, 0.5 % in progress, 1 % past retention; created over a day). shared_buffers {}. µs of CPU per pair; WAL bytes, full-page images (FPI) and shared-buffer misses per pair (warm-up included).{}\n\n{}\nDisk free after the largest level: {:.1} GiB. The loaded cluster was removed at the end.\n",
+        "### 1. Records in the table\n\nThe state API's claim+complete at {CONNECTIONS} connections, {} s per level after `VACUUM (ANALYZE)` and `CHECKPOINT`, on a table loaded with straight SQL (random 32-byte addresses; 99.4 % completed with a real sealed response, 0.5 % in progress; created in the order written, one every {MICROS_PER_KEY} µs, a day at {DAY_OF_KEYS} keys; each level's oldest 1 % past retention, together at the start of its pages). shared_buffers {}. µs of CPU per pair; WAL bytes, full-page images (FPI) and shared-buffer misses per pair in the measured window, of them the records table's heap and indexes; the heap pages the run's new rows went to, per row; the rows the purge deleted, per pair.{}\n\n{}\nDisk free after the largest level: {:.1} GiB. The loaded cluster was removed at the end.\n",
         c.measure_s,
         c.shared_buffers,
         skipped,
@@ -654,7 +738,8 @@ fn markdown(c: &Records) -> String {
             &[
                 "rows", "wal_compression", "table MiB", "index MiB", "bytes/row", "pairs/s",
                 "p50 ms", "p99 ms", "state API µs", "Postgres µs", "WAL B/pair", "FPI/pair",
-                "misses/pair", "hit ratio", "steal"
+                "misses/pair", "heap / index misses", "pages/new row", "purged/pair",
+                "hit ratio", "steal"
             ],
             &rows,
             true
@@ -679,7 +764,7 @@ mod tests {
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
-        let sql = insert_sql(&cols, 10, 20, 1_000);
+        let sql = insert_sql(&cols, 10..20, 0..1_000, 1_000);
         assert!(sql.contains("generate_series(10, 19)"), "{sql}");
         assert!(
             sql.contains("sha256(('scale-' || i)::text::bytea)"),
@@ -688,6 +773,16 @@ mod tests {
         assert!(sql.contains("t.endpoint"), "{sql}");
         assert!(
             sql.contains("CASE WHEN i % 1000 < 5 THEN NULL ELSE t.response_body END"),
+            "{sql}"
+        );
+        // The level's oldest 1 % (rows 0..10 of 1,000) is past its retention; the last row
+        // is created now, each earlier one a key's interval before it.
+        assert!(
+            sql.contains("CASE WHEN i < 10 THEN now() - interval '1 minute'"),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("(now() - (999 - i) * interval '864 microseconds') + interval '1 day'"),
             "{sql}"
         );
         assert!(sql.starts_with("INSERT INTO idempotency_records (scope_hash, endpoint, state, response_body, expires_at) SELECT"), "{sql}");
