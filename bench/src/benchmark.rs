@@ -464,18 +464,8 @@ impl<'a> Session<'a> {
         }
         let bench = self.bench;
         let pg = pgbench::Pgbench::prepare(&self.stack.postgres, &self.stack.dir)?;
-        let postgres_ticks = || bench.procs.postgres.map(procfs::tree_ticks);
         for &c in &self.settings.levels {
-            bench.settle();
-            pg.run(c, 1, "warmup")?;
-            let before = postgres_ticks();
-            let mut r = pg.run(c, self.settings.measure_s, "measure")?;
-            // Its backends have exited by now: their CPU is the postmaster's reaped children's.
-            std::thread::sleep(Duration::from_millis(200));
-            if let (Some(a), Some(b)) = (before, postgres_ticks()) {
-                let secs = b.saturating_sub(a) as f64 / bench.tck;
-                r.postgres_cpu_us_per_tx = Some(secs * 1e6 / r.transactions.max(1) as f64);
-            }
+            let r = pg.measured_run(bench, c, self.settings.measure_s)?;
             eprintln!(
                 "  {:<22} c={:<3} {:>8.0}/s  p50 {:>6.3} ms  p99 {:>6.3} ms  failed {}",
                 "pgbench INSERT", c, r.tps, r.p50_ms, r.p99_ms, r.failed

@@ -48,15 +48,8 @@ pub struct Pgbench {
 impl Pgbench {
     /// Creates the database with the state API's schema (its migration file) and the script.
     pub fn prepare(cluster: &TempCluster, run_dir: &Path) -> Result<Self, String> {
-        let bin = test_support::postgres::find_bin_dir()?.join("pgbench");
-        if !bin.is_file() {
-            return Err(format!(
-                "{} not found (it comes with the postgresql-15 package)",
-                bin.display()
-            ));
-        }
-        let db = "bench_pgbench".to_owned();
-        cluster.create_database(&db)?;
+        let db = "bench_pgbench";
+        cluster.create_database(db)?;
         let migrations = test_support::process::workspace_root().join("state-api/migrations");
         let mut files: Vec<PathBuf> = std::fs::read_dir(&migrations)
             .map_err(|e| format!("{}: {e}", migrations.display()))?
@@ -67,7 +60,20 @@ impl Pgbench {
         files.sort();
         for f in files {
             let sql = std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
-            cluster.psql(&db, &sql)?;
+            cluster.psql(db, &sql)?;
+        }
+        Self::on(cluster, run_dir, db)
+    }
+
+    /// The script against a database that already has the state API's schema (bench-scale's
+    /// records curve: its loaded table).
+    pub fn on(cluster: &TempCluster, run_dir: &Path, db: &str) -> Result<Self, String> {
+        let bin = test_support::postgres::find_bin_dir()?.join("pgbench");
+        if !bin.is_file() {
+            return Err(format!(
+                "{} not found (it comes with the postgresql-15 package)",
+                bin.display()
+            ));
         }
         let dir = run_dir.join("pgbench");
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
@@ -92,9 +98,30 @@ impl Pgbench {
             bin,
             dir,
             port: cluster.port(),
-            db,
+            db: db.to_owned(),
             run_as,
         })
+    }
+
+    /// A run after the bench's settling and a second's warm-up, with Postgres's CPU per
+    /// transaction (its backends' CPU is the postmaster's reaped children's once they exit).
+    pub(crate) fn measured_run(
+        &self,
+        bench: &crate::Bench<'_>,
+        clients: usize,
+        seconds: u64,
+    ) -> Result<PgbenchResult, String> {
+        bench.settle();
+        self.run(clients, 1, "warmup")?;
+        let postgres_ticks = || bench.procs.postgres.map(crate::procfs::tree_ticks);
+        let before = postgres_ticks();
+        let mut r = self.run(clients, seconds, "measure")?;
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        if let (Some(a), Some(b)) = (before, postgres_ticks()) {
+            let secs = b.saturating_sub(a) as f64 / bench.tck;
+            r.postgres_cpu_us_per_tx = Some(secs * 1e6 / r.transactions.max(1) as f64);
+        }
+        Ok(r)
     }
 
     /// One pgbench run of `seconds` with `clients` connections (prepared statements, 2 threads

@@ -79,6 +79,15 @@ struct Level {
     pages_per_new_row: f64,
     /// Rows the purge deleted during the run, per pair.
     purged_per_pair: f64,
+    /// Buffers written out per pair; checkpoints and autovacuums (and autoanalyzes) of the
+    /// table within the window.
+    written_per_pair: f64,
+    checkpoints: f64,
+    autovacuums: f64,
+    /// The floor: pgbench's single-row INSERT of the claim (a random key, one commit each) on the
+    /// same table right after, Postgres's CPU per row (µs) and rows/s.
+    floor_us: Option<f64>,
+    floor_tps: Option<f64>,
     load_seconds: f64,
     steal_cores: f64,
     other_cores: f64,
@@ -110,7 +119,10 @@ struct Records {
 const COUNTERS_SQL: &str = "SELECT (SELECT wal_bytes FROM pg_stat_wal), (SELECT wal_fpi FROM pg_stat_wal), \
      blks_read, blks_hit, \
      (SELECT heap_blks_read FROM pg_statio_user_tables WHERE relname = 'idempotency_records'), \
-     (SELECT idx_blks_read FROM pg_statio_user_tables WHERE relname = 'idempotency_records') \
+     (SELECT idx_blks_read FROM pg_statio_user_tables WHERE relname = 'idempotency_records'), \
+     (SELECT buffers_checkpoint + buffers_clean + buffers_backend FROM pg_stat_bgwriter), \
+     (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter), \
+     (SELECT autovacuum_count + autoanalyze_count FROM pg_stat_user_tables WHERE relname = 'idempotency_records') \
      FROM pg_stat_database WHERE datname = current_database()";
 
 /// [`COUNTERS_SQL`]'s differences over a window, by name.
@@ -122,18 +134,26 @@ struct DbCounters {
     blks_hit: f64,
     heap_read: f64,
     index_read: f64,
+    /// Dirty buffers written out (by the checkpointer, the background writer and backends).
+    written: f64,
+    checkpoints: f64,
+    /// Autovacuums and autoanalyzes of the records table.
+    autovacuums: f64,
 }
 
 impl DbCounters {
     fn from_window(v: &[f64]) -> Self {
         match v {
-            [b, f, r, h, hr, ir] => DbCounters {
+            [b, f, r, h, hr, ir, w, c, a] => DbCounters {
                 wal_bytes: *b,
                 wal_fpi: *f,
                 blks_read: *r,
                 blks_hit: *h,
                 heap_read: *hr,
                 index_read: *ir,
+                written: *w,
+                checkpoints: *c,
+                autovacuums: *a,
             },
             _ => DbCounters::default(),
         }
@@ -336,6 +356,18 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
         },
         window_counters: Some(COUNTERS_SQL),
     };
+    let floor_s = env_u64(
+        "SCALE_RECORDS_FLOOR_SECONDS",
+        if settings.quick { 5 } else { 20 },
+    );
+    let floor = Floor {
+        pgbench: if floor_s > 0 {
+            Some(crate::pgbench::Pgbench::on(&stack.postgres, &stack.dir, &db)?)
+        } else {
+            None
+        },
+        seconds: floor_s,
+    };
     let mut loaded = 0u64;
     let (wal_compression, _) = setting(&stack, "wal_compression")?;
     let mut curve = Records {
@@ -370,11 +402,19 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             let (_, table_b, index_b) = sizes(&stack)?;
             bytes_per_row = (table_b + index_b) as f64 / rows.max(1) as f64;
             loaded = rows;
-            let level = measure(&bench, &stack, rows, &wal_compression, None, load_seconds)?;
+            let level = measure(
+                &bench,
+                &stack,
+                rows,
+                &wal_compression,
+                None,
+                load_seconds,
+                &floor,
+            )?;
             quiet.note(level.steal_cores, level.other_cores);
             curve.levels.push(level);
         } else {
-            let level = measure(&bench, &stack, rows, &wal_compression, None, 0.0)?;
+            let level = measure(&bench, &stack, rows, &wal_compression, None, 0.0, &floor)?;
             quiet.note(level.steal_cores, level.other_cores);
             curve.levels.push(level);
         }
@@ -404,7 +444,15 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
             bench.postgres.psql(&db, "SELECT pg_reload_conf()")?;
             let (compression, _) = setting(&stack, "wal_compression")?;
             let trial = format!("{name}={value}");
-            let level = measure(&bench, &stack, loaded, &compression, Some(&trial), 0.0);
+            let level = measure(
+                &bench,
+                &stack,
+                loaded,
+                &compression,
+                Some(&trial),
+                0.0,
+                &floor,
+            );
             bench
                 .postgres
                 .psql(&db, &format!("ALTER SYSTEM RESET {name}"))?;
@@ -495,6 +543,13 @@ fn no_room(
 }
 
 /// One measured run of claim+complete pairs at 16 connections with `rows` loaded.
+/// The floor measured after each level: pgbench's claim INSERT on the loaded table
+/// (SCALE_RECORDS_FLOOR_SECONDS, 20; quick 5; 0: none).
+struct Floor {
+    pgbench: Option<crate::pgbench::Pgbench>,
+    seconds: u64,
+}
+
 fn measure(
     bench: &Bench<'_>,
     stack: &Stack,
@@ -502,6 +557,7 @@ fn measure(
     wal_compression: &str,
     trial: Option<&str>,
     load_seconds: f64,
+    floor: &Floor,
 ) -> Result<Level, String> {
     let prefix = format!(
         "scale-rec-{rows}-{}-{}",
@@ -563,7 +619,7 @@ fn measure(
     let state_api_us = per(proc("state-api"));
     let postgres_us = per(proc("postgres"));
     let (reads, hits) = (window.blks_read, window.blks_hit);
-    let level = Level {
+    let mut level = Level {
         rows,
         wal_compression: wal_compression.to_owned(),
         trial: trial.map(str::to_owned),
@@ -585,13 +641,23 @@ fn measure(
         index_reads_per_pair: window.index_read / pairs,
         pages_per_new_row,
         purged_per_pair: (purged(&metrics_after) - purged(&metrics_before)) / pairs_in_span,
+        written_per_pair: window.written / pairs,
+        checkpoints: window.checkpoints,
+        autovacuums: window.autovacuums,
+        floor_us: None,
+        floor_tps: None,
         hit_ratio: ratio(hits, hits + reads),
         load_seconds,
         steal_cores: cpu.steal_cores,
         other_cores: cpu.other_cores,
     };
+    if let Some(pg) = &floor.pgbench {
+        let r = pg.measured_run(bench, CONNECTIONS, floor.seconds)?;
+        level.floor_us = r.postgres_cpu_us_per_tx;
+        level.floor_tps = Some(r.tps);
+    }
     eprintln!(
-        "  {:>11} rows (wal_compression {}{}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair (heap {:.2}, index {:.2}), {:.2} pages/new row, {:.2} purged/pair",
+        "  {:>11} rows (wal_compression {}{}): {:>6.0} pairs/s p99 {:>6.2} ms, {:>5.0} µs CPU/pair (state API + Postgres), WAL {:>6.0} B/pair, {:.2} FPI/pair, {:.2} reads/pair (heap {:.2}, index {:.2}), {:.2} pages/new row, {:.2} purged/pair, {:.2} written/pair, {} checkpoints, {} autovacuums; floor {} µs/row at {}/s",
         rows,
         wal_compression,
         trial.map(|t| format!(", {t}")).unwrap_or_default(),
@@ -604,7 +670,12 @@ fn measure(
         level.heap_reads_per_pair,
         level.index_reads_per_pair,
         level.pages_per_new_row,
-        level.purged_per_pair
+        level.purged_per_pair,
+        level.written_per_pair,
+        level.checkpoints,
+        level.autovacuums,
+        level.floor_us.map_or("-".into(), |v| fig(v, 0)),
+        level.floor_tps.map_or("-".into(), |v| fig(v, 0)),
     );
     Ok(level)
 }
@@ -624,9 +695,19 @@ fn goals(c: &Records) -> Vec<Goal> {
     let at = |l: &Level| {
         let cpu = ratio(l.cpu_us, empty.cpu_us);
         let p99 = ratio(l.p99_ms, empty.p99_ms);
+        // What Postgres alone does at this size, for the reading: its single-row INSERT.
+        let floor = match (l.floor_us, empty.floor_us) {
+            (Some(at), Some(first)) => format!(
+                "; the floor (pgbench's INSERT) {}x ({} against {} µs)",
+                fig(ratio(at, first), 2),
+                fig(at, 0),
+                fig(first, 0)
+            ),
+            _ => String::new(),
+        };
         (
             format!(
-                "CPU {}x ({} against {} µs), p99 {}x ({} against {} ms)",
+                "CPU {}x ({} against {} µs), p99 {}x ({} against {} ms){floor}",
                 fig(cpu, 2),
                 fig(l.cpu_us, 0),
                 fig(empty.cpu_us, 0),
@@ -719,6 +800,9 @@ fn markdown(c: &Records) -> String {
                 ),
                 fig(l.pages_per_new_row, 2),
                 fig(l.purged_per_pair, 2),
+                fig(l.written_per_pair, 2),
+                format!("{} / {}", l.checkpoints, l.autovacuums),
+                l.floor_us.map_or("-".into(), |v| fig(v, 0)),
                 fig(l.hit_ratio, 4),
                 fig(l.steal_cores, 2),
             ]
@@ -730,7 +814,7 @@ fn markdown(c: &Records) -> String {
         .map(|s| format!("\n- {} rows: not loaded, {}.", s.rows, s.why))
         .collect();
     format!(
-        "### 1. Records in the table\n\nThe state API's claim+complete at {CONNECTIONS} connections, {} s per level after `VACUUM (ANALYZE)` and `CHECKPOINT`, on a table loaded with straight SQL (random 32-byte addresses; 99.4 % completed with a real sealed response, 0.5 % in progress; created in the order written, one every {MICROS_PER_KEY} µs, a day at {DAY_OF_KEYS} keys; each level's oldest 1 % past retention, together at the start of its pages). shared_buffers {}. µs of CPU per pair; WAL bytes, full-page images (FPI) and shared-buffer misses per pair in the measured window, of them the records table's heap and indexes; the heap pages the run's new rows went to, per row; the rows the purge deleted, per pair.{}\n\n{}\nDisk free after the largest level: {:.1} GiB. The loaded cluster was removed at the end.\n",
+        "### 1. Records in the table\n\nThe state API's claim+complete at {CONNECTIONS} connections, {} s per level after `VACUUM (ANALYZE)` and `CHECKPOINT`, on a table loaded with straight SQL (random 32-byte addresses; 99.4 % completed with a real sealed response, 0.5 % in progress; created in the order written, one every {MICROS_PER_KEY} µs, a day at {DAY_OF_KEYS} keys; each level's oldest 1 % past retention, together at the start of its pages). shared_buffers {}. µs of CPU per pair; WAL bytes, full-page images (FPI) and shared-buffer misses per pair in the measured window, of them the records table's heap and indexes; the heap pages the run's new rows went to, per row; the rows the purge deleted, per pair; buffers written out per pair, checkpoints and autovacuums (with autoanalyzes) of the table in the window; the floor: Postgres's CPU per row of pgbench's single-row claim INSERT (a random key, one commit each) on the same table right after, at the same connections.{}\n\n{}\nDisk free after the largest level: {:.1} GiB. The loaded cluster was removed at the end.\n",
         c.measure_s,
         c.shared_buffers,
         skipped,
@@ -739,7 +823,7 @@ fn markdown(c: &Records) -> String {
                 "rows", "wal_compression", "table MiB", "index MiB", "bytes/row", "pairs/s",
                 "p50 ms", "p99 ms", "state API µs", "Postgres µs", "WAL B/pair", "FPI/pair",
                 "misses/pair", "heap / index misses", "pages/new row", "purged/pair",
-                "hit ratio", "steal"
+                "written/pair", "checkpoints / autovacuums", "floor µs", "hit ratio", "steal"
             ],
             &rows,
             true
