@@ -362,7 +362,11 @@ pub fn run(settings: &Settings) -> Result<CurveOutput, String> {
     );
     let floor = Floor {
         pgbench: if floor_s > 0 {
-            Some(crate::pgbench::Pgbench::on(&stack.postgres, &stack.dir, &db)?)
+            Some(crate::pgbench::Pgbench::on(
+                &stack.postgres,
+                &stack.dir,
+                &db,
+            )?)
         } else {
             None
         },

@@ -18,19 +18,21 @@ pub const PURGE_BATCH_GROWTH: u32 = 16;
 /// A purge statement faster than this lets the next one grow.
 const PURGE_FAST_STATEMENT: Duration = Duration::from_millis(50);
 
-impl Store {
-    /// One batch of the purge ([`state_rules::purge::purge`]): expired records with an outcome
-    /// are deleted; an in-progress one past its expiry whose owner has been silent for a whole
-    /// lease (the lease guard) is marked unknown instead and kept a retention (`retention_ms`
-    /// unless it has its own), since nobody knows whether it ran. Returns how many of each.
-    pub async fn purge_batch(&self, batch: u32, retention_ms: i64) -> Result<u64, StoreError> {
-        // `FOR UPDATE SKIP LOCKED` re-checks the condition on a row a concurrent write just
-        // renewed, and skips rows being written right now. The CASE fixes the order: the lease
-        // guard's function is asked only of an in-progress row past its lease.
-        let done = self.on_conn(async |conn| sqlx::query!(
-            r#"WITH due AS (
+/// One batch of the purge: `$1` rows at most, `$2` the retention (ms) of a record marked unknown.
+///
+/// Due rows are found through the expiry index, whose condition must be one Postgres can take as
+/// the index's bound: `statement_timestamp()` (stable within the statement), not
+/// `clock_timestamp()` (volatile, so only a filter). With the latter the scan read the index in
+/// order and fetched every row to test it, and a batch that came back short (every pass ends
+/// with one) read the whole table: 570 ms at 1 M rows, past the 5-s statement timeout long
+/// before 50 M (bench/NOTES.md, twenty-second round). The statement's start is a little earlier
+/// than the clock, so it finds no row that is not due. `FOR UPDATE SKIP LOCKED` re-checks the
+/// condition on a row a concurrent write just renewed (its new expiry is past the statement's
+/// start), and skips rows being written right now. The CASE fixes the order: the lease guard's
+/// function is asked only of an in-progress row past its lease.
+pub const PURGE_BATCH_SQL: &str = r#"WITH due AS (
         SELECT scope_hash, state FROM idempotency_records
-        WHERE expires_at < clock_timestamp()
+        WHERE expires_at < statement_timestamp()
           AND CASE WHEN state <> 'in_progress' THEN true
                    WHEN lease_expires_at > clock_timestamp() THEN false
                    ELSE idempotency_serving_since() <= clock_timestamp() - lease_ms * interval '1 millisecond'
@@ -51,13 +53,24 @@ impl Store {
         WHERE r.scope_hash = d.scope_hash AND d.state = 'in_progress'
         RETURNING 1
     )
-    SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM marked) AS "rows!""#,
-            i64::from(batch),
-            retention_ms
-        )
-        .fetch_one(conn).await)
-        .await?;
-        Ok(u64::try_from(done.rows).unwrap_or(0))
+    SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM marked)"#;
+
+impl Store {
+    /// One batch of the purge ([`state_rules::purge::purge`]): expired records with an outcome
+    /// are deleted; an in-progress one past its expiry whose owner has been silent for a whole
+    /// lease (the lease guard) is marked unknown instead and kept a retention (`retention_ms`
+    /// unless it has its own), since nobody knows whether it ran. Returns how many of each.
+    pub async fn purge_batch(&self, batch: u32, retention_ms: i64) -> Result<u64, StoreError> {
+        let rows: i64 = self
+            .on_conn(async |conn| {
+                sqlx::query_scalar(PURGE_BATCH_SQL)
+                    .bind(i64::from(batch))
+                    .bind(retention_ms)
+                    .fetch_one(conn)
+                    .await
+            })
+            .await?;
+        Ok(u64::try_from(rows).unwrap_or(0))
     }
 
     /// One pass of the purge: batches until one comes back short (the backlog is gone) or
@@ -73,7 +86,7 @@ impl Store {
         let started = tokio::time::Instant::now();
         // Tombstones of abandoned claims outlive any claim that could still arrive by minutes.
         self.on_conn(async |conn| sqlx::query!(
-            "DELETE FROM idempotency_abandoned WHERE abandoned_at < clock_timestamp() - interval '10 minutes'"
+            "DELETE FROM idempotency_abandoned WHERE abandoned_at < statement_timestamp() - interval '10 minutes'"
         )
         .execute(conn).await)
         .await?;
