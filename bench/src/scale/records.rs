@@ -546,7 +546,6 @@ fn no_room(
     )))
 }
 
-/// One measured run of claim+complete pairs at 16 connections with `rows` loaded.
 /// The floor measured after each level: pgbench's claim INSERT on the loaded table
 /// (SCALE_RECORDS_FLOOR_SECONDS, 20; quick 5; 0: none).
 struct Floor {
@@ -554,6 +553,7 @@ struct Floor {
     seconds: u64,
 }
 
+/// One measured run of claim+complete pairs at 16 connections with `rows` loaded.
 fn measure(
     bench: &Bench<'_>,
     stack: &Stack,
