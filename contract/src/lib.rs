@@ -11,6 +11,7 @@ pub mod limits;
 pub mod problem;
 pub mod scope;
 pub mod state_env;
+pub mod undo;
 pub mod wire;
 
 pub use key::{validate_key, KeyError, MAX_KEY_LEN};

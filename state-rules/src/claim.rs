@@ -9,6 +9,8 @@ pub struct ClaimTerms {
     pub fingerprint: Fingerprint,
     pub lease_ms: u64,
     pub retention_ms: u64,
+    /// How long an unknown outcome is kept ([`Record::unknown_retention_ms`]).
+    pub unknown_retention_ms: u64,
     /// Take an unknown outcome over (a new, larger token), or answer `Unknown`.
     pub take_over_unknown: bool,
     /// The claim attempt's nonce (kept with a record it makes or takes over).
@@ -156,6 +158,7 @@ pub fn claim<R: Clone>(
             token,
             terms.lease_ms,
             terms.retention_ms,
+            terms.unknown_retention_ms,
             terms.nonce.clone(),
             clock.now,
         ));
@@ -209,6 +212,7 @@ pub fn claim<R: Clone>(
                 token,
                 terms.lease_ms,
                 terms.retention_ms,
+                terms.unknown_retention_ms,
                 terms.nonce.clone(),
                 clock.now,
             );

@@ -46,6 +46,10 @@ pub struct Record<R> {
     pub expires_at: u64,
     /// The retention the claim asked for (a complete keeps the record this long).
     pub retention_ms: u64,
+    /// How long an unknown outcome is kept once marked (the state API's
+    /// `--unknown-retention-s`, at least 7 days by default): a retry of an unknown outcome is
+    /// exactly the dangerous one, so it is never treated as a new key within a mere retention.
+    pub unknown_retention_ms: u64,
     /// The owner took the record over from an attempt under an earlier token whose outcome is
     /// unknown (a reclaim): releasing or abandoning this owner's attempt makes the record
     /// unknown again, not free. Marks of the same owner's attempt do not set it: an owner that
@@ -68,6 +72,7 @@ impl<R> Record<R> {
         token: i64,
         lease_ms: u64,
         retention_ms: u64,
+        unknown_retention_ms: u64,
         claim_nonce: Option<String>,
         now: u64,
     ) -> Self {
@@ -80,6 +85,7 @@ impl<R> Record<R> {
             // The claim's expiry: created + lease + retention (see the store's CLAIM_SQL).
             expires_at: now.saturating_add(lease_ms).saturating_add(retention_ms),
             retention_ms,
+            unknown_retention_ms,
             unknown_before: false,
             response: None,
             claim_nonce,
@@ -131,15 +137,28 @@ impl<R> Record<R> {
 
     /// Marked unknown at `now` (by its owner, by a claim, by the purge): its lease ends, and
     /// the retention counts from the mark.
+    /// An unknown outcome is kept its own horizon from the mark (never less than a retention).
     pub fn mark_unknown(&mut self, now: u64) {
         self.state = RecordState::Unknown;
         self.lease_until = self.lease_until.min(now);
         self.keep_from(now);
+        if !crate::undo::undone(crate::undo::Fix::UnknownHorizon) {
+            self.expires_at = self
+                .expires_at
+                .max(now.saturating_add(self.unknown_retention_ms));
+        }
     }
 
-    /// Its owner was heard from within a lease: its request may still run.
-    pub fn owner_recent(&self, now: u64) -> bool {
-        self.open() && self.owner_seen.saturating_add(self.lease_ms) > now
+    /// Its owner may still be running: open, and not silent for a whole lease while the
+    /// database served (the lease guard, as for [`Record::lease_expired`]): an owner cut off
+    /// by an outage gets a lease after it to be heard.
+    pub fn owner_recent(&self, clock: Clock) -> bool {
+        let heard = if crate::undo::undone(crate::undo::Fix::OperatorServing) {
+            self.owner_seen
+        } else {
+            self.owner_seen.max(clock.serving_since)
+        };
+        self.open() && heard.saturating_add(self.lease_ms) > clock.now
     }
 
     /// Until the lease runs out, rounded up (0 once past it).

@@ -12,6 +12,7 @@ fn terms(fp: &str, take_over: bool) -> ClaimTerms {
         },
         lease_ms: 1_000,
         retention_ms: 60_000,
+        unknown_retention_ms: 600_000,
         take_over_unknown: take_over,
         nonce: Some(format!("n-{fp}")),
         abandoned: false,
