@@ -54,12 +54,16 @@ pub const REGIONS: &[&str] = &[
     "a claim answer lost after its commit (the callout cancelled)",
     "a claim answer lost after its commit (unreadable)",
     "the state API released a claim whose caller was gone",
+    "a statement committed after its caller was answered 503",
+    // Envoy's router under a route retry_policy (a request under a claim is never retried).
+    "Envoy's router retried a request forwarded without a claim",
     // The key secret.
     "the key secret rotated",
     "a record found under the previous key secret",
     "the previous key secret dropped",
     // Operators, the purge, expiry.
     "an operator released or purged a record",
+    "an operator resolved an open record",
     "an operator acted within a lease of the owner's last sign of life",
     "an operator was refused without force",
     "the purge deleted records",

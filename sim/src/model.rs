@@ -36,10 +36,18 @@ pub enum Step {
     Deliver(usize),
     /// Callout `i`'s answer is lost after the state API committed it (the callout fails).
     LoseAnswer(usize),
+    /// The state API gives callout `i`'s statement up at its stall limit: its caller is
+    /// answered 503 now, and the statement (its snapshot taken now) commits at a later
+    /// `Process`, nobody waiting for it.
+    Stall(usize),
     /// Stream `s`'s request reaches the upstream (which executes it, or refuses its token).
     Arrive(usize),
     /// The upstream answers stream `s` (its whole response).
     Answer(usize),
+    /// Envoy's router gives stream `s`'s try up (a per-try timeout, or a 5xx or reset it
+    /// retries on) and sends the request upstream again, as the route's `retry_policy` says,
+    /// unless the request forbids it.
+    RouterRetry(usize),
     /// Execution `e` finishes after its caller left.
     Finish(usize),
     /// The client of stream `s` gives up.
@@ -58,11 +66,14 @@ pub enum Step {
     WaitRetention,
     Kill(usize),
     Restart(usize),
-    /// An operator releases or purges, without force, a record whose outcome is unknown (or
-    /// whose lease ran out).
-    Operator,
+    /// An operator releases, purges or resolves, without force, a record whose outcome is
+    /// unknown (or whose lease ran out).
+    Operator(Admin),
     /// The database restarts (a failover: `serving_since` moves when it is back, a lease later).
     Failover,
+    /// Time runs to the end of the database's outage, and no further: the state API serves
+    /// again before any worker's tick at that instant.
+    OutageEnds,
     /// Worker `w`'s wall clock steps two minutes back.
     ClockStep(usize),
     /// The state API's purge.
@@ -74,6 +85,27 @@ pub enum Step {
     /// Faults end, every callout is delivered, every lease runs out, every client retries once
     /// more: the invariants on final answers are checked.
     Drain,
+}
+
+/// What an operator does through the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Admin {
+    Release,
+    Purge,
+    /// Stores an outcome the operator established.
+    Resolve,
+}
+
+impl Admin {
+    /// The world's draws that choose this action (`World::operator_action`: the record, then
+    /// release or not, then resolve or purge).
+    fn choices(self) -> Vec<u32> {
+        match self {
+            Admin::Release => vec![0, 99],
+            Admin::Resolve => vec![0, 0, 99],
+            Admin::Purge => vec![0, 0, 0],
+        }
+    }
 }
 
 /// Which kinds of step the model may take, and how many of the rarer ones.
@@ -99,6 +131,18 @@ pub struct Bounds {
     pub purge: bool,
     pub rotate: bool,
     pub drain: bool,
+    /// Callouts time out after one and a half leases (not one): a claim's answer may come a
+    /// lease late.
+    pub slow_callouts: bool,
+    /// The second client sends another body under the same key (a 422, unless the key was
+    /// freed between them).
+    pub other_body: bool,
+    /// The route carries a `retry_policy` (Envoy's router may send a forwarded request again).
+    pub router_retries: bool,
+    /// The state API may give a statement up at its stall limit (answer 503, commit later).
+    pub stalls: bool,
+    /// Claims ask to wait for a running key (`Prefer: wait=1`), and the state API lets them.
+    pub waits: bool,
 }
 
 impl Bounds {
@@ -119,6 +163,11 @@ impl Bounds {
         purge: true,
         rotate: true,
         drain: true,
+        slow_callouts: false,
+        other_body: false,
+        router_retries: true,
+        stalls: true,
+        waits: false,
     };
 }
 
@@ -132,6 +181,9 @@ pub struct Protocol {
 pub const LEASE_MS: u64 = 1_000;
 pub const HEARTBEAT_MS: u64 = 500;
 pub const RETENTION_S: u64 = 5;
+/// How long the model's state API keeps an unknown outcome: past a retention, so that a
+/// claim at the retention finds it still unknown (and, with the fix undone, new).
+pub const UNKNOWN_RETENTION_MS: u64 = 20_000;
 
 impl Protocol {
     pub fn new(bounds: Bounds) -> Self {
@@ -142,9 +194,14 @@ impl Protocol {
     /// the shortest lease with heartbeats at half of it, a retention of a second.
     pub fn world(&self) -> World {
         let retention_ms = RETENTION_S * 1000;
+        let callout_timeout_ms = if self.bounds.slow_callouts {
+            LEASE_MS * 3 / 2
+        } else {
+            1_000
+        };
         let setup = Setup {
             filter_config: FilterParams {
-                callout_timeout_ms: 1_000,
+                callout_timeout_ms,
                 reconcile_timeout_ms: 1_000,
                 retention_s: Some(RETENTION_S),
                 complete_retry_ms: 600_000,
@@ -153,16 +210,17 @@ impl Protocol {
                 heartbeat_ms: HEARTBEAT_MS,
                 cache: true,
                 background: false,
-                max_waiters: 0,
+                max_waiters: if self.bounds.waits { 8 } else { 0 },
             }
             .config(),
             workers: 2,
             lease_ms: LEASE_MS,
             heartbeat_ms: HEARTBEAT_MS,
-            callout_timeout_ms: 1_000,
+            callout_timeout_ms,
             reconcile_timeout_ms: 1_000,
             retention_s: Some(RETENTION_S),
             route_timeout_ms: 60_000,
+            route_retries: self.bounds.router_retries,
             idle_timeout_ms: 300_000,
             request_timeout_ms: None,
             max_stream_duration_ms: None,
@@ -173,26 +231,31 @@ impl Protocol {
                 max_lease_ms: crate::state_api::MAX_LEASE_MS,
                 retention_ms,
                 max_retention_ms: retention_ms,
+                unknown_retention_ms: UNKNOWN_RETENTION_MS,
                 max_body_bytes: 1 << 20,
                 advertises_max_body: true,
                 retry_after_cap_s: 2,
-                max_waiters: 0,
+                max_waiters: if self.bounds.waits { 8 } else { 0 },
                 max_wait_ms: 30_000,
             },
             kinds: Faults(0),
         };
         let ops = (0..self.bounds.clients)
-            .map(|_| Op {
+            .map(|i| Op {
                 key: "k1".into(),
                 key_in_body: false,
                 subject: "alice".into(),
                 path: self.bounds.path.into(),
-                body: br#"{"amount":7}"#.to_vec(),
+                body: if self.bounds.other_body && i == 1 {
+                    br#"{"amount":8}"#.to_vec()
+                } else {
+                    br#"{"amount":7}"#.to_vec()
+                },
                 content_type: "application/json".into(),
                 attempts_left: self.bounds.attempts,
                 active: None,
                 next_at: 0,
-                wait_s: 0,
+                wait_s: u32::from(self.bounds.waits).into(),
             })
             .collect();
         let c = Choices::replay(Vec::new());
@@ -215,7 +278,7 @@ impl Protocol {
         let mut kills = 0u32;
         for s in &steps {
             match s {
-                Step::Operator => once |= 1,
+                Step::Operator(_) => once |= 1,
                 Step::Failover => once |= 2,
                 Step::ClockStep(_) => once |= 4,
                 Step::Partition(_) => once |= 8,
@@ -283,6 +346,15 @@ impl Protocol {
             }
         }
         for (i, c) in w.callouts.iter().enumerate() {
+            if b.stalls
+                && c.answer.is_none()
+                && !c.orphan
+                && (c.parked.is_none() || b.waits)
+                && c.cluster == STATE_API_CLUSTER
+                && c.path != contract::wire::HEARTBEAT_PATH
+            {
+                out.push(Step::Stall(i));
+            }
             if c.answer.is_none() {
                 out.push(Step::Process(i));
             } else if !c.orphan {
@@ -301,6 +373,9 @@ impl Protocol {
             }
             if b.give_up && !s.ended && !s.client.complete {
                 out.push(Step::GiveUp(i));
+            }
+            if b.router_retries && s.forwarded.is_some() && w.router_may_retry(i) {
+                out.push(Step::RouterRetry(i));
             }
         }
         for (e, x) in w.upstream.executions.iter().enumerate() {
@@ -332,10 +407,15 @@ impl Protocol {
         }
         out.push(Step::WaitRetention);
         if b.operator && once & 1 == 0 && w.outage == Outage::None {
-            out.push(Step::Operator);
+            for admin in [Admin::Release, Admin::Purge, Admin::Resolve] {
+                out.push(Step::Operator(admin));
+            }
         }
         if b.failover && once & 2 == 0 && w.outage == Outage::None {
             out.push(Step::Failover);
+        }
+        if b.failover && w.outage != Outage::None && w.outage_until.is_some() {
+            out.push(Step::OutageEnds);
         }
         if b.clock_step && once & 4 == 0 {
             out.push(Step::ClockStep(0));
@@ -365,6 +445,22 @@ impl Protocol {
 /// simulation's invariants.
 pub fn apply(w: &mut World, step: Step) {
     w.c = Choices::replay(Vec::new());
+    // (A path written by hand may name a callout, stream or execution that is not there: the
+    // step does nothing then, as the checker never takes it.)
+    let exists = match step {
+        Step::Process(i) | Step::Deliver(i) | Step::LoseAnswer(i) | Step::Stall(i) => {
+            i < w.callouts.len()
+        }
+        Step::Arrive(s) | Step::Answer(s) | Step::GiveUp(s) | Step::RouterRetry(s) => {
+            s < w.streams.len()
+        }
+        Step::Finish(e) => e < w.upstream.executions.len(),
+        _ => true,
+    };
+    if !exists {
+        w.log(format!("(model step {step:?}: nothing there)"));
+        return;
+    }
     match step {
         Step::Attempt { op, worker } => {
             let before = w.streams.len();
@@ -384,6 +480,7 @@ pub fn apply(w: &mut World, step: Step) {
         Step::Process(i) => w.act(Action::Process(i)),
         Step::Deliver(i) => w.act(Action::Deliver(i)),
         Step::LoseAnswer(i) => w.fail_callout(i),
+        Step::Stall(i) => w.fail_callout_with(i, "503"),
         Step::Arrive(s) => w.act(Action::Arrive(s)),
         Step::Answer(s) => {
             for _ in 0..16 {
@@ -396,6 +493,9 @@ pub fn apply(w: &mut World, step: Step) {
                     break;
                 }
             }
+        }
+        Step::RouterRetry(s) => {
+            w.router_retry(s, "a per-try timeout");
         }
         Step::Finish(e) => w.act(Action::UpstreamFinish(e)),
         Step::GiveUp(s) => w.act(Action::GiveUp(s)),
@@ -416,9 +516,21 @@ pub fn apply(w: &mut World, step: Step) {
         Step::WaitRetention => w.advance(w.setup.state_api.max_retention_ms + w.setup.lease_ms),
         Step::Kill(i) => w.act(Action::Kill(i)),
         Step::Restart(i) => w.act(Action::Restart(i)),
-        Step::Operator => w.act(Action::Operator),
+        Step::Operator(admin) => {
+            w.c = Choices::replay(admin.choices());
+            w.act(Action::Operator);
+        }
         Step::Failover => {
             w.start_outage(Outage::Database { in_place: false }, Some(w.setup.lease_ms))
+        }
+        Step::OutageEnds => {
+            if let Some(t) = w.outage_until {
+                if t > w.now + 1 {
+                    w.advance(t - 1 - w.now);
+                }
+                w.now = w.now.max(t);
+                w.timeouts();
+            }
         }
         Step::ClockStep(i) => {
             // The worker, then the third kind of step: two minutes back.
@@ -728,19 +840,11 @@ impl Protocol {
     }
 }
 
-/// A fix of issue 34 by the name `make model-check UNDO=…` gives it.
+/// A fix by the name `make model-check UNDO=…` gives it.
 pub fn fix_named(name: &str) -> Result<state_rules::undo::Fix, String> {
-    use state_rules::undo::Fix;
-    Ok(match name {
-        "retention" => Fix::Retention,
-        "abandon" => Fix::Abandon,
-        "heartbeat" => Fix::HeartbeatRevival,
-        "rotation" => Fix::RotationMove,
-        other => {
-            return Err(format!(
-                "no fix named {other} (retention, abandon, heartbeat, rotation)"
-            ))
-        }
+    state_rules::undo::Fix::named(name).ok_or_else(|| {
+        let names: Vec<&str> = state_rules::undo::Fix::ALL.iter().map(|f| f.name()).collect();
+        format!("no fix named {name} ({})", names.join(", "))
     })
 }
 
@@ -765,6 +869,11 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         purge: false,
         rotate: false,
         drain: false,
+        slow_callouts: false,
+        other_body: false,
+        router_retries: false,
+        stalls: false,
+        waits: false,
     };
     match fix {
         // An owner that runs past its retention, cut off from the state API for a lease, and a
@@ -795,6 +904,76 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         Fix::RotationMove => Bounds {
             rotate: true,
             ..quiet
+        },
+        // A claim's answer a lease late, an operator's release meanwhile, another body under
+        // the same key (the reference checkout fences by fingerprint).
+        Fix::LateGrant => Bounds {
+            wait_lease: true,
+            operator: true,
+            slow_callouts: true,
+            other_body: true,
+            ..quiet
+        },
+        // An owner cut off by a database outage, an operator's release as it comes back.
+        Fix::OperatorServing => Bounds {
+            tick: true,
+            operator: true,
+            failover: true,
+            ..quiet
+        },
+        // An operator's resolve under a running owner, the owner's complete, and a duplicate
+        // on its worker.
+        Fix::ResolveToken => Bounds {
+            clients: 2,
+            wait_lease: true,
+            operator: true,
+            ..quiet
+        },
+        // An unknown outcome (a lost claim answer on a route that holds them), a retention
+        // later.
+        Fix::UnknownHorizon => Bounds {
+            path: "/refunds",
+            wait_lease: true,
+            purge: true,
+            ..quiet
+        },
+        // A route with a retry_policy: the router sends a forwarded request again.
+        Fix::RouterRetries => Bounds {
+            clients: 1,
+            router_retries: true,
+            ..quiet
+        },
+        // A claim's statement given up at the stall limit, its caller's abandon, then its
+        // commit; the key retried after the drain.
+        Fix::NonceConflict => Bounds {
+            path: "/refunds",
+            clients: 1,
+            tick: true,
+            stalls: true,
+            drain: true,
+            ..quiet
+        },
+        // A claim waiting for a running key whose owner's client gave up; its look given up at
+        // the stall limit; the key retried after the drain (on a route that holds unknown
+        // outcomes).
+        Fix::WaitLook => Bounds {
+            path: "/refunds",
+            give_up: true,
+            tick: true,
+            stalls: true,
+            waits: true,
+            drain: true,
+            ..quiet
+        },
+        // Every other fix: the full bounds (see `sim/tests/model_undo.rs` for the steps that
+        // reach them).
+        _ => Bounds {
+            slow_callouts: false,
+            other_body: false,
+            router_retries: false,
+            stalls: false,
+            waits: false,
+            ..Bounds::FULL
         },
     }
 }

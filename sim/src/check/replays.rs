@@ -40,6 +40,20 @@ pub fn answered(w: &World, s: usize) -> Vec<String> {
         return found;
     }
     let scope = w.ops[st.op].scope();
+    if let Some((first_after, answer)) = w.ev.resolved.get(&scope) {
+        let theirs = st.client.status == Some(answer.status) && st.client.body == answer.body;
+        if theirs {
+            return found;
+        }
+        if s >= *first_after {
+            found.push(format!(
+                "2: stream {s} got a replay ({:?}, {} body bytes) of {scope:?} after an operator resolved it, not the operator's answer",
+                st.client.status,
+                st.client.body.len(),
+            ));
+            return found;
+        }
+    }
     let matching: Vec<Sent> = w
         .upstream
         .of_scope(&scope)

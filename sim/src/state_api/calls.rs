@@ -144,12 +144,10 @@ impl ModelStateApi {
             fingerprint: fingerprint.clone(),
             lease_ms: self.lease_for(r.lease_ms),
             retention_ms,
+            unknown_retention_ms: self.cfg.unknown_retention_ms,
             take_over_unknown: r.on_unknown == OnUnknown::TakeOver,
             nonce: r.nonce.clone(),
-            abandoned: r
-                .nonce
-                .as_ref()
-                .is_some_and(|n| self.tombstones.contains_key(n)),
+            abandoned: self.abandoned_at_commit(r.nonce.as_deref()),
         };
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
@@ -421,6 +419,29 @@ impl ModelStateApi {
             by,
             state: state.unwrap_or(RecordState::InProgress),
         });
+    }
+
+    /// Whether a claim with `nonce` finds it abandoned. The claim and the abandon of its nonce
+    /// conflict on one row per nonce (`idempotency_nonces`): the claim sees an abandon that
+    /// committed before its own commit, whatever its snapshot held. (Before the fix the claim
+    /// read the tombstones in the snapshot its statement took when it was sent.)
+    fn abandoned_at_commit(&self, nonce: Option<&str>) -> bool {
+        let now = nonce.is_some_and(|n| self.tombstones.contains_key(n));
+        match self.snapshot_abandoned {
+            Some(snapshot) if state_rules::undo::undone(state_rules::undo::Fix::NonceConflict) => {
+                snapshot
+            }
+            Some(snapshot) => snapshot || now,
+            None => now,
+        }
+    }
+
+    /// Whether the claim in `body` names a nonce with a tombstone now.
+    pub fn tombstoned(&self, body: &[u8]) -> bool {
+        serde_json::from_slice::<contract::wire::ClaimRequest>(body)
+            .ok()
+            .and_then(|r| r.nonce)
+            .is_some_and(|n| self.tombstones.contains_key(&n))
     }
 
     /// A claim whose answer never reached the filter, given back by its nonce (nothing was

@@ -34,6 +34,9 @@ pub type Address = (u32, Scope);
 /// A record, its stored response in clear.
 pub type Record = state_rules::Record<StoredResponse>;
 
+/// The state API's default `--unknown-retention-s` (7 days), in ms.
+pub const UNKNOWN_RETENTION_MS: u64 = 7 * 86_400_000;
+
 #[derive(Debug, Clone)]
 pub struct StateApiConfig {
     pub default_lease_ms: u64,
@@ -43,6 +46,8 @@ pub struct StateApiConfig {
     /// `--retention-s` (a claim that asks for none) and `--max-retention-s`, in ms.
     pub retention_ms: u64,
     pub max_retention_ms: u64,
+    /// `--unknown-retention-s`, in ms: how long an unknown outcome is kept once marked.
+    pub unknown_retention_ms: u64,
     pub max_body_bytes: usize,
     /// Whether claim answers say `max_body_bytes` (state APIs older than the field do not).
     pub advertises_max_body: bool,
@@ -158,6 +163,9 @@ pub struct ModelStateApi {
     /// Claim attempts abandoned before they got here (by nonce, whatever the key's address),
     /// and when: such a claim never commits (kept ten minutes).
     tombstones: BTreeMap<String, u64>,
+    /// While a statement sent earlier runs: whether its snapshot held a tombstone for its
+    /// claim's nonce (see `Callout::snapshot_abandoned`).
+    pub snapshot_abandoned: Option<bool>,
     /// Every fingerprint a record was stored with, by scope.
     pub stored_fingerprints: BTreeSet<(Scope, String)>,
     /// What happened since the caller last took them ([`ModelStateApi::take_events`]).
@@ -194,6 +202,7 @@ impl ModelStateApi {
             took_over_unknown: BTreeMap::new(),
             grants: BTreeMap::new(),
             tombstones: BTreeMap::new(),
+            snapshot_abandoned: None,
             stored_fingerprints: BTreeSet::new(),
             events: Vec::new(),
         }

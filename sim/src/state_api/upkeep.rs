@@ -8,6 +8,7 @@ use state_rules::writes::{self};
 use state_rules::RecordState;
 
 use super::{Address, Deleter, Event, ModelStateApi, Record, Scope, TOMBSTONE_MS};
+use contract::wire::StoredResponse;
 
 impl ModelStateApi {
     /// A claim granted `token` to a caller that was gone when it was answered: the state API
@@ -79,12 +80,14 @@ impl ModelStateApi {
         (deleted, marked)
     }
 
-    /// An operator's release or purge of the record of `scope` through the admin API, without
-    /// `force`: `Ok` with the record as it was, or why it was refused (`None`: no record).
+    /// An operator's release, purge or resolve (with `resolved`, the outcome the operator
+    /// established) of the record of `scope` through the admin API, without `force`: `Ok` with
+    /// the record as it was, or why it was refused (`None`: no record).
     pub fn operator(
         &mut self,
         scope: &Scope,
         action: operator::Action,
+        resolved: Option<StoredResponse>,
         now: u64,
     ) -> Result<Record, Option<Refusal>> {
         let address = self.lookup(scope);
@@ -93,16 +96,26 @@ impl ModelStateApi {
             return Err(None);
         };
         operator::allowed(rec, action, false, clock).map_err(Some)?;
-        let rec = self.records.remove(&address).ok_or(None)?;
-        if action != operator::Action::Resolve {
-            let by = if action == operator::Action::Release {
-                Deleter::OperatorRelease
-            } else {
-                Deleter::OperatorPurge
-            };
-            self.delete_noted(address, rec.token, by, Some(rec.state));
+        let before = rec.clone();
+        if action == operator::Action::Resolve {
+            let response = resolved.ok_or(None)?;
+            let mut slot = self.records.remove(&address);
+            let retention_ms = self.cfg.retention_ms;
+            let mut next = || self.token(scope);
+            operator::resolve(&mut slot, response, retention_ms, clock, &mut next);
+            if let Some(r) = slot {
+                self.records.insert(address, r);
+            }
+            return Ok(before);
         }
-        Ok(rec)
+        self.records.remove(&address);
+        let by = if action == operator::Action::Release {
+            Deleter::OperatorRelease
+        } else {
+            Deleter::OperatorPurge
+        };
+        self.delete_noted(address, before.token, by, Some(before.state));
+        Ok(before)
     }
 
     /// Rotates the key secret: new records are addressed with a new one, records under the

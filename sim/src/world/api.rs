@@ -13,7 +13,8 @@ use filter_core::worker::CalloutResult;
 impl World {
     pub(super) fn process(&mut self, i: usize) {
         let c = self.callouts[i].clone();
-        if c.cluster != UPSTREAM_CLUSTER && c.parked.is_none() && self.too_late(&c) {
+        if c.cluster != UPSTREAM_CLUSTER && c.parked.is_none() && !c.detached && self.too_late(&c)
+        {
             // Envoy reset it at its timeout before the state API read it (or the state API
             // dropped it at its deadline): it never runs.
             self.callouts.remove(i);
@@ -59,8 +60,14 @@ impl World {
         }
         if c.orphan {
             // The state API answers a caller that is gone: a claim that made it the owner is
-            // released at once (`batch.rs`, deliver_claim), since nothing was forwarded with it.
-            for token in self.granted_tokens(&c, &result) {
+            // released at once (`batch.rs`, deliver_claim), since nothing was forwarded with it;
+            // not a statement it gave up at the stall limit (nothing waits for that one).
+            let granted = if c.detached {
+                Vec::new()
+            } else {
+                self.granted_tokens(&c, &result)
+            };
+            for token in granted {
                 if self.api.release_for_gone_caller(token, self.now) {
                     self.reach("region: the state API released a claim whose caller was gone");
                     self.log(format!(
@@ -120,8 +127,12 @@ impl World {
                 .to_json(),
             )
         } else {
-            self.api
-                .handle(&c.path, &c.body, self.now, c.looked_up.as_deref())
+            self.api.snapshot_abandoned = c.snapshot_abandoned;
+            let answer = self
+                .api
+                .handle(&c.path, &c.body, self.now, c.looked_up.as_deref());
+            self.api.snapshot_abandoned = None;
+            answer
         };
         self.after_api(Some(c));
         if c.path == contract::wire::RELEASE_PATH && status == 200 {
@@ -158,6 +169,9 @@ impl World {
             match event {
                 Event::Granted { token, scope, how } => {
                     let freed = evidence::judge_grant(self, &scope, &how);
+                    // A new owner of the key: the operator's answer is no longer its outcome
+                    // (only a grant of a key freed since can come after a resolve).
+                    self.ev.resolved.remove(&scope);
                     if let crate::state_api::Grant::New {
                         elsewhere: Some(_), ..
                     } = how
@@ -233,9 +247,12 @@ impl World {
                     self.ev.last_sign.insert(token, self.now);
                 }
                 Event::Deleted {
-                    token, scope, by, ..
+                    token,
+                    scope,
+                    by,
+                    state,
                 } => {
-                    let end = evidence::judge_deletion(self, token, by);
+                    let end = evidence::judge_deletion(self, token, by, state);
                     self.ev.record_ended(&scope, end);
                 }
             }
@@ -268,11 +285,24 @@ impl World {
             return;
         }
         let scope = self.c.pick(&candidates).clone();
+        let open = self.api.find(&scope).is_some_and(|(_, r)| r.open());
+        // (A resolve is drawn only after a purge was, so that earlier seeds keep their
+        // schedules.)
         let action = if self.c.chance(50) {
             state_rules::operator::Action::Release
+        } else if open && self.c.chance(50) {
+            state_rules::operator::Action::Resolve
         } else {
             state_rules::operator::Action::Purge
         };
+        let resolved = (action == state_rules::operator::Action::Resolve).then(|| {
+            contract::wire::StoredResponse::new(
+                200,
+                vec![("content-type".into(), "application/json".into())],
+                br#"{"resolved_by":"operator"}"#,
+                true,
+            )
+        });
         // Whether its owner was heard from within a lease (then a careful state API refuses
         // without force: the region is visited either way).
         if let Some((_, rec)) = self.api.find(&scope) {
@@ -285,11 +315,36 @@ impl World {
                 );
             }
         }
-        match self.api.operator(&scope, action, self.now) {
+        match self.api.operator(&scope, action, resolved.clone(), self.now) {
+            Ok(rec) if action == state_rules::operator::Action::Resolve => {
+                if let Some(r) = resolved {
+                    let answer = crate::upstream::Produced {
+                        status: r.status,
+                        headers: r.headers,
+                        body: r.body,
+                    };
+                    self.ev
+                        .resolved
+                        .insert(scope.clone(), (self.streams.len(), answer));
+                }
+                self.ev.operator_scopes.insert(scope.clone());
+                self.reach("region: an operator resolved an open record");
+                self.log(format!(
+                    "an operator resolves {scope:?} (token {}, {:?}): replays are its answer from now on",
+                    rec.token, rec.state
+                ));
+            }
             Ok(rec) => {
-                let silent = self
-                    .now
-                    .saturating_sub(self.ev.last_sign.get(&rec.token).copied().unwrap_or(0));
+                // Silence counts only while the database served: an owner cut off by an
+                // outage could not be heard (the lease guard).
+                let heard = self
+                    .ev
+                    .last_sign
+                    .get(&rec.token)
+                    .copied()
+                    .unwrap_or(0)
+                    .max(clock.serving_since);
+                let silent = self.now.saturating_sub(heard);
                 // A record with an outcome is the operator's to delete at any time.
                 let silent = if rec.open() { silent } else { u64::MAX };
                 self.ev

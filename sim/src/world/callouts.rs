@@ -37,6 +37,13 @@ pub struct Callout {
     pub looked_up: Option<Vec<Address>>,
     /// When that lookup ran.
     pub looked_at: u64,
+    /// The state API gave the statement up at its stall limit and answered 503, while the
+    /// statement, sent to the database, still commits later with nobody waiting for it
+    /// (`store/held.rs`): it is never dropped as too late, and nothing is released for it.
+    pub detached: bool,
+    /// Whether the statement's snapshot (taken when it was sent) held a tombstone for the
+    /// claim's nonce (a claim reads the abandoned nonces in its snapshot).
+    pub snapshot_abandoned: Option<bool>,
 }
 
 /// A claim waiting at the state API: answered when its key settles (any later processing
@@ -312,6 +319,34 @@ impl World {
             // Handled, but the answer is lost on the way back.
             self.lost_grants(&c, answer, &format!("the callout failed: {why}"));
             self.callouts.remove(i);
+        } else if why == "503"
+            && c.cluster != UPSTREAM_CLUSTER
+            && c.parked.is_some()
+            && state_rules::undo::undone(state_rules::undo::Fix::WaitLook)
+        {
+            // Before the fix: a waiting claim's look given up at the stall limit went on
+            // waiting (`continue`), its look committing meanwhile: it waits on its own record.
+            let (status, body) = self.api.handle(&c.path, &c.body, self.now, None);
+            self.after_api(Some(&c));
+            self.log(format!(
+                "state API {} from worker {}: a look given up at the stall limit commits ({status} {}); the claim waits on",
+                c.path,
+                c.worker,
+                String::from_utf8_lossy(&body).chars().take(100).collect::<String>()
+            ));
+            return;
+        } else if why == "503" && c.cluster != UPSTREAM_CLUSTER {
+            // (A waiting claim's look given up so ends its wait with this 503.)
+            self.callouts[i].parked = None;
+            // The state API's stall limit: its statement was sent (its snapshot taken) and
+            // commits later; the caller is answered 503 now.
+            let snapshot = self.api.tombstoned(&c.body);
+            let d = &mut self.callouts[i];
+            d.orphan = true;
+            d.orphaned_by = "the state API gave its statement up at the stall limit";
+            d.detached = true;
+            d.snapshot_abandoned = Some(snapshot);
+            self.reach("region: a statement committed after its caller was answered 503");
         } else {
             self.callouts[i].orphan = true;
             self.callouts[i].orphaned_by = if why == "timeout" {

@@ -40,6 +40,8 @@ pub struct Stream {
     pub router_reply: bool,
     /// The upstream refused its fencing token (nothing ran).
     pub refused_by_upstream: bool,
+    /// Times Envoy's router sent the request upstream again (a route `retry_policy`).
+    pub router_retries: u32,
     /// Sent upstream, not received yet.
     pub in_transit: bool,
     pub client: ClientView,
@@ -245,6 +247,7 @@ impl World {
             resp_chunks_sent: 0,
             router_reply: false,
             refused_by_upstream: false,
+            router_retries: 0,
             in_transit: false,
             client: ClientView::default(),
             ended: false,

@@ -86,6 +86,9 @@ impl World {
         }
         if self.upstream_down && self.c.chance(50) {
             self.log(format!("stream {s}: upstream refuses the connection"));
+            if self.router_retry(s, "connect failure") {
+                return;
+            }
             self.router_reply(
                 s,
                 503,
@@ -103,6 +106,48 @@ impl World {
             return;
         }
         self.arrive(s);
+    }
+
+    /// Envoy's router sends stream `s`'s request upstream again after a failed try (a 5xx,
+    /// a reset, a refused connection, a per-try timeout) when the route's `retry_policy` says
+    /// so and the request does not forbid it (`x-envoy-max-retries: 0`, which the filter sets
+    /// on every request it forwards under a claim). The failed try's execution, if any, goes
+    /// on and finishes on its own. `false`: no retry, the failure stands.
+    pub(crate) fn router_retry(&mut self, s: usize, why: &str) -> bool {
+        if !self.router_may_retry(s) {
+            return false;
+        }
+        self.streams[s].router_retries += 1;
+        self.streams[s].forwarded = None;
+        self.streams[s].resp_chunks_sent = 0;
+        let claimed = self.streams[s]
+            .headers
+            .iter()
+            .any(|(n, _)| n == contract::wire::FENCING_TOKEN_HEADER);
+        self.reach(if claimed {
+            "region: Envoy's router retried a request forwarded under a claim"
+        } else {
+            "region: Envoy's router retried a request forwarded without a claim"
+        });
+        self.log(format!(
+            "stream {s}: the router retries the request ({why}; the route's retry_policy)"
+        ));
+        self.arrive(s);
+        true
+    }
+
+    /// Whether the router would send stream `s`'s request again after a failed try.
+    pub fn router_may_retry(&self, s: usize) -> bool {
+        let st = &self.streams[s];
+        let forbidden = st
+            .headers
+            .iter()
+            .any(|(n, v)| n.eq_ignore_ascii_case("x-envoy-max-retries") && v.trim() == "0");
+        self.setup.route_retries
+            && !forbidden
+            && st.router_retries == 0
+            && !st.ended
+            && st.resp_head.is_none()
     }
 
     /// Envoy's router answers for the upstream (reset, refused connection, timeout).

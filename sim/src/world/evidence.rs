@@ -51,14 +51,19 @@ pub struct Evidence {
     /// For each token whose record an operator deleted: how long its owner had been silent,
     /// and its lease.
     pub operator_silent: BTreeMap<i64, (u64, u64)>,
-    /// Scopes an operator released or purged (the promise starts over for them).
+    /// Scopes an operator released, purged or resolved (the promise starts over for them).
     pub operator_scopes: BTreeSet<Scope>,
+    /// Scopes an operator resolved: the streams opened from then on (index and up) and the
+    /// answer the operator stored, the only one they may be replayed.
+    pub resolved: BTreeMap<Scope, (usize, Produced)>,
     /// The retention of each token's record, as the state API kept it.
     pub retention_of: BTreeMap<i64, u64>,
     /// Answers Envoy made itself for a scope after forwarding (status, details).
     pub envoy_replies: Vec<(Scope, Produced, String)>,
     /// Answers the reconcile endpoints gave, by the scope they were asked for.
     pub reconcile_answers: Vec<(Scope, Produced)>,
+    /// The streams whose request reached the upstream under each fencing token.
+    pub arrivals: BTreeMap<i64, Vec<usize>>,
 }
 
 /// Why a key was free when a token was granted, or how a record ended.
@@ -127,6 +132,17 @@ fn retention_of(w: &World, token: i64) -> u64 {
         .unwrap_or(w.setup.state_api.retention_ms)
 }
 
+/// How long `token`'s record must be kept after its owner's last sign of life: its retention,
+/// or, without a stored outcome (unknown), the unknown outcomes' horizon if longer.
+fn kept_for(w: &World, token: i64, without_outcome: bool) -> u64 {
+    let retention = retention_of(w, token);
+    if without_outcome {
+        retention.max(w.setup.state_api.unknown_retention_ms)
+    } else {
+        retention
+    }
+}
+
 /// Why the key of a claim's grant was free (the state API's [`Grant`]), judged.
 pub(super) fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
     match how {
@@ -164,7 +180,7 @@ pub(super) fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
             from,
             was_in_progress,
         } => {
-            let retention = retention_of(w, *from);
+            let retention = kept_for(w, *from, *was_in_progress);
             let silent = silent_for(w, *from);
             Freed {
                 from: Some(*from),
@@ -192,13 +208,18 @@ fn silent_for(w: &World, token: i64) -> u64 {
 }
 
 /// A record of `token` was deleted by `by`: whether that was legitimate, and how.
-pub(super) fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
+pub(super) fn judge_deletion(
+    w: &World,
+    token: i64,
+    by: Deleter,
+    state: state_rules::RecordState,
+) -> Freed {
     let silent = silent_for(w, token);
     let (legit, how) = match by {
         Deleter::Owner => (true, "its owner released it".to_owned()),
         Deleter::Abandon | Deleter::GoneCaller => (true, by.describe().to_owned()),
         Deleter::Purge => {
-            let retention = retention_of(w, token);
+            let retention = kept_for(w, token, state != state_rules::RecordState::Completed);
             (
                 silent >= retention,
                 format!(
@@ -215,7 +236,7 @@ pub(super) fn judge_deletion(w: &World, token: i64, by: Deleter) -> Freed {
             (
                 silent >= lease,
                 format!(
-                    "{} deleted it {silent} ms after its owner's last sign of life (its lease is {lease} ms)",
+                    "{} deleted it when its owner had been silent {silent} ms while the database served (its lease is {lease} ms)",
                     by.describe()
                 ),
             )

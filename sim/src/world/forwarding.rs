@@ -52,6 +52,21 @@ impl World {
             endpoint_header: forwarded(contract::wire::ENDPOINT_HEADER),
             fingerprint: forwarded(contract::wire::FINGERPRINT_HEADER),
         };
+        if let (true, Some(t)) = (protected, token) {
+            // One claim, one request upstream: whatever the upstream does with a second one
+            // (the reference refuses a token it saw running, and runs one whose try failed
+            // again), an upstream that does not know the key would run it twice.
+            let earlier = self.ev.arrivals.entry(t).or_default();
+            if !earlier.is_empty() {
+                let line = format!(
+                    "1: stream {s}'s request reached the upstream again under token {t} (it arrived before from stream(s) {earlier:?})"
+                );
+                earlier.push(s);
+                self.found(vec![line]);
+            } else {
+                earlier.push(s);
+            }
+        }
         let (attempt, arrival) = self.upstream.start(named, key, token);
         if let crate::upstream::Arrival::Answered(answer) = arrival {
             self.log(format!(
@@ -206,12 +221,21 @@ impl World {
         if st.resp_head.is_none() {
             if plan.reset_before_headers {
                 self.log(format!("stream {s}: upstream resets before its response"));
+                if self.router_retry(s, "reset") {
+                    return;
+                }
                 self.router_reply(
                     s,
                     503,
                     "upstream_reset_before_response_started{remote_reset}",
                     flags::UPSTREAM_REMOTE_RESET,
                 );
+                return;
+            }
+            if plan.response.status >= 500
+                && plan.response.status < 600
+                && self.router_retry(s, &format!("a {} answer", plan.response.status))
+            {
                 return;
             }
             let end = plan.chunks.is_empty() && plan.ending == Ending::WithLastChunk;

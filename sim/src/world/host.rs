@@ -138,6 +138,8 @@ impl Host for Envoy<'_> {
             sent_at: world.now,
             looked_at: 0,
             looked_up: None,
+            detached: false,
+            snapshot_abandoned: None,
         });
         Ok(())
     }

@@ -72,7 +72,7 @@ pub struct World {
     pub(crate) outage: Outage,
     outage_since: u64,
     /// When the current outage ends by itself (a database back from its recovery or pause).
-    outage_until: Option<u64>,
+    pub(crate) outage_until: Option<u64>,
     /// Dispatches and writes in the order they happen (several happen at one instant).
     pub(crate) seq: u64,
     /// When the key secret last rotated.

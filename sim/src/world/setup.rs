@@ -5,7 +5,7 @@ use super::clients::Op;
 use super::faults::Faults;
 use super::{Invariants, World, UPSTREAM_CLUSTER};
 use crate::choice::Choices;
-use crate::state_api::StateApiConfig;
+use crate::state_api::{StateApiConfig, UNKNOWN_RETENTION_MS};
 
 /// What one schedule runs with: every parameter is drawn here, per run, from ranges that
 /// include the dangerous ends (a lease of a second, a heartbeat at half of it, callouts that
@@ -23,6 +23,10 @@ pub struct Setup {
     /// The protected routes' `retention_s` (none: the state API's default, a day).
     pub retention_s: Option<u64>,
     pub route_timeout_ms: u64,
+    /// The route carries a `retry_policy` (5xx, reset, connect failure; one retry), as
+    /// Istio's default route does: the router sends a forwarded request again unless the
+    /// filter forbade it (`x-envoy-max-retries: 0`).
+    pub route_retries: bool,
     /// The HTTP connection manager's timeouts (Envoy answers 408 when one runs out before the
     /// response): `stream_idle_timeout`, `request_timeout`, `max_stream_duration`.
     pub idle_timeout_ms: u64,
@@ -86,6 +90,13 @@ impl Setup {
         }
         // The longest retention a record may have: the routes', or the state API's day.
         let retention_ms = retention_s.map_or(86_400_000, |r| r * 1000);
+        // How long an unknown outcome is kept: the state API's week, or (derived, not drawn, so
+        // that every earlier seed keeps its schedule) a horizon short enough to pass in a run.
+        let unknown_retention_ms = match retention_s {
+            Some(1) => 4_000,
+            Some(60) => 180_000,
+            _ => UNKNOWN_RETENTION_MS,
+        };
         Setup {
             filter_config,
             workers: 1 + c.below(3) as usize,
@@ -96,6 +107,9 @@ impl Setup {
             retention_s,
             // A long route timeout lets a request run past the longest lease.
             route_timeout_ms,
+            // (Derived, not drawn, so that every earlier seed keeps its schedule: the runs with
+            // the short route timeout.)
+            route_retries: route_timeout_ms == 10_000,
             idle_timeout_ms: *c.pick(&[300_000, 300_000, 15_000, 2_000]),
             request_timeout_ms: *c.pick(&[None, None, Some(20_000)]),
             max_stream_duration_ms: *c.pick(&[None, None, Some(8_000)]),
@@ -110,6 +124,7 @@ impl Setup {
                 },
                 retention_ms,
                 max_retention_ms: retention_ms,
+                unknown_retention_ms,
                 max_body_bytes: if small_api_body { 48 } else { 1 << 20 },
                 // An older state API does not say its limit: the filter learns it from a refusal.
                 advertises_max_body: !(small_api_body && c.chance(50)),
