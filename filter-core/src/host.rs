@@ -10,7 +10,7 @@
 //! callbacks, the worker's from the root context's), and one that cannot be made is answered at
 //! once as failed, the worker's answer to that going first, before the effects still queued;
 //! at most [`REPLIES_PER_CALLBACK`] local replies go out in one callback, the rest at the next
-//! wake.
+//! wake (or tick, if the wake is lost).
 
 use crate::flow::Verdict;
 use crate::metrics::Metric;
@@ -88,7 +88,7 @@ pub trait Host {
 /// stack size exceeded" in `proxy_on_response_headers`), which killed the worker's VM: the
 /// streams it held were reset and every later request on the worker answered 503. Past this
 /// many, the replies to other streams wait in the worker for the next wake (a callback of its
-/// own); the current stream's own reply always goes.
+/// own) or tick, whichever comes first; the current stream's own reply always goes.
 pub const REPLIES_PER_CALLBACK: usize = 16;
 
 /// Carries out `effects` in order and returns the verdict of the current callback (`verdict`

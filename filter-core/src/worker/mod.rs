@@ -156,7 +156,7 @@ pub struct Worker {
     /// Abandons handed over so far: each is kept under a negative token of its own, since the
     /// claim it gives back never learnt its token.
     abandons: i64,
-    /// Replies past the bound of one callback, for the next wake.
+    /// Replies past the bound of one callback, for the next wake or tick.
     deferred_replies: Vec<(StreamId, LocalReply)>,
     /// Request body bytes its streams hold before forwarding (their sum of
     /// [`Flow::held_request_bytes`]), bounded by `max_buffered_bytes`.
@@ -305,11 +305,14 @@ impl Worker {
     }
 
     /// The earliest time (this worker's clock) at which a tick has work: a heartbeat or a
-    /// write that comes due, or queued claims or completes (now). Ticks before it only drop
-    /// expired memory.
+    /// write that comes due, or queued claims, completes or deferred replies (now). Ticks
+    /// before it only drop expired memory.
     pub fn next_due(&self) -> Option<u64> {
-        if !self.claim_queue.is_empty() || !self.complete_queue.is_empty() {
-            // Queued claims and completes go at the next tick if no wake sends them first.
+        let replies = !self.deferred_replies.is_empty()
+            && !contract::undo::undone(contract::undo::Fix::TickDrain);
+        if replies || !self.claim_queue.is_empty() || !self.complete_queue.is_empty() {
+            // Queued claims and completes, and deferred replies, go at the next tick if no wake
+            // sends them first.
             return Some(0);
         }
         let heartbeat = self.registry.next_due(self.cfg.tick_period_ms());
@@ -659,15 +662,32 @@ impl Worker {
     // -----------------------------------------------------------------------------------------
     // Root context events
 
-    /// The root context's tick: heartbeats that are due, writes that are due, expired memory.
     /// Local replies a callback could not send ([`crate::host::REPLIES_PER_CALLBACK`]): they go,
-    /// in order, at the next wake, which the host asks for.
+    /// in order, at the next wake, which the host asks for, or at the next tick, whichever comes
+    /// first (a wake the host could not enqueue is lost; the tick always comes).
     pub fn defer_replies(&mut self, replies: Vec<(StreamId, LocalReply)>) {
         self.deferred_replies.extend(replies);
     }
 
+    /// The replies deferred so far, as effects: the host sends them within its bound and defers
+    /// the rest again.
+    fn deferred_reply_effects(&mut self) -> Vec<Effect> {
+        self.deferred_replies
+            .drain(..)
+            .map(|(stream, reply)| Effect::Reply { stream, reply })
+            .collect()
+    }
+
+    /// The root context's tick: deferred replies, heartbeats that are due, writes that are
+    /// due, expired memory.
     pub fn on_tick(&mut self, now_ms: u64) -> Vec<Effect> {
-        let mut effects = Vec::new();
+        // Issue 46, finding 7: a wake lost by the host left its replies waiting until the next
+        // wake, which only a later deferral or handover would ask for.
+        let mut effects = if contract::undo::undone(contract::undo::Fix::TickDrain) {
+            Vec::new()
+        } else {
+            self.deferred_reply_effects()
+        };
         self.replays.purge_expired(now_ms);
         self.in_flight.purge_expired(now_ms);
         self.send_heartbeats(now_ms, &mut effects);
@@ -684,11 +704,7 @@ impl Worker {
     pub fn on_wake(&mut self, now_ms: u64) -> Vec<Effect> {
         self.wake_pending = false;
         self.handed_await_lane = false;
-        let mut effects: Vec<Effect> = self
-            .deferred_replies
-            .drain(..)
-            .map(|(stream, reply)| Effect::Reply { stream, reply })
-            .collect();
+        let mut effects = self.deferred_reply_effects();
         self.send_writes(now_ms, &mut effects);
         self.send_batches(&mut effects);
         effects

@@ -2677,3 +2677,4 @@ fn without_the_replay_cache_or_with_in_flight_cache_ms_0_every_duplicate_asks() 
 
 mod batching;
 mod features;
+mod issue46;
