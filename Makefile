@@ -386,12 +386,16 @@ fuzz-smoke: tools-rust tools-fuzz
 # ---------------------------------------------------------------------------------------------
 # Deterministic simulation
 
-# Schedules of the simulation (sim/): SEEDS schedules, or as many as fit in SECONDS; SEED=n
-# prints one schedule's whole trace. FAULTS narrows the faults (`all,-kill`). AWAITING=1 goes on
-# past violations that issue 34's fixes remove (sim::AWAITING_FIX), counting them by path.
-# `make test` runs the regression seeds and 100,000 schedules (sim/tests/simulate.rs).
-SEEDS ?= 100000
+# Schedules of the simulation (sim/): SEEDS schedules from seed START (`random` by default,
+# printed), or as many as fit in SECONDS (then SEEDS is 0, no count, unless given); it goes on
+# past failures, counts them by invariant and prints the first failing seeds' replay commands.
+# SEED=n prints one schedule's whole trace. FAULTS narrows the faults (`all,-kill`).
+# AWAITING=1 counts violations listed in sim::AWAITING_FIX apart, by path.
+# `make test` runs the regression seeds, 100,000 fixed schedules and fresh ones from a seed
+# derived from the commit and the date, over every mix of faults (sim/tests/simulate.rs).
+START ?= random
 SECONDS ?= 0
+SEEDS ?= $(if $(filter-out 0,$(SECONDS)),0,100000)
 FAULTS ?= all
 # The model checker (sim/src/model.rs): every interleaving of the model's world up to DEPTH
 # steps (ROUTE=/pay/x or /refunds for another route); UNDO=retention|abandon|heartbeat|rotation
@@ -410,4 +414,4 @@ model-check:
 simulate:
 	$(CARGO) build --locked --release -q -p sim
 	@if [ -n "$${SEED:-}" ]; then target/release/simulate --seed $$SEED --faults $(FAULTS); \
-	else target/release/simulate --seeds $(SEEDS) --seconds $(SECONDS) --faults $(FAULTS); fi
+	else target/release/simulate --start $(START) --seeds $(SEEDS) --seconds $(SECONDS) --faults $(FAULTS); fi

@@ -1,5 +1,7 @@
-//! `make simulate SEEDS=… SECONDS=…`: runs schedules of the deterministic simulation, reports
-//! how many it ran per second, and prints the shrunk trace of the first failing one.
+//! `make simulate START=… SEEDS=… SECONDS=…`: runs schedules of the deterministic simulation
+//! from a given or a random first seed, goes on past failures and counts them by invariant,
+//! and reports the seeds it covered, how many it ran per second, what they reached, the lowest
+//! failing seeds with their replay commands and the shrunk trace of the first.
 
 use clap::Parser;
 use std::time::Duration;
@@ -13,14 +15,15 @@ struct Args {
     /// Stop after this many seconds (0: no limit).
     #[arg(long, env = "SECONDS", default_value_t = 0)]
     seconds: u64,
-    /// The first seed.
-    #[arg(long, env = "SIM_START", default_value_t = 0)]
-    start: u64,
+    /// The first seed, or `random` (printed, so that the run can be repeated).
+    #[arg(long, env = "SIM_START", default_value = "random")]
+    start: String,
     /// Run this one seed and print its whole trace.
     #[arg(long, env = "SEED")]
     seed: Option<u64>,
     /// The faults schedules may inject: `all`, or names (kill, give-up, api-down, callout,
-    /// skew, upstream, client) joined by `,`; `-name` removes one (`all,-kill`).
+    /// skew, upstream, client, database, envoy, rotate, operator) joined by `,`; `-name`
+    /// removes one (`all,-kill`).
     #[arg(long, env = "FAULTS", default_value = "all")]
     faults: String,
     /// Random steps per schedule before it is drained.
@@ -34,6 +37,9 @@ struct Args {
     /// (`sim::AWAITING_FIX`), counting them by path.
     #[arg(long, env = "AWAITING", value_parser = clap::builder::FalseyValueParser::new())]
     awaiting: bool,
+    /// Stop at the first failing schedule instead of going on and counting them.
+    #[arg(long)]
+    stop_at_first: bool,
     /// Threads (default: the machine's cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -66,6 +72,20 @@ fn main() {
         }
         return;
     }
+    let start = match args.start.as_str() {
+        "random" => {
+            let s = sim::driver::random_start();
+            println!("start: seed {s}, drawn at random (this run again: START={s})");
+            s
+        }
+        n => match n.parse::<u64>() {
+            Ok(s) => s,
+            Err(_) => {
+                eprintln!("--start: a seed or `random`, not `{n}`");
+                std::process::exit(2);
+            }
+        },
+    };
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -74,7 +94,15 @@ fn main() {
     if args.awaiting {
         ignore.extend(sim::awaiting_fix());
     }
-    let report = sim::driver::run_many_ignoring(args.start, args.seeds, limit, threads, p, &ignore);
+    let report = sim::driver::search(&sim::driver::Search {
+        start,
+        count: args.seeds,
+        limit,
+        threads,
+        params: p,
+        ignore: &ignore,
+        keep_going: !args.stop_at_first,
+    });
     println!("{}", report.summary());
     println!(
         "reached (schedules in which each happened at least once):\n{}",
@@ -87,8 +115,23 @@ fn main() {
     if !report.ignored_by.is_empty() {
         println!("{}", sim::awaiting_report(&report));
     }
-    if let Some(f) = report.failure {
-        println!("{}", f.render());
+    if report.failed > 0 {
+        println!("{}", report.failures());
+    }
+    // The record of the run, last, so that it is at hand.
+    println!(
+        "covered: {} ({} schedules), faults {}, {} failed{}",
+        report.seeds(),
+        report.schedules,
+        sim::driver::mix_name(faults),
+        report.failed,
+        if args.stop_at_first && report.failed > 0 {
+            " (stopped at the first)"
+        } else {
+            ""
+        }
+    );
+    if report.failed > 0 {
         std::process::exit(1);
     }
 }
