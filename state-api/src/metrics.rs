@@ -56,15 +56,19 @@ pub enum WaitEnd {
     TimedOut,
     /// As many claims waited already: answered at once.
     Refused,
+    /// A look failed in a way that may have committed a claim (a stall, a broken connection,
+    /// a failed batch): answered 503, so that the filter gives the claim back by its nonce.
+    Failed,
 }
 
 impl WaitEnd {
-    const ALL: [Self; 3] = [Self::Settled, Self::TimedOut, Self::Refused];
+    const ALL: [Self; 4] = [Self::Settled, Self::TimedOut, Self::Refused, Self::Failed];
     pub fn label(self) -> &'static str {
         match self {
             Self::Settled => "settled",
             Self::TimedOut => "timed_out",
             Self::Refused => "refused",
+            Self::Failed => "failed",
         }
     }
 }

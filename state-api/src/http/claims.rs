@@ -256,15 +256,25 @@ async fn wait_for_outcome(
         }
         outcome = match state.batcher().claim(job.clone()).await {
             Ok(now_seen) => now_seen,
-            // A look that could not be made (the queue full as a crowd of waiters woke at
-            // once, the pool busy, a dead link) does not end the wait with a 503: the next
-            // look comes at the next poll or wake-up, and at the deadline the last answer
-            // stands (in progress: 409 and Retry-After). A caller gone ends it.
-            Err(e) if e.is_unavailable() && !matches!(e, StoreError::CallerGone) => {
+            // A look that certainly wrote nothing (the queue full as a crowd of waiters woke
+            // at once, the pool busy past its acquire timeout, compare-and-sets all lost) does
+            // not end the wait: the next look comes at the next poll or wake-up, and at the
+            // deadline the last answer stands (in progress: 409 and Retry-After).
+            Err(e) if look_wrote_nothing(&e) => {
                 tracing::debug!(error = %e, "a waiting claim could not look again; it waits on");
                 continue;
             }
+            // Any other failure of a look (a stall, a broken connection, a failed batch) may
+            // have committed a claim whose answer is lost: waiting on would wait on that very
+            // record, answer in progress at the deadline, and leave the key held for nobody
+            // (issue 46, finding 1). The wait ends with the error (503): the filter gives the
+            // claim back by its nonce (`/v1/abandon`) and answers or retries. A caller gone
+            // ends it too.
             Err(e) => {
+                if e.is_unavailable() && !matches!(e, StoreError::CallerGone) {
+                    state.metrics().wait(metrics::WaitEnd::Failed);
+                    tracing::info!(error = %e, "a waiting claim's look may have committed without its answer: the wait ends with 503");
+                }
                 state.metrics().count_unopenable(&e);
                 return Err(e.into());
             }
@@ -273,6 +283,22 @@ async fn wait_for_outcome(
             state.metrics().wait(metrics::WaitEnd::Settled);
             return Ok((outcome, Some(elapsed_ms(started))));
         }
+    }
+}
+
+/// A look's error after which the claim certainly wrote nothing: it never reached Postgres
+/// (the group commit's queue full; no connection within the acquire timeout, before anything
+/// was sent), or it lost every compare-and-set. Before issue 46's fix every unavailable error
+/// counted so (`contract::undo::Fix::WaitLook`).
+fn look_wrote_nothing(e: &StoreError) -> bool {
+    if contract::undo::undone(contract::undo::Fix::WaitLook) {
+        return e.is_unavailable() && !matches!(e, StoreError::CallerGone);
+    }
+    match e {
+        StoreError::Overloaded | StoreError::Contention => true,
+        StoreError::Db(sqlx::Error::PoolTimedOut) => true,
+        StoreError::Batch(inner) => look_wrote_nothing(inner),
+        _ => false,
     }
 }
 
