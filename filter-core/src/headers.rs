@@ -63,6 +63,30 @@ pub fn never_replayed(name: &str) -> bool {
         || NEVER.contains(&name)
 }
 
+/// Set on a request the filter forwards under a claim: Envoy's router sends it once, whatever
+/// the route's (or virtual host's) `retry_policy` says. The router takes this header's value
+/// over the policy's `num_retries` (`RetryStateImpl`, "The max retries header takes precedence
+/// if set"), for the 5xx, reset, connect-failure, refused-stream, retriable-status-code and
+/// HTTP/3 early-data retries alike, and a hedge on a per-try timeout is a retry like the others
+/// (`shouldHedgeRetryPerTryTimeout`): with none left the first attempt runs on alone.
+pub const ROUTER_NO_RETRIES: (&str, &str) = ("x-envoy-max-retries", "0");
+
+/// Removed from a request the filter forwards under a claim: the other request headers by which
+/// Envoy's router retries, hedges or cuts a try short (docs/filter.md, *Router retries below
+/// the filter*). Envoy's connection manager strips them from a client it does not trust, not
+/// from one it does (an internal address, a mesh's sidecar); whoever set them, a protected
+/// request's retries are the route's to refuse, not the caller's to ask for. Without them the
+/// route decides whether a per-try timeout hedges or resets, and either way nothing is sent
+/// again ([`ROUTER_NO_RETRIES`]).
+pub const ROUTER_RETRY_HEADERS: &[&str] = &[
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+];
+
 fn replayed(name: &str, extra: &[String]) -> bool {
     (REPLAYED.contains(&name) || extra.iter().any(|e| e == name)) && !never_replayed(name)
 }

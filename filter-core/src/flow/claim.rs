@@ -4,6 +4,7 @@
 use super::{Claimed, Fingerprinted, Flow, Note, Out, State, Turn};
 use crate::config::{Config, OnStateUnavailable, OnUnknown};
 use crate::effect::{CalloutResult, Effect, Level};
+use crate::headers;
 use crate::key;
 use crate::metrics::Metric;
 use crate::reply;
@@ -368,6 +369,20 @@ impl Flow {
             name: FINGERPRINT_HEADER,
             value: fingerprint,
         }));
+        // Sent once: Envoy's router below the filter would otherwise send it again under the
+        // same claim, on a 5xx, a reset or a per-try timeout the route retries or hedges on,
+        // and the upstream would run it twice with one fencing token (issue 46, finding 3).
+        if !contract::undo::undone(contract::undo::Fix::RouterRetries) {
+            for &name in headers::ROUTER_RETRY_HEADERS {
+                t.push(self.effect(|stream| Effect::RemoveRequestHeader { stream, name }));
+            }
+            let (name, value) = headers::ROUTER_NO_RETRIES;
+            t.push(self.effect(|stream| Effect::SetRequestHeader {
+                stream,
+                name,
+                value: value.to_owned(),
+            }));
+        }
         t.push(claimed.register(cfg));
         t.push(Effect::Count(Metric::Claimed));
         t.push(Note::ForgetRunning(claimed.req.req.id()));

@@ -604,3 +604,67 @@ fn the_configuration_refuses_what_it_cannot_honour() {
         assert!(e.to_string().contains(why), "{top}: {e}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 46, finding 3 (Fix::RouterRetries): Envoy's router sends a claimed request once
+
+/// A request forwarded under a claim goes with `x-envoy-max-retries: 0`, which Envoy's router
+/// takes over any route's retry policy, and without the headers a caller could ask the router
+/// to retry, hedge or cut a try short with; all before the request is let go. A request the
+/// filter does not protect keeps what it came with.
+#[test]
+fn a_claimed_request_goes_upstream_unretriable_by_envoys_router() {
+    let mut t = Harness::new(CONFIG);
+    let s = t.stream();
+    let asked: Vec<(&str, &str)> = vec![
+        ("x-envoy-retry-on", "5xx,reset,retriable-status-codes"),
+        ("x-envoy-retry-grpc-on", "unavailable"),
+        ("x-envoy-max-retries", "5"),
+        ("x-envoy-retriable-status-codes", "503"),
+        ("x-envoy-retriable-header-names", "x-again"),
+        ("x-envoy-hedge-on-per-try-timeout", "true"),
+        ("x-envoy-upstream-rq-per-try-timeout-ms", "10"),
+    ];
+    let step = t.send_with(s, &asked, br#"{"amount":1}"#);
+    let step = t.answer_claim(&step, claimed(5));
+    let at = |wanted: &Effect| {
+        step.effects
+            .iter()
+            .position(|e| e == wanted)
+            .unwrap_or_else(|| panic!("no {wanted:?} in {step:?}"))
+    };
+    let resumed = at(&Effect::ResumeRequest { stream: s });
+    for &name in crate::headers::ROUTER_RETRY_HEADERS {
+        assert!(at(&Effect::RemoveRequestHeader { stream: s, name }) < resumed);
+    }
+    let set = at(&Effect::SetRequestHeader {
+        stream: s,
+        name: "x-envoy-max-retries",
+        value: "0".into(),
+    });
+    assert!(set < resumed);
+    // Every header the client asked with is either removed or replaced.
+    for (name, _) in &asked {
+        assert!(
+            step.effects.iter().any(|e| matches!(
+                e,
+                Effect::RemoveRequestHeader { name: n, .. }
+                | Effect::SetRequestHeader { name: n, .. } if n == name
+            )),
+            "{name} went upstream as the client sent it"
+        );
+    }
+
+    // Not protected (no route): untouched, the route's and the client's business.
+    let s = t.stream();
+    let hs = req_headers("/other", &asked);
+    let step = t.headers(s, &hs, true);
+    assert_eq!(step.verdict, Verdict::Continue);
+    assert!(
+        !step.effects.iter().any(|e| matches!(
+            e,
+            Effect::RemoveRequestHeader { .. } | Effect::SetRequestHeader { .. }
+        )),
+        "{step:?}"
+    );
+}
