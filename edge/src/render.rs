@@ -11,7 +11,11 @@
 //!    and its claim is written to the subject header;
 //! 3. the idempotency filter (Wasm): protected routes are claimed at the state API, everything
 //!    else passes untouched;
-//! 4. the router: every path goes to the upstream, with `upstream_timeout_ms`.
+//! 4. the router: every path goes to the upstream, with `upstream_timeout_ms`, once: no retry,
+//!    no hedge, no internal redirect, no mirror (`retry_policy` with `num_retries: 0`, which
+//!    also overrides a virtual host's). The filter sends what it forwards under a claim with
+//!    `x-envoy-max-retries: 0` whatever the route says (docs/filter.md, *Router retries below
+//!    the filter*); the route says it too.
 
 use contract::state_env;
 use std::net::{IpAddr, SocketAddr};
@@ -603,6 +607,8 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
                                         map(vec![
                                             ("cluster", s(UPSTREAM_CLUSTER)),
                                             ("timeout", duration(cfg.upstream_timeout_ms)),
+                                            // Sent once (module documentation).
+                                            ("retry_policy", map(vec![("num_retries", n(0))])),
                                         ]),
                                     ),
                                 ])]),

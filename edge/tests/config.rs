@@ -807,3 +807,33 @@ fn envoy_reads_a_connection_32_kib_at_a_time_and_a_stream_buffers_the_largest_bo
     let stream_limit = vhost["request_body_buffer_limit"].as_i64().unwrap();
     assert!(stream_limit > 3_000_000, "{stream_limit}");
 }
+
+/// Issue 46, finding 3: the rendered route sends a request once, as the filter does with what it
+/// forwards under a claim (`x-envoy-max-retries: 0`): no retry (`num_retries: 0`, which also
+/// overrides a virtual host's policy), no hedge, no internal redirect, no mirror.
+#[test]
+fn the_rendered_route_never_retries_hedges_redirects_or_mirrors() {
+    let c = parse(GOOD).unwrap();
+    let yaml = edge::render::envoy_yaml(&c, &inputs());
+    let doc = &yaml_rust2::YamlLoader::load_from_str(&yaml).unwrap()[0];
+    let hcm =
+        &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let vhosts = hcm["route_config"]["virtual_hosts"].as_vec().unwrap();
+    for vhost in vhosts {
+        for absent in ["retry_policy", "hedge_policy"] {
+            assert!(vhost[absent].is_badvalue(), "{absent} on the virtual host");
+        }
+        for route in vhost["routes"].as_vec().unwrap() {
+            let action = &route["route"];
+            assert_eq!(action["retry_policy"]["num_retries"].as_i64(), Some(0));
+            assert!(action["retry_policy"]["retry_on"].is_badvalue());
+            for absent in [
+                "hedge_policy",
+                "internal_redirect_policy",
+                "request_mirror_policies",
+            ] {
+                assert!(action[absent].is_badvalue(), "{absent} on {route:?}");
+            }
+        }
+    }
+}

@@ -546,3 +546,26 @@ fn the_known_field_checks_see_an_unknown_field() {
         );
     }
 }
+
+/// Issue 46, finding 3: the manifests say how the mesh's own route objects keep a protected
+/// request from being sent twice (the filter's `x-envoy-max-retries: 0` whatever they say).
+#[test]
+fn the_manifests_say_protected_routes_are_never_retried() {
+    for (what, cfg) in configs() {
+        for (target, says) in [
+            (Target::Istio, "`retries: {attempts: 0}`"),
+            (Target::EnvoyGateway, "`retry: {numRetries: 0}`"),
+        ] {
+            let text = manifests(&cfg, target, &pins()).unwrap();
+            let head: String = text
+                .lines()
+                .take_while(|l| l.starts_with('#'))
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(
+                head.contains("`x-envoy-max-retries: 0`") && head.contains(says),
+                "{what}, {target:?}: {head}"
+            );
+        }
+    }
+}

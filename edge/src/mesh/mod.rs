@@ -132,6 +132,23 @@ fn header(cfg: &Config, target: Target) -> String {
          # its tests: checked against the CRDs' and Kubernetes' schemas, and the filter's part\n\
          # through a real Envoy (README, *Istio and Envoy Gateway*).\n",
     );
+    // Issue 46, finding 3: a route's retries are the mesh's objects, not these; the filter
+    // makes what it forwards unretriable whatever they say, and they should say it too.
+    h.push_str(
+        "# The routes this protects (the file's [[route]]s) must be sent once: the filter forwards\n\
+         # them with `x-envoy-max-retries: 0`, which the router takes over any retry policy\n\
+         # (docs/filter.md, *Router retries below the filter*). Say so on their routes too:\n",
+    );
+    h.push_str(match target {
+        Target::Istio => {
+            "# `retries: {attempts: 0}` in their VirtualService's `http` routes (without it Istio\n\
+             # retries connect failures, refused streams and 503 twice), and no `mirror`.\n"
+        }
+        Target::EnvoyGateway => {
+            "# no `retry` in their HTTPRoute's rules (or `attempts: 0`), `retry: {numRetries: 0}` in\n\
+             # a BackendTrafficPolicy that targets them, and no RequestMirror filter.\n"
+        }
+    });
     if target == Target::EnvoyGateway {
         let m = &cfg.mesh;
         h.push_str(&format!(
