@@ -370,11 +370,14 @@ const OUTCOME_HEADER: &str = "idempotency-outcome";
 const SUBJECT_HEADER: &str = "idempotency-subject";
 const ENDPOINT_HEADER: &str = "idempotency-endpoint";
 const FINGERPRINT_HEADER: &str = "idempotency-fingerprint";
+/// The key, echoed by `executed` as it was asked about (the path's last segment).
+const KEY_HEADER: &str = "idempotency-key";
 
 /// The reconcile endpoint: what became of the request its headers name (subject, endpoint,
 /// fingerprint) under `key`, asked with the new owner's fencing token. `executed` answers with
-/// the response the attempt produced and names that attempt: its token, endpoint and
-/// fingerprint.
+/// the response the attempt produced and names that attempt: its token, and the request it
+/// belongs to, its endpoint, fingerprint, subject and key (the edge stores the answer only when
+/// all of them are its request's: the fingerprint does not cover the subject).
 async fn reconcile(
     State(ledger): State<Arc<Ledger>>,
     Path(key): Path<String>,
@@ -407,6 +410,8 @@ async fn reconcile(
                 (FENCING_TOKEN_HEADER, token.to_string()),
                 (ENDPOINT_HEADER, scope.endpoint),
                 (FINGERPRINT_HEADER, scope.fingerprint.unwrap_or_default()),
+                (SUBJECT_HEADER, scope.subject),
+                (KEY_HEADER, scope.key),
             ];
             for (name, value) in named {
                 if let Ok(v) = HeaderValue::from_str(&value) {

@@ -168,7 +168,8 @@ async fn the_reconcile_endpoint_answers_about_the_asked_request_and_names_its_at
         (404, Some("not-executed")),
         "{body}"
     );
-    // The request itself: its execution, naming the attempt (token 1) it describes.
+    // The request itself: its execution, naming the attempt (token 1) it describes and the
+    // request it belongs to.
     let (status, headers, body) = reconcile_of(addr, "k1", 7, "POST /checkout", "fp-700").await;
     assert_eq!((status, &body), (201, &charged));
     for (name, value) in [
@@ -176,6 +177,10 @@ async fn the_reconcile_endpoint_answers_about_the_asked_request_and_names_its_at
         ("idempotency-fencing-token", "1"),
         ("idempotency-endpoint", "POST /checkout"),
         ("idempotency-fingerprint", "fp-700"),
+        // Issue 46, finding 6: and whose request it was, since the fingerprint does not cover
+        // the subject.
+        ("idempotency-subject", "alice"),
+        ("idempotency-key", "k1"),
     ] {
         assert_eq!(named(&headers, name), Some(value), "{name}: {headers:?}");
     }

@@ -7,10 +7,11 @@
 //!
 //! * `executed`: the answer *is* the outcome an earlier attempt of this request produced
 //!   (status, headers, body). It is stored and replayed to this client only when it names that
-//!   attempt: its fencing token, lower than the new one, and the endpoint and fingerprint it
-//!   was recorded with, which must be this request's. An answer about another request of the
-//!   key (a prefix route's other path, a record reused past its retention by another body) or
-//!   about no attempt in particular is not stored: 503, as below. It is not taken for
+//!   attempt: its fencing token, lower than the new one, and the subject, key, endpoint and
+//!   fingerprint it was recorded with, which must be this request's. An answer about another
+//!   request (a prefix route's other path, a record reused past its retention by another body,
+//!   another subject's request under the same key, which the fingerprint does not tell apart)
+//!   or about no attempt in particular is not stored: 503, as below. It is not taken for
 //!   `not-executed` either: only that answer promises to refuse the earlier attempts of this
 //!   request from now on, which is what makes running it safe;
 //! * `running`: the earlier attempt is still at work: 409 + Retry-After;
@@ -25,6 +26,7 @@ use super::response::{capture_of, outcome, stored_body_limit};
 use super::{mark_unknown, Call, Claimed, Flow, Note, State, Turn, Write};
 use crate::config::Config;
 use crate::effect::{CalloutResult, Effect, Level};
+use crate::key;
 use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
 use contract::wire::{
@@ -201,6 +203,11 @@ enum NotThisRequest {
     NoAttempt,
     /// The attempt it names is not an earlier one: its token is not lower than the claim's.
     NotEarlier { named: i64 },
+    /// It was recorded for another subject (or says none): another caller's request under the
+    /// key. The other subject is not logged.
+    OtherSubject { echoed: bool },
+    /// It was recorded under another key (or says none). Neither key is logged.
+    OtherKey { echoed: bool },
     /// It was recorded under another endpoint (or says none): another request of the key.
     OtherEndpoint(Option<String>),
     /// It was recorded with another fingerprint (or says none): another body, say. The value is
@@ -221,6 +228,16 @@ impl std::fmt::Display for NotThisRequest {
                     "the attempt it names (token {named}) is not an earlier one"
                 )
             }
+            Self::OtherSubject { echoed: true } => {
+                write!(f, "it describes another subject's request")
+            }
+            Self::OtherSubject { echoed: false } => {
+                write!(f, "it does not echo the {SUBJECT_HEADER}")
+            }
+            Self::OtherKey { echoed: true } => {
+                write!(f, "it describes a request under another key")
+            }
+            Self::OtherKey { echoed: false } => write!(f, "it does not echo the {}", key::HEADER),
             Self::OtherEndpoint(Some(other)) => {
                 write!(f, "it describes a request to another endpoint ({other})")
             }
@@ -249,7 +266,9 @@ fn single<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
 
 /// The token of the attempt an `executed` answer describes, when that attempt is an earlier one
 /// of this very request: named by a token lower than the claim's, recorded with this request's
-/// endpoint and fingerprint (echoed by the upstream).
+/// subject, key, endpoint and fingerprint (echoed by the upstream). An answer that leaves one
+/// out (an upstream older than the echo of the subject and key) names no request in particular
+/// and is not proof either.
 fn earlier_attempt_of(
     headers: &[(String, String)],
     claimed: &Claimed,
@@ -260,6 +279,23 @@ fn earlier_attempt_of(
         .ok_or(NotThisRequest::NoAttempt)?;
     if named >= claimed.token {
         return Err(NotThisRequest::NotEarlier { named });
+    }
+    // Issue 46, finding 6: the fingerprint does not cover the subject, and the key was only the
+    // reconcile path's last segment, so an upstream that looked the attempt up by endpoint and
+    // fingerprint alone could answer with another caller's execution under the same key.
+    if !contract::undo::undone(contract::undo::Fix::ReconcileScope) {
+        let subject = single(headers, SUBJECT_HEADER);
+        if subject != Some(claimed.req.req.subject.as_str()) {
+            return Err(NotThisRequest::OtherSubject {
+                echoed: subject.is_some(),
+            });
+        }
+        let echoed_key = single(headers, key::HEADER);
+        if echoed_key != Some(claimed.req.req.key.as_str()) {
+            return Err(NotThisRequest::OtherKey {
+                echoed: echoed_key.is_some(),
+            });
+        }
     }
     let endpoint = single(headers, ENDPOINT_HEADER);
     if endpoint != Some(claimed.req.req.endpoint.as_str()) {

@@ -329,15 +329,31 @@ impl World {
             // The reference refuses a reconcile that does not name its request.
             return CalloutResult::answer(400, b"{\"type\":\"/problems/bad-reconcile\"}".to_vec());
         };
-        let a = self.upstream.reconcile(
+        if let Some(answer) =
+            self.careless_reconcile(c, &key, &subject, &endpoint, &fingerprint, token)
+        {
+            return answer;
+        }
+        let mut a = self.upstream.reconcile(
             crate::upstream::AttemptScope {
                 endpoint,
-                subject,
-                key,
+                subject: subject.clone(),
+                key: key.clone(),
                 fingerprint: Some(fingerprint),
             },
             token,
         );
+        // As the reference checkout does, an `executed` answer names the request it describes
+        // by its subject and key too (issue 46, finding 6: the fingerprint does not cover the
+        // subject).
+        let executed = a.headers.iter().any(|(n, v)| {
+            n == contract::wire::OUTCOME_HEADER && v == contract::wire::OUTCOME_EXECUTED
+        });
+        if executed {
+            a.headers
+                .push((contract::wire::SUBJECT_HEADER.into(), subject));
+            a.headers.push(("idempotency-key".into(), key));
+        }
         if let Some(s) = c.stream {
             let scope = self.ops[self.streams[s].op].scope();
             if scope.2 != "POST /checkout" {
@@ -357,6 +373,72 @@ impl World {
             headers: a.headers,
             body: a.body,
         }
+    }
+
+    /// A careless upstream (issue 46, finding 6), with upstream faults, half the times it can:
+    /// it looks an attempt up by key, endpoint and fingerprint, not by subject, and answers with
+    /// another subject's execution of an identical request (the fingerprint does not cover the
+    /// subject), naming it truthfully: its token, and the subject and key it recorded. The
+    /// filter must not store it (it is another customer's charge); with the fix undone it
+    /// does, and the check finds a replay no execution of the asker's request produced. No
+    /// choice is drawn unless such an execution exists, so other schedules are unchanged.
+    fn careless_reconcile(
+        &mut self,
+        c: &Callout,
+        key: &str,
+        subject: &str,
+        endpoint: &str,
+        fingerprint: &str,
+        token: i64,
+    ) -> Option<CalloutResult> {
+        if !self.fault(Faults::UPSTREAM) {
+            return None;
+        }
+        let other = self.upstream.executions.iter().rev().find(|e| {
+            let (k, sub, ep) = &e.scope;
+            k == key
+                && sub != subject
+                && ep == endpoint
+                && e.charged
+                && e.token.is_some_and(|t| t < token)
+                && self.streams[e.stream]
+                    .headers
+                    .iter()
+                    .any(|(n, v)| n == contract::wire::FINGERPRINT_HEADER && v == fingerprint)
+        })?;
+        let (other_token, other_subject) = (other.token?, other.scope.1.clone());
+        let produced = other.plan.response.clone();
+        if !self.c.chance(50) {
+            return None;
+        }
+        self.reach("sim.reconcile_careless");
+        self.log(format!(
+            "the upstream's reconcile answers carelessly with {other_subject}'s execution (token {other_token})"
+        ));
+        let mut headers = produced.headers.clone();
+        headers.extend([
+            (
+                contract::wire::OUTCOME_HEADER.into(),
+                contract::wire::OUTCOME_EXECUTED.into(),
+            ),
+            (FENCING_TOKEN_HEADER.into(), other_token.to_string()),
+            (contract::wire::ENDPOINT_HEADER.into(), endpoint.to_owned()),
+            (
+                contract::wire::FINGERPRINT_HEADER.into(),
+                fingerprint.to_owned(),
+            ),
+            (contract::wire::SUBJECT_HEADER.into(), other_subject),
+            ("idempotency-key".into(), key.to_owned()),
+        ]);
+        if let Some(s) = c.stream {
+            let scope = self.ops[self.streams[s].op].scope();
+            self.ev.reconcile_answers.push((scope, produced.clone()));
+        }
+        Some(CalloutResult::Response {
+            status: produced.status,
+            headers,
+            body: produced.body,
+        })
     }
 
     /// The upstream goes down, or comes back.

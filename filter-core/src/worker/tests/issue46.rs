@@ -82,3 +82,65 @@ fn replies_deferred_past_a_callback_s_bound_go_at_the_next_tick_when_the_wake_is
     assert_eq!(host.wakes, 2, "a wake asked for each callback that left replies");
     assert_eq!(host.w.next_due(), None, "nothing left for a tick");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Finding 6 (Fix::ReconcileScope): an `executed` answer names this request's subject and key.
+
+#[test]
+fn an_executed_answer_about_another_subject_or_key_is_not_stored() {
+    // The fingerprint does not cover the subject, and the key is only the reconcile path's last
+    // segment: an upstream that found the attempt by endpoint and fingerprint alone (another
+    // customer's identical charge under the same key, say) answered with a token, endpoint and
+    // fingerprint that all matched, and that charge's response was stored and replayed.
+    let ours = fingerprint_of("/checkout");
+    let endpoint = "POST /checkout";
+    let body = b"{\"id\":9}";
+    let named = |subject: Option<&str>, key: Option<&str>| {
+        let mut extra = vec![
+            (FENCING_TOKEN_HEADER, "5"),
+            (ENDPOINT_HEADER, endpoint),
+            (FINGERPRINT_HEADER, ours.as_str()),
+        ];
+        if let Some(s) = subject {
+            extra.push((SUBJECT_HEADER, s));
+        }
+        if let Some(k) = key {
+            extra.push(("idempotency-key", k));
+        }
+        reconcile_answer(201, OUTCOME_EXECUTED, &extra, body)
+    };
+    for (label, answer_) in [
+        ("another subject", named(Some("user-2"), Some("k1"))),
+        ("another key", named(Some("user-1"), Some("k2"))),
+        ("no subject echoed", named(None, Some("k1"))),
+        ("no key echoed", named(Some("user-1"), None)),
+        ("neither echoed (an older upstream)", named(None, None)),
+    ] {
+        let mut t = Harness::new(RECONCILING);
+        let (s, step) = t.taken_over("/checkout", 77);
+        let d = step.reconcile();
+        let step = t.answer(&d, answer_);
+        assert!(
+            step.dispatches(COMPLETE_PATH).is_empty(),
+            "{label}: not stored: {step:?}"
+        );
+        assert!(
+            step.effects.iter().any(|e| matches!(
+                e,
+                Effect::Log(Level::Warn, line) if line.contains("not stored")
+                    && !line.contains("k1")
+                    && !line.contains("k2")
+            )),
+            "{label}: a warning says why, without a key: {step:?}"
+        );
+        let unavailable = (503, "/problems/reconcile-unavailable");
+        t.answered_and_marked_unknown(s, &step, unavailable, Metric::ReconcileFailed, label);
+    }
+    // Named in full, subject and key included: stored and replayed.
+    let mut t = Harness::new(RECONCILING);
+    let (_, step) = t.taken_over("/checkout", 77);
+    let d = step.reconcile();
+    let step = t.answer(&d, named(Some("user-1"), Some("k1")));
+    assert_eq!(step.complete().token, 77);
+    assert_eq!(step.counts(), vec![Metric::ReconcileExecuted]);
+}

@@ -1627,7 +1627,8 @@ fn fingerprint_of(path: &str) -> String {
 }
 
 /// An `executed` answer that names the attempt it describes: its token, endpoint and
-/// fingerprint, as the upstream recorded them.
+/// fingerprint, as the upstream recorded them, and the subject and key of
+/// [`Harness::taken_over`]'s request.
 fn executed_by(
     token: &str,
     endpoint: &str,
@@ -1640,6 +1641,8 @@ fn executed_by(
         (FENCING_TOKEN_HEADER, token),
         (ENDPOINT_HEADER, endpoint),
         (FINGERPRINT_HEADER, fingerprint),
+        (SUBJECT_HEADER, "user-1"),
+        ("idempotency-key", "k1"),
     ];
     named.extend_from_slice(extra);
     reconcile_answer(status, OUTCOME_EXECUTED, &named, body)
@@ -1907,19 +1910,34 @@ fn an_executed_answer_that_does_not_name_an_earlier_attempt_of_this_request_is_n
     let no_token = reconcile_answer(
         201,
         OUTCOME_EXECUTED,
-        &[(ENDPOINT_HEADER, endpoint), (FINGERPRINT_HEADER, &ours)],
+        &[
+            (ENDPOINT_HEADER, endpoint),
+            (FINGERPRINT_HEADER, &ours),
+            (SUBJECT_HEADER, "user-1"),
+            ("idempotency-key", "k1"),
+        ],
         body,
     );
     let no_endpoint = reconcile_answer(
         201,
         OUTCOME_EXECUTED,
-        &[(FENCING_TOKEN_HEADER, "5"), (FINGERPRINT_HEADER, &ours)],
+        &[
+            (FENCING_TOKEN_HEADER, "5"),
+            (FINGERPRINT_HEADER, &ours),
+            (SUBJECT_HEADER, "user-1"),
+            ("idempotency-key", "k1"),
+        ],
         body,
     );
     let no_fingerprint = reconcile_answer(
         201,
         OUTCOME_EXECUTED,
-        &[(FENCING_TOKEN_HEADER, "5"), (ENDPOINT_HEADER, endpoint)],
+        &[
+            (FENCING_TOKEN_HEADER, "5"),
+            (ENDPOINT_HEADER, endpoint),
+            (SUBJECT_HEADER, "user-1"),
+            ("idempotency-key", "k1"),
+        ],
         body,
     );
     let two_tokens = reconcile_answer(
@@ -1930,6 +1948,8 @@ fn an_executed_answer_that_does_not_name_an_earlier_attempt_of_this_request_is_n
             (FENCING_TOKEN_HEADER, "6"),
             (ENDPOINT_HEADER, endpoint),
             (FINGERPRINT_HEADER, &ours),
+            (SUBJECT_HEADER, "user-1"),
+            ("idempotency-key", "k1"),
         ],
         body,
     );
