@@ -916,25 +916,23 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         },
         // An owner cut off by a database outage, an operator's release as it comes back.
         Fix::OperatorServing => Bounds {
-            tick: true,
             operator: true,
             failover: true,
             ..quiet
         },
-        // An operator's resolve under a running owner, the owner's complete, and a duplicate
-        // on its worker.
+        // An operator's resolve while the owner is cut off, the owner's complete, and a
+        // duplicate on its worker.
         Fix::ResolveToken => Bounds {
             clients: 2,
-            wait_lease: true,
+            partition: true,
             operator: true,
             ..quiet
         },
-        // An unknown outcome (a lost claim answer on a route that holds them), a retention
-        // later.
+        // An unknown outcome (the client left while the upstream ran, on a route that holds
+        // them), a retention later.
         Fix::UnknownHorizon => Bounds {
             path: "/refunds",
-            wait_lease: true,
-            purge: true,
+            give_up: true,
             ..quiet
         },
         // A route with a retry_policy: the router sends a forwarded request again.
