@@ -3,7 +3,7 @@
 //! random seed for `make simulate`, one derived from the commit and the date for `make test`'s
 //! fresh schedules, spread over every mix of faults.
 
-use crate::{run_seed, shrink, Faults, Outcome, Params};
+use crate::{run_seed, shrink_within, Faults, Outcome, Params};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -250,6 +250,9 @@ pub struct Search<'a> {
     /// Go on past failures, counting them (`make simulate`, `make test`); otherwise stop at
     /// the first.
     pub keep_going: bool,
+    /// How long the lowest failure's shrinking may take (besides its 3,000 replays), if
+    /// bounded.
+    pub shrink_time: Option<Duration>,
 }
 
 /// Runs seeds `start..start+count` (or until `limit`), stopping at the first failure, which is
@@ -283,12 +286,13 @@ pub fn run_many_ignoring(
         params: p,
         ignore,
         keep_going: false,
+        shrink_time: None,
     })
 }
 
 /// Runs the schedules `s` asks for. Every seed taken is run to its end, so the seeds covered
 /// are `start..start + schedules` whether the run ends by its count, its time limit or a
-/// failure. The lowest failing seed is shrunk (within 3,000 replays).
+/// failure. The lowest failing seed is shrunk (within 3,000 replays and `shrink_time`).
 pub fn search(s: &Search) -> Report {
     let (start, count, limit, p, ignore) = (s.start, s.count, s.limit, s.params, s.ignore);
     let began = Instant::now();
@@ -387,7 +391,7 @@ pub fn search(s: &Search) -> Report {
             seed,
             faults: p.faults,
             original_trace_len: o.trace.len(),
-            shrunk: shrink(&o, p, 3_000),
+            shrunk: shrink_within(&o, p, 3_000, s.shrink_time),
         });
     let (longest_trace, longest_seed) = longest.into_inner().unwrap_or_default();
     Report {

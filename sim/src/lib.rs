@@ -168,17 +168,30 @@ pub fn replay(list: Vec<u32>, p: Params) -> Outcome {
 /// Shrinks a failing run: removes runs of choices and lowers choices while the same invariant
 /// still breaks, within `budget` replays. Returns the shortest failing run found.
 pub fn shrink(failing: &Outcome, p: Params, budget: usize) -> Outcome {
+    shrink_within(failing, p, budget, None)
+}
+
+/// As [`shrink`], but stops once `time` has passed, if given (some failures' replays are slow:
+/// `make test` cannot spend minutes on each).
+pub fn shrink_within(
+    failing: &Outcome,
+    p: Params,
+    budget: usize,
+    time: Option<std::time::Duration>,
+) -> Outcome {
     let Some(class) = failing.class() else {
         return failing.clone();
     };
+    let began = std::time::Instant::now();
+    let spent = |tries: usize| tries >= budget || time.is_some_and(|t| began.elapsed() >= t);
     let mut best = failing.clone();
     let mut tries = 0;
     let still_fails = |o: &Outcome| o.class().as_deref() == Some(class.as_str());
     let mut chunk = (best.choices.len() / 2).max(1);
-    while chunk >= 1 && tries < budget {
+    while chunk >= 1 && !spent(tries) {
         let mut i = 0;
         let mut improved = false;
-        while i < best.choices.len() && tries < budget {
+        while i < best.choices.len() && !spent(tries) {
             let mut list = best.choices.clone();
             let end = (i + chunk).min(list.len());
             list.drain(i..end);
@@ -197,7 +210,7 @@ pub fn shrink(failing: &Outcome, p: Params, budget: usize) -> Outcome {
     }
     // Lower each choice (0 is the plainest alternative of every decision).
     let mut i = 0;
-    while i < best.choices.len() && tries < budget {
+    while i < best.choices.len() && !spent(tries) {
         if best.choices[i] > 0 {
             for v in [0, best.choices[i] / 2] {
                 let mut list = best.choices.clone();

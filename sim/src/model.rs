@@ -843,7 +843,10 @@ impl Protocol {
 /// A fix by the name `make model-check UNDO=…` gives it.
 pub fn fix_named(name: &str) -> Result<state_rules::undo::Fix, String> {
     state_rules::undo::Fix::named(name).ok_or_else(|| {
-        let names: Vec<&str> = state_rules::undo::Fix::ALL.iter().map(|f| f.name()).collect();
+        let names: Vec<&str> = state_rules::undo::Fix::ALL
+            .iter()
+            .map(|f| f.name())
+            .collect();
         format!("no fix named {name} ({})", names.join(", "))
     })
 }

@@ -7,7 +7,11 @@
 //! seen. Every part goes on past failures and counts them; the test fails if any failed.
 
 use sim::driver::{self, Block, Report, Search};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// The longest a failure's shrinking may take (some failures' replays are slow: one of the
+/// `database` mix took a minute for its 3,000).
+const SHRINK_TIME: Duration = Duration::from_secs(15);
 
 /// Events every run of 100,000 schedules reaches (filter counters by name, model events).
 const MUST_REACH: &[&str] = &[
@@ -85,7 +89,7 @@ fn main() {
                 seed,
                 faults,
                 original_trace_len: o.trace.len(),
-                shrunk: sim::shrink(&o, p, 2_000),
+                shrunk: sim::shrink_within(&o, p, 2_000, Some(SHRINK_TIME)),
             };
             println!(
                 "regression seed {seed} ({line}) fails again: {v}\n{}",
@@ -107,6 +111,7 @@ fn main() {
         params,
         ignore: &awaiting,
         keep_going: true,
+        shrink_time: Some(SHRINK_TIME),
     });
     println!("{}", report.summary());
     println!("reached:\n{}", report.coverage());
@@ -235,6 +240,7 @@ fn fresh_block(
                     },
                     ignore: awaiting,
                     keep_going: true,
+                    shrink_time: Some(SHRINK_TIME),
                 })
             },
         )

@@ -102,6 +102,7 @@ fn main() {
         params: p,
         ignore: &ignore,
         keep_going: !args.stop_at_first,
+        shrink_time: None,
     });
     println!("{}", report.summary());
     println!(

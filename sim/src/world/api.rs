@@ -13,8 +13,7 @@ use filter_core::worker::CalloutResult;
 impl World {
     pub(super) fn process(&mut self, i: usize) {
         let c = self.callouts[i].clone();
-        if c.cluster != UPSTREAM_CLUSTER && c.parked.is_none() && !c.detached && self.too_late(&c)
-        {
+        if c.cluster != UPSTREAM_CLUSTER && c.parked.is_none() && !c.detached && self.too_late(&c) {
             // Envoy reset it at its timeout before the state API read it (or the state API
             // dropped it at its deadline): it never runs.
             self.callouts.remove(i);
@@ -315,7 +314,10 @@ impl World {
                 );
             }
         }
-        match self.api.operator(&scope, action, resolved.clone(), self.now) {
+        match self
+            .api
+            .operator(&scope, action, resolved.clone(), self.now)
+        {
             Ok(rec) if action == state_rules::operator::Action::Resolve => {
                 if let Some(r) = resolved {
                     let answer = crate::upstream::Produced {
