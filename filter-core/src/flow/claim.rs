@@ -10,9 +10,10 @@ use crate::metrics::Metric;
 use crate::reply;
 use crate::reply::LocalReply;
 use crate::worker::replay_cache::Completed;
+use crate::worker::writes::PendingWrite;
 use contract::wire::{
     ClaimItem, ClaimResponse, StoredResponse, ENDPOINT_HEADER, FENCING_TOKEN_HEADER,
-    FINGERPRINT_HEADER,
+    FINGERPRINT_HEADER, RELEASE_PATH,
 };
 use contract::ProblemKind;
 
@@ -134,13 +135,14 @@ impl Flow {
         self.reply(Some(metric), reply).with(Effect::Count(hit))
     }
 
-    /// The answer to `/v1/claim` (or its failure, including a failed dispatch).
-    pub fn on_claim_answer(&mut self, cfg: &Config, answer: CalloutResult) -> Turn {
-        self.on_claim(cfg, ClaimAnswer::of(&answer))
+    /// The answer to `/v1/claim` (or its failure, including a failed dispatch), arrived at
+    /// `now_ms`.
+    pub fn on_claim_answer(&mut self, cfg: &Config, answer: CalloutResult, now_ms: u64) -> Turn {
+        self.on_claim(cfg, ClaimAnswer::of(&answer), now_ms)
     }
 
-    /// A claim's answer, from its own callout or from a batch's.
-    pub fn on_claim(&mut self, cfg: &Config, answer: ClaimAnswer) -> Turn {
+    /// A claim's answer, from its own callout or from a batch's, arrived at `now_ms`.
+    pub fn on_claim(&mut self, cfg: &Config, answer: ClaimAnswer, now_ms: u64) -> Turn {
         let State::Claiming(req) = self.take() else {
             return Turn::cont().with(Flow::log(
                 Level::Warn,
@@ -166,6 +168,11 @@ impl Flow {
                     lease_ms,
                     max_body: max_body_bytes,
                 };
+                if !contract::undo::undone(contract::undo::Fix::LateGrant) {
+                    if let Some(elapsed) = too_late(cfg, &claimed, now_ms) {
+                        return self.late_grant(claimed, elapsed);
+                    }
+                }
                 self.won(cfg, claimed, reclaimed)
             }
             Ok(ClaimResponse::Unknown) => self
@@ -223,6 +230,30 @@ impl Flow {
             }
             (false, _) => self.forward(cfg, claimed),
         }
+    }
+
+    /// A grant whose answer came too late to hold its lease ([`too_late`]): nothing is
+    /// forwarded under it, the record is given back by its token (as a claim granted for a
+    /// stream that is gone: a record taken over meanwhile refuses it, one this claim had taken
+    /// over is unknown again), and the client gets 503 with Retry-After. Never failing open:
+    /// the key may be another claim's by now.
+    fn late_grant(&mut self, claimed: Claimed, elapsed: u64) -> Turn {
+        let log = Flow::log(
+            Level::Warn,
+            format!(
+                "the claim for {} was granted (token {}, a {} ms lease) but its answer came {elapsed} ms after it was sent, too late to hold the lease; given back, nothing forwarded",
+                claimed.endpoint(),
+                claimed.token,
+                claimed.lease_ms,
+            ),
+        );
+        let release = Note::HandOver {
+            write: PendingWrite::fenced(claimed.held(), &claimed.req.req.namespace, RELEASE_PATH),
+            record: None,
+        };
+        self.reply(Some(Metric::StateApiErrors), reply::state_unavailable())
+            .with(log)
+            .with(release)
     }
 
     /// The key runs elsewhere: 409, remembered for a short time (a waiting retry is told
@@ -431,6 +462,23 @@ impl Flow {
     }
 }
 
+/// Issue 46, seed 89644: a grant's lease runs from the claim's commit, which the filter cannot
+/// see but which came after the claim was sent, so the filter counts it from the sending. A
+/// grant is forwarded only while at least one heartbeat interval of its lease is left (the
+/// interval the registry keeps: the route's `heartbeat_ms`, at most half the granted lease),
+/// which is what a claim answered at once has left when its first heartbeat is due; with less,
+/// the first heartbeat could not be counted on to land before the lease runs out, and past it
+/// the record may already be another claim's (its owner looked silent for a lease: an
+/// operator's release, a takeover) that has run. `Some(elapsed)`: too late.
+fn too_late(cfg: &Config, claimed: &Claimed, now_ms: u64) -> Option<u64> {
+    let elapsed = now_ms.saturating_sub(claimed.req.sent_ms);
+    let interval = cfg
+        .heartbeat_for(claimed.req.req.route)
+        .min(claimed.lease_ms / 2);
+    let left = claimed.lease_ms.saturating_sub(elapsed);
+    (elapsed >= claimed.lease_ms || left < interval).then_some(elapsed)
+}
+
 /// The note that gives back a claim sent with a nonce whose answer never came.
 pub(super) fn abandon_of(req: &Fingerprinted) -> Option<Note> {
     let nonce = req.nonce.clone()?;
@@ -449,6 +497,18 @@ fn waited(reply: LocalReply, wait_s: u64) -> LocalReply {
 }
 
 impl Flow {
+    /// When the claim this flow holds was sent: its lease is counted from then (the worker
+    /// registers it for heartbeats as last heard of at that time).
+    pub fn claim_sent_ms(&self) -> Option<u64> {
+        match &self.state {
+            State::Reconciling(c)
+            | State::Upstream(c)
+            | State::Capturing(c, _)
+            | State::Writing(c, _) => Some(c.req.sent_ms),
+            _ => None,
+        }
+    }
+
     /// The worker sends (or queues) this stream's claim under `nonce`.
     pub fn claim_sent(&mut self, nonce: String) {
         if let State::Claiming(req) = &mut self.state {

@@ -179,7 +179,7 @@ impl Worker {
         for (claim, answer) in claims.into_iter().zip(claim_answers) {
             match self.flows.remove(&claim.stream) {
                 Some(mut flow) => {
-                    let turn = flow.on_claim(&self.cfg, answer);
+                    let turn = flow.on_claim(&self.cfg, answer, now_ms);
                     self.apply_from_root(&mut flow, turn, now_ms, &mut step.effects);
                     self.flows.insert(claim.stream, flow);
                 }

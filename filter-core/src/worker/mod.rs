@@ -497,7 +497,10 @@ impl Worker {
         for out in turn.outs {
             match out {
                 Out::Effect(e) => step.effects.push(e),
-                Out::Note(n) => self.note(n, now_ms, &mut step.effects),
+                Out::Note(n) => {
+                    let sent_ms = flow.claim_sent_ms();
+                    self.note(n, sent_ms, now_ms, &mut step.effects)
+                }
                 Out::Call(call) => {
                     if let Some(next) = self.call(flow, call, now_ms, &mut step.effects) {
                         self.apply(flow, next, now_ms, step);
@@ -520,13 +523,25 @@ impl Worker {
         effects.append(&mut one.effects);
     }
 
-    fn note(&mut self, note: Note, now_ms: u64, effects: &mut Vec<Effect>) {
+    /// Carries out a flow's note; `sent_ms`: when the claim the flow holds was sent.
+    fn note(&mut self, note: Note, sent_ms: Option<u64>, now_ms: u64, effects: &mut Vec<Effect>) {
         match note {
             Note::Register {
                 claim,
                 lease_ms,
                 terms,
-            } => self.registry.register(claim, lease_ms, terms, now_ms),
+            } => {
+                // Issue 46, seed 89644: the lease was granted at the claim's commit, which came
+                // after it was sent and maybe long before its answer arrived: the first
+                // heartbeat is due a heartbeat interval after the sending.
+                let heard_ms = match sent_ms {
+                    Some(sent) if !contract::undo::undone(contract::undo::Fix::LateGrant) => {
+                        sent.min(now_ms)
+                    }
+                    _ => now_ms,
+                };
+                self.registry.register(claim, lease_ms, terms, heard_ms)
+            }
             Note::Unregister(token) => self.registry.remove(token),
             Note::HoldRunning {
                 id,
@@ -637,7 +652,7 @@ impl Worker {
                     return Step::cont();
                 };
                 let turn = match purpose {
-                    Purpose::Claim(_) => flow.on_claim_answer(&self.cfg, result),
+                    Purpose::Claim(_) => flow.on_claim_answer(&self.cfg, result, now_ms),
                     Purpose::Reconcile(_) => flow.on_reconcile_answer(&self.cfg, result),
                     _ => flow.on_write_answer(&self.cfg, result),
                 };

@@ -58,14 +58,16 @@ impl Registry {
         self.entries.iter_mut().find(|e| e.claim.token == token)
     }
 
-    /// Registers the claim (again: its lease of `lease_ms` was just granted).
-    pub fn register(&mut self, claim: HeldClaim, lease_ms: u64, terms: Terms, now_ms: u64) {
+    /// Registers the claim (again: its lease of `lease_ms` was just granted), last heard of at
+    /// `heard_ms`: when its claim was sent, for a new grant (its lease counts from the commit,
+    /// which came after). Registered again, it keeps a later sign of life (a heartbeat since).
+    pub fn register(&mut self, claim: HeldClaim, lease_ms: u64, terms: Terms, heard_ms: u64) {
         let token = claim.token;
         let entry = Entry {
             claim,
             lease_ms,
             terms,
-            last_ms: now_ms,
+            last_ms: heard_ms,
             pending: false,
             retry: false,
             fenced: false,
@@ -75,10 +77,11 @@ impl Registry {
             // Once fenced, always fenced: no grant makes the token the newest again; and a mark
             // is never undone.
             Some(e) => {
-                let (fenced, ended) = (e.fenced, e.ended);
+                let (fenced, ended, last_ms) = (e.fenced, e.ended, e.last_ms);
                 *e = entry;
                 e.fenced = fenced;
                 e.ended = ended;
+                e.last_ms = e.last_ms.max(last_ms);
             }
             None => self.entries.push(entry),
         }
@@ -278,6 +281,22 @@ mod tests {
         r.answered(1);
         r.granted(1, 30_000);
         assert_eq!(r.next_due(500), Some(1_500 + 9_500));
+    }
+
+    #[test]
+    fn registered_again_a_claim_keeps_its_latest_sign_of_life() {
+        let mut r = Registry::default();
+        // Registered as heard of when its claim was sent (0), then heartbeaten at 7.5 s; a
+        // reconcile's forward registers it again with the claim's sending time.
+        r.register(claim(1), 30_000, TERMS, 0);
+        assert_eq!(r.due(7_500, 2_500, "").len(), 1);
+        r.answered(1);
+        r.register(claim(1), 30_000, TERMS, 0);
+        assert_eq!(
+            r.next_due(2_500),
+            Some(15_000),
+            "from the heartbeat, not the claim"
+        );
     }
 
     #[test]
