@@ -147,3 +147,165 @@ async fn an_abandon_that_overtakes_its_claim_keeps_that_claim_from_committing() 
     ));
     api.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 46, finding 2: an abandon and its claim in flight must not both commit. The claim read
+// the tombstone in its statement's snapshot, and the abandon could not see the claim's
+// uncommitted insert: a record in progress under a nonce nobody owns, beside a tombstone that
+// protects nothing. They now conflict on one row per nonce (`idempotency_nonces`).
+
+/// An uncommitted insert of the key's record in another transaction: a claim's INSERT of the
+/// key waits for it (its statement's snapshot already taken), until `rollback`.
+async fn hold_the_key(api: &Api, key: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let pool = api.state.store().pool().clone();
+    // The key's address: a record made and taken away again, its row kept aside.
+    token_of(
+        &api.claim_with(&named(key, &format!("{key}.setup"), None))
+            .await,
+    );
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS held_rows AS SELECT * FROM idempotency_records WITH NO DATA",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "WITH gone AS (DELETE FROM idempotency_records WHERE claim_nonce = $1 RETURNING *)
+         INSERT INTO held_rows SELECT * FROM gone",
+    )
+    .bind(format!("{key}.setup"))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO idempotency_records SELECT * FROM held_rows WHERE claim_nonce = $1")
+        .bind(format!("{key}.setup"))
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker
+}
+
+/// Neither a record open under `nonce` beside its abandon, nor the key held: the abandon and
+/// its claim did not both commit.
+async fn not_both(api: &Api, key: &str, nonce: &str) {
+    let pool = api.state.store().pool();
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_records
+         WHERE claim_nonce = $1 AND state IN ('in_progress', 'unknown')",
+    )
+    .bind(nonce)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        open, 0,
+        "a record in progress under the abandoned nonce {nonce}: held for nobody"
+    );
+    assert!(
+        matches!(
+            api.claim_with(&named(key, &format!("{nonce}.next"), None))
+                .await,
+            ClaimResponse::Claimed {
+                reclaimed: false,
+                ..
+            }
+        ),
+        "the key is free after the abandon"
+    );
+}
+
+/// The claim's statement is under way (its INSERT waits behind another transaction) when its
+/// abandon arrives; the claim commits after. The abandon waits for the claim's nonce row, then
+/// gives the record back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandon_during_its_claim_s_statement_gives_the_record_back() {
+    let api = Api::start(&[]).await;
+    let blocker = hold_the_key(&api, "inflight").await;
+    let claim = api.spawn_claim_raw(&named("inflight", "w7.1", None));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!claim.is_finished(), "the claim waits behind the blocker");
+    let (client, url) = (api.client.clone(), api.url("/v1/abandon"));
+    let abandon = tokio::spawn(async move {
+        let r = client
+            .post(url)
+            .bearer_auth(TOKEN)
+            .json(&abandon("inflight", "w7.1"))
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap(),
+        )
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    blocker.rollback().await.unwrap();
+    let (status, body) = abandon.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let claimed = claim.await.unwrap();
+    // Committed before the abandon took its nonce: granted (its filter no longer listens).
+    assert_eq!(claimed.status, 200, "{}", claimed.body);
+    not_both(&api, "inflight", "w7.1").await;
+    api.shutdown().await;
+}
+
+/// The abandon's transaction has taken the nonce (uncommitted) when the claim's statement
+/// starts: the claim waits for it, and once it commits, writes nothing (503, as for a caller
+/// gone). Through a batch statement too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_during_its_abandon_s_transaction_writes_nothing() {
+    let api = Api::start(&[]).await;
+    let pool = api.state.store().pool().clone();
+    // What the abandon's first statement writes, held uncommitted.
+    let hold = async |nonce: &str| {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query(
+            "INSERT INTO idempotency_nonces AS n (nonce, scope_hash, kind)
+             VALUES ($1, '\\x00'::bytea, 'abandoned')
+             ON CONFLICT (nonce) DO UPDATE SET kind = 'abandoned'",
+        )
+        .bind(nonce)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx
+    };
+    // Alone.
+    let abandoning = hold("w8.1").await;
+    let claim = api.spawn_claim_raw(&named("racing", "w8.1", None));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    abandoning.commit().await.unwrap();
+    let answer = claim.await.unwrap();
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    let (status, record) = api.record("racing", "alice").await;
+    assert_eq!(status, 404, "nothing committed: {record}");
+    not_both(&api, "racing", "w8.1").await;
+    // In a group commit's statement, beside a claim that goes through.
+    let abandoning = hold("w8.2").await;
+    let (client, url) = (api.client.clone(), api.url("/v1/claims"));
+    let claims = json!({"claims": [named("batched", "w8.2", None), named("beside", "w8.3", None)]});
+    let batch = tokio::spawn(async move {
+        let r = client
+            .post(url)
+            .bearer_auth(TOKEN)
+            .json(&claims)
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap(),
+        )
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    abandoning.commit().await.unwrap();
+    let (status, body) = batch.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["answers"][0]["status"], 503, "{body}");
+    assert_eq!(body["answers"][1]["status"], 200, "{body}");
+    let (status, record) = api.record("batched", "alice").await;
+    assert_eq!(status, 404, "nothing committed: {record}");
+    not_both(&api, "batched", "w8.2").await;
+    api.shutdown().await;
+}

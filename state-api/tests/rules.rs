@@ -16,6 +16,8 @@ use state_rules::{ClaimOutcome, ClaimTerms, Clock, Fingerprint, Record};
 const ALG: &str = "sha256-jcs-v2";
 const LEASE_MS: u64 = 1_000;
 const RETENTION_MS: u64 = 60_000;
+/// How long a record marked unknown is kept (`--unknown-retention-s`).
+const UNKNOWN_RETENTION_MS: u64 = RETENTION_MS;
 /// How far from now the times of a record lie: far enough that the few milliseconds between
 /// the rules' clock and the statement's never cross one.
 const FAR_MS: i64 = 20_000;
@@ -136,6 +138,7 @@ fn record(s: Start) -> Record<u16> {
         lease_until: rel(offset(s.lease_live)),
         expires_at: rel(if s.expired { -5_000 } else { 2 * FAR_MS }),
         retention_ms: RETENTION_MS,
+        unknown_retention_ms: UNKNOWN_RETENTION_MS,
         unknown_before: s.unknown_before,
         response: (s.state == RecordState::Completed).then_some(201),
         claim_nonce: Some(RECORD_NONCE.into()),
@@ -282,7 +285,7 @@ impl Db {
 
     /// Writes the record at `scope` as it is (times relative to the database's now).
     async fn put(&self, scope: &[u8], s: Start) {
-        sqlx::query("DELETE FROM idempotency_abandoned")
+        sqlx::query("DELETE FROM idempotency_nonces")
             .execute(&self.pool)
             .await
             .unwrap();
@@ -391,7 +394,7 @@ async fn run_store(db: &Db, scope: &[u8; 32], op: Op) -> String {
         } => {
             if abandoned {
                 sqlx::query(
-                    "INSERT INTO idempotency_abandoned (scope_hash, nonce) VALUES ($1, $2)",
+                    "INSERT INTO idempotency_nonces (scope_hash, nonce, kind) VALUES ($1, $2, 'abandoned')",
                 )
                 .bind(&scope[..])
                 .bind(CLAIM_NONCE)
@@ -494,6 +497,7 @@ fn run_rules(slot: &mut Option<Record<u16>>, op: Op) -> String {
                 },
                 lease_ms: LEASE_MS,
                 retention_ms: RETENTION_MS,
+                unknown_retention_ms: UNKNOWN_RETENTION_MS,
                 take_over_unknown: take_over,
                 nonce: Some(CLAIM_NONCE.into()),
                 abandoned,

@@ -6,7 +6,7 @@ use sqlx::{FromRow as _, Row as _};
 
 use contract::wire::{ClaimResponse, StoredResponse};
 
-use super::claim::{claim_cols, decide, ClaimRow, Step};
+use super::claim::{claim_cols, claim_nonce, decide, ClaimRow, Step};
 use super::{ms, NewClaim, Store, StoreError};
 use crate::scope::ScopeHash;
 use crate::sealing::Sealed;
@@ -43,6 +43,14 @@ const WRITE_BATCH_SQL: &str = concat!(
         SELECT i.idx, r.* FROM input i JOIN idempotency_records r ON r.scope_hash = i.previous
         WHERE NOT EXISTS (SELECT 1 FROM idempotency_records c WHERE c.scope_hash = i.scope_hash)
     ),
+    nonce AS (",
+    // One row per nonce (a nonce twice in one call would update its row twice: an error).
+    claim_nonce!(
+        "DISTINCT ON (i.claim_nonce) i.claim_nonce, i.scope_hash",
+        "FROM input i WHERE i.claim_nonce IS NOT NULL AND NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
+        ORDER BY i.claim_nonce"
+    ),
+    "),
     ins AS (
         INSERT INTO idempotency_records
             (scope_hash, subject, endpoint, fingerprint_alg, fingerprint, state, fencing_token,
@@ -56,7 +64,7 @@ const WRITE_BATCH_SQL: &str = concat!(
                i.namespace, i.retention_ms, i.claim_nonce, clock_timestamp(), i.fingerprint_key_id
         FROM input i
         WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.idx = i.idx)
-          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = i.claim_nonce)
+          AND (i.claim_nonce IS NULL OR i.claim_nonce IN (SELECT n.nonce FROM nonce n))
         ORDER BY i.scope_hash
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *

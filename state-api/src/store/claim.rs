@@ -106,6 +106,30 @@ macro_rules! record_of_key {
     };
 }
 
+/// The claim attempt's nonce row, taken (`SELECT $columns` (nonce, scope hash), `$rest`):
+/// returns the nonce where it is the claim's, nothing where the nonce was abandoned.
+/// Every statement that inserts or takes over a record under a nonce writes that record only
+/// if this came back, in the same statement, so the two commit together (issue 46, finding 2).
+/// A concurrent abandon of the nonce (`Store::abandon`) writes the same row: the unique index
+/// makes the later writer wait for the earlier one's commit, and `ON CONFLICT DO UPDATE` then
+/// sees the committed row whatever the statement's snapshot: an abandon committed first makes
+/// this return nothing (the claim writes nothing); a claim committed first is found by the
+/// abandon, which then gives its record back. A row of the claim's own (a retried attempt, a
+/// waiting claim's later look) comes back again.
+macro_rules! claim_nonce {
+    ($columns:literal, $rest:literal) => {
+        concat!(
+            "INSERT INTO idempotency_nonces AS n (nonce, scope_hash, kind) SELECT ",
+            $columns,
+            ", 'claimed' ",
+            $rest,
+            " ON CONFLICT (nonce) DO UPDATE SET kind = 'claimed' WHERE n.kind = 'claimed'
+            RETURNING n.nonce"
+        )
+    };
+}
+pub(super) use claim_nonce;
+
 /// A claim's expiry is `created + lease + retention`, and a complete sets
 /// `GREATEST(expiry, now + retention)`: a record is kept at least its retention after it completes,
 /// and one completed within its lease (nearly all) keeps the claim's expiry, so the complete
@@ -117,9 +141,18 @@ macro_rules! record_of_key {
 /// is INSERTed and committed before the answer. Two concurrent first claims both see no row:
 /// one inserts, the other's `ON CONFLICT DO NOTHING` returns nothing and the statement yields no
 /// row, and `claim()` reads again with a fresh snapshot.
+///
+/// A claim with a nonce takes its nonce's row first ([`claim_nonce!`]) and inserts only if it
+/// got it: it cannot commit beside that nonce's abandon (issue 46, finding 2).
 const CLAIM_SQL: &str = concat!(
     "WITH existing AS (",
     record_of_key!("$1", "$10"),
+    "),
+    nonce AS (",
+    claim_nonce!(
+        "$9, $1",
+        "WHERE $9::text IS NOT NULL AND NOT EXISTS (SELECT 1 FROM existing)"
+    ),
     "),
     ins AS (
         INSERT INTO idempotency_records
@@ -132,7 +165,7 @@ const CLAIM_SQL: &str = concat!(
                clock_timestamp() + ($6::bigint + $7::bigint) * interval '1 millisecond',
                $8, $7, $9, clock_timestamp(), $11
         WHERE NOT EXISTS (SELECT 1 FROM existing)
-          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $9)
+          AND ($9::text IS NULL OR EXISTS (SELECT 1 FROM nonce))
         ON CONFLICT (scope_hash) DO NOTHING
         RETURNING *
     )
@@ -364,8 +397,15 @@ impl Store {
                 // Takes over a record whose outcome is unknown (marked so, or an in_progress one whose lease
                 // ran out) for a claim that asked to: compare-and-set on the observed token, with the database
                 // clock, so of N concurrent takers exactly one matches, and it gets a new, larger token.
+                // The nonce's row first, as in `claim_nonce!` (a macro cannot feed `query!`).
                 let won = self.on_conn(async |conn| sqlx::query_scalar!(
-                    "UPDATE idempotency_records
+                    "WITH nonce AS (
+                        INSERT INTO idempotency_nonces AS n (nonce, scope_hash, kind)
+                        SELECT $5, $6, 'claimed' WHERE $5::text IS NOT NULL
+                        ON CONFLICT (nonce) DO UPDATE SET kind = 'claimed' WHERE n.kind = 'claimed'
+                        RETURNING n.nonce
+                    )
+                    UPDATE idempotency_records
                         SET state = 'in_progress', unknown_before = true, claim_nonce = $5,
                             owner_seen_at = clock_timestamp(),
                             scope_hash = CASE WHEN scope_hash <> $6 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $6) THEN $6 ELSE scope_hash END,
@@ -379,7 +419,7 @@ impl Store {
                             AND lease_expires_at <= clock_timestamp()
                             AND idempotency_serving_since()
                                 <= clock_timestamp() - lease_ms * interval '1 millisecond'))
-                          AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $5)
+                          AND ($5::text IS NULL OR EXISTS (SELECT 1 FROM nonce))
                         RETURNING fencing_token",
                     address,
                     observed,
@@ -398,7 +438,13 @@ impl Store {
             } => {
                 // Reuses a record past its retention as if it were new (compare-and-set on the observed token).
                 let won = self.on_conn(async |conn| sqlx::query_scalar!(
-                    "UPDATE idempotency_records
+                    "WITH nonce AS (
+        INSERT INTO idempotency_nonces AS n (nonce, scope_hash, kind)
+        SELECT $10, $11, 'claimed' WHERE $10::text IS NOT NULL
+        ON CONFLICT (nonce) DO UPDATE SET kind = 'claimed' WHERE n.kind = 'claimed'
+        RETURNING n.nonce
+    )
+    UPDATE idempotency_records
     SET subject = $3, endpoint = $4, fingerprint_alg = $5, fingerprint = $6, fingerprint_key_id = $12,
         state = 'in_progress', unknown_before = false,
         fencing_token = nextval('idempotency_fencing_token_seq'),
@@ -413,7 +459,7 @@ impl Store {
         response_replayable = NULL, response_key_id = NULL
     WHERE scope_hash = $1 AND fencing_token = $2
       AND expires_at <= clock_timestamp() AND state <> 'in_progress'
-      AND NOT EXISTS (SELECT 1 FROM idempotency_abandoned a WHERE a.nonce = $10)
+      AND ($10::text IS NULL OR EXISTS (SELECT 1 FROM nonce))
     RETURNING fencing_token",
                     address,
                     observed,
@@ -510,7 +556,7 @@ impl Store {
         Ok(self
             .on_conn(async |conn| {
                 sqlx::query_scalar!(
-                    "SELECT 1 AS one FROM idempotency_abandoned WHERE nonce = $1",
+                    "SELECT 1 AS one FROM idempotency_nonces WHERE nonce = $1 AND kind = 'abandoned'",
                     nonce
                 )
                 .fetch_optional(conn)

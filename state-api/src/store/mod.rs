@@ -23,7 +23,7 @@ pub use batch::{BatchAnswers, BatchedClaim, CompleteItem};
 pub use claim::NewClaim;
 pub use held::{StallLimit, POOL_SLOTS_BEYOND_THE_STORE};
 pub use pool::{pool, PoolSettings, Readiness, PULSE_EVERY};
-pub use purge::{PurgePass, PURGE_BATCH_GROWTH, PURGE_BATCH_SQL};
+pub use purge::{PurgePass, PURGE_BATCH_GROWTH, PURGE_BATCH_SQL, PURGE_NONCES_SQL};
 pub use records::RecordRow;
 pub use writes::WriteResult;
 

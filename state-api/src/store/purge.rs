@@ -55,7 +55,31 @@ pub const PURGE_BATCH_SQL: &str = r#"WITH due AS (
     )
     SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM marked)"#;
 
+/// One batch of the purge of the nonces' rows (`idempotency_nonces`): `$1` rows at most of
+/// those noted more than ten minutes ago, found through the index on `noted_at` (bounded by
+/// `statement_timestamp()`, as for the records). A claim's row is needed only while an abandon
+/// of it could still come, an abandon's only while its claim could still arrive: seconds.
+pub const PURGE_NONCES_SQL: &str = "DELETE FROM idempotency_nonces WHERE nonce IN (
+        SELECT nonce FROM idempotency_nonces
+        WHERE noted_at < statement_timestamp() - interval '10 minutes'
+        ORDER BY noted_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED)";
+
 impl Store {
+    /// One batch of the nonces' purge ([`PURGE_NONCES_SQL`]): how many rows went.
+    pub async fn purge_nonces(&self, batch: u32) -> Result<u64, StoreError> {
+        let done = self
+            .on_conn(async |conn| {
+                sqlx::query(PURGE_NONCES_SQL)
+                    .bind(i64::from(batch))
+                    .execute(conn)
+                    .await
+            })
+            .await?;
+        Ok(done.rows_affected())
+    }
+
     /// One batch of the purge ([`state_rules::purge::purge`]): expired records with an outcome
     /// are deleted; an in-progress one past its expiry whose owner has been silent for a whole
     /// lease (the lease guard) is marked unknown instead and kept a retention (`retention_ms`
@@ -84,13 +108,16 @@ impl Store {
         retention_ms: i64,
     ) -> Result<PurgePass, StoreError> {
         let started = tokio::time::Instant::now();
-        // Tombstones of abandoned claims outlive any claim that could still arrive by minutes.
-        self.on_conn(async |conn| sqlx::query!(
-            "DELETE FROM idempotency_abandoned WHERE abandoned_at < statement_timestamp() - interval '10 minutes'"
-        )
-        .execute(conn).await)
-        .await?;
         let max = batch.saturating_mul(PURGE_BATCH_GROWTH);
+        // The nonces' rows (every claim of a new key writes one) outlive any claim or abandon
+        // that could still arrive by minutes; deleted in batches too, within the same budget.
+        loop {
+            let n = self.purge_nonces(max.max(1)).await?;
+            if n < u64::from(max.max(1)) || started.elapsed() >= budget {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
         let mut size = batch.max(1);
         let mut pass = PurgePass::default();
         loop {

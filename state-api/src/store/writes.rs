@@ -243,9 +243,15 @@ impl Store {
 
     /// Gives back the record that the claim attempt named `nonce` made or took over, its answer
     /// never having reached the filter ([`state_rules::writes::abandon`]): deleted, or unknown
-    /// again where it was taken over from an earlier attempt whose outcome is unknown. Finding
-    /// nothing (the claim has not got here yet, behind a slow database), it leaves a tombstone
-    /// that keeps that claim attempt from ever committing.
+    /// again where it was taken over from an earlier attempt whose outcome is unknown. The
+    /// nonce's row is marked abandoned first, in the same transaction, so that the attempt, if
+    /// it has not got here yet (behind a slow database), never commits.
+    ///
+    /// Two statements in one transaction (issue 46, finding 2): the first takes the nonce's row
+    /// (waiting, through the unique index, for a claim of that nonce still in flight to commit
+    /// or roll back: `claim_nonce!`); the second, with a snapshot taken after that, finds the
+    /// record such a claim committed and gives it back. One statement could not: a record
+    /// committed during it is not in its snapshot.
     pub async fn abandon(
         &self,
         scope: &ScopeHash,
@@ -253,7 +259,18 @@ impl Store {
         nonce: &str,
         retention_ms: i64,
     ) -> Result<Abandoned, StoreError> {
-        let row = self.on_conn(async |conn| sqlx::query_scalar!(
+        let row = self.on_conn(async |conn| {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            sqlx::query!(
+                "INSERT INTO idempotency_nonces AS n (nonce, scope_hash, kind)
+        VALUES ($1, $2, 'abandoned')
+        ON CONFLICT (nonce) DO UPDATE SET kind = 'abandoned', noted_at = clock_timestamp()",
+                nonce,
+                &scope[..]
+            )
+            .execute(&mut *tx)
+            .await?;
+            let row = sqlx::query_scalar!(
             r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', claim_nonce = NULL, scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
@@ -268,19 +285,18 @@ impl Store {
         WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
           AND NOT unknown_before
         RETURNING 'deleted'::text AS became
-    ), tombstone AS (
-        INSERT INTO idempotency_abandoned (scope_hash, nonce)
-        SELECT $1, $2
-        WHERE NOT EXISTS (SELECT 1 FROM kept) AND NOT EXISTS (SELECT 1 FROM freed)
-        ON CONFLICT DO NOTHING
     )
     SELECT became AS "became!" FROM kept UNION ALL SELECT became FROM freed"#,
-            &scope[..],
-            nonce,
-            retention_ms,
-            &current[..]
-        )
-        .fetch_optional(conn).await)
+                &scope[..],
+                nonce,
+                retention_ms,
+                &current[..]
+            )
+            .fetch_optional(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(row)
+        })
         .await?;
         Ok(match row.as_deref() {
             Some("unknown") => Abandoned::Unknown,
