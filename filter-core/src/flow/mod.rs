@@ -37,6 +37,7 @@ pub(crate) use claim::completed_reply;
 pub use claim::{ClaimAnswer, Remembered};
 pub use request::{RequestHead, MAX_SUBJECT_LEN};
 pub use response::ResponseHead;
+pub use write::UNSTORED;
 
 /// A callout a stream makes (the worker may answer a claim from memory instead, or take a
 /// complete over).

@@ -403,7 +403,6 @@ impl Write {
     }
 }
 
-/// What the log says of a write that will not be stored.
 /// A write's name, for logs.
 fn write_name(write: &Write) -> &'static str {
     match write {
@@ -412,7 +411,9 @@ fn write_name(write: &Write) -> &'static str {
     }
 }
 
-const UNSTORED: &str =
+/// What a log line adds of a write that will not be stored (refused, or its stream gone):
+/// the simulation reads it to know which keys a given-up write leaves held.
+pub const UNSTORED: &str =
     "the key stays held until its lease runs out, and then its outcome is unknown";
 
 fn ended_before_outcome(c: &Claimed) -> Out {

@@ -164,9 +164,11 @@ impl Host for Envoy<'_> {
         if msg.contains("given up")
             || msg.contains("was not stored after")
             || msg.contains("is not sent")
+            || (msg.contains(" refused (") && msg.contains(filter_core::flow::UNSTORED))
         {
-            // A write given up (a complete, a release, an abandon, an unknown mark): the
-            // endpoint it names (its log names no key) is left out of invariant 8.
+            // A write given up (a complete, a release, an abandon, an unknown mark; failed
+            // too often or refused by the state API): the endpoint it names (its log names no
+            // key) is left out of invariant 8.
             let endpoint = msg
                 .find("POST /")
                 .map(|at| msg[at..].split(' ').take(2).collect::<Vec<_>>().join(" "));
