@@ -317,13 +317,23 @@ async fn act(
             'expires_at', to_char(r.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
         ) AS "snapshot!: SqlJson<serde_json::Value>",
         (r.state = 'in_progress' AND r.lease_expires_at > clock_timestamp()) AS "lease_live!",
-        -- The owner's last sign of life (its claim, a heartbeat, its own mark) within a lease:
-        -- its request may still run, whatever the record's state says.
-        (r.state <> 'completed' AND COALESCE(r.owner_seen_at,
-            r.lease_expires_at - r.lease_ms * interval '1 millisecond')
-            + r.lease_ms * interval '1 millisecond' > clock_timestamp()) AS "owner_recent!",
+        -- The owner's last sign of life (its claim, a heartbeat, its own mark) within a lease,
+        -- counting its silence only while the database served (the lease guard, as a claim's
+        -- reclaim and the purge count it: `idempotency_serving_since()`): an owner cut off by
+        -- an outage or a failover may still be running, whatever the record's state says
+        -- (issue 46, finding 4). The CASE asks the function only of an open record.
+        CASE WHEN r.state = 'completed' THEN false
+             ELSE GREATEST(COALESCE(r.owner_seen_at,
+                    r.lease_expires_at - r.lease_ms * interval '1 millisecond'),
+                    idempotency_serving_since())
+                  + r.lease_ms * interval '1 millisecond' > clock_timestamp()
+        END AS "owner_recent!",
         GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (clock_timestamp() - COALESCE(r.owner_seen_at,
             r.lease_expires_at - r.lease_ms * interval '1 millisecond'))) * 1000))::bigint AS "owner_seen_ms_ago!",
+        CASE WHEN r.state = 'completed' THEN NULL
+             ELSE GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (clock_timestamp()
+                    - idempotency_serving_since())) * 1000))::bigint
+        END AS "serving_ms",
         r.lease_ms,
         r.namespace, r.subject, r.endpoint, r.fencing_token
     FROM idempotency_records r WHERE r.scope_hash = $1
@@ -346,8 +356,11 @@ async fn act(
         &a,
         lease_live,
         &before.0,
-        row.owner_seen_ms_ago,
-        row.lease_ms,
+        Silence {
+            owner_seen_ms_ago: row.owner_seen_ms_ago,
+            serving_ms: row.serving_ms,
+            lease_ms: row.lease_ms,
+        },
     )?;
     let after: Option<serde_json::Value> = match (op, stored) {
         (AdminOp::Resolve, Some(r)) => Some(resolve_in(&mut tx, state, &scope, token, &r).await?),
@@ -402,24 +415,39 @@ fn stored_response(
     }
 }
 
-/// An owner heard from within its lease, or a completed record about to be resolved again:
-/// refused unless the operator forces it.
+/// How long a record's owner has been silent, and the database serving (none: the record is
+/// completed), against its lease.
+struct Silence {
+    owner_seen_ms_ago: i64,
+    serving_ms: Option<i64>,
+    lease_ms: i64,
+}
+
+/// An owner heard from within its lease (or not silent a whole lease while the database
+/// served), or a completed record about to be resolved again: refused unless the operator
+/// forces it.
 fn refuse_unless_forced(
     op: AdminOp,
     a: &AdminAction,
     lease_live: bool,
     before: &serde_json::Value,
-    owner_seen_ms_ago: i64,
-    lease_ms: i64,
+    silence: Silence,
 ) -> Result<(), ApiError> {
     if lease_live && !a.force {
-        return Err(ApiError::new(
-            ProblemKind::LeaseLive,
-            format!(
-                "the record's owner was heard from {} ms ago, within its lease of {} ms: its request may still be running: wait, or pass force",
-                owner_seen_ms_ago, lease_ms
+        let Silence {
+            owner_seen_ms_ago,
+            serving_ms,
+            lease_ms,
+        } = silence;
+        let detail = match serving_ms {
+            Some(serving) if serving < owner_seen_ms_ago => format!(
+                "the record's owner was heard from {owner_seen_ms_ago} ms ago, but the database has served only {serving} ms since it came back, less than the lease of {lease_ms} ms: the owner may not have been able to reach it and its request may still be running: wait, or pass force"
             ),
-        ));
+            _ => format!(
+                "the record's owner was heard from {owner_seen_ms_ago} ms ago, within its lease of {lease_ms} ms: its request may still be running: wait, or pass force"
+            ),
+        };
+        return Err(ApiError::new(ProblemKind::LeaseLive, detail));
     }
     if op == AdminOp::Resolve && before["state"] == "completed" && !a.force {
         return Err(ApiError::new(
