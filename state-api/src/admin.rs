@@ -335,7 +335,7 @@ async fn act(
                     - idempotency_serving_since())) * 1000))::bigint
         END AS "serving_ms",
         r.lease_ms,
-        r.namespace, r.subject, r.endpoint, r.fencing_token
+        r.namespace, r.subject, r.endpoint
     FROM idempotency_records r WHERE r.scope_hash = $1
     FOR UPDATE"#,
         &scope[..]
@@ -349,8 +349,7 @@ async fn act(
         ));
     };
     let (before, lease_live) = (row.snapshot, row.lease_live || row.owner_recent);
-    let (namespace, subject, endpoint, token) =
-        (row.namespace, row.subject, row.endpoint, row.fencing_token);
+    let (namespace, subject, endpoint) = (row.namespace, row.subject, row.endpoint);
     refuse_unless_forced(
         op,
         &a,
@@ -363,7 +362,7 @@ async fn act(
         },
     )?;
     let after: Option<serde_json::Value> = match (op, stored) {
-        (AdminOp::Resolve, Some(r)) => Some(resolve_in(&mut tx, state, &scope, token, &r).await?),
+        (AdminOp::Resolve, Some(r)) => Some(resolve_in(&mut tx, state, &scope, &r).await?),
         _ => {
             delete_in(&mut tx, &scope).await?;
             None
@@ -458,19 +457,27 @@ fn refuse_unless_forced(
     Ok(())
 }
 
-/// Stores the operator's outcome on the locked record (sealed like an owner's complete) and
-/// returns the record as it is now.
+/// Stores the operator's outcome on the locked record (sealed like an owner's complete) under
+/// a new fencing token ([`state_rules::operator::resolve`]) and returns the record as it is
+/// now. The new token fences the owner out: if its request was still running after all, its
+/// late complete is answered 409 fenced-out (nothing stored, nothing for its worker to cache
+/// and replay beside the operator's outcome), not "already done" (issue 46, finding 5).
 async fn resolve_in(
     conn: &mut sqlx::PgConnection,
     state: &AppState,
     scope: &ScopeHash,
-    token: i64,
     r: &StoredResponse,
 ) -> Result<serde_json::Value, ApiError> {
+    let token =
+        sqlx::query_scalar!(r#"SELECT nextval('idempotency_fencing_token_seq') AS "token!""#)
+            .fetch_one(&mut *conn)
+            .await?;
+    // Sealed under the token it is stored with.
     let sealed = state.store().sealer().seal(&scope[..], token, r);
     sqlx::query!(
         "UPDATE idempotency_records
-                SET state = 'completed',
+                SET state = 'completed', fencing_token = $8, claim_nonce = NULL,
+                    lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
                     response_status = $2, response_headers = $3, response_body = $4,
                     response_replayable = $5, response_key_id = $7,
                     completed_at = clock_timestamp(),
@@ -483,7 +490,8 @@ async fn resolve_in(
         &sealed.body[..],
         r.replayable,
         state.config().retention_ms(),
-        sealed.key_id
+        sealed.key_id,
+        token
     )
     .execute(&mut *conn)
     .await?;

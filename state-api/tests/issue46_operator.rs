@@ -1,5 +1,7 @@
 //! Issue 46's operator findings in the state API against a real Postgres: the operator's guard
-//! counts an owner's silence only while the database served (the lease guard, finding 4).
+//! counts an owner's silence only while the database served (the lease guard, finding 4), and
+//! an operator's resolve takes a new fencing token (the owner's late complete is fenced out,
+//! not "already done", finding 5).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -7,8 +9,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use contract::admin::{AdminAction, ADMIN_RELEASE_PATH};
-use contract::wire::ClaimResponse;
+use contract::admin::{AdminAction, ADMIN_RELEASE_PATH, ADMIN_RESOLVE_PATH};
+use contract::wire::{ClaimResponse, StoredResponse, COMPLETE_PATH};
 use serde_json::Value;
 
 const ADMIN: &str = "admin-token-0123456789";
@@ -82,5 +84,56 @@ async fn an_operator_release_counts_the_owners_silence_only_while_the_database_s
     )
     .await;
     assert_eq!(s, 200, "{b}");
+    api.shutdown().await;
+}
+
+/// Finding 5: an operator's resolve gives the record a new fencing token, so the owner that
+/// was still running after all is fenced out (409) when its complete arrives late, instead of
+/// being told "already done" (and caching its own response beside the operator's); the
+/// operator's outcome is what every retry replays.
+#[tokio::test]
+async fn an_operator_resolve_takes_a_new_token_and_fences_the_late_owner_out() {
+    let api = Api::start(&["--admin-token", ADMIN]).await;
+    let owner = token_of(&api.claim("resolved", &fp(2), Some(60_000)).await);
+    let resolve = AdminAction {
+        force: true,
+        response: Some(StoredResponse::new(
+            201,
+            vec![("content-type".into(), "application/json".into())],
+            b"{\"id\":\"ch_operator\"}",
+            true,
+        )),
+        ..action("resolved", "charged per PSP dashboard")
+    };
+    let (s, b) = admin_post(&api, ADMIN_RESOLVE_PATH, &resolve).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["before"]["token"].as_i64(), Some(owner), "{b}");
+    let after = b["after"]["token"].as_i64().unwrap();
+
+    // The owner's late complete (its own, different response).
+    let late = StoredResponse::new(
+        201,
+        vec![("content-type".into(), "application/json".into())],
+        b"{\"id\":\"ch_owner\"}",
+        true,
+    );
+    let (s, b, _) = api
+        .post(COMPLETE_PATH, &complete_body("resolved", owner, &late))
+        .await;
+    assert_problem(s, &b, 409, "fenced-out");
+    assert!(after > owner, "the resolve kept the owner's token");
+    // Its heartbeat too.
+    let (s, b, _) = api
+        .post("/v1/heartbeat", &fenced_body("resolved", owner))
+        .await;
+    assert_problem(s, &b, 409, "fenced-out");
+    // A retry replays the operator's outcome, under the new token.
+    let ClaimResponse::Completed { response, .. } = api.claim("resolved", &fp(2), None).await
+    else {
+        panic!("a replay")
+    };
+    assert_eq!(response.body, b"{\"id\":\"ch_operator\"}");
+    let (_, view) = api.record("resolved", "alice").await;
+    assert_eq!(view["token"].as_i64(), Some(after), "{view}");
     api.shutdown().await;
 }
