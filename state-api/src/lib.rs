@@ -137,6 +137,7 @@ impl AppState {
                 after: config.db_stall(),
                 given_up: metrics.db_connections_given_up(),
             },
+            config.unknown_retention_ms(),
         );
         let batcher = Batcher::new(store.clone(), metrics.clone(), config.batch_limits());
         Ok(Self {

@@ -64,10 +64,20 @@ async fn an_owner_still_running_past_its_retention_keeps_its_key() {
 }
 
 /// The purge marks an in-progress record past its expiry whose owner has been silent for a
-/// lease (nobody knows whether it ran) instead of deleting it; it deletes it a retention later.
+/// lease (nobody knows whether it ran) instead of deleting it; it deletes it once the unknown
+/// horizon (`--unknown-retention-s`, here 2 s; never less than the retention) has passed since
+/// the mark, not a mere retention later (issue 46, finding 8).
 #[tokio::test]
 async fn the_purge_marks_an_abandoned_claim_unknown_before_it_deletes_it() {
-    let api = Api::start(&["--purge-interval-s", "0"]).await;
+    let api = Api::start(&[
+        "--purge-interval-s",
+        "0",
+        "--retention-s",
+        "1",
+        "--unknown-retention-s",
+        "2",
+    ])
+    .await;
     let claim = ClaimRequest {
         retention_s: Some(1),
         ..claim_req("abandoned", "alice", &fp(2), Some(1_000))
@@ -82,13 +92,21 @@ async fn the_purge_marks_an_abandoned_claim_unknown_before_it_deletes_it() {
         .unwrap();
     assert_eq!(pass.rows, 1, "{pass:?}");
     assert_eq!(api.claim_with(&claim).await, ClaimResponse::Unknown);
-    // Within a retention of the mark the unknown outcome is held; after it, it goes.
+    // Within the unknown horizon of the mark the unknown outcome is held, past the record's
+    // retention too; after it, it goes.
     let pass = store
         .purge_expired(10, Duration::from_secs(5), 1_000)
         .await
         .unwrap();
     assert_eq!(pass.rows, 0, "{pass:?}");
     tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let pass = store
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(pass.rows, 0, "deleted a retention after the mark: {pass:?}");
+    assert_eq!(api.claim_with(&claim).await, ClaimResponse::Unknown);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
     let pass = store
         .purge_expired(10, Duration::from_secs(5), 1_000)
         .await
@@ -126,14 +144,14 @@ async fn the_purge_reads_only_what_is_due_through_the_expiry_index() {
     }
     let mut conn = api.state.store().pool().acquire().await.unwrap();
     sqlx::raw_sql(&format!(
-        "PREPARE purge_batch(bigint, bigint) AS {}",
+        "PREPARE purge_batch(bigint, bigint, bigint) AS {}",
         state_api::store::PURGE_BATCH_SQL
     ))
     .execute(&mut *conn)
     .await
     .unwrap();
     let plan: Vec<String> =
-        sqlx::raw_sql("EXPLAIN (ANALYZE, COSTS OFF) EXECUTE purge_batch(500, 1000)")
+        sqlx::raw_sql("EXPLAIN (ANALYZE, COSTS OFF) EXECUTE purge_batch(500, 1000, 2000)")
             .fetch_all(&mut *conn)
             .await
             .unwrap()

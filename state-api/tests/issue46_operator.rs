@@ -1,7 +1,8 @@
-//! Issue 46's operator findings in the state API against a real Postgres: the operator's guard
-//! counts an owner's silence only while the database served (the lease guard, finding 4), and
-//! an operator's resolve takes a new fencing token (the owner's late complete is fenced out,
-//! not "already done", finding 5).
+//! Issue 46, findings 4, 5 and 8, in the state API against a real Postgres: the operator's
+//! guard counts an owner's silence only while the database served (the lease guard), an
+//! operator's resolve takes a new fencing token (the owner's late complete is fenced out, not
+//! "already done"), and an unknown outcome is kept a horizon of its own
+//! (`--unknown-retention-s`), never a new key once a mere retention has passed.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use contract::admin::{AdminAction, ADMIN_RELEASE_PATH, ADMIN_RESOLVE_PATH};
-use contract::wire::{ClaimResponse, StoredResponse, COMPLETE_PATH};
+use contract::wire::{ClaimRequest, ClaimResponse, StoredResponse, COMPLETE_PATH};
 use serde_json::Value;
 
 const ADMIN: &str = "admin-token-0123456789";
@@ -135,5 +136,101 @@ async fn an_operator_resolve_takes_a_new_token_and_fences_the_late_owner_out() {
     assert_eq!(response.body, b"{\"id\":\"ch_operator\"}");
     let (_, view) = api.record("resolved", "alice").await;
     assert_eq!(view["token"].as_i64(), Some(after), "{view}");
+    api.shutdown().await;
+}
+
+/// Finding 8: an unknown outcome (its owner lost sight of its request) is kept for the unknown
+/// horizon (`--unknown-retention-s`, 7 days by default), not the record's retention: past the
+/// retention a claim still answers unknown, and the purge keeps it.
+#[tokio::test]
+async fn an_unknown_outcome_outlives_the_retention() {
+    let api = Api::start(&[]).await;
+    let claim = ClaimRequest {
+        retention_s: Some(1),
+        ..claim_req("unknown-long", "alice", &fp(3), Some(1_000))
+    };
+    let token = token_of(&api.claim_with(&claim).await);
+    let (s, b, _) = api
+        .post("/v1/unknown", &fenced_body("unknown-long", token))
+        .await;
+    assert_eq!(s, 200, "{b}");
+    // Past claim + lease + retention, and a retention past the mark.
+    tokio::time::sleep(Duration::from_millis(2_300)).await;
+    let pass = api
+        .state
+        .store()
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        pass.rows, 0,
+        "the purge deleted an unknown outcome: {pass:?}"
+    );
+    let again = api.claim_with(&claim).await;
+    assert_eq!(
+        again,
+        ClaimResponse::Unknown,
+        "an unknown outcome became a new key after its retention"
+    );
+    // Kept about the default horizon (7 days) from the mark.
+    let expires: f64 = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8
+         FROM idempotency_records WHERE state = 'unknown'",
+    )
+    .fetch_one(api.state.store().pool())
+    .await
+    .unwrap();
+    assert!(
+        (604_700.0..=604_800.0).contains(&expires),
+        "expires in {expires} s"
+    );
+    api.shutdown().await;
+}
+
+/// Finding 8, by the purge: an in-progress record past its expiry whose owner went silent is
+/// marked unknown and kept the unknown horizon, not deleted a retention later.
+#[tokio::test]
+async fn the_purge_marks_an_abandoned_claim_unknown_for_the_unknown_horizon() {
+    let api = Api::start(&[]).await;
+    let claim = ClaimRequest {
+        retention_s: Some(1),
+        ..claim_req("silent", "alice", &fp(4), Some(1_000))
+    };
+    token_of(&api.claim_with(&claim).await);
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let store = api.state.store();
+    let pass = store
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(pass.rows, 1, "marked: {pass:?}");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let pass = store
+        .purge_expired(10, Duration::from_secs(5), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(pass.rows, 0, "deleted a retention after the mark: {pass:?}");
+    assert_eq!(api.claim_with(&claim).await, ClaimResponse::Unknown);
+    api.shutdown().await;
+}
+
+/// Finding 8, by a claim: a claim that holds unknown outcomes and finds a lease run out marks
+/// the record unknown for the unknown horizon.
+#[tokio::test]
+async fn a_claim_marks_a_run_out_lease_unknown_for_the_unknown_horizon() {
+    let api = Api::start(&[]).await;
+    let claim = ClaimRequest {
+        retention_s: Some(1),
+        ..claim_req("run-out", "alice", &fp(5), Some(1_000))
+    };
+    token_of(&api.claim_with(&claim).await);
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert_eq!(api.claim_with(&claim).await, ClaimResponse::Unknown);
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    assert_eq!(
+        api.claim_with(&claim).await,
+        ClaimResponse::Unknown,
+        "a run-out lease became a new key a retention after the claim marked it"
+    );
     api.shutdown().await;
 }

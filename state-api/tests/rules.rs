@@ -16,8 +16,9 @@ use state_rules::{ClaimOutcome, ClaimTerms, Clock, Fingerprint, Record};
 const ALG: &str = "sha256-jcs-v2";
 const LEASE_MS: u64 = 1_000;
 const RETENTION_MS: u64 = 60_000;
-/// How long a record marked unknown is kept (`--unknown-retention-s`).
-const UNKNOWN_RETENTION_MS: u64 = RETENTION_MS;
+/// How long a record marked unknown is kept (`--unknown-retention-s`): longer than the
+/// retention, so that the cases tell the two apart (issue 46, finding 8).
+const UNKNOWN_RETENTION_MS: u64 = 2 * RETENTION_MS;
 /// How far from now the times of a record lie: far enough that the few milliseconds between
 /// the rules' clock and the statement's never cross one.
 const FAR_MS: i64 = 20_000;
@@ -264,6 +265,7 @@ impl Db {
                 after: Duration::from_secs(10),
                 given_up: Default::default(),
             },
+            UNKNOWN_RETENTION_MS as i64,
         );
         store.migrate().await.unwrap();
         // New tokens never equal the records' own (7) or a stranger's (1,007).

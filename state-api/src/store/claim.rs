@@ -480,13 +480,13 @@ impl Store {
             }
             Decision::MarkUnknown { observed } => {
                 // An in_progress record whose lease ran out is unknown: marks it so (compare-and-set on the
-                // observed token) for a claim that holds unknown outcomes.
+                // observed token) for a claim that holds unknown outcomes, kept the unknown horizon ($5).
                 let marked = self.on_conn(async |conn| sqlx::query_scalar!(
                     "UPDATE idempotency_records SET state = 'unknown',
                             scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
                             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
                             expires_at = GREATEST(expires_at, clock_timestamp()
-                                + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
+                                + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
                         WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
                           AND lease_expires_at <= clock_timestamp()
                           AND idempotency_serving_since()
@@ -495,7 +495,8 @@ impl Store {
                     address,
                     observed,
                     c.retention_ms,
-                    &c.scope[..]
+                    &c.scope[..],
+                    self.unknown_retention_ms
                 )
                 .fetch_optional(conn).await)
                 .await?;

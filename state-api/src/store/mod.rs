@@ -123,15 +123,20 @@ pub struct Store {
     pool: PgPool,
     held: Arc<held::Held>,
     sealer: Arc<Sealer>,
+    /// How long a record marked unknown is kept from the mark (ms; `--unknown-retention-s`):
+    /// every statement that marks one sets its expiry at least this far ahead.
+    unknown_retention_ms: i64,
 }
 
 impl Store {
-    /// The store over `pool` (made by [`pool`] with the same `settings`).
+    /// The store over `pool` (made by [`pool`] with the same `settings`); a record marked
+    /// unknown is kept `unknown_retention_ms` from the mark (at least its own retention).
     pub fn new(
         pool: PgPool,
         settings: &PoolSettings,
         sealer: Arc<Sealer>,
         stall: StallLimit,
+        unknown_retention_ms: i64,
     ) -> Self {
         Self {
             pool,
@@ -142,7 +147,13 @@ impl Store {
                 stall,
             ),
             sealer,
+            unknown_retention_ms,
         }
+    }
+
+    /// How long a record marked unknown is kept from the mark (ms).
+    pub fn unknown_retention_ms(&self) -> i64 {
+        self.unknown_retention_ms
     }
 
     /// Connections in the pool (the store's, in use or held idle, and the pool's own), and

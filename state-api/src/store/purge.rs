@@ -18,7 +18,8 @@ pub const PURGE_BATCH_GROWTH: u32 = 16;
 /// A purge statement faster than this lets the next one grow.
 const PURGE_FAST_STATEMENT: Duration = Duration::from_millis(50);
 
-/// One batch of the purge: `$1` rows at most, `$2` the retention (ms) of a record marked unknown.
+/// One batch of the purge: `$1` rows at most, `$2` the retention (ms) of a record without its
+/// own, `$3` how long a record marked unknown is kept (`--unknown-retention-s`, ms).
 ///
 /// Due rows are found through the expiry index, whose condition must be one Postgres can take as
 /// the index's bound: `statement_timestamp()` (stable within the statement), not
@@ -30,6 +31,10 @@ const PURGE_FAST_STATEMENT: Duration = Duration::from_millis(50);
 /// condition on a row a concurrent write just renewed (its new expiry is past the statement's
 /// start), and skips rows being written right now. The CASE fixes the order: the lease guard's
 /// function is asked only of an in-progress row past its lease.
+///
+/// A row it marks unknown is kept the unknown horizon from now (at least its retention): an
+/// unknown outcome is due only then, so until then a claim answers it `unknown` and no pass
+/// deletes it (issue 46, finding 8).
 pub const PURGE_BATCH_SQL: &str = r#"WITH due AS (
         SELECT scope_hash, state FROM idempotency_records
         WHERE expires_at < statement_timestamp()
@@ -48,7 +53,8 @@ pub const PURGE_BATCH_SQL: &str = r#"WITH due AS (
         UPDATE idempotency_records r
         SET state = 'unknown',
             lease_expires_at = LEAST(r.lease_expires_at, clock_timestamp()),
-            expires_at = clock_timestamp() + COALESCE(r.retention_ms, $2::bigint) * interval '1 millisecond'
+            expires_at = GREATEST(r.expires_at, clock_timestamp()
+                + GREATEST(COALESCE(r.retention_ms, $2::bigint), $3::bigint) * interval '1 millisecond')
         FROM due d
         WHERE r.scope_hash = d.scope_hash AND d.state = 'in_progress'
         RETURNING 1
@@ -82,14 +88,16 @@ impl Store {
 
     /// One batch of the purge ([`state_rules::purge::purge`]): expired records with an outcome
     /// are deleted; an in-progress one past its expiry whose owner has been silent for a whole
-    /// lease (the lease guard) is marked unknown instead and kept a retention (`retention_ms`
-    /// unless it has its own), since nobody knows whether it ran. Returns how many of each.
+    /// lease (the lease guard) is marked unknown instead and kept the unknown horizon (or its
+    /// retention, `retention_ms` unless it has its own, when longer), since nobody knows
+    /// whether it ran. Returns how many of each.
     pub async fn purge_batch(&self, batch: u32, retention_ms: i64) -> Result<u64, StoreError> {
         let rows: i64 = self
             .on_conn(async |conn| {
                 sqlx::query_scalar(PURGE_BATCH_SQL)
                     .bind(i64::from(batch))
                     .bind(retention_ms)
+                    .bind(self.unknown_retention_ms)
                     .fetch_one(conn)
                     .await
             })

@@ -178,19 +178,21 @@ impl Store {
         retention_ms: i64,
     ) -> Result<Option<bool>, StoreError> {
         // The owner lost sight of its forwarded request (`/v1/unknown`), fenced by its token. The
-        // lease ends now: nothing heartbeats it any more; the retention counts from the mark.
+        // lease ends now: nothing heartbeats it any more; it is kept the unknown horizon ($5, at
+        // least its retention) from the mark (issue 46, finding 8).
         let marked = self.on_conn(async |conn| sqlx::query_scalar!(
             "UPDATE idempotency_records
     SET state = 'unknown', owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
         expires_at = GREATEST(expires_at, clock_timestamp()
-            + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
+            + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
     WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING fencing_token",
             &scope[..],
             token,
             retention_ms,
-            &current[..]
+            &current[..],
+            self.unknown_retention_ms
         )
         .fetch_optional(conn).await)
         .await?;
@@ -212,14 +214,15 @@ impl Store {
         retention_ms: i64,
     ) -> Result<bool, StoreError> {
         // Gives the key back: deleted, unless an earlier attempt's outcome is unknown (this owner took
-        // it over): then it is unknown again, since only this owner's attempt certainly did not run.
+        // it over): then it is unknown again, since only this owner's attempt certainly did not run,
+        // and kept the unknown horizon ($5) from now.
         let row = self.on_conn(async |conn| sqlx::query_scalar!(
             r#"WITH kept AS (
         UPDATE idempotency_records
         SET state = 'unknown', lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
             owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
             expires_at = GREATEST(expires_at, clock_timestamp()
-                + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
+                + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
         WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
           AND unknown_before
         RETURNING fencing_token
@@ -234,7 +237,8 @@ impl Store {
             &scope[..],
             token,
             retention_ms,
-            &current[..]
+            &current[..],
+            self.unknown_retention_ms
         )
         .fetch_optional(conn).await)
         .await?;
@@ -243,7 +247,8 @@ impl Store {
 
     /// Gives back the record that the claim attempt named `nonce` made or took over, its answer
     /// never having reached the filter ([`state_rules::writes::abandon`]): deleted, or unknown
-    /// again where it was taken over from an earlier attempt whose outcome is unknown. The
+    /// again (kept the unknown horizon) where it was taken over from an earlier attempt whose
+    /// outcome is unknown. The
     /// nonce's row is marked abandoned first, in the same transaction, so that the attempt, if
     /// it has not got here yet (behind a slow database), never commits.
     ///
@@ -276,7 +281,7 @@ impl Store {
         SET state = 'unknown', claim_nonce = NULL, scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
             expires_at = GREATEST(expires_at, clock_timestamp()
-                + COALESCE(retention_ms, $3::bigint) * interval '1 millisecond')
+                + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
         WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
           AND unknown_before
         RETURNING 'unknown'::text AS became
@@ -290,7 +295,8 @@ impl Store {
                 &scope[..],
                 nonce,
                 retention_ms,
-                &current[..]
+                &current[..],
+                self.unknown_retention_ms
             )
             .fetch_optional(&mut *tx)
             .await?;
