@@ -10,7 +10,13 @@
 //! path of a prefix route, or another body once the edge reused the key's record past its
 //! retention) are two requests, each executed once, neither ever answered with the other's
 //! outcome. The edge's tokens for one request all come from its record, so they order that
-//! request's attempts; another request's tokens say nothing about it.
+//! request's attempts. One rule more holds per record address (endpoint, subject and key: the
+//! edge's record of the key): a token lower than one already seen at the address is refused,
+//! whatever its body. Every token of an address comes from its record, whose tokens only grow
+//! (a new owner, a reuse, an operator's release and the next claim), so a lower one is an
+//! earlier owner's late orphan (issue 46: an operator released a record whose Envoy had died
+//! with its request on the wire; another body under the key ran with token 2, then the orphan
+//! arrived with token 1 and would have run too).
 //!
 //! Fencing tokens *order* attempts; they do not deduplicate them. So, for an attempt that
 //! carries a token:
@@ -126,6 +132,26 @@ pub enum Reconciled {
     CannotTell,
 }
 
+/// A record address: a request's scope without its fingerprint.
+type Address = (String, String, String);
+
+fn address_of(scope: &Scope) -> Address {
+    (
+        scope.endpoint.clone(),
+        scope.subject.clone(),
+        scope.key.clone(),
+    )
+}
+
+/// What the record holds of one record address.
+#[derive(Debug, Default)]
+struct AtAddress {
+    /// The highest token seen at the address (an attempt let start, a reconcile's fence).
+    highest: i64,
+    /// Requests of the address in the record: forgotten with the last of them.
+    requests: usize,
+}
+
 #[derive(Debug, Default)]
 struct OfRequest {
     /// Attempts with a token lower than this are refused.
@@ -154,6 +180,7 @@ pub struct Attempts {
     next_id: u64,
     by_id: HashMap<u64, Attempt>,
     by_scope: HashMap<Scope, OfRequest>,
+    by_address: HashMap<Address, AtAddress>,
     /// Requests in the order of their latest attempt or reconcile (each with its
     /// [`OfRequest::touched`]): the least recent is forgotten first.
     order: VecDeque<(Scope, u64)>,
@@ -205,6 +232,7 @@ impl Attempts {
             next_id: 0,
             by_id: HashMap::new(),
             by_scope: HashMap::new(),
+            by_address: HashMap::new(),
             order: VecDeque::new(),
             touches: 0,
             max_requests: max_requests.max(1),
@@ -234,6 +262,12 @@ impl Attempts {
     fn touch(&mut self, scope: Scope) -> &mut OfRequest {
         self.touches += 1;
         self.order.push_back((scope.clone(), self.touches));
+        if !self.by_scope.contains_key(&scope) {
+            self.by_address
+                .entry(address_of(&scope))
+                .or_default()
+                .requests += 1;
+        }
         let of = self.by_scope.entry(scope).or_default();
         of.touched = self.touches;
         of
@@ -266,13 +300,24 @@ impl Attempts {
                 continue;
             }
             let fence = self.by_scope.remove(&scope).map_or(0, |of| of.fence);
+            // The address's highest token goes into what the record forgot with its last
+            // request.
+            let address = address_of(&scope);
+            let mut address_highest = 0;
+            if let Some(at) = self.by_address.get_mut(&address) {
+                at.requests = at.requests.saturating_sub(1);
+                if at.requests == 0 {
+                    address_highest = at.highest;
+                    self.by_address.remove(&address);
+                }
+            }
             let tokens = ids
                 .iter()
                 .filter_map(|id| self.by_id.remove(id))
                 .filter_map(|a| a.fencing_token);
             self.forgotten.requests += 1;
             self.forgotten.highest_token = tokens
-                .chain([fence, self.forgotten.highest_token])
+                .chain([fence, address_highest, self.forgotten.highest_token])
                 .max()
                 .unwrap_or(0);
         }
@@ -308,7 +353,11 @@ impl Attempts {
 
     /// Whether `token` is refused for `scope` (ignoring attempt `except`).
     fn refusal(&self, scope: &Scope, token: i64, except: Option<u64>) -> Option<Refusal> {
-        let seen = self.highest_seen(scope, except);
+        let at_address = self
+            .by_address
+            .get(&address_of(scope))
+            .map_or(0, |at| at.highest);
+        let seen = self.highest_seen(scope, except).max(at_address);
         if token < seen {
             return Some(Refusal::Stale { seen });
         }
@@ -369,9 +418,13 @@ impl Attempts {
                 due: now + expected,
             },
         );
+        let address = address_of(&scope);
         let of = self.touch(scope);
         of.attempts.push(id);
         of.partial |= forgotten_refusal.is_some();
+        if let (Some(t), false) = (token, matches!(started, Started::Refused(_))) {
+            self.raise_address(address, t);
+        }
         self.forget_over_limit();
         (id, started)
     }
@@ -463,10 +516,18 @@ impl Attempts {
                 retry_after: left.max(Duration::from_secs(1)),
             };
         }
+        let address = address_of(&scope);
         let of = self.touch(scope);
         of.fence = of.fence.max(token);
+        self.raise_address(address, token);
         self.forget_over_limit();
         Reconciled::NotExecuted
+    }
+
+    /// The address has seen `token` (after [`Attempts::touch`] recorded its request).
+    fn raise_address(&mut self, address: Address, token: i64) {
+        let at = self.by_address.entry(address).or_default();
+        at.highest = at.highest.max(token);
     }
 
     /// Every attempt, oldest first.

@@ -252,8 +252,8 @@ fn the_reconcile_answers_about_the_asked_request_only_and_names_its_attempt() {
         "another endpoint's request never ran"
     );
     assert_eq!(a.reconcile(first.clone(), 10), executed(3, produced(1)));
-    // The fence it raised is the asked request's: the first request's attempts are not
-    // refused by another request's reconcile.
+    // The fence it raised holds at the record address (issue 46): a lower token there is an
+    // earlier owner's late orphan, whichever body it carries; nothing runs for either.
     let (_, late) = a.start(
         "charge",
         request("k", "POST /checkout", "fp-900"),
@@ -261,8 +261,12 @@ fn the_reconcile_answers_about_the_asked_request_only_and_names_its_attempt() {
         Duration::ZERO,
     );
     assert_eq!(late, Started::Refused(Refusal::Stale { seen: 8 }));
-    let (_, replayed) = a.start("charge", first, Some(4), Duration::ZERO);
+    let (_, orphan) = a.start("charge", first.clone(), Some(4), Duration::ZERO);
+    assert_eq!(orphan, Started::Refused(Refusal::Stale { seen: 8 }));
+    // A newer attempt of the first request gets its execution.
+    let (_, replayed) = a.start("charge", first, Some(11), Duration::ZERO);
     assert_eq!(replayed, Started::AlreadyExecuted(produced(1)));
+    assert_eq!(charges, 1);
 }
 
 #[test]
@@ -348,4 +352,103 @@ fn a_running_attempt_is_not_forgotten() {
     a.start("charge", scope("k3"), Some(3), Duration::ZERO);
     assert_eq!(a.requests(), 1);
     assert_eq!(a.forgotten().requests, 2);
+}
+
+#[test]
+fn a_lower_token_at_the_same_record_address_is_refused_whatever_its_body() {
+    // Issue 46: token 1's request (one body) was on the wire when its Envoy died; an operator
+    // released the record, another body under the key ran with token 2; then the orphan came.
+    let mut a = Attempts::default();
+    let mut charges = 0;
+    let (newer, ok) = a.start(
+        "charge",
+        request("k", "POST /checkout", "fp-b"),
+        Some(2),
+        Duration::ZERO,
+    );
+    assert_eq!(ok, Started::Run);
+    assert_eq!(
+        commit(&mut a, newer, &mut charges),
+        Committed::Ran(produced(1))
+    );
+    let (_, orphan) = a.start(
+        "charge",
+        request("k", "POST /checkout", "fp-a"),
+        Some(1),
+        Duration::ZERO,
+    );
+    assert_eq!(orphan, Started::Refused(Refusal::Stale { seen: 2 }));
+    // At the commit too: the orphan started first, the newer one of another body after it.
+    let (late, ok) = a.start(
+        "charge",
+        request("j", "POST /checkout", "fp-a"),
+        Some(3),
+        Duration::ZERO,
+    );
+    assert_eq!(ok, Started::Run);
+    let (_, ok) = a.start(
+        "charge",
+        request("j", "POST /checkout", "fp-b"),
+        Some(4),
+        Duration::ZERO,
+    );
+    assert_eq!(ok, Started::Run);
+    assert_eq!(
+        commit(&mut a, late, &mut charges),
+        Committed::Refused(Refusal::Stale { seen: 4 })
+    );
+    // Another address (endpoint or subject) is another record: its tokens say nothing.
+    let (_, ok) = a.start(
+        "refund",
+        request("k", "POST /refunds", "fp-a"),
+        Some(1),
+        Duration::ZERO,
+    );
+    assert_eq!(ok, Started::Run);
+    assert_eq!(charges, 1);
+}
+
+#[test]
+fn a_not_executed_reconcile_fences_the_whole_address() {
+    let mut a = Attempts::default();
+    assert_eq!(
+        a.reconcile(request("k", "POST /checkout", "fp-b"), 5),
+        Reconciled::NotExecuted
+    );
+    let (_, orphan) = a.start(
+        "charge",
+        request("k", "POST /checkout", "fp-a"),
+        Some(3),
+        Duration::ZERO,
+    );
+    assert_eq!(orphan, Started::Refused(Refusal::Stale { seen: 5 }));
+}
+
+#[test]
+fn an_address_s_highest_token_is_forgotten_with_its_last_request_into_what_was_forgotten() {
+    let mut a = Attempts::with_limit(1);
+    let mut charges = 0;
+    let (id, _) = a.start(
+        "charge",
+        request("k", "POST /checkout", "fp-b"),
+        Some(7),
+        Duration::ZERO,
+    );
+    commit(&mut a, id, &mut charges);
+    let (id, _) = a.start(
+        "charge",
+        request("other", "POST /checkout", "fp-x"),
+        Some(8),
+        Duration::ZERO,
+    );
+    commit(&mut a, id, &mut charges);
+    assert_eq!(a.requests(), 1);
+    assert!(a.by_address.len() <= 1, "the forgotten address went");
+    let (_, orphan) = a.start(
+        "charge",
+        request("k", "POST /checkout", "fp-a"),
+        Some(6),
+        Duration::ZERO,
+    );
+    assert!(matches!(orphan, Started::Refused(Refusal::Stale { .. })));
 }
