@@ -15,10 +15,6 @@ pub const MAX_RETENTION_S: u64 = 10 * 365 * 86_400;
 /// How long a record marked unknown is kept by default (`--unknown-retention-s`): 7 days.
 pub const DEFAULT_UNKNOWN_RETENTION_S: u64 = 7 * 86_400;
 
-/// The variable `--unknown-retention-s` reads. Not in `contract::state_env` yet (see the test
-/// `the_variables_it_reads_are_the_ones_the_contract_lists`).
-pub const STATE_API_UNKNOWN_RETENTION_S: &str = "STATE_API_UNKNOWN_RETENTION_S";
-
 /// The largest group-commit batch accepted (requests per statement).
 pub const MAX_BATCH: usize = 1_000;
 
@@ -123,7 +119,7 @@ pub struct Config {
     /// after a mere retention (issue 46, finding 8). At least `--retention-s` (a smaller value
     /// is refused); by default 7 days, or `--retention-s` when that is longer. A record whose
     /// claim asked for a longer retention keeps that.
-    #[arg(long, env = STATE_API_UNKNOWN_RETENTION_S)]
+    #[arg(long, env = state_env::STATE_API_UNKNOWN_RETENTION_S)]
     pub unknown_retention_s: Option<u64>,
 
     /// The longest retention a claim may ask for (a longer one is cut to this, and the answer
@@ -563,10 +559,7 @@ mod tests {
             .collect();
         read.sort_unstable();
         let mut listed: Vec<String> = state_env::ALL.iter().map(|n| (*n).to_owned()).collect();
-        // Not in the contract's list yet (issue 46, finding 8): the state API's own constant.
-        listed.push(STATE_API_UNKNOWN_RETENTION_S.to_owned());
         listed.sort_unstable();
-        listed.dedup();
         assert_eq!(
             read, listed,
             "contract::state_env::ALL and the flags' variables differ"

@@ -227,6 +227,16 @@ async fn the_nonces_rows_are_purged_through_their_index_after_ten_minutes() {
         !plan.contains("Rows Removed by Filter"),
         "the purge read nonces that are not due:\n{plan}"
     );
+    // An abandon's row is kept an hour (the claim it stops may arrive that late): one noted
+    // eleven minutes ago stays, one noted sixty-one minutes ago goes.
+    sqlx::query(
+        "INSERT INTO idempotency_nonces (nonce, scope_hash, kind, noted_at) VALUES
+         ('gone.recent', '\\x00'::bytea, 'abandoned', clock_timestamp() - interval '11 minutes'),
+         ('gone.old', '\\x00'::bytea, 'abandoned', clock_timestamp() - interval '61 minutes')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     // (EXPLAIN ANALYZE ran it: two went.) The pass takes the rest and leaves the recent ones.
     api.state
         .store()
@@ -237,6 +247,12 @@ async fn the_nonces_rows_are_purged_through_their_index_after_ten_minutes() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(left, 37);
+    assert_eq!(left, 38);
+    let kept: Vec<String> =
+        sqlx::query_scalar("SELECT nonce FROM idempotency_nonces WHERE kind = 'abandoned'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(kept, ["gone.recent"]);
     api.shutdown().await;
 }

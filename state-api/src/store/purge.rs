@@ -64,10 +64,15 @@ pub const PURGE_BATCH_SQL: &str = r#"WITH due AS (
 /// One batch of the purge of the nonces' rows (`idempotency_nonces`): `$1` rows at most of
 /// those noted more than ten minutes ago, found through the index on `noted_at` (bounded by
 /// `statement_timestamp()`, as for the records). A claim's row is needed only while an abandon
-/// of it could still come, an abandon's only while its claim could still arrive: seconds.
+/// of it could still come: seconds. An abandon's row is kept an hour: the claim it stops may
+/// still arrive long after its connection was given up at the stall limit, as the kernel goes
+/// on retransmitting the statement's bytes for up to about 15 minutes (Linux's `tcp_retries2`
+/// default) and a partition may heal within that. Abandons are rare (an answer lost), so the
+/// few rows the index finds and the condition keeps cost nothing.
 pub const PURGE_NONCES_SQL: &str = "DELETE FROM idempotency_nonces WHERE nonce IN (
         SELECT nonce FROM idempotency_nonces
         WHERE noted_at < statement_timestamp() - interval '10 minutes'
+          AND (kind = 'claimed' OR noted_at < statement_timestamp() - interval '1 hour')
         ORDER BY noted_at
         LIMIT $1
         FOR UPDATE SKIP LOCKED)";

@@ -256,7 +256,9 @@ impl Store {
     /// (waiting, through the unique index, for a claim of that nonce still in flight to commit
     /// or roll back: `claim_nonce!`); the second, with a snapshot taken after that, finds the
     /// record such a claim committed and gives it back. One statement could not: a record
-    /// committed during it is not in its snapshot.
+    /// committed during it is not in its snapshot. The record is looked for at both of its
+    /// addresses during a rotation of the key secret: a claim that took it over may have moved
+    /// it to the current secret's after the abandon located it.
     pub async fn abandon(
         &self,
         scope: &ScopeHash,
@@ -266,6 +268,11 @@ impl Store {
     ) -> Result<Abandoned, StoreError> {
         let row = self.on_conn(async |conn| {
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            // The second statement must see what committed while the first waited: a snapshot
+            // per statement, whatever the server's default isolation.
+            sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                .execute(&mut *tx)
+                .await?;
             sqlx::query!(
                 "INSERT INTO idempotency_nonces AS n (nonce, scope_hash, kind)
         VALUES ($1, $2, 'abandoned')
@@ -282,12 +289,12 @@ impl Store {
             lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
             expires_at = GREATEST(expires_at, clock_timestamp()
                 + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
-        WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
+        WHERE scope_hash IN ($1, $4) AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
           AND unknown_before
         RETURNING 'unknown'::text AS became
     ), freed AS (
         DELETE FROM idempotency_records
-        WHERE scope_hash = $1 AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
+        WHERE scope_hash IN ($1, $4) AND claim_nonce = $2 AND state IN ('in_progress', 'unknown')
           AND NOT unknown_before
         RETURNING 'deleted'::text AS became
     )
