@@ -31,6 +31,11 @@ pub(crate) enum Action {
     Advance,
 }
 
+/// The most rounds of a second the drain waits for the workers' pending writes.
+const DRAIN_IDLE_ROUNDS: usize = 400;
+/// The most steps of a drain (a backstop: each busy step takes work away).
+const DRAIN_STEPS: usize = 200_000;
+
 impl World {
     /// One random step; `false` when nothing is left to do.
     pub(crate) fn step(&mut self) -> bool {
@@ -207,7 +212,24 @@ impl World {
                 self.restart(w);
             }
         }
-        for _ in 0..400 {
+        // Every busy step takes work away (a callout handled or delivered, a part sent, an
+        // attempt made), so the drain goes on until none is left: a database stalled for a
+        // while leaves a backlog of calls nobody waits for (a heartbeat given up a tick), each
+        // two steps during a rotation of the key secret, and a drain that stopped at a count
+        // of steps left them, and the final retries behind them, unanswered. Only the rounds
+        // it waits for the workers' writes (a second each) are counted; a drain still busy
+        // after `DRAIN_STEPS` never settles, which is reported, not passed over.
+        let (mut idle, mut taken) = (0, 0);
+        loop {
+            taken += 1;
+            if taken > DRAIN_STEPS {
+                self.violations.push(format!(
+                    "drain: still busy after {DRAIN_STEPS} steps ({} callouts, {} streams open)",
+                    self.callouts.len(),
+                    self.streams.iter().filter(|s| !s.ended).count()
+                ));
+                return;
+            }
             let mut busy = false;
             if let Some(i) = self.ready_callout() {
                 self.process(i);
@@ -251,9 +273,10 @@ impl World {
                         u.writes > 0 || u.claims > 0 || u.batched_claims + u.batched_writes > 0
                     })
                 });
-                if !pending {
+                if !pending || idle == DRAIN_IDLE_ROUNDS {
                     break;
                 }
+                idle += 1;
                 for w in 0..self.workers.len() {
                     if self.workers[w].wake_requested {
                         self.wake(w);
