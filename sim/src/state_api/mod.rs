@@ -161,7 +161,7 @@ pub struct ModelStateApi {
     /// How each token was granted.
     pub grants: BTreeMap<i64, Grant>,
     /// Claim attempts abandoned before they got here (by nonce, whatever the key's address),
-    /// and when: such a claim never commits (kept ten minutes).
+    /// and when: such a claim never commits (kept an hour).
     tombstones: BTreeMap<String, u64>,
     /// While a statement sent earlier runs: whether its snapshot held a tombstone for its
     /// claim's nonce (see `Callout::snapshot_abandoned`).
@@ -177,8 +177,10 @@ fn fingerprint_key(secret: u32) -> Vec<u8> {
     format!("fingerprint key of secret {secret}").into_bytes()
 }
 
-/// How long the tombstone of an abandoned claim attempt is kept (the purge's 10 minutes).
-const TOMBSTONE_MS: u64 = 600_000;
+/// How long the tombstone of an abandoned claim attempt is kept: an hour, as the purge keeps
+/// an abandon's nonce row (`PURGE_NONCES_SQL`), past any statement given up at the stall limit
+/// that could still commit (`world::callouts::DETACHED_MAX_MS`).
+const TOMBSTONE_MS: u64 = 3_600_000;
 
 /// An answer: HTTP status and JSON body.
 pub type Answer = (u16, Vec<u8>);

@@ -7,6 +7,12 @@ use contract::wire::{CLAIM_PATH, WRITES_PATH};
 use contract::ProblemKind;
 use filter_core::worker::{CallId, CalloutResult, Owner};
 
+/// How long a statement the state API gave up at its stall limit may still reach the database
+/// and commit: the kernel retransmits its bytes for about 15 minutes (Linux's `tcp_retries2`
+/// default) and then resets the connection; one that reached the database runs within its
+/// statement timeout. (An abandon's nonce row outlives it: kept an hour.)
+pub const DETACHED_MAX_MS: u64 = 900_000;
+
 /// A callout on its way.
 #[derive(Debug, Clone)]
 pub struct Callout {
@@ -41,6 +47,9 @@ pub struct Callout {
     /// statement, sent to the database, still commits later with nobody waiting for it
     /// (`store/held.rs`): it is never dropped as too late, and nothing is released for it.
     pub detached: bool,
+    /// When it was given up so: a statement still unsent to the database
+    /// [`DETACHED_MAX_MS`] later never runs.
+    pub detached_at: u64,
     /// Whether the statement's snapshot (taken when it was sent) held a tombstone for the
     /// claim's nonce (a claim reads the abandoned nonces in its snapshot).
     pub snapshot_abandoned: Option<bool>,
@@ -345,6 +354,7 @@ impl World {
             d.orphan = true;
             d.orphaned_by = "the state API gave its statement up at the stall limit";
             d.detached = true;
+            d.detached_at = self.now;
             d.snapshot_abandoned = Some(snapshot);
             self.reach("region: a statement committed after its caller was answered 503");
         } else {

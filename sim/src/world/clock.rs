@@ -2,6 +2,7 @@
 //! and every timeout that runs out on the way (callouts, waits at the state API, Envoy's own
 //! timeouts).
 
+use super::callouts::DETACHED_MAX_MS;
 use super::envoy::{DURATION_TIMEOUT, STREAM_IDLE_TIMEOUT};
 use super::faults::Outage;
 use super::World;
@@ -106,6 +107,22 @@ impl World {
     pub(crate) fn timeouts(&mut self) {
         if self.outage_until.is_some_and(|t| t <= self.now) {
             self.end_outage();
+        }
+        // A statement given up at the stall limit that has not reached the database
+        // [`DETACHED_MAX_MS`] later never will: its connection was reset (a paused database
+        // holds what it received, and runs it when it resumes).
+        if self.outage != Outage::Paused {
+            let now = self.now;
+            let before = self.callouts.len();
+            self.callouts.retain(|c| {
+                !(c.detached && c.answer.is_none() && c.detached_at + DETACHED_MAX_MS <= now)
+            });
+            let dropped = before - self.callouts.len();
+            if dropped > 0 {
+                self.log(format!(
+                    "{dropped} statement(s) given up at the stall limit never reached the database (their connections reset)"
+                ));
+            }
         }
         // Waits that reach their end are answered first (the state API's own deadline).
         if self.outage != Outage::Paused {

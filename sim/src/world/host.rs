@@ -139,6 +139,7 @@ impl Host for Envoy<'_> {
             looked_at: 0,
             looked_up: None,
             detached: false,
+            detached_at: 0,
             snapshot_abandoned: None,
         });
         Ok(())
