@@ -187,6 +187,10 @@ pub struct Attempts {
     touches: u64,
     max_requests: usize,
     forgotten: Forgotten,
+    /// Whether a lower token at the record address is refused (the default); off, the record
+    /// keeps the per-request rules only: what the simulation's model checker uses to show the
+    /// edge's own fixes hold without this help from the upstream.
+    address_fence: bool,
 }
 
 impl Default for Attempts {
@@ -237,7 +241,15 @@ impl Attempts {
             touches: 0,
             max_requests: max_requests.max(1),
             forgotten: Forgotten::default(),
+            address_fence: true,
         }
+    }
+
+    /// The same record keeping the per-request rules only (no fence at the record address):
+    /// an upstream that follows the contract as it stood before issue 46.
+    pub fn without_address_fence(mut self) -> Self {
+        self.address_fence = false;
+        self
     }
 
     pub fn forgotten(&self) -> Forgotten {
@@ -356,6 +368,7 @@ impl Attempts {
         let at_address = self
             .by_address
             .get(&address_of(scope))
+            .filter(|_| self.address_fence)
             .map_or(0, |at| at.highest);
         let seen = self.highest_seen(scope, except).max(at_address);
         if token < seen {

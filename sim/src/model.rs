@@ -143,6 +143,9 @@ pub struct Bounds {
     pub stalls: bool,
     /// Claims ask to wait for a running key (`Prefer: wait=1`), and the state API lets them.
     pub waits: bool,
+    /// The upstream refuses a lower token at the record address (the reference does); off,
+    /// it fences per request only.
+    pub address_fence: bool,
 }
 
 impl Bounds {
@@ -168,6 +171,7 @@ impl Bounds {
         router_retries: true,
         stalls: true,
         waits: false,
+        address_fence: true,
     };
 }
 
@@ -259,7 +263,11 @@ impl Protocol {
             })
             .collect();
         let c = Choices::replay(Vec::new());
-        World::build(c, setup, ops, Faults(0), &check::Checks)
+        let mut w = World::build(c, setup, ops, Faults(0), &check::Checks);
+        if !self.bounds.address_fence {
+            w.upstream.attempts = std::mem::take(&mut w.upstream.attempts).without_address_fence();
+        }
+        w
     }
 
     /// The world `steps` lead to.
@@ -877,6 +885,7 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         router_retries: false,
         stalls: false,
         waits: false,
+        address_fence: true,
     };
     match fix {
         // An owner that runs past its retention, cut off from the state API for a lease, and a
@@ -909,8 +918,10 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
             ..quiet
         },
         // A claim's answer a lease late, an operator's release meanwhile, another body under
-        // the same key (the reference checkout fences by fingerprint).
+        // the same key, and an upstream that fences per request only (the reference's fence at
+        // the record address would refuse the late token: the edge must not need it).
         Fix::LateGrant => Bounds {
+            address_fence: false,
             wait_lease: true,
             operator: true,
             slow_callouts: true,
