@@ -146,6 +146,9 @@ pub struct Bounds {
     /// The upstream refuses a lower token at the record address (the reference does); off,
     /// it fences per request only.
     pub address_fence: bool,
+    /// The second client is another subject (bob) with the same key and body, and the
+    /// upstream's reconcile answers carelessly with his execution (issue 46, finding 6).
+    pub careless_upstream: bool,
 }
 
 impl Bounds {
@@ -172,6 +175,7 @@ impl Bounds {
         stalls: true,
         waits: false,
         address_fence: true,
+        careless_upstream: false,
     };
 }
 
@@ -248,7 +252,11 @@ impl Protocol {
             .map(|i| Op {
                 key: "k1".into(),
                 key_in_body: false,
-                subject: "alice".into(),
+                subject: if self.bounds.careless_upstream && i == 1 {
+                    "bob".into()
+                } else {
+                    "alice".into()
+                },
                 path: self.bounds.path.into(),
                 body: if self.bounds.other_body && i == 1 {
                     br#"{"amount":8}"#.to_vec()
@@ -264,6 +272,7 @@ impl Protocol {
             .collect();
         let c = Choices::replay(Vec::new());
         let mut w = World::build(c, setup, ops, Faults(0), &check::Checks);
+        w.careless_upstream = self.bounds.careless_upstream;
         if !self.bounds.address_fence {
             w.upstream.attempts = std::mem::take(&mut w.upstream.attempts).without_address_fence();
         }
@@ -886,6 +895,7 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         stalls: false,
         waits: false,
         address_fence: true,
+        careless_upstream: false,
     };
     match fix {
         // An owner that runs past its retention, cut off from the state API for a lease, and a
@@ -975,6 +985,15 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
             stalls: true,
             waits: true,
             drain: true,
+            ..quiet
+        },
+        // Another subject's identical request executed; this one's client left while it ran
+        // (unknown, on a route that reconciles), and the upstream's reconcile answers with the
+        // other subject's execution.
+        Fix::ReconcileScope => Bounds {
+            attempts: 2,
+            give_up: true,
+            careless_upstream: true,
             ..quiet
         },
         // Every other fix: the full bounds (see `sim/tests/model_undo.rs` for the steps that

@@ -133,6 +133,32 @@ fn paths() -> Vec<(Fix, &'static str, Vec<Step>)> {
                 RouterRetry(0),
             ],
         ),
+        // Finding 6: bob's identical request executed; alice's client left while hers ran;
+        // her retry's reconcile is answered with bob's execution.
+        (
+            Fix::ReconcileScope,
+            "3:",
+            vec![
+                Attempt { op: 1, worker: 0 },
+                Process(0),
+                Deliver(0),
+                Answer(0),
+                Process(0),
+                Deliver(0),
+                Attempt { op: 0, worker: 1 },
+                Process(0),
+                Deliver(0),
+                GiveUp(1),
+                WaitLease,
+                Attempt { op: 0, worker: 1 },
+                Process(0),
+                Deliver(0),
+                Process(0),
+                Deliver(0),
+                Process(0),
+                Deliver(0),
+            ],
+        ),
         (
             Fix::NonceConflict,
             "8:",

@@ -391,7 +391,7 @@ impl World {
         fingerprint: &str,
         token: i64,
     ) -> Option<CalloutResult> {
-        if !self.fault(Faults::UPSTREAM) {
+        if !self.careless_upstream && !self.fault(Faults::UPSTREAM) {
             return None;
         }
         let other = self.upstream.executions.iter().rev().find(|e| {
@@ -408,7 +408,7 @@ impl World {
         })?;
         let (other_token, other_subject) = (other.token?, other.scope.1.clone());
         let produced = other.plan.response.clone();
-        if !self.c.chance(50) {
+        if !self.careless_upstream && !self.c.chance(50) {
             return None;
         }
         self.reach("sim.reconcile_careless");

@@ -101,6 +101,10 @@ pub struct World {
     /// A worker that cannot reach the state API (the model checker's partition): its calls
     /// fail at dispatch.
     pub(crate) partitioned: Option<usize>,
+    /// The model checker's careless upstream: its reconcile answers with another subject's
+    /// execution of an identical request whenever one exists (the simulation's does so by
+    /// chance, with upstream faults).
+    pub careless_upstream: bool,
     pub(crate) steps: usize,
     /// What the run reached: the filter's counters (by name) and the model's own events.
     pub(crate) reached: std::collections::BTreeMap<&'static str, u64>,
@@ -174,6 +178,7 @@ impl World {
             quiet: false,
             kinds,
             partitioned: None,
+            careless_upstream: false,
             steps: 0,
             reached: std::collections::BTreeMap::new(),
         }
