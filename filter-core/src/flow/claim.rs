@@ -9,6 +9,7 @@ use crate::key;
 use crate::metrics::Metric;
 use crate::reply;
 use crate::reply::LocalReply;
+use crate::worker::registry::heartbeat_interval;
 use crate::worker::replay_cache::Completed;
 use crate::worker::writes::PendingWrite;
 use contract::wire::{
@@ -464,17 +465,15 @@ impl Flow {
 
 /// Issue 46, seed 89644: a grant's lease runs from the claim's commit, which the filter cannot
 /// see but which came after the claim was sent, so the filter counts it from the sending. A
-/// grant is forwarded only while at least one heartbeat interval of its lease is left (the
-/// interval the registry keeps: the route's `heartbeat_ms`, at most half the granted lease),
+/// grant is forwarded only while at least one heartbeat interval of its lease is left
+/// ([`heartbeat_interval`], the one the registry keeps),
 /// which is what a claim answered at once has left when its first heartbeat is due; with less,
 /// the first heartbeat could not be counted on to land before the lease runs out, and past it
 /// the record may already be another claim's (its owner looked silent for a lease: an
 /// operator's release, a takeover) that has run. `Some(elapsed)`: too late.
 fn too_late(cfg: &Config, claimed: &Claimed, now_ms: u64) -> Option<u64> {
     let elapsed = now_ms.saturating_sub(claimed.req.sent_ms);
-    let interval = cfg
-        .heartbeat_for(claimed.req.req.route)
-        .min(claimed.lease_ms / 2);
+    let interval = heartbeat_interval(cfg.heartbeat_for(claimed.req.req.route), claimed.lease_ms);
     let left = claimed.lease_ms.saturating_sub(elapsed);
     (elapsed >= claimed.lease_ms || left < interval).then_some(elapsed)
 }

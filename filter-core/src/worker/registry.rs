@@ -46,6 +46,13 @@ pub struct Terms {
     pub heartbeat_ms: u64,
 }
 
+/// How often a claim's lease is extended: every `heartbeat_ms` (its route's), or every half of
+/// the lease the state API granted when that is shorter (so one lost heartbeat never lets it
+/// run out).
+pub fn heartbeat_interval(heartbeat_ms: u64, lease_ms: u64) -> u64 {
+    heartbeat_ms.min(lease_ms / 2)
+}
+
 /// A plain list: a worker holds a few hundred claims at most, and a map type would cost the
 /// module more code than the scans cost time.
 #[derive(Debug, Default)]
@@ -136,14 +143,10 @@ impl Registry {
             .any(|e| e.claim.token == token && e.fenced)
     }
 
-    /// How often a claim's lease is extended: every `heartbeat_ms`, or every half of the lease
-    /// the state API granted when that is shorter (so one lost heartbeat never lets it run out).
-    /// Ticking every `tick_ms`, a heartbeat goes `tick_ms` early so the gap never exceeds it.
+    /// Ticking every `tick_ms`, a heartbeat goes `tick_ms` before its [`heartbeat_interval`]
+    /// so the gap never exceeds it.
     fn threshold(e: &Entry, tick_ms: u64) -> u64 {
-        e.terms
-            .heartbeat_ms
-            .min(e.lease_ms / 2)
-            .saturating_sub(tick_ms)
+        heartbeat_interval(e.terms.heartbeat_ms, e.lease_ms).saturating_sub(tick_ms)
     }
 
     /// Heartbeats to send now (each asking for its route's lease), for claims with no
