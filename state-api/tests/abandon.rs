@@ -225,24 +225,11 @@ async fn an_abandon_during_its_claim_s_statement_gives_the_record_back() {
     let claim = api.spawn_claim_raw(&named("inflight", "w7.1", None));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!claim.is_finished(), "the claim waits behind the blocker");
-    let (client, url) = (api.client.clone(), api.url("/v1/abandon"));
-    let abandon = tokio::spawn(async move {
-        let r = client
-            .post(url)
-            .bearer_auth(TOKEN)
-            .json(&abandon("inflight", "w7.1"))
-            .send()
-            .await
-            .unwrap();
-        (
-            r.status().as_u16(),
-            r.json::<serde_json::Value>().await.unwrap(),
-        )
-    });
+    let abandon = api.spawn_post("/v1/abandon", abandon("inflight", "w7.1"));
     tokio::time::sleep(Duration::from_millis(300)).await;
     blocker.rollback().await.unwrap();
-    let (status, body) = abandon.await.unwrap();
-    assert_eq!(status, 200, "{body}");
+    let answer = abandon.await.unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
     let claimed = claim.await.unwrap();
     // Committed before the abandon took its nonce: granted (its filter no longer listens).
     assert_eq!(claimed.status, 200, "{}", claimed.body);
@@ -283,24 +270,11 @@ async fn a_claim_during_its_abandon_s_transaction_writes_nothing() {
     not_both(&api, "racing", "w8.1").await;
     // In a group commit's statement, beside a claim that goes through.
     let abandoning = hold("w8.2").await;
-    let (client, url) = (api.client.clone(), api.url("/v1/claims"));
     let claims = json!({"claims": [named("batched", "w8.2", None), named("beside", "w8.3", None)]});
-    let batch = tokio::spawn(async move {
-        let r = client
-            .post(url)
-            .bearer_auth(TOKEN)
-            .json(&claims)
-            .send()
-            .await
-            .unwrap();
-        (
-            r.status().as_u16(),
-            r.json::<serde_json::Value>().await.unwrap(),
-        )
-    });
+    let batch = api.spawn_post("/v1/claims", claims);
     tokio::time::sleep(Duration::from_millis(300)).await;
     abandoning.commit().await.unwrap();
-    let (status, body) = batch.await.unwrap();
+    let RawAnswer { status, body, .. } = batch.await.unwrap();
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["answers"][0]["status"], 503, "{body}");
     assert_eq!(body["answers"][1]["status"], 200, "{body}");

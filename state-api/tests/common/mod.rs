@@ -355,8 +355,12 @@ impl Api {
 
     /// The claim over HTTP on a task of its own, whatever it answers.
     pub fn spawn_claim_raw(&self, req: &ClaimRequest) -> tokio::task::JoinHandle<RawAnswer> {
-        let (client, url) = (self.client.clone(), self.url(CLAIM_PATH));
-        let body = serde_json::to_value(req).unwrap();
+        self.spawn_post(CLAIM_PATH, serde_json::to_value(req).unwrap())
+    }
+
+    /// A `/v1` call over HTTP on a task of its own, whatever it answers.
+    pub fn spawn_post(&self, path: &str, body: Value) -> tokio::task::JoinHandle<RawAnswer> {
+        let (client, url) = (self.client.clone(), self.url(path));
         tokio::spawn(async move {
             let start = std::time::Instant::now();
             let r = client
