@@ -75,8 +75,14 @@ pub trait Host {
     /// A callout the worker asked for from a context Envoy would not deliver its answer to (a
     /// bug in the worker): it is not made, and is answered as failed.
     fn misplaced_callout(&mut self, dispatch: &Dispatch);
-    /// Wakes the root context soon ([`Worker::on_wake`]).
+    /// Wakes the root context soon ([`Worker::on_wake`]). The host may fail to (the glue's
+    /// shared-queue enqueue can): the worker's next tick makes up for a lost wake.
     fn wake(&mut self);
+    /// The most local replies one callback sends ([`REPLIES_PER_CALLBACK`], what Envoy
+    /// needs); a model host lowers it (at least 1) to reach the deferral with few streams.
+    fn replies_per_callback(&self) -> usize {
+        REPLIES_PER_CALLBACK
+    }
     fn count(&mut self, metric: Metric);
     fn log(&mut self, level: Level, message: String);
 }
@@ -95,6 +101,7 @@ pub const REPLIES_PER_CALLBACK: usize = 16;
 /// unless an effect changes it).
 pub fn perform<H: Host>(host: &mut H, verdict: Verdict, effects: Vec<Effect>) -> Verdict {
     let current = host.current();
+    let bound = host.replies_per_callback().max(1);
     let mut verdict = verdict;
     let mut queue: VecDeque<Effect> = effects.into();
     let mut replies = 0;
@@ -103,7 +110,7 @@ pub fn perform<H: Host>(host: &mut H, verdict: Verdict, effects: Vec<Effect>) ->
         match effect {
             Effect::Reply { stream, reply } => {
                 let own = current.stream() == Some(stream);
-                if !own && replies >= REPLIES_PER_CALLBACK {
+                if !own && replies >= bound {
                     deferred.push((stream, reply));
                     continue;
                 }

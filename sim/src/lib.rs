@@ -71,6 +71,8 @@ pub const REGIONS: &[&str] = &[
     "a lease found run out",
     "a heartbeat reached a record its owner's token marked unknown",
     "a write given up after complete_retry_ms",
+    // Envoy's host.
+    "a wake lost while replies waited for it",
     // Routes.
     "a key_from request without a key, with a client's fencing token",
     "a reconcile on a prefix or key_from route",

@@ -60,6 +60,8 @@ pub enum Step {
     Partition(usize),
     /// Worker `w` wakes (it asked to).
     Wake(usize),
+    /// The wake worker `w` asked for is lost (Envoy could not enqueue it).
+    LoseWake(usize),
     /// A lease's time passes (workers tick on time, their callouts answered at once).
     WaitLease,
     /// A retention's time passes (likewise).
@@ -149,6 +151,9 @@ pub struct Bounds {
     /// The second client is another subject (bob) with the same key and body, and the
     /// upstream's reconcile answers carelessly with his execution (issue 46, finding 6).
     pub careless_upstream: bool,
+    /// A callback sends one local reply, the rest wait for a wake or a tick, and a wake may be
+    /// lost (issue 46, finding 7).
+    pub lost_wakes: bool,
 }
 
 impl Bounds {
@@ -176,6 +181,7 @@ impl Bounds {
         waits: false,
         address_fence: true,
         careless_upstream: false,
+        lost_wakes: false,
     };
 }
 
@@ -234,6 +240,11 @@ impl Protocol {
             max_stream_duration_ms: None,
             max_stored_body_bytes: 100,
             complete_retry_ms: 600_000,
+            replies_per_callback: if self.bounds.lost_wakes {
+                1
+            } else {
+                filter_core::host::REPLIES_PER_CALLBACK
+            },
             state_api: StateApiConfig {
                 default_lease_ms: 30_000,
                 max_lease_ms: crate::state_api::MAX_LEASE_MS,
@@ -408,6 +419,9 @@ impl Protocol {
                 }
                 if w.workers[i].wake_requested {
                     out.push(Step::Wake(i));
+                    if b.lost_wakes {
+                        out.push(Step::LoseWake(i));
+                    }
                 }
                 if kills < b.kills {
                     out.push(Step::Kill(i));
@@ -529,6 +543,7 @@ pub fn apply(w: &mut World, step: Step) {
             w.partitioned = None;
         }
         Step::Wake(i) => w.act(Action::Wake(i)),
+        Step::LoseWake(i) => w.act(Action::LoseWake(i)),
         Step::WaitLease => w.advance(w.setup.lease_ms),
         Step::WaitRetention => w.advance(w.setup.state_api.max_retention_ms + w.setup.lease_ms),
         Step::Kill(i) => w.act(Action::Kill(i)),
@@ -896,6 +911,7 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
         waits: false,
         address_fence: true,
         careless_upstream: false,
+        lost_wakes: false,
     };
     match fix {
         // An owner that runs past its retention, cut off from the state API for a lease, and a
@@ -996,15 +1012,16 @@ pub fn bounds_for(fix: state_rules::undo::Fix) -> Bounds {
             careless_upstream: true,
             ..quiet
         },
-        // Every other fix: the full bounds (see `sim/tests/model_undo.rs` for the steps that
-        // reach them).
-        _ => Bounds {
-            slow_callouts: false,
-            other_body: false,
-            router_retries: false,
-            stalls: false,
-            waits: false,
-            ..Bounds::FULL
+        // Three clients of one key on one worker, two waiting for the first (Prefer: wait);
+        // its completion answers both in one callback, whose bound is one reply: the other
+        // waits for a wake, which is lost.
+        Fix::TickDrain => Bounds {
+            clients: 3,
+            tick: true,
+            waits: true,
+            drain: true,
+            lost_wakes: true,
+            ..quiet
         },
     }
 }

@@ -32,7 +32,8 @@ pub fn run(w: &mut World, max_steps: usize) {
 }
 
 /// Once drained: the final retry of every operation, each judged as it comes back (the first
-/// violation stops them), then invariant 9 over every request.
+/// violation stops them), then nobody left waiting (invariant 10), then invariant 9 over every
+/// request.
 pub fn final_answers(w: &mut World) {
     for op in 0..w.ops.len() {
         let Some(before) = check::before_final_retry(w, op) else {
@@ -48,6 +49,11 @@ pub fn final_answers(w: &mut World) {
             w.violations.push(violation);
             return;
         }
+    }
+    let waiting = check::nobody_left_waiting(w);
+    if !waiting.is_empty() {
+        w.violations.extend(waiting);
+        return;
     }
     let found = check::fingerprints_are_keyed(w);
     w.violations.extend(found);

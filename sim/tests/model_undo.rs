@@ -171,6 +171,25 @@ fn paths() -> Vec<(Fix, &'static str, Vec<Step>)> {
                 Drain,
             ],
         ),
+        // Finding 7: the owner's completion answers two waiters in one callback, whose bound
+        // (one reply, in the model) leaves the second for a wake, which is lost; no tick sends
+        // it.
+        (
+            Fix::TickDrain,
+            "10:",
+            vec![
+                Attempt { op: 0, worker: 0 },
+                Process(0),
+                Deliver(0),
+                Answer(0),
+                Attempt { op: 1, worker: 0 },
+                Attempt { op: 2, worker: 0 },
+                Process(0),
+                Deliver(0),
+                LoseWake(0),
+                Drain,
+            ],
+        ),
         (
             Fix::WaitLook,
             "8:",

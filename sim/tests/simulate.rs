@@ -43,6 +43,7 @@ const MUST_REACH: &[&str] = &[
     "sim.finished_after_caller_left",
     "sim.upstream_refused_stale_token",
     "sim.worker_killed",
+    "sim.wake_lost",
 ];
 
 fn main() {

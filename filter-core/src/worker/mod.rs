@@ -111,6 +111,8 @@ pub struct Usage {
     pub batched_claims: usize,
     /// Completes queued for the next `/v1/writes`, and in the ones on their way.
     pub batched_writes: usize,
+    /// Local replies waiting for the next wake or tick ([`crate::host::REPLIES_PER_CALLBACK`]).
+    pub deferred_replies: usize,
 }
 
 pub struct Worker {
@@ -290,6 +292,7 @@ impl Worker {
                     .iter()
                     .map(|(_, b)| b.completes.len())
                     .sum::<usize>(),
+            deferred_replies: self.deferred_replies.len(),
         }
     }
 

@@ -22,7 +22,7 @@ struct Args {
     #[arg(long, env = "SEED")]
     seed: Option<u64>,
     /// The faults schedules may inject: `all`, or names (kill, give-up, api-down, callout,
-    /// skew, upstream, client, database, envoy, rotate, operator) joined by `,`; `-name`
+    /// skew, upstream, client, database, envoy, rotate, operator, wake) joined by `,`; `-name`
     /// removes one (`all,-kill`).
     #[arg(long, env = "FAULTS", default_value = "all")]
     faults: String,

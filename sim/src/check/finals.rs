@@ -131,6 +131,29 @@ pub fn final_answer(w: &World, before: &BeforeRetry, view: &ClientView) -> Optio
     ))
 }
 
+/// Invariant 10, once drained: no client is left waiting at the edge. Every stream whose
+/// client is still there and sent its whole request has begun to get an answer (the
+/// upstream's, the filter's or Envoy's): nothing is left that would ever send it one.
+pub fn nobody_left_waiting(w: &World) -> Vec<String> {
+    w.streams
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.ended && s.parts_sent >= s.request_parts() && s.client.status.is_none())
+        .map(|(i, s)| {
+            format!(
+                "10: stream {i} (op {}, worker {}) still waits for an answer once drained{}",
+                s.op,
+                s.worker,
+                if s.forwarded.is_some() {
+                    ", its request forwarded"
+                } else {
+                    ""
+                }
+            )
+        })
+        .collect()
+}
+
 /// Invariant 8: nothing of `scope` was ever forwarded, so its retry after the drain (past
 /// every lease) must not be held.
 fn never_forwarded_is_usable(w: &World, scope: &Scope, view: &ClientView) -> Vec<String> {

@@ -40,7 +40,9 @@ mod finals;
 mod leases;
 mod replays;
 
-pub use finals::{before_final_retry, final_answer, fingerprints_are_keyed, BeforeRetry};
+pub use finals::{
+    before_final_retry, final_answer, fingerprints_are_keyed, nobody_left_waiting, BeforeRetry,
+};
 
 use crate::state_api::Scope;
 use crate::world::{Invariants, World};

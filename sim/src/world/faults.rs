@@ -22,8 +22,11 @@ impl Faults {
     pub const ROTATE: u32 = 512;
     /// An operator releases or purges a record through the admin API, without force.
     pub const OPERATOR: u32 = 1024;
-    pub const ALL: Faults = Faults(2047);
-    const NAMES: [(&'static str, u32); 11] = [
+    /// Envoy loses a wake the worker asked for (the glue's shared-queue enqueue failed): the
+    /// worker's next tick must make up for it.
+    pub const WAKE: u32 = 2048;
+    pub const ALL: Faults = Faults(4095);
+    const NAMES: [(&'static str, u32); 12] = [
         ("kill", Self::KILL),
         ("give-up", Self::GIVE_UP),
         ("api-down", Self::API_DOWN),
@@ -35,6 +38,7 @@ impl Faults {
         ("envoy", Self::ENVOY),
         ("rotate", Self::ROTATE),
         ("operator", Self::OPERATOR),
+        ("wake", Self::WAKE),
     ];
 
     pub fn has(self, f: u32) -> bool {

@@ -157,6 +157,10 @@ impl Host for Envoy<'_> {
         self.world.workers[self.w].wake_requested = true;
     }
 
+    fn replies_per_callback(&self) -> usize {
+        self.world.setup.replies_per_callback
+    }
+
     fn count(&mut self, m: Metric) {
         self.world.reach(m.name());
     }

@@ -34,6 +34,9 @@ pub struct Setup {
     pub max_stream_duration_ms: Option<u64>,
     pub max_stored_body_bytes: usize,
     pub complete_retry_ms: u64,
+    /// The most local replies one callback of a worker sends (Envoy's host: 16); the rest wait
+    /// for the worker's next wake or tick. 1 lets a few streams reach the deferral.
+    pub replies_per_callback: usize,
     pub state_api: StateApiConfig,
     /// The kinds of fault this run may inject (the newer kinds are each in some runs only, so
     /// that the others still run long without them).
@@ -115,6 +118,13 @@ impl Setup {
             max_stream_duration_ms: *c.pick(&[None, None, Some(8_000)]),
             max_stored_body_bytes: max_stored,
             complete_retry_ms,
+            // (Derived, not drawn, so that every earlier seed keeps its setup: the runs whose
+            // workers hold many waiters, the ones that answer several streams in one callback.)
+            replies_per_callback: if max_waiters == 64 {
+                1
+            } else {
+                filter_core::host::REPLIES_PER_CALLBACK
+            },
             state_api: StateApiConfig {
                 default_lease_ms: 30_000,
                 max_lease_ms: if lease_ms == 4_000 {

@@ -17,6 +17,7 @@ pub(crate) enum Action {
     UpstreamFinish(usize),
     Tick(usize),
     Wake(usize),
+    LoseWake(usize),
     Kill(usize),
     Restart(usize),
     ToggleApi,
@@ -90,6 +91,9 @@ impl World {
                 actions.push((2, Action::Tick(i)));
                 if w.wake_requested {
                     actions.push((4, Action::Wake(i)));
+                    if self.fault(Faults::WAKE) {
+                        actions.push((1, Action::LoseWake(i)));
+                    }
                 }
                 if self.fault(Faults::KILL) {
                     actions.push((1, Action::Kill(i)));
@@ -172,6 +176,7 @@ impl World {
             }
             Action::Tick(w) => self.tick(w),
             Action::Wake(w) => self.wake(w),
+            Action::LoseWake(w) => self.lose_wake(w),
             Action::Kill(w) => self.kill(w),
             Action::Restart(w) => self.restart(w),
             Action::ToggleApi => {
@@ -212,6 +217,41 @@ impl World {
                 self.restart(w);
             }
         }
+        if !self.settle() {
+            return;
+        }
+        // Claims still waiting for their key get their answer now: their wait ends before the
+        // time skipped below.
+        for c in self.callouts.iter_mut() {
+            if let Some(p) = c.parked.as_mut() {
+                p.until = p.until.min(self.now);
+            }
+        }
+        self.timeouts();
+        // Past every lease: a dead owner's key is decided by the state API now, and every
+        // execution whose caller left has finished. Time passes as anywhere, with the workers'
+        // ticks: a live owner's lease is extended by its heartbeats, never skipped past (seeds
+        // 420568878305, 420569411292, 420569457482: a clock moved a lease on without a tick
+        // let a live owner's lease lapse).
+        self.advance(self.setup.lease_ms + 1);
+        if !self.violations.is_empty() {
+            return;
+        }
+        // What that time set going (a wait's answer, a callout timed out and its request
+        // forwarded unprotected) is carried through too: nobody is left waiting on it.
+        if !self.settle() {
+            return;
+        }
+        for e in 0..self.upstream.executions.len() {
+            self.commit(e);
+        }
+        for w in 0..self.workers.len() {
+            self.workers[w].skew_ms = 0;
+        }
+    }
+    /// The drain's work: every busy step takes work away, until none is left (`false`: a
+    /// violation, or a drain that never settles).
+    fn settle(&mut self) -> bool {
         // Every busy step takes work away (a callout handled or delivered, a part sent, an
         // attempt made), so the drain goes on until none is left: a database stalled for a
         // while leaves a backlog of calls nobody waits for (a heartbeat given up a tick), each
@@ -228,7 +268,7 @@ impl World {
                     self.callouts.len(),
                     self.streams.iter().filter(|s| !s.ended).count()
                 ));
-                return;
+                return false;
             }
             let mut busy = false;
             if let Some(i) = self.ready_callout() {
@@ -256,6 +296,12 @@ impl World {
             }) {
                 self.upstream_part(s);
                 busy = true;
+            } else if let Some(w) = (0..self.workers.len())
+                .find(|&w| self.workers[w].wake_requested && self.workers[w].w.is_some())
+            {
+                // A wake asked for comes (Envoy delivers it; only a fault loses one).
+                self.wake(w);
+                busy = true;
             } else if let Some(op) = (0..self.ops.len())
                 .find(|&o| self.ops[o].active.is_none() && self.ops[o].attempts_left > 0)
             {
@@ -264,7 +310,7 @@ impl World {
                 busy = true;
             }
             if !self.violations.is_empty() {
-                return;
+                return false;
             }
             if !busy {
                 let pending = self.workers.iter().any(|w| {
@@ -277,37 +323,10 @@ impl World {
                     break;
                 }
                 idle += 1;
-                for w in 0..self.workers.len() {
-                    if self.workers[w].wake_requested {
-                        self.wake(w);
-                    }
-                }
                 self.advance(1_000);
             }
             self.check_step();
         }
-        // Claims still waiting for their key get their answer now: their wait ends before the
-        // time skipped below.
-        for c in self.callouts.iter_mut() {
-            if let Some(p) = c.parked.as_mut() {
-                p.until = p.until.min(self.now);
-            }
-        }
-        self.timeouts();
-        // Past every lease: a dead owner's key is decided by the state API now, and every
-        // execution whose caller left has finished. Time passes as anywhere, with the workers'
-        // ticks: a live owner's lease is extended by its heartbeats, never skipped past (seeds
-        // 420568878305, 420569411292, 420569457482: a clock moved a lease on without a tick
-        // let a live owner's lease lapse).
-        self.advance(self.setup.lease_ms + 1);
-        if !self.violations.is_empty() {
-            return;
-        }
-        for e in 0..self.upstream.executions.len() {
-            self.commit(e);
-        }
-        for w in 0..self.workers.len() {
-            self.workers[w].skew_ms = 0;
-        }
+        true
     }
 }

@@ -53,6 +53,21 @@ impl World {
         }
     }
 
+    /// The wake worker `w` asked for is lost (Envoy could not enqueue it): only its next tick
+    /// comes.
+    pub(crate) fn lose_wake(&mut self, w: usize) {
+        self.reach("sim.wake_lost");
+        let deferred = self.workers[w]
+            .w
+            .as_ref()
+            .is_some_and(|wk| wk.usage().deferred_replies > 0);
+        if deferred {
+            self.reach("region: a wake lost while replies waited for it");
+        }
+        self.log(format!("worker {w}: its wake is lost"));
+        self.workers[w].wake_requested = false;
+    }
+
     /// Envoy is killed: its memory is gone, its streams vanish without `on_done`, its callouts'
     /// answers go nowhere (the calls may still reach the state API).
     pub(super) fn kill(&mut self, w: usize) {
