@@ -398,8 +398,10 @@ SECONDS ?= 0
 SEEDS ?= $(if $(filter-out 0,$(SECONDS)),0,100000)
 FAULTS ?= all
 # The model checker (sim/src/model.rs): every interleaving of the model's world up to DEPTH
-# steps (ROUTE=/pay/x or /refunds for another route); UNDO=retention|abandon|heartbeat|rotation
-# undoes that fix of issue 34 and prints the shortest counterexample within DEPTH steps.
+# steps (ROUTE=/pay/x or /refunds for another route); UNDO=NAME undoes one fix (issue 34's
+# retention|abandon|heartbeat|rotation; issue 46's late-grant|wait-look|nonce-conflict|
+# router-retries|operator-serving|resolve-token|reconcile-scope|tick-drain|unknown-horizon) and
+# prints the shortest counterexample within DEPTH steps (tick-drain needs DEPTH=10).
 # `make test` runs it to 4 steps (sim/tests/model.rs) and replays the counterexamples
 # (sim/tests/model_undo.rs).
 DEPTH ?= 5

@@ -132,18 +132,23 @@ pub fn final_answer(w: &World, before: &BeforeRetry, view: &ClientView) -> Optio
 }
 
 /// Invariant 10, once drained: no client is left waiting at the edge. Every stream whose
-/// client is still there and sent its whole request has begun to get an answer (the
-/// upstream's, the filter's or Envoy's): nothing is left that would ever send it one.
+/// client is still there and sent its whole request has its whole answer (the upstream's,
+/// the filter's or Envoy's): nothing is left that would ever send it the rest.
 pub fn nobody_left_waiting(w: &World) -> Vec<String> {
     w.streams
         .iter()
         .enumerate()
-        .filter(|(_, s)| !s.ended && s.parts_sent >= s.request_parts() && s.client.status.is_none())
+        .filter(|(_, s)| !s.ended && s.parts_sent >= s.request_parts() && !s.client.complete)
         .map(|(i, s)| {
             format!(
-                "10: stream {i} (op {}, worker {}) still waits for an answer once drained{}",
+                "10: stream {i} (op {}, worker {}) still waits for {} once drained{}",
                 s.op,
                 s.worker,
+                if s.client.status.is_some() {
+                    "the rest of its answer"
+                } else {
+                    "an answer"
+                },
                 if s.forwarded.is_some() {
                     ", its request forwarded"
                 } else {

@@ -51,6 +51,18 @@ impl Host for Envoy<'_> {
                 "stream {s}: a local reply after the response began"
             ));
         }
+        // A deferred reply goes a callback or more later: never to a stream that ended
+        // meanwhile, never a second one.
+        if world.streams[s].ended {
+            world
+                .violations
+                .push(format!("4: stream {s}: a local reply after it ended"));
+        }
+        if world.streams[s].client.complete && world.streams[s].client.local {
+            world
+                .violations
+                .push(format!("4: stream {s}: a second local reply"));
+        }
         world.log(format!(
             "stream {s}: filter answers {} {}{}",
             reply.status,
