@@ -295,6 +295,14 @@ bench: tools build-release
 	  $(VENV)/bin/pip install --quiet --disable-pip-version-check matplotlib
 	$(CARGO) run --locked --release -q -p bench
 
+# A few minutes: new keys and replays against a plain Envoy in one run (five rounds, medians),
+# failing when a figure is more than 10 % worse than its floor in bench/floor.json. Run it before
+# stopping whenever a change touches the filter, the state API or their configuration, and say
+# its figures. BENCH_GUARD_WRITE_FLOOR=1 writes the run as the new floor (commit it on purpose).
+.PHONY: bench-guard
+bench-guard: tools build-release
+	$(CARGO) run --locked --release -q -p bench -- guard
+
 # Ten minutes (SOAK_SECONDS=600) of new keys at half the highest rate measured first (SOAK_RATE
 # to choose it), with replays and 409s beside them, on a state API keeping records 60 s
 # (SOAK_RETENTION_SECONDS) and purging every 5 s: the table, its indexes, the dead tuples, the

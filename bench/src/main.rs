@@ -11,6 +11,7 @@ mod bench_doc;
 mod benchmark;
 mod cpu;
 mod fleet;
+mod guard;
 mod load;
 mod measure;
 mod ops;
@@ -50,11 +51,13 @@ fn env_u64(name: &str, default: u64) -> u64 {
 
 fn main() {
     // `bench soak` (`make soak`): the long run of src/soak/; `bench scale` (`make
-    // bench-scale`): the curves of src/scale/; otherwise the benchmark.
+    // bench-scale`): the curves of src/scale/; `bench guard` (`make bench-guard`): the drift
+    // guard of src/guard.rs; otherwise the benchmark.
     let what = std::env::args().nth(1).unwrap_or_default();
     let result = match what.as_str() {
         "soak" => soak::run(),
         "scale" => scale::run(),
+        "guard" => guard::run(),
         _ => benchmark::run(),
     };
     if let Err(e) = result {
