@@ -142,6 +142,81 @@ impl ProblemKind {
         }
     }
 
+    /// What a client can do about this answer (the edge's answers only; `None` for the state
+    /// API's own, which only the filter reads): whether the same request with the same key can
+    /// succeed later (`x-should-retry`, `Stripe-Should-Retry`).
+    pub const fn retry_same_key(self) -> Option<bool> {
+        match self {
+            // Once the first request ends, or the store or the edge can take it: retry.
+            Self::InProgress
+            | Self::StateUnavailable
+            | Self::ReconcileUnavailable
+            | Self::BuffersFull => Some(true),
+            // The same request under the same key gets the same answer (the edge's 500: the
+            // state API refused its claim, a misconfiguration a retry does not mend).
+            Self::Internal
+            | Self::MissingKey
+            | Self::InvalidKey
+            | Self::DuplicateJsonMember
+            | Self::BadRequest
+            | Self::Unauthenticated
+            | Self::PayloadTooLarge
+            | Self::EndpointTooLong
+            | Self::KeyReuseMismatch
+            | Self::OutcomeNotReplayable
+            | Self::OutcomeUnknown => Some(false),
+            Self::FencedOut
+            | Self::LeaseEnded
+            | Self::NotFound
+            | Self::MethodNotAllowed
+            | Self::Forbidden
+            | Self::LeaseLive
+            | Self::AlreadyCompleted => None,
+        }
+    }
+
+    /// Whether sending the request again under a *new* key cannot run it twice: true only
+    /// where nothing under this key can have run (the request was refused before any claim),
+    /// or the body differs from the one the key ran (a new key is then a new operation).
+    pub const fn new_key_safe(self) -> Option<bool> {
+        match self {
+            Self::MissingKey
+            | Self::InvalidKey
+            | Self::DuplicateJsonMember
+            | Self::BadRequest
+            | Self::Unauthenticated
+            | Self::PayloadTooLarge
+            | Self::EndpointTooLong
+            | Self::KeyReuseMismatch => Some(true),
+            Self::InProgress
+            | Self::OutcomeUnknown
+            | Self::OutcomeNotReplayable
+            | Self::ReconcileUnavailable
+            | Self::StateUnavailable
+            | Self::BuffersFull
+            | Self::Internal => Some(false),
+            Self::FencedOut
+            | Self::LeaseEnded
+            | Self::NotFound
+            | Self::MethodNotAllowed
+            | Self::Forbidden
+            | Self::LeaseLive
+            | Self::AlreadyCompleted => None,
+        }
+    }
+
+    /// The key's state as the answer knows it (`key_state`): `in_progress`, `unknown`,
+    /// `completed`, `mismatch`; `None` where the answer does not know it.
+    pub const fn key_state(self) -> Option<&'static str> {
+        match self {
+            Self::InProgress => Some("in_progress"),
+            Self::OutcomeUnknown | Self::ReconcileUnavailable => Some("unknown"),
+            Self::OutcomeNotReplayable => Some("completed"),
+            Self::KeyReuseMismatch => Some("mismatch"),
+            _ => None,
+        }
+    }
+
     pub fn type_uri(self) -> String {
         format!("/problems/{}", self.slug())
     }
@@ -156,7 +231,8 @@ impl ProblemKind {
     }
 }
 
-/// The problem document itself (RFC 9457 members; no extension members).
+/// The problem document itself: RFC 9457's members, and on the edge's answers to clients
+/// (`Problem::for_client`) three extension members a client can act on (issue 48).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Problem {
@@ -165,15 +241,39 @@ pub struct Problem {
     pub title: String,
     pub status: u16,
     pub detail: String,
+    /// The key's state as this answer knows it: `in_progress`, `unknown`, `completed`,
+    /// `mismatch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_state: Option<String>,
+    /// Whether the same request under the same key can succeed later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_same_key: Option<bool>,
+    /// Whether the request sent under a new key cannot run twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_key_safe: Option<bool>,
 }
 
 impl Problem {
+    /// A document with RFC 9457's members only (the state API's answers to the filter).
     pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
         Self {
             type_uri: kind.type_uri(),
             title: kind.title().to_owned(),
             status: kind.status(),
             detail: detail.into(),
+            key_state: None,
+            retry_same_key: None,
+            new_key_safe: None,
+        }
+    }
+
+    /// A document for a client of the edge: with what it can do about it.
+    pub fn for_client(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        Self {
+            key_state: kind.key_state().map(str::to_owned),
+            retry_same_key: kind.retry_same_key(),
+            new_key_safe: kind.new_key_safe(),
+            ..Self::new(kind, detail)
         }
     }
 
@@ -204,5 +304,42 @@ mod tests {
         assert_eq!(v["status"], 409);
         assert_eq!(v["title"], ProblemKind::InProgress.title());
         assert_eq!(v["detail"], "retry later");
+        assert!(
+            v.get("retry_same_key").is_none(),
+            "the state API's documents keep RFC 9457's members only"
+        );
+    }
+
+    #[test]
+    fn every_kind_the_edge_answers_with_says_what_a_client_can_do() {
+        use ProblemKind::*;
+        for kind in [
+            MissingKey,
+            InvalidKey,
+            DuplicateJsonMember,
+            BadRequest,
+            Unauthenticated,
+            PayloadTooLarge,
+            EndpointTooLong,
+            InProgress,
+            KeyReuseMismatch,
+            OutcomeNotReplayable,
+            OutcomeUnknown,
+            ReconcileUnavailable,
+            StateUnavailable,
+            BuffersFull,
+            Internal,
+        ] {
+            assert!(kind.retry_same_key().is_some(), "{kind:?}");
+            assert!(kind.new_key_safe().is_some(), "{kind:?}");
+            // Never both: a retry that may help means something under the key may run.
+            assert!(
+                !(kind.retry_same_key() == Some(true) && kind.new_key_safe() == Some(true)),
+                "{kind:?}"
+            );
+        }
+        // 5xx and an in-flight 409 are retried; a held unknown outcome is not.
+        assert_eq!(OutcomeUnknown.retry_same_key(), Some(false));
+        assert_eq!(OutcomeUnknown.new_key_safe(), Some(false));
     }
 }

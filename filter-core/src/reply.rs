@@ -4,6 +4,10 @@
 use crate::headers::{stored, REPLAYED_MARKER};
 use contract::{Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
 
+/// The headers that tell an SDK whether to retry an answer, each obeyed before the SDK's own
+/// rules: the Stainless-generated SDKs' (openai-python, anthropic-sdk-python) and Stripe's.
+pub const RETRY_HINT_HEADERS: [&str; 2] = ["x-should-retry", "stripe-should-retry"];
+
 /// A response the filter sends itself (Envoy local reply).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
@@ -15,15 +19,23 @@ pub struct LocalReply {
 }
 
 impl LocalReply {
-    /// An `application/problem+json` answer with `cache-control: no-store`.
+    /// An `application/problem+json` answer with `cache-control: no-store`, and the retry
+    /// hints the SDKs obey before their own rules (`x-should-retry` for the Stainless SDKs,
+    /// `Stripe-Should-Retry` for Stripe's): they retry 409 and every 5xx blindly otherwise.
     pub fn problem(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        let mut headers = vec![
+            ("content-type".into(), PROBLEM_CONTENT_TYPE.into()),
+            ("cache-control".into(), "no-store".into()),
+        ];
+        if let Some(retry) = kind.retry_same_key() {
+            for name in RETRY_HINT_HEADERS {
+                headers.push((name.into(), retry.to_string()));
+            }
+        }
         Self {
             status: kind.status(),
-            headers: vec![
-                ("content-type".into(), PROBLEM_CONTENT_TYPE.into()),
-                ("cache-control".into(), "no-store".into()),
-            ],
-            body: Problem::new(kind, detail).to_json(),
+            headers,
+            body: Problem::for_client(kind, detail).to_json(),
             reason: kind.slug(),
         }
     }
@@ -178,11 +190,59 @@ mod tests {
             h(&[
                 ("content-type", "application/problem+json"),
                 ("cache-control", "no-store"),
+                ("x-should-retry", "true"),
+                ("stripe-should-retry", "true"),
                 ("retry-after", "2")
             ])
         );
         let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
         assert_eq!(v["type"], "/problems/request-in-progress");
         assert_eq!(v["detail"], "wait");
+        assert_eq!(v["key_state"], "in_progress");
+        assert_eq!(v["retry_same_key"], true);
+        assert_eq!(v["new_key_safe"], false);
+    }
+
+    /// Issue 48: each answer tells the SDKs whether to retry (they retry 409 and every 5xx
+    /// blindly otherwise), and its document what the client can do.
+    #[test]
+    fn every_answer_of_the_edge_says_whether_a_retry_can_help() {
+        let hint = |r: &LocalReply| {
+            let x = r.headers.iter().find(|(n, _)| n == "x-should-retry");
+            let s = r.headers.iter().find(|(n, _)| n == "stripe-should-retry");
+            assert_eq!(x.map(|h| &h.1), s.map(|h| &h.1), "{r:?}");
+            x.map(|h| h.1.clone())
+        };
+        let doc = |r: &LocalReply| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap();
+        // Retry: the key is busy, or the edge or its store could not take the request.
+        for r in [in_progress(2), state_unavailable(), buffers_full()] {
+            assert_eq!(hint(&r).as_deref(), Some("true"), "{r:?}");
+            assert!(r.headers.iter().any(|(n, _)| n == "retry-after"), "{r:?}");
+            assert_eq!(doc(&r)["retry_same_key"], true);
+            assert_eq!(doc(&r)["new_key_safe"], false);
+        }
+        // Do not: the same request with the same key gets the same answer.
+        let unknown = LocalReply::problem(ProblemKind::OutcomeUnknown, "held");
+        assert_eq!(hint(&unknown).as_deref(), Some("false"));
+        assert_eq!(doc(&unknown)["key_state"], "unknown");
+        assert_eq!(
+            doc(&unknown)["new_key_safe"],
+            false,
+            "it may have run: a new key could run it twice"
+        );
+        let reused = mismatch("POST /checkout");
+        assert_eq!(reused.status, 422);
+        assert_eq!(hint(&reused).as_deref(), Some("false"));
+        assert_eq!(doc(&reused)["key_state"], "mismatch");
+        assert_eq!(doc(&reused)["new_key_safe"], true);
+        let missing = LocalReply::problem(ProblemKind::MissingKey, "no key");
+        assert_eq!(hint(&missing).as_deref(), Some("false"));
+        assert!(doc(&missing).get("key_state").is_none());
+        let done = for_completed(201, &[], b"", false, &[]).unwrap();
+        assert_eq!(hint(&done).as_deref(), Some("false"));
+        assert_eq!(doc(&done)["key_state"], "completed");
+        // A replay is the upstream's answer: no hint of the edge's.
+        let replay = for_completed(201, &[], b"{}", true, &[]).unwrap();
+        assert_eq!(hint(&replay), None);
     }
 }

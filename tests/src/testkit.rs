@@ -194,7 +194,69 @@ pub fn assert_problem(answer: &Answer, status: u16, type_suffix: &str, stack: &S
             "problem without {member}: {doc}"
         );
     }
+    assert_retry_hints(answer, &doc);
 }
+
+/// Issue 48: an edge's problem says whether the same request with the same key can succeed
+/// later, in its document (`retry_same_key`) and in the headers the SDKs obey
+/// (`x-should-retry`, `Stripe-Should-Retry`), the same in all three; and whether a new key is
+/// safe (`new_key_safe`). A state API's own problem (an operator's answer) carries none.
+pub fn assert_retry_hints(answer: &Answer, doc: &serde_json::Value) {
+    let edge_kind = doc
+        .get("type")
+        .and_then(|t| t.as_str())
+        .and_then(|t| t.strip_prefix("/problems/"))
+        .and_then(|slug| EDGE_PROBLEMS.iter().find(|k| k.slug() == slug).copied());
+    let Some(kind) = edge_kind else {
+        return;
+    };
+    let expected = kind.retry_same_key().map(|b| b.to_string());
+    for name in ["x-should-retry", "stripe-should-retry"] {
+        assert_eq!(
+            answer.header(name),
+            expected,
+            "{name} on {}: {doc}",
+            kind.slug()
+        );
+    }
+    assert_eq!(
+        doc.get("retry_same_key").and_then(|v| v.as_bool()),
+        kind.retry_same_key(),
+        "retry_same_key: {doc}"
+    );
+    assert_eq!(
+        doc.get("new_key_safe").and_then(|v| v.as_bool()),
+        kind.new_key_safe(),
+        "new_key_safe: {doc}"
+    );
+    assert_eq!(
+        doc.get("key_state").and_then(|v| v.as_str()),
+        kind.key_state(),
+        "key_state: {doc}"
+    );
+}
+
+/// The problems the edge answers clients with (each says what a client can do).
+const EDGE_PROBLEMS: [contract::ProblemKind; 15] = {
+    use contract::ProblemKind::*;
+    [
+        MissingKey,
+        InvalidKey,
+        DuplicateJsonMember,
+        BadRequest,
+        Unauthenticated,
+        PayloadTooLarge,
+        EndpointTooLong,
+        InProgress,
+        KeyReuseMismatch,
+        OutcomeNotReplayable,
+        OutcomeUnknown,
+        ReconcileUnavailable,
+        StateUnavailable,
+        BuffersFull,
+        Internal,
+    ]
+};
 
 /// True when the answer is a replay of a stored response.
 pub fn replayed(answer: &Answer) -> bool {
