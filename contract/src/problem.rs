@@ -58,6 +58,26 @@ pub enum ProblemKind {
 }
 
 impl ProblemKind {
+    /// The kinds the edge answers its clients with (each says what a client can do about it:
+    /// [`Self::retry_same_key`], [`Self::new_key_safe`]); the others are the state API's own.
+    pub const EDGE: [ProblemKind; 15] = [
+        Self::MissingKey,
+        Self::InvalidKey,
+        Self::DuplicateJsonMember,
+        Self::BadRequest,
+        Self::Unauthenticated,
+        Self::PayloadTooLarge,
+        Self::EndpointTooLong,
+        Self::InProgress,
+        Self::KeyReuseMismatch,
+        Self::OutcomeNotReplayable,
+        Self::OutcomeUnknown,
+        Self::ReconcileUnavailable,
+        Self::StateUnavailable,
+        Self::BuffersFull,
+        Self::Internal,
+    ];
+
     pub const fn status(self) -> u16 {
         match self {
             Self::MissingKey | Self::InvalidKey | Self::DuplicateJsonMember | Self::BadRequest => {
@@ -313,23 +333,7 @@ mod tests {
     #[test]
     fn every_kind_the_edge_answers_with_says_what_a_client_can_do() {
         use ProblemKind::*;
-        for kind in [
-            MissingKey,
-            InvalidKey,
-            DuplicateJsonMember,
-            BadRequest,
-            Unauthenticated,
-            PayloadTooLarge,
-            EndpointTooLong,
-            InProgress,
-            KeyReuseMismatch,
-            OutcomeNotReplayable,
-            OutcomeUnknown,
-            ReconcileUnavailable,
-            StateUnavailable,
-            BuffersFull,
-            Internal,
-        ] {
+        for kind in ProblemKind::EDGE {
             assert!(kind.retry_same_key().is_some(), "{kind:?}");
             assert!(kind.new_key_safe().is_some(), "{kind:?}");
             // Never both: a retry that may help means something under the key may run.

@@ -206,7 +206,11 @@ pub fn assert_retry_hints(answer: &Answer, doc: &serde_json::Value) {
         .get("type")
         .and_then(|t| t.as_str())
         .and_then(|t| t.strip_prefix("/problems/"))
-        .and_then(|slug| EDGE_PROBLEMS.iter().find(|k| k.slug() == slug).copied());
+        .and_then(|slug| {
+            contract::ProblemKind::EDGE
+                .into_iter()
+                .find(|k| k.slug() == slug)
+        });
     let Some(kind) = edge_kind else {
         return;
     };
@@ -235,28 +239,6 @@ pub fn assert_retry_hints(answer: &Answer, doc: &serde_json::Value) {
         "key_state: {doc}"
     );
 }
-
-/// The problems the edge answers clients with (each says what a client can do).
-const EDGE_PROBLEMS: [contract::ProblemKind; 15] = {
-    use contract::ProblemKind::*;
-    [
-        MissingKey,
-        InvalidKey,
-        DuplicateJsonMember,
-        BadRequest,
-        Unauthenticated,
-        PayloadTooLarge,
-        EndpointTooLong,
-        InProgress,
-        KeyReuseMismatch,
-        OutcomeNotReplayable,
-        OutcomeUnknown,
-        ReconcileUnavailable,
-        StateUnavailable,
-        BuffersFull,
-        Internal,
-    ]
-};
 
 /// True when the answer is a replay of a stored response.
 pub fn replayed(answer: &Answer) -> bool {
