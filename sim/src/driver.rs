@@ -586,11 +586,12 @@ mod tests {
     #[test]
     fn mixes_name_every_kind_and_replay_through_parse() {
         let mixes = fault_mixes(&[Faults::parse("all,-kill,-give-up").unwrap()]);
-        assert_eq!(mixes.len(), 1 + 11 + 11 + 1);
+        assert_eq!(mixes.len(), 1 + 12 + 12 + 1);
         assert_eq!(mix_name(mixes[0]), "all");
         assert_eq!(mix_name(mixes[1]), "kill");
-        assert_eq!(mix_name(mixes[12]), "all,-kill");
-        assert_eq!(mix_name(mixes[23]), "all,-kill,-give-up");
+        assert_eq!(mix_name(mixes[12]), "wake");
+        assert_eq!(mix_name(mixes[13]), "all,-kill");
+        assert_eq!(mix_name(mixes[25]), "all,-kill,-give-up");
         assert_eq!(
             mix_name(Faults::parse("callout,skew,upstream,client").unwrap()),
             "callout,skew,upstream,client"

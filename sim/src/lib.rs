@@ -257,7 +257,7 @@ mod tests {
         assert!(!f.has(Faults::KILL) && !f.has(Faults::GIVE_UP) && f.has(Faults::CALLOUT));
         assert_eq!(
             f.to_string(),
-            "api-down,callout,skew,upstream,client,database,envoy,rotate,operator"
+            "api-down,callout,skew,upstream,client,database,envoy,rotate,operator,wake"
         );
         assert!(Faults::parse("kill,nonsense").is_err());
         // Without faults nothing is killed and nobody gives up.
