@@ -163,8 +163,10 @@ impl ProblemKind {
     }
 
     /// What a client can do about this answer (the edge's answers only; `None` for the state
-    /// API's own, which only the filter reads): whether the same request with the same key can
-    /// succeed later (`x-should-retry`, `Stripe-Should-Retry`).
+    /// API's own, which only the filter reads, and for the edge's 500, whose causes differ, so
+    /// the SDK's own rule applies): whether the same request with the same key can succeed
+    /// later (`x-should-retry`, `Stripe-Should-Retry`). A retry under the same key never runs
+    /// twice at this edge.
     pub const fn retry_same_key(self) -> Option<bool> {
         match self {
             // Once the first request ends, or the store or the edge can take it: retry.
@@ -172,10 +174,8 @@ impl ProblemKind {
             | Self::StateUnavailable
             | Self::ReconcileUnavailable
             | Self::BuffersFull => Some(true),
-            // The same request under the same key gets the same answer (the edge's 500: the
-            // state API refused its claim, a misconfiguration a retry does not mend).
-            Self::Internal
-            | Self::MissingKey
+            // The same request under the same key gets the same answer.
+            Self::MissingKey
             | Self::InvalidKey
             | Self::DuplicateJsonMember
             | Self::BadRequest
@@ -185,7 +185,8 @@ impl ProblemKind {
             | Self::KeyReuseMismatch
             | Self::OutcomeNotReplayable
             | Self::OutcomeUnknown => Some(false),
-            Self::FencedOut
+            Self::Internal
+            | Self::FencedOut
             | Self::LeaseEnded
             | Self::NotFound
             | Self::MethodNotAllowed
@@ -196,19 +197,20 @@ impl ProblemKind {
     }
 
     /// Whether sending the request again under a *new* key cannot run it twice: true only
-    /// where nothing under this key can have run (the request was refused before any claim),
-    /// or the body differs from the one the key ran (a new key is then a new operation).
+    /// where the request never had a usable key (missing or malformed), so nothing can have
+    /// run under it. Any other refusal says nothing of an earlier attempt under the same key
+    /// (a 401 after the token expired, a 413 or 422 after the body changed between retries),
+    /// so a new key may run that attempt's operation again: false.
     pub const fn new_key_safe(self) -> Option<bool> {
         match self {
-            Self::MissingKey
-            | Self::InvalidKey
-            | Self::DuplicateJsonMember
+            Self::MissingKey | Self::InvalidKey => Some(true),
+            Self::DuplicateJsonMember
             | Self::BadRequest
             | Self::Unauthenticated
             | Self::PayloadTooLarge
             | Self::EndpointTooLong
-            | Self::KeyReuseMismatch => Some(true),
-            Self::InProgress
+            | Self::KeyReuseMismatch
+            | Self::InProgress
             | Self::OutcomeUnknown
             | Self::OutcomeNotReplayable
             | Self::ReconcileUnavailable
@@ -334,7 +336,12 @@ mod tests {
     fn every_kind_the_edge_answers_with_says_what_a_client_can_do() {
         use ProblemKind::*;
         for kind in ProblemKind::EDGE {
-            assert!(kind.retry_same_key().is_some(), "{kind:?}");
+            // The edge's 500 leaves the SDK's own rule (its causes differ).
+            assert_eq!(
+                kind.retry_same_key().is_none(),
+                kind == Internal,
+                "{kind:?}"
+            );
             assert!(kind.new_key_safe().is_some(), "{kind:?}");
             // Never both: a retry that may help means something under the key may run.
             assert!(
@@ -345,5 +352,14 @@ mod tests {
         // 5xx and an in-flight 409 are retried; a held unknown outcome is not.
         assert_eq!(OutcomeUnknown.retry_same_key(), Some(false));
         assert_eq!(OutcomeUnknown.new_key_safe(), Some(false));
+        // A refusal of this attempt says nothing of an earlier one under the key.
+        for kind in [
+            Unauthenticated,
+            PayloadTooLarge,
+            KeyReuseMismatch,
+            BadRequest,
+        ] {
+            assert_eq!(kind.new_key_safe(), Some(false), "{kind:?}");
+        }
     }
 }

@@ -52,6 +52,10 @@ pub fn never_replayed(name: &str) -> bool {
         contract::wire::ENDPOINT_HEADER,
         contract::wire::FINGERPRINT_HEADER,
         "retry-after",
+        // The edge's retry hints (issue 48) say what to do about the edge's own answer; an
+        // upstream's, replayed for ever, would tell every later retry the same.
+        "x-should-retry",
+        "stripe-should-retry",
         "www-authenticate",
         "authorization",
         "strict-transport-security",

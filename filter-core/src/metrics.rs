@@ -96,10 +96,14 @@ pub enum Metric {
     /// 503: a protected request whose body would take the worker over `max_buffered_bytes`
     /// (nothing forwarded or claimed).
     BuffersFull503,
+    /// Key churn: a request (subject, endpoint, fingerprint) claimed under another key than
+    /// the one it came under within the last minute on this worker (a client that makes a new
+    /// key for each retry).
+    KeyChurn,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 41] = [
+    pub const ALL: [Metric; 42] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -141,6 +145,7 @@ impl Metric {
         Metric::ClaimedForEndedStream,
         Metric::ClaimsAbandoned,
         Metric::BuffersFull503,
+        Metric::KeyChurn,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -186,6 +191,7 @@ impl Metric {
             Metric::ClaimedForEndedStream => "idempotency.claimed_for_ended_stream",
             Metric::ClaimsAbandoned => "idempotency.claims_abandoned",
             Metric::BuffersFull503 => "idempotency.buffers_full_503",
+            Metric::KeyChurn => "idempotency.key_churn",
         }
     }
 

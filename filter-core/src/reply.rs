@@ -234,10 +234,23 @@ mod tests {
         assert_eq!(reused.status, 422);
         assert_eq!(hint(&reused).as_deref(), Some("false"));
         assert_eq!(doc(&reused)["key_state"], "mismatch");
-        assert_eq!(doc(&reused)["new_key_safe"], true);
+        assert_eq!(
+            doc(&reused)["new_key_safe"],
+            false,
+            "the body may have drifted between retries of a request that ran"
+        );
         let missing = LocalReply::problem(ProblemKind::MissingKey, "no key");
         assert_eq!(hint(&missing).as_deref(), Some("false"));
+        assert_eq!(doc(&missing)["new_key_safe"], true);
         assert!(doc(&missing).get("key_state").is_none());
+        // The edge's 500: no hint, the SDK's own rule applies.
+        let internal = LocalReply::problem(ProblemKind::Internal, "refused");
+        assert_eq!(hint(&internal), None);
+        assert!(doc(&internal).get("retry_same_key").is_none());
+        // An upstream's hint is never stored for replay, even when allowed by name.
+        for name in RETRY_HINT_HEADERS {
+            assert!(crate::headers::never_replayed(name), "{name}");
+        }
         let done = for_completed(201, &[], b"", false, &[]).unwrap();
         assert_eq!(hint(&done).as_deref(), Some("false"));
         assert_eq!(doc(&done)["key_state"], "completed");

@@ -12,6 +12,7 @@ use e2e::stack::{mint_token, token, Stack, StackOptions};
 use e2e::testkit::*;
 use libtest_mimic::Arguments;
 use serde_json::json;
+use sha2::Digest as _;
 
 static SHARED: SharedStack = SharedStack::new(default_stack);
 
@@ -64,6 +65,10 @@ fn main() {
         SHARED.trial(
             "unprotected_routes_pass_through",
             unprotected_routes_pass_through,
+        ),
+        SHARED.trial(
+            "a_new_key_for_the_same_request_is_counted_as_key_churn",
+            a_new_key_for_the_same_request_is_counted_as_key_churn,
         ),
         own(
             // A stack of its own: its jwt_authn cache counters count this test's requests only.
@@ -175,6 +180,60 @@ async fn first_request_executes_and_retry_replays(stack: Arc<Stack>) {
             .is_some_and(|t| t.parse::<i64>().is_ok_and(|n| n > 0)),
         "{ran:?}"
     );
+}
+
+/// Issue 48: a client that makes a new key for each retry (the classic bug) is seen at the
+/// edge: the same request under another key within the window is counted and logged, each key
+/// named by its record's address (keys are never logged). It is observed only: each key runs
+/// (the edge cannot tell an intended second charge from a churned retry).
+async fn a_new_key_for_the_same_request_is_counted_as_key_churn(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let (first_key, second_key) = (unique_key("churn-a"), unique_key("churn-b"));
+    // How the filter names a record in its log: the first 8 bytes of SHA-256 over its framed
+    // scope (filter-core's worker ids).
+    let record = |key: &str| {
+        let mut h = sha2::Sha256::new();
+        contract::scope::frame(&mut h, key, "alice", "POST /checkout");
+        h.finalize()
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    // A body no other test sends: its churn is this test's alone.
+    let mut body = charge_body(7301);
+    body["description"] = json!(unique_key("churn-body"));
+    let before = stack.envoy.filter_counter("key_churn");
+    let first = c.send(checkout(&first_key, "alice", &body)).await;
+    assert_eq!(first.status, 201, "{}", first.describe());
+    // The client's own retry, same key: a replay, not churn.
+    let retry = c.send(checkout(&first_key, "alice", &body)).await;
+    assert!(replayed(&retry), "{}", retry.describe());
+    // The same request under a new key: counted, logged with both records, and run.
+    let churned = c.send(checkout(&second_key, "alice", &body)).await;
+    assert_eq!(churned.status, 201, "{}", churned.describe());
+    assert!(!replayed(&churned));
+    let counted = stack.envoy.filter_counter("key_churn");
+    assert!(counted > before, "key_churn {before} -> {counted}");
+    let log = stack.envoy.log();
+    let (new, old) = (record(&second_key), record(&first_key));
+    let found = log
+        .lines()
+        .find(|l| l.contains("key churn") && l.contains(&format!("(record {new})")))
+        .unwrap_or_else(|| {
+            panic!(
+                "no key churn line for record {new}:\n{}",
+                stack.envoy.log_tail()
+            )
+        });
+    assert!(found.contains(&format!("(record {old})")), "{found}");
+    assert!(
+        !log.contains(&first_key) && !log.contains(&second_key),
+        "keys are never logged"
+    );
+    for key in [&first_key, &second_key] {
+        assert_eq!(executions(&stack, key).await.len(), 1, "{key}");
+    }
 }
 
 async fn duplicates_during_a_slow_request_get_409_at_once(stack: Arc<Stack>) {

@@ -39,6 +39,7 @@ impl Worker {
                 if let Some(remembered) = self.remembered(&id, &fingerprint, waits, now_ms) {
                     return Some(flow.on_remembered(&self.cfg, remembered));
                 }
+                self.watch_churn(&request, id, now_ms, effects);
                 self.send_claim(flow, request, id, effects);
                 None
             }
@@ -128,6 +129,39 @@ impl Worker {
             }
         }
         None
+    }
+
+    /// Counts key churn: this request came under another key within the window (a client
+    /// minting a key per retry: each would run). Observed only; the claim goes as it is. The
+    /// log names both records by their address, never by their keys.
+    fn watch_churn(
+        &mut self,
+        request: &ClaimRequest,
+        id: ids::Id,
+        now_ms: u64,
+        effects: &mut Vec<Effect>,
+    ) {
+        let Some(churn) = self.churn.note(
+            &request.subject,
+            &request.endpoint,
+            &request.fingerprint,
+            id,
+            now_ms,
+        ) else {
+            return;
+        };
+        effects.push(Effect::Count(Metric::KeyChurn));
+        effects.push(Effect::Log(
+            Level::Info,
+            format!(
+                "key churn: subject {} sent the same request to {} under a new key (record {}), {} ms after another key (record {}): a client that makes a new key for each retry runs it again each time",
+                request.subject,
+                request.endpoint,
+                super::churn::record_ref(&id),
+                churn.ms_ago,
+                super::churn::record_ref(&churn.earlier)
+            ),
+        ));
     }
 
     /// Sends a stream's claim with the next nonce: queued in the lane when it is behind, else

@@ -31,6 +31,7 @@
 
 mod batch;
 mod calls;
+mod churn;
 mod handover;
 mod heartbeat;
 pub mod ids;
@@ -124,6 +125,8 @@ pub struct Worker {
     writes: PendingWrites,
     replays: ReplayCache,
     in_flight: InFlightMemory,
+    /// Requests claimed in the last minute, for key churn (issue 48).
+    churn: churn::ChurnWatch,
     /// A wake was asked for and has not come yet: writes handed over meanwhile go with it.
     wake_pending: bool,
     /// Streams whose claim waits at the state API for a running key (`Prefer: wait`), at
@@ -219,6 +222,7 @@ impl Worker {
             writes: PendingWrites::new(cfg.complete_retry_bytes, cfg.complete_retry_ms),
             replays: ReplayCache::new(cfg.replay_cache_bytes, cfg.replay_cache_ttl_ms),
             in_flight: InFlightMemory::default(),
+            churn: churn::ChurnWatch::default(),
             registry: Registry::default(),
             flows: HashMap::new(),
             calls: HashMap::new(),
