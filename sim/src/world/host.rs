@@ -257,6 +257,15 @@ impl World {
         effects: Vec<Effect>,
     ) -> Verdict {
         let sid = |s: usize| self.streams[s].sid;
+        let own = match current {
+            Current::Request(s) | Current::Response(s) | Current::Stream(s) => Some(s),
+            Current::Root(_) => None,
+        };
+        let open: Vec<usize> = (0..self.streams.len())
+            .filter(|&s| {
+                Some(s) != own && !self.streams[s].ended && !self.streams[s].client.complete
+            })
+            .collect();
         let current = match current {
             Current::Request(s) => HostCurrent::Request(sid(s)),
             Current::Response(s) => HostCurrent::Response(sid(s)),
@@ -268,6 +277,17 @@ impl World {
             w,
             current,
         };
-        filter_core::host::perform(&mut envoy, verdict, effects)
+        let verdict = filter_core::host::perform(&mut envoy, verdict, effects);
+        // Another stream answered from this callback (a waiter woken, a batch's answers, a
+        // deferred reply) is over when the callback returns, as Envoy ends it: judged now,
+        // while what made its answer right still holds (seed 407115896655: an operator's
+        // resolved answer replayed to a waiter was judged two seconds later, after the
+        // record had been reused as a new key).
+        for s in open {
+            if self.streams[s].client.complete {
+                self.end_if_answered(s);
+            }
+        }
+        verdict
     }
 }
