@@ -25,12 +25,12 @@ import sys
 import tempfile
 import threading
 
-# (name, path on the site, what the <title> must contain, what the page's first <h1> must say)
+# (name, path on the site, what the <title> must contain (the summary's name of the page),
+# what the page's first <h1> must say)
 PAGES = [
     ("index", "/", "Edge idempotency", "Edge idempotency"),
     ("configuration", "/reference/configuration.html", "The configuration file", "The configuration file"),
-    ("problem-outcome-unknown", "/problems/outcome-unknown",
-     "The outcome of the request with this key is unknown",
+    ("problem-outcome-unknown", "/problems/outcome-unknown", "outcome-unknown",
      "The outcome of the request with this key is unknown"),
 ]
 

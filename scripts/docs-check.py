@@ -6,7 +6,8 @@ Before the build (`docs-check.py source`):
   - every relative link in docs/ and README.md names a file that exists, and a page it names
     inside docs/ is in the summary;
   - every alert in examples/prometheus/alerts.yml has a runbook_url naming its page, which
-    exists and is in the summary.
+    exists and is in the summary;
+  - every page is at most two clicks (links) away from README.md.
 
 After the build (`docs-check.py built DIR`):
   - every anchor a link names (`page.md#anchor`, `#anchor`) is an id in the built page;
@@ -66,6 +67,16 @@ def links(path):
         yield m.group(1), text.count("\n", 0, m.start()) + 1
 
 
+def linked_pages(source):
+    """The Markdown pages a file links to."""
+    for target, _ in links(source):
+        if is_external(target) or target.startswith("#"):
+            continue
+        resolved = os.path.normpath(os.path.join(os.path.dirname(source), target.split("#")[0]))
+        if resolved.endswith(".md") and os.path.isfile(resolved):
+            yield resolved
+
+
 def is_external(target):
     return re.match(r"^[a-z][a-z0-9+.-]*:", target) is not None
 
@@ -103,6 +114,15 @@ def check_source():
             if inside_docs and resolved.endswith(".md") and resolved not in listed_set \
                     and not resolved.endswith("SUMMARY.md"):
                 errors.append(f"{where}: link {target} names a page not in docs/SUMMARY.md")
+
+    # A newcomer reaches every page in two clicks from the README (issue 50).
+    readme = os.path.join(ROOT, "README.md")
+    reach = {readme}
+    for _ in range(2):
+        for page in list(reach):
+            reach |= set(linked_pages(page))
+    for page in sorted(listed_set - reach):
+        errors.append(f"{rel(page)} is more than two clicks away from README.md")
 
     alerts = open(ALERTS, encoding="utf-8").read()
     blocks = re.split(r"^\s*- alert: ", alerts, flags=re.M)[1:]
