@@ -35,7 +35,7 @@ pub enum DocsError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{}: not the OpenAPI document: {0}", OPENAPI_JSON)]
+    #[error("docs/reference/state-api.openapi.json: not the OpenAPI document: {0}")]
     OpenApi(String),
 }
 
@@ -469,7 +469,7 @@ pub fn problems_page() -> String {
          (`x-should-retry` and `Stripe-Should-Retry`, and the members `retry_same_key`, \
          `new_key_safe` and `key_state`: [Behaviour](behaviour.md)). The types are defined in \
          `contract/src/problem.rs`.\n\n\
-         | status | type | title | answered by | `retry_same_key` | `new_key_safe` | `key_state` |\n\
+         | status | type | title | the edge answers clients with it | `retry_same_key` | `new_key_safe` | `key_state` |\n\
          |---|---|---|---|---|---|---|\n",
     );
     let mut kinds = problem_kinds();
@@ -477,9 +477,9 @@ pub fn problems_page() -> String {
     let flag = |b: Option<bool>| b.map_or("—".to_owned(), |b| format!("`{b}`"));
     for kind in kinds {
         let by = if ProblemKind::EDGE.contains(&kind) {
-            "the edge, to clients"
+            "yes"
         } else {
-            "the state API, to the filter and operators"
+            "no: the state API's own, to the filter and operators"
         };
         let _ = writeln!(
             out,

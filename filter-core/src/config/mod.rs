@@ -349,7 +349,7 @@ pub struct Route {
     /// With `on_unknown: reconcile`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reconcile: Option<Reconcile>,
-    /// This route's own lease, heartbeat and request body limit (the global ones when absent).
+    /// This route's own lease (the global `lease_ms` when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = limits::MIN_LEASE_MS, max = limits::MAX_LEASE_MS)))]
     pub lease_ms: Option<u64>,
