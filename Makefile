@@ -246,7 +246,7 @@ test-alerts: tools-prometheus tools-run build
 # runbook), builds, checks the built site (every anchor a link names, every problem type's URI),
 # then opens three pages in a headless Chromium (titles, no console errors, every request
 # answered) and saves their screenshots under target/docs-shots/.
-MDBOOK_VERSION := 0.4.52
+MDBOOK_VERSION := 0.5.4
 .PHONY: tools-docs docs docs-serve docs-openapi
 tools-docs:
 	@if [ "$$(mdbook --version 2>/dev/null | awk '{print $$2}')" != "v$(MDBOOK_VERSION)" ]; then \
