@@ -26,7 +26,7 @@ import tempfile
 import threading
 
 # (name, path on the site, what the <title> must contain (the summary's name of the page),
-# what the page's first <h1> must say)
+# what the first <h1> of the page's <main> must say)
 PAGES = [
     ("index", "/", "Edge idempotency", "Edge idempotency"),
     ("configuration", "/reference/configuration.html", "The configuration file", "The configuration file"),
@@ -134,7 +134,8 @@ def main():
                 failures.append(f"{path}: {e}")
                 continue
             got_title = text_of(dom, "title")
-            got_h1 = text_of(dom, "h1")
+            main = re.search(r"<main[^>]*>(.*?)</main>", dom, re.S | re.I)
+            got_h1 = text_of(main.group(1), "h1") if main else None
             if not got_title or title not in got_title:
                 failures.append(f"{path}: title {got_title!r}, expected one with {title!r}")
             if got_h1 != heading:
