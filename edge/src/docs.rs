@@ -257,7 +257,10 @@ impl Walker<'_> {
     /// The description of a property: its own, else the one of the schema it refers to.
     fn description(&self, prop: &Value) -> Option<String> {
         let own = prop.get("description").and_then(Value::as_str);
-        let referred = self.resolve(prop).get("description").and_then(Value::as_str);
+        let referred = self
+            .resolve(prop)
+            .get("description")
+            .and_then(Value::as_str);
         own.or(referred).map(str::to_owned)
     }
 
@@ -296,7 +299,10 @@ impl Walker<'_> {
             };
             let target = self.resolve(prop).clone();
             let (ty, child) = self.type_of(&target);
-            let default = match (prop.get("default").or_else(|| target.get("default")), default) {
+            let default = match (
+                prop.get("default").or_else(|| target.get("default")),
+                default,
+            ) {
                 (Some(v), _) => format!("`{v}`"),
                 (None, Some(d)) => d,
                 (None, None) if required.contains(&name.as_str()) => "required".to_owned(),
@@ -304,7 +310,11 @@ impl Walker<'_> {
             };
             let mut text = one_line(&text);
             if let Some(values) = self.values(&target) {
-                text = if text.is_empty() { values } else { format!("{text} {values}") };
+                text = if text.is_empty() {
+                    values
+                } else {
+                    format!("{text} {values}")
+                };
             }
             if let Some((child, array)) = child {
                 let parent = section_name(&self.sections[index].heading);
@@ -312,7 +322,9 @@ impl Walker<'_> {
                 text = format!("{text} (below: {heading})");
                 nested.push((child.clone(), heading, child_path, String::new()));
             }
-            self.sections[index].rows.push([name.clone(), ty, default, text]);
+            self.sections[index]
+                .rows
+                .push([name.clone(), ty, default, text]);
         }
         for (child, heading, child_path, intro) in nested {
             self.object_or_variants(&child, heading, child_path, &intro);
@@ -347,7 +359,9 @@ impl Walker<'_> {
         }
         let intro = format!(
             "{} Exactly one of these members.",
-            node.get("description").and_then(Value::as_str).unwrap_or("")
+            node.get("description")
+                .and_then(Value::as_str)
+                .unwrap_or("")
         );
         let table = serde_json::json!({ "properties": merged });
         self.object(&table, heading, path, intro.trim());
@@ -360,14 +374,25 @@ impl Walker<'_> {
         }
         let types: Vec<&str> = match node.get("type") {
             Some(Value::String(t)) => vec![t.as_str()],
-            Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).filter(|t| *t != "null").collect(),
+            Some(Value::Array(ts)) => ts
+                .iter()
+                .filter_map(Value::as_str)
+                .filter(|t| *t != "null")
+                .collect(),
             _ => Vec::new(),
         };
         match types.first().copied() {
             Some("array") => {
-                let items = node.get("items").map(|i| self.resolve(i)).unwrap_or(&Value::Null);
+                let items = node
+                    .get("items")
+                    .map(|i| self.resolve(i))
+                    .unwrap_or(&Value::Null);
                 if self.is_table(items) {
-                    let word = if self.syntax == Syntax::Toml { "array of tables" } else { "array of objects" };
+                    let word = if self.syntax == Syntax::Toml {
+                        "array of tables"
+                    } else {
+                        "array of objects"
+                    };
                     (word.to_owned(), Some((items.clone(), true)))
                 } else {
                     let (inner, _) = self.type_of(items);
@@ -376,7 +401,9 @@ impl Walker<'_> {
             }
             Some("object") => ("table of strings".to_owned(), None),
             Some(t) => (t.to_owned(), None),
-            None if node.get("oneOf").is_some() || node.get("enum").is_some() => ("string".to_owned(), None),
+            None if node.get("oneOf").is_some() || node.get("enum").is_some() => {
+                ("string".to_owned(), None)
+            }
             None => ("any".to_owned(), None),
         }
     }
@@ -393,7 +420,11 @@ impl Walker<'_> {
     fn values(&self, node: &Value) -> Option<String> {
         let mut out = Vec::new();
         if let Some(values) = node.get("enum").and_then(Value::as_array) {
-            out.extend(values.iter().map(|v| format!("`{}`", v.as_str().unwrap_or_default())));
+            out.extend(
+                values
+                    .iter()
+                    .map(|v| format!("`{}`", v.as_str().unwrap_or_default())),
+            );
         } else if let Some(variants) = node.get("oneOf").and_then(Value::as_array) {
             for v in variants {
                 let value = v
@@ -415,12 +446,19 @@ impl Walker<'_> {
             (Syntax::Json, true) => format!("{name}[]"),
             _ => name.to_owned(),
         };
-        let child_path = if path.is_empty() { segment } else { format!("{path}.{segment}") };
+        let child_path = if path.is_empty() {
+            segment
+        } else {
+            format!("{path}.{segment}")
+        };
         let heading = match self.syntax {
             Syntax::Toml if path.is_empty() && array => format!("`[[{name}]]`"),
             Syntax::Toml if path.is_empty() => format!("`[{name}]`"),
             Syntax::Toml if !parent.starts_with("[[") && !parent.contains(' ') => {
-                format!("`[{}.{name}]`", parent.trim_start_matches('[').trim_end_matches(']'))
+                format!(
+                    "`[{}.{name}]`",
+                    parent.trim_start_matches('[').trim_end_matches(']')
+                )
             }
             Syntax::Toml => format!("`{parent} {name}`"),
             Syntax::Json => format!("`{child_path}`"),
@@ -491,7 +529,8 @@ pub fn problems_page() -> String {
             by,
             flag(kind.retry_same_key()),
             flag(kind.new_key_safe()),
-            kind.key_state().map_or("—".to_owned(), |s| format!("`{s}`")),
+            kind.key_state()
+                .map_or("—".to_owned(), |s| format!("`{s}`")),
         );
     }
     out
@@ -503,7 +542,9 @@ pub fn problems_page() -> String {
 /// The OpenAPI document as a page: each operation with its answers, then each schema.
 pub fn openapi_page(json: &str) -> Result<String, DocsError> {
     let doc: Value = serde_json::from_str(json).map_err(|e| DocsError::OpenApi(e.to_string()))?;
-    let info = doc.get("info").ok_or_else(|| DocsError::OpenApi("no info".into()))?;
+    let info = doc
+        .get("info")
+        .ok_or_else(|| DocsError::OpenApi("no info".into()))?;
     let paths = doc
         .get("paths")
         .and_then(Value::as_object)
@@ -523,11 +564,19 @@ pub fn openapi_page(json: &str) -> Result<String, DocsError> {
     );
     if let Some(servers) = doc.get("servers").and_then(Value::as_array) {
         for s in servers {
-            let _ = writeln!(out, "- Server: `{}` ({})", text(s.get("url")), text(s.get("description")));
+            let _ = writeln!(
+                out,
+                "- Server: `{}` ({})",
+                text(s.get("url")),
+                text(s.get("description"))
+            );
         }
         out.push('\n');
     }
-    if let Some(schemes) = doc.pointer("/components/securitySchemes").and_then(Value::as_object) {
+    if let Some(schemes) = doc
+        .pointer("/components/securitySchemes")
+        .and_then(Value::as_object)
+    {
         out.push_str("## Authentication\n\n| scheme | kind | what |\n|---|---|---|\n");
         for (name, s) in schemes {
             let _ = writeln!(
@@ -542,7 +591,9 @@ pub fn openapi_page(json: &str) -> Result<String, DocsError> {
     }
     out.push_str("## Operations\n\n");
     for (path, item) in paths {
-        let Some(item) = item.as_object() else { continue };
+        let Some(item) = item.as_object() else {
+            continue;
+        };
         for (method, op) in item {
             if op.get("responses").is_none() {
                 continue;
@@ -599,7 +650,10 @@ pub fn openapi_page(json: &str) -> Result<String, DocsError> {
             }
         }
     }
-    if let Some(schemas) = doc.pointer("/components/schemas").and_then(Value::as_object) {
+    if let Some(schemas) = doc
+        .pointer("/components/schemas")
+        .and_then(Value::as_object)
+    {
         out.push_str("## Schemas\n\n");
         for (name, schema) in schemas {
             let _ = writeln!(out, "### {name}\n");
@@ -619,7 +673,11 @@ pub fn openapi_page(json: &str) -> Result<String, DocsError> {
                         out,
                         "| `{p}` | {} | {} | {} |",
                         openapi_type(v),
-                        if required.contains(&p.as_str()) { "yes" } else { "no" },
+                        if required.contains(&p.as_str()) {
+                            "yes"
+                        } else {
+                            "no"
+                        },
                         one_line(&text(v.get("description")))
                     );
                 }
@@ -660,12 +718,19 @@ fn openapi_type(schema: &Value) -> String {
         }
     }
     if let Some(values) = schema.get("enum").and_then(Value::as_array) {
-        let v: Vec<String> = values.iter().map(|v| format!("`{}`", v.as_str().unwrap_or("null"))).collect();
+        let v: Vec<String> = values
+            .iter()
+            .map(|v| format!("`{}`", v.as_str().unwrap_or("null")))
+            .collect();
         return format!("one of {}", v.join(", "));
     }
     let types: Vec<String> = match schema.get("type") {
         Some(Value::String(t)) => vec![t.clone()],
-        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).map(str::to_owned).collect(),
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect(),
         _ => vec!["any".to_owned()],
     };
     let t = types.join(" or ");
@@ -703,7 +768,10 @@ mod tests {
     fn the_default_paragraph_is_the_default_column() {
         assert_eq!(
             split_default("Where it listens.\n\nDefault: `127.0.0.1:8081`."),
-            ("Where it listens.".to_owned(), Some("`127.0.0.1:8081`".to_owned()))
+            (
+                "Where it listens.".to_owned(),
+                Some("`127.0.0.1:8081`".to_owned())
+            )
         );
     }
 
@@ -719,7 +787,10 @@ mod tests {
         }
         let page = problems_page();
         for kind in kinds {
-            assert!(page.contains(&format!("](../problems/{}/index.md)", kind.slug())), "{kind:?}");
+            assert!(
+                page.contains(&format!("](../problems/{}/index.md)", kind.slug())),
+                "{kind:?}"
+            );
         }
     }
 }

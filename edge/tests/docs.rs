@@ -34,8 +34,14 @@ fn the_committed_openapi_document_is_what_the_state_api_serves() {
 fn the_committed_reference_pages_are_what_the_code_generates() {
     let openapi = committed(edge::docs::OPENAPI_JSON);
     let pages = [
-        (edge::docs::CONFIGURATION_PAGE, edge::docs::configuration_page()),
-        (edge::docs::PLUGIN_CONFIGURATION_PAGE, edge::docs::plugin_configuration_page()),
+        (
+            edge::docs::CONFIGURATION_PAGE,
+            edge::docs::configuration_page(),
+        ),
+        (
+            edge::docs::PLUGIN_CONFIGURATION_PAGE,
+            edge::docs::plugin_configuration_page(),
+        ),
         (edge::docs::PROBLEMS_PAGE, Ok(edge::docs::problems_page())),
         (edge::docs::OPENAPI_PAGE, edge::docs::openapi_page(&openapi)),
     ];
