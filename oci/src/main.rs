@@ -105,59 +105,63 @@ fn write(args: &Args) -> Result<String, String> {
     Ok(digests)
 }
 
-/// The bill of materials of what ships (oci::sbom), from `cargo metadata` of the workspace at
-/// `workspace` for each artifact's target.
+/// The bill of materials of what ships (oci::sbom): each artifact's crates from `cargo tree`
+/// of its package for its target, described by `cargo metadata`, checksums from Cargo.lock.
 fn sbom(images: &oci::Images, workspace: &Path) -> Result<serde_json::Value, String> {
     use oci::sbom::{self, ImageDigest, Inputs, ARTIFACTS};
-    let run = |args: &[&str]| -> Result<Vec<u8>, String> {
-        let program = if args[0] == "rustc" { "rustc" } else { "cargo" };
+    let run = |program: &str, args: &[&str]| -> Result<String, String> {
         let out = Command::new(program)
-            .args(&args[1..])
+            .args(args)
             .current_dir(workspace)
             .output()
             .map_err(|e| format!("cannot run {program}: {e}"))?;
         if !out.status.success() {
             return Err(format!(
-                "{} failed: {}",
+                "{program} {} failed: {}",
                 args.join(" "),
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
-        Ok(out.stdout)
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     };
-    let version_info = String::from_utf8_lossy(&run(&["rustc", "-vV"])?).into_owned();
+    let version_info = run("rustc", &["-vV"])?;
     let host = version_info
         .lines()
         .find_map(|l| l.strip_prefix("host: "))
         .ok_or("rustc -vV names no host")?
         .to_owned();
-    let mut metadata = std::collections::BTreeMap::new();
+    let metadata: serde_json::Value = serde_json::from_str(&run(
+        "cargo",
+        &["metadata", "--format-version", "1", "--locked"],
+    )?)
+    .map_err(|e| format!("cargo metadata is not JSON: {e}"))?;
     let mut artifacts = Vec::new();
     for artifact in ARTIFACTS {
         let triple = artifact.target.triple(&host);
-        if !metadata.contains_key(&triple) {
-            let json = run(&[
-                "cargo",
-                "metadata",
-                "--format-version",
-                "1",
+        let tree = run(
+            "cargo",
+            &[
+                "tree",
                 "--locked",
-                "--filter-platform",
+                "-e",
+                "normal,no-proc-macro",
+                "--prefix",
+                "none",
+                "--format",
+                "{p}",
+                "-p",
+                artifact.package,
+                "--target",
                 &triple,
-            ])?;
-            let value: serde_json::Value = serde_json::from_slice(&json)
-                .map_err(|e| format!("cargo metadata is not JSON: {e}"))?;
-            metadata.insert(triple.clone(), value);
-        }
+            ],
+        )?;
         let crates =
-            sbom::crates_of(&metadata[&triple], artifact.package).map_err(|e| e.to_string())?;
+            sbom::describe(&metadata, &sbom::parse_tree(&tree)).map_err(|e| e.to_string())?;
         artifacts.push((artifact, triple, crates));
     }
     // The lock file of the workspace cargo found (from any folder inside it).
-    let root = metadata
-        .values()
-        .next()
-        .and_then(|m| m["workspace_root"].as_str())
+    let root = metadata["workspace_root"]
+        .as_str()
         .ok_or("cargo metadata names no workspace_root")?;
     let lock_path = Path::new(root).join("Cargo.lock");
     let lock = std::fs::read_to_string(&lock_path)

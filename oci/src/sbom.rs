@@ -4,11 +4,12 @@
 //! crates it is built from (name, version, package URL, licence, and the registry's SHA-256
 //! from Cargo.lock).
 //!
-//! An artifact's crates are the packages reachable from its package by normal dependencies in
-//! `cargo metadata`'s resolve for the artifact's target (build and dev dependencies never end in
-//! it). The resolve unifies features over the workspace, so a crate that only another member
-//! turns on may be listed too: the list is complete, never short (`make oci`'s test checks it
-//! against `cargo tree` of each artifact alone). Nothing depends on the time or the machine:
+//! An artifact's crates are what `cargo tree -p <package> --target <target> -e
+//! normal,no-proc-macro` lists: its package's own feature resolution (as `cargo build -p` makes
+//! it), normal dependencies only, procedural macros left out (build and dev dependencies and
+//! macros run in the compiler and never end in it; cargo-auditable records a binary's crates the
+//! same way). `cargo metadata` says each one's licence and source. `make oci`'s test checks the
+//! list against cargo's unit graph of the artifact's build, both ways. Nothing depends on the time or the machine:
 //! the serial number is derived from the content, no timestamp is written.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -72,7 +73,7 @@ pub struct ImageDigest {
 /// Why a bill of materials cannot be made.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SbomError {
-    #[error("cargo metadata has no workspace package `{0}`")]
+    #[error("cargo metadata has no package {0}")]
     NoPackage(String),
     #[error("cargo metadata is not as expected: {0}")]
     Metadata(String),
@@ -94,60 +95,44 @@ impl Crate {
     }
 }
 
-/// The crates `package` is built from for the target whose `cargo metadata
-/// --filter-platform` output is `metadata`: itself and every package reachable by normal
-/// dependencies.
-pub fn crates_of(metadata: &Value, package: &str) -> Result<BTreeSet<Crate>, SbomError> {
+/// The (name, version) pairs of `cargo tree --prefix none --format {p}` output: a line is
+/// `name vX.Y.Z`, then ` (path)` for a workspace crate or ` (*)` for one listed before.
+pub fn parse_tree(text: &str) -> BTreeSet<(String, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let name = words.next()?;
+            let version = words.next()?.strip_prefix('v')?;
+            Some((name.to_owned(), version.to_owned()))
+        })
+        .collect()
+}
+
+/// The crates named by `listed`, as `cargo metadata` (of the whole workspace) describes them:
+/// licence, and whether crates.io's or the workspace's own.
+pub fn describe(
+    metadata: &Value,
+    listed: &BTreeSet<(String, String)>,
+) -> Result<BTreeSet<Crate>, SbomError> {
     let packages = metadata["packages"]
         .as_array()
         .ok_or_else(|| SbomError::Metadata("no `packages`".into()))?;
-    let by_id: BTreeMap<&str, &Value> = packages
-        .iter()
-        .filter_map(|p| Some((p["id"].as_str()?, p)))
-        .collect();
     let members: BTreeSet<&str> = metadata["workspace_members"]
         .as_array()
         .map(|m| m.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
-    let root = packages
+    listed
         .iter()
-        .find(|p| p["name"] == package && p["id"].as_str().is_some_and(|id| members.contains(id)))
-        .and_then(|p| p["id"].as_str())
-        .ok_or_else(|| SbomError::NoPackage(package.to_owned()))?;
-    let nodes: BTreeMap<&str, &Value> = metadata["resolve"]["nodes"]
-        .as_array()
-        .ok_or_else(|| SbomError::Metadata("no `resolve.nodes`".into()))?
-        .iter()
-        .filter_map(|n| Some((n["id"].as_str()?, n)))
-        .collect();
-    let mut seen = BTreeSet::from([root]);
-    let mut todo = vec![root];
-    while let Some(id) = todo.pop() {
-        let node = nodes
-            .get(id)
-            .ok_or_else(|| SbomError::Metadata(format!("no resolve node for {id}")))?;
-        for dep in node["deps"].as_array().into_iter().flatten() {
-            let normal = dep["dep_kinds"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|k| k["kind"].is_null());
-            if let (true, Some(next)) = (normal, dep["pkg"].as_str()) {
-                if seen.insert(next) {
-                    todo.push(next);
-                }
-            }
-        }
-    }
-    seen.into_iter()
-        .map(|id| {
-            let p = by_id
-                .get(id)
-                .ok_or_else(|| SbomError::Metadata(format!("no package {id}")))?;
+        .map(|(name, version)| {
+            let p = packages
+                .iter()
+                .find(|p| p["name"] == name.as_str() && p["version"] == version.as_str())
+                .ok_or_else(|| SbomError::NoPackage(format!("{name} {version}")))?;
+            let member = p["id"].as_str().is_some_and(|id| members.contains(id));
             Ok(Crate {
-                name: p["name"].as_str().unwrap_or_default().to_owned(),
-                version: p["version"].as_str().unwrap_or_default().to_owned(),
-                registry: !members.contains(id) && !p["source"].is_null(),
+                name: name.clone(),
+                version: version.clone(),
+                registry: !member && !p["source"].is_null(),
                 license: p["license"].as_str().map(spdx_expression),
             })
         })
@@ -306,51 +291,49 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
-    /// A workspace `app` depending normally on `a` (which needs `b`), on `tool` for its build
-    /// only and on `t` for its tests only.
     fn metadata() -> Value {
         let pkg = |id: &str, name: &str, source: Option<&str>, license: Option<&str>| json!({ "id": id, "name": name, "version": "1.0.0", "source": source, "license": license });
-        let dep =
-            |pkg: &str, kind: Option<&str>| json!({ "pkg": pkg, "dep_kinds": [{ "kind": kind }] });
         let reg = Some("registry+https://github.com/rust-lang/crates.io-index");
         json!({
             "packages": [
                 pkg("app-id", "app", None, Some("Apache-2.0")),
                 pkg("a-id", "a", reg, Some("MIT/Apache-2.0")),
                 pkg("b-id", "b", reg, None),
-                pkg("tool-id", "tool", reg, Some("MIT")),
-                pkg("t-id", "t", reg, Some("MIT")),
             ],
             "workspace_members": ["app-id"],
-            "resolve": { "nodes": [
-                { "id": "app-id", "deps": [dep("a-id", None), dep("tool-id", Some("build")), dep("t-id", Some("dev"))] },
-                { "id": "a-id", "deps": [dep("b-id", None)] },
-                { "id": "b-id", "deps": [] },
-                { "id": "tool-id", "deps": [] },
-                { "id": "t-id", "deps": [] },
-            ]},
         })
     }
 
+    fn listed(names: &[&str]) -> BTreeSet<(String, String)> {
+        names
+            .iter()
+            .map(|n| ((*n).to_owned(), "1.0.0".to_owned()))
+            .collect()
+    }
+
     #[test]
-    fn an_artifact_is_its_package_and_what_it_reaches_by_normal_dependencies() {
-        let crates = crates_of(&metadata(), "app").unwrap();
-        let names: Vec<_> = crates.iter().map(|c| c.name.as_str()).collect();
-        assert_eq!(names, ["a", "app", "b"]);
+    fn cargo_tree_lines_give_names_and_versions() {
+        let tree = "app v1.0.0 (/src/app)\na v1.0.0\nb v1.0.0\na v1.0.0 (*)\n\n";
+        assert_eq!(parse_tree(tree), listed(&["app", "a", "b"]));
+    }
+
+    #[test]
+    fn each_listed_crate_is_described_by_the_metadata() {
+        let crates = describe(&metadata(), &listed(&["app", "a", "b"])).unwrap();
         let a = crates.iter().find(|c| c.name == "a").unwrap();
         assert_eq!(a.license.as_deref(), Some("MIT OR Apache-2.0"));
         assert!(a.registry);
         assert!(!crates.iter().find(|c| c.name == "app").unwrap().registry);
         assert_eq!(
-            crates_of(&metadata(), "b"),
-            Err(SbomError::NoPackage("b".into())),
-            "only workspace packages are artifacts"
+            describe(&metadata(), &listed(&["z"])),
+            Err(SbomError::NoPackage("z 1.0.0".into())),
+            "a crate the metadata does not know is an error, not a gap"
         );
     }
 
     #[test]
     fn the_bill_names_images_artifacts_and_crates_and_is_the_same_for_the_same_inputs() {
-        let used = crates_of(&metadata(), "app").unwrap();
+        let used = describe(&metadata(), &listed(&["app", "a", "b"])).unwrap();
         let checksums = BTreeMap::from([(("a".to_owned(), "1.0.0".to_owned()), "ab".repeat(32))]);
         let images = [ImageDigest {
             tag: "compat".into(),

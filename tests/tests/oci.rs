@@ -14,9 +14,7 @@ use std::process::Command;
 use e2e::client::unique_key;
 use e2e::process::{workspace_binary, workspace_root};
 use e2e::stack::{Stack, StackOptions};
-use e2e::testkit::{
-    block_on, charge_body, checkout, client, is_problem, replayed, send_in_background,
-};
+use e2e::testkit::{block_on, client};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -285,8 +283,9 @@ fn files(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>, Failed> {
 }
 
 /// Issue 49: `sbom.cdx.json` (CycloneDX) names both images by the digests DIGESTS gives, the
-/// module by its digest, and for each shipped artifact every crate `cargo tree` says it is
-/// built from for its target (normal dependencies: what ends in the artifact), each with its
+/// module by its digest, and for each shipped artifact exactly the crates its release build
+/// compiles for its target (cargo's unit graph: what is linked into it, not the procedural
+/// macros and build scripts the compiler runs), each with its
 /// package URL, licence and, for crates.io's, the lock file's checksum.
 fn sbom_complete() -> Result<(), Failed> {
     let text = read(&oci_dir().join("sbom.cdx.json"))?;
@@ -342,37 +341,22 @@ fn sbom_complete() -> Result<(), Failed> {
             property(artifact, "cargo:package").unwrap_or_default(),
             property(artifact, "cargo:target").unwrap_or_default(),
         );
-        let tree = Command::new("cargo")
-            .args(["tree", "--locked", "-e", "normal", "--prefix", "none"])
-            .args(["--format", "{p}", "-p", &package, "--target", &target])
-            .current_dir(workspace_root())
-            .output()
-            .map_err(|e| format!("cannot run cargo tree: {e}"))?;
-        assert!(
-            tree.status.success(),
-            "{}",
-            String::from_utf8_lossy(&tree.stderr)
-        );
-        let listed = depends
+        let built = built_crates(&package, &target)?;
+        let listed: std::collections::BTreeSet<String> = depends
             .get(artifact["bom-ref"].as_str().unwrap_or(""))
             .cloned()
-            .unwrap_or_default();
-        let mut expected = std::collections::BTreeSet::new();
-        for line in String::from_utf8_lossy(&tree.stdout).lines() {
-            let mut words = line.split_whitespace();
-            if let (Some(name), Some(version)) = (words.next(), words.next()) {
-                let version = version.trim_start_matches('v');
-                expected.insert(format!("pkg:cargo/{name}@{version}"));
-            }
-        }
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         assert!(
-            expected.len() > 10,
-            "{package}: cargo tree listed {expected:?}"
+            built.len() > 10,
+            "{package}: the unit graph built {built:?}"
         );
-        let missing: Vec<&String> = expected.iter().filter(|p| !listed.contains(p)).collect();
+        let missing: Vec<&String> = built.difference(&listed).collect();
+        let extra: Vec<&String> = listed.difference(&built).collect();
         assert!(
-            missing.is_empty(),
-            "{package} ({target}): the SBOM lacks {missing:?}"
+            missing.is_empty() && extra.is_empty(),
+            "{package} ({target}): the SBOM lacks {missing:?} and lists {extra:?}, which its build does not link"
         );
     }
     for c in components.iter().filter(|c| c["type"] == "library") {
@@ -392,6 +376,58 @@ fn sbom_complete() -> Result<(), Failed> {
         );
     }
     Ok(())
+}
+
+/// The crates a release build of `package` for `target` compiles for that target (not for the
+/// machine: procedural macros, build scripts), as `pkg:cargo/name@version`: cargo's unit graph
+/// (`-Z unstable-options --unit-graph` on the stable toolchain with RUSTC_BOOTSTRAP=1; nothing
+/// is built).
+fn built_crates(package: &str, target: &str) -> Result<std::collections::BTreeSet<String>, Failed> {
+    let out = Command::new("cargo")
+        .args([
+            "build",
+            "--locked",
+            "--release",
+            "-p",
+            package,
+            "--target",
+            target,
+        ])
+        .args(["-Z", "unstable-options", "--unit-graph"])
+        .env("RUSTC_BOOTSTRAP", "1")
+        .current_dir(workspace_root())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned().into());
+    }
+    let graph = json(&out.stdout, "cargo's unit graph")?;
+    let mut crates = std::collections::BTreeSet::new();
+    for unit in graph["units"].as_array().into_iter().flatten() {
+        let kinds = unit["target"]["kind"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if unit["platform"] != target
+            || unit["mode"] != "build"
+            || kinds.iter().any(|k| k == "custom-build")
+        {
+            continue;
+        }
+        // `registry+URL#name@version`, or `path+file:///…/name#version` for a workspace crate
+        // whose folder is its name (`#name@version` otherwise).
+        let id = unit["pkg_id"].as_str().unwrap_or("");
+        let (source, spec) = id.rsplit_once('#').unwrap_or((id, ""));
+        let (name, version) = match spec.split_once('@') {
+            Some((n, v)) => (n.to_owned(), v.to_owned()),
+            None => (
+                source.rsplit('/').next().unwrap_or("").to_owned(),
+                spec.to_owned(),
+            ),
+        };
+        crates.insert(format!("pkg:cargo/{name}@{version}"));
+    }
+    Ok(crates)
 }
 
 fn tempdir(label: &str) -> Result<PathBuf, Failed> {
