@@ -188,12 +188,14 @@ lint: tools-sqlx
 	$(CARGO) clippy --locked -p filter --target wasm32-wasip1 -- -D warnings
 	$(MAKE) -s lint-sql
 
-# Supply chain (README, *Supply chain*): cargo-deny's advisories, licences, bans and sources
-# over the workspace and fuzz/, against a dated copy of the RustSec database that is never
-# fetched (ADVISORY_DB: a plain copy or a git clone; default ../shared/advisory-db). Policy and
-# every accepted advisory, with its reason: deny.toml.
+# Supply chain (docs: Deploying, *Supply chain*): cargo-deny's advisories, licences, bans and
+# sources over the workspace and fuzz/, against a dated copy of the RustSec database that is
+# never fetched (ADVISORY_DB: a git clone, a plain copy or a .tar.gz of one; default
+# ../shared/advisory-db when this machine has it, else supply-chain/advisory-db.tar.gz, the same
+# snapshot kept in the repository). Policy and every accepted advisory, with its reason:
+# deny.toml.
 CARGO_DENY_VERSION := 0.20.2
-ADVISORY_DB ?= ../shared/advisory-db
+ADVISORY_DB ?=
 .PHONY: tools-audit audit
 tools-audit:
 	@if [ "$$(cargo-deny --version 2>/dev/null | awk '{print $$2}')" != "$(CARGO_DENY_VERSION)" ]; then \
@@ -202,6 +204,12 @@ tools-audit:
 	fi
 audit: tools-audit
 	ADVISORY_DB=$(ADVISORY_DB) scripts/audit.sh
+
+# What ships built twice from the committed source, compared byte for byte (scripts/reproducible.sh;
+# not in `make test`: two release builds, about a quarter of an hour).
+.PHONY: reproducible
+reproducible: tools-rust
+	scripts/reproducible.sh
 
 # The state API's compile-time-checked SQL: the query data committed in state-api/.sqlx must be
 # what a migrated Postgres says today (a throwaway one, started and removed by `edge`).

@@ -1,30 +1,43 @@
 #!/usr/bin/env bash
 # `make audit`: cargo-deny (advisories, licences, bans, sources) over the workspace and the fuzz
 # workspace, against a copy of the RustSec advisory database that is never fetched from the
-# network (cargo-deny --offline). ADVISORY_DB names the copy: a git clone, or a plain copy of its
-# files (as ../shared/advisory-db is), from which a git repository is made here in target/audit,
-# since cargo-deny reads the database as a repository. Its commit date is the copy's SNAPSHOT date
+# network (cargo-deny --offline). ADVISORY_DB names the copy: a git clone, a plain copy of its
+# files (as ../shared/advisory-db is) or a .tar.gz of one, from which a git repository is made
+# here in target/audit, since cargo-deny reads the database as a repository. Its commit date is the copy's SNAPSHOT date
 # when it has one, so that the audit says how old the database is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-db=${ADVISORY_DB:-../shared/advisory-db}
+# The database: ADVISORY_DB when set; else this machine's dated copy beside the project
+# (../shared/advisory-db); else the same snapshot kept in the repository
+# (supply-chain/advisory-db.tar.gz), so that CI and a fresh machine audit against it offline.
+vendored=supply-chain/advisory-db.tar.gz
+db=${ADVISORY_DB:-}
+if [ -z "$db" ]; then
+  if [ -d ../shared/advisory-db/crates ]; then db=../shared/advisory-db; else db=$vendored; fi
+fi
 deny=${CARGO_DENY:-cargo-deny}
+work=$PWD/target/audit
+rm -rf "$work"
+mkdir -p "$work"
+if [ -f "$db" ]; then
+  tar -xzf "$db" -C "$work"
+  echo "audit: advisory database from $db"
+  db=$work/advisory-db
+fi
 if [ ! -d "$db/crates" ]; then
   echo "audit: no advisory database at $db (a copy of github.com/RustSec/advisory-db with its crates/ folder);" >&2
   echo "       point ADVISORY_DB at one: git clone https://github.com/RustSec/advisory-db, then make audit ADVISORY_DB=<that folder>" >&2
   exit 2
 fi
-work=$PWD/target/audit
-rm -rf "$work"
-mkdir -p "$work"
 
 # cargo-deny keeps the database of `db-urls` in `<db-path>/advisory-db-<hash of the URL>` and,
 # with --offline, reads that repository as it is (cargo-deny 0.20 takes no file:// URL).
 dbs=$work/dbs
 repo=$dbs/advisory-db-3157b0e258782691
 mkdir -p "$dbs"
-if git -C "$db" rev-parse --git-dir >/dev/null 2>&1; then
+top=$(git -C "$db" rev-parse --show-toplevel 2>/dev/null || true)
+if [ -n "$top" ] && [ "$top" = "$(cd "$db" && pwd -P)" ]; then
   git clone -q --no-hardlinks "$db" "$repo"
   when=$(git -C "$repo" log -1 --format=%cs)
   echo "audit: advisory database cloned from $db (last commit $when)"
