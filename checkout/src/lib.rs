@@ -22,7 +22,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 
@@ -31,11 +31,12 @@ pub const DECLINED_CARD: &str = "4000000000000002";
 /// Longest processing delay a request may ask for, so a stray header cannot pin a task forever.
 const MAX_DELAY_MS: u64 = 120_000;
 
-/// One execution of `POST /checkout` or `POST /refunds`.
+/// One execution of `POST /checkout`, `POST /refunds` or a subscription change
+/// (`PUT`, `PATCH`, `DELETE /subscriptions/{id}`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct LedgerEntry {
     pub id: u64,
-    /// `charge` or `refund`.
+    /// `charge`, `refund`, `subscription.put`, `subscription.patch` or `subscription.delete`.
     pub kind: String,
     /// `succeeded`, `declined`, `failed` (asked to fail with x-demo-fail), `invalid` (unparseable body)
     /// or `reset` (asked to drop the connection with x-demo-reset; status 0: nothing was sent).
@@ -138,33 +139,82 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
         .route("/attempts", get(list_attempts))
         .route("/checkout/attempts/{key}", get(reconcile))
         .route("/refunds/attempts/{key}", get(reconcile))
+        .route(
+            "/subscriptions/{id}",
+            put(subscription_put)
+                .patch(subscription_patch)
+                .delete(subscription_delete),
+        )
+        .route("/subscriptions/attempts/{key}", get(reconcile))
         .route("/echo", post(echo))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(ledger)
 }
 
-/// What a route executes: its ledger kind and its endpoint (as the edge names it).
-#[derive(Debug, Clone, Copy)]
+/// What a route executes: its ledger kind, its endpoint (as the edge names it) and whether an
+/// empty body is a request (a DELETE carries none).
+#[derive(Debug, Clone)]
 struct Operation {
     kind: &'static str,
-    endpoint: &'static str,
+    endpoint: String,
+    body_optional: bool,
 }
 
-const CHARGE: Operation = Operation {
-    kind: "charge",
-    endpoint: "POST /checkout",
-};
-const REFUND: Operation = Operation {
-    kind: "refund",
-    endpoint: "POST /refunds",
-};
+impl Operation {
+    fn new(kind: &'static str, endpoint: String) -> Self {
+        Self {
+            kind,
+            endpoint,
+            body_optional: false,
+        }
+    }
+}
 
 async fn checkout(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    run(ledger, CHARGE, headers, body).await
+    let op = Operation::new("charge", "POST /checkout".into());
+    run(ledger, op, headers, body).await
 }
 
 async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    run(ledger, REFUND, headers, body).await
+    let op = Operation::new("refund", "POST /refunds".into());
+    run(ledger, op, headers, body).await
+}
+
+/// `PUT /subscriptions/{id}`: replaces a subscription (a write keyed as Stripe's v2 API keys
+/// PUT, PATCH and DELETE), recorded in the ledger as `subscription.put`.
+async fn subscription_put(
+    State(ledger): State<Arc<Ledger>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let op = Operation::new("subscription.put", format!("PUT /subscriptions/{id}"));
+    run(ledger, op, headers, body).await
+}
+
+/// `PATCH /subscriptions/{id}`: changes part of a subscription (`subscription.patch`).
+async fn subscription_patch(
+    State(ledger): State<Arc<Ledger>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let op = Operation::new("subscription.patch", format!("PATCH /subscriptions/{id}"));
+    run(ledger, op, headers, body).await
+}
+
+/// `DELETE /subscriptions/{id}`: cancels a subscription (`subscription.delete`); no body needed.
+async fn subscription_delete(
+    State(ledger): State<Arc<Ledger>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let op = Operation {
+        body_optional: true,
+        ..Operation::new("subscription.delete", format!("DELETE /subscriptions/{id}"))
+    };
+    run(ledger, op, headers, body).await
 }
 
 /// Test hooks for the fault suite, on top of `execute`:
@@ -179,13 +229,13 @@ async fn run(ledger: Arc<Ledger>, op: Operation, headers: HeaderMap, body: Bytes
     let detach = header(&headers, "x-demo-detach").as_deref() == Some("1");
     let reset = header(&headers, "x-demo-reset").as_deref() == Some("1");
     let response = if detach {
-        let task = tokio::spawn(async move { attempt(ledger, op, &headers, &body, reset).await });
+        let task = tokio::spawn(async move { attempt(ledger, &op, &headers, &body, reset).await });
         match task.await {
             Ok(r) => r,
             Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         }
     } else {
-        attempt(ledger, op, &headers, &body, reset).await
+        attempt(ledger, &op, &headers, &body, reset).await
     };
     if reset {
         // Unwinding out of the handler ends the connection's task: hyper drops the socket
@@ -260,7 +310,7 @@ fn card_number(body: &serde_json::Value) -> Option<&str> {
 /// when another attempt executed it (the same status, headers and body; nothing charged).
 async fn attempt(
     ledger: Arc<Ledger>,
-    op: Operation,
+    op: &Operation,
     headers: &HeaderMap,
     body: &[u8],
     reset: bool,
@@ -278,7 +328,7 @@ async fn attempt(
         Some(key) => {
             // The request as the edge names it (its endpoint survives a path rewrite).
             let scope = Scope {
-                endpoint: header(headers, ENDPOINT_HEADER).unwrap_or_else(|| op.endpoint.into()),
+                endpoint: header(headers, ENDPOINT_HEADER).unwrap_or_else(|| op.endpoint.clone()),
                 subject: header(headers, "x-jwt-sub").unwrap_or_default(),
                 key,
                 fingerprint: header(headers, FINGERPRINT_HEADER),
@@ -302,7 +352,7 @@ async fn attempt(
         tokio::time::sleep(delay).await;
     }
     let run = || {
-        let (entry, produced) = execute(&ledger, kind, headers, body, reset);
+        let (entry, produced) = execute(&ledger, op, headers, body, reset);
         (entry.id, finish(headers, produced))
     };
     let produced = match &guard {
@@ -466,15 +516,21 @@ async fn list_attempts(State(ledger): State<Arc<Ledger>>) -> Json<Vec<attempts::
     Json(ledger.attempts(|a| a.list()).unwrap_or_default())
 }
 
-/// Executes the charge (or refund): the ledger entry and the response it produced.
+/// Executes the charge (refund, subscription change): the ledger entry and the response it
+/// produced.
 fn execute(
     ledger: &Ledger,
-    kind: &str,
+    op: &Operation,
     headers: &HeaderMap,
     body: &[u8],
     reset: bool,
 ) -> (LedgerEntry, Produced) {
-    let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let kind = op.kind;
+    let parsed: Option<serde_json::Value> = if body.is_empty() && op.body_optional {
+        Some(serde_json::json!({}))
+    } else {
+        serde_json::from_slice(body).ok()
+    };
     let forced_failure = header(headers, "x-demo-fail").and_then(|v| v.parse::<u16>().ok());
     let (status, outcome) = match (&parsed, forced_failure) {
         (_, Some(code)) if (500..600).contains(&code) => (code, "failed"),
@@ -508,17 +564,21 @@ fn execute(
     };
     let mut h: Vec<(String, String)> = vec![("content-type".into(), "application/json".into())];
     if outcome == "succeeded" {
-        let path = if kind == "refund" {
-            "refunds"
-        } else {
-            "charges"
+        let location = match kind {
+            "refund" => format!("/refunds/{}", entry.id),
+            "charge" => format!("/charges/{}", entry.id),
+            // The subscription's own address: its endpoint's path.
+            _ => op
+                .endpoint
+                .split_once(' ')
+                .map_or_else(String::new, |(_, path)| path.to_owned()),
         };
         // x-demo-location-bytes: a Location that long (a 3-D Secure redirect, say).
         let padding = header(headers, "x-demo-location-bytes")
             .and_then(|v| v.parse::<usize>().ok())
             .map(|n| format!("?return={}", "r".repeat(n.min(MAX_LOCATION_BYTES))))
             .unwrap_or_default();
-        h.push(("location".into(), format!("/{path}/{}{padding}", entry.id)));
+        h.push(("location".into(), format!("{location}{padding}")));
         h.push(("etag".into(), format!("\"{}-{}\"", kind, entry.id)));
     }
     // Headers that must never be replayed to another request: a cookie and a per-request id.

@@ -197,3 +197,48 @@ async fn the_reconcile_endpoint_answers_about_the_asked_request_and_names_its_at
     .await;
     assert_eq!(status, 400, "{body}");
 }
+
+#[tokio::test]
+async fn subscriptions_take_put_patch_and_a_bodiless_delete_each_executed_once_per_attempt_token() {
+    let (addr, ledger) = serve().await;
+    let change = |method: &'static str, token: &'static str, body: &'static str| {
+        let endpoint = format!("{method} /subscriptions/sub_1");
+        async move {
+            let headers = [
+                ("idempotency-key", "k-sub"),
+                ("idempotency-fencing-token", token),
+                ("idempotency-endpoint", endpoint.as_str()),
+                ("idempotency-fingerprint", "fp"),
+                ("x-jwt-sub", "alice"),
+            ];
+            exchange(addr, &endpoint, &headers, body).await
+        }
+    };
+    let (put, put_headers, put_body) = change("PUT", "1", r#"{"plan":"gold"}"#).await;
+    assert_eq!(put, 201, "{put_body}");
+    assert_eq!(
+        named(&put_headers, "location"),
+        Some("/subscriptions/sub_1")
+    );
+    let (patch, _, patch_body) = change("PATCH", "1", r#"{"plan":"silver"}"#).await;
+    assert_eq!(patch, 201, "{patch_body}");
+    // A DELETE carries no body: that is a request, not an unparseable one.
+    let (delete, _, delete_body) = change("DELETE", "1", "").await;
+    assert_eq!(delete, 201, "{delete_body}");
+    // The same attempt of the DELETE again (a larger token): its execution's answer, no second.
+    let (again, _, again_body) = change("DELETE", "2", "").await;
+    assert_eq!((again, &again_body), (201, &delete_body));
+    let kinds: Vec<_> = ledger.entries().iter().map(|e| e.kind.clone()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "subscription.put",
+            "subscription.patch",
+            "subscription.delete"
+        ]
+    );
+    // A PUT still needs a body it can read.
+    let headers = [("idempotency-key", "k-empty"), ("x-jwt-sub", "alice")];
+    let (empty_put, _, _) = exchange(addr, "PUT /subscriptions/sub_2", &headers, "").await;
+    assert_eq!(empty_put, 400);
+}

@@ -73,8 +73,13 @@ impl Request {
     }
 
     pub fn get(path: &str) -> Self {
+        Self::with_method(reqwest::Method::GET, path)
+    }
+
+    /// A request with any method (PUT, PATCH, DELETE).
+    pub fn with_method(method: reqwest::Method, path: &str) -> Self {
         Self {
-            method: reqwest::Method::GET,
+            method,
             ..Self::post(path)
         }
     }

@@ -67,6 +67,10 @@ fn main() {
             unprotected_routes_pass_through,
         ),
         SHARED.trial(
+            "put_patch_and_a_bodiless_delete_are_protected_as_post_is",
+            put_patch_and_a_bodiless_delete_are_protected_as_post_is,
+        ),
+        SHARED.trial(
             "a_new_key_for_the_same_request_is_counted_as_key_churn",
             a_new_key_for_the_same_request_is_counted_as_key_churn,
         ),
@@ -731,6 +735,67 @@ async fn unprotected_routes_pass_through(stack: Arc<Stack>) {
     let bare = c.send(Request::get("/charges")).await;
     assert_eq!(bare.status, 200, "{}", bare.describe());
     assert_eq!(bare.body, list.body);
+}
+
+/// Issue 48: the demo's `PUT`, `PATCH` and `DELETE /subscriptions/{id}` routes (the methods
+/// Stripe's v2 API keys) get the answers `POST /checkout` gets: one execution, replays, 422 for
+/// another request under the key (a DELETE's query is part of the request), 409 while the
+/// first runs. A DELETE carries no body at all: the filter claims it from its headers.
+async fn put_patch_and_a_bodiless_delete_are_protected_as_post_is(stack: Arc<Stack>) {
+    use reqwest::Method;
+    let c = client(&stack);
+    let subscription = unique_key("sub");
+    let path = format!("/subscriptions/{subscription}");
+    let write = |method: Method, key: &str, body: Option<serde_json::Value>| {
+        let r = Request::with_method(method, &path)
+            .token(&token("alice"))
+            .key(key);
+        match body {
+            Some(b) => r.json(&b),
+            None => r,
+        }
+    };
+    let cases = [
+        (Method::PUT, Some(json!({"plan": "gold", "quantity": 2}))),
+        (Method::PATCH, Some(json!({"quantity": 3}))),
+        (Method::DELETE, None),
+    ];
+    for (method, body) in cases {
+        let key = unique_key(&format!("sub-{}", method.as_str().to_ascii_lowercase()));
+        let first = c.send(write(method.clone(), &key, body.clone())).await;
+        assert_eq!(first.status, 201, "{method}: {}", first.describe());
+        assert!(!replayed(&first));
+        assert_eq!(first.header("location").as_deref(), Some(path.as_str()));
+        let retry = c.send(write(method.clone(), &key, body.clone())).await;
+        assert!(replayed(&retry), "{method}: {}", retry.describe());
+        assert_eq!(
+            retry.body, first.body,
+            "{method}: the replay is byte-identical"
+        );
+        // Another request under the same key: another body, or for the DELETE another query.
+        let other = match &body {
+            Some(_) => write(method.clone(), &key, Some(json!({"plan": "bronze"}))),
+            None => write(method.clone(), &key, None).path(&format!("{path}?prorate=true")),
+        };
+        let mismatch = c.send(other).await;
+        assert_problem(&mismatch, 422, "idempotency-key-reused", &stack);
+        let ran = executions(&stack, &key).await;
+        assert_eq!(ran.len(), 1, "{method}: one execution for one key: {ran:?}");
+        let kind = format!("subscription.{}", method.as_str().to_ascii_lowercase());
+        assert_eq!(ran[0]["kind"], kind.as_str(), "{ran:?}");
+        assert_eq!(ran[0]["subject"], "alice");
+    }
+    // A duplicate of a DELETE still running: 409 at once, and one execution.
+    let key = unique_key("sub-delete-slow");
+    let slow = send_in_background(&c, write(Method::DELETE, &key, None).delay_ms(3_000));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let duplicate = c.send(write(Method::DELETE, &key, None)).await;
+    assert_problem(&duplicate, 409, "request-in-progress", &stack);
+    let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.status, 201, "{}", first.describe());
+    let after = c.send(write(Method::DELETE, &key, None)).await;
+    assert!(replayed(&after), "{}", after.describe());
+    assert_eq!(executions(&stack, &key).await.len(), 1);
 }
 
 // ---------------------------------------------------------------------------------------------

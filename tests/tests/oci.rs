@@ -14,9 +14,7 @@ use std::process::Command;
 use e2e::client::unique_key;
 use e2e::process::{workspace_binary, workspace_root};
 use e2e::stack::{Stack, StackOptions};
-use e2e::testkit::{
-    block_on, charge_body, checkout, client, is_problem, replayed, send_in_background,
-};
+use e2e::testkit::{block_on, client};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -41,6 +39,10 @@ fn main() {
             envoy_smoke,
         ),
         Trial::test("the_plugin_schema_ships_beside_the_images", schema_beside),
+        Trial::test(
+            "the_sbom_names_the_images_and_every_crate_each_artifact_is_built_from",
+            sbom_complete,
+        ),
         Trial::test(
             "edge_render_for_a_mesh_pins_the_compat_digest",
             render_pins_compat,
@@ -278,6 +280,154 @@ fn files(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>, Failed> {
         }
     }
     Ok(out)
+}
+
+/// Issue 49: `sbom.cdx.json` (CycloneDX) names both images by the digests DIGESTS gives, the
+/// module by its digest, and for each shipped artifact exactly the crates its release build
+/// compiles for its target (cargo's unit graph: what is linked into it, not the procedural
+/// macros and build scripts the compiler runs), each with its
+/// package URL, licence and, for crates.io's, the lock file's checksum.
+fn sbom_complete() -> Result<(), Failed> {
+    let text = read(&oci_dir().join("sbom.cdx.json"))?;
+    assert_eq!(published("sbom")?, sha256(&text), "DIGESTS names the SBOM");
+    let bom = json(&text, "sbom.cdx.json")?;
+    assert_eq!(bom["bomFormat"], "CycloneDX");
+    assert_eq!(bom["specVersion"], "1.5");
+    let components = bom["components"].as_array().cloned().unwrap_or_default();
+    let property = |c: &Value, name: &str| -> Option<String> {
+        c["properties"]
+            .as_array()?
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["value"].as_str().map(str::to_owned))
+    };
+    for tag in ["compat", "oci"] {
+        let digest = published(tag)?;
+        let image = components
+            .iter()
+            .find(|c| c["type"] == "container" && c["version"] == tag)
+            .ok_or_else(|| format!("no image `{tag}` in the SBOM"))?;
+        assert_eq!(property(image, "oci:manifest-digest"), Some(digest.clone()));
+        assert_eq!(
+            image["hashes"][0]["content"].as_str(),
+            Some(digest.trim_start_matches("sha256:"))
+        );
+    }
+    let depends: BTreeMap<String, Vec<String>> = bom["dependencies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| {
+            let on = d["dependsOn"].as_array()?.iter();
+            Some((
+                d["ref"].as_str()?.to_owned(),
+                on.filter_map(|v| v.as_str().map(str::to_owned)).collect(),
+            ))
+        })
+        .collect();
+    let artifacts: Vec<&Value> = components
+        .iter()
+        .filter(|c| property(c, "cargo:package").is_some())
+        .collect();
+    let names: Vec<&str> = artifacts
+        .iter()
+        .filter_map(|a| a["name"].as_str())
+        .collect();
+    assert_eq!(names, ["filter.wasm", "state-api", "edge"]);
+    let module = artifacts[0]["hashes"][0]["content"].as_str().unwrap_or("");
+    assert_eq!(published("module")?, format!("sha256:{module}"));
+    for artifact in artifacts {
+        let (package, target) = (
+            property(artifact, "cargo:package").unwrap_or_default(),
+            property(artifact, "cargo:target").unwrap_or_default(),
+        );
+        let built = built_crates(&package, &target)?;
+        let listed: std::collections::BTreeSet<String> = depends
+            .get(artifact["bom-ref"].as_str().unwrap_or(""))
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        assert!(
+            built.len() > 10,
+            "{package}: the unit graph built {built:?}"
+        );
+        let missing: Vec<&String> = built.difference(&listed).collect();
+        let extra: Vec<&String> = listed.difference(&built).collect();
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "{package} ({target}): the SBOM lacks {missing:?} and lists {extra:?}, which its build does not link"
+        );
+    }
+    for c in components.iter().filter(|c| c["type"] == "library") {
+        let workspace = property(c, "cargo:workspace-member").is_some();
+        assert!(
+            c["licenses"][0]["expression"].is_string(),
+            "no licence for {}",
+            c["purl"]
+        );
+        assert!(
+            workspace
+                || c["hashes"][0]["content"]
+                    .as_str()
+                    .is_some_and(|h| h.len() == 64),
+            "no checksum for {}",
+            c["purl"]
+        );
+    }
+    Ok(())
+}
+
+/// The crates a release build of `package` for `target` compiles for that target (not for the
+/// machine: procedural macros, build scripts), as `pkg:cargo/name@version`: cargo's unit graph
+/// (`-Z unstable-options --unit-graph` on the stable toolchain with RUSTC_BOOTSTRAP=1; nothing
+/// is built).
+fn built_crates(package: &str, target: &str) -> Result<std::collections::BTreeSet<String>, Failed> {
+    let out = Command::new("cargo")
+        .args([
+            "build",
+            "--locked",
+            "--release",
+            "-p",
+            package,
+            "--target",
+            target,
+        ])
+        .args(["-Z", "unstable-options", "--unit-graph"])
+        .env("RUSTC_BOOTSTRAP", "1")
+        .current_dir(workspace_root())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned().into());
+    }
+    let graph = json(&out.stdout, "cargo's unit graph")?;
+    let mut crates = std::collections::BTreeSet::new();
+    for unit in graph["units"].as_array().into_iter().flatten() {
+        let kinds = unit["target"]["kind"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if unit["platform"] != target
+            || unit["mode"] != "build"
+            || kinds.iter().any(|k| k == "custom-build")
+        {
+            continue;
+        }
+        // `registry+URL#name@version`, or `path+file:///…/name#version` for a workspace crate
+        // whose folder is its name (`#name@version` otherwise).
+        let id = unit["pkg_id"].as_str().unwrap_or("");
+        let (source, spec) = id.rsplit_once('#').unwrap_or((id, ""));
+        let (name, version) = match spec.split_once('@') {
+            Some((n, v)) => (n.to_owned(), v.to_owned()),
+            None => (
+                source.rsplit('/').next().unwrap_or("").to_owned(),
+                spec.to_owned(),
+            ),
+        };
+        crates.insert(format!("pkg:cargo/{name}@{version}"));
+    }
+    Ok(crates)
 }
 
 fn tempdir(label: &str) -> Result<PathBuf, Failed> {
