@@ -4,7 +4,7 @@
 #   target `state-api`: the state API alone (Kubernetes, `edge render --target istio|envoy-gateway`;
 #   not built by `make test-compose`).
 # The filter module is built here too (wasm32-wasip1), in the build stage.
-# `make test-compose` builds and runs exactly this file (README, *Docker*).
+# `make test-compose` builds and runs exactly this file (docs/getting-started/compose.md).
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 RUN rustup target add wasm32-wasip1

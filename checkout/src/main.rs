@@ -1,3 +1,7 @@
+//! `checkout`: the demo upstream the idempotency layer protects (`make demo` runs it on :8082),
+//! a payment service that records every charge it executes (`GET /charges`) and every attempt
+//! it saw; the library has its rules.
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 

@@ -5,7 +5,8 @@ use serde::{Deserialize, Serialize};
 pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
 
 /// Every kind of problem this project answers with. The `type` URI is relative
-/// (`/problems/<slug>`); `docs/problems.md` describes each one.
+/// (`/problems/<slug>`); each has its page at `docs/problems/<slug>/index.md`, which the docs
+/// site serves at that URI (`edge docs` fails while one is missing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProblemKind {
     /// A protected route requires a key and none was sent.

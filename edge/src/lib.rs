@@ -4,6 +4,7 @@
 
 pub mod check;
 pub mod config;
+pub mod docs;
 pub mod envoy;
 mod jwt_rules;
 pub mod mesh;

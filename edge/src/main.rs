@@ -1,5 +1,6 @@
-//! `edge check|render|run --config FILE`, `edge clean --dir DIR`, and `edge with-postgres --
-//! COMMAND` for the tools.
+//! `edge`, the command that puts the idempotency layer in front of your own API: `edge
+//! check|render|run --config FILE`, `edge clean --dir DIR`, and for the tools `edge schema`,
+//! `edge docs` (the docs site's generated pages) and `edge with-postgres -- COMMAND`.
 
 use contract::state_env;
 use std::net::SocketAddr;
@@ -50,6 +51,15 @@ enum Command {
     /// Print the JSON Schema (draft 4) of the filter's plugin configuration, generated from the
     /// filter's own types: editors, CI and Kong (a filter's `config_schema`) validate with it.
     Schema,
+    /// Write the docs site's generated Reference pages into DIR (the `docs/` folder): the
+    /// configuration file and the plugin configuration (from their types' doc comments; a field
+    /// without one fails), the problem types' index (every type must have its page) and the
+    /// state API's OpenAPI document. For `make docs`.
+    #[command(hide = true)]
+    Docs {
+        #[arg(long, default_value = "docs")]
+        dir: PathBuf,
+    },
     /// Remove a run folder (a stopped `edge run`'s) and the cluster data it links to outside
     /// the tree (as root, when the folder was closed to the `postgres` user).
     Clean {
@@ -117,6 +127,9 @@ enum EdgeError {
     /// What ended `edge run` other than a signal.
     #[error("{0}")]
     Stopped(String),
+    /// `edge docs`: a page could not be generated.
+    #[error("edge docs: {0}")]
+    Docs(#[from] edge::docs::DocsError),
 }
 
 impl EdgeError {
@@ -191,6 +204,12 @@ fn execute(command: Command) -> Result<ExitCode, EdgeError> {
         } => run(&config, dir, wasm, ha),
         Command::Schema => {
             println!("{}", edge::render::plugin_schema_text());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Docs { dir } => {
+            for path in edge::docs::write_reference(&dir)? {
+                println!("wrote {}", path.display());
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Clean { dir } => {

@@ -1,4 +1,6 @@
-//! `state-api`: see the library for what it does.
+//! `state-api`: the idempotency state API as a server, the single source of truth for every
+//! Idempotency-Key on Postgres: flags or environment ([`state_api::Config`]), the migrations
+//! at start (`--migrate-only` runs them and exits), plain HTTP or HTTPS. The library has the rest.
 
 use std::process::ExitCode;
 use std::time::Duration;

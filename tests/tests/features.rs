@@ -801,7 +801,7 @@ async fn admin_resolve_and_purge(stack: Arc<Stack>) {
         purged.stdout
     );
     // An Envoy that has not answered the key from memory runs it as new; one that has keeps
-    // replaying it until its replay_cache_ttl_ms (60 s) runs out (README, operator actions).
+    // replaying it until its replay_cache_ttl_ms (60 s) runs out (docs/operating/idemctl.md).
     let fresh = stack
         .start_extra_envoy(stack.state_api.port, "envoy-after-purge")
         .unwrap_or_else(|e| panic!("{e}"));

@@ -465,7 +465,7 @@ fn cases() -> Vec<Case> {
             "refused by the state API", |env| env.state_api_claim(Some("Bearer not-the-token"), "").await),
         case!("state-api-token-other-scheme", "POST /v1/claim with `Basic <the token>`" => 401 Some("unauthenticated"), replay: false, runs: 0,
             "refused by the state API", |env| env.state_api_claim(Some(&format!("Basic {TEST_API_TOKEN}")), "").await),
-        case!("state-api-token-in-query", "POST /v1/claim?access_token=<the token>" => 401 Some("unauthenticated"), replay: false, runs: 0,
+        case!("state-api-token-in-query", "POST `/v1/claim?access_token=<the token>`" => 401 Some("unauthenticated"), replay: false, runs: 0,
             "refused by the state API", |env| env.state_api_claim(None, &format!("?access_token={TEST_API_TOKEN}")).await),
         // --- A state API that answers something else (fake state API behind an extra Envoy) ---
         case!("state-api-answers-garbage", "the claim is answered with bytes that are not HTTP" => 503 UNAVAILABLE, replay: false, runs: 0,

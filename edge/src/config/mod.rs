@@ -38,6 +38,16 @@ mod state;
 mod state_tls;
 mod subject;
 
+/// The JSON Schema of the configuration file, generated from the types it is read into
+/// (`raw.rs`): their doc comments are each field's reference text (`edge docs` renders it into
+/// docs/reference/configuration.md).
+pub fn file_schema() -> serde_json::Value {
+    schemars::generate::SchemaSettings::draft07()
+        .into_generator()
+        .into_root_schema_for::<raw::RawFile>()
+        .to_value()
+}
+
 pub use endpoint::{Endpoint, EndpointError};
 
 /// What is wrong with a configuration file.

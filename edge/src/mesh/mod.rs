@@ -130,7 +130,7 @@ fn header(cfg: &Config, target: Target) -> String {
     let mut h = String::from(
         "# Rendered by `edge render` from the configuration file. Not applied to a live cluster by\n\
          # its tests: checked against the CRDs' and Kubernetes' schemas, and the filter's part\n\
-         # through a real Envoy (README, *Istio and Envoy Gateway*).\n",
+         # through a real Envoy (docs/deploying/mesh.md).\n",
     );
     // Issue 46, finding 3: a route's retries are the mesh's objects, not these; the filter
     // makes what it forwards unretriable whatever they say, and they should say it too.

@@ -48,8 +48,11 @@ pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 64 * 1024 * 1024;
 )]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// How the filter reaches the state API: its Envoy cluster, authority, token and timeout.
     pub state_api: StateApi,
+    /// Where the authenticated subject comes from (a header or jwt_authn's dynamic metadata).
     pub subject: SubjectSource,
+    /// The protected routes (at least one); every other request passes through untouched.
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub routes: Vec<Route>,
     /// The largest request body read (413 above); a default for the routes.
@@ -224,6 +227,7 @@ pub enum SubjectSource {
     ),
 }
 
+/// Whether the route requires an `Idempotency-Key`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
@@ -234,6 +238,7 @@ pub enum KeyPolicy {
     Optional,
 }
 
+/// What an upstream 5xx does to the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
@@ -270,14 +275,17 @@ pub struct Reconcile {
     /// The Envoy cluster of the upstream.
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub cluster: String,
+    /// The `:authority` of the reconcile calls.
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub authority: String,
+    /// The method of the reconcile calls.
     #[serde(default = "default_reconcile_method")]
     #[cfg_attr(feature = "schema", schemars(regex(pattern = TOKEN_PATTERN)))]
     pub method: String,
     /// The path, with `{key}` where the key goes (percent-encoded).
     #[cfg_attr(feature = "schema", schemars(regex(pattern = "^/.*\\{key\\}")))]
     pub path: String,
+    /// The reconcile call's timeout (no usable answer in time: 503, nothing forwarded).
     #[serde(default = "default_timeout_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub timeout_ms: u64,
@@ -299,6 +307,7 @@ impl Reconcile {
     }
 }
 
+/// What the route does while the state API cannot be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
@@ -319,6 +328,7 @@ pub enum OnStateUnavailable {
 )]
 #[serde(deny_unknown_fields)]
 pub struct Route {
+    /// The HTTP method protected (`POST`).
     #[cfg_attr(feature = "schema", schemars(regex(pattern = TOKEN_PATTERN)))]
     pub method: String,
     /// Exact path match (the query is ignored).
@@ -339,13 +349,15 @@ pub struct Route {
     /// With `on_unknown: reconcile`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reconcile: Option<Reconcile>,
-    /// This route's own lease, heartbeat and request body limit (the global ones when absent).
+    /// This route's own lease (the global `lease_ms` when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = limits::MIN_LEASE_MS, max = limits::MAX_LEASE_MS)))]
     pub lease_ms: Option<u64>,
+    /// This route's own heartbeat interval (the global `heartbeat_ms` when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = MAX_HEARTBEAT_MS)))]
     pub heartbeat_ms: Option<u64>,
+    /// This route's own request body limit (the global `max_request_body_bytes` when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_request_body_bytes: Option<u64>,
