@@ -20,7 +20,7 @@ use std::time::Duration;
 use attempts::{Attempts, Committed, Produced, Reconciled, Refusal, Scope, Started};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
@@ -141,9 +141,7 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
         .route("/refunds/attempts/{key}", get(reconcile))
         .route(
             "/subscriptions/{id}",
-            put(subscription_put)
-                .patch(subscription_patch)
-                .delete(subscription_delete),
+            put(subscription).patch(subscription).delete(subscription),
         )
         .route("/subscriptions/attempts/{key}", get(reconcile))
         .route("/echo", post(echo))
@@ -180,39 +178,24 @@ async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
     run(ledger, op, headers, body).await
 }
 
-/// `PUT /subscriptions/{id}`: replaces a subscription (a write keyed as Stripe's v2 API keys
-/// PUT, PATCH and DELETE), recorded in the ledger as `subscription.put`.
-async fn subscription_put(
+/// `PUT`, `PATCH` or `DELETE /subscriptions/{id}`: replaces, changes or cancels a subscription
+/// (writes keyed as Stripe's v2 API keys them), recorded in the ledger as `subscription.put`,
+/// `subscription.patch` or `subscription.delete`. A DELETE needs no body.
+async fn subscription(
     State(ledger): State<Arc<Ledger>>,
+    method: Method,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let op = Operation::new("subscription.put", format!("PUT /subscriptions/{id}"));
-    run(ledger, op, headers, body).await
-}
-
-/// `PATCH /subscriptions/{id}`: changes part of a subscription (`subscription.patch`).
-async fn subscription_patch(
-    State(ledger): State<Arc<Ledger>>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let op = Operation::new("subscription.patch", format!("PATCH /subscriptions/{id}"));
-    run(ledger, op, headers, body).await
-}
-
-/// `DELETE /subscriptions/{id}`: cancels a subscription (`subscription.delete`); no body needed.
-async fn subscription_delete(
-    State(ledger): State<Arc<Ledger>>,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+    let kind = match method {
+        Method::PUT => "subscription.put",
+        Method::PATCH => "subscription.patch",
+        _ => "subscription.delete",
+    };
     let op = Operation {
-        body_optional: true,
-        ..Operation::new("subscription.delete", format!("DELETE /subscriptions/{id}"))
+        body_optional: method == Method::DELETE,
+        ..Operation::new(kind, format!("{method} /subscriptions/{id}"))
     };
     run(ledger, op, headers, body).await
 }
