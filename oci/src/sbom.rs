@@ -84,7 +84,7 @@ pub enum SbomError {
 pub struct Crate {
     pub name: String,
     pub version: String,
-    /// `None` for the workspace's own crates.
+    /// Whether it comes from a registry (crates.io): false for the workspace's own crates.
     pub registry: bool,
     pub license: Option<String>,
 }
