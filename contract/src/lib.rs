@@ -15,4 +15,4 @@ pub mod undo;
 pub mod wire;
 
 pub use key::{validate_key, KeyError, MAX_KEY_LEN};
-pub use problem::{Problem, ProblemKind, PROBLEM_CONTENT_TYPE};
+pub use problem::{ClientError, Problem, ProblemKind, PROBLEM_CONTENT_TYPE};

@@ -240,6 +240,64 @@ impl ProblemKind {
         }
     }
 
+    /// What a client should do next, in words (the end of the Stripe-shaped `error.message`
+    /// an SDK raises): follows from [`Self::retry_same_key`] and [`Self::new_key_safe`].
+    pub const fn advice(self) -> &'static str {
+        match self {
+            Self::InProgress => "Retry with the same key after Retry-After: it will not run twice.",
+            Self::StateUnavailable | Self::ReconcileUnavailable | Self::BuffersFull => {
+                "Nothing was forwarded: retry with the same key after Retry-After."
+            }
+            Self::MissingKey | Self::InvalidKey => {
+                "Nothing ran: send it again with a valid Idempotency-Key."
+            }
+            Self::OutcomeUnknown => {
+                "Retrying will not help until it is resolved, and a new key may charge twice: \
+                 ask the service's support about this Idempotency-Key."
+            }
+            Self::OutcomeNotReplayable => {
+                "It ran once and will not run again: look up its result instead of retrying."
+            }
+            Self::KeyReuseMismatch => {
+                "Send the original request to get its result; a different request needs its own key, \
+                 once you know the first did not do what this one asks."
+            }
+            Self::DuplicateJsonMember
+            | Self::BadRequest
+            | Self::Unauthenticated
+            | Self::PayloadTooLarge
+            | Self::EndpointTooLong => {
+                "This request was refused as sent: fix it before sending it again; \
+                 an earlier attempt under this key, if any, stands."
+            }
+            Self::Internal => "The edge failed; retrying with the same key cannot run it twice.",
+            Self::FencedOut
+            | Self::LeaseEnded
+            | Self::NotFound
+            | Self::MethodNotAllowed
+            | Self::Forbidden
+            | Self::LeaseLive
+            | Self::AlreadyCompleted => "",
+        }
+    }
+
+    /// The `type` of the Stripe-shaped `error` member (Stripe's SDKs pick the exception from
+    /// it and the status): `idempotency_error` for what the key's state decides, `api_error`
+    /// for the edge's 5xx, `invalid_request_error` for the rest.
+    pub const fn stripe_error_type(self) -> &'static str {
+        match self {
+            Self::InProgress
+            | Self::KeyReuseMismatch
+            | Self::OutcomeNotReplayable
+            | Self::OutcomeUnknown => "idempotency_error",
+            Self::StateUnavailable
+            | Self::ReconcileUnavailable
+            | Self::BuffersFull
+            | Self::Internal => "api_error",
+            _ => "invalid_request_error",
+        }
+    }
+
     pub fn type_uri(self) -> String {
         format!("/problems/{}", self.slug())
     }
@@ -274,6 +332,41 @@ pub struct Problem {
     /// Whether the request sent under a new key cannot run twice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub new_key_safe: Option<bool>,
+    /// The same answer in the shape Stripe's SDKs read (`{"error": {"type", "code",
+    /// "message"}}`): without it they raise "Invalid response object from API" and drop the
+    /// edge's words.
+    /// Boxed: only the edge's answers carry it, and the state API's errors stay small.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<Box<ClientError>>,
+}
+
+/// The `error` member of an edge's problem document: Stripe's error object's members.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClientError {
+    /// `idempotency_error`, `api_error` or `invalid_request_error`.
+    #[serde(rename = "type")]
+    pub error_type: String,
+    /// The problem's slug with underscores (`outcome_unknown`).
+    pub code: String,
+    /// The title, the detail and what to do next, in one sentence an SDK shows as it is.
+    pub message: String,
+}
+
+impl ClientError {
+    fn new(kind: ProblemKind, detail: &str) -> Self {
+        let advice = kind.advice();
+        let message = if advice.is_empty() {
+            format!("{}: {detail}.", kind.title())
+        } else {
+            format!("{}: {detail}. {advice}", kind.title())
+        };
+        Self {
+            error_type: kind.stripe_error_type().to_owned(),
+            code: kind.slug().replace('-', "_"),
+            message,
+        }
+    }
 }
 
 impl Problem {
@@ -287,20 +380,23 @@ impl Problem {
             key_state: None,
             retry_same_key: None,
             new_key_safe: None,
+            error: None,
         }
     }
 
     /// A document for a client of the edge: with what it can do about it.
     pub fn for_client(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        let detail = detail.into();
         Self {
             key_state: kind.key_state().map(str::to_owned),
             retry_same_key: kind.retry_same_key(),
             new_key_safe: kind.new_key_safe(),
+            error: Some(Box::new(ClientError::new(kind, &detail))),
             ..Self::new(kind, detail)
         }
     }
 
-    /// Serialized document. Serializing four strings and a number cannot fail; the fallback
+    /// Serialized document. Serializing strings, a number and booleans cannot fail; the fallback
     /// keeps the filter free of `unwrap`.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
@@ -362,5 +458,33 @@ mod tests {
         ] {
             assert_eq!(kind.new_key_safe(), Some(false), "{kind:?}");
         }
+    }
+
+    #[test]
+    fn an_edge_document_carries_the_error_member_stripe_sdks_raise() {
+        for kind in ProblemKind::EDGE {
+            let doc = Problem::for_client(kind, "the detail").to_json();
+            let v: serde_json::Value = serde_json::from_slice(&doc).unwrap_or_default();
+            let error = &v["error"];
+            assert_eq!(error["type"], kind.stripe_error_type(), "{kind:?}");
+            assert_eq!(error["code"], kind.slug().replace('-', "_"), "{kind:?}");
+            let message = error["message"].as_str().unwrap_or_default();
+            assert!(message.contains("the detail"), "{message}");
+            assert!(message.starts_with(kind.title()), "{message}");
+            assert!(
+                !kind.advice().is_empty() && message.ends_with(kind.advice()),
+                "{message}"
+            );
+        }
+        let unknown = Problem::for_client(ProblemKind::OutcomeUnknown, "held");
+        let message = unknown.error.map(|e| e.message).unwrap_or_default();
+        assert!(
+            message.contains("unknown") && message.contains("support"),
+            "{message}"
+        );
+        // The state API's own documents keep RFC 9457's members only.
+        assert!(Problem::new(ProblemKind::OutcomeUnknown, "held")
+            .error
+            .is_none());
     }
 }

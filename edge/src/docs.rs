@@ -505,10 +505,12 @@ pub fn problems_page() -> String {
          a page at each, so the URI resolves where the site is published at the origin's root. \
          The edge's answers to clients also carry what a client can do \
          (`x-should-retry` and `Stripe-Should-Retry`, and the members `retry_same_key`, \
-         `new_key_safe` and `key_state`: [Behaviour](behaviour.md)). The types are defined in \
-         `contract/src/problem.rs`.\n\n\
-         | status | type | title | the edge answers clients with it | `retry_same_key` | `new_key_safe` | `key_state` |\n\
-         |---|---|---|---|---|---|---|\n",
+         `new_key_safe` and `key_state`: [Behaviour](behaviour.md)), and the same answer as \
+         Stripe's error object, which Stripe's SDKs raise with its message: `error` with \
+         `type` (below), `code` (the slug with underscores) and `message` (the title, the \
+         detail and what to do next). The types are defined in `contract/src/problem.rs`.\n\n\
+         | status | type | title | the edge answers clients with it | `retry_same_key` | `new_key_safe` | `key_state` | `error.type` |\n\
+         |---|---|---|---|---|---|---|---|\n",
     );
     let mut kinds = problem_kinds();
     kinds.sort_by_key(|k| (k.status(), k.slug()));
@@ -519,9 +521,14 @@ pub fn problems_page() -> String {
         } else {
             "no: the state API's own, to the filter and operators"
         };
+        let stripe_type = if ProblemKind::EDGE.contains(&kind) {
+            format!("`{}`", kind.stripe_error_type())
+        } else {
+            "—".to_owned()
+        };
         let _ = writeln!(
             out,
-            "| {} | [`/problems/{}`](../{}) | {} | {} | {} | {} | {} |",
+            "| {} | [`/problems/{}`](../{}) | {} | {} | {} | {} | {} | {} |",
             kind.status(),
             kind.slug(),
             problem_page(kind),
@@ -531,6 +538,7 @@ pub fn problems_page() -> String {
             flag(kind.new_key_safe()),
             kind.key_state()
                 .map_or("—".to_owned(), |s| format!("`{s}`")),
+            stripe_type,
         );
     }
     out

@@ -238,6 +238,17 @@ pub fn assert_retry_hints(answer: &Answer, doc: &serde_json::Value) {
         kind.key_state(),
         "key_state: {doc}"
     );
+    // Stripe's SDKs raise the message of this member (and drop the document without it).
+    assert_eq!(
+        doc.pointer("/error/code").and_then(|v| v.as_str()),
+        Some(kind.slug().replace('-', "_").as_str()),
+        "error.code: {doc}"
+    );
+    assert_eq!(
+        doc.pointer("/error/type").and_then(|v| v.as_str()),
+        Some(kind.stripe_error_type()),
+        "error.type: {doc}"
+    );
 }
 
 /// True when the answer is a replay of a stored response.
