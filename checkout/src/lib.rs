@@ -12,6 +12,7 @@
 //! request whose outcome it never saw.
 
 pub mod attempts;
+pub mod stripe;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -144,18 +145,32 @@ pub fn app(ledger: Arc<Ledger>) -> Router {
             put(subscription).patch(subscription).delete(subscription),
         )
         .route("/subscriptions/attempts/{key}", get(reconcile))
+        .route("/v1/charges", post(stripe_charge))
+        .route("/v1/charges/attempts/{key}", get(reconcile))
+        .route("/v1/refunds", post(stripe_refund))
+        .route("/v1/refunds/attempts/{key}", get(reconcile))
         .route("/echo", post(echo))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(ledger)
 }
 
-/// What a route executes: its ledger kind, its endpoint (as the edge names it) and whether an
-/// empty body is a request (a DELETE carries none).
+/// What a route executes: its ledger kind, its endpoint (as the edge names it), whether an
+/// empty body is a request (a DELETE carries none) and the shape of its bodies.
 #[derive(Debug, Clone)]
 struct Operation {
     kind: &'static str,
     endpoint: String,
     body_optional: bool,
+    shape: Shape,
+}
+
+/// The bodies a route reads and answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// JSON in, the demo's JSON out.
+    Demo,
+    /// Form-encoded in, Stripe's charge and error objects out ([`stripe`]).
+    Stripe,
 }
 
 impl Operation {
@@ -164,6 +179,7 @@ impl Operation {
             kind,
             endpoint,
             body_optional: false,
+            shape: Shape::Demo,
         }
     }
 }
@@ -175,6 +191,39 @@ async fn checkout(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: B
 
 async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
     let op = Operation::new("refund", "POST /refunds".into());
+    run(ledger, op, headers, body).await
+}
+
+/// `POST /v1/charges`: a Stripe-shaped charge ([`stripe`]); its test hooks come as metadata.
+async fn stripe_charge(
+    State(ledger): State<Arc<Ledger>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    stripe_run(ledger, "charge", "POST /v1/charges", headers, body).await
+}
+
+/// `POST /v1/refunds`: a Stripe-shaped refund of `charge`.
+async fn stripe_refund(
+    State(ledger): State<Arc<Ledger>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    stripe_run(ledger, "refund", "POST /v1/refunds", headers, body).await
+}
+
+async fn stripe_run(
+    ledger: Arc<Ledger>,
+    kind: &'static str,
+    endpoint: &str,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let op = Operation {
+        shape: Shape::Stripe,
+        ..Operation::new(kind, endpoint.into())
+    };
+    let headers = stripe::with_hooks(headers, &stripe::params(&body));
     run(ledger, op, headers, body).await
 }
 
@@ -509,16 +558,22 @@ fn execute(
     reset: bool,
 ) -> (LedgerEntry, Produced) {
     let kind = op.kind;
-    let parsed: Option<serde_json::Value> = if body.is_empty() && op.body_optional {
-        Some(serde_json::json!({}))
-    } else {
-        serde_json::from_slice(body).ok()
+    let parsed: Option<serde_json::Value> = match op.shape {
+        Shape::Stripe => Some(stripe::params(body)).filter(|p| stripe::judge(kind, p).0),
+        Shape::Demo if body.is_empty() && op.body_optional => Some(serde_json::json!({})),
+        Shape::Demo => serde_json::from_slice(body).ok(),
+    };
+    let declined = |v: &serde_json::Value| match op.shape {
+        Shape::Stripe => stripe::judge(kind, v).1,
+        Shape::Demo => card_number(v) == Some(DECLINED_CARD),
     };
     let forced_failure = header(headers, "x-demo-fail").and_then(|v| v.parse::<u16>().ok());
     let (status, outcome) = match (&parsed, forced_failure) {
         (_, Some(code)) if (500..600).contains(&code) => (code, "failed"),
         (None, _) => (400, "invalid"),
-        (Some(v), _) if card_number(v) == Some(DECLINED_CARD) => (402, "declined"),
+        (Some(v), _) if declined(v) => (402, "declined"),
+        // Stripe answers a created charge with 200.
+        (Some(_), _) if op.shape == Shape::Stripe => (200, "succeeded"),
         (Some(_), _) => (201, "succeeded"),
     };
     // A reset drops the connection after the charge: it ran, nothing was sent (status 0 in the
@@ -537,16 +592,17 @@ fn execute(
     });
     tracing::info!(id = entry.id, kind, outcome, status, reset, "executed");
 
-    let body = match outcome {
-        "succeeded" => {
+    let body = match (op.shape, outcome) {
+        (Shape::Stripe, _) => stripe::body(kind, outcome, entry.id, &stripe::params(body)),
+        (_, "succeeded") => {
             serde_json::json!({ "id": entry.id, "kind": kind, "status": "succeeded", "amount": entry.amount })
         }
-        "declined" => serde_json::json!({ "error": "card_declined" }),
-        "invalid" => serde_json::json!({ "error": "invalid_json" }),
+        (_, "declined") => serde_json::json!({ "error": "card_declined" }),
+        (_, "invalid") => serde_json::json!({ "error": "invalid_json" }),
         _ => serde_json::json!({ "error": "internal_error" }),
     };
     let mut h: Vec<(String, String)> = vec![("content-type".into(), "application/json".into())];
-    if outcome == "succeeded" {
+    if outcome == "succeeded" && op.shape == Shape::Demo {
         let location = match kind {
             "refund" => format!("/refunds/{}", entry.id),
             "charge" => format!("/charges/{}", entry.id),
