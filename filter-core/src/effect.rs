@@ -127,6 +127,13 @@ pub enum Effect {
         stream: StreamId,
         name: &'static str,
     },
+    /// Replace a response header: only inside that stream's response headers callback, while
+    /// they are Envoy's to send.
+    SetResponseHeader {
+        stream: StreamId,
+        name: &'static str,
+        value: String,
+    },
     /// Let the request go upstream (inside that stream's request callback: return Continue).
     ResumeRequest {
         stream: StreamId,

@@ -17,6 +17,21 @@ pub const REPLAYED: &[&str] = &[
 /// Header on every replayed response.
 pub const REPLAYED_MARKER: (&str, &str) = ("idempotent-replayed", "true");
 
+/// The key's horizon (issue 48; the IETF draft's open issues #35 and #49 ask for one): on the
+/// first answer and on every replay, the seconds for which the edge still remembers the key at
+/// least. A retry within them gets this request's outcome, never a second run; after them the
+/// key may be new again. Seconds from now rather than a date, as `max-age`, a cookie's
+/// `Max-Age` and the HTTP API working group's own RateLimit fields (`t`) carry a reset: the
+/// client's clock is not the edge's, and a delta needs no agreement between them. Named for
+/// the key, not the response, so that no cache reads it as the response's freshness. Always a
+/// lower bound: rounded down, and counted from earlier than the record's expiry runs from.
+pub const EXPIRES_HEADER: &str = "idempotency-key-expires-in";
+
+/// The header's value for `ms` left: whole seconds, rounded down.
+pub fn expires_in(ms: u64) -> String {
+    (ms / 1_000).to_string()
+}
+
 /// Never stored nor replayed, even when configured: cookies, dates, hop-by-hop and
 /// per-request or per-hop values, and anything Envoy or the transport computes.
 pub fn never_replayed(name: &str) -> bool {
@@ -46,6 +61,7 @@ pub fn never_replayed(name: &str) -> bool {
         "tracestate",
         "b3",
         "idempotent-replayed",
+        EXPIRES_HEADER,
         contract::wire::FENCING_TOKEN_HEADER,
         contract::wire::OUTCOME_HEADER,
         contract::wire::SUBJECT_HEADER,

@@ -65,6 +65,7 @@ pub trait Host {
     fn reply(&mut self, stream: StreamId, reply: LocalReply);
     /// Replaces a request header (all its values).
     fn set_request_header(&mut self, stream: StreamId, name: &'static str, value: String);
+    fn set_response_header(&mut self, stream: StreamId, name: &'static str, value: String);
     fn remove_request_header(&mut self, stream: StreamId, name: &'static str);
     /// Resumes a stream's request from outside its request callbacks.
     fn resume_request(&mut self, stream: StreamId);
@@ -128,6 +129,11 @@ pub fn perform<H: Host>(host: &mut H, verdict: Verdict, effects: Vec<Effect>) ->
             Effect::RemoveRequestHeader { stream, name } => {
                 host.remove_request_header(stream, name)
             }
+            Effect::SetResponseHeader {
+                stream,
+                name,
+                value,
+            } => host.set_response_header(stream, name, value),
             Effect::ResumeRequest { stream } => {
                 if current == Current::Request(stream) {
                     verdict = Verdict::Continue;
@@ -204,6 +210,10 @@ mod tests {
         }
         fn set_request_header(&mut self, stream: StreamId, name: &'static str, value: String) {
             self.done.push(format!("set {stream} {name}={value}"));
+        }
+        fn set_response_header(&mut self, stream: StreamId, name: &'static str, value: String) {
+            self.done
+                .push(format!("set response {stream} {name}={value}"));
         }
         fn remove_request_header(&mut self, stream: StreamId, name: &'static str) {
             self.done.push(format!("remove {stream} {name}"));

@@ -24,6 +24,10 @@ fn main() {
             first_request_executes_and_retry_replays,
         ),
         SHARED.trial(
+            "the_first_answer_and_every_replay_say_when_the_key_expires",
+            the_first_answer_and_every_replay_say_when_the_key_expires,
+        ),
+        SHARED.trial(
             "duplicates_during_a_slow_request_get_409_at_once",
             duplicates_during_a_slow_request_get_409_at_once,
         ),
@@ -135,6 +139,43 @@ fn main() {
 
 // ---------------------------------------------------------------------------------------------
 // Shared-stack tests
+
+/// `Idempotency-Key-Expires-In` (issue 48): the seconds the key is still kept, on the first
+/// answer (the retention the state API applies, 24 h by default) and on every replay (what is
+/// left of the stored record's); none on the edge's own problems.
+async fn the_first_answer_and_every_replay_say_when_the_key_expires(stack: Arc<Stack>) {
+    const RETENTION_S: u64 = 86_400;
+    let c = client(&stack);
+    let key = unique_key("expires");
+    let body = charge_body(1234);
+    let seconds = |a: &e2e::client::Answer| -> u64 {
+        let value = a
+            .header("idempotency-key-expires-in")
+            .unwrap_or_else(|| panic!("no Idempotency-Key-Expires-In: {}", a.describe()));
+        value.parse().unwrap_or_else(|e| panic!("{value:?}: {e}"))
+    };
+    let first = c.send(checkout(&key, "alice", &body)).await;
+    assert_eq!(first.status, 201, "{}", first.describe());
+    assert_eq!(seconds(&first), RETENTION_S, "{}", first.describe());
+    let started = std::time::Instant::now();
+    for _ in 0..2 {
+        let retry = c.send(checkout(&key, "alice", &body)).await;
+        assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
+        let left = seconds(&retry);
+        // Never less than the first answer said, less the time since (and a second's
+        // rounding); at most the retention and the lease (the record's expiry is never moved
+        // earlier than its claim's, lease included).
+        let since = started.elapsed().as_secs() + 2;
+        assert!(
+            left + since >= RETENTION_S && left <= RETENTION_S + 30,
+            "a replay {since} s later says {left} s"
+        );
+    }
+    // The edge's own answer about the key (another body: 422) has none.
+    let other = c.send(checkout(&key, "alice", &charge_body(999))).await;
+    assert_eq!(other.status, 422, "{}", other.describe());
+    assert_eq!(other.header("idempotency-key-expires-in"), None);
+}
 
 async fn first_request_executes_and_retry_replays(stack: Arc<Stack>) {
     let c = client(&stack);

@@ -98,7 +98,7 @@ impl ClaimAnswer {
 
 impl Flow {
     /// The worker answers the claim from its memory.
-    pub fn on_remembered(&mut self, cfg: &Config, memory: Remembered) -> Turn {
+    pub fn on_remembered(&mut self, cfg: &Config, memory: Remembered, now_ms: u64) -> Turn {
         let State::Claiming(req) = self.take() else {
             return Turn::cont().with(Flow::log(
                 Level::Warn,
@@ -117,7 +117,8 @@ impl Flow {
                 )
             }
             Remembered::Completed(rec) | Remembered::Woken(rec) => {
-                match completed_reply(cfg, &rec) {
+                let expires_in_ms = rec.expires_at_ms.map(|at| at.saturating_sub(now_ms));
+                match completed_reply(cfg, &rec, expires_in_ms) {
                     Ok((metric, reply)) if woken => {
                         (metric, waited(reply, req.req.wait_s), Metric::WaitReplayed)
                     }
@@ -161,6 +162,7 @@ impl Flow {
                 reclaimed,
                 lease_ms,
                 max_body_bytes,
+                retention_s,
                 ..
             }) => {
                 let claimed = Claimed {
@@ -168,6 +170,7 @@ impl Flow {
                     token,
                     lease_ms,
                     max_body: max_body_bytes,
+                    retention_s,
                 };
                 if !contract::undo::undone(contract::undo::Fix::LateGrant) {
                     if let Some(elapsed) = too_late(cfg, &claimed, now_ms) {
@@ -307,8 +310,9 @@ impl Flow {
             headers: response.headers,
             body: response.body,
             replayable: response.replayable,
+            expires_at_ms: expires_in_ms.map(|e| req.sent_ms.saturating_add(e)),
         };
-        match completed_reply(cfg, &rec) {
+        match completed_reply(cfg, &rec, expires_in_ms) {
             Ok((metric, reply)) => {
                 let id = req.req.id();
                 let mut t = match waited_ms {
@@ -532,17 +536,26 @@ impl Flow {
 }
 
 /// The answer to a completed record: its metric and reply, or why it cannot be used.
+/// `expires_in_ms`: how long the record is kept from now, when known (`Idempotency-Key-
+/// Expires-In`).
 pub(crate) fn completed_reply(
     cfg: &Config,
     rec: &Completed,
+    expires_in_ms: Option<u64>,
 ) -> Result<(Metric, crate::reply::LocalReply), String> {
-    let r = reply::for_completed(
+    let mut r = reply::for_completed(
         rec.status,
         &rec.headers,
         &rec.body,
         rec.replayable,
         &cfg.replay_extra_headers,
     )?;
+    if let Some(ms) = expires_in_ms {
+        r = r.with_header(
+            crate::headers::EXPIRES_HEADER,
+            crate::headers::expires_in(ms),
+        );
+    }
     Ok((
         if rec.replayable {
             Metric::Replayed

@@ -146,6 +146,10 @@ impl Turn {
     fn push(&mut self, o: impl Into<Out>) {
         self.outs.push(o.into());
     }
+    /// Before every other output (a header set while the callback still holds the headers).
+    fn push_first(&mut self, o: impl Into<Out>) {
+        self.outs.insert(0, o.into());
+    }
 }
 
 impl From<Effect> for Out {
@@ -210,6 +214,8 @@ pub struct Claimed {
     pub lease_ms: u64,
     /// The largest body the state API stores, when it said.
     pub max_body: Option<u64>,
+    /// How long the record is kept once completed, as the state API applies it, when it said.
+    pub retention_s: Option<u64>,
 }
 
 impl Claimed {

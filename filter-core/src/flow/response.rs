@@ -6,7 +6,7 @@ use super::{Call, Capture, Claimed, Flow, Note, State, Turn, Write};
 use crate::config::Config;
 use crate::effect::to_json;
 use crate::effect::{Effect, Level};
-use crate::headers;
+use crate::headers::{self, expires_in, EXPIRES_HEADER};
 use crate::metrics::Metric;
 use crate::outcome::{classify, Outcome};
 use crate::worker::replay_cache::Completed;
@@ -86,11 +86,29 @@ impl Flow {
             }
             Outcome::Store => {
                 let capture = capture_of(cfg, status, head.headers, 0);
-                if end_of_stream {
-                    return self.complete(claimed, capture, Some(Vec::new()));
+                // The key's horizon on the first answer: its whole retention, which runs from
+                // the completion, later than now (the write may still fail; then the key is
+                // held as unknown for longer still).
+                let expires = claimed
+                    .retention_s
+                    .map(|s| expires_in(s.saturating_mul(1_000)))
+                    .map(|value| {
+                        self.effect(|stream| Effect::SetResponseHeader {
+                            stream,
+                            name: EXPIRES_HEADER,
+                            value,
+                        })
+                    });
+                let mut t = if end_of_stream {
+                    self.complete(claimed, capture, Some(Vec::new()))
+                } else {
+                    self.state = State::Capturing(claimed, capture);
+                    Turn::cont()
+                };
+                if let Some(set) = expires {
+                    t.push_first(set);
                 }
-                self.state = State::Capturing(claimed, capture);
-                Turn::cont()
+                t
             }
         }
     }
@@ -229,6 +247,7 @@ pub(super) fn outcome(
         headers: cap.headers,
         body,
         replayable,
+        expires_at_ms: None,
     };
     let write = Write::Complete {
         fallback: (fallback != payload).then_some(fallback),

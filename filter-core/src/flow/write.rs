@@ -77,10 +77,17 @@ impl Flow {
         let mut t = Turn::cont()
             .with(Effect::Count(ok_metric))
             .with(Note::ForgetRunning(id));
-        let Write::Complete { record, reply, .. } = write else {
+        let Write::Complete {
+            mut record, reply, ..
+        } = write
+        else {
             return self.done(t, token);
         };
-        let answer = reply.then(|| completed_reply(cfg, &record));
+        if let Some(expires_in_ms) = expires_in_ms {
+            // Counted from when the request was claimed: earlier than the write, never later.
+            record.expires_at_ms = Some(claimed.req.sent_ms.saturating_add(expires_in_ms));
+        }
+        let answer = reply.then(|| completed_reply(cfg, &record, expires_in_ms));
         if let Some(expires_in_ms) = expires_in_ms {
             t.push(Note::Remember {
                 id,
@@ -394,10 +401,10 @@ impl Write {
         matches!(self, Write::Complete { reply: true, .. })
     }
 
-    /// The replay of the outcome it stores.
+    /// The replay of the outcome it stores (not stored yet: its expiry is not known).
     fn record_reply(&self, cfg: &Config) -> Result<(Metric, LocalReply), String> {
         match self {
-            Write::Complete { record, .. } => completed_reply(cfg, record),
+            Write::Complete { record, .. } => completed_reply(cfg, record, None),
             Write::Release { .. } => Err("a release has no outcome".into()),
         }
     }

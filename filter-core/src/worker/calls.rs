@@ -37,7 +37,7 @@ impl Worker {
             } => {
                 let waits = request.wait_ms.is_some();
                 if let Some(remembered) = self.remembered(&id, &fingerprint, waits, now_ms) {
-                    return Some(flow.on_remembered(&self.cfg, remembered));
+                    return Some(flow.on_remembered(&self.cfg, remembered, now_ms));
                 }
                 self.watch_churn(&request, id, now_ms, effects);
                 self.send_claim(flow, request, id, effects);

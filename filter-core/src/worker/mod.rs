@@ -599,7 +599,7 @@ impl Worker {
             let Some(mut flow) = self.flows.remove(&waiter.stream) else {
                 continue;
             };
-            let turn = flow.on_remembered(&self.cfg, Remembered::Woken(rec.clone()));
+            let turn = flow.on_remembered(&self.cfg, Remembered::Woken(rec.clone()), now_ms);
             let mut step = Step::cont();
             self.apply(&mut flow, turn, now_ms, &mut step);
             effects.append(&mut step.effects);
@@ -609,7 +609,7 @@ impl Worker {
 
     /// Only records a replay can carry are kept in memory.
     fn answerable(&self, rec: &Completed) -> bool {
-        crate::flow::completed_reply(&self.cfg, rec).is_ok()
+        crate::flow::completed_reply(&self.cfg, rec, None).is_ok()
     }
 
     // -----------------------------------------------------------------------------------------

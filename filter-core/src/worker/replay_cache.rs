@@ -33,6 +33,11 @@ pub struct Completed {
     /// Empty when not replayable.
     pub body: Vec<u8>,
     pub replayable: bool,
+    /// When the record expires, by the worker's clock: counted from a moment no later than the
+    /// state API measured its expiry (the claim was sent; a handed-over write's answer
+    /// arrived), so early rather than late. `Idempotency-Key-Expires-In` on replays from
+    /// memory; `None` until its expiry is known.
+    pub expires_at_ms: Option<u64>,
 }
 
 impl Completed {
@@ -173,6 +178,7 @@ impl ReplayCache {
                 e.pending = false;
                 e.since_ms = now_ms;
                 e.until_ms = now_ms.saturating_add(ttl);
+                e.value.expires_at_ms = Some(now_ms.saturating_add(expires_in_ms));
             }
             Some(e) if e.pending => {
                 self.remove(id);
@@ -278,6 +284,7 @@ mod tests {
             headers: vec![("location".into(), "/c/1".into())],
             body: vec![7; body_len],
             replayable: true,
+            expires_at_ms: None,
         }
     }
 

@@ -167,6 +167,14 @@ impl Host for Glue<'_> {
         );
     }
 
+    fn set_response_header(&mut self, stream: StreamId, name: &'static str, value: String) {
+        self.on_stream(
+            stream,
+            || abi::replace_header(abi::MAP_RESPONSE_HEADERS, name, &value),
+            "setting a response header",
+        );
+    }
+
     fn remove_request_header(&mut self, stream: StreamId, name: &'static str) {
         self.on_stream(
             stream,

@@ -15,7 +15,12 @@ pub(super) fn replays(view: &ClientView, p: &Produced) -> bool {
     }
     view.headers
         .iter()
-        .filter(|(n, _)| n != "idempotent-replayed" && n != "preference-applied")
+        // The edge's own headers: the replay marker, the wait it applied, the key's horizon.
+        .filter(|(n, _)| {
+            n != "idempotent-replayed"
+                && n != "preference-applied"
+                && n != "idempotency-key-expires-in"
+        })
         .all(|(n, v)| p.header(n) == Some(v.as_str()))
 }
 

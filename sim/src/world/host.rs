@@ -94,6 +94,26 @@ impl Host for Envoy<'_> {
         }
     }
 
+    /// Envoy replaces a header of a response it has not sent yet; the filter sets one only in
+    /// the response headers callback, before they go on.
+    fn set_response_header(&mut self, stream: StreamId, name: &'static str, value: String) {
+        if let Some(s) = self.stream_of(stream) {
+            let st = &mut self.world.streams[s];
+            match &mut st.resp_head {
+                Some(head) if !st.resp_head_passed => {
+                    head.headers.retain(|(n, _)| n != name);
+                    head.headers.push((name.to_owned(), value));
+                }
+                _ => {
+                    let found = vec![format!(
+                        "stream {s}: the filter set the response header {name} once the response headers were sent"
+                    )];
+                    self.world.found(found);
+                }
+            }
+        }
+    }
+
     fn remove_request_header(&mut self, stream: StreamId, name: &'static str) {
         if let Some(s) = self.stream_of(stream) {
             self.world.streams[s].headers.retain(|(n, _)| n != name);

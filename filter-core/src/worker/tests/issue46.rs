@@ -29,6 +29,7 @@ impl Host for LostWakes {
         self.replied.push(stream);
     }
     fn set_request_header(&mut self, _: StreamId, _: &'static str, _: String) {}
+    fn set_response_header(&mut self, _: StreamId, _: &'static str, _: String) {}
     fn remove_request_header(&mut self, _: StreamId, _: &'static str) {}
     fn resume_request(&mut self, _: StreamId) {}
     fn resume_response(&mut self, _: StreamId) {}
