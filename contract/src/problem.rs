@@ -244,12 +244,15 @@ impl ProblemKind {
     /// an SDK raises): follows from [`Self::retry_same_key`] and [`Self::new_key_safe`].
     pub const fn advice(self) -> &'static str {
         match self {
-            Self::InProgress => "Retry with the same key after Retry-After: it will not run twice.",
+            Self::InProgress => {
+                "Retry with the same key after Retry-After: this edge will not run it twice."
+            }
             Self::StateUnavailable | Self::ReconcileUnavailable | Self::BuffersFull => {
                 "Nothing was forwarded: retry with the same key after Retry-After."
             }
             Self::MissingKey | Self::InvalidKey => {
-                "Nothing ran: send it again with a valid Idempotency-Key."
+                "Nothing ran: send it again with a valid Idempotency-Key, the same one as any \
+                 earlier attempt of this operation."
             }
             Self::OutcomeUnknown => {
                 "Retrying will not help until it is resolved, and a new key may charge twice: \
@@ -270,7 +273,9 @@ impl ProblemKind {
                 "This request was refused as sent: fix it before sending it again; \
                  an earlier attempt under this key, if any, stands."
             }
-            Self::Internal => "The edge failed; retrying with the same key cannot run it twice.",
+            Self::Internal => {
+                "The edge failed; a retry with the same key is not run twice at this edge."
+            }
             Self::FencedOut
             | Self::LeaseEnded
             | Self::NotFound

@@ -33,8 +33,9 @@ fn patterns(routes: &[Route]) -> Vec<(&str, String)> {
         .collect()
 }
 
-/// The jwt_authn rules: a verified token is required on each protected route.
-pub(crate) fn rules(routes: &[Route]) -> Vec<Yaml> {
+/// The jwt_authn rules: a verified token is required on each protected route, and on a `GET`
+/// of the key state path (its answer is scoped by the caller's subject).
+pub(crate) fn rules(routes: &[Route], key_state_path: Option<&str>) -> Vec<Yaml> {
     let patterns = patterns(routes);
     let mut rules: Vec<Yaml> = routes
         .iter()
@@ -49,6 +50,9 @@ pub(crate) fn rules(routes: &[Route]) -> Vec<Yaml> {
         .collect();
     for (method, pattern) in patterns {
         rules.push(rule("safe_regex", map(vec![("regex", s(pattern))]), method));
+    }
+    if let Some(path) = key_state_path {
+        rules.push(rule("path", s(path.to_owned()), "GET"));
     }
     rules
 }

@@ -364,6 +364,7 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
         max_waiters: f.max_waiters,
         batch_max: f.batch_max,
         max_buffered_bytes: f.max_buffered_bytes,
+        key_state_path: f.key_state_path.clone(),
     }
 }
 
@@ -445,7 +446,13 @@ fn jwt_authn(cfg: &Config, jwt: &Jwt) -> Yaml {
                 "envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
                 vec![
                     ("providers", map(vec![(JWT_PROVIDER, provider)])),
-                    ("rules", Yaml::Array(crate::jwt_rules::rules(&cfg.routes))),
+                    (
+                        "rules",
+                        Yaml::Array(crate::jwt_rules::rules(
+                            &cfg.routes,
+                            cfg.filter.key_state_path.as_deref(),
+                        )),
+                    ),
                 ],
             ),
         ),

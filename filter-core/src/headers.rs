@@ -19,8 +19,12 @@ pub const REPLAYED_MARKER: (&str, &str) = ("idempotent-replayed", "true");
 
 /// The key's horizon (issue 48; the IETF draft's open issues #35 and #49 ask for one): on the
 /// first answer and on every replay, the seconds for which the edge still remembers the key at
-/// least. A retry within them gets this request's outcome, never a second run; after them the
-/// key may be new again. Seconds from now rather than a date, as `max-age`, a cookie's
+/// least. A retry within them is answered from this key's record (its replay, 409, or what
+/// its route does with an unknown outcome); after them the key may be new again. Not a promise
+/// where the edge does not hold the key: a route that fails open during an outage, or an
+/// operator's release or purge (a worker's memory may still replay for `replay_cache_ttl_ms`).
+/// The filter sets it only where it knows the record's retention; an upstream should not send
+/// it (it passes where the filter sets none). Seconds from now rather than a date, as `max-age`, a cookie's
 /// `Max-Age` and the HTTP API working group's own RateLimit fields (`t`) carry a reset: the
 /// client's clock is not the edge's, and a delta needs no agreement between them. Named for
 /// the key, not the response, so that no cache reads it as the response's freshness. Always a

@@ -28,6 +28,10 @@ fn main() {
             the_first_answer_and_every_replay_say_when_the_key_expires,
         ),
         SHARED.trial(
+            "a_client_asks_what_became_of_its_key_without_sending_it_again",
+            a_client_asks_what_became_of_its_key,
+        ),
+        SHARED.trial(
             "duplicates_during_a_slow_request_get_409_at_once",
             duplicates_during_a_slow_request_get_409_at_once,
         ),
@@ -175,6 +179,75 @@ async fn the_first_answer_and_every_replay_say_when_the_key_expires(stack: Arc<S
     let other = c.send(checkout(&key, "alice", &charge_body(999))).await;
     assert_eq!(other.status, 422, "{}", other.describe());
     assert_eq!(other.header("idempotency-key-expires-in"), None);
+}
+
+/// The key state path (issue 48, `GET /idempotency/key-state?method=..&path=..` in the demo):
+/// what became of a key for the caller's subject, through Envoy, without sending the payment
+/// again; nothing reaches the checkout and nothing is claimed.
+async fn a_client_asks_what_became_of_its_key(stack: Arc<Stack>) {
+    let c = client(&stack);
+    let ask = |key: &str, who: Option<&str>, query: &str| {
+        let mut r = Request::get(&format!("/idempotency/key-state?{query}"));
+        if !key.is_empty() {
+            r = r.key(key);
+        }
+        if let Some(who) = who {
+            r = r.token(&token(who));
+        }
+        r
+    };
+    let on_checkout = "method=POST&path=%2Fcheckout";
+    let said = |a: &e2e::client::Answer| -> serde_json::Value {
+        assert_eq!(a.status, 200, "{}", a.describe());
+        serde_json::from_slice(&a.body).unwrap_or_else(|e| panic!("{}: {e}", a.describe()))
+    };
+    let key = unique_key("ask");
+    // Never used: absent.
+    let a = said(&c.send(ask(&key, Some("alice"), on_checkout)).await);
+    assert_eq!(a["key_state"], "absent", "{a}");
+    // While it runs: in progress.
+    let slow = send_in_background(
+        &c,
+        checkout(&key, "alice", &charge_body(700)).delay_ms(2_000),
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let a = said(&c.send(ask(&key, Some("alice"), on_checkout)).await);
+    assert_eq!(
+        (a["key_state"].as_str(), a["retry_same_key"].as_bool()),
+        (Some("in_progress"), Some(true)),
+        "{a}"
+    );
+    let first = slow.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.status, 201, "{}", first.describe());
+    // Once it completed: its status, replayable, how long the key is kept.
+    let answer = c.send(ask(&key, Some("alice"), on_checkout)).await;
+    let a = said(&answer);
+    assert_eq!(a["key_state"], "completed", "{a}");
+    assert_eq!(a["status"], 201, "{a}");
+    assert_eq!(a["replayable"], true, "{a}");
+    assert_eq!(a["retry_same_key"], true, "{a}");
+    assert_eq!(a["new_key_safe"], false, "{a}");
+    assert!(
+        a["expires_in_s"].as_u64().is_some_and(|s| s > 86_000),
+        "{a}"
+    );
+    assert!(answer.header("idempotency-key-expires-in").is_some());
+    // Scoped by the caller: bob asking about alice's key learns nothing.
+    let a = said(&c.send(ask(&key, Some("bob"), on_checkout)).await);
+    assert_eq!(a["key_state"], "absent", "{a}");
+    // Bad questions: no token, no key, an endpoint that is not protected.
+    let no_token = c.send(ask(&key, None, on_checkout)).await;
+    assert_eq!(no_token.status, 401, "{}", no_token.describe());
+    let no_key = c.send(ask("", Some("alice"), on_checkout)).await;
+    assert_problem(&no_key, 400, "missing-idempotency-key", &stack);
+    let elsewhere = c
+        .send(ask(&key, Some("alice"), "method=POST&path=%2Fnowhere"))
+        .await;
+    assert_problem(&elsewhere, 400, "bad-request", &stack);
+    // Asking ran nothing and claimed nothing: one execution, and the key replays as before.
+    assert_eq!(executions(&stack, &key).await.len(), 1);
+    let retry = c.send(checkout(&key, "alice", &charge_body(700))).await;
+    assert_eq!(retry.header("idempotent-replayed").as_deref(), Some("true"));
 }
 
 async fn first_request_executes_and_retry_replays(stack: Arc<Stack>) {

@@ -211,6 +211,8 @@ pub struct Filter {
     /// 503 + Retry-After, nothing forwarded). None: the filter's default (64 MiB, or the
     /// largest body a route takes if more).
     pub max_buffered_bytes: Option<u64>,
+    /// Where a client asks what became of its key (`GET <path>?method=..&path=..`); None: off.
+    pub key_state_path: Option<String>,
 }
 
 impl Default for Filter {
@@ -230,6 +232,7 @@ impl Default for Filter {
             max_waiters: fc::DEFAULT_MAX_WAITERS,
             batch_max: fc::DEFAULT_BATCH_MAX,
             max_buffered_bytes: None,
+            key_state_path: None,
         }
     }
 }

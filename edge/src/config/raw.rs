@@ -398,6 +398,15 @@ pub(super) struct RawFilter {
     /// Default: 64 MiB, or the largest route body if more.
     #[schemars(with = "Option<u64>")]
     pub(super) max_buffered_bytes: Option<Spanned<u64>>,
+    /// Where a client or a support tool asks what became of a key instead of sending the request
+    /// again: `GET <path>?method=POST&path=/checkout` with the `Idempotency-Key` and the same
+    /// credentials as the request (its subject scopes the answer). Answered by the filter from the
+    /// state API, never forwarded; a verified token is required on it as on the routes ([Behaviour:
+    /// asking about a key](behaviour.md#asking-about-a-key)).
+    ///
+    /// Default: none (off).
+    #[schemars(with = "Option<String>")]
+    pub(super) key_state_path: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Clone, Copy, JsonSchema)]

@@ -64,7 +64,17 @@ pub(super) fn filter(src: &Source<'_>, raw: &RawFilter) -> Result<Filter, Config
         batch_max: val(&raw.batch_max, d.batch_max),
         // Checked against the routes' bodies by the filter's own parse of the rendered file.
         max_buffered_bytes: raw.max_buffered_bytes.as_ref().map(|v| *v.get_ref()),
+        key_state_path: raw.key_state_path.as_ref().map(|v| v.get_ref().clone()),
     };
+    if let (Some(path), Some(raw_path)) = (&f.key_state_path, &raw.key_state_path) {
+        let visible = path.bytes().all(|b| b.is_ascii_graphic());
+        if !path.starts_with('/') || !visible || path.contains('?') || path.contains('#') {
+            return src.at(
+                raw_path.span(),
+                "filter.key_state_path must be a path: starting with /, visible ASCII, no ? or #",
+            );
+        }
+    }
     let most_batched = contract::wire::MAX_BATCH_CLAIMS as u64;
     if !(1..=most_batched).contains(&f.batch_max) {
         return src.at(

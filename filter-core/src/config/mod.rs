@@ -125,6 +125,13 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_buffered_bytes: Option<u64>,
+    /// Where a client asks what became of its key instead of sending the request again:
+    /// `GET <path>?method=POST&path=/checkout` with its `Idempotency-Key` and its credentials
+    /// (the same subject as the request's). The filter answers from the state API; nothing is
+    /// forwarded. Left out: no such path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = "^/[!-~]*$")))]
+    pub key_state_path: Option<String>,
 }
 
 pub const DEFAULT_BATCH_MAX: u64 = 32;

@@ -375,6 +375,7 @@ fn every_field_set() -> Config {
         max_waiters: 7,
         batch_max: 5,
         max_buffered_bytes: Some(1 << 20),
+        key_state_path: Some("/idempotency/key-state".into()),
     }
 }
 

@@ -94,6 +94,25 @@ impl Config {
                 limits::MAX_STORED_BODY_BYTES
             ));
         }
+        if let Some(p) = &self.key_state_path {
+            let visible = p.bytes().all(|b| b.is_ascii_graphic());
+            if !p.starts_with('/') || !visible || p.contains('?') || p.contains('#') {
+                return err(
+                    "key_state_path must be a path: starting with /, visible ASCII, no ? or #"
+                        .to_owned(),
+                );
+            }
+            let shadowed = self.routes.iter().any(|r| {
+                r.method == "GET"
+                    && (r.path.as_deref() == Some(p.as_str())
+                        || r.prefix.as_deref().is_some_and(|pre| p.starts_with(pre)))
+            });
+            if shadowed {
+                return err(format!(
+                    "key_state_path {p} is also a GET route: a client could not tell its answers apart"
+                ));
+            }
+        }
         if !limits::valid_namespace(&self.namespace) {
             return err(format!(
                 "namespace must be at most {} of a-z 0-9 . _ -",

@@ -170,7 +170,9 @@ impl Flow {
                     token,
                     lease_ms,
                     max_body: max_body_bytes,
-                    retention_s,
+                    // A reclaimed record keeps the retention it was made with, which the claim's
+                    // answer does not say: no horizon is announced for it.
+                    retention_s: retention_s.filter(|_| !reclaimed),
                 };
                 if !contract::undo::undone(contract::undo::Fix::LateGrant) {
                     if let Some(elapsed) = too_late(cfg, &claimed, now_ms) {
@@ -207,7 +209,7 @@ impl Flow {
                 response,
                 expires_in_ms,
                 waited_ms,
-            }) => self.already_completed(cfg, req, response, expires_in_ms, waited_ms),
+            }) => self.already_completed(cfg, req, response, expires_in_ms, waited_ms, now_ms),
         }
     }
 
@@ -303,6 +305,7 @@ impl Flow {
         response: StoredResponse,
         expires_in_ms: Option<u64>,
         waited_ms: Option<u64>,
+        now_ms: u64,
     ) -> Turn {
         let rec = Completed {
             fingerprint: req.fingerprint.clone(),
@@ -312,7 +315,9 @@ impl Flow {
             replayable: response.replayable,
             expires_at_ms: expires_in_ms.map(|e| req.sent_ms.saturating_add(e)),
         };
-        match completed_reply(cfg, &rec, expires_in_ms) {
+        // Counted from the claim, not from its answer's arrival: never later than the record.
+        let left = rec.expires_at_ms.map(|at| at.saturating_sub(now_ms));
+        match completed_reply(cfg, &rec, left) {
             Ok((metric, reply)) => {
                 let id = req.req.id();
                 let mut t = match waited_ms {

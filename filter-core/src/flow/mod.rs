@@ -19,6 +19,7 @@
 //! answer), [`response`] (the upstream's response), [`write`] (storing the outcome).
 
 mod claim;
+mod key_state;
 mod reconcile;
 pub(crate) mod request;
 mod response;
@@ -63,6 +64,11 @@ pub enum Call {
     },
     Release {
         body: Vec<u8>,
+    },
+    /// Read a key's record from the state API (`GET /v1/records?...`) for the key state path.
+    KeyState {
+        /// The path with its query.
+        path: String,
     },
     /// Ask the upstream what became of an earlier attempt (`on_unknown: reconcile`).
     Reconcile {
@@ -299,6 +305,11 @@ enum State {
         declared: usize,
     },
     Claiming(Fingerprinted),
+    /// A `GET` on the key state path, waiting for the state API's read of the record.
+    AskingAboutKey {
+        route: usize,
+        endpoint: String,
+    },
     /// Holding a record whose outcome was unknown, asking the upstream about it.
     Reconciling(Claimed),
     Upstream(Claimed),
@@ -375,6 +386,7 @@ impl Flow {
             State::Passthrough => "passthrough",
             State::Buffering { .. } => "buffering",
             State::Claiming(_) => "claiming",
+            State::AskingAboutKey { .. } => "asking_key_state",
             State::Reconciling(_) => "reconciling",
             State::Upstream(_) => "upstream",
             State::Capturing(..) => "capturing",

@@ -25,7 +25,7 @@ pub struct RequestHead<'a> {
 }
 
 impl RequestHead<'_> {
-    fn values(&self, name: &str) -> Vec<&str> {
+    pub(crate) fn values(&self, name: &str) -> Vec<&str> {
         self.headers
             .iter()
             .filter(|(n, _)| n.eq_ignore_ascii_case(name))
@@ -39,6 +39,19 @@ impl RequestHead<'_> {
 
 fn valid_subject(s: &str) -> bool {
     contract::limits::valid_field(s)
+}
+
+/// The authenticated caller, as the configuration says where to find it; `None` when there is
+/// none, or more than one, or one no record can hold.
+pub(crate) fn subject_of(cfg: &Config, head: &RequestHead<'_>) -> Option<String> {
+    let subject = match &cfg.subject {
+        SubjectSource::Header(h) => match head.values(h).as_slice() {
+            [one] => Some((*one).to_owned()),
+            _ => None,
+        },
+        SubjectSource::Metadata(_) => head.metadata_subject.map(str::to_owned),
+    };
+    subject.filter(|s| valid_subject(s))
 }
 
 /// The seconds of a `Prefer: wait=N` preference (RFC 7240), the first one that parses; other
@@ -122,6 +135,9 @@ impl Flow {
             Some((p, q)) => (p.to_owned(), q.to_owned()),
             None => (full_path.to_owned(), String::new()),
         };
+        if method == "GET" && cfg.key_state_path.as_deref() == Some(path.as_str()) {
+            return self.ask_key_state(cfg, routes, &head, &query);
+        }
         let Some((route_idx, route)) = routes
             .find(&method, &path)
             .and_then(|i| cfg.routes.get(i).map(|r| (i, r)))
@@ -149,14 +165,7 @@ impl Flow {
             );
         }
 
-        let subject = match &cfg.subject {
-            SubjectSource::Header(h) => match head.values(h).as_slice() {
-                [one] => Some((*one).to_owned()),
-                _ => None,
-            },
-            SubjectSource::Metadata(_) => head.metadata_subject.map(str::to_owned),
-        };
-        let Some(subject) = subject.filter(|s| valid_subject(s)) else {
+        let Some(subject) = subject_of(cfg, &head) else {
             return self.reply(
                 Some(Metric::Unauthenticated401),
                 LocalReply::problem(

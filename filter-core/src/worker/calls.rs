@@ -84,6 +84,23 @@ impl Worker {
                 );
                 None
             }
+            Call::KeyState { path } => {
+                let mut call =
+                    self.state_api_call_within(&path, Vec::new(), self.cfg.state_api.timeout_ms);
+                for (name, value) in &mut call.headers {
+                    if name == ":method" {
+                        *value = "GET".into();
+                    }
+                }
+                call.headers.retain(|(name, _)| name != "content-type");
+                self.dispatch(
+                    self.owner_of(stream),
+                    Purpose::KeyState(stream),
+                    call,
+                    effects,
+                );
+                None
+            }
             Call::Reconcile {
                 cluster,
                 headers,

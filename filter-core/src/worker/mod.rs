@@ -65,6 +65,8 @@ enum Purpose {
     StreamWrite(StreamId),
     /// The stream asks the upstream what became of an unknown outcome.
     Reconcile(StreamId),
+    /// The stream asks the state API about a key (the key state path).
+    KeyState(StreamId),
     Heartbeat(i64),
     /// A handed-over write (by fencing token).
     Write(i64),
@@ -79,7 +81,10 @@ enum Purpose {
 impl Purpose {
     fn stream(self) -> Option<StreamId> {
         match self {
-            Purpose::Claim(s) | Purpose::StreamWrite(s) | Purpose::Reconcile(s) => Some(s),
+            Purpose::Claim(s)
+            | Purpose::StreamWrite(s)
+            | Purpose::Reconcile(s)
+            | Purpose::KeyState(s) => Some(s),
             Purpose::Heartbeat(_) | Purpose::Write(_) | Purpose::Batch { .. } => None,
         }
     }
@@ -654,13 +659,17 @@ impl Worker {
         now_ms: u64,
     ) -> Step {
         match purpose {
-            Purpose::Claim(stream) | Purpose::StreamWrite(stream) | Purpose::Reconcile(stream) => {
+            Purpose::Claim(stream)
+            | Purpose::StreamWrite(stream)
+            | Purpose::Reconcile(stream)
+            | Purpose::KeyState(stream) => {
                 let Some(flow) = self.flows.get_mut(&stream) else {
                     return Step::cont();
                 };
                 let turn = match purpose {
                     Purpose::Claim(_) => flow.on_claim_answer(&self.cfg, result, now_ms),
                     Purpose::Reconcile(_) => flow.on_reconcile_answer(&self.cfg, result),
+                    Purpose::KeyState(_) => flow.on_key_state_answer(&self.cfg, result),
                     _ => flow.on_write_answer(&self.cfg, result),
                 };
                 self.run(stream, turn, now_ms)

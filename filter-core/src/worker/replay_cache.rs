@@ -33,10 +33,11 @@ pub struct Completed {
     /// Empty when not replayable.
     pub body: Vec<u8>,
     pub replayable: bool,
-    /// When the record expires, by the worker's clock: counted from a moment no later than the
-    /// state API measured its expiry (the claim was sent; a handed-over write's answer
-    /// arrived), so early rather than late. `Idempotency-Key-Expires-In` on replays from
-    /// memory; `None` until its expiry is known.
+    /// When the record expires, by the worker's clock: counted from when the claim was sent
+    /// (before the state API measured the expiry), or for a handed-over write from its answer's
+    /// arrival (later by that answer's transit, which the header's rounding down to seconds
+    /// mostly absorbs). `Idempotency-Key-Expires-In` on replays from memory; `None` until its
+    /// expiry is known.
     pub expires_at_ms: Option<u64>,
 }
 

@@ -1,0 +1,263 @@
+//! Asking about a key instead of sending the request again (issue 48): `GET <key_state_path>
+//! ?method=POST&path=/checkout` with the `Idempotency-Key` and the caller's credentials. The
+//! filter reads the record of (key, the caller's subject, that endpoint) from the state API
+//! (`GET /v1/records`, never its body) and answers with the members a problem document carries
+//! (`key_state`, `retry_same_key`, `new_key_safe`), what it completed with and how long it is
+//! kept. Nothing is forwarded, nothing is claimed: the key stays as it was.
+
+use super::request::{subject_of, RequestHead};
+use super::{Call, Flow, State, Turn};
+use crate::config::{Config, OnUnknown};
+use crate::effect::{CalloutResult, Level};
+use crate::headers::{expires_in, EXPIRES_HEADER};
+use crate::key::{self, parse_key_header};
+use crate::metrics::Metric;
+use crate::reply::{self, LocalReply};
+use crate::route_table::RouteTable;
+use contract::wire::RECORDS_PATH;
+use contract::ProblemKind;
+
+/// What the answer says of a key, in the problem documents' words.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KeyStateAnswer {
+    /// `in_progress`, `completed`, `unknown`, or `absent` (no record: never used, released,
+    /// or expired).
+    pub key_state: &'static str,
+    /// Whether the same request with the same key can succeed later: it gets the stored
+    /// answer, runs once, or is reconciled; `false` where it would be held or refused.
+    pub retry_same_key: bool,
+    /// Never true here: only a key that could not be used says a new one is safe.
+    pub new_key_safe: bool,
+    /// The endpoint asked about.
+    pub endpoint: String,
+    /// The status the request completed with, when it completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Whether its response is stored to replay, when it completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replayable: Option<bool>,
+    /// Seconds the record is still kept, when there is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_in_s: Option<u64>,
+}
+
+/// The `method` and `path` query parameters (percent-decoded).
+fn endpoint_of(query: &str) -> Option<(String, String)> {
+    let mut method = None;
+    let mut path = None;
+    for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+        match name.as_ref() {
+            "method" => method = Some(value.into_owned()),
+            "path" => path = Some(value.into_owned()),
+            _ => {}
+        }
+    }
+    Some((method?.to_ascii_uppercase(), path?))
+}
+
+impl Flow {
+    /// A `GET` on the key state path: checked as a protected request is (subject, key), then the
+    /// state API asked.
+    pub(super) fn ask_key_state(
+        &mut self,
+        cfg: &Config,
+        routes: &RouteTable,
+        head: &RequestHead<'_>,
+        query: &str,
+    ) -> Turn {
+        let Some(subject) = subject_of(cfg, head) else {
+            return self.reply(
+                Some(Metric::Unauthenticated401),
+                LocalReply::problem(
+                    ProblemKind::Unauthenticated,
+                    "asking about a key needs the same credentials as the request",
+                ),
+            );
+        };
+        let key = match parse_key_header(&head.values(key::HEADER)) {
+            Ok(Some(k)) => k,
+            Ok(None) => {
+                return self.reply(
+                    Some(Metric::BadKey400),
+                    LocalReply::problem(
+                        ProblemKind::MissingKey,
+                        "asking about a key needs its Idempotency-Key header",
+                    ),
+                )
+            }
+            Err(e) => {
+                return self.reply(
+                    Some(Metric::BadKey400),
+                    LocalReply::problem(ProblemKind::InvalidKey, e.to_string()),
+                )
+            }
+        };
+        let Some((method, path)) = endpoint_of(query) else {
+            return self.reply(
+                None,
+                LocalReply::problem(
+                    ProblemKind::BadRequest,
+                    "name the request asked about: ?method=POST&path=/checkout",
+                ),
+            );
+        };
+        let Some(route) = routes.find(&method, &path) else {
+            return self.reply(
+                None,
+                LocalReply::problem(
+                    ProblemKind::BadRequest,
+                    format!("{method} {path} is not a protected endpoint"),
+                ),
+            );
+        };
+        let endpoint = format!("{method} {path}");
+        if endpoint.len() > contract::limits::MAX_FIELD_LEN {
+            return self.reply(
+                Some(Metric::EndpointTooLong414),
+                LocalReply::problem(
+                    ProblemKind::EndpointTooLong,
+                    format!(
+                        "a protected request's method and path are limited to {} bytes",
+                        contract::limits::MAX_FIELD_LEN
+                    ),
+                ),
+            );
+        }
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("namespace", &cfg.namespace)
+            .append_pair("key", &key)
+            .append_pair("subject", &subject)
+            .append_pair("endpoint", &endpoint)
+            .finish();
+        self.state = State::AskingAboutKey { route, endpoint };
+        Turn::pause().with(Call::KeyState {
+            path: format!("{RECORDS_PATH}?{query}"),
+        })
+    }
+
+    /// The state API's read of the record: the answer.
+    pub fn on_key_state_answer(&mut self, cfg: &Config, answer: CalloutResult) -> Turn {
+        let State::AskingAboutKey { route, endpoint } = self.take() else {
+            return Turn::cont().with(Flow::log(
+                Level::Warn,
+                "key state answer in an unexpected state".into(),
+            ));
+        };
+        let read = match &answer {
+            CalloutResult::Response {
+                status: 200, body, ..
+            } => serde_json::from_slice::<serde_json::Value>(body).ok(),
+            CalloutResult::Response { status: 404, .. } => Some(serde_json::Value::Null),
+            _ => None,
+        };
+        let Some(record) = read else {
+            let log = Flow::log(
+                Level::Warn,
+                format!(
+                    "asking the state API about a key of {endpoint} failed: {}",
+                    answer.describe()
+                ),
+            );
+            return self
+                .reply(Some(Metric::StateApiErrors), reply::state_unavailable())
+                .with(log);
+        };
+        let held = cfg
+            .routes
+            .get(route)
+            .is_none_or(|r| r.on_unknown == OnUnknown::Hold);
+        let said = key_state_of(&record, endpoint, held);
+        let mut r = LocalReply {
+            status: 200,
+            headers: vec![
+                ("content-type".into(), "application/json".into()),
+                ("cache-control".into(), "no-store".into()),
+            ],
+            body: serde_json::to_vec(&said).unwrap_or_default(),
+            reason: "idempotency_key_state",
+        };
+        if let Some(s) = said.expires_in_s {
+            r = r.with_header(EXPIRES_HEADER, expires_in(s.saturating_mul(1_000)));
+        }
+        self.reply(None, r)
+    }
+}
+
+/// The answer for the record the state API read (`Null`: none), on a route that holds
+/// (`held`) or settles its unknown outcomes.
+fn key_state_of(record: &serde_json::Value, endpoint: String, held: bool) -> KeyStateAnswer {
+    let u64_of = |name: &str| record.get(name).and_then(serde_json::Value::as_u64);
+    let state = record.get("state").and_then(serde_json::Value::as_str);
+    let replayable = record
+        .get("replayable")
+        .and_then(serde_json::Value::as_bool);
+    let (key_state, retry_same_key) = match state {
+        None => ("absent", true),
+        Some("in_progress") => ("in_progress", true),
+        // A replay, or 409 outcome-not-replayable: it will not run again.
+        Some("completed") => ("completed", replayable == Some(true)),
+        // Held until an operator resolves it, or reconciled / re-run by the route.
+        Some(_) => ("unknown", !held),
+    };
+    let completed = key_state == "completed";
+    KeyStateAnswer {
+        key_state,
+        retry_same_key,
+        new_key_safe: false,
+        endpoint,
+        status: u64_of("response_status")
+            .filter(|_| completed)
+            .and_then(|s| u16::try_from(s).ok()),
+        replayable: replayable.filter(|_| completed),
+        expires_in_s: state.and(u64_of("expires_in_ms")).map(|ms| ms / 1_000),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_query_names_the_endpoint_percent_decoded() {
+        assert_eq!(
+            endpoint_of("method=post&path=%2Fcheckout"),
+            Some(("POST".into(), "/checkout".into()))
+        );
+        assert_eq!(endpoint_of("path=/checkout"), None);
+        assert_eq!(endpoint_of(""), None);
+    }
+
+    #[test]
+    fn each_record_state_says_what_a_retry_gets() {
+        let e = || "POST /checkout".to_owned();
+        let absent = key_state_of(&serde_json::Value::Null, e(), true);
+        assert_eq!((absent.key_state, absent.retry_same_key), ("absent", true));
+        assert_eq!(absent.expires_in_s, None);
+        let done = json!({"state": "completed", "response_status": 201, "replayable": true, "expires_in_ms": 86_399_999});
+        let done = key_state_of(&done, e(), true);
+        assert_eq!(
+            (
+                done.key_state,
+                done.retry_same_key,
+                done.status,
+                done.expires_in_s
+            ),
+            ("completed", true, Some(201), Some(86_399))
+        );
+        let lost = json!({"state": "completed", "response_status": 201, "replayable": false, "expires_in_ms": 5});
+        assert!(!key_state_of(&lost, e(), true).retry_same_key);
+        let unknown = json!({"state": "unknown", "expires_in_ms": 1000});
+        assert!(!key_state_of(&unknown, e(), true).retry_same_key, "held");
+        assert!(
+            key_state_of(&unknown, e(), false).retry_same_key,
+            "reconciled"
+        );
+        let running =
+            json!({"state": "in_progress", "response_status": null, "expires_in_ms": 1000});
+        let running = key_state_of(&running, e(), true);
+        assert_eq!((running.key_state, running.status), ("in_progress", None));
+        assert!(!running.new_key_safe);
+    }
+}
