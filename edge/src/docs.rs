@@ -62,6 +62,7 @@ pub fn problem_kinds() -> Vec<ProblemKind> {
         PayloadTooLarge,
         EndpointTooLong,
         KeyReuseMismatch,
+        KeyChurn,
         Internal,
         StateUnavailable,
         ReconcileUnavailable,
@@ -72,7 +73,7 @@ pub fn problem_kinds() -> Vec<ProblemKind> {
             MissingKey | InvalidKey | DuplicateJsonMember | BadRequest | Unauthenticated
             | Forbidden | NotFound | MethodNotAllowed | InProgress | OutcomeNotReplayable
             | OutcomeUnknown | FencedOut | LeaseEnded | LeaseLive | AlreadyCompleted
-            | PayloadTooLarge | EndpointTooLong | KeyReuseMismatch | Internal
+            | PayloadTooLarge | EndpointTooLong | KeyReuseMismatch | KeyChurn | Internal
             | StateUnavailable | ReconcileUnavailable | BuffersFull => {}
         }
     }

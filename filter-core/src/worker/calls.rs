@@ -39,7 +39,14 @@ impl Worker {
                 if let Some(remembered) = self.remembered(&id, &fingerprint, waits, now_ms) {
                     return Some(flow.on_remembered(&self.cfg, remembered, now_ms));
                 }
-                self.watch_churn(&request, id, now_ms, effects);
+                let refuses = flow
+                    .claiming_route()
+                    .and_then(|r| self.cfg.routes.get(r))
+                    .is_some_and(|r| r.on_key_churn == crate::config::OnKeyChurn::Reject);
+                let churn = self.watch_churn(&request, id, now_ms, refuses, effects);
+                if let (true, Some(churn)) = (refuses, churn) {
+                    return Some(flow.on_key_churn(&churn.earlier_key, churn.ms_ago));
+                }
                 self.send_claim(flow, request, id, effects);
                 None
             }
@@ -156,17 +163,18 @@ impl Worker {
         request: &ClaimRequest,
         id: ids::Id,
         now_ms: u64,
+        refuses: bool,
         effects: &mut Vec<Effect>,
-    ) {
-        let Some(churn) = self.churn.note(
+    ) -> Option<super::churn::Churn> {
+        let churn = self.churn.note(
             &request.subject,
             &request.endpoint,
             &request.fingerprint,
+            &request.key,
             id,
             now_ms,
-        ) else {
-            return;
-        };
+            refuses,
+        )?;
         effects.push(Effect::Count(Metric::KeyChurn));
         effects.push(Effect::Log(
             Level::Info,
@@ -179,6 +187,7 @@ impl Worker {
                 super::churn::record_ref(&churn.earlier)
             ),
         ));
+        Some(churn)
     }
 
     /// Sends a stream's claim with the next nonce: queued in the lane when it is behind, else

@@ -12,13 +12,14 @@ use crate::store::StoreError;
 /// An error answer: a problem document, plus Retry-After for 503.
 #[derive(Debug)]
 pub struct ApiError {
-    problem: Problem,
+    /// Boxed: the error of every fallible handler stays one pointer wide.
+    problem: Box<Problem>,
 }
 
 impl ApiError {
     pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
         Self {
-            problem: Problem::new(kind, detail),
+            problem: Box::new(Problem::new(kind, detail)),
         }
     }
 }

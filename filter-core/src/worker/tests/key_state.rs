@@ -160,3 +160,47 @@ fn a_key_state_path_that_a_get_route_matches_is_refused() {
     let e = crate::config::Config::parse(cfg.as_bytes()).unwrap_err();
     assert!(e.to_string().contains("key_state_path"), "{e}");
 }
+
+/// Key churn on a route that refuses it (`on_key_churn: reject`): the same request under a new
+/// key within the minute gets `409 key-churn` naming the earlier key, without a claim; the
+/// earlier key still works; on a counting route it runs.
+#[test]
+fn a_route_that_refuses_key_churn_names_the_earlier_key_and_claims_nothing() {
+    let cfg = CONFIG.replace(
+        r#"{"method": "POST", "path": "/checkout", "key": "required"}"#,
+        r#"{"method": "POST", "path": "/checkout", "key": "required", "on_key_churn": "reject"}"#,
+    );
+    let mut t = Harness::new(&cfg);
+    let (s, step) = t.keyed("first-key", "/checkout", br#"{"amount":1}"#);
+    assert!(step.claims());
+    t.answer_claim(&step, claimed(7));
+    assert!(t.w.awaits_response(s));
+    t.advance(2_000);
+    let (_, step) = t.keyed("second-key", "/checkout", br#"{"amount":1}"#);
+    assert!(
+        !step.claims(),
+        "nothing claimed under the churned key: {step:?}"
+    );
+    let r = step.reply();
+    assert_eq!(
+        (r.status, problem_type(r).as_str()),
+        (409, "/problems/key-churn")
+    );
+    let doc = body_of(r);
+    assert_eq!(doc["earlier_key"], "first-key", "{doc}");
+    assert_eq!(header(r, "stripe-should-retry"), Some("false"));
+    assert!(step.counts().contains(&Metric::KeyChurn));
+    // Another body is another request; the earlier key is not churn.
+    let (_, step) = t.keyed("third-key", "/checkout", br#"{"amount":2}"#);
+    assert!(step.claims());
+    let (_, step) = t.keyed("first-key", "/checkout", br#"{"amount":1}"#);
+    assert!(step.claims(), "its own key again: {step:?}");
+
+    // On a counting route (the default) the churned key runs.
+    let mut t = Harness::new(CONFIG);
+    let (_, step) = t.keyed("first-key", "/checkout", br#"{"amount":1}"#);
+    t.answer_claim(&step, claimed(7));
+    let (_, step) = t.keyed("second-key", "/checkout", br#"{"amount":1}"#);
+    assert!(step.claims());
+    assert!(step.counts().contains(&Metric::KeyChurn));
+}
