@@ -27,9 +27,6 @@ pub enum ProblemKind {
     InProgress,
     /// The key was used before with a different request.
     KeyReuseMismatch,
-    /// The same request came under another key a moment ago, on a route that refuses key
-    /// churn: the document names the earlier key (`earlier_key`).
-    KeyChurn,
     /// The first request completed but its response was too large to keep: it will not run again.
     OutcomeNotReplayable,
     /// The first request was forwarded and its outcome never seen: held until resolved.
@@ -64,7 +61,7 @@ pub enum ProblemKind {
 impl ProblemKind {
     /// The kinds the edge answers its clients with (each says what a client can do about it:
     /// [`Self::retry_same_key`], [`Self::new_key_safe`]); the others are the state API's own.
-    pub const EDGE: [ProblemKind; 16] = [
+    pub const EDGE: [ProblemKind; 15] = [
         Self::MissingKey,
         Self::InvalidKey,
         Self::DuplicateJsonMember,
@@ -74,7 +71,6 @@ impl ProblemKind {
         Self::EndpointTooLong,
         Self::InProgress,
         Self::KeyReuseMismatch,
-        Self::KeyChurn,
         Self::OutcomeNotReplayable,
         Self::OutcomeUnknown,
         Self::ReconcileUnavailable,
@@ -93,7 +89,6 @@ impl ProblemKind {
             Self::NotFound => 404,
             Self::MethodNotAllowed => 405,
             Self::InProgress
-            | Self::KeyChurn
             | Self::FencedOut
             | Self::LeaseEnded
             | Self::OutcomeNotReplayable
@@ -119,7 +114,6 @@ impl ProblemKind {
             Self::EndpointTooLong => "endpoint-too-long",
             Self::InProgress => "request-in-progress",
             Self::KeyReuseMismatch => "idempotency-key-reused",
-            Self::KeyChurn => "key-churn",
             Self::OutcomeNotReplayable => "outcome-not-replayable",
             Self::OutcomeUnknown => "outcome-unknown",
             Self::ReconcileUnavailable => "reconcile-unavailable",
@@ -147,7 +141,6 @@ impl ProblemKind {
             Self::EndpointTooLong => "The request path is too long to protect",
             Self::InProgress => "A request with this key is still being processed",
             Self::KeyReuseMismatch => "The key was already used for a different request",
-            Self::KeyChurn => "The same request was sent moments ago under another key",
             Self::OutcomeNotReplayable => {
                 "The request completed but its response cannot be replayed"
             }
@@ -191,7 +184,6 @@ impl ProblemKind {
             | Self::PayloadTooLarge
             | Self::EndpointTooLong
             | Self::KeyReuseMismatch
-            | Self::KeyChurn
             | Self::OutcomeNotReplayable
             | Self::OutcomeUnknown => Some(false),
             Self::Internal
@@ -219,7 +211,6 @@ impl ProblemKind {
             | Self::PayloadTooLarge
             | Self::EndpointTooLong
             | Self::KeyReuseMismatch
-            | Self::KeyChurn
             | Self::InProgress
             | Self::OutcomeUnknown
             | Self::OutcomeNotReplayable
@@ -270,10 +261,6 @@ impl ProblemKind {
             Self::OutcomeNotReplayable => {
                 "It ran once and will not run again: look up its result instead of retrying."
             }
-            Self::KeyChurn => {
-                "Send it again under the earlier key (`earlier_key`) to get that request's outcome; \
-                 a new key for each retry runs it again each time."
-            }
             Self::KeyReuseMismatch => {
                 "Send the original request to get its result; a different request needs its own key, \
                  once you know the first did not do what this one asks."
@@ -306,7 +293,6 @@ impl ProblemKind {
         match self {
             Self::InProgress
             | Self::KeyReuseMismatch
-            | Self::KeyChurn
             | Self::OutcomeNotReplayable
             | Self::OutcomeUnknown => "idempotency_error",
             Self::StateUnavailable
@@ -354,11 +340,6 @@ pub struct Problem {
     /// The same answer in the shape Stripe's SDKs read (`{"error": {"type", "code",
     /// "message"}}`): without it they raise "Invalid response object from API" and drop the
     /// edge's words.
-    /// `key-churn`: the key the same request came under a moment ago, which a retry should use
-    /// (boxed, as `error`: the state API's errors stay small).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
-    pub earlier_key: Option<Box<str>>,
     /// Boxed: only the edge's answers carry it, and the state API's errors stay small.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<Box<ClientError>>,
@@ -404,7 +385,6 @@ impl Problem {
             key_state: None,
             retry_same_key: None,
             new_key_safe: None,
-            earlier_key: None,
             error: None,
         }
     }

@@ -62,7 +62,6 @@ pub fn problem_kinds() -> Vec<ProblemKind> {
         PayloadTooLarge,
         EndpointTooLong,
         KeyReuseMismatch,
-        KeyChurn,
         Internal,
         StateUnavailable,
         ReconcileUnavailable,
@@ -73,7 +72,7 @@ pub fn problem_kinds() -> Vec<ProblemKind> {
             MissingKey | InvalidKey | DuplicateJsonMember | BadRequest | Unauthenticated
             | Forbidden | NotFound | MethodNotAllowed | InProgress | OutcomeNotReplayable
             | OutcomeUnknown | FencedOut | LeaseEnded | LeaseLive | AlreadyCompleted
-            | PayloadTooLarge | EndpointTooLong | KeyReuseMismatch | KeyChurn | Internal
+            | PayloadTooLarge | EndpointTooLong | KeyReuseMismatch | Internal
             | StateUnavailable | ReconcileUnavailable | BuffersFull => {}
         }
     }

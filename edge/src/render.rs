@@ -337,7 +337,6 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
             max_wait_s: r.max_wait_s,
             fingerprint: r.fingerprint.clone(),
             key_from: r.key_from.clone(),
-            on_key_churn: r.on_key_churn,
         }
     });
     fc::Config {

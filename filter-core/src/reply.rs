@@ -101,20 +101,6 @@ pub fn in_progress(retry_after_s: u32) -> LocalReply {
     .with_header("retry-after", retry_after_s.max(1).to_string())
 }
 
-/// 409 `key-churn`: the same request came under `earlier_key` `ms_ago` ago, on a route that
-/// refuses key churn. Nothing was claimed or forwarded.
-pub fn key_churn(earlier_key: &str, ms_ago: u64) -> LocalReply {
-    let detail = format!(
-        "the same request came under another key {} s ago; this route refuses a new key for a retry",
-        ms_ago / 1_000
-    );
-    let mut r = LocalReply::problem(ProblemKind::KeyChurn, detail.clone());
-    let mut doc = Problem::for_client(ProblemKind::KeyChurn, detail);
-    doc.earlier_key = Some(earlier_key.into());
-    r.body = doc.to_json();
-    r
-}
-
 /// 422: the key was used for another request.
 pub fn mismatch(endpoint: &str) -> LocalReply {
     LocalReply::problem(

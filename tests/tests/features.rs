@@ -121,16 +121,6 @@ fn main() {
             "two_deployments_with_their_own_namespace_share_a_state_api_without_meeting",
             namespaces,
         ),
-        own(
-            "a_route_that_refuses_key_churn_answers_409_naming_the_earlier_key",
-            StackOptions {
-                tweak: Some(Tweak::new(|c| {
-                    c.routes[0].on_key_churn = filter_core::config::OnKeyChurn::Reject;
-                })),
-                ..StackOptions::default()
-            },
-            key_churn_refused,
-        ),
     ];
     // Stops the shared stack's processes before exiting (statics are never dropped).
     SHARED.run(&args, trials)
@@ -988,29 +978,4 @@ async fn namespaces(stack: Arc<Stack>) {
         );
         assert_eq!(shown.ok(), found, "{ns:?}: {shown:?}");
     }
-}
-
-/// `on_key_churn = "reject"` on `/checkout` (issue 48): the same charge under a new key within
-/// the minute is refused with `409 key-churn` naming the earlier key, and nothing runs; the
-/// earlier key gets its replay; another amount under a new key runs.
-async fn key_churn_refused(stack: Stack) {
-    let c = client(&stack);
-    let first_key = unique_key("churn-first");
-    let body = charge_body(4_242);
-    let first = c.send(checkout(&first_key, "alice", &body)).await;
-    assert_eq!(first.status, 201, "{}", first.describe());
-    let churned_key = unique_key("churn-second");
-    let churned = c.send(checkout(&churned_key, "alice", &body)).await;
-    assert_problem(&churned, 409, "key-churn", &stack);
-    let doc: serde_json::Value = serde_json::from_slice(&churned.body).unwrap_or_default();
-    assert_eq!(doc["earlier_key"], first_key.as_str(), "{doc}");
-    assert!(executions(&stack, &churned_key).await.is_empty());
-    let again = c.send(checkout(&first_key, "alice", &body)).await;
-    assert_eq!(again.header("idempotent-replayed").as_deref(), Some("true"));
-    let other_key = unique_key("churn-other");
-    let other = c
-        .send(checkout(&other_key, "alice", &charge_body(4_243)))
-        .await;
-    assert_eq!(other.status, 201, "{}", other.describe());
-    assert_eq!(executions(&stack, &first_key).await.len(), 1);
 }

@@ -264,8 +264,6 @@ pub struct Route {
     pub fingerprint: fc::Selection,
     /// The key from this body member instead of the `Idempotency-Key` header.
     pub key_from: Option<fc::Pointer>,
-    /// The same request under a new key within a minute: counted, or refused (`409 key-churn`).
-    pub on_key_churn: fc::OnKeyChurn,
 }
 
 impl Route {
@@ -286,7 +284,6 @@ impl Route {
             max_wait_s: fc::DEFAULT_MAX_WAIT_S,
             fingerprint: fc::Selection::Whole,
             key_from: None,
-            on_key_churn: fc::OnKeyChurn::Count,
         }
     }
 }

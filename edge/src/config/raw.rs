@@ -521,21 +521,6 @@ pub(super) struct RawRoute {
     /// Default: the `Idempotency-Key` header.
     #[schemars(with = "Option<String>")]
     pub(super) key_from: Option<Spanned<String>>,
-    /// The same request (subject, endpoint, body) under a new key within a minute of another, the
-    /// client bug of a new key for each retry: `count` (counted as `idempotency.key_churn` and
-    /// logged; it runs) or `reject` (also refused with `409 key-churn` naming the earlier key;
-    /// nothing runs). Each Envoy worker sees its own requests only ([Behaviour: key
-    /// churn](behaviour.md)).
-    ///
-    /// Default: `count`.
-    pub(super) on_key_churn: Option<RawOnKeyChurn>,
-}
-
-#[derive(Deserialize, Clone, Copy, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub(super) enum RawOnKeyChurn {
-    Count,
-    Reject,
 }
 
 /// `{ ignore = [...] }` or `{ include = [...] }`: RFC 6901 JSON pointers.

@@ -241,10 +241,6 @@ pub(super) fn route(
         max_wait_s,
         fingerprint,
         key_from,
-        on_key_churn: match r.on_key_churn {
-            None | Some(RawOnKeyChurn::Count) => fc::OnKeyChurn::Count,
-            Some(RawOnKeyChurn::Reject) => fc::OnKeyChurn::Reject,
-        },
     })
 }
 

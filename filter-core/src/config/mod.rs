@@ -273,27 +273,6 @@ pub enum OnUnknown {
     Reexecute,
 }
 
-/// What the same request (subject, endpoint, fingerprint) under a new key within a minute of
-/// another gets: the classic client bug of a new key for each retry (issue 48).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum OnKeyChurn {
-    /// Counted (`idempotency.key_churn`) and logged; it runs as a new request.
-    #[default]
-    Count,
-    /// Counted, logged, and refused: `409 key-churn` naming the earlier key, nothing claimed or
-    /// forwarded (a second identical order within the minute must then come under the earlier
-    /// key, or wait).
-    Reject,
-}
-
-impl OnKeyChurn {
-    fn is_count(&self) -> bool {
-        *self == Self::Count
-    }
-}
-
 /// Where the upstream tells what became of a key (the `on_unknown: "reconcile"` route's
 /// `reconcile`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -374,9 +353,6 @@ pub struct Route {
     pub on_state_unavailable: OnStateUnavailable,
     #[serde(default)]
     pub on_unknown: OnUnknown,
-    /// The same request under a new key within a minute: counted, or refused.
-    #[serde(default, skip_serializing_if = "OnKeyChurn::is_count")]
-    pub on_key_churn: OnKeyChurn,
     /// With `on_unknown: reconcile`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reconcile: Option<Reconcile>,

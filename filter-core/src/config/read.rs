@@ -5,8 +5,8 @@ use super::{
     default_batch_max, default_complete_retry_bytes, default_complete_retry_ms,
     default_heartbeat_ms, default_in_flight_cache_ms, default_lease_ms, default_max_body,
     default_max_wait_s, default_max_waiters, default_reconcile_method, default_replay_cache_bytes,
-    default_replay_cache_ttl_ms, default_timeout_ms, Config, KeyPolicy, On5xx, OnKeyChurn,
-    OnStateUnavailable, OnUnknown, Pointer, Reconcile, Route, Selection, StateApi, SubjectSource,
+    default_replay_cache_ttl_ms, default_timeout_ms, Config, KeyPolicy, On5xx, OnStateUnavailable,
+    OnUnknown, Pointer, Reconcile, Route, Selection, StateApi, SubjectSource,
 };
 use contract::json::{Fields, Value};
 
@@ -46,7 +46,6 @@ const ROUTE_FIELDS: &[&str] = &[
     "on_5xx",
     "on_state_unavailable",
     "on_unknown",
-    "on_key_churn",
     "reconcile",
     "lease_ms",
     "heartbeat_ms",
@@ -195,11 +194,6 @@ impl Route {
                     ("reexecute", OnUnknown::Reexecute),
                 ],
                 Some(OnUnknown::Hold),
-            )?,
-            on_key_churn: r.variant(
-                "on_key_churn",
-                &[("count", OnKeyChurn::Count), ("reject", OnKeyChurn::Reject)],
-                Some(OnKeyChurn::Count),
             )?,
             reconcile: match r.get("reconcile") {
                 None => None,

@@ -341,7 +341,6 @@ fn every_field_set() -> Config {
                 max_wait_s: 3,
                 fingerprint: Selection::Include(vec![pointer("/amount"), pointer("/a~1b")]),
                 key_from: Some(pointer("/idempotency_key")),
-                on_key_churn: OnKeyChurn::Reject,
             },
             Route {
                 method: "PUT".into(),
@@ -359,7 +358,6 @@ fn every_field_set() -> Config {
                 max_wait_s: 0,
                 fingerprint: Selection::Ignore(vec![pointer("/sent_at")]),
                 key_from: None,
-                on_key_churn: OnKeyChurn::Count,
             },
         ],
         max_request_body_bytes: 2_048,

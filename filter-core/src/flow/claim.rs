@@ -97,20 +97,6 @@ impl ClaimAnswer {
 }
 
 impl Flow {
-    /// The route of a request about to be claimed (the worker's key churn check).
-    pub fn claiming_route(&self) -> Option<usize> {
-        match &self.state {
-            State::Claiming(f) => Some(f.req.route),
-            _ => None,
-        }
-    }
-
-    /// The worker refuses the claim: the same request came under another key a moment ago
-    /// (`on_key_churn: reject`). Nothing was claimed.
-    pub fn on_key_churn(&mut self, earlier_key: &str, ms_ago: u64) -> Turn {
-        self.reply(None, reply::key_churn(earlier_key, ms_ago))
-    }
-
     /// The worker answers the claim from its memory.
     pub fn on_remembered(&mut self, cfg: &Config, memory: Remembered, now_ms: u64) -> Turn {
         let State::Claiming(req) = self.take() else {

@@ -39,14 +39,7 @@ impl Worker {
                 if let Some(remembered) = self.remembered(&id, &fingerprint, waits, now_ms) {
                     return Some(flow.on_remembered(&self.cfg, remembered, now_ms));
                 }
-                let refuses = flow
-                    .claiming_route()
-                    .and_then(|r| self.cfg.routes.get(r))
-                    .is_some_and(|r| r.on_key_churn == crate::config::OnKeyChurn::Reject);
-                let churn = self.watch_churn(&request, id, now_ms, refuses, effects);
-                if let (true, Some(churn)) = (refuses, churn) {
-                    return Some(flow.on_key_churn(&churn.earlier_key, churn.ms_ago));
-                }
+                self.watch_churn(&request, id, now_ms, effects);
                 self.send_claim(flow, request, id, effects);
                 None
             }
@@ -163,18 +156,17 @@ impl Worker {
         request: &ClaimRequest,
         id: ids::Id,
         now_ms: u64,
-        refuses: bool,
         effects: &mut Vec<Effect>,
-    ) -> Option<super::churn::Churn> {
-        let churn = self.churn.note(
+    ) {
+        let Some(churn) = self.churn.note(
             &request.subject,
             &request.endpoint,
             &request.fingerprint,
-            &request.key,
             id,
             now_ms,
-            refuses,
-        )?;
+        ) else {
+            return;
+        };
         effects.push(Effect::Count(Metric::KeyChurn));
         effects.push(Effect::Log(
             Level::Info,
@@ -187,7 +179,6 @@ impl Worker {
                 super::churn::record_ref(&churn.earlier)
             ),
         ));
-        Some(churn)
     }
 
     /// Sends a stream's claim with the next nonce: queued in the lane when it is behind, else

@@ -14,11 +14,11 @@ pub const CHURN_WINDOW_MS: u64 = 60_000;
 pub const CHURN_MAX_REQUESTS: usize = 1024;
 
 /// The requests a worker claimed in the last window (subject, endpoint and fingerprint, framed),
-/// with the record address of the key each came under, and the key itself: only for the answer
-/// of a route that refuses churn, to the same subject (keys are never logged).
+/// with the record address of the key each came under (never the key itself: keys are not
+/// logged).
 #[derive(Debug, Default)]
 pub(crate) struct ChurnWatch {
-    records: HashMap<String, (Id, u64, String)>,
+    records: HashMap<String, (Id, u64)>,
     /// Insertion order, for expiry: (request, when). A request noted again under another key
     /// has an older entry here too, recognised by its time.
     order: VecDeque<(String, u64)>,
@@ -28,44 +28,32 @@ pub(crate) struct ChurnWatch {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Churn {
     pub earlier: Id,
-    /// The key the request came under before.
-    pub earlier_key: String,
     pub ms_ago: u64,
 }
 
 impl ChurnWatch {
-    /// Notes a claim of the record `id` (`key`, subject, endpoint) for the request (`subject`,
+    /// Notes a claim of the record `id` (key, subject, endpoint) for the request (`subject`,
     /// `endpoint`, `fingerprint`) at `now_ms`, and returns the other record the same request
     /// was claimed under within the window. A retry under its own key changes nothing.
-    /// `refused`: the churned claim will not be made (its route refuses churn), so the request
-    /// stays noted under its earlier key.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn note(
         &mut self,
         subject: &str,
         endpoint: &str,
         fingerprint: &str,
-        key: &str,
         id: Id,
         now_ms: u64,
-        refused: bool,
     ) -> Option<Churn> {
         self.expire(now_ms);
         let request = format!("{subject}\n{endpoint}\n{fingerprint}");
         let churn = match self.records.get(&request) {
-            Some((earlier, ..)) if *earlier == id => return None,
-            Some((earlier, at, earlier_key)) => Some(Churn {
+            Some((earlier, _)) if *earlier == id => return None,
+            Some((earlier, at)) => Some(Churn {
                 earlier: *earlier,
-                earlier_key: earlier_key.clone(),
                 ms_ago: now_ms.saturating_sub(*at),
             }),
             None => None,
         };
-        if refused && churn.is_some() {
-            return churn;
-        }
-        self.records
-            .insert(request.clone(), (id, now_ms, key.to_owned()));
+        self.records.insert(request.clone(), (id, now_ms));
         self.order.push_back((request, now_ms));
         while self.records.len() > CHURN_MAX_REQUESTS || self.order.len() > 2 * CHURN_MAX_REQUESTS {
             let Some((oldest, at)) = self.order.pop_front() else {
@@ -90,7 +78,7 @@ impl ChurnWatch {
 
     /// Forgets `request` if it was last noted at `at` (a later note under another key keeps it).
     fn forget(&mut self, request: &str, at: u64) {
-        if self.records.get(request).is_some_and(|(_, t, _)| *t == at) {
+        if self.records.get(request).is_some_and(|(_, t)| *t == at) {
             self.records.remove(request);
         }
     }
@@ -117,101 +105,31 @@ mod tests {
         [n; 32]
     }
 
-    fn key_of(id: &Id) -> String {
-        format!("key-{}", id[0])
-    }
-
     #[test]
     fn the_same_request_under_another_key_within_the_window_is_churn() {
         let mut w = ChurnWatch::default();
-        assert_eq!(
-            w.note(
-                "alice",
-                "POST /checkout",
-                "f1",
-                &key_of(&id(1)),
-                id(1),
-                1_000,
-                false
-            ),
-            None
-        );
+        assert_eq!(w.note("alice", "POST /checkout", "f1", id(1), 1_000), None);
         // A retry with its own key: not churn.
+        assert_eq!(w.note("alice", "POST /checkout", "f1", id(1), 2_000), None);
         assert_eq!(
-            w.note(
-                "alice",
-                "POST /checkout",
-                "f1",
-                &key_of(&id(1)),
-                id(1),
-                2_000,
-                false
-            ),
-            None
-        );
-        assert_eq!(
-            w.note(
-                "alice",
-                "POST /checkout",
-                "f1",
-                &key_of(&id(2)),
-                id(2),
-                3_000,
-                false
-            ),
+            w.note("alice", "POST /checkout", "f1", id(2), 3_000),
             Some(Churn {
                 earlier: id(1),
-                earlier_key: "key-1".into(),
                 ms_ago: 2_000
             })
         );
         // Another subject, endpoint or body: another request.
-        assert_eq!(
-            w.note(
-                "bob",
-                "POST /checkout",
-                "f1",
-                &key_of(&id(3)),
-                id(3),
-                3_000,
-                false
-            ),
-            None
-        );
-        assert_eq!(
-            w.note(
-                "alice",
-                "POST /refunds",
-                "f1",
-                &key_of(&id(4)),
-                id(4),
-                3_000,
-                false
-            ),
-            None
-        );
-        assert_eq!(
-            w.note(
-                "alice",
-                "POST /checkout",
-                "f2",
-                &key_of(&id(5)),
-                id(5),
-                3_000,
-                false
-            ),
-            None
-        );
+        assert_eq!(w.note("bob", "POST /checkout", "f1", id(3), 3_000), None);
+        assert_eq!(w.note("alice", "POST /refunds", "f1", id(4), 3_000), None);
+        assert_eq!(w.note("alice", "POST /checkout", "f2", id(5), 3_000), None);
         // Past the window since it came under its last key (id 2 at 3 s): forgotten.
         assert_eq!(
             w.note(
                 "alice",
                 "POST /checkout",
                 "f1",
-                &key_of(&id(6)),
                 id(6),
-                3_000 + CHURN_WINDOW_MS,
-                false
+                3_000 + CHURN_WINDOW_MS
             ),
             None
         );
@@ -222,102 +140,26 @@ mod tests {
     fn memory_is_bounded_and_a_hot_request_does_not_push_the_others_out() {
         let mut w = ChurnWatch::default();
         for i in 0..(CHURN_MAX_REQUESTS * 3) {
-            w.note(
-                "alice",
-                "POST /checkout",
-                &format!("f{i}"),
-                &key_of(&id(1)),
-                id(1),
-                0,
-                false,
-            );
+            w.note("alice", "POST /checkout", &format!("f{i}"), id(1), 0);
             assert!(w.len() <= CHURN_MAX_REQUESTS);
         }
         // One request retried many times under its own key adds nothing.
         let mut w = ChurnWatch::default();
-        w.note(
-            "bob",
-            "POST /checkout",
-            "g",
-            &key_of(&id(9)),
-            id(9),
-            0,
-            false,
-        );
+        w.note("bob", "POST /checkout", "g", id(9), 0);
         for t in 0..(CHURN_MAX_REQUESTS as u64 * 10) {
-            w.note(
-                "alice",
-                "POST /checkout",
-                "f",
-                &key_of(&id(1)),
-                id(1),
-                t % CHURN_WINDOW_MS,
-                false,
-            );
+            w.note("alice", "POST /checkout", "f", id(1), t % CHURN_WINDOW_MS);
         }
         assert_eq!(w.order.len(), 2);
-        assert!(w
-            .note(
-                "bob",
-                "POST /checkout",
-                "g",
-                &key_of(&id(8)),
-                id(8),
-                10,
-                false
-            )
-            .is_some());
+        assert!(w.note("bob", "POST /checkout", "g", id(8), 10).is_some());
         // Churned back and forth: the order stays bounded, and within the same millisecond
         // the live entry is kept.
         let mut w = ChurnWatch::default();
         for t in 0..(CHURN_MAX_REQUESTS as u64 * 10) {
-            w.note(
-                "alice",
-                "POST /checkout",
-                "f",
-                &key_of(&id((t % 2) as u8)),
-                id((t % 2) as u8),
-                t / 3,
-                false,
-            );
+            w.note("alice", "POST /checkout", "f", id((t % 2) as u8), t / 3);
             assert!(w.order.len() <= 2 * CHURN_MAX_REQUESTS);
         }
         assert!(w
-            .note(
-                "alice",
-                "POST /checkout",
-                "f",
-                &key_of(&id(7)),
-                id(7),
-                4_000,
-                false
-            )
+            .note("alice", "POST /checkout", "f", id(7), 4_000)
             .is_some());
-    }
-
-    #[test]
-    fn a_refused_churn_keeps_the_request_under_its_earlier_key() {
-        let mut w = ChurnWatch::default();
-        assert_eq!(
-            w.note("alice", "POST /checkout", "f", "first", id(1), 0, true),
-            None
-        );
-        for (n, at) in [(2, 1_000), (3, 2_000)] {
-            let churn = w.note(
-                "alice",
-                "POST /checkout",
-                "f",
-                &key_of(&id(n)),
-                id(n),
-                at,
-                true,
-            );
-            assert_eq!(churn.map(|c| c.earlier_key), Some("first".to_owned()));
-        }
-        // Its own key again: not churn.
-        assert_eq!(
-            w.note("alice", "POST /checkout", "f", "first", id(1), 3_000, true),
-            None
-        );
     }
 }

@@ -12,14 +12,13 @@ use crate::store::StoreError;
 /// An error answer: a problem document, plus Retry-After for 503.
 #[derive(Debug)]
 pub struct ApiError {
-    /// Boxed: the error of every fallible handler stays one pointer wide.
-    problem: Box<Problem>,
+    problem: Problem,
 }
 
 impl ApiError {
     pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
         Self {
-            problem: Box::new(Problem::new(kind, detail)),
+            problem: Problem::new(kind, detail),
         }
     }
 }
