@@ -235,6 +235,13 @@ async fn a_client_asks_what_became_of_its_key(stack: Arc<Stack>) {
     // Scoped by the caller: bob asking about alice's key learns nothing.
     let a = said(&c.send(ask(&key, Some("bob"), on_checkout)).await);
     assert_eq!(a["key_state"], "absent", "{a}");
+    // A forged subject header changes nothing: Envoy removes it before jwt_authn sets its own.
+    let forged = ask(&key, Some("bob"), on_checkout).header("x-jwt-sub", "alice");
+    let a = said(&c.send(forged).await);
+    assert_eq!(a["key_state"], "absent", "{a}");
+    let forged_without_token = ask(&key, None, on_checkout).header("x-jwt-sub", "alice");
+    let refused = c.send(forged_without_token).await;
+    assert_eq!(refused.status, 401, "{}", refused.describe());
     // Bad questions: no token, no key, an endpoint that is not protected.
     let no_token = c.send(ask(&key, None, on_checkout)).await;
     assert_eq!(no_token.status, 401, "{}", no_token.describe());

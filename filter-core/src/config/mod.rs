@@ -128,7 +128,9 @@ pub struct Config {
     /// Where a client asks what became of its key instead of sending the request again:
     /// `GET <path>?method=POST&path=/checkout` with its `Idempotency-Key` and its credentials
     /// (the same subject as the request's). The filter answers from the state API; nothing is
-    /// forwarded. Left out: no such path.
+    /// forwarded. Its answer is scoped by the subject: with a `header` subject, require a
+    /// verified token on `GET` of this path as on the routes (`edge render` does). Left out: no
+    /// such path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(regex(pattern = "^/[!-~]*$")))]
     pub key_state_path: Option<String>,

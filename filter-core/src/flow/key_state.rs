@@ -20,8 +20,9 @@ use contract::ProblemKind;
 /// What the answer says of a key, in the problem documents' words.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct KeyStateAnswer {
-    /// `in_progress`, `completed`, `unknown`, or `absent` (no record: never used, released,
-    /// or expired).
+    /// `in_progress`, `completed`, `unknown`, `expired` (kept past its retention, not yet
+    /// purged: the edge no longer protects it), or `absent` (no record: never used, released,
+    /// or expired and purged).
     pub key_state: &'static str,
     /// Whether the same request with the same key can succeed later: it gets the stored
     /// answer, runs once, or is reconciled; `false` where it would be held or refused.
@@ -64,7 +65,18 @@ impl Flow {
         routes: &RouteTable,
         head: &RequestHead<'_>,
         query: &str,
+        end_of_stream: bool,
     ) -> Turn {
+        if !end_of_stream {
+            // Answered at its headers: a body would be left for Envoy to forward.
+            return self.reply(
+                None,
+                LocalReply::problem(
+                    ProblemKind::BadRequest,
+                    "a question about a key has no body",
+                ),
+            );
+        }
         let Some(subject) = subject_of(cfg, head) else {
             return self.reply(
                 Some(Metric::Unauthenticated401),
@@ -111,6 +123,16 @@ impl Flow {
             );
         };
         let endpoint = format!("{method} {path}");
+        if !contract::limits::valid_field(&endpoint) {
+            // Control characters, or longer than a record holds: no record has it.
+            return self.reply(
+                None,
+                LocalReply::problem(
+                    ProblemKind::BadRequest,
+                    "the path asked about is not one a protected request can have",
+                ),
+            );
+        }
         if endpoint.len() > contract::limits::MAX_FIELD_LEN {
             return self.reply(
                 Some(Metric::EndpointTooLong414),
@@ -146,8 +168,28 @@ impl Flow {
         let read = match &answer {
             CalloutResult::Response {
                 status: 200, body, ..
-            } => serde_json::from_slice::<serde_json::Value>(body).ok(),
+            } => serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .filter(|v| v.get("state").is_some_and(serde_json::Value::is_string)),
             CalloutResult::Response { status: 404, .. } => Some(serde_json::Value::Null),
+            CalloutResult::Response { status, .. } if (400..500).contains(status) => {
+                // The question was refused (a contract error, not an outage).
+                let log = Flow::log(
+                    Level::Error,
+                    format!(
+                        "the state API refused a key question about {endpoint} with HTTP {status}"
+                    ),
+                );
+                return self
+                    .reply(
+                        None,
+                        LocalReply::problem(
+                            ProblemKind::Internal,
+                            "the idempotency store refused the question",
+                        ),
+                    )
+                    .with(log);
+            }
             _ => None,
         };
         let Some(record) = read else {
@@ -191,8 +233,14 @@ fn key_state_of(record: &serde_json::Value, endpoint: String, held: bool) -> Key
     let replayable = record
         .get("replayable")
         .and_then(serde_json::Value::as_bool);
+    let expired = u64_of("expires_in_ms") == Some(0);
+    let lease_over = u64_of("lease_remaining_ms") == Some(0);
     let (key_state, retry_same_key) = match state {
         None => ("absent", true),
+        // A claim takes such a record as new: a retry would run it again.
+        Some(_) if expired => ("expired", false),
+        // Its owner is no longer heard from: the next claim marks it unknown.
+        Some("in_progress") if lease_over => ("unknown", !held),
         Some("in_progress") => ("in_progress", true),
         // A replay, or 409 outcome-not-replayable: it will not run again.
         Some("completed") => ("completed", replayable == Some(true)),
@@ -255,9 +303,24 @@ mod tests {
             "reconciled"
         );
         let running =
-            json!({"state": "in_progress", "response_status": null, "expires_in_ms": 1000});
+            json!({"state": "in_progress", "expires_in_ms": 1000, "lease_remaining_ms": 500});
         let running = key_state_of(&running, e(), true);
         assert_eq!((running.key_state, running.status), ("in_progress", None));
         assert!(!running.new_key_safe);
+        // Its owner gone (lease over): what the next claim makes of it.
+        let lapsed =
+            json!({"state": "in_progress", "expires_in_ms": 1000, "lease_remaining_ms": 0});
+        let lapsed = key_state_of(&lapsed, e(), true);
+        assert_eq!(
+            (lapsed.key_state, lapsed.retry_same_key),
+            ("unknown", false)
+        );
+        // Past its retention, not yet purged: a retry would run it again.
+        let expired = json!({"state": "completed", "response_status": 201, "replayable": true, "expires_in_ms": 0});
+        let expired = key_state_of(&expired, e(), true);
+        assert_eq!(
+            (expired.key_state, expired.retry_same_key),
+            ("expired", false)
+        );
     }
 }

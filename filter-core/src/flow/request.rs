@@ -136,7 +136,7 @@ impl Flow {
             None => (full_path.to_owned(), String::new()),
         };
         if method == "GET" && cfg.key_state_path.as_deref() == Some(path.as_str()) {
-            return self.ask_key_state(cfg, routes, &head, &query);
+            return self.ask_key_state(cfg, routes, &head, &query, end_of_stream);
         }
         let Some((route_idx, route)) = routes
             .find(&method, &path)

@@ -160,3 +160,32 @@ fn a_key_state_path_that_a_get_route_matches_is_refused() {
     let e = crate::config::Config::parse(cfg.as_bytes()).unwrap_err();
     assert!(e.to_string().contains("key_state_path"), "{e}");
 }
+
+#[test]
+fn a_question_with_a_body_or_a_control_character_is_refused_at_its_headers() {
+    let mut t = Harness::new(&config());
+    // A body would be left for Envoy to forward: refused at the headers.
+    let s = t.stream();
+    let hs = h(&[
+        (":method", "GET"),
+        (":path", ASK),
+        ("x-jwt-sub", "user-1"),
+        ("idempotency-key", "k"),
+    ]);
+    let step = t.headers(s, &hs, false);
+    assert!(records_calls(&step).is_empty());
+    assert_eq!(step.reply().status, 400);
+    // A newline in the path asked about: 400, not a state API error.
+    let step = ask(
+        &mut t,
+        "/idempotency/key-state?method=POST&path=%2Fcarts%2Fa%0Ab",
+        &[("idempotency-key", "k")],
+    );
+    assert!(records_calls(&step).is_empty());
+    assert_eq!(step.reply().status, 400);
+    // The state API refusing the question (4xx) is not an outage: 500, not 503.
+    let step = ask(&mut t, ASK, &[("idempotency-key", "k")]);
+    let d = records_call(&step);
+    let step = t.answer(&d, status(400, b"{}"));
+    assert_eq!(step.reply().status, 500);
+}
