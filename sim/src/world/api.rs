@@ -170,7 +170,14 @@ impl World {
                     let freed = evidence::judge_grant(self, &scope, &how);
                     // A new owner of the key: the operator's answer is no longer its outcome
                     // (only a grant of a key freed since can come after a resolve).
-                    self.ev.resolved.remove(&scope);
+                    if let Some((_, answer)) = self.ev.resolved.remove(&scope) {
+                        let opened = self.streams.len();
+                        self.ev
+                            .resolved_before
+                            .entry(scope.clone())
+                            .or_default()
+                            .push((opened, answer));
+                    }
                     if let crate::state_api::Grant::New {
                         elsewhere: Some(_), ..
                     } = how

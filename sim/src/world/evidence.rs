@@ -56,6 +56,10 @@ pub struct Evidence {
     /// Scopes an operator resolved: the streams opened from then on (index and up) and the
     /// answer the operator stored, the only one they may be replayed.
     pub resolved: BTreeMap<Scope, (usize, Produced)>,
+    /// Operator answers a later grant replaced, each with how many streams were open by then:
+    /// one of those streams may still get it, its reply decided while the answer stood and
+    /// delivered later (a deferred reply, sent at the next tick).
+    pub resolved_before: BTreeMap<Scope, Vec<(usize, Produced)>>,
     /// The retention of each token's record, as the state API kept it.
     pub retention_of: BTreeMap<i64, u64>,
     /// Answers Envoy made itself for a scope after forwarding (status, details).
