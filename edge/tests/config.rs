@@ -683,7 +683,7 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
     );
     assert_eq!(
         monitors[1]["typed_config"]["max_active_downstream_connections"].as_i64(),
-        Some(16_384)
+        Some(12_288)
     );
     let actions: Vec<&str> = om["actions"]
         .as_vec()
@@ -714,7 +714,7 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
     let layers = doc["layered_runtime"]["layers"].as_vec().unwrap();
     assert_eq!(
         layers[0]["static_layer"]["envoy.resource_limits.listener.edge.connection_limit"].as_i64(),
-        Some(16_384)
+        Some(12_288)
     );
     let hcm =
         &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];

@@ -30,7 +30,9 @@ pub struct Limits {
 }
 
 pub const DEFAULT_MEMORY_BUDGET_BYTES: u64 = 80 * MIB;
-pub const DEFAULT_MAX_CONNECTIONS: u64 = 16_384;
+/// About 6 KiB of Envoy's heap each when idle (measured): 12,288 take 72 MiB, which with Envoy's
+/// own 28 MiB after a burst stays below 80 % of the default heap bound (the first action).
+pub const DEFAULT_MAX_CONNECTIONS: u64 = 12_288;
 pub const DEFAULT_REQUEST_HEADERS_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_REQUEST_BODY_TIMEOUT_MS: u64 = 60_000;
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;

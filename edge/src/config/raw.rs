@@ -102,10 +102,11 @@ pub(super) struct RawLimits {
     #[schemars(with = "Option<u64>")]
     pub(super) memory_budget_mib: Option<Spanned<u64>>,
     /// Client connections Envoy accepts at once (the listener's limit and Envoy's global one,
-    /// 16 to 10000000); past it a new connection is closed at once. Keep it below Envoy's open
+    /// 16 to 10000000); past it a new connection is closed at once. An idle connection takes
+    /// about 6 KiB of Envoy's heap: raise `memory_budget_mib` with it. Keep it below Envoy's open
     /// files limit (`ulimit -n`) less what its upstream connections need.
     ///
-    /// Default: 16384.
+    /// Default: 12288.
     #[schemars(with = "Option<u64>")]
     pub(super) max_connections: Option<Spanned<u64>>,
     /// How long a client may take over a request's headers, from their first byte (Envoy's
