@@ -892,8 +892,8 @@ async fn slow_clients(stack: Arc<Stack>) {
         ),
     );
     let expected = [
-        (format!("body 408 closed"), s.slow_body),
-        (format!("headers 408 closed"), s.slow_headers),
+        ("body 408 closed".to_owned(), s.slow_body),
+        ("headers 408 closed".to_owned(), s.slow_headers),
     ];
     assert_eq!(
         by_class,
