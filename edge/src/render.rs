@@ -581,34 +581,16 @@ pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
 /// bodies read into Envoy at once (bench/NOTES.md, twentieth round).
 pub const CONNECTION_READ_BYTES: u64 = 32 * 1024;
 
-/// The longest the filter may legitimately hold a request after its body is whole and before it
-/// forwards it: a claim (with `Prefer: wait`, the longest wait of any route), a reconcile, a
-/// second state API call, and a margin.
-pub fn pre_forward_wait_ms(cfg: &Config) -> u64 {
-    let route_waits = cfg
-        .routes
-        .iter()
-        .map(|r| {
-            r.max_wait_s
-                .saturating_mul(1_000)
-                .saturating_add(r.reconcile.as_ref().map_or(0, |rc| rc.timeout_ms))
-        })
-        .max()
-        .unwrap_or(0);
-    route_waits
-        .saturating_add(cfg.state.timeout_ms.saturating_mul(2))
-        .saturating_add(HCM_TIMEOUT_MARGIN_MS)
-}
-
-/// The connection manager's `request_timeout`: the time a client has for its whole request
-/// (`limits.request_body_timeout_ms`) plus what the filter may hold it before forwarding
-/// ([`pre_forward_wait_ms`]). Envoy disarms it once the last byte has gone upstream, so it
-/// never fires on a forwarded request (which would make an unknown outcome); one that fires
-/// while the filter claims ends the stream, and the filter gives the claim back.
+/// The connection manager's `request_timeout`: the time a client has for its whole request,
+/// headers and body (`limits.request_body_timeout_ms`). Envoy 1.40 disarms it when the last byte
+/// of the request has come from the client, not when it goes upstream (its documentation says
+/// the latter): measured with a retry that waits for a running key past it
+/// (`tests/tests/hostile_load.rs`, `request_timeout_while_the_filter_waits`), so it never
+/// fires while the filter claims, waits or reconciles, nor on a forwarded request; the filter
+/// forwards a protected request only once its body is whole. A body never finished is cut
+/// (408) and never claims.
 pub fn request_timeout_ms(cfg: &Config) -> u64 {
-    cfg.limits
-        .request_body_timeout_ms
-        .saturating_add(pre_forward_wait_ms(cfg))
+    cfg.limits.request_body_timeout_ms
 }
 
 /// The name of the listener `edge render` writes (its connection limit's runtime key).

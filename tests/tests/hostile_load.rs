@@ -917,6 +917,89 @@ async fn slow_clients(stack: Arc<Stack>) {
     assert_keys_usable(&stack, &keys, 200).await;
 }
 
+/// `request_timeout` never fires once the client has sent its whole request, even while the
+/// filter holds it before forwarding: a retry (`Prefer: wait`) of a running key whose last byte
+/// comes 3 s before its `request_timeout` waits past it for the first attempt, and gets that
+/// attempt's answer replayed; charged once. Envoy's documentation says the timer runs until the
+/// last byte goes upstream (with this filter: after the claim, or the wait); measured on 1.40,
+/// it stops when the last byte comes from the client, and `edge render` relies on it
+/// (`edge::render::request_timeout_ms`).
+async fn request_timeout_while_the_filter_waits(stack: Arc<Stack>) {
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let request_timeout = Duration::from_millis(edge::render::request_timeout_ms(
+        &stack.envoy.params.edge_config().expect("config"),
+    ));
+    let key = unique_key("timeout-in-wait");
+    let body = padded_body(200);
+    let c = Client::new(&stack.envoy.url(""));
+    // The first attempt: the checkout takes long enough for the retry to wait through its
+    // request_timeout.
+    let first_req = checkout(&key, "alice", &serde_json::Value::Null)
+        .body(body.clone())
+        .delay_ms(request_timeout.as_millis() as u64 + 6_000);
+    let first = {
+        let c = c.clone();
+        tokio::spawn(async move { c.send(first_req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The retry: its body but the last byte at once, the last byte 3 s before its
+    // request_timeout, then it waits for the running key (about 9 s, past the timeout).
+    let started = Instant::now();
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    let head = request_head(&key, body.len()).replacen(
+        "host: edge\r\n",
+        "host: edge\r\nprefer: wait=10\r\n",
+        1,
+    );
+    s.write_all(head.as_bytes()).await.expect("headers");
+    s.write_all(&body[..body.len() - 1]).await.expect("body");
+    tokio::time::sleep(request_timeout.saturating_sub(Duration::from_secs(3))).await;
+    s.write_all(&body[body.len() - 1..])
+        .await
+        .expect("last byte");
+    let mut buf = Vec::new();
+    let retry = read_answer(&mut s, &mut buf).await.map_or(0, |a| a.status);
+    let retry_took = started.elapsed();
+    let first = first.await.expect("first");
+    let charges = charges_by_key(&stack).await.get(&key).copied().unwrap_or(0);
+    let again = c
+        .send(checkout(&key, "alice", &serde_json::Value::Null).body(body.clone()))
+        .await;
+    report(
+        "timeout-in-wait",
+        &format!(
+            "the retry got {retry} after {retry_took:?} (request_timeout {request_timeout:?}); the \
+             first {}; charges {charges}; sent again: {} replayed {:?}",
+            first.status,
+            again.status,
+            again.header("idempotent-replayed")
+        ),
+    );
+    assert_eq!(
+        retry, 201,
+        "the retry waits past its request_timeout for the running key (no 408, no cut)"
+    );
+    assert!(
+        retry_took > request_timeout + Duration::from_secs(2),
+        "the retry's wait went past request_timeout: {retry_took:?}"
+    );
+    assert_eq!(
+        first.status,
+        201,
+        "the first attempt completes: {}",
+        first.describe()
+    );
+    assert_eq!(charges, 1, "charged once");
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed").as_deref()),
+        (201, Some("true")),
+        "the key replays: {}",
+        again.describe()
+    );
+}
+
 /// Requests with headers at and over Envoy's limit (60 KiB), as fast as the flood's clients
 /// can send them, each on a new connection.
 async fn header_flood(stack: Arc<Stack>) {
@@ -1027,6 +1110,10 @@ fn main() {
         STACK.trial("hostile_load_2_idle_connections", idle_connections),
         STACK.trial("hostile_load_3_slow_clients", slow_clients),
         STACK.trial("hostile_load_4_header_flood", header_flood),
+        STACK.trial(
+            "hostile_load_5_request_timeout_while_the_filter_waits",
+            request_timeout_while_the_filter_waits,
+        ),
     ];
     STACK.run(&args, trials);
 }

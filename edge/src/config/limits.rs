@@ -22,8 +22,8 @@ pub struct Limits {
     pub max_connections: u64,
     /// From a connection's first byte of a request to its last header.
     pub request_headers_timeout_ms: u64,
-    /// How long a client may take to send a whole request (headers and body); the filter's
-    /// own waits before it forwards are added to it in Envoy's `request_timeout`.
+    /// How long a client may take to send a whole request, headers and body (Envoy's
+    /// `request_timeout`).
     pub request_body_timeout_ms: u64,
     /// A connection with no request in progress is closed after this.
     pub idle_timeout_ms: u64,

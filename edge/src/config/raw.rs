@@ -116,11 +116,11 @@ pub(super) struct RawLimits {
     /// Default: 10000.
     #[schemars(with = "Option<u64>")]
     pub(super) request_headers_timeout_ms: Option<Spanned<u64>>,
-    /// How long a client may take over a whole request, headers and body (1000 to 86400000): a
-    /// body sent a byte a second is cut there (408), before it is whole, so it never claims.
-    /// Envoy's `request_timeout` is this plus the filter's longest wait before it forwards (the
-    /// state API calls, `Prefer: wait`, a reconcile) and a margin, so it never fires on a
-    /// request the filter forwarded; a claim it cuts is given back.
+    /// How long a client may take over a whole request, headers and body (Envoy's
+    /// `request_timeout`, 1000 to 86400000): a body sent a byte a second is cut there (408),
+    /// before it is whole, so it never claims. Envoy disarms it when the last byte has come from
+    /// the client (measured on 1.40), so it never fires while the filter claims, waits
+    /// (`Prefer: wait`) or reconciles, nor on a forwarded request.
     ///
     /// Default: 60000.
     #[schemars(with = "Option<u64>")]
