@@ -363,9 +363,24 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
         namespace: cfg.namespace.clone(),
         max_waiters: f.max_waiters,
         batch_max: f.batch_max,
-        max_buffered_bytes: f.max_buffered_bytes,
+        max_buffered_bytes: Some(max_buffered_bytes(cfg)),
         key_state_path: f.key_state_path.clone(),
     }
+}
+
+/// The request body bytes a worker's filter may hold at once: `[filter] max_buffered_bytes`, or
+/// its share of `[limits] memory_budget_mib` ([`crate::config::Limits::body_bytes_per_worker`]).
+pub fn max_buffered_bytes(cfg: &Config) -> u64 {
+    cfg.filter.max_buffered_bytes.unwrap_or_else(|| {
+        let largest = cfg
+            .routes
+            .iter()
+            .filter_map(|r| r.max_request_body_bytes)
+            .chain([cfg.filter.max_request_body_bytes])
+            .max()
+            .unwrap_or(cfg.filter.max_request_body_bytes);
+        cfg.limits.body_bytes_per_worker(cfg.envoy_workers, largest)
+    })
 }
 
 /// The filter's plugin configuration (JSON) for this module's Envoy, with `token` for the
@@ -546,7 +561,8 @@ pub const HCM_TIMEOUT_MARGIN_MS: u64 = 5_000;
 /// plus the filter's own waits around it (a state API call before and after, the longest
 /// `Prefer: wait` and reconcile of any route), plus a margin. A connection manager timeout
 /// that fires first answers for the upstream while it may still execute: at best an unknown
-/// outcome. `request_timeout` and `max_stream_duration` stay unset (Envoy's default: none).
+/// outcome. `max_stream_duration` stays unset (Envoy's default: none); `request_timeout` is
+/// [`request_timeout_ms`].
 pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
     let route_waits = cfg
         .routes
@@ -572,6 +588,185 @@ pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
 /// bodies read into Envoy at once (bench/NOTES.md, twentieth round).
 pub const CONNECTION_READ_BYTES: u64 = 32 * 1024;
 
+/// The connection manager's `request_timeout`: the time a client has for its whole request,
+/// headers and body (`limits.request_body_timeout_ms`). Envoy 1.40 disarms it when the last byte
+/// of the request has come from the client, not when it goes upstream (its documentation says
+/// the latter): measured with a retry that waits for a running key past it
+/// (`tests/tests/hostile_load.rs`, `request_timeout_while_the_filter_waits`), so it never
+/// fires while the filter claims, waits or reconciles, nor on a forwarded request; the filter
+/// forwards a protected request only once its body is whole. A body never finished is cut
+/// (408) and never claims.
+pub fn request_timeout_ms(cfg: &Config) -> u64 {
+    cfg.limits.request_body_timeout_ms
+}
+
+/// The name of the listener `edge render` writes (its connection limit's runtime key).
+pub const LISTENER_NAME: &str = "edge";
+
+/// The heap bound's share at which each overload action starts (docs/RELIABILITY.md, Hostile
+/// load): idle connections' timeout scaled down from 80 % (to a tenth at 95 %), HTTP/1.1
+/// keep-alive off and the streams that buffer the most reset from 90 %, new requests refused
+/// (503) and new connections refused from 95 %.
+pub const OVERLOAD_SHORTEN_IDLE: f64 = 0.80;
+pub const OVERLOAD_NO_KEEPALIVE: f64 = 0.90;
+pub const OVERLOAD_RESET_STREAMS: f64 = 0.90;
+pub const OVERLOAD_REFUSE: f64 = 0.95;
+
+/// Streams are tracked for `reset_high_memory_stream` from 2^20 bytes buffered (1 MiB).
+const TRACKED_STREAM_POWER_OF_TWO: u64 = 20;
+
+fn threshold(monitor: &str, value: f64) -> Yaml {
+    map(vec![
+        ("name", s(monitor)),
+        (
+            "threshold",
+            map(vec![("value", Yaml::Real(value.to_string()))]),
+        ),
+    ])
+}
+
+fn scaled(monitor: &str, from: f64, to: f64) -> Yaml {
+    map(vec![
+        ("name", s(monitor)),
+        (
+            "scaled",
+            map(vec![
+                ("scaling_threshold", Yaml::Real(from.to_string())),
+                ("saturation_threshold", Yaml::Real(to.to_string())),
+            ]),
+        ),
+    ])
+}
+
+const FIXED_HEAP: &str = "envoy.resource_monitors.fixed_heap";
+
+/// The overload manager (bootstrap): a heap bound from `[limits]`, Envoy's global connection
+/// limit, and the actions at [`OVERLOAD_SHORTEN_IDLE`] and above.
+pub fn overload_manager(cfg: &Config) -> Yaml {
+    let heap = cfg
+        .limits
+        .heap_bytes(cfg.envoy_workers, max_buffered_bytes(cfg));
+    let action = |name: &str, trigger: Yaml, extra: Option<(&'static str, Yaml)>| {
+        let mut pairs = vec![("name", s(name)), ("triggers", Yaml::Array(vec![trigger]))];
+        pairs.extend(extra);
+        map(pairs)
+    };
+    map(vec![
+        ("refresh_interval", duration(250)),
+        (
+            "resource_monitors",
+            Yaml::Array(vec![
+                map(vec![
+                    ("name", s(FIXED_HEAP)),
+                    (
+                        "typed_config",
+                        typed(
+                            "envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                            vec![("max_heap_size_bytes", n(heap))],
+                        ),
+                    ),
+                ]),
+                map(vec![
+                    (
+                        "name",
+                        s("envoy.resource_monitors.global_downstream_max_connections"),
+                    ),
+                    (
+                        "typed_config",
+                        typed(
+                            "envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                            vec![(
+                                "max_active_downstream_connections",
+                                n(cfg.limits.max_connections),
+                            )],
+                        ),
+                    ),
+                ]),
+            ]),
+        ),
+        (
+            "actions",
+            Yaml::Array(vec![
+                action(
+                    "envoy.overload_actions.reduce_timeouts",
+                    scaled(FIXED_HEAP, OVERLOAD_SHORTEN_IDLE, OVERLOAD_REFUSE),
+                    Some((
+                        "typed_config",
+                        typed(
+                            "envoy.config.overload.v3.ScaleTimersOverloadActionConfig",
+                            vec![(
+                                "timer_scale_factors",
+                                // Only idle connections' timer: a stream's idle timeout that
+                                // fired while its request legitimately waits would answer for
+                                // an upstream that may still execute (`stream_idle_timeout_ms`).
+                                Yaml::Array(vec![map(vec![
+                                    ("timer", s("HTTP_DOWNSTREAM_CONNECTION_IDLE")),
+                                    (
+                                        "min_scale",
+                                        map(vec![("value", Yaml::Real("10.0".into()))]),
+                                    ),
+                                ])]),
+                            )],
+                        ),
+                    )),
+                ),
+                action(
+                    "envoy.overload_actions.disable_http_keepalive",
+                    threshold(FIXED_HEAP, OVERLOAD_NO_KEEPALIVE),
+                    None,
+                ),
+                action(
+                    "envoy.overload_actions.reset_high_memory_stream",
+                    scaled(FIXED_HEAP, OVERLOAD_RESET_STREAMS, 0.98),
+                    None,
+                ),
+                action(
+                    "envoy.overload_actions.stop_accepting_requests",
+                    threshold(FIXED_HEAP, OVERLOAD_REFUSE),
+                    None,
+                ),
+            ]),
+        ),
+        (
+            "loadshed_points",
+            Yaml::Array(vec![map(vec![
+                ("name", s("envoy.load_shed_points.tcp_listener_accept")),
+                (
+                    "triggers",
+                    Yaml::Array(vec![threshold(FIXED_HEAP, OVERLOAD_REFUSE)]),
+                ),
+            ])]),
+        ),
+        (
+            "buffer_factory_config",
+            map(vec![(
+                "minimum_account_to_track_power_of_two",
+                n(TRACKED_STREAM_POWER_OF_TWO),
+            )]),
+        ),
+    ])
+}
+
+/// The runtime's static layer: the listener's connection limit, and what `jwt_rules` needs.
+fn runtime(cfg: &Config) -> Yaml {
+    let mut layers = vec![map(vec![
+        ("name", s("limits")),
+        (
+            "static_layer",
+            map(vec![(
+                format!("envoy.resource_limits.listener.{LISTENER_NAME}.connection_limit").as_str(),
+                n(cfg.limits.max_connections),
+            )]),
+        ),
+    ])];
+    if let Some(Yaml::Hash(h)) = crate::jwt_rules::runtime_layer(cfg) {
+        if let Some(Yaml::Array(more)) = h.get(&s("layers")) {
+            layers.extend(more.iter().cloned());
+        }
+    }
+    map(vec![("layers", Yaml::Array(layers))])
+}
+
 /// The Envoy configuration (YAML).
 pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
     let largest_body = cfg
@@ -595,6 +790,16 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
             ("stat_prefix", s("edge")),
             ("codec_type", s("AUTO")),
             ("stream_idle_timeout", duration(stream_idle_timeout_ms(cfg))),
+            // Slow clients (`[limits]`): headers, the whole request, idle connections.
+            (
+                "request_headers_timeout",
+                duration(cfg.limits.request_headers_timeout_ms),
+            ),
+            ("request_timeout", duration(request_timeout_ms(cfg))),
+            (
+                "common_http_protocol_options",
+                map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),
+            ),
             (
                 "route_config",
                 map(vec![
@@ -628,7 +833,7 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
         ],
     );
     let listener = map(vec![
-        ("name", s("edge")),
+        ("name", s(LISTENER_NAME)),
         ("address", socket_address(cfg.listen)),
         (
             "per_connection_buffer_limit_bytes",
@@ -671,9 +876,8 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
             ("clusters", Yaml::Array(clusters)),
         ]),
     ));
-    if let Some(runtime) = crate::jwt_rules::runtime_layer(cfg) {
-        top.push(("layered_runtime", runtime));
-    }
+    top.push(("overload_manager", overload_manager(cfg)));
+    top.push(("layered_runtime", runtime(cfg)));
     let doc = map(top);
     let mut out = String::new();
     let mut emitter = YamlEmitter::new(&mut out);

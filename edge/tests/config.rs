@@ -638,9 +638,140 @@ fn no_connection_manager_timeout_is_shorter_than_the_route_timeout() {
         );
         assert!(idle[0] >= 300_000, "never shorter than Envoy's default");
         assert_eq!(value("timeout:"), [upstream_timeout_ms], "the route's own");
-        for unset in ["request_timeout:", "max_stream_duration:"] {
-            assert!(value(unset).is_empty(), "{unset} is left unset (none)");
-        }
+        assert!(
+            value("max_stream_duration:").is_empty(),
+            "left unset (none)"
+        );
+        // `request_timeout` is the client's time for its whole request: Envoy disarms it when
+        // the last byte has come (measured: tests/tests/hostile_load.rs), before any claim.
+        assert_eq!(
+            value("request_timeout:"),
+            [c.limits.request_body_timeout_ms]
+        );
+        assert_eq!(
+            value("request_headers_timeout:"),
+            [c.limits.request_headers_timeout_ms]
+        );
+    }
+}
+
+/// `[limits]` (issue 49): Envoy's overload manager with a heap bound from the memory budget,
+/// its actions, the connection limits, the client timeouts, and the filter's buffering bound
+/// from the budget unless `[filter]` sets one.
+#[test]
+fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
+    const MIB: i64 = 1 << 20;
+    let inputs = inputs();
+    let doc_of = |c: &edge::config::Config| {
+        yaml_rust2::YamlLoader::load_from_str(&edge::render::envoy_yaml(c, &inputs))
+            .unwrap()
+            .remove(0)
+    };
+    let c = parse(GOOD).unwrap();
+    assert_eq!(c.limits, edge::config::Limits::default());
+    let doc = doc_of(&c);
+    let om = &doc["overload_manager"];
+    let monitors = om["resource_monitors"].as_vec().unwrap();
+    assert_eq!(
+        monitors[0]["typed_config"]["max_heap_size_bytes"].as_i64(),
+        Some(48 * MIB + 80 * MIB),
+        "the heap bound: Envoy at rest and the budget"
+    );
+    assert_eq!(
+        monitors[1]["typed_config"]["max_active_downstream_connections"].as_i64(),
+        Some(12_288)
+    );
+    let actions: Vec<&str> = om["actions"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| a["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            "envoy.overload_actions.reduce_timeouts",
+            "envoy.overload_actions.disable_http_keepalive",
+            "envoy.overload_actions.reset_high_memory_stream",
+            "envoy.overload_actions.stop_accepting_requests"
+        ]
+    );
+    // Only idle connections' timer is ever shortened, never a stream's.
+    let scaled = &om["actions"][0]["typed_config"]["timer_scale_factors"];
+    assert_eq!(scaled.as_vec().unwrap().len(), 1);
+    assert_eq!(
+        scaled[0]["timer"].as_str(),
+        Some("HTTP_DOWNSTREAM_CONNECTION_IDLE")
+    );
+    assert_eq!(
+        om["buffer_factory_config"]["minimum_account_to_track_power_of_two"].as_i64(),
+        Some(20)
+    );
+    let layers = doc["layered_runtime"]["layers"].as_vec().unwrap();
+    assert_eq!(
+        layers[0]["static_layer"]["envoy.resource_limits.listener.edge.connection_limit"].as_i64(),
+        Some(12_288)
+    );
+    let hcm =
+        &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(
+        hcm["common_http_protocol_options"]["idle_timeout"].as_str(),
+        Some("60s")
+    );
+    assert_eq!(hcm["request_headers_timeout"].as_str(), Some("10s"));
+    // The filter holds half the budget's worth of bodies (one worker).
+    let plugin: serde_json::Value =
+        serde_json::from_str(&edge::render::filter_json(&c, "t")).unwrap();
+    assert_eq!(plugin["max_buffered_bytes"], 40 * MIB);
+
+    // Set: the budget, the connections, the timeouts; two workers share the bodies.
+    let mut text = GOOD.to_owned();
+    text += "\n[limits]\nmemory_budget_mib = 200\nmax_connections = 1000\nrequest_headers_timeout_ms = 3000\nrequest_body_timeout_ms = 20000\nidle_timeout_ms = 15000\n";
+    let mut c = parse(&text).unwrap();
+    c.envoy_workers = 2;
+    let plugin: serde_json::Value =
+        serde_json::from_str(&edge::render::filter_json(&c, "t")).unwrap();
+    assert_eq!(plugin["max_buffered_bytes"], 50 * MIB);
+    let doc = doc_of(&c);
+    assert_eq!(
+        doc["overload_manager"]["resource_monitors"][0]["typed_config"]["max_heap_size_bytes"]
+            .as_i64(),
+        Some(48 * MIB + 200 * MIB)
+    );
+    let hcm =
+        &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    assert_eq!(hcm["request_headers_timeout"].as_str(), Some("3s"));
+    assert_eq!(
+        hcm["common_http_protocol_options"]["idle_timeout"].as_str(),
+        Some("15s")
+    );
+    assert_eq!(
+        doc["layered_runtime"]["layers"][0]["static_layer"]
+            ["envoy.resource_limits.listener.edge.connection_limit"]
+            .as_i64(),
+        Some(1000)
+    );
+    // A buffering bound set above the budget's share raises the heap bound with it.
+    c.filter.max_buffered_bytes = Some(1 << 30);
+    let doc = doc_of(&c);
+    assert_eq!(
+        doc["overload_manager"]["resource_monitors"][0]["typed_config"]["max_heap_size_bytes"]
+            .as_i64(),
+        Some(48 * MIB + (2 << 30) * 8 / 5 + 16 * MIB)
+    );
+
+    // Out of range: refused at its line.
+    for (field, value) in [
+        ("memory_budget_mib", "8"),
+        ("max_connections", "0"),
+        ("request_headers_timeout_ms", "10"),
+        ("request_body_timeout_ms", "100"),
+        ("idle_timeout_ms", "0"),
+    ] {
+        let text = format!("{GOOD}\n[limits]\n{field} = {value}\n");
+        let (line, message) = error(&text);
+        assert_eq!(line, text.lines().count(), "{message}");
+        assert!(message.contains(&format!("limits.{field}")), "{message}");
     }
 }
 
@@ -692,15 +823,15 @@ fn many_routes_of_a_method_are_one_jwt_rule_with_one_pattern() {
         rules[1]["match"]["headers"][0]["string_match"]["exact"].as_str(),
         Some("POST")
     );
-    let size = doc["layered_runtime"]["layers"][0]["static_layer"]
+    let size = doc["layered_runtime"]["layers"][1]["static_layer"]
         ["re2.max_program_size.error_level"]
         .as_i64()
         .unwrap();
     assert!(size >= 4 * pattern.len() as i64, "{size}");
-    // A few routes: a rule each, and no runtime layer.
+    // A few routes: a rule each, and no room for a pattern in the runtime.
     let few = parse(GOOD).unwrap();
     let yaml = edge::render::envoy_yaml(&few, &inputs);
-    assert!(!yaml.contains("safe_regex") && !yaml.contains("layered_runtime"));
+    assert!(!yaml.contains("safe_regex") && !yaml.contains("re2.max_program_size"));
 }
 
 /// The state API's cluster allows far more requests at once than Envoy's default 1,024: each

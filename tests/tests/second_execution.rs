@@ -307,12 +307,21 @@ fn edit_yaml(yaml: &str, anchor: &str, lines: &str, after: bool, drop: Option<&s
         }
     };
     let mut out = String::new();
+    // A dropped option's own lines (a map such as `common_http_protocol_options`) go with it.
+    let mut dropping = false;
     for line in yaml.lines() {
-        let dropped = drop.is_some_and(|d| {
+        if dropping
+            && line
+                .strip_prefix(indent)
+                .is_some_and(|rest| rest.starts_with(' '))
+        {
+            continue;
+        }
+        dropping = drop.is_some_and(|d| {
             line.strip_prefix(indent)
                 .is_some_and(|rest| rest.starts_with(d))
         });
-        if dropped {
+        if dropping {
             continue;
         }
         if line == anchor && !after {
@@ -328,7 +337,8 @@ fn edit_yaml(yaml: &str, anchor: &str, lines: &str, after: bool, drop: Option<&s
 }
 
 /// The rendered configuration with `option` (YAML lines) in the HTTP connection manager,
-/// replacing what the rendering set for the same name: a team's own Envoy with its own timeouts.
+/// replacing what the rendering set for the same name (and its lines): a team's own Envoy with
+/// its own timeouts.
 fn with_hcm_option(yaml: &str, name: &str, option: &str) -> String {
     edit_yaml(
         yaml,

@@ -14,8 +14,8 @@
 //!
 //! (b) Envoy's memory with many large bodies in flight: 500 concurrent 1 MiB requests with
 //! distinct keys (quick: 100), through the filter with its default `max_buffered_bytes`
-//! (64 MiB per worker) and through a second filter Envoy with it at 1 GiB (where only Envoy's
-//! memory bounded the buffering before). Each request holds all of its body but the last byte in
+//! (`edge render`: half of `[limits] memory_budget_mib` a worker, 40 MiB) and through a second
+//! filter Envoy with it at 1 GiB (where only Envoy's memory bounded the buffering before). Each request holds all of its body but the last byte in
 //! flight until every one has come that far (`held_body`), so the bodies are held at once, and
 //! Envoy is measured then. Every answer must be 201 or 503 + Retry-After (the
 //! bound), no 503's request may reach the checkout, and each refused key, sent again

@@ -288,9 +288,10 @@ pub(super) fn bursts(settings: &Settings) -> Result<Vec<Burst>, String> {
         if settings.quick { 100 } else { 500 },
     ) as usize;
     super::need_open_files(3 * n as u64 + 1_000, "the body curve")?;
-    let default_bound = filter_core::config::DEFAULT_MAX_BUFFERED_BYTES;
     let unbounded: u64 = 1 << 30;
     let stack = Stack::start(StackOptions::default())?;
+    // The bound `edge render` gave the filter (`[limits] memory_budget_mib`'s share).
+    let default_bound = edge::render::max_buffered_bytes(&stack.envoy.params.edge_config()?);
     let mut p = plain_params(&stack);
     p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
         cfg.filter.max_buffered_bytes = Some(unbounded)

@@ -30,6 +30,7 @@ pub use filter_core::config::{
 };
 
 mod endpoint;
+mod limits;
 mod raw;
 mod read;
 mod routes;
@@ -49,6 +50,7 @@ pub fn file_schema() -> serde_json::Value {
 }
 
 pub use endpoint::{Endpoint, EndpointError};
+pub use limits::Limits;
 
 /// What is wrong with a configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -315,6 +317,8 @@ pub struct Config {
     pub state: State,
     pub subject: Subject,
     pub filter: Filter,
+    /// `[limits]`: Envoy's heap bound, connections and client timeouts.
+    pub limits: Limits,
     pub routes: Vec<Route>,
     /// `[mesh]`: what `edge render --target istio|envoy-gateway` needs besides.
     pub mesh: MeshSettings,

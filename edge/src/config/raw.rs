@@ -59,6 +59,14 @@ pub(super) struct RawFile {
     /// Default: every field's own default.
     #[serde(default)]
     pub(super) filter: RawFilter,
+    /// `[limits]`: what hostile traffic may hold in Envoy: a memory budget (the filter's
+    /// buffering bound and Envoy's heap bound), the connections it accepts, and how long a client
+    /// may take
+    /// ([Hostile load](../RELIABILITY.md#hostile-load-issue-49)).
+    ///
+    /// Default: every field's own default.
+    #[serde(default)]
+    pub(super) limits: RawLimits,
     /// `[[route]]`: a protected route, one table each. Only these are protected: every other
     /// request passes through untouched, except that the subject header is removed from every
     /// request so that only a verified token can set it.
@@ -75,6 +83,55 @@ pub(super) struct RawFile {
     /// Default: none.
     #[schemars(with = "Option<RawMesh>")]
     pub(super) mesh: Option<Spanned<RawMesh>>,
+}
+
+#[derive(Deserialize, Default, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimits {
+    /// What Envoy's memory may grow by above its idle footprint under load, in MiB (16 to
+    /// 1048576). Half of it is the filter's buffering bound when `filter.max_buffered_bytes` is
+    /// not set (shared by the workers, at least the largest body); Envoy's heap bound (the
+    /// overload manager's `fixed_heap`) is 48 MiB more than the budget, or what a larger
+    /// `max_buffered_bytes` costs (1.6 bytes of heap a byte held, and 16 MiB). As the heap nears
+    /// the bound Envoy shortens idle connections' timeout (from 80 %), closes HTTP/1.1
+    /// connections after their response and resets the streams that buffer the most (from 90 %;
+    /// a reset stream that was forwarded is an unknown outcome), and refuses new requests (503)
+    /// and connections (from 95 %). The Wasm VMs (about 50 MiB a worker) are not in the heap.
+    ///
+    /// Default: 80.
+    #[schemars(with = "Option<u64>")]
+    pub(super) memory_budget_mib: Option<Spanned<u64>>,
+    /// Client connections Envoy accepts at once (the listener's limit and Envoy's global one,
+    /// 16 to 10000000); past it a new connection is closed at once. An idle connection takes
+    /// about 6 KiB of Envoy's heap: raise `memory_budget_mib` with it. Keep it below Envoy's open
+    /// files limit (`ulimit -n`) less what its upstream connections need.
+    ///
+    /// Default: 12288.
+    #[schemars(with = "Option<u64>")]
+    pub(super) max_connections: Option<Spanned<u64>>,
+    /// How long a client may take over a request's headers, from their first byte (Envoy's
+    /// `request_headers_timeout`; 100 to 600000): past it, 408 and the connection closed. Nothing
+    /// is claimed before the headers and the body are whole.
+    ///
+    /// Default: 10000.
+    #[schemars(with = "Option<u64>")]
+    pub(super) request_headers_timeout_ms: Option<Spanned<u64>>,
+    /// How long a client may take over a whole request, headers and body (Envoy's
+    /// `request_timeout`, 1000 to 86400000): a body sent a byte a second is cut there (408),
+    /// before it is whole, so it never claims. Envoy disarms it when the last byte has come from
+    /// the client (measured on 1.40), so it never fires while the filter claims, waits
+    /// (`Prefer: wait`) or reconciles, nor on a forwarded request.
+    ///
+    /// Default: 60000.
+    #[schemars(with = "Option<u64>")]
+    pub(super) request_body_timeout_ms: Option<Spanned<u64>>,
+    /// A client connection with no request in progress is closed after this (Envoy's
+    /// `idle_timeout`, 1000 to 86400000); from 80 % of the heap bound it is shortened, down to a
+    /// tenth at 95 %.
+    ///
+    /// Default: 60000.
+    #[schemars(with = "Option<u64>")]
+    pub(super) idle_timeout_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize, JsonSchema)]
@@ -391,11 +448,12 @@ pub(super) struct RawFilter {
     /// Request body bytes one Envoy worker holds at once before forwarding (counted from each
     /// request's `Content-Length` as its headers arrive); a request that would go over gets `503
     /// edge-buffers-full` + `Retry-After: 1`, nothing claimed or forwarded. At least the largest
-    /// body a route accepts. Bounds what the filter holds and forwards, not Envoy's own memory: the
-    /// bytes a refused client has already sent sit in Envoy's connection buffers until it closes
-    /// ([Not done yet](../not-done-yet.md)).
+    /// body a route accepts. Bounds what the filter holds and forwards; Envoy's own memory is
+    /// bounded by `[limits]` (a refused request's connection is closed, so what its client sent
+    /// is not held).
     ///
-    /// Default: 64 MiB, or the largest route body if more.
+    /// Default: half of `limits.memory_budget_mib` shared by the workers (40 MiB with one), or the
+    /// largest route body if more.
     #[schemars(with = "Option<u64>")]
     pub(super) max_buffered_bytes: Option<Spanned<u64>>,
     /// Where a client or a support tool asks what became of a key instead of sending the request

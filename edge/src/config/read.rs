@@ -38,6 +38,7 @@ impl Config {
         let state = state(&src, &raw.state, base, &mut lines)?;
         let subject = subject(&src, &raw.subject, base)?;
         let filter = filter(&src, &raw.filter)?;
+        let limits = super::limits::limits(&src, &raw.limits)?;
         let retention_cap = state.max_retention_s.unwrap_or(DEFAULT_MAX_RETENTION_S);
         let routes = routes(&src, &raw.routes, &filter, retention_cap)?;
         Ok(Self {
@@ -50,6 +51,7 @@ impl Config {
             state,
             subject,
             filter,
+            limits,
             routes,
             mesh,
             lines: lines.0,

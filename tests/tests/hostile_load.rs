@@ -1,0 +1,1119 @@
+//! Hostile load at the edge (issue 49): what many clients that never finish can make Envoy
+//! hold, through the real stack and the configuration `edge render` writes (`[limits]`).
+//!
+//! Each attack runs while a legitimate client sends new keys, and asserts:
+//! - Envoy's resident memory over the attack's start stays within the budget the test names;
+//! - the legitimate new keys are all served, their p99 within [`P99_BOUND`] (100 ms), or where
+//!   this 2-core machine cannot, within a bound the constant's comment justifies (the burst,
+//!   the idle connections); during the burst, new keys the full bound refuses (503 + Retry-After)
+//!   run once when sent again;
+//! - nothing the checkout ran was charged twice;
+//! - no attacked key is left unusable: sent again whole, it gets 201 once.
+//!
+//! Sizes: `make test` (and `cargo test -p e2e --test hostile_load`) runs the CI size;
+//! `HOSTILE_LOAD_SIZE=full` (`make test-hostile-load SIZE=full`) the issue's: 500 x 1 MiB held
+//! bodies either way, 2,000 / 10,000 idle connections, 200 / 1,000 slow-body clients, 50 / 200
+//! slow-header clients, a header flood of 5 / 20 s from 32 / 64 connections. The stack's client
+//! timeouts are shortened (`[limits]`: headers 2 s, whole request 5 s, idle 3 s) so that the
+//! slow clients are cut within the test's time; the memory limits are the defaults.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use e2e::client::{unique_key, Client};
+use e2e::envoy::Tweak;
+use e2e::services::ServiceTestExt as _;
+use e2e::stack::{token, Stack, StackOptions};
+use e2e::testkit::{charge_body, checkout, SharedStack};
+use libtest_mimic::Arguments;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const MIB: usize = 1 << 20;
+
+/// The legitimate clients' p99 during an attack: issue 49 asks 100 ms, and the slow clients and
+/// the header flood stay well within it here (22 and 36 ms at most, measured).
+const P99_BOUND: Duration = Duration::from_millis(100);
+
+/// The legitimate keys' p99 while idle connections come and go: the one Envoy worker accepts
+/// them, and closes them at the idle timeout, thousands in a turn of its loop, and a request
+/// that comes then waits behind them (measured on two shared cores: 43-84 ms with 2,000,
+/// 78-355 ms with 10,000; docs/RELIABILITY.md, Hostile load).
+const IDLE_P99_BOUND: Duration = Duration::from_millis(500);
+
+/// The legitimate keys' p99 during the burst: when the held bodies are released, the one
+/// Envoy worker fingerprints and forwards all of them (1 MiB each) in the loop that serves the
+/// legitimate key too, while this process writes 500 MiB on the same two cores.
+const BURST_P99_BOUND: Duration = Duration::from_millis(2_000);
+
+/// What Envoy's resident memory may grow by over each attack: `[limits] memory_budget_mib`'s
+/// default (issue 49: 80 MiB).
+const BUDGET_MIB: f64 = 80.0;
+
+struct Sizes {
+    burst: usize,
+    idle: usize,
+    slow_body: usize,
+    slow_headers: usize,
+    flood_secs: u64,
+    flood_clients: usize,
+}
+
+fn sizes() -> Sizes {
+    if std::env::var("HOSTILE_LOAD_SIZE").as_deref() == Ok("full") {
+        Sizes {
+            burst: 500,
+            idle: 10_000,
+            slow_body: 1_000,
+            slow_headers: 200,
+            flood_secs: 20,
+            flood_clients: 64,
+        }
+    } else {
+        Sizes {
+            burst: 500,
+            idle: 2_000,
+            slow_body: 200,
+            slow_headers: 50,
+            flood_secs: 5,
+            flood_clients: 32,
+        }
+    }
+}
+
+/// The test timeouts (`[limits]`), short enough for the slow clients to be cut in the test.
+const HEADERS_TIMEOUT_MS: u64 = 2_000;
+const BODY_TIMEOUT_MS: u64 = 5_000;
+const IDLE_TIMEOUT_MS: u64 = 3_000;
+
+/// `HOSTILE_LOAD_BUDGET_MIB`: another `[limits] memory_budget_mib` than the default, to see the
+/// overload manager act (the figures in docs/RELIABILITY.md); the goals assume the default.
+fn budget_override() -> Option<u64> {
+    std::env::var("HOSTILE_LOAD_BUDGET_MIB").ok()?.parse().ok()
+}
+
+/// What the overload manager and the timeouts did, as Envoy counts it (counters since start).
+fn overload_counters(stack: &Stack) -> BTreeMap<String, u64> {
+    stack
+        .envoy
+        .counters("(downstream_cx_overload_disable_keepalive|downstream_rq_overload_close|rq_overload_local_reply|reset_high_memory_stream.count|shed_load_count|downstream_cx_idle_timeout|downstream_cx_overload_reject|downstream_cx_overflow)$")
+        .into_iter()
+        .filter(|(k, v)| *v > 0 && !k.starts_with("http.admin") && !k.starts_with("listener.admin"))
+        .collect()
+}
+
+fn start_stack() -> Result<Stack, String> {
+    let s = sizes();
+    let budget = budget_override();
+    // The open files this process needs: every attack connection, and the legitimate ones.
+    let need = (s.idle.max(s.slow_body + s.slow_headers).max(s.burst) + 1_000) as u64;
+    raise_open_files(need)?;
+    Stack::start(StackOptions {
+        tweak: Some(Tweak::new(move |cfg| {
+            cfg.limits.request_headers_timeout_ms = HEADERS_TIMEOUT_MS;
+            cfg.limits.request_body_timeout_ms = BODY_TIMEOUT_MS;
+            cfg.limits.idle_timeout_ms = IDLE_TIMEOUT_MS;
+            if let Some(b) = budget {
+                cfg.limits.memory_budget_bytes = b << 20;
+            }
+        })),
+        ..StackOptions::default()
+    })
+}
+
+/// Raises this process's soft limit of open files to `need` (Envoy, a child, inherits it),
+/// or says why it cannot.
+fn raise_open_files(need: u64) -> Result<(), String> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err("getrlimit(RLIMIT_NOFILE) failed".into());
+    }
+    if lim.rlim_cur >= need {
+        return Ok(());
+    }
+    if lim.rlim_max < need {
+        return Err(format!(
+            "this suite needs {need} open files and the hard limit is {} (ulimit -Hn): raise it, \
+             e.g. `ulimit -n {need}` as root, or in /etc/security/limits.conf",
+            lim.rlim_max
+        ));
+    }
+    lim.rlim_cur = need;
+    // SAFETY: as above.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(format!("setrlimit(RLIMIT_NOFILE, {need}) failed"));
+    }
+    Ok(())
+}
+
+static STACK: SharedStack = SharedStack::new(start_stack);
+
+// ---------------------------------------------------------------------------------------------
+// Envoy's memory
+
+/// The pid of the Envoy whose command line names `config`.
+fn envoy_pid(stack: &Stack) -> u32 {
+    let config = stack.envoy.config_path.display().to_string();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&config) {
+            return pid;
+        }
+    }
+    panic!("no Envoy process runs {config}");
+}
+
+/// Resident memory of `pid`, MiB.
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Envoy's heap in use (its admin `/memory`, `allocated`), MiB.
+fn heap_mib(stack: &Stack) -> f64 {
+    stack
+        .envoy
+        .admin_get("/memory")
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("allocated")?.as_str()?.parse::<f64>().ok())
+        .map_or(0.0, |b| b / MIB as f64)
+}
+
+/// The overload manager's heap pressure (percent of the heap bound).
+fn heap_pressure(stack: &Stack) -> u64 {
+    stack
+        .envoy
+        .counters("overload.envoy.resource_monitors.fixed_heap.pressure")
+        .into_values()
+        .next()
+        .unwrap_or(0)
+}
+
+/// Samples Envoy's resident memory every 50 ms until stopped; the highest seen.
+struct RssPeak {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<f64>,
+}
+
+impl RssPeak {
+    fn start(pid: u32) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut peak = rss_mib(pid);
+            while !s.load(Ordering::Relaxed) {
+                peak = peak.max(rss_mib(pid));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            peak.max(rss_mib(pid))
+        });
+        Self { stop, task }
+    }
+
+    async fn stop(self) -> f64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap_or(0.0)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The legitimate client
+
+/// A legitimate client sending a new key every 20 ms (one at a time, keep-alive) until stopped,
+/// on a thread and runtime of its own: the attack's thousands of tasks do not delay it here.
+struct Legit {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(String, u16, Duration)>>,
+}
+
+impl Legit {
+    fn start(stack: &Stack) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let base = stack.envoy.url("");
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let c = Client::impatient(&base, Duration::from_secs(30));
+                let mut out = Vec::new();
+                while !s.load(Ordering::Relaxed) {
+                    let key = unique_key("legit");
+                    let t = Instant::now();
+                    let status = match c.try_send(checkout(&key, "alice", &charge_body(1))).await {
+                        Ok(a) => a.status,
+                        Err(_) => 0,
+                    };
+                    out.push((key, status, t.elapsed()));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                out
+            })
+        });
+        Self { stop, thread }
+    }
+
+    /// Stops: how many were sent, p50 and p99, and those that did not get 201 (status 0: no
+    /// answer).
+    async fn finish(self) -> LegitFigures {
+        self.stop.store(true, Ordering::Relaxed);
+        let answers = tokio::task::spawn_blocking(move || self.thread.join().unwrap_or_default())
+            .await
+            .unwrap_or_default();
+        let failed: Vec<(String, u16)> = answers
+            .iter()
+            .filter(|(_, s, _)| *s != 201)
+            .map(|(k, s, _)| (k.clone(), *s))
+            .collect();
+        // The latency of the keys served (a refusal is quick, and says nothing of service).
+        let mut lat: Vec<Duration> = answers
+            .iter()
+            .filter(|(_, s, _)| *s == 201)
+            .map(|(_, _, d)| *d)
+            .collect();
+        lat.sort();
+        let at = |q: f64| {
+            lat.get(((lat.len() as f64 * q).ceil() as usize).clamp(1, lat.len().max(1)) - 1)
+                .copied()
+                .unwrap_or_default()
+        };
+        LegitFigures {
+            count: answers.len(),
+            p50: at(0.50),
+            p99: at(0.99),
+            failed,
+        }
+    }
+}
+
+struct LegitFigures {
+    count: usize,
+    p50: Duration,
+    p99: Duration,
+    failed: Vec<(String, u16)>,
+}
+
+impl std::fmt::Display for LegitFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut by_status: BTreeMap<u16, usize> = BTreeMap::new();
+        for (_, s) in &self.failed {
+            *by_status.entry(*s).or_default() += 1;
+        }
+        write!(
+            f,
+            "legit {} sent, {} not 201 {by_status:?}, p50 {:?}, p99 {:?}",
+            self.count,
+            self.failed.len(),
+            self.p50,
+            self.p99
+        )
+    }
+}
+
+impl LegitFigures {
+    fn served(&self) -> usize {
+        self.count - self.failed.len()
+    }
+
+    /// Every legitimate key served, its p99 within `bound`.
+    fn check(&self, attack: &str, bound: Duration) {
+        assert!(
+            self.failed.is_empty(),
+            "during {attack}, legitimate new keys not served: {self}, e.g. {:?}",
+            self.failed.iter().take(3).collect::<Vec<_>>()
+        );
+        assert!(self.count >= 5, "during {attack}, only {self}");
+        assert!(
+            self.p99 <= bound,
+            "during {attack}: {self} (bound {bound:?})"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw HTTP/1.1 clients
+
+fn request_head(key: &str, content_length: usize) -> String {
+    format!(
+        "POST /checkout HTTP/1.1\r\nhost: edge\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\nidempotency-key: {key}\r\ncontent-length: {content_length}\r\n\r\n",
+        token("alice")
+    )
+}
+
+/// A charge the checkout takes, padded with a note to exactly `size` bytes.
+fn padded_body(size: usize) -> Vec<u8> {
+    let head = r#"{"amount":1,"currency":"BRL","card":{"number":"4242424242424242","exp":"12/30"},"note":""#;
+    let mut out = head.as_bytes().to_vec();
+    out.resize(size - 2, b'n');
+    out.extend_from_slice(b"\"}");
+    out
+}
+
+/// An answer read off a raw connection: its status and body, and whether the connection was
+/// closed after it.
+#[derive(Debug, Default, Clone)]
+struct RawAnswer {
+    status: u16,
+    body: String,
+}
+
+impl RawAnswer {
+    fn problem(&self) -> String {
+        serde_json::from_str::<serde_json::Value>(&self.body)
+            .ok()
+            .and_then(|v| v.get("type")?.as_str().map(str::to_owned))
+            .unwrap_or_default()
+    }
+}
+
+/// Reads one HTTP/1.1 answer (Content-Length or chunked) from `buf` + `s`; `None` on EOF or
+/// error before a whole answer.
+async fn read_answer(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<RawAnswer> {
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let chunked = head.contains("transfer-encoding: chunked");
+    loop {
+        let body = &buf[head_end..];
+        let done = match length {
+            Some(l) => body.len() >= l,
+            None if chunked => body.ends_with(b"0\r\n\r\n"),
+            None => true,
+        };
+        if done {
+            break;
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    Some(RawAnswer {
+        status,
+        body: String::from_utf8_lossy(&buf[head_end..]).into_owned(),
+    })
+}
+
+/// Whether Envoy closes `s` within `wait` (EOF or reset), reading and dropping what comes.
+async fn closed_within(s: &mut TcpStream, wait: Duration) -> bool {
+    let mut chunk = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the checkout ran, and the attacked keys sent again
+
+async fn charges_by_key(stack: &Stack) -> BTreeMap<String, usize> {
+    let text = reqwest::get(stack.checkout.url("/charges"))
+        .await
+        .expect("GET /charges")
+        .text()
+        .await
+        .unwrap_or_default();
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for e in entries {
+        if let Some(k) = e.get("idempotency_key").and_then(|k| k.as_str()) {
+            *out.entry(k.to_owned()).or_default() += 1;
+        }
+    }
+    out
+}
+
+/// Nothing charged twice, anywhere.
+async fn assert_nothing_charged_twice(stack: &Stack) {
+    let twice: Vec<_> = charges_by_key(stack)
+        .await
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .collect();
+    assert!(twice.is_empty(), "charged more than once: {twice:?}");
+}
+
+/// Each of `keys` (none of which ran) sent again whole, as a client would (again after a second
+/// while the edge answers 503 + Retry-After): 201, and one charge.
+async fn assert_keys_usable(stack: &Stack, keys: &[String], body_size: usize) {
+    let c = Client::new(&stack.envoy.url(""));
+    let body = padded_body(body_size);
+    let mut bad = Vec::new();
+    for group in keys.chunks(16) {
+        let mut tasks = Vec::new();
+        for key in group {
+            let c = c.clone();
+            let body = body.clone();
+            let key = key.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut status = 0;
+                for _ in 0..5 {
+                    let req = checkout(&key, "alice", &serde_json::Value::Null).body(body.clone());
+                    status = c.try_send(req).await.map(|a| a.status).unwrap_or(0);
+                    if status != 503 && status != 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                (key, status)
+            }));
+        }
+        for t in tasks {
+            let (key, status) = t.await.expect("task");
+            if status != 201 {
+                bad.push((key, status));
+            }
+        }
+    }
+    let after = charges_by_key(stack).await;
+    let not_once: Vec<_> = keys
+        .iter()
+        .filter(|k| after.get(*k).copied().unwrap_or(0) != 1)
+        .take(5)
+        .collect();
+    assert!(
+        bad.is_empty() && not_once.is_empty(),
+        "attacked keys sent again whole: {} not 201 (e.g. {:?}); {} not charged exactly once (e.g. {not_once:?})",
+        bad.len(),
+        bad.iter().take(5).collect::<Vec<_>>(),
+        not_once.len()
+    );
+}
+
+fn report(attack: &str, figures: &str) {
+    eprintln!("hostile-load {attack}: {figures}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attacks
+
+/// A request refused before its body ended (body too large, key missing or invalid, no token,
+/// buffers full) closes its connection: Envoy answers with `connection: close` and closes, so
+/// what the client still sends is never read, let alone held (issue 49, item 2). The codec does
+/// it for any answer that comes before the request is whole (HTTP/1.1).
+async fn refusals_close_their_connection(stack: Arc<Stack>) {
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let before = stack
+        .envoy
+        .counter("http.edge.downstream_rq_response_before_rq_complete");
+    let too_large = 2 * MIB;
+    let key = unique_key("refused");
+    let cases: Vec<(&str, String, u16)> = vec![
+        ("body too large", request_head(&key, too_large), 413),
+        ("key invalid", request_head(&"k".repeat(300), MIB), 400),
+        (
+            "key missing",
+            request_head(&key, MIB).replace(&format!("idempotency-key: {key}\r\n"), ""),
+            400,
+        ),
+        (
+            "no token",
+            request_head(&key, MIB)
+                .replace(&format!("authorization: Bearer {}\r\n", token("alice")), ""),
+            401,
+        ),
+    ];
+    let mut figures = Vec::new();
+    for (name, head, status) in &cases {
+        let mut s = TcpStream::connect(target).await.expect("connect");
+        s.write_all(head.as_bytes()).await.expect("headers");
+        // The first 64 KiB of the body, then the client would go on.
+        let _ = s.write_all(&padded_body(MIB)[..64 * 1024]).await;
+        let mut buf = Vec::new();
+        let a = tokio::time::timeout(Duration::from_secs(5), read_answer(&mut s, &mut buf))
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("{name}: no answer"));
+        let head_text = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+        let close_header = head_text.contains("\r\nconnection: close\r\n");
+        let closed = closed_within(&mut s, Duration::from_secs(2)).await;
+        figures.push(format!(
+            "{name}: {} connection: close {close_header}, closed {closed}",
+            a.status
+        ));
+        assert_eq!(a.status, *status, "{name}: {a:?}");
+        assert!(close_header && closed, "{name}: {}", figures.join("; "));
+    }
+    let after = stack
+        .envoy
+        .counter("http.edge.downstream_rq_response_before_rq_complete");
+    report(
+        "refusals",
+        &format!(
+            "{}; downstream_rq_response_before_rq_complete +{}",
+            figures.join("; "),
+            after - before
+        ),
+    );
+    assert!(after - before >= cases.len() as u64);
+    // The key refused for its size, sent whole within the limit: 201, once.
+    assert_keys_usable(&stack, &[key], 1_000).await;
+}
+
+/// 500 clients each send a 1 MiB body but its last byte and hold it; then finish.
+async fn burst(stack: Arc<Stack>) {
+    let n = sizes().burst;
+    let pid = envoy_pid(&stack);
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    // Warm: the VM and the pools at their working size before the idle figure.
+    let c = Client::new(&stack.envoy.url(""));
+    for _ in 0..20 {
+        c.send(checkout(&unique_key("warm"), "alice", &charge_body(1)))
+            .await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss_idle, heap_idle) = (rss_mib(pid), heap_mib(&stack));
+    let peak = RssPeak::start(pid);
+    let legit = Legit::start(&stack);
+    let body = Arc::new(padded_body(MIB));
+    let held = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let open = Arc::new(AtomicBool::new(false));
+    let prefix = unique_key("burst");
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (body, held, gate, open) = (body.clone(), held.clone(), gate.clone(), open.clone());
+        let key = format!("{prefix}-{i}");
+        tasks.push(tokio::spawn(async move {
+            let mut s = TcpStream::connect(target).await.ok()?;
+            s.write_all(request_head(&key, body.len()).as_bytes())
+                .await
+                .ok()?;
+            let mut buf = Vec::new();
+            let last = body.len() - 1;
+            // The body but its last byte, unless Envoy answers first (a refusal at the headers).
+            let early = {
+                let (mut r, mut w) = s.split();
+                let mut chunk = [0u8; 4096];
+                tokio::select! {
+                    res = w.write_all(&body[..last]) => { res.ok()?; None }
+                    got = r.read(&mut chunk) => {
+                        let n = got.ok()?;
+                        buf.extend_from_slice(&chunk[..n]);
+                        Some(())
+                    }
+                }
+            };
+            held.fetch_add(1, Ordering::SeqCst);
+            while !open.load(Ordering::SeqCst) {
+                let _ = tokio::time::timeout(Duration::from_millis(200), gate.notified()).await;
+            }
+            // An answer already there: a refusal before the body ended.
+            let mut chunk = [0u8; 4096];
+            let early = match (early, s.try_read(&mut chunk)) {
+                (Some(()), _) => Some(()),
+                (None, Ok(n)) if n > 0 => {
+                    buf.extend_from_slice(&chunk[..n]);
+                    Some(())
+                }
+                _ => None,
+            };
+            let answer = if early.is_some() {
+                let a = read_answer(&mut s, &mut buf).await?;
+                let closed = closed_within(&mut s, Duration::from_secs(2)).await;
+                (a, true, closed)
+            } else {
+                s.write_all(&body[last..]).await.ok()?;
+                (read_answer(&mut s, &mut buf).await?, false, false)
+            };
+            Some((key, answer))
+        }));
+    }
+    let t0 = Instant::now();
+    while held.load(Ordering::SeqCst) < n && t0.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let held_at_once = held.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (rss_held, heap_held) = (rss_mib(pid), heap_mib(&stack));
+    let pressure_held = heap_pressure(&stack);
+    open.store(true, Ordering::SeqCst);
+    gate.notify_waiters();
+    let mut by_class: BTreeMap<String, usize> = BTreeMap::new();
+    let mut refused_keys = Vec::new();
+    let (mut early, mut closed) = (0, 0);
+    for t in tasks {
+        match t.await.expect("task") {
+            Some((key, (a, was_early, was_closed))) => {
+                early += usize::from(was_early);
+                closed += usize::from(was_closed);
+                let class = format!(
+                    "{} {}",
+                    a.status,
+                    a.problem().trim_start_matches("/problems/")
+                );
+                if a.status != 201 {
+                    refused_keys.push(key);
+                }
+                *by_class.entry(class).or_default() += 1;
+            }
+            None => *by_class.entry("transport error".into()).or_default() += 1,
+        }
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    let growth = peak - rss_idle;
+    report(
+        "burst",
+        &format!(
+            "{n} x 1 MiB, {held_at_once} held at once in {seconds:.1} s; answers {by_class:?}; \
+             {early} answered before their body ended, {closed} of them closed by Envoy; Envoy RSS \
+             {rss_idle:.1} MiB idle, {rss_held:.1} held, peak {peak:.1} (+{growth:.1}; budget \
+             {BUDGET_MIB}); heap {heap_idle:.1} -> {heap_held:.1} MiB ({pressure_held} % of the bound); {legit}"
+        ),
+    );
+    assert!(
+        by_class
+            .keys()
+            .all(|k| k.starts_with("201") || k.starts_with("503 edge-buffers-full")),
+        "the burst got other answers than 201 and 503 edge-buffers-full: {by_class:?}"
+    );
+    assert!(
+        growth <= BUDGET_MIB,
+        "Envoy grew {growth:.1} MiB in the burst, over its budget of {BUDGET_MIB} MiB"
+    );
+    // While the held bodies fill the filter's bound, a new key's body is refused too (503
+    // edge-buffers-full + Retry-After: the bound at work); sent again after, it runs once.
+    let refused_legit: Vec<String> = legit
+        .failed
+        .iter()
+        .filter(|(_, s)| *s == 503)
+        .map(|(k, _)| k.clone())
+        .collect();
+    assert_eq!(
+        refused_legit.len(),
+        legit.failed.len(),
+        "legitimate keys during the burst: {legit}"
+    );
+    assert!(
+        legit.served() >= 3,
+        "legitimate keys during the burst: {legit}"
+    );
+    assert!(legit.p99 <= BURST_P99_BOUND, "during the burst: {legit}");
+    assert_keys_usable(&stack, &refused_legit, 200).await;
+    assert_nothing_charged_twice(&stack).await;
+    assert_keys_usable(&stack, &refused_keys, MIB).await;
+}
+
+/// Many connections opened and left silent: Envoy closes them at the idle timeout.
+async fn idle_connections(stack: Arc<Stack>) {
+    let n = sizes().idle;
+    let pid = envoy_pid(&stack);
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let rss_before = rss_mib(pid);
+    let peak = RssPeak::start(pid);
+    let legit = Legit::start(&stack);
+    let t0 = Instant::now();
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        match TcpStream::connect(target).await {
+            Ok(s) => conns.push(s),
+            Err(e) => panic!("connection {} of {n} refused: {e}", conns.len()),
+        }
+    }
+    let opened = t0.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_open = rss_mib(pid);
+    let accepted = stack.envoy.counter("http.edge.downstream_cx_active");
+    let (heap_open, pressure_open) = (heap_mib(&stack), heap_pressure(&stack));
+    // All closed by Envoy within the idle timeout and a margin.
+    let closing = conns.into_iter().map(|mut s| {
+        tokio::spawn(async move {
+            closed_within(&mut s, Duration::from_millis(IDLE_TIMEOUT_MS + 5_000)).await
+        })
+    });
+    let mut still_open = 0;
+    for t in closing.collect::<Vec<_>>() {
+        still_open += usize::from(!t.await.unwrap_or(false));
+    }
+    let closed_after = t0.elapsed();
+    let overload = overload_counters(&stack);
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    let per_conn_kib = (rss_open - rss_before).max(0.0) * 1024.0 / n as f64;
+    report(
+        "idle",
+        &format!(
+            "{n} idle connections opened in {opened:?} ({accepted} active in Envoy), all closed by {closed_after:?} ({still_open} \
+             left open); Envoy RSS {rss_before:.1} -> {rss_open:.1} MiB with them open ({per_conn_kib:.1} \
+             KiB each), peak {peak:.1}; heap {heap_open:.1} MiB ({pressure_open} % of the bound); Envoy's counters {overload:?}; {legit}"
+        ),
+    );
+    assert_eq!(
+        still_open, 0,
+        "idle connections Envoy left open past its idle timeout"
+    );
+    assert!(
+        per_conn_kib <= 16.0,
+        "an idle connection costs Envoy {per_conn_kib:.1} KiB"
+    );
+    assert!(
+        peak - rss_before <= BUDGET_MIB,
+        "Envoy grew {:.1} MiB with the idle connections, over its budget of {BUDGET_MIB} MiB",
+        peak - rss_before
+    );
+    legit.check("the idle connections", IDLE_P99_BOUND);
+    assert_nothing_charged_twice(&stack).await;
+}
+
+/// Clients that send their body a byte a second, and clients that send their headers so:
+/// cut with 408 before they end, no claim made, their keys usable after.
+async fn slow_clients(stack: Arc<Stack>) {
+    let s = sizes();
+    let pid = envoy_pid(&stack);
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let request_timeout = Duration::from_millis(edge::render::request_timeout_ms(
+        &stack.envoy.params.edge_config().expect("config"),
+    ));
+    let rss_before = rss_mib(pid);
+    let peak = RssPeak::start(pid);
+    let legit = Legit::start(&stack);
+    let prefix = unique_key("slow");
+    let body = Arc::new(padded_body(200));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..s.slow_body + s.slow_headers {
+        let slow_headers = i >= s.slow_body;
+        let key = format!("{prefix}-{i}");
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let mut st = TcpStream::connect(target).await.ok()?;
+            let head = request_head(&key, body.len());
+            let (first, trickle): (&[u8], &[u8]) = if slow_headers {
+                (&head.as_bytes()[..20], &head.as_bytes()[20..])
+            } else {
+                st.write_all(head.as_bytes()).await.ok()?;
+                (&body[..1], &body[1..])
+            };
+            st.write_all(first).await.ok()?;
+            let mut buf = Vec::new();
+            let mut next = 0;
+            let answer = loop {
+                let mut chunk = [0u8; 4096];
+                tokio::select! {
+                    got = st.read(&mut chunk) => {
+                        match got {
+                            Ok(0) | Err(_) => break None,
+                            Ok(n) => { buf.extend_from_slice(&chunk[..n]); break Some(()) }
+                        }
+                    }
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                        if next < trickle.len() {
+                            if st.write_all(&trickle[next..next + 1]).await.is_err() { break None; }
+                            next += 1;
+                        }
+                    }
+                }
+            };
+            let status = match answer {
+                Some(()) => read_answer(&mut st, &mut buf).await.map_or(0, |a| a.status),
+                None => 0,
+            };
+            let closed = closed_within(&mut st, Duration::from_secs(2)).await;
+            Some((key, slow_headers, status, closed, started.elapsed()))
+        }));
+    }
+    let mut by_class: BTreeMap<String, usize> = BTreeMap::new();
+    let mut keys = Vec::new();
+    let mut slowest = Duration::ZERO;
+    for t in tasks {
+        match t.await.expect("task") {
+            Some((key, slow_headers, status, closed, took)) => {
+                let class = format!(
+                    "{} {status}{}",
+                    if slow_headers { "headers" } else { "body" },
+                    if closed { " closed" } else { " left open" }
+                );
+                *by_class.entry(class).or_default() += 1;
+                slowest = slowest.max(took);
+                keys.push(key);
+            }
+            None => *by_class.entry("transport error".into()).or_default() += 1,
+        }
+    }
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    report(
+        "slow",
+        &format!(
+            "{} slow-body and {} slow-header clients: {by_class:?}, the last cut after {slowest:?} \
+             (request_timeout {request_timeout:?}, headers {HEADERS_TIMEOUT_MS} ms) in {:?}; Envoy \
+             RSS {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
+            s.slow_body,
+            s.slow_headers,
+            t0.elapsed()
+        ),
+    );
+    let expected = [
+        ("body 408 closed".to_owned(), s.slow_body),
+        ("headers 408 closed".to_owned(), s.slow_headers),
+    ];
+    assert_eq!(
+        by_class,
+        expected.into_iter().collect::<BTreeMap<_, _>>(),
+        "slow clients: each cut with 408 and its connection closed"
+    );
+    assert!(
+        slowest <= request_timeout + Duration::from_secs(5),
+        "a slow client held on for {slowest:?}"
+    );
+    assert!(
+        peak - rss_before <= BUDGET_MIB,
+        "Envoy grew {:.1} MiB with the slow clients",
+        peak - rss_before
+    );
+    legit.check("the slow clients", P99_BOUND);
+    // A body never finished never claims: none ran, and each key is usable.
+    let charges = charges_by_key(&stack).await;
+    let ran: Vec<_> = keys.iter().filter(|k| charges.contains_key(*k)).collect();
+    assert!(ran.is_empty(), "slow clients' keys that ran: {ran:?}");
+    assert_keys_usable(&stack, &keys, 200).await;
+}
+
+/// `request_timeout` never fires once the client has sent its whole request, even while the
+/// filter holds it before forwarding: a retry (`Prefer: wait`) of a running key whose last byte
+/// comes 3 s before its `request_timeout` waits past it for the first attempt, and gets that
+/// attempt's answer replayed; charged once. Envoy's documentation says the timer runs until the
+/// last byte goes upstream (with this filter: after the claim, or the wait); measured on 1.40,
+/// it stops when the last byte comes from the client, and `edge render` relies on it
+/// (`edge::render::request_timeout_ms`).
+async fn request_timeout_while_the_filter_waits(stack: Arc<Stack>) {
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let request_timeout = Duration::from_millis(edge::render::request_timeout_ms(
+        &stack.envoy.params.edge_config().expect("config"),
+    ));
+    let key = unique_key("timeout-in-wait");
+    let body = padded_body(200);
+    let c = Client::new(&stack.envoy.url(""));
+    // The first attempt: the checkout takes long enough for the retry to wait through its
+    // request_timeout.
+    let first_req = checkout(&key, "alice", &serde_json::Value::Null)
+        .body(body.clone())
+        .delay_ms(request_timeout.as_millis() as u64 + 6_000);
+    let first = {
+        let c = c.clone();
+        tokio::spawn(async move { c.send(first_req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The retry: its body but the last byte at once, the last byte 3 s before its
+    // request_timeout, then it waits for the running key (about 9 s, past the timeout).
+    let started = Instant::now();
+    let mut s = TcpStream::connect(target).await.expect("connect");
+    let head = request_head(&key, body.len()).replacen(
+        "host: edge\r\n",
+        "host: edge\r\nprefer: wait=10\r\n",
+        1,
+    );
+    s.write_all(head.as_bytes()).await.expect("headers");
+    s.write_all(&body[..body.len() - 1]).await.expect("body");
+    tokio::time::sleep(request_timeout.saturating_sub(Duration::from_secs(3))).await;
+    s.write_all(&body[body.len() - 1..])
+        .await
+        .expect("last byte");
+    let mut buf = Vec::new();
+    let retry = read_answer(&mut s, &mut buf).await.map_or(0, |a| a.status);
+    let retry_took = started.elapsed();
+    let first = first.await.expect("first");
+    let charges = charges_by_key(&stack).await.get(&key).copied().unwrap_or(0);
+    let again = c
+        .send(checkout(&key, "alice", &serde_json::Value::Null).body(body.clone()))
+        .await;
+    report(
+        "timeout-in-wait",
+        &format!(
+            "the retry got {retry} after {retry_took:?} (request_timeout {request_timeout:?}); the \
+             first {}; charges {charges}; sent again: {} replayed {:?}",
+            first.status,
+            again.status,
+            again.header("idempotent-replayed")
+        ),
+    );
+    assert_eq!(
+        retry, 201,
+        "the retry waits past its request_timeout for the running key (no 408, no cut)"
+    );
+    assert!(
+        retry_took > request_timeout + Duration::from_secs(2),
+        "the retry's wait went past request_timeout: {retry_took:?}"
+    );
+    assert_eq!(
+        first.status,
+        201,
+        "the first attempt completes: {}",
+        first.describe()
+    );
+    assert_eq!(charges, 1, "charged once");
+    assert_eq!(
+        (again.status, again.header("idempotent-replayed").as_deref()),
+        (201, Some("true")),
+        "the key replays: {}",
+        again.describe()
+    );
+}
+
+/// Requests with headers at and over Envoy's limit (60 KiB), as fast as the flood's clients
+/// can send them, each on a new connection.
+async fn header_flood(stack: Arc<Stack>) {
+    let s = sizes();
+    let pid = envoy_pid(&stack);
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let rss_before = rss_mib(pid);
+    let peak = RssPeak::start(pid);
+    let legit = Legit::start(&stack);
+    let prefix = unique_key("flood");
+    let until = Instant::now() + Duration::from_secs(s.flood_secs);
+    let mut tasks = Vec::new();
+    for c in 0..s.flood_clients {
+        let prefix = prefix.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut out: BTreeMap<u16, usize> = BTreeMap::new();
+            let mut keys = Vec::new();
+            let mut i = 0;
+            while Instant::now() < until {
+                i += 1;
+                let key = format!("{prefix}-{c}-{i}");
+                // Half over the limit (100 headers of 700 bytes), half many small ones.
+                let extra: String = if i % 2 == 0 {
+                    (0..100)
+                        .map(|h| format!("x-flood-{h}: {}\r\n", "v".repeat(700)))
+                        .collect()
+                } else {
+                    (0..95).map(|h| format!("x-f{h}: v\r\n")).collect()
+                };
+                let head = request_head(&key, 2).replacen(
+                    "host: edge\r\n",
+                    &format!("host: edge\r\n{extra}"),
+                    1,
+                );
+                let Ok(mut st) = TcpStream::connect(target).await else {
+                    *out.entry(1).or_default() += 1;
+                    continue;
+                };
+                if st.write_all(head.as_bytes()).await.is_err() {
+                    *out.entry(2).or_default() += 1;
+                    continue;
+                }
+                // Its body never comes: the headers are what the flood is.
+                let mut buf = Vec::new();
+                let status = tokio::time::timeout(
+                    Duration::from_millis(300),
+                    read_answer(&mut st, &mut buf),
+                )
+                .await
+                .ok()
+                .flatten()
+                .map_or(0, |a| a.status);
+                *out.entry(status).or_default() += 1;
+                keys.push(key);
+            }
+            (out, keys)
+        }));
+    }
+    let mut by_status: BTreeMap<u16, usize> = BTreeMap::new();
+    let mut keys = Vec::new();
+    for t in tasks {
+        let (out, k) = t.await.expect("task");
+        for (s, n) in out {
+            *by_status.entry(s).or_default() += n;
+        }
+        keys.extend(k);
+    }
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    report(
+        "flood",
+        &format!(
+            "{} clients for {} s: {} requests, by status {by_status:?} (0: no answer in 300 ms, \
+             the body never sent); Envoy RSS {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
+            s.flood_clients,
+            s.flood_secs,
+            keys.len()
+        ),
+    );
+    legit.check("the header flood", P99_BOUND);
+    assert!(
+        peak - rss_before <= BUDGET_MIB,
+        "Envoy grew {:.1} MiB in the header flood",
+        peak - rss_before
+    );
+    let charges = charges_by_key(&stack).await;
+    let ran: Vec<_> = keys
+        .iter()
+        .filter(|k| charges.contains_key(*k))
+        .take(5)
+        .collect();
+    assert!(ran.is_empty(), "flood keys that ran: {ran:?}");
+    assert_nothing_charged_twice(&stack).await;
+}
+
+fn main() {
+    let mut args = Arguments::from_args();
+    // One attack at a time: each measures Envoy alone.
+    args.test_threads = Some(1);
+    let trials = vec![
+        STACK.trial(
+            "hostile_load_0_refusals_close_their_connection",
+            refusals_close_their_connection,
+        ),
+        STACK.trial("hostile_load_1_burst_of_held_bodies", burst),
+        STACK.trial("hostile_load_2_idle_connections", idle_connections),
+        STACK.trial("hostile_load_3_slow_clients", slow_clients),
+        STACK.trial("hostile_load_4_header_flood", header_flood),
+        STACK.trial(
+            "hostile_load_5_request_timeout_while_the_filter_waits",
+            request_timeout_while_the_filter_waits,
+        ),
+    ];
+    STACK.run(&args, trials);
+}
