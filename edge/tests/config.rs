@@ -692,7 +692,6 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
         [
             "envoy.overload_actions.reduce_timeouts",
             "envoy.overload_actions.disable_http_keepalive",
-            "envoy.overload_actions.reset_high_memory_stream",
             "envoy.overload_actions.stop_accepting_requests"
         ]
     );
@@ -703,10 +702,8 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
         scaled[0]["timer"].as_str(),
         Some("HTTP_DOWNSTREAM_CONNECTION_IDLE")
     );
-    assert_eq!(
-        om["buffer_factory_config"]["minimum_account_to_track_power_of_two"].as_i64(),
-        Some(20)
-    );
+    // No buffer accounting: its cost per replay failed the bench guard (docs/RELIABILITY.md).
+    assert!(om["buffer_factory_config"].is_badvalue());
     let layers = doc["layered_runtime"]["layers"].as_vec().unwrap();
     assert_eq!(
         layers[0]["static_layer"]["envoy.resource_limits.listener.edge.connection_limit"].as_i64(),
