@@ -76,12 +76,13 @@ fn imports_only_proxy_wasm_and_wasi() {
 #[test]
 fn stays_small() {
     let Some(bytes) = module() else { return };
-    // Loaded (and compiled by V8) into every worker: the budget is 350 KiB (it is about 316
-    // KiB; it went over the former 300 KiB goal with issue 34's fixes; docs/filter.md says what
-    // takes the space). Raise deliberately if it must grow.
+    // Loaded (and compiled by V8) into every worker: the budget is 360 KiB (it is about 351
+    // KiB; it went over 300 KiB with issue 34's fixes and over 350 KiB with issue 48's answers
+    // for clients; docs/filter.md, Module size, says what takes the space). Raise deliberately
+    // if it must grow.
     assert!(
-        bytes.len() <= 350 * 1024,
-        "filter.wasm is {} bytes, over 350 KiB",
+        bytes.len() <= 360 * 1024,
+        "filter.wasm is {} bytes, over 360 KiB",
         bytes.len()
     );
 }

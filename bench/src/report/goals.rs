@@ -113,12 +113,13 @@ fn cost_goals(i: &Inputs, ratios: &[Ratio]) -> Vec<Goal> {
         |v| v <= 50.0,
     );
     goal(
-        // Issue 38 raised the budget from 300 KiB, for correctness rather than bytes.
+        // Issue 38 raised the budget from 300 KiB, for correctness rather than bytes; issue 48
+        // to 360 KiB, for the answers clients act on (docs/filter.md, Module size).
         "filter .wasm size",
-        "<= 350 KiB",
+        "<= 360 KiB",
         Some(i.wasm_bytes as f64 / 1024.0),
         " KiB",
-        |v| v <= 350.0,
+        |v| v <= 360.0,
     );
     goals
 }
