@@ -227,7 +227,9 @@ impl Flow {
 }
 
 /// A member of the record the state API read (`None`: absent, null, or no record). Read with
-/// the module's own JSON reader: serde_json's `Value` deserializer took 15 KB of the module.
+/// the module's own JSON reader: serde_json's `Value` deserializer took 20,525 bytes of the
+/// module. It reads integers only: a float member added to the record view would make every
+/// answer 503 (the test below writes each kind of record with the state API's own type).
 fn member<'a>(record: &'a Value, name: &str) -> Option<&'a Value> {
     Fields::of(record, "the record").ok()?.get(name)
 }
@@ -245,8 +247,9 @@ fn key_state_of(record: &Value, endpoint: String, held: bool) -> KeyStateAnswer 
     let lease_over = u64_of("lease_remaining_ms") == Some(0);
     let (key_state, retry_same_key) = match state {
         None => ("absent", true),
-        // A claim takes such a record as new: a retry would run it again.
-        Some(_) if expired => ("expired", false),
+        // A claim takes such a record as new: a retry would run it again. Never one in
+        // progress: past its retention, a claim (or the purge) marks it unknown instead.
+        Some(s) if expired && s != "in_progress" => ("expired", false),
         // Its owner is no longer heard from: the next claim marks it unknown.
         Some("in_progress") if lease_over => ("unknown", !held),
         Some("in_progress") => ("in_progress", true),
@@ -330,6 +333,14 @@ mod tests {
             (lapsed.key_state, lapsed.retry_same_key),
             ("unknown", false)
         );
+        // In progress past its retention with its owner gone: unknown, not expired (the
+        // state API never takes an in-progress record as expired).
+        let stale =
+            json(r#"{"state": "in_progress", "expires_in_ms": 0, "lease_remaining_ms": 0}"#);
+        assert_eq!(key_state_of(&stale, e(), true).key_state, "unknown");
+        let stale =
+            json(r#"{"state": "in_progress", "expires_in_ms": 0, "lease_remaining_ms": 9}"#);
+        assert_eq!(key_state_of(&stale, e(), true).key_state, "in_progress");
         // Past its retention, not yet purged: a retry would run it again.
         let expired = json(
             r#"{"state": "completed", "response_status": 201, "replayable": true, "expires_in_ms": 0}"#,
@@ -338,6 +349,66 @@ mod tests {
         assert_eq!(
             (expired.key_state, expired.retry_same_key),
             ("expired", false)
+        );
+    }
+
+    /// Every kind of record as the state API writes it (its own type, serde, nulls and all)
+    /// reads as it means: the reader and the record view cannot drift apart unseen.
+    #[test]
+    fn records_as_the_state_api_writes_them() {
+        use contract::wire::{RecordState, RecordView};
+        let view = |state, status: Option<u16>, replayable, lease_remaining_ms, owner_seen| {
+            let v = RecordView {
+                state,
+                subject: "user-\"1\"\u{e9}".into(),
+                endpoint: "POST /checkout".into(),
+                fingerprint_alg: "sha256-canonical-json-v1".into(),
+                token: i64::MIN,
+                lease_remaining_ms,
+                age_ms: u64::MAX,
+                completed_age_ms: status.map(|_| 7),
+                response_status: status,
+                replayable,
+                expires_in_ms: 86_400_000,
+                owner_seen_ms_ago: owner_seen,
+                lease_ms: 30_000,
+            };
+            json::parse(&serde_json::to_vec(&v).unwrap()).unwrap()
+        };
+        let e = || "POST /checkout".to_owned();
+        let running = key_state_of(
+            &view(RecordState::InProgress, None, None, 500, Some(3)),
+            e(),
+            true,
+        );
+        assert_eq!(
+            (running.key_state, running.retry_same_key, running.status),
+            ("in_progress", true, None)
+        );
+        assert_eq!(running.replayable, None);
+        let done = key_state_of(
+            &view(RecordState::Completed, Some(201), Some(true), 0, None),
+            e(),
+            true,
+        );
+        assert_eq!(
+            (
+                done.key_state,
+                done.retry_same_key,
+                done.status,
+                done.replayable
+            ),
+            ("completed", true, Some(201), Some(true))
+        );
+        assert_eq!(done.expires_in_s, Some(86_400));
+        let unknown = key_state_of(
+            &view(RecordState::Unknown, None, None, 0, Some(40_000)),
+            e(),
+            true,
+        );
+        assert_eq!(
+            (unknown.key_state, unknown.retry_same_key),
+            ("unknown", false)
         );
     }
 }

@@ -98,6 +98,23 @@ fn no_record_is_absent_and_a_state_api_failure_is_503() {
         problem_type(step.reply()),
         "/problems/idempotency-state-unavailable"
     );
+
+    // A record the module's reader cannot take (a float, a member twice) is never read as
+    // absent: 503, as an outage.
+    for unreadable in [
+        br#"{"state":"completed","expires_in_ms":1.5}"#.as_slice(),
+        br#"{"state":"completed","state":"in_progress"}"#,
+    ] {
+        let step = ask(&mut t, ASK, &[("idempotency-key", "k")]);
+        let d = records_call(&step);
+        let step = t.answer(&d, status(200, unreadable));
+        assert_eq!(
+            step.reply().status,
+            503,
+            "{:?}",
+            String::from_utf8_lossy(unreadable)
+        );
+    }
 }
 
 #[test]
