@@ -372,15 +372,19 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
 /// its share of `[limits] memory_budget_mib` ([`crate::config::Limits::body_bytes_per_worker`]).
 pub fn max_buffered_bytes(cfg: &Config) -> u64 {
     cfg.filter.max_buffered_bytes.unwrap_or_else(|| {
-        let largest = cfg
-            .routes
-            .iter()
-            .filter_map(|r| r.max_request_body_bytes)
-            .chain([cfg.filter.max_request_body_bytes])
-            .max()
-            .unwrap_or(cfg.filter.max_request_body_bytes);
-        cfg.limits.body_bytes_per_worker(cfg.envoy_workers, largest)
+        cfg.limits
+            .body_bytes_per_worker(cfg.envoy_workers, largest_request_body(cfg))
     })
+}
+
+/// The largest request body any route lets the filter read.
+fn largest_request_body(cfg: &Config) -> u64 {
+    cfg.routes
+        .iter()
+        .filter_map(|r| r.max_request_body_bytes)
+        .chain([cfg.filter.max_request_body_bytes])
+        .max()
+        .unwrap_or(cfg.filter.max_request_body_bytes)
 }
 
 /// The filter's plugin configuration (JSON) for this module's Envoy, with `token` for the
@@ -754,13 +758,7 @@ fn runtime(cfg: &Config) -> Yaml {
 
 /// The Envoy configuration (YAML).
 pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
-    let largest_body = cfg
-        .routes
-        .iter()
-        .filter_map(|r| r.max_request_body_bytes)
-        .chain([cfg.filter.max_request_body_bytes])
-        .max()
-        .unwrap_or(cfg.filter.max_request_body_bytes);
+    let largest_body = largest_request_body(cfg);
     // What one stream may buffer (the request body the filter fingerprints, the response it
     // captures): above the largest body the filter reads, so it answers 413 itself before Envoy
     // would. Set on the virtual host (`request_body_buffer_limit`, which Envoy applies to the

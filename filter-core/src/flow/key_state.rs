@@ -135,16 +135,7 @@ impl Flow {
             );
         }
         if endpoint.len() > contract::limits::MAX_FIELD_LEN {
-            return self.reply(
-                Some(Metric::EndpointTooLong414),
-                LocalReply::problem(
-                    ProblemKind::EndpointTooLong,
-                    format!(
-                        "a protected request's method and path are limited to {} bytes",
-                        contract::limits::MAX_FIELD_LEN
-                    ),
-                ),
-            );
+            return self.endpoint_too_long();
         }
         let query = form_urlencoded::Serializer::new(String::new())
             .append_pair("namespace", &cfg.namespace)

@@ -75,6 +75,20 @@ pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
 }
 
 impl Flow {
+    /// `414 endpoint-too-long`: a record cannot hold a method and path over its field limit.
+    pub(super) fn endpoint_too_long(&mut self) -> Turn {
+        self.reply(
+            Some(Metric::EndpointTooLong414),
+            LocalReply::problem(
+                ProblemKind::EndpointTooLong,
+                format!(
+                    "a protected request's method and path are limited to {} bytes",
+                    contract::limits::MAX_FIELD_LEN
+                ),
+            ),
+        )
+    }
+
     /// A new stream's request headers. `routes`: `cfg`'s routes as its worker looks them up.
     /// `room`: the request body bytes its worker may still hold (`max_buffered_bytes` less what
     /// its other streams hold).
@@ -153,16 +167,7 @@ impl Flow {
         if endpoint.len() > contract::limits::MAX_FIELD_LEN {
             // A record cannot hold it: refused here rather than by the state API (which a
             // fail_open route would take for an outage and forward unprotected).
-            return self.reply(
-                Some(Metric::EndpointTooLong414),
-                LocalReply::problem(
-                    ProblemKind::EndpointTooLong,
-                    format!(
-                        "a protected request's method and path are limited to {} bytes",
-                        contract::limits::MAX_FIELD_LEN
-                    ),
-                ),
-            );
+            return self.endpoint_too_long();
         }
 
         let Some(subject) = subject_of(cfg, &head) else {
