@@ -267,6 +267,8 @@ fn key_state_of(record: &Value, endpoint: String, held: bool) -> KeyStateAnswer 
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn json(document: &str) -> Value {
         json::parse(document.as_bytes()).unwrap()

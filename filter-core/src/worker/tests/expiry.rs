@@ -2,6 +2,8 @@
 //! retention the state API applies; on every replay, what is left of the stored record's.
 
 use super::*;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 const HOUR_MS: u64 = 3_600_000;
 const EXPIRES: &str = "idempotency-key-expires-in";

@@ -2,6 +2,8 @@
 //! record from the state API and answers, forwarding and claiming nothing.
 
 use super::*;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 fn config() -> String {
     with(r#""key_state_path": "/idempotency/key-state","#)
