@@ -59,6 +59,11 @@ sed -e "s|^db-path = .*|db-path = \"$dbs\"|" deny.toml > "$work/deny.toml"
 status=0
 for manifest in Cargo.toml fuzz/Cargo.toml; do
   echo "audit: cargo deny check on $manifest"
+  # cargo-deny reads the whole graph, every platform's crates included, and offline it takes
+  # them from cargo's cache only: a fresh machine has not downloaded the ones no build of its
+  # own needs (wasi, r-efi, android_system_properties...). The registry is reachable; the
+  # advisory database is what stays offline.
+  cargo fetch --locked --quiet --manifest-path "$manifest"
   "$deny" --offline --locked --manifest-path "$manifest" --config "$work/deny.toml" check --show-stats || status=$?
 done
 exit $status
