@@ -162,7 +162,7 @@ impl Flow {
                 status: 200, body, ..
             } => json::parse(body)
                 .ok()
-                .filter(|v| member(v, "state").and_then(Value::as_str).is_some()),
+                .filter(|v| state_of(fields_of(v)).is_some()),
             CalloutResult::Response { status: 404, .. } => Some(Value::Null),
             CalloutResult::Response { status, .. } if (400..500).contains(status) => {
                 // The question was refused (a contract error, not an outage).
@@ -217,23 +217,26 @@ impl Flow {
     }
 }
 
-/// A member of the record the state API read (`None`: absent, null, or no record). Read with
-/// the module's own JSON reader: serde_json's `Value` deserializer took 20,525 bytes of the
-/// module. It reads integers only: a float member added to the record view would make every
-/// answer 503 (the test below writes each kind of record with the state API's own type).
-fn member<'a>(record: &'a Value, name: &str) -> Option<&'a Value> {
-    Fields::of(record, "the record").ok()?.get(name)
+/// The members of the record the state API read (`None`: no record). Read with the module's
+/// own JSON reader: serde_json's `Value` deserializer took 20,525 bytes of the module. It reads
+/// integers only: a float member added to the record view would make every answer 503 (the
+/// test below writes each kind of record with the state API's own type).
+fn fields_of(record: &Value) -> Option<Fields<'_>> {
+    Fields::of(record, "the record").ok()
+}
+
+/// The record's `state` (`None`: no record, or none a string).
+fn state_of(fields: Option<Fields<'_>>) -> Option<&str> {
+    fields.and_then(|f| f.opt_str("state").ok().flatten())
 }
 
 /// The answer for the record the state API read (`Null`: none), on a route that holds
 /// (`held`) or settles its unknown outcomes.
 fn key_state_of(record: &Value, endpoint: String, held: bool) -> KeyStateAnswer {
-    let u64_of = |name: &str| member(record, name).and_then(Value::as_u64);
-    let state = member(record, "state").and_then(Value::as_str);
-    let replayable = match member(record, "replayable") {
-        Some(Value::Bool(b)) => Some(*b),
-        _ => None,
-    };
+    let fields = fields_of(record);
+    let u64_of = |name: &str| fields.and_then(|f| f.opt_u64(name).ok().flatten());
+    let state = state_of(fields);
+    let replayable = fields.and_then(|f| f.opt_bool("replayable").ok().flatten());
     let expired = u64_of("expires_in_ms") == Some(0);
     let lease_over = u64_of("lease_remaining_ms") == Some(0);
     let (key_state, retry_same_key) = match state {
