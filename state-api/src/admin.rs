@@ -304,7 +304,10 @@ async fn act(
     mut a: AdminAction,
 ) -> Result<Json<AdminActionResult>, ApiError> {
     check_action(&a)?;
-    let scope = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint).await?;
+    let looked = scope_of(state, &a.namespace, &a.key, &a.subject, &a.endpoint).await?;
+    let current = state
+        .scoper()
+        .hash_in(&a.namespace, &a.key, &a.subject, &a.endpoint);
     let stored = stored_response(state, op, a.response.take())?;
     let mut tx = state.store().pool().begin().await?;
     let row = sqlx::query!(
@@ -335,10 +338,12 @@ async fn act(
                     - idempotency_serving_since())) * 1000))::bigint
         END AS "serving_ms",
         r.lease_ms,
-        r.namespace, r.subject, r.endpoint
-    FROM idempotency_records r WHERE r.scope_hash = $1
+        r.namespace, r.subject, r.endpoint, r.scope_hash
+    FROM idempotency_records r WHERE r.scope_hash IN ($1, $2)
+    ORDER BY r.scope_hash = $2 DESC LIMIT 1
     FOR UPDATE"#,
-        &scope[..]
+        &looked[..],
+        &current[..]
     )
     .fetch_optional(&mut *tx)
     .await?;
@@ -347,6 +352,13 @@ async fn act(
             ProblemKind::NotFound,
             "no record for this key, subject and endpoint",
         ));
+    };
+    // Locked where it is: where it was looked up, or (during a rotation of the key secret) at
+    // the current address, if an owner's write or a claim moved it there meanwhile.
+    let mut scope = if row.scope_hash[..] == current[..] {
+        current
+    } else {
+        looked
     };
     let (before, lease_live) = (row.snapshot, row.lease_live || row.owner_recent);
     let (namespace, subject, endpoint) = (row.namespace, row.subject, row.endpoint);
@@ -362,7 +374,11 @@ async fn act(
         },
     )?;
     let after: Option<serde_json::Value> = match (op, stored) {
-        (AdminOp::Resolve, Some(r)) => Some(resolve_in(&mut tx, state, &scope, &r).await?),
+        (AdminOp::Resolve, Some(r)) => {
+            let (at, after) = resolve_in(&mut tx, state, &scope, &current, &r).await?;
+            scope = at;
+            Some(after)
+        }
         _ => {
             delete_in(&mut tx, &scope).await?;
             None
@@ -390,7 +406,7 @@ async fn act(
     .await?;
     tx.commit().await?;
     state.metrics().admin(op);
-    state.waiters().settled(&scope);
+    state.waiters().settled(&current);
     tracing::warn!(scope = %log_label(&scope), action = op.label(), audit_id, forced, actor = %a.actor.trim(), "operator action");
     Ok(Json(AdminActionResult {
         action: op.label().to_owned(),
@@ -466,17 +482,22 @@ async fn resolve_in(
     conn: &mut sqlx::PgConnection,
     state: &AppState,
     scope: &ScopeHash,
+    current: &ScopeHash,
     r: &StoredResponse,
-) -> Result<serde_json::Value, ApiError> {
+) -> Result<(ScopeHash, serde_json::Value), ApiError> {
     let token =
         sqlx::query_scalar!(r#"SELECT nextval('idempotency_fencing_token_seq') AS "token!""#)
             .fetch_one(&mut *conn)
             .await?;
-    // Sealed under the token it is stored with.
-    let sealed = state.store().sealer().seal(&scope[..], token, r);
+    // A record under the previous key secret moves to the current one, as every write moves
+    // it, so that the resolved answer outlives the previous secret (a key has one record, and
+    // this one is locked, so the current address is free).
+    let to = if scope == current { *scope } else { *current };
+    // Sealed under the address and token it is stored with.
+    let sealed = state.store().sealer().seal(&to[..], token, r);
     sqlx::query!(
         "UPDATE idempotency_records
-                SET state = 'completed', fencing_token = $8, claim_nonce = NULL,
+                SET state = 'completed', fencing_token = $8, claim_nonce = NULL, scope_hash = $9,
                     lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
                     response_status = $2, response_headers = $3, response_body = $4,
                     response_replayable = $5, response_key_id = $7,
@@ -491,7 +512,8 @@ async fn resolve_in(
         r.replayable,
         state.config().retention_ms(),
         sealed.key_id,
-        token
+        token,
+        &to[..]
     )
     .execute(&mut *conn)
     .await?;
@@ -508,11 +530,11 @@ async fn resolve_in(
                 r.namespace, r.subject, r.endpoint
             FROM idempotency_records r WHERE r.scope_hash = $1
             FOR UPDATE"#,
-        &scope[..]
+        &to[..]
     )
     .fetch_one(&mut *conn)
     .await?;
-    Ok(again.snapshot.0)
+    Ok((to, again.snapshot.0))
 }
 
 /// Deletes the locked record (a release or a purge of one key).

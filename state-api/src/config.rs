@@ -50,8 +50,8 @@ pub struct Config {
 
     /// During a rotation of the key secret: the secret records were addressed with before.
     /// A record is looked up under both (the previous one first when it holds the key); new
-    /// records use `--key-secret`. Drop it once the longest retention has passed since the
-    /// rotation (docs/state-api.md, "Rotating the key secret").
+    /// records use `--key-secret`. Drop it once the longest retention, the unknown horizon and a
+    /// lease have passed since the rotation (docs/state-api.md, "Rotating the key secret").
     #[arg(long, env = state_env::IDEM_PREVIOUS_KEY_SECRET, hide_env_values = true)]
     pub previous_key_secret: Option<Secret>,
 

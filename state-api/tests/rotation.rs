@@ -195,3 +195,232 @@ async fn one_statement_looks_under_both_secrets_and_inserts_under_the_current_on
     assert_eq!(count, 1);
     rotating.shutdown().await;
 }
+
+/// Seed 439267646771: an owner's write looks its record up (`scope_of`) under the previous
+/// secret; before its statement runs, another write of the same claim (a heartbeat) rewrites
+/// the record and so moves it to the current secret's address. The write still finds it there,
+/// by its token: a release must not be fenced out (that left a key held unknown though
+/// nothing was forwarded), nor a heartbeat, a mark or a complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_looked_up_under_the_previous_secret_finds_the_record_another_write_moved() {
+    use state_rules::writes::Beat;
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let db = cluster.fresh_database("rotation_moved").unwrap();
+    let keys = ["released", "beaten", "marked", "completed"];
+    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
+    let mut tokens = Vec::new();
+    for key in keys {
+        tokens.push(token_of(&before.claim(key, &fp(1), Some(60_000)).await));
+    }
+    before.shutdown().await;
+
+    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
+    let old_scoper = state_api::scope::Scoper::new(OLD.as_bytes()).unwrap();
+    let store = rotating.state.store();
+    let retention = rotating.state.config().retention_ms();
+    let mut addresses = Vec::new();
+    for (key, token) in keys.iter().zip(&tokens) {
+        let old = old_scoper.hash(key, "alice", ENDPOINT);
+        let new = rotating.state.scoper().hash(key, "alice", ENDPOINT);
+        // The other write: a heartbeat moves the record to the current secret's address.
+        let (status, body, _) = rotating
+            .post(
+                "/v1/heartbeat",
+                &serde_json::json!({"key": key, "subject": "alice", "endpoint": ENDPOINT,
+                                    "token": token, "lease_ms": 60_000}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        assert!(store.exists(&new).await.unwrap() && !store.exists(&old).await.unwrap());
+        addresses.push((old, new));
+    }
+    // Each write below runs with the addresses looked up before that heartbeat: `at` the
+    // previous secret's, `current` the new one's.
+    let (old, new) = &addresses[0];
+    assert!(
+        store.release(old, new, tokens[0], retention).await.unwrap(),
+        "the release was fenced out by its own claim's heartbeat"
+    );
+    assert!(
+        !store.exists(new).await.unwrap(),
+        "released: the key is free"
+    );
+    let (old, new) = &addresses[1];
+    assert_eq!(
+        store
+            .heartbeat(old, new, tokens[1], 60_000, retention)
+            .await
+            .unwrap(),
+        Beat::Extended
+    );
+    let (old, new) = &addresses[2];
+    assert_eq!(
+        store
+            .owner_unknown(old, new, tokens[2], retention)
+            .await
+            .unwrap(),
+        Some(true)
+    );
+    assert_eq!(
+        store
+            .heartbeat(old, new, tokens[2], 60_000, retention)
+            .await
+            .unwrap(),
+        Beat::LeaseEnded,
+        "marked unknown where it was moved"
+    );
+    // A complete seals its response where the record holding the token is now.
+    let (old, new) = &addresses[3];
+    let sealed_at = store.move_to_current(old, new, tokens[3]).await.unwrap();
+    assert_eq!(sealed_at.as_ref(), Some(new));
+    assert!(matches!(
+        store
+            .complete(new, tokens[3], &ok_response(), retention)
+            .await
+            .unwrap(),
+        state_api::store::WriteResult::Done { .. }
+    ));
+    match rotating.claim("completed", &fp(1), None).await {
+        ClaimResponse::Completed { response, .. } => assert_eq!(response, ok_response()),
+        other => panic!("the completed record was not replayed: {other:?}"),
+    }
+    // A retried complete of the same owner, from the same stale lookup, changes nothing.
+    assert!(matches!(
+        store.complete_unmatched(old, new, tokens[3]).await.unwrap(),
+        state_api::store::WriteResult::AlreadyDone { .. }
+    ));
+    rotating.shutdown().await;
+}
+
+/// The review of seed 439267646771's fix: a complete's move to the current address waits for
+/// another write of the same claim that moves the record there and commits meanwhile. The
+/// complete must then seal and store its response at the current address: a statement whose
+/// snapshot predates that commit would still see the record at the previous one (the
+/// response sealed there, the complete fenced out, the outcome lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_s_move_that_waits_for_another_write_s_move_finds_the_record_moved() {
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let db = cluster.fresh_database("rotation_wait").unwrap();
+    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
+    let token = token_of(&before.claim("k", &fp(1), Some(60_000)).await);
+    before.shutdown().await;
+    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
+    let old = state_api::scope::Scoper::new(OLD.as_bytes())
+        .unwrap()
+        .hash("k", "alice", ENDPOINT);
+    let new = rotating.state.scoper().hash("k", "alice", ENDPOINT);
+    let store = rotating.state.store().clone();
+    // The other write (a heartbeat's move), not committed yet.
+    let mut other = store.pool().begin().await.unwrap();
+    sqlx::query("UPDATE idempotency_records SET scope_hash = $2 WHERE scope_hash = $1")
+        .bind(&old[..])
+        .bind(&new[..])
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let mover = tokio::spawn({
+        let store = store.clone();
+        async move { store.move_to_current(&old, &new, token).await.unwrap() }
+    });
+    // Until the move waits for the other write's row lock.
+    let mut waited = false;
+    for _ in 0..200 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE idempotency_records SET scope_hash%'
+               AND datname = current_database()",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        if waiting > 0 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(
+        waited,
+        "the complete's move never waited for the other write"
+    );
+    other.commit().await.unwrap();
+    assert_eq!(
+        mover.await.unwrap(),
+        Some(new),
+        "sealed where the record is"
+    );
+    let retention = rotating.state.config().retention_ms();
+    assert!(matches!(
+        store
+            .complete(&new, token, &ok_response(), retention)
+            .await
+            .unwrap(),
+        state_api::store::WriteResult::Done { .. }
+    ));
+    match rotating.claim("k", &fp(1), None).await {
+        ClaimResponse::Completed { response, .. } => assert_eq!(response, ok_response()),
+        other => panic!("the completed record was not replayed: {other:?}"),
+    }
+    rotating.shutdown().await;
+}
+
+/// The same review: an operator's resolve of a record still under the previous secret moves it
+/// to the current one and seals its answer there, as every write does, so that the resolved
+/// answer outlives the previous secret (left behind, a retry after the drop would be a new key
+/// and run again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() {
+    const ADMIN: &str = "admin-token-0123456789";
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let db = cluster.fresh_database("rotation_resolve").unwrap();
+    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
+    let owner = token_of(&before.claim("held", &fp(1), Some(60_000)).await);
+    let (status, body, _) = before
+        .post("/v1/unknown", &fenced_body("held", owner))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    before.shutdown().await;
+
+    let rotating = Api::start_on(
+        &db,
+        &[
+            "--key-secret",
+            NEW,
+            "--previous-key-secret",
+            OLD,
+            "--admin-token",
+            ADMIN,
+        ],
+    )
+    .await;
+    let resolve = serde_json::json!({
+        "key": "held", "subject": "alice", "endpoint": ENDPOINT,
+        "reason": "charged per PSP dashboard", "actor": "oncall-ana", "force": true,
+        "response": ok_response(),
+    });
+    let answer = rotating
+        .client
+        .post(rotating.url(contract::admin::ADMIN_RESOLVE_PATH))
+        .bearer_auth(ADMIN)
+        .json(&resolve)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status().as_u16(), 200);
+    let new = rotating.state.scoper().hash("held", "alice", ENDPOINT);
+    assert!(rotating.state.store().exists(&new).await.unwrap());
+    // A retry meanwhile is replayed and re-keys the fingerprint (else it answers 422 after the
+    // drop: docs/not-done-yet.md).
+    assert!(matches!(
+        rotating.claim("held", &fp(1), None).await,
+        ClaimResponse::Completed { .. }
+    ));
+    rotating.shutdown().await;
+
+    let after = Api::start_on(&db, &["--key-secret", NEW]).await;
+    match after.claim("held", &fp(1), None).await {
+        ClaimResponse::Completed { response, .. } => assert_eq!(response, ok_response()),
+        other => panic!("the resolved answer was left under the previous secret: {other:?}"),
+    }
+    after.shutdown().await;
+}

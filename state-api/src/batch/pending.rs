@@ -96,7 +96,11 @@ impl Pending {
             // Not this token's in-progress record: the single path's second step tells a
             // retried complete of the same owner from a fenced-out one.
             Self::Complete(job, reply) => {
-                let _ = reply.send(store.complete_unmatched(&job.scope, job.token).await);
+                let _ = reply.send(
+                    store
+                        .complete_unmatched(&job.scope, &job.scope, job.token)
+                        .await,
+                );
             }
         }
     }

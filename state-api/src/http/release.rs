@@ -43,7 +43,7 @@ pub(crate) async fn release(
         return Err(fenced_out(&state, WriteOp::Release, &scope));
     }
     state.metrics().write_ok(WriteOp::Release);
-    state.waiters().settled(&scope);
+    state.waiters().settled(&current);
     Ok(Json(WriteResponse::released()))
 }
 
@@ -72,7 +72,7 @@ pub(crate) async fn abandon(
         .abandon(&scope, &current, &req.nonce, state.config().retention_ms())
         .await?;
     state.metrics().write_ok(WriteOp::Abandon);
-    state.waiters().settled(&scope);
+    state.waiters().settled(&current);
     Ok(Json(match done {
         Abandoned::Unknown => WriteResponse::unknown(),
         Abandoned::Deleted | Abandoned::Nothing => WriteResponse::released(),
@@ -107,7 +107,7 @@ pub(crate) async fn outcome_unknown(
     match marked {
         Some(true) => {
             state.metrics().write_ok(WriteOp::Unknown);
-            state.waiters().settled(&scope);
+            state.waiters().settled(&current);
             tracing::warn!(scope = %log_label(&scope), token = req.token, endpoint = %req.endpoint, "outcome unknown: its owner lost sight of the request after forwarding it");
             Ok(Json(WriteResponse::unknown()))
         }

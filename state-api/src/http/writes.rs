@@ -223,14 +223,15 @@ async fn prepare_complete(
     check_token(req.token)?;
     let row = checked_response(state, req.response)?;
     // A record under the previous key secret moves to the current one before its response is
-    // sealed there (its address is the seal's), so that it outlives the previous secret.
-    let scope = if at != current
-        && state
+    // sealed there (its address is the seal's), so that it outlives the previous secret; the
+    // response is sealed where the record holding the token is, which another write of the
+    // same claim may have moved since `at` was looked up.
+    let scope = if at != current {
+        state
             .store()
             .move_to_current(&at, &current, req.token)
             .await?
-    {
-        current
+            .unwrap_or(at)
     } else {
         at
     };

@@ -193,6 +193,8 @@ const READ_SQL: &str = concat!(
 /// key secret's, or none: a plain one from before keying): re-keyed as the claim reads it.
 pub(super) struct Rekey {
     address: Vec<u8>,
+    /// The key's current address: a write of the record's owner may move it there meanwhile.
+    current: Vec<u8>,
     token: i64,
     old: String,
 }
@@ -207,6 +209,7 @@ impl ClaimRow {
                 .matches(&self.fingerprint, self.fingerprint_key_id);
         stale.then(|| Rekey {
             address: self.address.clone(),
+            current: claim.scope.to_vec(),
             token: self.fencing_token,
             old: self.fingerprint.clone(),
         })
@@ -522,12 +525,13 @@ impl Store {
             .on_conn(async |conn| {
                 sqlx::query!(
                     "UPDATE idempotency_records SET fingerprint = $4, fingerprint_key_id = $5
-            WHERE scope_hash = $1 AND fencing_token = $2 AND fingerprint = $3",
+            WHERE scope_hash IN ($1, $6) AND fencing_token = $2 AND fingerprint = $3",
                     &r.address[..],
                     r.token,
                     r.old,
                     fingerprint.stored,
-                    fingerprint.key_id
+                    fingerprint.key_id,
+                    &r.current[..]
                 )
                 .execute(conn)
                 .await

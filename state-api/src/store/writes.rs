@@ -43,7 +43,7 @@ impl Store {
         lease_expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond',
         expires_at = GREATEST(expires_at, clock_timestamp()
             + ($3::bigint + COALESCE(retention_ms, $4::bigint)) * interval '1 millisecond')
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'in_progress'
+    WHERE scope_hash IN ($1, $5) AND fencing_token = $2 AND state = 'in_progress'
     RETURNING fencing_token",
             &scope[..],
             token,
@@ -60,9 +60,10 @@ impl Store {
             .on_conn(async |conn| {
                 sqlx::query_scalar!(
                     "SELECT 1 AS one FROM idempotency_records
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'unknown'",
+    WHERE scope_hash IN ($1, $3) AND fencing_token = $2 AND state = 'unknown'",
                     &scope[..],
-                    token
+                    token,
+                    &current[..]
                 )
                 .fetch_optional(conn)
                 .await
@@ -111,20 +112,24 @@ impl Store {
             Some(expires_in_ms) => Ok(WriteResult::Done {
                 expires_in_ms: ms(expires_in_ms),
             }),
-            None => self.complete_unmatched(scope, token).await,
+            None => self.complete_unmatched(scope, scope, token).await,
         }
     }
 
     /// Moves the open record of the owner holding `token` from `at` (the previous key secret's
     /// address) to `current`, unless a record is there already: what every write does in its
     /// own statement, done first for a complete, whose response is sealed under the address it
-    /// is stored at. `false`: not moved (nothing there, or `current` is taken).
+    /// is stored at. Returns where the record holding `token` is now: `current` when moved, or
+    /// when another write of the same claim (a heartbeat) moved it after `at` was looked up
+    /// (seed 439267646771); `at` when it stays; `None`: no record holds `token`. A record once
+    /// at `current` never moves back, and a key has one record, so the address holds until the
+    /// complete's own statement.
     pub async fn move_to_current(
         &self,
         at: &ScopeHash,
         current: &ScopeHash,
         token: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<ScopeHash>, StoreError> {
         let moved = self
             .on_conn(async |conn| {
                 sqlx::query_scalar!(
@@ -140,23 +145,51 @@ impl Store {
                 .await
             })
             .await?;
-        Ok(moved.is_some())
+        if moved.is_some() {
+            return Ok(Some(*current));
+        }
+        // Not moved: where the record holding the token is. A statement of its own, so that its
+        // snapshot sees a move that committed while the UPDATE above waited for its row (one
+        // statement's snapshot would still show the record at `at`).
+        let found = self
+            .on_conn(async |conn| {
+                sqlx::query_scalar!(
+                    "SELECT scope_hash FROM idempotency_records
+            WHERE scope_hash IN ($1, $2) AND fencing_token = $3",
+                    &at[..],
+                    &current[..],
+                    token
+                )
+                .fetch_optional(conn)
+                .await
+            })
+            .await?;
+        Ok(found.map(|bytes| {
+            if bytes[..] == current[..] {
+                *current
+            } else {
+                *at
+            }
+        }))
     }
 
     /// After a complete whose UPDATE matched no row: a retried complete of the same owner (its
-    /// first answer was lost) is not a conflict; anything else is fenced out.
+    /// first answer was lost) is not a conflict; anything else is fenced out. The record is
+    /// looked for at `scope` and at `current` (the same address but during a rotation).
     pub async fn complete_unmatched(
         &self,
         scope: &ScopeHash,
+        current: &ScopeHash,
         token: i64,
     ) -> Result<WriteResult, StoreError> {
         // A retried complete of the same owner (its first answer was lost): the record as stored.
         let same_owner_done = self.on_conn(async |conn| sqlx::query_scalar!(
             r#"SELECT GREATEST(0, FLOOR(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::bigint AS "expires_in_ms!"
             FROM idempotency_records
-            WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed'"#,
+            WHERE scope_hash IN ($1, $3) AND fencing_token = $2 AND state = 'completed'"#,
             &scope[..],
-            token
+            token,
+            &current[..]
         )
         .fetch_optional(conn).await)
         .await?;
@@ -186,7 +219,7 @@ impl Store {
         lease_expires_at = LEAST(lease_expires_at, clock_timestamp()),
         expires_at = GREATEST(expires_at, clock_timestamp()
             + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
-    WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+    WHERE scope_hash IN ($1, $4) AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
     RETURNING fencing_token",
             &scope[..],
             token,
@@ -199,10 +232,12 @@ impl Store {
         if marked.is_some() {
             return Ok(Some(true));
         }
-        Ok(match self.complete_unmatched(scope, token).await? {
-            WriteResult::AlreadyDone { .. } => Some(false),
-            _ => None,
-        })
+        Ok(
+            match self.complete_unmatched(scope, current, token).await? {
+                WriteResult::AlreadyDone { .. } => Some(false),
+                _ => None,
+            },
+        )
     }
 
     /// Deletes the in-progress record of the owner holding `token`. `false`: fenced out.
@@ -223,12 +258,12 @@ impl Store {
             owner_seen_at = clock_timestamp(), scope_hash = CASE WHEN scope_hash <> $4 AND NOT EXISTS (SELECT 1 FROM idempotency_records o WHERE o.scope_hash = $4) THEN $4 ELSE scope_hash END,
             expires_at = GREATEST(expires_at, clock_timestamp()
                 + GREATEST(COALESCE(retention_ms, $3::bigint), $5::bigint) * interval '1 millisecond')
-        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+        WHERE scope_hash IN ($1, $4) AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
           AND unknown_before
         RETURNING fencing_token
     ), freed AS (
         DELETE FROM idempotency_records
-        WHERE scope_hash = $1 AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
+        WHERE scope_hash IN ($1, $4) AND fencing_token = $2 AND state IN ('in_progress', 'unknown')
           AND NOT unknown_before
         RETURNING fencing_token
     )
