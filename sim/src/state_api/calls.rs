@@ -292,6 +292,7 @@ impl ModelStateApi {
             Ok(found) => found,
             Err(a) => return a,
         };
+        let address = self.write_address(address, |rec| rec.token == r.token);
         let lease_ms = self.lease_for(r.lease_ms);
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
@@ -354,6 +355,7 @@ impl ModelStateApi {
             Ok(found) => found,
             Err(a) => return a,
         };
+        let address = self.write_address(address, |rec| rec.token == r.token);
         if r.token <= 0 {
             return problem(ProblemKind::BadRequest, "token");
         }
@@ -381,6 +383,7 @@ impl ModelStateApi {
             Ok(found) => found,
             Err(a) => return a,
         };
+        let address = self.write_address(address, |rec| rec.token == r.token);
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let state = slot.as_ref().map(|s| s.state);
@@ -454,6 +457,9 @@ impl ModelStateApi {
         if !valid_nonce(&r.nonce) {
             return problem(ProblemKind::BadRequest, "bad nonce");
         }
+        let address = self.write_address(address, |rec| {
+            rec.claim_nonce.as_deref() == Some(r.nonce.as_str())
+        });
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let before = slot.as_ref().map(|s| (s.token, s.state));
@@ -480,6 +486,7 @@ impl ModelStateApi {
             Ok(found) => found,
             Err(a) => return a,
         };
+        let address = self.write_address(address, |rec| rec.token == r.token);
         let clock = self.clock(now);
         let mut slot = self.records.remove(&address);
         let marked = writes::owner_unknown(&mut slot, r.token, clock);

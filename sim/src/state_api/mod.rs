@@ -274,6 +274,23 @@ impl ModelStateApi {
         address
     }
 
+    /// Where an owner's write finds its record: at `looked` (where `scope_of` found it, a step
+    /// before), else at the current address when the record there is the write's (`ours`:
+    /// its token, or an abandon's nonce), moved there meanwhile by another write of the same
+    /// claim. The store's writes match `scope_hash IN (looked, current)` with the token (seed
+    /// 439267646771).
+    fn write_address(&self, looked: Address, ours: impl Fn(&Record) -> bool) -> Address {
+        if self.records.get(&looked).is_some_and(&ours) {
+            return looked;
+        }
+        let current = (self.secret, looked.1.clone());
+        if self.records.get(&current).is_some_and(&ours) {
+            current
+        } else {
+            looked
+        }
+    }
+
     /// The record of `scope` wherever it lives (under either secret), with its address.
     pub fn find(&self, scope: &Scope) -> Option<(Address, &Record)> {
         self.records

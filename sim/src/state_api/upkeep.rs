@@ -125,8 +125,8 @@ impl ModelStateApi {
         self.secret += 1;
     }
 
-    /// Drops the previous secret ("once the longest retention has passed"): records under it
-    /// are no longer found.
+    /// Drops the previous secret ("once the longest retention, the unknown horizon and a lease
+    /// have passed"): records under it are no longer found.
     pub fn drop_previous_secret(&mut self) {
         self.previous_secret = None;
     }
