@@ -6,6 +6,7 @@ use super::faults::Outage;
 use super::World;
 use crate::state_api::{Deleter, Grant, Scope};
 use crate::upstream::Produced;
+use state_rules::RecordState;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What the invariants remember of a run (times are global, in ms).
@@ -147,18 +148,27 @@ fn kept_for(w: &World, token: i64, without_outcome: bool) -> u64 {
     }
 }
 
+/// Whether the record at `address` holding `token` has its outcome stored.
+fn has_outcome(w: &World, address: (u32, Scope), token: i64) -> bool {
+    w.api
+        .records
+        .get(&address)
+        .is_some_and(|r| r.token == token && r.state == RecordState::Completed)
+}
+
 /// Why the key of a claim's grant was free (the state API's [`Grant`]), judged.
 pub(super) fn judge_grant(w: &World, scope: &Scope, how: &Grant) -> Freed {
     match how {
         // A record of the key lives under another key secret (it could not be found): that
         // is legitimate only once it could have gone anyway (a retention past its owner's last
-        // sign of life).
+        // sign of life; the unknown outcomes' horizon if longer for one without an outcome).
         Grant::New {
             elsewhere: Some((secret, token)),
             secret: mine,
         } => Freed {
             from: Some(*token),
-            legit: silent_for(w, *token) >= retention_of(w, *token),
+            legit: silent_for(w, *token)
+                >= kept_for(w, *token, !has_outcome(w, (*secret, scope.clone()), *token)),
             how: format!(
                 "as a new key under key secret {mine} while token {token}'s record lived under key secret {secret} (a rotation of the key secret), {} ms after its owner's last sign of life",
                 silent_for(w, *token)

@@ -123,10 +123,12 @@ impl World {
         }
         if self.fault(Faults::ROTATE) {
             // As the operator is told: the previous secret goes (by a drop, or by the next
-            // rotation) once the longest retention has passed since the rotation.
-            let settled = self
-                .rotated_at
-                .is_none_or(|t| t + self.setup.state_api.max_retention_ms <= self.now);
+            // rotation) once the longest retention, the unknown outcomes' horizon and a lease
+            // have passed since the rotation (an in-progress record left under the previous
+            // secret by a dead owner is marked unknown at its retention, then kept the horizon).
+            let api = &self.setup.state_api;
+            let keep = api.max_retention_ms + api.unknown_retention_ms + api.max_lease_ms;
+            let settled = self.rotated_at.is_none_or(|t| t + keep <= self.now);
             if settled && self.api.secret < 2 {
                 actions.push((1, Action::RotateSecret));
             }
