@@ -364,6 +364,7 @@ pub fn plugin_config(cfg: &Config, wiring: &Wiring, token: &str) -> fc::Config {
         max_waiters: f.max_waiters,
         batch_max: f.batch_max,
         max_buffered_bytes: Some(max_buffered_bytes(cfg)),
+        max_buffered_bytes_per_subject: f.max_buffered_bytes_per_subject,
         key_state_path: f.key_state_path.clone(),
     }
 }

@@ -96,6 +96,10 @@ pub enum Metric {
     /// 503: a protected request whose body would take the worker over `max_buffered_bytes`
     /// (nothing forwarded or claimed).
     BuffersFull503,
+    /// 503: a protected request whose body would take its subject's requests on the worker over
+    /// `max_buffered_bytes_per_subject` (nothing forwarded or claimed): one caller holding its
+    /// share, slow or unfinished bodies most often.
+    SubjectBuffersFull503,
     /// Key churn: a request (subject, endpoint, fingerprint) claimed under another key than
     /// the one it came under within the last minute on this worker (a client that makes a new
     /// key for each retry).
@@ -103,7 +107,7 @@ pub enum Metric {
 }
 
 impl Metric {
-    pub const ALL: [Metric; 42] = [
+    pub const ALL: [Metric; 43] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -145,6 +149,7 @@ impl Metric {
         Metric::ClaimedForEndedStream,
         Metric::ClaimsAbandoned,
         Metric::BuffersFull503,
+        Metric::SubjectBuffersFull503,
         Metric::KeyChurn,
     ];
 
@@ -191,6 +196,7 @@ impl Metric {
             Metric::ClaimedForEndedStream => "idempotency.claimed_for_ended_stream",
             Metric::ClaimsAbandoned => "idempotency.claims_abandoned",
             Metric::BuffersFull503 => "idempotency.buffers_full_503",
+            Metric::SubjectBuffersFull503 => "idempotency.subject_buffers_full_503",
             Metric::KeyChurn => "idempotency.key_churn",
         }
     }

@@ -128,6 +128,16 @@ pub fn buffers_full() -> LocalReply {
     .with_header("retry-after", "1")
 }
 
+/// 503: this subject's requests hold as many request body bytes as one subject may on the
+/// worker (`max_buffered_bytes_per_subject`); nothing was forwarded or claimed.
+pub fn subject_buffers_full() -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::BuffersFull,
+        "your requests hold as many request bodies at the edge as one caller may; nothing was forwarded, retry once one has been answered",
+    )
+    .with_header("retry-after", "1")
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use e2e::client::{unique_key, Client};
 use e2e::envoy::Tweak;
 use e2e::services::ServiceTestExt as _;
-use e2e::stack::{token, Stack, StackOptions};
+use e2e::stack::{mint_token, token, Stack, StackOptions};
 use e2e::testkit::{charge_body, checkout, SharedStack};
 use libtest_mimic::Arguments;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -351,9 +351,18 @@ impl LegitFigures {
 // Raw HTTP/1.1 clients
 
 fn request_head(key: &str, content_length: usize) -> String {
+    request_head_of("alice", key, content_length)
+}
+
+/// A request's head as `who` (a demo token's subject) sends it.
+fn request_head_of(who: &str, key: &str, content_length: usize) -> String {
+    request_head_with(&token(who), key, content_length)
+}
+
+/// A request's head with `bearer` as its token.
+fn request_head_with(bearer: &str, key: &str, content_length: usize) -> String {
     format!(
-        "POST /checkout HTTP/1.1\r\nhost: edge\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\nidempotency-key: {key}\r\ncontent-length: {content_length}\r\n\r\n",
-        token("alice")
+        "POST /checkout HTTP/1.1\r\nhost: edge\r\nauthorization: Bearer {bearer}\r\ncontent-type: application/json\r\nidempotency-key: {key}\r\ncontent-length: {content_length}\r\n\r\n"
     )
 }
 
@@ -611,15 +620,23 @@ async fn burst(stack: Arc<Stack>) {
     let gate = Arc::new(tokio::sync::Notify::new());
     let open = Arc::new(AtomicBool::new(false));
     let prefix = unique_key("burst");
+    // Eight callers, so that together they fill the filter's whole bound (each may hold a
+    // quarter of it: `max_buffered_bytes_per_subject`).
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        + 86_400;
+    let bearers: Vec<String> = (0..8)
+        .map(|i| mint_token(&format!("burst-{i}"), exp))
+        .collect();
     let mut tasks = Vec::new();
     for i in 0..n {
         let (body, held, gate, open) = (body.clone(), held.clone(), gate.clone(), open.clone());
         let key = format!("{prefix}-{i}");
+        let head = request_head_with(&bearers[i % bearers.len()], &key, body.len());
         tasks.push(tokio::spawn(async move {
             let mut s = TcpStream::connect(target).await.ok()?;
-            s.write_all(request_head(&key, body.len()).as_bytes())
-                .await
-                .ok()?;
+            s.write_all(head.as_bytes()).await.ok()?;
             let mut buf = Vec::new();
             let last = body.len() - 1;
             // The body but its last byte, unless Envoy answers first (a refusal at the headers).
@@ -1097,6 +1114,102 @@ async fn header_flood(stack: Arc<Stack>) {
     assert_nothing_charged_twice(&stack).await;
 }
 
+/// One caller (bob) opens many requests that declare the largest body (1 MiB) and send it a
+/// byte a second. Before `max_buffered_bytes_per_subject`, 40 of them held the filter's whole
+/// bound until their body timeout, and every other caller's new key was refused (207 of 238,
+/// `503 edge-buffers-full`). Now bob holds his share of the bound (a quarter by default): the
+/// rest of his requests are refused at once, and alice's new keys are all served meanwhile.
+async fn one_subject_s_slow_large_bodies(stack: Arc<Stack>) {
+    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr");
+    let cfg = stack.envoy.params.edge_config().expect("config");
+    let bound = edge::render::max_buffered_bytes(&cfg);
+    let share = cfg
+        .filter
+        .max_buffered_bytes_per_subject
+        .unwrap_or(bound / 4);
+    // Enough of bob's requests to take the whole bound of every worker, and some.
+    let workers = u64::from(cfg.envoy_workers.max(1));
+    let clients = (bound * workers / MIB as u64 + 8) as usize;
+    let legit = Legit::start(&stack);
+    let prefix = unique_key("bob-slow");
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let key = format!("{prefix}-{i}");
+        tasks.push(tokio::spawn(async move {
+            let mut st = TcpStream::connect(target).await.ok()?;
+            st.write_all(request_head_of("bob", &key, MIB).as_bytes())
+                .await
+                .ok()?;
+            let mut buf = Vec::new();
+            let answer = loop {
+                let mut chunk = [0u8; 4096];
+                tokio::select! {
+                    got = st.read(&mut chunk) => match got {
+                        Ok(0) | Err(_) => break None,
+                        Ok(n) => { buf.extend_from_slice(&chunk[..n]); break Some(()) }
+                    },
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                        if st.write_all(b" ").await.is_err() { break None; }
+                    }
+                }
+            };
+            let answer = match answer {
+                Some(()) => read_answer(&mut st, &mut buf).await.unwrap_or_default(),
+                None => RawAnswer::default(),
+            };
+            Some((key, answer))
+        }));
+    }
+    let mut by_class: BTreeMap<String, usize> = BTreeMap::new();
+    let mut keys = Vec::new();
+    for t in tasks {
+        match t.await.expect("task") {
+            Some((key, a)) => {
+                *by_class
+                    .entry(format!("{} {}", a.status, a.problem()))
+                    .or_default() += 1;
+                keys.push(key);
+            }
+            None => *by_class.entry("transport error".into()).or_default() += 1,
+        }
+    }
+    let legit = legit.finish().await;
+    report(
+        "one subject's slow large bodies",
+        &format!(
+            "{clients} x 1 MiB declared by bob, a byte a second (bound {} MiB, a subject's share {} MiB, {workers} worker(s)): {by_class:?} in {:?}; {legit}",
+            bound >> 20,
+            share >> 20,
+            t0.elapsed()
+        ),
+    );
+    let held = by_class
+        .iter()
+        .filter(|(class, _)| class.starts_with("408"))
+        .map(|(_, n)| *n)
+        .sum::<usize>();
+    let refused = by_class
+        .get("503 /problems/edge-buffers-full")
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(
+        held + refused,
+        clients,
+        "bob's requests: each held until its body timeout (408) or refused at once: {by_class:?}"
+    );
+    assert!(
+        held as u64 <= workers * share / MIB as u64,
+        "bob held more than his share: {held} x 1 MiB, share {share} bytes a worker"
+    );
+    legit.check("one subject's slow large bodies", P99_BOUND);
+    let charges = charges_by_key(&stack).await;
+    let ran: Vec<_> = keys.iter().filter(|k| charges.contains_key(*k)).collect();
+    assert!(ran.is_empty(), "bob's unfinished keys that ran: {ran:?}");
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // One attack at a time: each measures Envoy alone.
@@ -1113,6 +1226,10 @@ fn main() {
         STACK.trial(
             "hostile_load_5_request_timeout_while_the_filter_waits",
             request_timeout_while_the_filter_waits,
+        ),
+        STACK.trial(
+            "hostile_load_6_one_subject_s_slow_large_bodies",
+            one_subject_s_slow_large_bodies,
         ),
     ];
     STACK.run(&args, trials);

@@ -289,12 +289,20 @@ pub(super) fn bursts(settings: &Settings) -> Result<Vec<Burst>, String> {
     ) as usize;
     super::need_open_files(3 * n as u64 + 1_000, "the body curve")?;
     let unbounded: u64 = 1 << 30;
-    let stack = Stack::start(StackOptions::default())?;
+    // One caller sends the burst: its share of the bound is the whole bound here, so that the
+    // figure is the bound's (`max_buffered_bytes_per_subject` is a quarter by default).
+    let stack = Stack::start(StackOptions {
+        tweak: Some(test_support::envoy::Tweak::new(|cfg| {
+            cfg.filter.max_buffered_bytes_per_subject = Some(edge::render::max_buffered_bytes(cfg));
+        })),
+        ..StackOptions::default()
+    })?;
     // The bound `edge render` gave the filter (`[limits] memory_budget_mib`'s share).
     let default_bound = edge::render::max_buffered_bytes(&stack.envoy.params.edge_config()?);
     let mut p = plain_params(&stack);
     p.tweak = Some(test_support::envoy::Tweak::new(move |cfg| {
-        cfg.filter.max_buffered_bytes = Some(unbounded)
+        cfg.filter.max_buffered_bytes = Some(unbounded);
+        cfg.filter.max_buffered_bytes_per_subject = Some(unbounded);
     }));
     let wide = Envoy::start(p, &stack.dir, "envoy-wide")?;
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -213,6 +213,10 @@ pub struct Filter {
     /// 503 + Retry-After, nothing forwarded). None: the filter's default (64 MiB, or the
     /// largest body a route takes if more).
     pub max_buffered_bytes: Option<u64>,
+    /// Most of those bytes one subject's requests hold at once (over it: that subject's
+    /// request gets 503 + Retry-After). None: the filter's default (a quarter of the bound, or
+    /// the largest body if more).
+    pub max_buffered_bytes_per_subject: Option<u64>,
     /// Where a client asks what became of its key (`GET <path>?method=..&path=..`); None: off.
     pub key_state_path: Option<String>,
 }
@@ -234,6 +238,7 @@ impl Default for Filter {
             max_waiters: fc::DEFAULT_MAX_WAITERS,
             batch_max: fc::DEFAULT_BATCH_MAX,
             max_buffered_bytes: None,
+            max_buffered_bytes_per_subject: None,
             key_state_path: None,
         }
     }

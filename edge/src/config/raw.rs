@@ -225,8 +225,8 @@ pub(super) struct RawState {
     #[schemars(with = "Option<String>")]
     pub(super) key_secret: Option<Spanned<String>>,
     /// During a rotation of `key_secret`: the one before; records are found under both, new ones
-    /// use the new (drop it after the longest retention; [Key
-    /// rotation](../operating/key-rotation.md)).
+    /// use the new (drop it after the longest retention plus the unknown horizon and a lease;
+    /// [Key rotation](../operating/key-rotation.md)).
     ///
     /// Default: none.
     #[schemars(with = "Option<String>")]
@@ -456,6 +456,16 @@ pub(super) struct RawFilter {
     /// largest route body if more.
     #[schemars(with = "Option<u64>")]
     pub(super) max_buffered_bytes: Option<Spanned<u64>>,
+    /// Most of `max_buffered_bytes` the requests of one authenticated subject hold at once on a
+    /// worker, by the same count: beyond it that subject's next request gets `503
+    /// edge-buffers-full` + `Retry-After: 1`, while other subjects' requests still fit. One
+    /// caller's slow or unfinished bodies (declaring 1 MiB and sending a byte a second) then
+    /// cannot refuse every other caller's new keys. At least the largest body a route accepts,
+    /// at most `max_buffered_bytes`.
+    ///
+    /// Default: a quarter of `max_buffered_bytes`, or the largest route body if more.
+    #[schemars(with = "Option<u64>")]
+    pub(super) max_buffered_bytes_per_subject: Option<Spanned<u64>>,
     /// Where a client or a support tool asks what became of a key instead of sending the request
     /// again: `GET <path>?method=POST&path=/checkout` with the `Idempotency-Key` and the same
     /// credentials as the request (its subject scopes the answer). Answered by the filter from the

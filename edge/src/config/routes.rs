@@ -64,6 +64,10 @@ pub(super) fn filter(src: &Source<'_>, raw: &RawFilter) -> Result<Filter, Config
         batch_max: val(&raw.batch_max, d.batch_max),
         // Checked against the routes' bodies by the filter's own parse of the rendered file.
         max_buffered_bytes: raw.max_buffered_bytes.as_ref().map(|v| *v.get_ref()),
+        max_buffered_bytes_per_subject: raw
+            .max_buffered_bytes_per_subject
+            .as_ref()
+            .map(|v| *v.get_ref()),
         key_state_path: raw.key_state_path.as_ref().map(|v| v.get_ref().clone()),
     };
     if let (Some(path), Some(raw_path)) = (&f.key_state_path, &raw.key_state_path) {

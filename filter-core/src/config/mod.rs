@@ -125,6 +125,15 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_buffered_bytes: Option<u64>,
+    /// Most of `max_buffered_bytes` the requests of one authenticated subject may hold on a
+    /// worker at once (by the same count), so that one caller's slow or unfinished bodies
+    /// cannot refuse every other caller's: beyond it that subject's request gets 503 +
+    /// Retry-After, nothing forwarded. At least the largest request body of any route and at
+    /// most `max_buffered_bytes` (the reader checks both). Left out: a quarter of
+    /// `max_buffered_bytes`, or the largest body if more.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub max_buffered_bytes_per_subject: Option<u64>,
     /// Where a client asks what became of its key instead of sending the request again:
     /// `GET <path>?method=POST&path=/checkout` with its `Idempotency-Key` and its credentials
     /// (the same subject as the request's). The filter answers from the state API; nothing is
@@ -506,6 +515,16 @@ impl Config {
     pub fn max_buffered_bytes(&self) -> u64 {
         self.max_buffered_bytes
             .unwrap_or_else(|| DEFAULT_MAX_BUFFERED_BYTES.max(self.largest_request_body()))
+    }
+
+    /// Request body bytes one subject's requests may hold on a worker at once: as configured,
+    /// else a quarter of [`Config::max_buffered_bytes`] or the largest body if more.
+    pub fn max_buffered_bytes_per_subject(&self) -> u64 {
+        self.max_buffered_bytes_per_subject.unwrap_or_else(|| {
+            (self.max_buffered_bytes() / 4)
+                .max(self.largest_request_body())
+                .min(self.max_buffered_bytes())
+        })
     }
 
     /// The largest request body of route `i`.

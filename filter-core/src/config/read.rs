@@ -29,6 +29,7 @@ const CONFIG_FIELDS: &[&str] = &[
     "max_waiters",
     "batch_max",
     "max_buffered_bytes",
+    "max_buffered_bytes_per_subject",
     "key_state_path",
 ];
 const STATE_API_FIELDS: &[&str] = &[
@@ -108,6 +109,7 @@ impl Config {
             max_waiters: top.u64_or("max_waiters", default_max_waiters())?,
             batch_max: top.u64_or("batch_max", default_batch_max())?,
             max_buffered_bytes: top.opt_u64("max_buffered_bytes")?,
+            max_buffered_bytes_per_subject: top.opt_u64("max_buffered_bytes_per_subject")?,
             key_state_path: top.opt_str("key_state_path")?.map(str::to_owned),
         })
     }

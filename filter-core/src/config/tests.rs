@@ -74,11 +74,17 @@ fn defaults_apply() {
     assert!(c.retries_completes());
     assert!(!c.complete_in_background, "the response is held by default");
     assert_eq!(c.max_buffered_bytes(), 64 << 20);
+    assert_eq!(c.max_buffered_bytes_per_subject(), 16 << 20, "a quarter");
     let big = with(|v| v["routes"][1]["max_request_body_bytes"] = (100 << 20).into()).unwrap();
     assert_eq!(
         big.max_buffered_bytes(),
         100 << 20,
         "room for the largest body"
+    );
+    assert_eq!(
+        big.max_buffered_bytes_per_subject(),
+        100 << 20,
+        "a subject may send the largest body"
     );
     let r = c.route("POST", "/pay/x").unwrap();
     assert_eq!(
@@ -178,6 +184,17 @@ fn invalid_values_are_refused() {
                 v["routes"][1]["max_request_body_bytes"] = 2_000_001.into();
             }),
             "(2000001)",
+        ),
+        (
+            Box::new(|v| v["max_buffered_bytes_per_subject"] = 1_048_575.into()),
+            "max_buffered_bytes_per_subject must be at least the largest request body a route accepts (1048576)",
+        ),
+        (
+            Box::new(|v| {
+                v["max_buffered_bytes"] = 2_000_000.into();
+                v["max_buffered_bytes_per_subject"] = 2_000_001.into();
+            }),
+            "at most max_buffered_bytes (2000000)",
         ),
         (
             Box::new(|v| v["max_stored_body_bytes"] = 0.into()),
@@ -375,6 +392,7 @@ fn every_field_set() -> Config {
         max_waiters: 7,
         batch_max: 5,
         max_buffered_bytes: Some(1 << 20),
+        max_buffered_bytes_per_subject: None,
         key_state_path: Some("/idempotency/key-state".into()),
     }
 }

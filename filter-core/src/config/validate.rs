@@ -86,6 +86,13 @@ impl Config {
                 "max_buffered_bytes must be at least the largest request body a route accepts ({largest_body})"
             ));
         }
+        let share = self.max_buffered_bytes_per_subject();
+        if share < largest_body || share > self.max_buffered_bytes() {
+            return err(format!(
+                "max_buffered_bytes_per_subject must be at least the largest request body a route accepts ({largest_body}) and at most max_buffered_bytes ({})",
+                self.max_buffered_bytes()
+            ));
+        }
         if self.max_stored_body_bytes == 0
             || self.max_stored_body_bytes > limits::MAX_STORED_BODY_BYTES
         {

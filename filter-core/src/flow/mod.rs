@@ -36,7 +36,7 @@ use contract::fingerprint::Fingerprint;
 
 pub(crate) use claim::completed_reply;
 pub use claim::{ClaimAnswer, Remembered};
-pub use request::{RequestHead, MAX_SUBJECT_LEN};
+pub use request::{Full, RequestHead, Room, MAX_SUBJECT_LEN};
 pub use response::ResponseHead;
 pub use write::UNSTORED;
 
@@ -374,6 +374,15 @@ impl Flow {
                 ..
             } => (*body_size).max(*declared) as u64,
             _ => 0,
+        }
+    }
+
+    /// The subject whose share of the worker's buffering bound this stream's held bytes count
+    /// in (while it buffers its request body).
+    pub fn buffering_subject(&self) -> Option<&str> {
+        match &self.state {
+            State::Buffering { req, .. } => Some(&req.subject),
+            _ => None,
         }
     }
 

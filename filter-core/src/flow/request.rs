@@ -11,6 +11,7 @@ use crate::route_table::RouteTable;
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{ClaimRequest, FORWARDED_HEADERS};
 use contract::ProblemKind;
+use std::collections::BTreeMap;
 
 /// Longest accepted subject (bytes): what the state API stores.
 pub const MAX_SUBJECT_LEN: usize = contract::limits::MAX_FIELD_LEN;
@@ -74,6 +75,42 @@ pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
         .next()
 }
 
+/// The request body bytes a stream may still hold before it is forwarded: its worker's room
+/// (`max_buffered_bytes` less what the worker's other streams hold), and its subject's
+/// (`max_buffered_bytes_per_subject` less what that subject's other streams hold), so that one
+/// caller's unfinished bodies cannot take the whole bound.
+pub struct Room<'a> {
+    /// The worker's room, this stream's own bytes not counted.
+    pub worker: u64,
+    /// [`Config::max_buffered_bytes_per_subject`].
+    pub share: u64,
+    /// What each subject's streams hold (this stream's included).
+    pub held_by_subject: &'a BTreeMap<String, u64>,
+    /// What this stream holds (0 at its headers).
+    pub own: u64,
+}
+
+/// Which bound a request body would go over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Full {
+    Worker,
+    Subject,
+}
+
+impl Room<'_> {
+    /// Whether `subject`'s stream may not hold `bytes` in all, and which bound it would pass.
+    pub fn refuses(&self, subject: &str, bytes: u64) -> Option<Full> {
+        if bytes > self.worker {
+            return Some(Full::Worker);
+        }
+        let others = self
+            .held_by_subject
+            .get(subject)
+            .map_or(0, |held| held.saturating_sub(self.own));
+        (bytes > self.share.saturating_sub(others)).then_some(Full::Subject)
+    }
+}
+
 impl Flow {
     /// `414 endpoint-too-long`: a record cannot hold a method and path over its field limit.
     pub(super) fn endpoint_too_long(&mut self) -> Turn {
@@ -90,8 +127,7 @@ impl Flow {
     }
 
     /// A new stream's request headers. `routes`: `cfg`'s routes as its worker looks them up.
-    /// `room`: the request body bytes its worker may still hold (`max_buffered_bytes` less what
-    /// its other streams hold).
+    /// `room`: the request body bytes its worker, and each subject, may still hold.
     pub fn start(
         cfg: &Config,
         routes: &RouteTable,
@@ -99,7 +135,7 @@ impl Flow {
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
-        room: u64,
+        room: &Room<'_>,
     ) -> (Self, Turn) {
         let mut flow = Self {
             stream,
@@ -116,7 +152,7 @@ impl Flow {
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
-        room: u64,
+        room: &Room<'_>,
     ) -> Turn {
         // A client's copy of a header the filter forwards (the fencing token, the endpoint, the
         // fingerprint) is never trusted, on any route and on every path (passed through,
@@ -141,7 +177,7 @@ impl Flow {
         head: RequestHead<'_>,
         end_of_stream: bool,
         now_ms: u64,
-        room: u64,
+        room: &Room<'_>,
     ) -> Turn {
         let method = head.first(":method").unwrap_or("").to_owned();
         let full_path = head.first(":path").unwrap_or("");
@@ -208,8 +244,10 @@ impl Flow {
         if declared > cfg.max_request_body_for(route_idx) {
             return self.too_large(cfg.max_request_body_for(route_idx));
         }
-        if !end_of_stream && declared > room {
-            return self.buffers_full();
+        if !end_of_stream {
+            if let Some(refusal) = room.refuses(&subject, declared) {
+                return self.buffers_full(refusal);
+            }
         }
 
         let req = Request {
@@ -237,9 +275,16 @@ impl Flow {
     }
 
     /// 503 + Retry-After: the worker holds as many request body bytes as it may
-    /// (`max_buffered_bytes`). Nothing was forwarded or claimed.
-    fn buffers_full(&mut self) -> Turn {
-        self.reply(Some(Metric::BuffersFull503), reply::buffers_full())
+    /// (`max_buffered_bytes`), or this subject's requests as many as one subject may
+    /// (`max_buffered_bytes_per_subject`). Nothing was forwarded or claimed.
+    fn buffers_full(&mut self, refusal: Full) -> Turn {
+        match refusal {
+            Full::Worker => self.reply(Some(Metric::BuffersFull503), reply::buffers_full()),
+            Full::Subject => self.reply(
+                Some(Metric::SubjectBuffersFull503),
+                reply::subject_buffers_full(),
+            ),
+        }
     }
 
     fn too_large(&mut self, max: u64) -> Turn {
@@ -262,7 +307,7 @@ impl Flow {
         end_of_stream: bool,
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         now_ms: u64,
-        room: u64,
+        room: &Room<'_>,
     ) -> Turn {
         let State::Buffering {
             body_size: seen,
@@ -278,8 +323,10 @@ impl Flow {
             return self.too_large(max);
         }
         // More than its Content-Length announced (or none was): the rest must fit too.
-        if body_size > *declared && body_size as u64 > room {
-            return self.buffers_full();
+        if body_size > *declared {
+            if let Some(refusal) = room.refuses(&req.subject, body_size as u64) {
+                return self.buffers_full(refusal);
+            }
         }
         if !end_of_stream {
             return Turn::pause();

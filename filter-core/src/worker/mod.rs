@@ -42,13 +42,13 @@ pub mod replay_cache;
 pub mod writes;
 
 use crate::config::Config;
-use crate::flow::{Flow, Note, Out, Remembered, RequestHead, ResponseHead, Turn, Verdict};
+use crate::flow::{Flow, Note, Out, Remembered, RequestHead, ResponseHead, Room, Turn, Verdict};
 use crate::reply::LocalReply;
 use crate::route_table::RouteTable;
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use writes::{PendingWrites, WriteAnswer};
 
 pub use crate::effect::{CallId, CalloutResult, Dispatch, Effect, Level, Owner, Step, StreamId};
@@ -173,6 +173,11 @@ pub struct Worker {
     held_request_bytes: u64,
     /// [`Config::max_buffered_bytes`], computed once.
     max_buffered_bytes: u64,
+    /// Of `held_request_bytes`, what each subject's streams hold (no entry: none), bounded by
+    /// [`Config::max_buffered_bytes_per_subject`].
+    held_by_subject: BTreeMap<String, u64>,
+    /// [`Config::max_buffered_bytes_per_subject`], computed once.
+    max_buffered_bytes_per_subject: u64,
     /// `cfg`'s routes as a request's are looked up, built once (from `cfg`, so not printed).
     routes: RouteTable,
 }
@@ -247,6 +252,8 @@ impl Worker {
             deferred_replies: Vec::new(),
             held_request_bytes: 0,
             max_buffered_bytes: cfg.max_buffered_bytes(),
+            held_by_subject: BTreeMap::new(),
+            max_buffered_bytes_per_subject: cfg.max_buffered_bytes_per_subject(),
             routes: RouteTable::of(&cfg),
             cfg,
         }
@@ -354,9 +361,14 @@ impl Worker {
         end_of_stream: bool,
         now_ms: u64,
     ) -> Step {
-        let room = self
-            .max_buffered_bytes
-            .saturating_sub(self.held_request_bytes);
+        let room = Room {
+            worker: self
+                .max_buffered_bytes
+                .saturating_sub(self.held_request_bytes),
+            share: self.max_buffered_bytes_per_subject,
+            held_by_subject: &self.held_by_subject,
+            own: 0,
+        };
         let (flow, turn) = Flow::start(
             &self.cfg,
             &self.routes,
@@ -364,9 +376,10 @@ impl Worker {
             head,
             end_of_stream,
             now_ms,
-            room,
+            &room,
         );
         self.held_request_bytes += flow.held_request_bytes();
+        hold(&mut self.held_by_subject, &flow, None);
         self.flows.insert(stream, flow);
         self.run(stream, turn, now_ms)
     }
@@ -391,16 +404,23 @@ impl Worker {
         &mut self,
         stream: StreamId,
         now_ms: u64,
-        event: impl FnOnce(&mut Flow, &Config, u64) -> Turn,
+        event: impl FnOnce(&mut Flow, &Config, &Room<'_>) -> Turn,
     ) -> Step {
         let Some(flow) = self.flows.get_mut(&stream) else {
             return Step::cont();
         };
         let held = flow.held_request_bytes();
         let others = self.held_request_bytes.saturating_sub(held);
-        let room = self.max_buffered_bytes.saturating_sub(others);
-        let turn = event(flow, &self.cfg, room);
+        let before = flow.buffering_subject().map(|s| (s.to_owned(), held));
+        let room = Room {
+            worker: self.max_buffered_bytes.saturating_sub(others),
+            share: self.max_buffered_bytes_per_subject,
+            held_by_subject: &self.held_by_subject,
+            own: held,
+        };
+        let turn = event(flow, &self.cfg, &room);
         self.held_request_bytes = others + flow.held_request_bytes();
+        hold(&mut self.held_by_subject, flow, before);
         self.run(stream, turn, now_ms)
     }
 
@@ -467,6 +487,10 @@ impl Worker {
         self.held_request_bytes = self
             .held_request_bytes
             .saturating_sub(flow.held_request_bytes());
+        let before = flow
+            .buffering_subject()
+            .map(|s| (s.to_owned(), flow.held_request_bytes()));
+        unhold(&mut self.held_by_subject, before);
         self.calls.retain(|_, p| p.stream() != Some(stream));
         self.waiting.retain(|w| w.stream != stream);
         // Queued, its claim was never sent; in a batch on its way, its answer is seen to (a
@@ -744,3 +768,33 @@ impl Worker {
 
 #[cfg(test)]
 mod tests;
+
+/// Keeps a subject's count of held request bytes in step with its stream: `before` (the
+/// subject and bytes the stream held before an event, if it was buffering) taken out, what it
+/// holds now put in.
+fn hold(held_by_subject: &mut BTreeMap<String, u64>, flow: &Flow, before: Option<(String, u64)>) {
+    unhold(held_by_subject, before);
+    let now = flow.held_request_bytes();
+    if let Some(subject) = flow.buffering_subject().filter(|_| now > 0) {
+        match held_by_subject.get_mut(subject) {
+            Some(count) => *count += now,
+            None => {
+                held_by_subject.insert(subject.to_owned(), now);
+            }
+        }
+    }
+}
+
+/// Takes a stream's bytes (`before`: its subject and count) out of its subject's count; an
+/// entry that reaches nothing goes.
+fn unhold(held_by_subject: &mut BTreeMap<String, u64>, before: Option<(String, u64)>) {
+    let Some((subject, held)) = before else {
+        return;
+    };
+    if let Some(count) = held_by_subject.get_mut(&subject) {
+        *count = count.saturating_sub(held);
+        if *count == 0 {
+            held_by_subject.remove(&subject);
+        }
+    }
+}

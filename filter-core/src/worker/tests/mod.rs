@@ -524,10 +524,13 @@ fn too_large_is_413_from_content_length_or_while_buffering() {
 }
 
 /// Issue 38: the request bodies a worker holds before forwarding are bounded in total
-/// (`max_buffered_bytes`, here 250 bytes: two bodies of the 100-byte limit and a half).
+/// (`max_buffered_bytes`, here 250 bytes: two bodies of the 100-byte limit and a half; one
+/// subject may hold all of it here).
 #[test]
 fn request_bodies_held_are_bounded_per_worker_and_over_it_is_503_nothing_claimed() {
-    let mut t = Harness::new(&with(r#""max_buffered_bytes": 250,"#));
+    let mut t = Harness::new(&with(
+        r#""max_buffered_bytes": 250, "max_buffered_bytes_per_subject": 250,"#,
+    ));
     let announced = |t: &mut Harness, key: &str, len: &str| {
         let s = t.stream();
         let hs = req_headers(
@@ -571,6 +574,72 @@ fn request_bodies_held_are_bounded_per_worker_and_over_it_is_503_nothing_claimed
     assert_eq!(t.w.usage().held_request_bytes, 0);
     let (_, step) = announced(&mut t, "e", "100");
     assert_eq!(step.verdict, Verdict::Pause, "room again");
+}
+
+/// Issue 49: one subject's requests hold at most `max_buffered_bytes_per_subject` of the
+/// worker's bound (here 150 of 400 bytes), so that one caller's slow or unfinished bodies
+/// (declaring the largest body, sending a byte a second) cannot refuse every other caller's.
+#[test]
+fn one_subject_holds_at_most_its_share_of_the_bound_and_others_still_fit() {
+    let mut t = Harness::new(&with(
+        r#""max_buffered_bytes": 400, "max_buffered_bytes_per_subject": 150,"#,
+    ));
+    let announced = |t: &mut Harness, who: &str, key: &str, len: &str| {
+        let s = t.stream();
+        let mut hs = req_headers(
+            "/checkout",
+            &[("idempotency-key", key), ("content-length", len)],
+        );
+        for (name, value) in &mut hs {
+            if name == "x-jwt-sub" {
+                *value = who.to_owned();
+            }
+        }
+        (s, t.headers(s, &hs, false))
+    };
+    let (m1, step) = announced(&mut t, "mallory", "m1", "100");
+    assert_eq!(step.verdict, Verdict::Pause);
+    // Mallory's second body would take her over her share: 503 + Retry-After, nothing
+    // claimed, counted apart from a full worker.
+    let (m2, step) = announced(&mut t, "mallory", "m2", "100");
+    assert_eq!(step.reply().status, 503);
+    assert_eq!(header(step.reply(), "retry-after"), Some("1"));
+    assert_eq!(problem_type(step.reply()), "/problems/edge-buffers-full");
+    assert_eq!(step.counts(), vec![Metric::SubjectBuffersFull503]);
+    assert!(!step.claims());
+    assert_eq!(t.w.flow_state(m2), Some("replied"));
+    // What is left of her share still fits.
+    let (_, step) = announced(&mut t, "mallory", "m3", "50");
+    assert_eq!(step.verdict, Verdict::Pause);
+    // Other subjects fit in the rest of the bound.
+    let (a1, step) = announced(&mut t, "alice", "a1", "100");
+    assert_eq!(
+        step.verdict,
+        Verdict::Pause,
+        "alice is not refused for mallory"
+    );
+    let (b1, step) = announced(&mut t, "bob", "b1", "100");
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(t.w.usage().held_request_bytes, 350);
+    // The worker's bound still holds for everyone (50 bytes of room left).
+    let (_, step) = announced(&mut t, "carol", "c1", "100");
+    assert_eq!(step.counts(), vec![Metric::BuffersFull503]);
+    // A body without a Content-Length counts against its subject as it arrives.
+    t.w.on_stream_done(b1, t.now);
+    let (a2, step) = announced(&mut t, "alice", "a2", "");
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(t.body_part(a2, 40).verdict, Verdict::Pause);
+    assert_eq!(t.w.usage().held_request_bytes, 290);
+    let step = t.body_part(a2, 60);
+    assert_eq!(step.counts(), vec![Metric::SubjectBuffersFull503]);
+    assert_eq!(t.w.usage().held_request_bytes, 250, "its bytes are let go");
+    // A body that ends is claimed and no longer held: room in mallory's share again.
+    let step = t.body(m1, &[b' '; 100]);
+    assert!(step.claims());
+    let (_, step) = announced(&mut t, "mallory", "m4", "100");
+    assert_eq!(step.verdict, Verdict::Pause, "room in her share again");
+    t.w.on_stream_done(a1, t.now);
+    assert_eq!(t.w.usage().held_request_bytes, 150);
 }
 
 #[test]
