@@ -378,6 +378,12 @@ pub fn max_buffered_bytes(cfg: &Config) -> u64 {
     })
 }
 
+/// What one subject's requests may hold of that bound, as the filter reads its rendered
+/// configuration (`[filter] max_buffered_bytes_per_subject`, or the filter's default).
+pub fn max_buffered_bytes_per_subject(cfg: &Config) -> u64 {
+    plugin_config(cfg, &Wiring::envoy(cfg), "").max_buffered_bytes_per_subject()
+}
+
 /// The largest request body any route lets the filter read.
 fn largest_request_body(cfg: &Config) -> u64 {
     cfg.routes

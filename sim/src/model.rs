@@ -82,7 +82,8 @@ pub enum Step {
     Purge,
     /// The key secret rotates.
     Rotate,
-    /// The previous key secret is dropped (once the longest retention has passed).
+    /// The previous key secret is dropped (once the longest retention, the unknown horizon and
+    /// a lease have passed: `World::previous_secret_may_go`).
     DropPrevious,
     /// Faults end, every callout is delivered, every lease runs out, every client retries once
     /// more: the invariants on final answers are checked.
@@ -455,9 +456,7 @@ impl Protocol {
             out.push(Step::Purge);
         }
         if b.rotate {
-            let settled = w
-                .rotated_at
-                .is_none_or(|t| t + w.setup.state_api.max_retention_ms <= w.now);
+            let settled = w.previous_secret_may_go();
             if settled && w.api.secret < 2 {
                 out.push(Step::Rotate);
             }

@@ -1125,13 +1125,11 @@ async fn one_subject_s_slow_large_bodies(stack: Arc<Stack>) {
         .expect("addr");
     let cfg = stack.envoy.params.edge_config().expect("config");
     let bound = edge::render::max_buffered_bytes(&cfg);
-    let share = cfg
-        .filter
-        .max_buffered_bytes_per_subject
-        .unwrap_or(bound / 4);
+    let share = edge::render::max_buffered_bytes_per_subject(&cfg);
     // Enough of bob's requests to take the whole bound of every worker, and some.
     let workers = u64::from(cfg.envoy_workers.max(1));
     let clients = (bound * workers / MIB as u64 + 8) as usize;
+    let refused_before = stack.envoy.filter_counter("subject_buffers_full_503");
     let legit = Legit::start(&stack);
     let prefix = unique_key("bob-slow");
     let t0 = Instant::now();
@@ -1201,13 +1199,25 @@ async fn one_subject_s_slow_large_bodies(stack: Arc<Stack>) {
         "bob's requests: each held until its body timeout (408) or refused at once: {by_class:?}"
     );
     assert!(
-        held as u64 <= workers * share / MIB as u64,
-        "bob held more than his share: {held} x 1 MiB, share {share} bytes a worker"
+        held > 0 && held as u64 <= workers * share / MIB as u64,
+        "bob held none, or more than his share: {held} x 1 MiB, share {share} bytes a worker"
+    );
+    // Refused by his share, not by a full worker.
+    assert_eq!(
+        stack.envoy.filter_counter("subject_buffers_full_503") - refused_before,
+        refused as u64,
+        "bob's refusals, as the filter counts them"
     );
     legit.check("one subject's slow large bodies", P99_BOUND);
     let charges = charges_by_key(&stack).await;
     let ran: Vec<_> = keys.iter().filter(|k| charges.contains_key(*k)).collect();
     assert!(ran.is_empty(), "bob's unfinished keys that ran: {ran:?}");
+    // His share is his again once they are gone: a key of his sent whole runs once.
+    let c = Client::new(&stack.envoy.url(""));
+    let again = c
+        .send(checkout(&keys[0], "bob", &serde_json::Value::Null).body(padded_body(MIB)))
+        .await;
+    assert_eq!(again.status, 201, "bob's key sent again whole");
 }
 
 fn main() {

@@ -392,7 +392,7 @@ fn every_field_set() -> Config {
         max_waiters: 7,
         batch_max: 5,
         max_buffered_bytes: Some(1 << 20),
-        max_buffered_bytes_per_subject: None,
+        max_buffered_bytes_per_subject: Some(1 << 20),
         key_state_path: Some("/idempotency/key-state".into()),
     }
 }

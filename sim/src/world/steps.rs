@@ -38,6 +38,18 @@ const DRAIN_IDLE_ROUNDS: usize = 400;
 const DRAIN_STEPS: usize = 200_000;
 
 impl World {
+    /// Whether the operator may let the previous key secret go (by a drop, or by the next
+    /// rotation), as they are told: once the longest retention, the unknown outcomes' horizon
+    /// and a lease have passed since the rotation (a record left in progress under the
+    /// previous secret by a dead owner is marked unknown at the end of its retention, then
+    /// kept the horizon).
+    pub(crate) fn previous_secret_may_go(&self) -> bool {
+        let api = &self.setup.state_api;
+        let lease = self.setup.lease_ms.min(api.max_lease_ms);
+        let keep = api.max_retention_ms + api.unknown_retention_ms + lease;
+        self.rotated_at.is_none_or(|t| t + keep <= self.now)
+    }
+
     /// One random step; `false` when nothing is left to do.
     pub(crate) fn step(&mut self) -> bool {
         let mut actions: Vec<(u32, Action)> = Vec::new();
@@ -122,13 +134,7 @@ impl World {
             }
         }
         if self.fault(Faults::ROTATE) {
-            // As the operator is told: the previous secret goes (by a drop, or by the next
-            // rotation) once the longest retention, the unknown outcomes' horizon and a lease
-            // have passed since the rotation (an in-progress record left under the previous
-            // secret by a dead owner is marked unknown at its retention, then kept the horizon).
-            let api = &self.setup.state_api;
-            let keep = api.max_retention_ms + api.unknown_retention_ms + api.max_lease_ms;
-            let settled = self.rotated_at.is_none_or(|t| t + keep <= self.now);
+            let settled = self.previous_secret_may_go();
             if settled && self.api.secret < 2 {
                 actions.push((1, Action::RotateSecret));
             }

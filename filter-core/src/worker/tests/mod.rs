@@ -640,6 +640,11 @@ fn one_subject_holds_at_most_its_share_of_the_bound_and_others_still_fit() {
     assert_eq!(step.verdict, Verdict::Pause, "room in her share again");
     t.w.on_stream_done(a1, t.now);
     assert_eq!(t.w.usage().held_request_bytes, 150);
+    // A stream that ends gives its subject's bytes back: alice's whole share is free again.
+    let (_, step) = announced(&mut t, "alice", "a3", "100");
+    assert_eq!(step.verdict, Verdict::Pause, "alice's share is free again");
+    let (_, step) = announced(&mut t, "alice", "a4", "50");
+    assert_eq!(step.verdict, Verdict::Pause, "all of it");
 }
 
 #[test]
