@@ -11,7 +11,7 @@ use crate::route_table::RouteTable;
 use contract::fingerprint::{self, FingerprintError};
 use contract::wire::{ClaimRequest, FORWARDED_HEADERS};
 use contract::ProblemKind;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 
 /// Longest accepted subject (bytes): what the state API stores.
 pub const MAX_SUBJECT_LEN: usize = contract::limits::MAX_FIELD_LEN;
@@ -85,7 +85,7 @@ pub struct Room<'a> {
     /// [`Config::max_buffered_bytes_per_subject`].
     pub share: u64,
     /// What each subject's streams hold (this stream's included).
-    pub held_by_subject: &'a BTreeMap<String, u64>,
+    pub held_by_subject: &'a HashMap<String, u64>,
     /// What this stream holds (0 at its headers).
     pub own: u64,
 }

@@ -48,7 +48,7 @@ use crate::route_table::RouteTable;
 use in_flight::InFlightMemory;
 use registry::Registry;
 use replay_cache::{Completed, ReplayCache};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use writes::{PendingWrites, WriteAnswer};
 
 pub use crate::effect::{CallId, CalloutResult, Dispatch, Effect, Level, Owner, Step, StreamId};
@@ -175,7 +175,7 @@ pub struct Worker {
     max_buffered_bytes: u64,
     /// Of `held_request_bytes`, what each subject's streams hold (no entry: none), bounded by
     /// [`Config::max_buffered_bytes_per_subject`].
-    held_by_subject: BTreeMap<String, u64>,
+    held_by_subject: HashMap<String, u64>,
     /// [`Config::max_buffered_bytes_per_subject`], computed once.
     max_buffered_bytes_per_subject: u64,
     /// `cfg`'s routes as a request's are looked up, built once (from `cfg`, so not printed).
@@ -252,7 +252,7 @@ impl Worker {
             deferred_replies: Vec::new(),
             held_request_bytes: 0,
             max_buffered_bytes: cfg.max_buffered_bytes(),
-            held_by_subject: BTreeMap::new(),
+            held_by_subject: HashMap::new(),
             max_buffered_bytes_per_subject: cfg.max_buffered_bytes_per_subject(),
             routes: RouteTable::of(&cfg),
             cfg,
@@ -772,7 +772,7 @@ mod tests;
 /// Keeps a subject's count of held request bytes in step with its stream: `before` (the
 /// subject and bytes the stream held before an event, if it was buffering) taken out, what it
 /// holds now put in.
-fn hold(held_by_subject: &mut BTreeMap<String, u64>, flow: &Flow, before: Option<(String, u64)>) {
+fn hold(held_by_subject: &mut HashMap<String, u64>, flow: &Flow, before: Option<(String, u64)>) {
     unhold(held_by_subject, before);
     let now = flow.held_request_bytes();
     if let Some(subject) = flow.buffering_subject().filter(|_| now > 0) {
@@ -787,7 +787,7 @@ fn hold(held_by_subject: &mut BTreeMap<String, u64>, flow: &Flow, before: Option
 
 /// Takes a stream's bytes (`before`: its subject and count) out of its subject's count; an
 /// entry that reaches nothing goes.
-fn unhold(held_by_subject: &mut BTreeMap<String, u64>, before: Option<(String, u64)>) {
+fn unhold(held_by_subject: &mut HashMap<String, u64>, before: Option<(String, u64)>) {
     let Some((subject, held)) = before else {
         return;
     };
