@@ -386,6 +386,14 @@ bench: tools build-release
 bench-guard: tools build-release
 	$(CARGO) run --locked --release -q -p bench -- guard
 
+# The bench guard on a base commit and on the working tree alternately in one window (RUNS of
+# each, 2 by default; about 5 minutes a run), each figure's median against the base's: fails
+# when one is more than 10 % worse. Needs no floor, so it holds on any machine of this kind.
+# BASE=<commit> is required (e.g. the last commit before the change).
+.PHONY: bench-ab
+bench-ab: tools build-release
+	BASE=$(BASE) RUNS=$(or $(RUNS),2) CARGO=$(CARGO) scripts/bench-ab.sh
+
 # Ten minutes (SOAK_SECONDS=600) of new keys at half the highest rate measured first (SOAK_RATE
 # to choose it), with replays and 409s beside them, on a state API keeping records 60 s
 # (SOAK_RETENTION_SECONDS) and purging every 5 s: the table, its indexes, the dead tuples, the
