@@ -78,16 +78,14 @@ pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
 /// The request body bytes a stream may still hold before it is forwarded: its worker's room
 /// (`max_buffered_bytes` less what the worker's other streams hold), and its subject's
 /// (`max_buffered_bytes_per_subject` less what that subject's other streams hold), so that one
-/// caller's unfinished bodies cannot take the whole bound.
+/// caller's unfinished bodies cannot take the whole bound (the worker's `Buffered` keeps both).
 pub struct Room<'a> {
     /// The worker's room, this stream's own bytes not counted.
     pub worker: u64,
     /// [`Config::max_buffered_bytes_per_subject`].
     pub share: u64,
-    /// What each subject's streams hold (this stream's included).
+    /// What each subject's other streams hold.
     pub held_by_subject: &'a HashMap<String, u64>,
-    /// What this stream holds (0 at its headers).
-    pub own: u64,
 }
 
 /// Which bound a request body would go over.
@@ -103,10 +101,7 @@ impl Room<'_> {
         if bytes > self.worker {
             return Some(Full::Worker);
         }
-        let others = self
-            .held_by_subject
-            .get(subject)
-            .map_or(0, |held| held.saturating_sub(self.own));
+        let others = self.held_by_subject.get(subject).copied().unwrap_or(0);
         (bytes > self.share.saturating_sub(others)).then_some(Full::Subject)
     }
 }

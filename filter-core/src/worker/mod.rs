@@ -30,6 +30,7 @@
 //! and the writes the worker took over are kept and retried in `handover.rs`.
 
 mod batch;
+mod buffered;
 mod calls;
 mod churn;
 mod handover;
@@ -54,6 +55,7 @@ use writes::{PendingWrites, WriteAnswer};
 pub use crate::effect::{CallId, CalloutResult, Dispatch, Effect, Level, Owner, Step, StreamId};
 pub use batch::BATCH_WRITE_BYTES;
 use batch::{Batch, BatchedClaim, BatchedWrite};
+use buffered::Buffered;
 pub use registry::HeldClaim;
 pub use writes::PendingWrite;
 
@@ -168,16 +170,8 @@ pub struct Worker {
     abandons: i64,
     /// Replies past the bound of one callback, for the next wake or tick.
     deferred_replies: Vec<(StreamId, LocalReply)>,
-    /// Request body bytes its streams hold before forwarding (their sum of
-    /// [`Flow::held_request_bytes`]), bounded by `max_buffered_bytes`.
-    held_request_bytes: u64,
-    /// [`Config::max_buffered_bytes`], computed once.
-    max_buffered_bytes: u64,
-    /// Of `held_request_bytes`, what each subject's streams hold (no entry: none), bounded by
-    /// [`Config::max_buffered_bytes_per_subject`].
-    held_by_subject: HashMap<String, u64>,
-    /// [`Config::max_buffered_bytes_per_subject`], computed once.
-    max_buffered_bytes_per_subject: u64,
+    /// Request body bytes its streams hold before forwarding, in all and by subject.
+    buffered: Buffered,
     /// `cfg`'s routes as a request's are looked up, built once (from `cfg`, so not printed).
     routes: RouteTable,
 }
@@ -250,10 +244,7 @@ impl Worker {
             claims_sent: 0,
             abandons: 0,
             deferred_replies: Vec::new(),
-            held_request_bytes: 0,
-            max_buffered_bytes: cfg.max_buffered_bytes(),
-            held_by_subject: HashMap::new(),
-            max_buffered_bytes_per_subject: cfg.max_buffered_bytes_per_subject(),
+            buffered: Buffered::new(&cfg),
             routes: RouteTable::of(&cfg),
             cfg,
         }
@@ -295,7 +286,7 @@ impl Worker {
             replay_bytes: self.replays.bytes(),
             running_keys: self.in_flight.len(),
             waiters: self.waiting.len(),
-            held_request_bytes: self.held_request_bytes,
+            held_request_bytes: self.buffered.total(),
             batched_claims: self.claim_queue.len()
                 + self
                     .batches
@@ -361,14 +352,6 @@ impl Worker {
         end_of_stream: bool,
         now_ms: u64,
     ) -> Step {
-        let room = Room {
-            worker: self
-                .max_buffered_bytes
-                .saturating_sub(self.held_request_bytes),
-            share: self.max_buffered_bytes_per_subject,
-            held_by_subject: &self.held_by_subject,
-            own: 0,
-        };
         let (flow, turn) = Flow::start(
             &self.cfg,
             &self.routes,
@@ -376,10 +359,9 @@ impl Worker {
             head,
             end_of_stream,
             now_ms,
-            &room,
+            &self.buffered.room(),
         );
-        self.held_request_bytes += flow.held_request_bytes();
-        hold(&mut self.held_by_subject, &flow, None);
+        self.buffered.put(&flow);
         self.flows.insert(stream, flow);
         self.run(stream, turn, now_ms)
     }
@@ -409,18 +391,10 @@ impl Worker {
         let Some(flow) = self.flows.get_mut(&stream) else {
             return Step::cont();
         };
-        let held = flow.held_request_bytes();
-        let others = self.held_request_bytes.saturating_sub(held);
-        let before = flow.buffering_subject().map(|s| (s.to_owned(), held));
-        let room = Room {
-            worker: self.max_buffered_bytes.saturating_sub(others),
-            share: self.max_buffered_bytes_per_subject,
-            held_by_subject: &self.held_by_subject,
-            own: held,
-        };
-        let turn = event(flow, &self.cfg, &room);
-        self.held_request_bytes = others + flow.held_request_bytes();
-        hold(&mut self.held_by_subject, flow, before);
+        // The stream's own bytes out while the event runs: its room is the others' leftover.
+        self.buffered.take(flow);
+        let turn = event(flow, &self.cfg, &self.buffered.room());
+        self.buffered.put(flow);
         self.run(stream, turn, now_ms)
     }
 
@@ -484,13 +458,7 @@ impl Worker {
         let Some(mut flow) = self.flows.remove(&stream) else {
             return Vec::new();
         };
-        self.held_request_bytes = self
-            .held_request_bytes
-            .saturating_sub(flow.held_request_bytes());
-        let before = flow
-            .buffering_subject()
-            .map(|s| (s.to_owned(), flow.held_request_bytes()));
-        unhold(&mut self.held_by_subject, before);
+        self.buffered.take(&flow);
         self.calls.retain(|_, p| p.stream() != Some(stream));
         self.waiting.retain(|w| w.stream != stream);
         // Queued, its claim was never sent; in a batch on its way, its answer is seen to (a
@@ -768,33 +736,3 @@ impl Worker {
 
 #[cfg(test)]
 mod tests;
-
-/// Keeps a subject's count of held request bytes in step with its stream: `before` (the
-/// subject and bytes the stream held before an event, if it was buffering) taken out, what it
-/// holds now put in.
-fn hold(held_by_subject: &mut HashMap<String, u64>, flow: &Flow, before: Option<(String, u64)>) {
-    unhold(held_by_subject, before);
-    let now = flow.held_request_bytes();
-    if let Some(subject) = flow.buffering_subject().filter(|_| now > 0) {
-        match held_by_subject.get_mut(subject) {
-            Some(count) => *count += now,
-            None => {
-                held_by_subject.insert(subject.to_owned(), now);
-            }
-        }
-    }
-}
-
-/// Takes a stream's bytes (`before`: its subject and count) out of its subject's count; an
-/// entry that reaches nothing goes.
-fn unhold(held_by_subject: &mut HashMap<String, u64>, before: Option<(String, u64)>) {
-    let Some((subject, held)) = before else {
-        return;
-    };
-    if let Some(count) = held_by_subject.get_mut(&subject) {
-        *count = count.saturating_sub(held);
-        if *count == 0 {
-            held_by_subject.remove(&subject);
-        }
-    }
-}
