@@ -375,8 +375,9 @@ async fn act(
     )?;
     let after: Option<serde_json::Value> = match (op, stored) {
         (AdminOp::Resolve, Some(r)) => {
-            let (at, after) = resolve_in(&mut tx, state, &scope, &current, &r).await?;
-            scope = at;
+            let after = resolve_in(&mut tx, state, &scope, &current, &r).await?;
+            // Resolved, it lives at the current address.
+            scope = current;
             Some(after)
         }
         _ => {
@@ -473,28 +474,27 @@ fn refuse_unless_forced(
     Ok(())
 }
 
-/// Stores the operator's outcome on the locked record (sealed like an owner's complete) under
-/// a new fencing token ([`state_rules::operator::resolve`]) and returns the record as it is
-/// now. The new token fences the owner out: if its request was still running after all, its
-/// late complete is answered 409 fenced-out (nothing stored, nothing for its worker to cache
-/// and replay beside the operator's outcome), not "already done" (issue 46, finding 5).
+/// Stores the operator's outcome on the locked record (found at `scope`, moved to `current`;
+/// sealed like an owner's complete) under a new fencing token
+/// ([`state_rules::operator::resolve`]) and returns the record as it is now. The new token
+/// fences the owner out: if its request was still running after all, its late complete is
+/// answered 409 fenced-out (nothing stored, nothing for its worker to cache and replay beside
+/// the operator's outcome), not "already done" (issue 46, finding 5).
 async fn resolve_in(
     conn: &mut sqlx::PgConnection,
     state: &AppState,
     scope: &ScopeHash,
     current: &ScopeHash,
     r: &StoredResponse,
-) -> Result<(ScopeHash, serde_json::Value), ApiError> {
+) -> Result<serde_json::Value, ApiError> {
     let token =
         sqlx::query_scalar!(r#"SELECT nextval('idempotency_fencing_token_seq') AS "token!""#)
             .fetch_one(&mut *conn)
             .await?;
-    // A record under the previous key secret moves to the current one, as every write moves
-    // it, so that the resolved answer outlives the previous secret (a key has one record, and
-    // this one is locked, so the current address is free).
-    let to = if scope == current { *scope } else { *current };
-    // Sealed under the address and token it is stored with.
-    let sealed = state.store().sealer().seal(&to[..], token, r);
+    // Stored at the current address, as every write moves the record there (a key has one
+    // record, and this one is locked, so that address is free), so that the resolved answer
+    // outlives the previous key secret; sealed under that address and the token.
+    let sealed = state.store().sealer().seal(&current[..], token, r);
     sqlx::query!(
         "UPDATE idempotency_records
                 SET state = 'completed', fencing_token = $8, claim_nonce = NULL, scope_hash = $9,
@@ -513,7 +513,7 @@ async fn resolve_in(
         state.config().retention_ms(),
         sealed.key_id,
         token,
-        &to[..]
+        &current[..]
     )
     .execute(&mut *conn)
     .await?;
@@ -530,11 +530,11 @@ async fn resolve_in(
                 r.namespace, r.subject, r.endpoint
             FROM idempotency_records r WHERE r.scope_hash = $1
             FOR UPDATE"#,
-        &to[..]
+        &current[..]
     )
     .fetch_one(&mut *conn)
     .await?;
-    Ok((to, again.snapshot.0))
+    Ok(again.snapshot.0)
 }
 
 /// Deletes the locked record (a release or a purge of one key).
