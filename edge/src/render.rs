@@ -599,6 +599,12 @@ pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
 /// bodies read into Envoy at once (bench/NOTES.md, twentieth round).
 pub const CONNECTION_READ_BYTES: u64 = 32 * 1024;
 
+/// The connections the listener accepts in one turn of a worker's loop
+/// (`max_connections_to_accept_per_socket_event`; Envoy's default: all that wait). Hundreds of
+/// connections opened at once are then taken a few at a time, between which the worker serves
+/// the connections it already has, so that a burst of new ones does not stall them.
+pub const ACCEPTS_PER_EVENT: u64 = 16;
+
 /// The connection manager's `request_timeout`: the time a client has for its whole request,
 /// headers and body (`limits.request_body_timeout_ms`). Envoy 1.40 disarms it when the last byte
 /// of the request has come from the client, not when it goes upstream (its documentation says
@@ -828,6 +834,10 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
         (
             "per_connection_buffer_limit_bytes",
             n(CONNECTION_READ_BYTES),
+        ),
+        (
+            "max_connections_to_accept_per_socket_event",
+            n(ACCEPTS_PER_EVENT),
         ),
         (
             "filter_chains",

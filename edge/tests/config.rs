@@ -928,6 +928,13 @@ fn envoy_reads_a_connection_32_kib_at_a_time_and_a_stream_buffers_the_largest_bo
         listener["per_connection_buffer_limit_bytes"].as_i64(),
         Some(edge::render::CONNECTION_READ_BYTES as i64)
     );
+    // Connections opened by the thousand are accepted a few at a time, so that the worker
+    // serves its open connections between (tests/tests/hostile_load.rs: the legitimate keys'
+    // p99 during 10,000 idle connections went from 34-377 ms to 28-31 ms).
+    assert_eq!(
+        listener["max_connections_to_accept_per_socket_event"].as_i64(),
+        Some(edge::render::ACCEPTS_PER_EVENT as i64)
+    );
     let vhost = &listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
         ["virtual_hosts"][0];
     // The stream itself buffers a whole body (and a captured response) above the largest the

@@ -4,9 +4,9 @@
 //! Each attack runs while a legitimate client sends new keys, and asserts:
 //! - Envoy's resident memory over the attack's start stays within the budget the test names;
 //! - the legitimate new keys are all served, their p99 within [`P99_BOUND`] (100 ms), or where
-//!   this 2-core machine cannot, within a bound the constant's comment justifies (the burst,
-//!   the idle connections); during the burst, new keys the full bound refuses (503 + Retry-After)
-//!   run once when sent again;
+//!   this 2-core machine cannot, within a bound the constant's comment justifies (the burst);
+//!   during the burst, the held bodies fill the filter's bound but its reserve, in which a
+//!   caller who holds little still fits;
 //! - nothing the checkout ran was charged twice;
 //! - no attacked key is left unusable: sent again whole, it gets 201 once.
 //!
@@ -38,15 +38,11 @@ const MIB: usize = 1 << 20;
 /// the header flood stay well within it here (22 and 36 ms at most, measured).
 const P99_BOUND: Duration = Duration::from_millis(100);
 
-/// The legitimate keys' p99 while idle connections come and go: the one Envoy worker accepts
-/// them, and closes them at the idle timeout, thousands in a turn of its loop, and a request
-/// that comes then waits behind them (measured on two shared cores: 43-84 ms with 2,000,
-/// 78-355 ms with 10,000; docs/RELIABILITY.md, Hostile load).
-const IDLE_P99_BOUND: Duration = Duration::from_millis(500);
-
 /// The legitimate keys' p99 during the burst: when the held bodies are released, the one
-/// Envoy worker fingerprints and forwards all of them (1 MiB each) in the loop that serves the
-/// legitimate key too, while this process writes 500 MiB on the same two cores.
+/// Envoy worker fingerprints all of them (35 of 1 MiB, about 7 ms each in V8) in one turn of
+/// the loop that serves the legitimate key too, and the debug checkout parses them, while this
+/// process writes 500 MiB on the same two cores (measured: 240-310 ms with a release checkout,
+/// 280-530 ms with the debug one; docs/RELIABILITY.md, Hostile load).
 const BURST_P99_BOUND: Duration = Duration::from_millis(2_000);
 
 /// What Envoy's resident memory may grow by over each attack: `[limits] memory_budget_mib`'s
@@ -328,10 +324,6 @@ impl std::fmt::Display for LegitFigures {
 }
 
 impl LegitFigures {
-    fn served(&self) -> usize {
-        self.count - self.failed.len()
-    }
-
     /// Every legitimate key served, its p99 within `bound`.
     fn check(&self, attack: &str, bound: Duration) {
         assert!(
@@ -620,8 +612,8 @@ async fn burst(stack: Arc<Stack>) {
     let gate = Arc::new(tokio::sync::Notify::new());
     let open = Arc::new(AtomicBool::new(false));
     let prefix = unique_key("burst");
-    // Eight callers, so that together they fill the filter's whole bound (each may hold a
-    // quarter of it: `max_buffered_bytes_per_subject`).
+    // Eight callers, so that together they fill the filter's whole bound but its reserve (each
+    // may hold a quarter of it: `max_buffered_bytes_per_subject`).
     let exp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -731,25 +723,9 @@ async fn burst(stack: Arc<Stack>) {
         growth <= BUDGET_MIB,
         "Envoy grew {growth:.1} MiB in the burst, over its budget of {BUDGET_MIB} MiB"
     );
-    // While the held bodies fill the filter's bound, a new key's body is refused too (503
-    // edge-buffers-full + Retry-After: the bound at work); sent again after, it runs once.
-    let refused_legit: Vec<String> = legit
-        .failed
-        .iter()
-        .filter(|(_, s)| *s == 503)
-        .map(|(k, _)| k.clone())
-        .collect();
-    assert_eq!(
-        refused_legit.len(),
-        legit.failed.len(),
-        "legitimate keys during the burst: {legit}"
-    );
-    assert!(
-        legit.served() >= 3,
-        "legitimate keys during the burst: {legit}"
-    );
-    assert!(legit.p99 <= BURST_P99_BOUND, "during the burst: {legit}");
-    assert_keys_usable(&stack, &refused_legit, 200).await;
+    // The held bodies fill the filter's bound but its reserve, which a caller who holds little
+    // still gets into: every legitimate key is served.
+    legit.check("the burst", BURST_P99_BOUND);
     assert_nothing_charged_twice(&stack).await;
     assert_keys_usable(&stack, &refused_keys, MIB).await;
 }
@@ -813,7 +789,7 @@ async fn idle_connections(stack: Arc<Stack>) {
         "Envoy grew {:.1} MiB with the idle connections, over its budget of {BUDGET_MIB} MiB",
         peak - rss_before
     );
-    legit.check("the idle connections", IDLE_P99_BOUND);
+    legit.check("the idle connections", P99_BOUND);
     assert_nothing_charged_twice(&stack).await;
 }
 

@@ -527,6 +527,14 @@ impl Config {
         })
     }
 
+    /// Of [`Config::max_buffered_bytes`], the part a body may reach into only while its subject
+    /// holds little ([`crate::flow::RESERVE_PER_SUBJECT`] with it): an eighth of the bound, but
+    /// never so much that the largest body a route accepts no longer fits beside it.
+    pub fn buffer_reserve(&self) -> u64 {
+        let bound = self.max_buffered_bytes();
+        (bound / 8).min(bound.saturating_sub(self.largest_request_body()))
+    }
+
     /// The largest request body of route `i`.
     pub fn max_request_body_for(&self, i: usize) -> u64 {
         self.routes

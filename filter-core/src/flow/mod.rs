@@ -36,7 +36,7 @@ use contract::fingerprint::Fingerprint;
 
 pub(crate) use claim::completed_reply;
 pub use claim::{ClaimAnswer, Remembered};
-pub use request::{Full, RequestHead, Room, MAX_SUBJECT_LEN};
+pub use request::{Full, RequestHead, Room, MAX_SUBJECT_LEN, RESERVE_PER_SUBJECT};
 pub use response::ResponseHead;
 pub use write::UNSTORED;
 

@@ -79,14 +79,24 @@ pub(crate) fn prefer_wait(values: &[&str]) -> Option<u64> {
 /// (`max_buffered_bytes` less what the worker's other streams hold), and its subject's
 /// (`max_buffered_bytes_per_subject` less what that subject's other streams hold), so that one
 /// caller's unfinished bodies cannot take the whole bound (the worker's `Buffered` keeps both).
+/// The last [`Config::buffer_reserve`] bytes of the worker's room are kept for callers who hold
+/// little: a body that would reach into them is admitted only if its subject then holds at most
+/// [`RESERVE_PER_SUBJECT`], so that many callers' large bodies held open together (each within
+/// its share) still leave room for everyone else's ordinary requests.
 pub struct Room<'a> {
     /// The worker's room, this stream's own bytes not counted.
     pub worker: u64,
+    /// Of the bound, the part kept for subjects that hold little ([`Config::buffer_reserve`]).
+    pub reserve: u64,
     /// [`Config::max_buffered_bytes_per_subject`].
     pub share: u64,
     /// What each subject's other streams hold.
     pub held_by_subject: &'a HashMap<String, u64>,
 }
+
+/// What one subject may hold in all when its body reaches into the worker's reserve: a few
+/// ordinary payment requests (a checkout body is a few KiB), not a large one.
+pub const RESERVE_PER_SUBJECT: u64 = 64 * 1024;
 
 /// Which bound a request body would go over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,7 +112,12 @@ impl Room<'_> {
             return Some(Full::Worker);
         }
         let others = self.held_by_subject.get(subject).copied().unwrap_or(0);
-        (bytes > self.share.saturating_sub(others)).then_some(Full::Subject)
+        if bytes > self.share.saturating_sub(others) {
+            return Some(Full::Subject);
+        }
+        let outside_reserve = self.worker.saturating_sub(self.reserve);
+        let within_reserve_share = others.saturating_add(bytes) <= RESERVE_PER_SUBJECT;
+        (bytes > outside_reserve && !within_reserve_share).then_some(Full::Worker)
     }
 }
 
@@ -270,7 +285,8 @@ impl Flow {
     }
 
     /// 503 + Retry-After: the worker holds as many request body bytes as it may
-    /// (`max_buffered_bytes`), or this subject's requests as many as one subject may
+    /// (`max_buffered_bytes`, or all but its reserve for a subject that holds more than a
+    /// little), or this subject's requests as many as one subject may
     /// (`max_buffered_bytes_per_subject`). Nothing was forwarded or claimed.
     fn buffers_full(&mut self, refusal: Full) -> Turn {
         match refusal {

@@ -17,6 +17,8 @@ pub(super) struct Buffered {
     max: u64,
     /// [`Config::max_buffered_bytes_per_subject`], computed once.
     share: u64,
+    /// [`Config::buffer_reserve`], computed once.
+    reserve: u64,
 }
 
 impl Buffered {
@@ -26,6 +28,7 @@ impl Buffered {
             by_subject: HashMap::new(),
             max: cfg.max_buffered_bytes(),
             share: cfg.max_buffered_bytes_per_subject(),
+            reserve: cfg.buffer_reserve(),
         }
     }
 
@@ -37,6 +40,7 @@ impl Buffered {
     pub(super) fn room(&self) -> Room<'_> {
         Room {
             worker: self.max.saturating_sub(self.total),
+            reserve: self.reserve,
             share: self.share,
             held_by_subject: &self.by_subject,
         }

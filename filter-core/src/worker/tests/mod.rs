@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::*;
-use crate::flow::{RequestHead, ResponseHead, Verdict};
+use crate::flow::{RequestHead, ResponseHead, Verdict, RESERVE_PER_SUBJECT};
 use crate::metrics::Metric;
 use crate::reply::LocalReply;
 use contract::wire::{
@@ -645,6 +645,64 @@ fn one_subject_holds_at_most_its_share_of_the_bound_and_others_still_fit() {
     assert_eq!(step.verdict, Verdict::Pause, "alice's share is free again");
     let (_, step) = announced(&mut t, "alice", "a4", "50");
     assert_eq!(step.verdict, Verdict::Pause, "all of it");
+}
+
+/// Issue 49: many callers' large bodies held open together, each within its share, fill the
+/// bound but its reserve (an eighth: 1 of 8 MiB here): a caller who holds little still gets
+/// in, a large body or a caller who already holds much does not.
+#[test]
+fn the_bound_s_reserve_is_kept_for_callers_who_hold_little() {
+    const MIB: u64 = 1 << 20;
+    let cfg = with(r#""max_buffered_bytes": 8388608,"#).replacen(
+        "\"max_request_body_bytes\": 100",
+        "\"max_request_body_bytes\": 1048576",
+        1,
+    );
+    let mut t = Harness::new(&cfg);
+    let announced = |t: &mut Harness, who: &str, key: &str, len: u64| {
+        let s = t.stream();
+        let len = len.to_string();
+        let mut hs = req_headers(
+            "/checkout",
+            &[("idempotency-key", key), ("content-length", len.as_str())],
+        );
+        for (name, value) in &mut hs {
+            if name == "x-jwt-sub" {
+                *value = who.to_owned();
+            }
+        }
+        (s, t.headers(s, &hs, false))
+    };
+    // Seven callers hold 1 MiB each: the bound but its reserve.
+    for i in 0..7 {
+        let (_, step) = announced(&mut t, &format!("burst-{i}"), &format!("b{i}"), MIB);
+        assert_eq!(step.verdict, Verdict::Pause, "caller {i}");
+    }
+    assert_eq!(t.w.usage().held_request_bytes, 7 * MIB);
+    // An eighth caller's large body would reach into the reserve: refused as a full worker.
+    let (_, step) = announced(&mut t, "burst-7", "b7", MIB);
+    assert_eq!(step.counts(), vec![Metric::BuffersFull503]);
+    assert_eq!(step.reply().status, 503);
+    // So is a small body of a caller who already holds a large one.
+    let (_, step) = announced(&mut t, "burst-0", "b0-small", 200);
+    assert_eq!(step.counts(), vec![Metric::BuffersFull503]);
+    // A caller who holds little gets in, up to RESERVE_PER_SUBJECT in all.
+    let (a1, step) = announced(&mut t, "alice", "a1", 200);
+    assert_eq!(step.verdict, Verdict::Pause, "alice's ordinary request");
+    let (_, step) = announced(&mut t, "alice", "a2", 200);
+    assert_eq!(step.verdict, Verdict::Pause, "and a second at once");
+    let (_, step) = announced(&mut t, "alice", "a3", RESERVE_PER_SUBJECT);
+    assert_eq!(step.counts(), vec![Metric::BuffersFull503], "not past it");
+    let (_, step) = announced(&mut t, "carol", "c1", 1000);
+    assert_eq!(
+        step.verdict,
+        Verdict::Pause,
+        "another caller who holds little"
+    );
+    // A body that ends is claimed and lets go of the reserve it held.
+    let step = t.body(a1, &[b' '; 200]);
+    assert!(step.claims());
+    assert_eq!(t.w.usage().held_request_bytes, 7 * MIB + 1200);
 }
 
 #[test]
