@@ -100,6 +100,11 @@ pub enum Metric {
     /// `max_buffered_bytes_per_subject` (nothing forwarded or claimed): one caller holding its
     /// share, slow or unfinished bodies most often.
     SubjectBuffersFull503,
+    /// 503: a protected request whose body would reach into the last part of the worker's
+    /// bound kept for callers who hold little (`Config::buffer_reserve`) while its subject
+    /// would then hold more than `RESERVE_PER_SUBJECT` (nothing forwarded or claimed): many
+    /// callers' large bodies held at once, most often.
+    ReserveBuffersFull503,
     /// Key churn: a request (subject, endpoint, fingerprint) claimed under another key than
     /// the one it came under within the last minute on this worker (a client that makes a new
     /// key for each retry).
@@ -107,7 +112,7 @@ pub enum Metric {
 }
 
 impl Metric {
-    pub const ALL: [Metric; 43] = [
+    pub const ALL: [Metric; 44] = [
         Metric::Claimed,
         Metric::Replayed,
         Metric::InProgress409,
@@ -150,6 +155,7 @@ impl Metric {
         Metric::ClaimsAbandoned,
         Metric::BuffersFull503,
         Metric::SubjectBuffersFull503,
+        Metric::ReserveBuffersFull503,
         Metric::KeyChurn,
     ];
 
@@ -197,6 +203,7 @@ impl Metric {
             Metric::ClaimsAbandoned => "idempotency.claims_abandoned",
             Metric::BuffersFull503 => "idempotency.buffers_full_503",
             Metric::SubjectBuffersFull503 => "idempotency.subject_buffers_full_503",
+            Metric::ReserveBuffersFull503 => "idempotency.reserve_buffers_full_503",
             Metric::KeyChurn => "idempotency.key_churn",
         }
     }

@@ -128,6 +128,17 @@ pub fn buffers_full() -> LocalReply {
     .with_header("retry-after", "1")
 }
 
+/// 503: the worker's bound is full but the part kept for callers who hold little, and this
+/// request would take its subject over what one caller may hold there (`RESERVE_PER_SUBJECT`,
+/// this body included); nothing was forwarded or claimed.
+pub fn reserve_buffers_full() -> LocalReply {
+    LocalReply::problem(
+        ProblemKind::BuffersFull,
+        "the edge holds nearly as many request bodies as it may, and what is left is kept for small requests of callers who hold little; nothing was forwarded, retry later",
+    )
+    .with_header("retry-after", "1")
+}
+
 /// 503: this subject's requests hold as many request body bytes as one subject may on the
 /// worker (`max_buffered_bytes_per_subject`); nothing was forwarded or claimed.
 pub fn subject_buffers_full() -> LocalReply {

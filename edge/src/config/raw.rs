@@ -461,7 +461,10 @@ pub(super) struct RawFilter {
     /// edge-buffers-full` + `Retry-After: 1`, while other subjects' requests still fit. One
     /// caller's slow or unfinished bodies (declaring 1 MiB and sending a byte a second) then
     /// cannot refuse every other caller's new keys. At least the largest body a route accepts,
-    /// at most `max_buffered_bytes`.
+    /// at most `max_buffered_bytes`. Below `max_buffered_bytes`, the last eighth of the bound
+    /// (less if the largest body would not fit beside it) is kept for callers who hold little: a
+    /// body reaching into it is admitted only while its caller then holds at most 64 KiB; set it
+    /// to `max_buffered_bytes` where all callers come as one subject (no reserve then).
     ///
     /// Default: a quarter of `max_buffered_bytes`, or the largest route body if more.
     #[schemars(with = "Option<u64>")]

@@ -130,7 +130,8 @@ pub struct Config {
     /// cannot refuse every other caller's: beyond it that subject's request gets 503 +
     /// Retry-After, nothing forwarded. At least the largest request body of any route and at
     /// most `max_buffered_bytes` (the reader checks both). Left out: a quarter of
-    /// `max_buffered_bytes`, or the largest body if more.
+    /// `max_buffered_bytes`, or the largest body if more. Below `max_buffered_bytes`, the
+    /// bound's last eighth is kept for callers who hold little ([`Config::buffer_reserve`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_buffered_bytes_per_subject: Option<u64>,
@@ -529,9 +530,13 @@ impl Config {
 
     /// Of [`Config::max_buffered_bytes`], the part a body may reach into only while its subject
     /// holds little ([`crate::flow::RESERVE_PER_SUBJECT`] with it): an eighth of the bound, but
-    /// never so much that the largest body a route accepts no longer fits beside it.
+    /// never so much that the largest body a route accepts no longer fits beside it; none where
+    /// one subject may hold the whole bound (a deployment whose callers come as one identity).
     pub fn buffer_reserve(&self) -> u64 {
         let bound = self.max_buffered_bytes();
+        if self.max_buffered_bytes_per_subject() >= bound {
+            return 0;
+        }
         (bound / 8).min(bound.saturating_sub(self.largest_request_body()))
     }
 

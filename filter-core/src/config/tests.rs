@@ -86,6 +86,25 @@ fn defaults_apply() {
         100 << 20,
         "a subject may send the largest body"
     );
+    // The bound's reserve for callers who hold little: an eighth, never crowding out the
+    // largest body, none where one subject may hold the whole bound.
+    assert_eq!(c.buffer_reserve(), 8 << 20, "an eighth");
+    assert_eq!(big.buffer_reserve(), 0, "one subject may hold it all");
+    let tight = with(|v| {
+        v["max_buffered_bytes"] = ((1 << 20) + 1000).into();
+        v["max_buffered_bytes_per_subject"] = (1 << 20).into();
+    })
+    .unwrap();
+    assert_eq!(
+        tight.buffer_reserve(),
+        1000,
+        "the largest body still fits beside it"
+    );
+    let exact = with(|v| {
+        v["max_buffered_bytes"] = (1 << 20).into();
+    })
+    .unwrap();
+    assert_eq!(exact.buffer_reserve(), 0);
     let r = c.route("POST", "/pay/x").unwrap();
     assert_eq!(
         (r.on_5xx, r.on_state_unavailable),

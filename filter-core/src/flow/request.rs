@@ -101,8 +101,12 @@ pub const RESERVE_PER_SUBJECT: u64 = 64 * 1024;
 /// Which bound a request body would go over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Full {
+    /// The worker's bound.
     Worker,
+    /// The subject's share of it.
     Subject,
+    /// The bound but its reserve, for a subject that would hold more than a little.
+    Reserve,
 }
 
 impl Room<'_> {
@@ -117,7 +121,7 @@ impl Room<'_> {
         }
         let outside_reserve = self.worker.saturating_sub(self.reserve);
         let within_reserve_share = others.saturating_add(bytes) <= RESERVE_PER_SUBJECT;
-        (bytes > outside_reserve && !within_reserve_share).then_some(Full::Worker)
+        (bytes > outside_reserve && !within_reserve_share).then_some(Full::Reserve)
     }
 }
 
@@ -294,6 +298,10 @@ impl Flow {
             Full::Subject => self.reply(
                 Some(Metric::SubjectBuffersFull503),
                 reply::subject_buffers_full(),
+            ),
+            Full::Reserve => self.reply(
+                Some(Metric::ReserveBuffersFull503),
+                reply::reserve_buffers_full(),
             ),
         }
     }

@@ -659,9 +659,9 @@ fn the_bound_s_reserve_is_kept_for_callers_who_hold_little() {
         1,
     );
     let mut t = Harness::new(&cfg);
-    let announced = |t: &mut Harness, who: &str, key: &str, len: u64| {
+    let announced = |t: &mut Harness, who: &str, key: &str, len: Option<u64>| {
         let s = t.stream();
-        let len = len.to_string();
+        let len = len.map(|n| n.to_string()).unwrap_or_default();
         let mut hs = req_headers(
             "/checkout",
             &[("idempotency-key", key), ("content-length", len.as_str())],
@@ -675,34 +675,59 @@ fn the_bound_s_reserve_is_kept_for_callers_who_hold_little() {
     };
     // Seven callers hold 1 MiB each: the bound but its reserve.
     for i in 0..7 {
-        let (_, step) = announced(&mut t, &format!("burst-{i}"), &format!("b{i}"), MIB);
+        let (_, step) = announced(&mut t, &format!("burst-{i}"), &format!("b{i}"), Some(MIB));
         assert_eq!(step.verdict, Verdict::Pause, "caller {i}");
     }
     assert_eq!(t.w.usage().held_request_bytes, 7 * MIB);
-    // An eighth caller's large body would reach into the reserve: refused as a full worker.
-    let (_, step) = announced(&mut t, "burst-7", "b7", MIB);
-    assert_eq!(step.counts(), vec![Metric::BuffersFull503]);
+    // An eighth caller's large body would reach into the reserve: refused, counted apart.
+    let (_, step) = announced(&mut t, "burst-7", "b7", Some(MIB));
+    assert_eq!(step.counts(), vec![Metric::ReserveBuffersFull503]);
     assert_eq!(step.reply().status, 503);
+    assert_eq!(header(step.reply(), "retry-after"), Some("1"));
+    assert_eq!(problem_type(step.reply()), "/problems/edge-buffers-full");
     // So is a small body of a caller who already holds a large one.
-    let (_, step) = announced(&mut t, "burst-0", "b0-small", 200);
-    assert_eq!(step.counts(), vec![Metric::BuffersFull503]);
+    let (_, step) = announced(&mut t, "burst-0", "b0-small", Some(200));
+    assert_eq!(step.counts(), vec![Metric::ReserveBuffersFull503]);
     // A caller who holds little gets in, up to RESERVE_PER_SUBJECT in all.
-    let (a1, step) = announced(&mut t, "alice", "a1", 200);
+    let (a1, step) = announced(&mut t, "alice", "a1", Some(200));
     assert_eq!(step.verdict, Verdict::Pause, "alice's ordinary request");
-    let (_, step) = announced(&mut t, "alice", "a2", 200);
+    let (_, step) = announced(&mut t, "alice", "a2", Some(200));
     assert_eq!(step.verdict, Verdict::Pause, "and a second at once");
-    let (_, step) = announced(&mut t, "alice", "a3", RESERVE_PER_SUBJECT);
-    assert_eq!(step.counts(), vec![Metric::BuffersFull503], "not past it");
-    let (_, step) = announced(&mut t, "carol", "c1", 1000);
+    let (_, step) = announced(&mut t, "alice", "a3", Some(RESERVE_PER_SUBJECT));
+    assert_eq!(
+        step.counts(),
+        vec![Metric::ReserveBuffersFull503],
+        "not past it"
+    );
+    let (_, step) = announced(&mut t, "alice", "a3b", Some(RESERVE_PER_SUBJECT - 400));
+    assert_eq!(step.verdict, Verdict::Pause, "up to it, this body included");
+    let (c1, step) = announced(&mut t, "carol", "c1", Some(1000));
     assert_eq!(
         step.verdict,
         Verdict::Pause,
         "another caller who holds little"
     );
+    // A body without a Content-Length is counted as it arrives, and refused on the way once
+    // it would take its caller past what the reserve lets one caller hold.
+    let (d1, step) = announced(&mut t, "dave", "d1", None);
+    assert_eq!(step.verdict, Verdict::Pause);
+    assert_eq!(t.body_part(d1, 60_000).verdict, Verdict::Pause);
+    let step = t.body_part(d1, 70_000);
+    assert_eq!(step.counts(), vec![Metric::ReserveBuffersFull503]);
     // A body that ends is claimed and lets go of the reserve it held.
     let step = t.body(a1, &[b' '; 200]);
     assert!(step.claims());
-    assert_eq!(t.w.usage().held_request_bytes, 7 * MIB + 1200);
+    t.w.on_stream_done(c1, t.now);
+    assert_eq!(
+        t.w.usage().held_request_bytes,
+        7 * MIB + 200 + RESERVE_PER_SUBJECT - 400
+    );
+    let (_, step) = announced(&mut t, "alice", "a4", Some(200));
+    assert_eq!(
+        step.verdict,
+        Verdict::Pause,
+        "room in alice's part of the reserve again"
+    );
 }
 
 #[test]
