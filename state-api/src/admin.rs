@@ -24,7 +24,7 @@ use subtle::ConstantTimeEq as _;
 use crate::http::error::ApiError;
 use crate::http::extract::ApiJson;
 use crate::http::records::record_view;
-use crate::http::validate::{bad, checked_response, scope_of};
+use crate::http::validate::{bad, checked_response, record_of, scope_of};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
 use crate::sealing::Sealed;
@@ -151,8 +151,7 @@ async fn show(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<AdminRecord>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
-    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
-    let row = state.store().record(&scope).await?;
+    let (scope, row) = record_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
     let audit = audit_of(&state, &scope).await?;
     if row.is_none() && audit.is_empty() {
         return Err(ApiError::new(

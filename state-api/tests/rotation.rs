@@ -424,3 +424,71 @@ async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() 
     }
     after.shutdown().await;
 }
+
+/// The record read (the filter's key state path, `GET /v1/records`, and the operator's) finds a
+/// record at either address during a rotation in one statement: looked up first and read
+/// after, a record another write moved in between was reported absent, and a client told
+/// `absent` may take a new key for a request that ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_read_finds_a_record_at_either_address_in_one_statement() {
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let db = cluster.fresh_database("rotation_read").unwrap();
+    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
+    let token = token_of(&before.claim("k", &fp(1), Some(60_000)).await);
+    before.shutdown().await;
+    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
+    let old_scope = state_api::scope::Scoper::new(OLD.as_bytes())
+        .unwrap()
+        .hash("k", "alice", ENDPOINT);
+    let new_scope = rotating.state.scoper().hash("k", "alice", ENDPOINT);
+    let store = rotating.state.store();
+    let (at, row) = store
+        .record(&new_scope, Some(&old_scope))
+        .await
+        .unwrap()
+        .expect("found under the previous secret");
+    assert_eq!(at, old_scope);
+    assert_eq!(row.fencing_token, token);
+    let (status, body) = rotating.record("k", "alice").await;
+    assert_eq!(status, 200, "{body}");
+    // A heartbeat moves it to the current address: found there, by the same read.
+    let (status, body, _) = rotating
+        .post(
+            "/v1/heartbeat",
+            &serde_json::json!({"key": "k", "subject": "alice", "endpoint": ENDPOINT,
+                                "token": token, "lease_ms": 60_000}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (at, _) = store
+        .record(&new_scope, Some(&old_scope))
+        .await
+        .unwrap()
+        .expect("found at the current address");
+    assert_eq!(at, new_scope);
+    let (status, body) = rotating.record("k", "alice").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["token"], token, "{body}");
+    // A move held uncommitted: the read sees the record where it was, not nowhere.
+    let mut tx = store.pool().begin().await.unwrap();
+    sqlx::query("UPDATE idempotency_records SET scope_hash = $1 WHERE scope_hash = $2")
+        .bind(&old_scope[..])
+        .bind(&new_scope[..])
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let (at, _) = store
+        .record(&new_scope, Some(&old_scope))
+        .await
+        .unwrap()
+        .expect("found while a move is uncommitted");
+    assert_eq!(at, new_scope);
+    tx.commit().await.unwrap();
+    let (at, _) = store
+        .record(&new_scope, Some(&old_scope))
+        .await
+        .unwrap()
+        .expect("found after the move committed");
+    assert_eq!(at, old_scope);
+    rotating.shutdown().await;
+}

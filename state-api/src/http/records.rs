@@ -11,7 +11,7 @@ use crate::store::{self, ms};
 use crate::AppState;
 
 use super::error::ApiError;
-use super::validate::{bad, scope_of};
+use super::validate::{bad, record_of};
 
 #[derive(Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -42,8 +42,7 @@ pub(crate) async fn record(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<RecordView>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
-    let scope = scope_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
-    let row = state.store().record(&scope).await?;
+    let (_, row) = record_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
     let Some(r) = row else {
         return Err(ApiError::new(
             ProblemKind::NotFound,

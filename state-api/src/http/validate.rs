@@ -90,6 +90,28 @@ addressed!(
     contract::wire::AbandonRequest
 );
 
+/// The record of a key, looked for at both of its addresses during a rotation of the key
+/// secret in one read ([`crate::store::Store::record`]), and the address it lives at; `None`,
+/// and the key's current address, when there is none.
+pub(crate) async fn record_of(
+    state: &AppState,
+    namespace: &str,
+    key: &str,
+    subject: &str,
+    endpoint: &str,
+) -> Result<(ScopeHash, Option<crate::store::RecordRow>), ApiError> {
+    let (current, previous) = addresses_of(state, namespace, key, subject, endpoint)?;
+    match state.store().record(&current, previous.as_ref()).await? {
+        Some((at, row)) => {
+            if at != current {
+                state.metrics().previous_secret_hit();
+            }
+            Ok((at, Some(row)))
+        }
+        None => Ok((current, None)),
+    }
+}
+
 pub(crate) async fn scope_of(
     state: &AppState,
     namespace: &str,

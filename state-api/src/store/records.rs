@@ -41,9 +41,19 @@ impl Store {
             .is_some())
     }
 
-    pub async fn record(&self, scope: &ScopeHash) -> Result<Option<RecordRow>, StoreError> {
+    /// The record of a key at `current`, or during a rotation of the key secret at `previous`,
+    /// and the address it was found at. One statement reads both addresses, so a record that
+    /// a write moves from the previous address to the current one meanwhile is found at one of
+    /// them (two reads, a lookup then the read, could miss it at both and say it is absent: a
+    /// client told so might take a new key for a request that ran).
+    pub async fn record(
+        &self,
+        current: &ScopeHash,
+        previous: Option<&ScopeHash>,
+    ) -> Result<Option<(ScopeHash, RecordRow)>, StoreError> {
+        let previous = previous.unwrap_or(current);
         let Some(r) = self.on_conn(async |conn| sqlx::query!(r#"
-    SELECT r.state, r.subject, r.endpoint, r.fingerprint_alg, r.fencing_token,
+    SELECT r.scope_hash, r.state, r.subject, r.endpoint, r.fingerprint_alg, r.fencing_token,
         CASE WHEN r.state = 'in_progress'
              THEN GREATEST(0, CEIL(EXTRACT(EPOCH FROM (r.lease_expires_at - c.now)) * 1000))::bigint
              ELSE 0 END AS "lease_remaining_ms!",
@@ -59,29 +69,39 @@ impl Store {
              END AS owner_seen_ms_ago,
         r.lease_ms
     FROM idempotency_records r CROSS JOIN LATERAL (SELECT clock_timestamp() AS now) c
-    WHERE r.scope_hash = $1"#, &scope[..])
+    WHERE r.scope_hash IN ($1, $2)
+    ORDER BY r.scope_hash = $1 DESC
+    LIMIT 1"#, &current[..], &previous[..])
             .fetch_optional(conn).await)
             .await?
         else {
             return Ok(None);
         };
-        Ok(Some(RecordRow {
-            state: r
-                .state
-                .parse()
-                .map_err(|_| StoreError::Corrupt("record state"))?,
-            subject: r.subject,
-            endpoint: r.endpoint,
-            fingerprint_alg: r.fingerprint_alg,
-            fencing_token: r.fencing_token,
-            lease_remaining_ms: r.lease_remaining_ms,
-            age_ms: r.age_ms,
-            completed_age_ms: r.completed_age_ms,
-            response_status: r.response_status,
-            response_replayable: r.response_replayable,
-            expires_in_ms: r.expires_in_ms,
-            owner_seen_ms_ago: r.owner_seen_ms_ago,
-            lease_ms: r.lease_ms,
-        }))
+        let at = if r.scope_hash[..] == previous[..] {
+            *previous
+        } else {
+            *current
+        };
+        Ok(Some((
+            at,
+            RecordRow {
+                state: r
+                    .state
+                    .parse()
+                    .map_err(|_| StoreError::Corrupt("record state"))?,
+                subject: r.subject,
+                endpoint: r.endpoint,
+                fingerprint_alg: r.fingerprint_alg,
+                fencing_token: r.fencing_token,
+                lease_remaining_ms: r.lease_remaining_ms,
+                age_ms: r.age_ms,
+                completed_age_ms: r.completed_age_ms,
+                response_status: r.response_status,
+                response_replayable: r.response_replayable,
+                expires_in_ms: r.expires_in_ms,
+                owner_seen_ms_ago: r.owner_seen_ms_ago,
+                lease_ms: r.lease_ms,
+            },
+        )))
     }
 }
