@@ -105,6 +105,16 @@ fn defaults_apply() {
     })
     .unwrap();
     assert_eq!(exact.buffer_reserve(), 0);
+    let one_identity = with(|v| {
+        v["max_buffered_bytes"] = (8 << 20).into();
+        v["max_buffered_bytes_per_subject"] = (8 << 20).into();
+    })
+    .unwrap();
+    assert_eq!(
+        one_identity.buffer_reserve(),
+        0,
+        "no reserve where one subject may hold the whole bound (an eighth otherwise)"
+    );
     let r = c.route("POST", "/pay/x").unwrap();
     assert_eq!(
         (r.on_5xx, r.on_state_unavailable),
