@@ -377,6 +377,29 @@ async fn release_frees_the_key_once() {
     assert_problem(s, &b, 409, "fenced-out");
     let (s, b) = api.record("rel", "alice").await;
     assert_problem(s, &b, 404, "not-found");
+    // "No record" carries the marker the filter needs to tell a client `absent`; a 404 for a
+    // route the state API does not have does not.
+    let marker = async |path: String| {
+        let request = axum::http::Request::get(path)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let (status, headers, _) = api.call(request).await;
+        let mark = headers
+            .get(contract::wire::NO_RECORD_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (status, mark)
+    };
+    assert_eq!(
+        marker(format!(
+            "/v1/records?key=rel&subject=alice&endpoint={}",
+            enc(ENDPOINT)
+        ))
+        .await,
+        (404, Some(contract::wire::NO_RECORD_VALUE.to_owned()))
+    );
+    assert_eq!(marker("/v1/no-such-route".into()).await, (404, None));
     // Free again, even for another body.
     let second = token_of(&api.claim("rel", &fp(8), None).await);
     assert!(second > first);

@@ -38,6 +38,12 @@ pub const UNKNOWN_PATH: &str = "/v1/unknown";
 pub const ABANDON_PATH: &str = "/v1/abandon";
 /// `GET /v1/records?key=..&subject=..&endpoint=..`: operator read of one record (no bodies).
 pub const RECORDS_PATH: &str = "/v1/records";
+/// The header, and its value, that the state API's `404` to a [`RECORDS_PATH`] read carries
+/// when there is no record for the key: the filter says `absent` to a client only on it. Any
+/// other 404 (a proxy's, a route the state API does not have) is an outage: a client told
+/// `absent` may take a new key for a request that ran.
+pub const NO_RECORD_HEADER: &str = "idempotency-record";
+pub const NO_RECORD_VALUE: &str = "absent";
 
 /// The header the filter sends with every call to the state API: how long (ms) it waits for
 /// the answer. The state API gives up a little before that (its own cap applies too): a job

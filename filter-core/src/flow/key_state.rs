@@ -15,7 +15,7 @@ use crate::metrics::Metric;
 use crate::reply::{self, LocalReply};
 use crate::route_table::RouteTable;
 use contract::json::{self, Fields, Value};
-use contract::wire::RECORDS_PATH;
+use contract::wire::{NO_RECORD_HEADER, NO_RECORD_VALUE, RECORDS_PATH};
 use contract::ProblemKind;
 
 /// What the answer says of a key, in the problem documents' words.
@@ -163,7 +163,18 @@ impl Flow {
             } => json::parse(body)
                 .ok()
                 .filter(|v| state_of(fields_of(v)).is_some()),
-            CalloutResult::Response { status: 404, .. } => Some(Value::Null),
+            // No record, said so by the state API itself; any other 404 is an outage.
+            CalloutResult::Response {
+                status: 404,
+                headers,
+                ..
+            } if headers.iter().any(|(n, v)| {
+                n.eq_ignore_ascii_case(NO_RECORD_HEADER) && v.trim() == NO_RECORD_VALUE
+            }) =>
+            {
+                Some(Value::Null)
+            }
+            CalloutResult::Response { status: 404, .. } => None,
             CalloutResult::Response { status, .. } if (400..500).contains(status) => {
                 // The question was refused (a contract error, not an outage).
                 let log = Flow::log(

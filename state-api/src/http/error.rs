@@ -13,12 +13,27 @@ use crate::store::StoreError;
 #[derive(Debug)]
 pub struct ApiError {
     problem: Problem,
+    /// A `404` of the record read that means "no record" (its marker header, which the
+    /// filter needs to tell a client `absent`).
+    no_record: bool,
 }
 
 impl ApiError {
     pub fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
         Self {
             problem: Problem::new(kind, detail),
+            no_record: false,
+        }
+    }
+
+    /// The record read's `404`: no record for this key ([`contract::wire::NO_RECORD_HEADER`]).
+    pub fn no_record() -> Self {
+        Self {
+            no_record: true,
+            ..Self::new(
+                ProblemKind::NotFound,
+                "no record for this key, subject and endpoint",
+            )
         }
     }
 }
@@ -39,6 +54,12 @@ impl IntoResponse for ApiError {
         }
         if status == StatusCode::SERVICE_UNAVAILABLE {
             h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if self.no_record {
+            h.insert(
+                contract::wire::NO_RECORD_HEADER,
+                HeaderValue::from_static(contract::wire::NO_RECORD_VALUE),
+            );
         }
         resp
     }

@@ -4,7 +4,6 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::Json;
 use contract::wire::RecordView;
-use contract::ProblemKind;
 use serde::Deserialize;
 
 use crate::store::{self, ms};
@@ -44,10 +43,7 @@ pub(crate) async fn record(
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
     let (_, row) = record_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
     let Some(r) = row else {
-        return Err(ApiError::new(
-            ProblemKind::NotFound,
-            "no record for this key, subject and endpoint",
-        ));
+        return Err(ApiError::no_record());
     };
     Ok(Json(record_view(r)))
 }

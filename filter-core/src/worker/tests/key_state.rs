@@ -84,13 +84,32 @@ fn no_record_is_absent_and_a_state_api_failure_is_503() {
     let mut t = Harness::new(&config());
     let step = ask(&mut t, ASK, &[("idempotency-key", "k")]);
     let d = records_call(&step);
-    let step = t.answer(&d, status(404, br#"{"type":"/problems/not-found"}"#));
+    let no_record = CalloutResult::Response {
+        status: 404,
+        headers: vec![(
+            contract::wire::NO_RECORD_HEADER.into(),
+            contract::wire::NO_RECORD_VALUE.into(),
+        )],
+        body: br#"{"type":"/problems/not-found"}"#.to_vec(),
+    };
+    let step = t.answer(&d, no_record);
     let said = body_of(step.reply());
     assert_eq!(
         (said["key_state"].as_str(), said["retry_same_key"].as_bool()),
         (Some("absent"), Some(true))
     );
     assert_eq!(header(step.reply(), "idempotency-key-expires-in"), None);
+
+    // A 404 the state API did not mark (a proxy's, a route it does not have) is not "no
+    // record": a client told absent may take a new key for a request that ran. 503.
+    let step = ask(&mut t, ASK, &[("idempotency-key", "k")]);
+    let d = records_call(&step);
+    let step = t.answer(&d, status(404, br#"{"type":"/problems/not-found"}"#));
+    assert_eq!(step.reply().status, 503);
+    assert_eq!(
+        problem_type(step.reply()),
+        "/problems/idempotency-state-unavailable"
+    );
 
     let step = ask(&mut t, ASK, &[("idempotency-key", "k")]);
     let d = records_call(&step);
