@@ -24,7 +24,7 @@ use subtle::ConstantTimeEq as _;
 use crate::http::error::ApiError;
 use crate::http::extract::ApiJson;
 use crate::http::records::record_view;
-use crate::http::validate::{bad, checked_response, record_of, scope_of};
+use crate::http::validate::{addresses_of, bad, checked_response, record_of, scope_of};
 use crate::metrics::AdminOp;
 use crate::scope::{log_label, ScopeHash};
 use crate::sealing::Sealed;
@@ -109,12 +109,20 @@ fn hex(scope: &ScopeHash) -> String {
     scope.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn audit_of(state: &AppState, scope: &ScopeHash) -> Result<Vec<AuditEntry>, ApiError> {
+/// A key's audit trail at its current address and, during a rotation of the key secret, at
+/// its previous one (an action on a record not moved yet is recorded there), in order.
+async fn audit_of(
+    state: &AppState,
+    current: &ScopeHash,
+    previous: Option<&ScopeHash>,
+) -> Result<Vec<AuditEntry>, ApiError> {
+    let previous = previous.unwrap_or(current);
     let rows = sqlx::query!(
         r#"SELECT id, to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS "at!",
            actor, action, reason, forced, before, after
-    FROM idempotency_audit WHERE scope_hash = $1 ORDER BY id"#,
-        &scope[..]
+    FROM idempotency_audit WHERE scope_hash IN ($1, $2) ORDER BY id"#,
+        &current[..],
+        &previous[..]
     )
     .fetch_all(state.store().pool())
     .await?;
@@ -151,20 +159,20 @@ async fn show(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<AdminRecord>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
+    let (current, previous) = addresses_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
     let (scope, row) = record_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
-    let audit = audit_of(&state, &scope).await?;
+    let audit = audit_of(&state, &current, previous.as_ref()).await?;
     if row.is_none() && audit.is_empty() {
         return Err(ApiError::new(
             ProblemKind::NotFound,
             "no record and no audit trail for this key, subject and endpoint",
         ));
     }
-    let body_base64 = if q.body {
-        replayable_body(&state, &scope)
+    let body_base64 = match (&row, q.body) {
+        (Some(r), true) => replayable_body(&state, &scope, r.fencing_token)
             .await?
-            .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
-    } else {
-        None
+            .map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
+        _ => None,
     };
     Ok(Json(AdminRecord {
         scope: hex(&scope),
@@ -175,14 +183,20 @@ async fn show(
     }))
 }
 
-/// The body of a replayable completed record, opened with the storage keys.
-async fn replayable_body(state: &AppState, scope: &ScopeHash) -> Result<Option<Vec<u8>>, ApiError> {
+/// The body of a replayable completed record, opened with the storage keys: the record read
+/// just before (its fencing token), not another completion made since.
+async fn replayable_body(
+    state: &AppState,
+    scope: &ScopeHash,
+    token: i64,
+) -> Result<Option<Vec<u8>>, ApiError> {
     let Some(r) = sqlx::query!(
         r#"SELECT fencing_token, response_status AS "status!", response_headers AS "headers!: SqlJson<Vec<(String, String)>>",
                response_body AS "body!", response_key_id
         FROM idempotency_records
-        WHERE scope_hash = $1 AND state = 'completed' AND response_replayable"#,
-        &scope[..]
+        WHERE scope_hash = $1 AND fencing_token = $2 AND state = 'completed' AND response_replayable"#,
+        &scope[..],
+        token
     )
     .fetch_optional(state.store().pool())
     .await?

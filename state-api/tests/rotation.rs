@@ -469,7 +469,10 @@ async fn the_record_read_finds_a_record_at_either_address_in_one_statement() {
     let (status, body) = rotating.record("k", "alice").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["token"], token, "{body}");
-    // A move held uncommitted: the read sees the record where it was, not nowhere.
+    // A move held uncommitted (back to the previous address here, which production never does:
+    // what counts is that the read sees one version of the row): the read sees the record where
+    // it was, not nowhere. The race itself (a move committed between two statements) cannot be
+    // paused from outside; one statement leaves it no room.
     let mut tx = store.pool().begin().await.unwrap();
     sqlx::query("UPDATE idempotency_records SET scope_hash = $1 WHERE scope_hash = $2")
         .bind(&old_scope[..])
