@@ -599,6 +599,15 @@ pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
 /// bodies read into Envoy at once (bench/NOTES.md, twentieth round).
 pub const CONNECTION_READ_BYTES: u64 = 32 * 1024;
 
+/// A client's HTTP/2 connection (h2c: the listener's codec is `AUTO`), as Envoy's edge
+/// guidance sets it: at most this many streams at once (Envoy's default: 2^31 - 1), ...
+pub const CLIENT_STREAMS_PER_CONNECTION: u64 = 100;
+/// ... what a client may send on one stream before Envoy's acknowledgement (Envoy's default:
+/// 256 MiB), ...
+pub const CLIENT_STREAM_WINDOW_BYTES: u64 = 64 * 1024;
+/// ... and on the whole connection.
+pub const CLIENT_CONNECTION_WINDOW_BYTES: u64 = 1024 * 1024;
+
 /// The connections the listener accepts in one turn of a worker's loop
 /// (`max_connections_to_accept_per_socket_event`; Envoy's default: all that wait). Hundreds of
 /// connections opened at once are then taken a few at a time, between which the worker serves
@@ -749,16 +758,27 @@ pub fn overload_manager(cfg: &Config) -> Yaml {
     ])
 }
 
-/// The runtime's static layer: the listener's connection limit, and what `jwt_rules` needs.
+/// Requests of one connection Envoy starts in one turn of a worker's loop
+/// (`http.max_requests_per_io_cycle`, Envoy's mitigation of HTTP/2 rapid reset; its default: no
+/// limit). An HTTP/2 connection opening and resetting streams as fast as it can then gets one a
+/// turn, like every other connection, instead of the whole worker.
+pub const REQUESTS_PER_IO_CYCLE: u64 = 1;
+
+/// The runtime's static layer: the listener's connection limit, the requests a connection
+/// starts a turn, and what `jwt_rules` needs.
 fn runtime(cfg: &Config) -> Yaml {
     let mut layers = vec![map(vec![
         ("name", s("limits")),
         (
             "static_layer",
-            map(vec![(
-                format!("envoy.resource_limits.listener.{LISTENER_NAME}.connection_limit").as_str(),
-                n(cfg.limits.max_connections),
-            )]),
+            map(vec![
+                (
+                    format!("envoy.resource_limits.listener.{LISTENER_NAME}.connection_limit")
+                        .as_str(),
+                    n(cfg.limits.max_connections),
+                ),
+                ("http.max_requests_per_io_cycle", n(REQUESTS_PER_IO_CYCLE)),
+            ]),
         ),
     ])];
     if let Some(Yaml::Hash(h)) = crate::jwt_rules::runtime_layer(cfg) {
@@ -795,6 +815,19 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
             (
                 "common_http_protocol_options",
                 map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),
+            ),
+            // HTTP/2 clients bounded as HTTP/1.1 ones are by `CONNECTION_READ_BYTES`: streams
+            // at once, and what each may push before Envoy reads it.
+            (
+                "http2_protocol_options",
+                map(vec![
+                    ("max_concurrent_streams", n(CLIENT_STREAMS_PER_CONNECTION)),
+                    ("initial_stream_window_size", n(CLIENT_STREAM_WINDOW_BYTES)),
+                    (
+                        "initial_connection_window_size",
+                        n(CLIENT_CONNECTION_WINDOW_BYTES),
+                    ),
+                ]),
             ),
             (
                 "route_config",

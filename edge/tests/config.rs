@@ -935,6 +935,17 @@ fn envoy_reads_a_connection_32_kib_at_a_time_and_a_stream_buffers_the_largest_bo
         listener["max_connections_to_accept_per_socket_event"].as_i64(),
         Some(edge::render::ACCEPTS_PER_EVENT as i64)
     );
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    let h2 = &hcm["http2_protocol_options"];
+    assert_eq!(
+        (
+            h2["max_concurrent_streams"].as_i64(),
+            h2["initial_stream_window_size"].as_i64(),
+            h2["initial_connection_window_size"].as_i64()
+        ),
+        (Some(100), Some(65_536), Some(1_048_576)),
+        "a client's HTTP/2 connection bounded as Envoy's edge guidance says"
+    );
     let vhost = &listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
         ["virtual_hosts"][0];
     // The stream itself buffers a whole body (and a captured response) above the largest the
