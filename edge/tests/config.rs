@@ -748,6 +748,12 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
             .as_i64(),
         Some(1000)
     );
+    // One new request a connection a turn of the loop (the HTTP/2 rapid reset's mitigation).
+    assert_eq!(
+        doc["layered_runtime"]["layers"][0]["static_layer"]["http.max_requests_per_io_cycle"]
+            .as_i64(),
+        Some(edge::render::REQUESTS_PER_IO_CYCLE as i64)
+    );
     // A buffering bound set above the budget's share raises the heap bound with it.
     c.filter.max_buffered_bytes = Some(1 << 30);
     let doc = doc_of(&c);

@@ -145,7 +145,7 @@ const ADMIN_ONE_RECORD: &[Route] = &[
 const PROBLEMS: &[(u16, &str, &[Route])] = &[
     (400, "Malformed JSON, unknown field, invalid key (`/problems/invalid-idempotency-key`) or field value (`/problems/bad-request`). Nothing written.", FILTER_ROUTES),
     (401, "Missing or wrong bearer token (`/problems/unauthenticated`).", FILTER_ROUTES),
-    (404, "No record (`/problems/not-found`).", &[("get", RECORDS_PATH)]),
+    (404, "No record (`/problems/not-found`), said with the header `idempotency-record: absent`: the filter tells a client `absent` on that header only.", &[("get", RECORDS_PATH)]),
     (409, "Fenced out (`/problems/fenced-out`): this token no longer owns an in-progress record for the key (a newer claim took over, or it was completed, released or purged). Nothing written; the event is counted in `state_api_fenced_out_total`.", FENCED_ROUTES),
     (413, "Request body over the HTTP limit, or stored body over --max-body-bytes (`/problems/payload-too-large`). Nothing written.", FILTER_ROUTES),
     (500, "Unexpected failure, or a stored response that does not open under this state API's storage keys (`/problems/internal-error`): nothing is replayed.", FILTER_ROUTES),
