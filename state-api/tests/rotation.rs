@@ -13,6 +13,30 @@ use contract::wire::{ClaimResponse, COMPLETE_PATH};
 const OLD: &str = "old-key-secret-0123456789";
 const NEW: &str = "new-key-secret-9876543210";
 
+/// Key `k` claimed by alice under the old secret (`lease_ms`), then a state API rotating to the
+/// new one: it, the claim's token, and the key's previous and current addresses.
+async fn claimed_then_rotated(
+    database: &str,
+    lease_ms: u64,
+) -> (
+    Api,
+    i64,
+    state_api::scope::ScopeHash,
+    state_api::scope::ScopeHash,
+) {
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let db = cluster.fresh_database(database).unwrap();
+    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
+    let token = token_of(&before.claim("k", &fp(1), Some(lease_ms)).await);
+    before.shutdown().await;
+    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
+    let old_scope = state_api::scope::Scoper::new(OLD.as_bytes())
+        .unwrap()
+        .hash("k", "alice", ENDPOINT);
+    let new_scope = rotating.state.scoper().hash("k", "alice", ENDPOINT);
+    (rotating, token, old_scope, new_scope)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_key_secret_finds_the_previous_records_and_writes_new_ones_with_the_new() {
     let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
@@ -148,16 +172,7 @@ fn the_previous_secret_must_differ_and_be_long_enough() {
 /// address only, so no two records of one key can live under the two secrets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_statement_looks_under_both_secrets_and_inserts_under_the_current_only() {
-    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
-    let db = cluster.fresh_database("rotation_race").unwrap();
-    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
-    let old = token_of(&before.claim("k", &fp(1), Some(1_000)).await);
-    before.shutdown().await;
-    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
-    let old_scope = state_api::scope::Scoper::new(OLD.as_bytes())
-        .unwrap()
-        .hash("k", "alice", ENDPOINT);
-    let new_scope = rotating.state.scoper().hash("k", "alice", ENDPOINT);
+    let (rotating, old, old_scope, new_scope) = claimed_then_rotated("rotation_race", 1_000).await;
     // Its owner marked it unknown; a take-over finds it under the previous secret and moves it.
     let (status, body, _) = rotating.post("/v1/unknown", &fenced_body("k", old)).await;
     assert_eq!(status, 200, "{body}");
@@ -299,16 +314,7 @@ async fn a_write_looked_up_under_the_previous_secret_finds_the_record_another_wr
 /// response sealed there, the complete fenced out, the outcome lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_complete_s_move_that_waits_for_another_write_s_move_finds_the_record_moved() {
-    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
-    let db = cluster.fresh_database("rotation_wait").unwrap();
-    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
-    let token = token_of(&before.claim("k", &fp(1), Some(60_000)).await);
-    before.shutdown().await;
-    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
-    let old = state_api::scope::Scoper::new(OLD.as_bytes())
-        .unwrap()
-        .hash("k", "alice", ENDPOINT);
-    let new = rotating.state.scoper().hash("k", "alice", ENDPOINT);
+    let (rotating, token, old, new) = claimed_then_rotated("rotation_wait", 60_000).await;
     let store = rotating.state.store().clone();
     // The other write (a heartbeat's move), not committed yet.
     let mut other = store.pool().begin().await.unwrap();
@@ -431,16 +437,8 @@ async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() 
 /// `absent` may take a new key for a request that ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_record_read_finds_a_record_at_either_address_in_one_statement() {
-    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
-    let db = cluster.fresh_database("rotation_read").unwrap();
-    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
-    let token = token_of(&before.claim("k", &fp(1), Some(60_000)).await);
-    before.shutdown().await;
-    let rotating = Api::start_on(&db, &["--key-secret", NEW, "--previous-key-secret", OLD]).await;
-    let old_scope = state_api::scope::Scoper::new(OLD.as_bytes())
-        .unwrap()
-        .hash("k", "alice", ENDPOINT);
-    let new_scope = rotating.state.scoper().hash("k", "alice", ENDPOINT);
+    let (rotating, token, old_scope, new_scope) =
+        claimed_then_rotated("rotation_read", 60_000).await;
     let store = rotating.state.store();
     let (at, row) = store
         .record(&new_scope, Some(&old_scope))
