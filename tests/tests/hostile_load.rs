@@ -50,9 +50,9 @@ const BURST_P99_BOUND: Duration = Duration::from_millis(2_000);
 /// The legitimate keys' p50 and p99 during the HTTP/2 rapid reset: Envoy's one worker starts
 /// some 16,000 streams a second for the attack (half of them claimed and given back), one a
 /// turn of its loop per connection (`http.max_requests_per_io_cycle`), while this process opens
-/// and resets them on the same two cores. Measured: p50 30-66 ms, p99 74-184 ms; without the
+/// and resets them on the same two cores. Measured: p50 30-100 ms, p99 74-275 ms; without the
 /// per-turn limit p50 270-280 ms, p99 403-483 ms (docs/RELIABILITY.md, Hostile load).
-const RESET_P50_BOUND: Duration = Duration::from_millis(150);
+const RESET_P50_BOUND: Duration = Duration::from_millis(200);
 const RESET_P99_BOUND: Duration = Duration::from_millis(500);
 
 /// What Envoy's resident memory may grow by over each attack: `[limits] memory_budget_mib`'s
