@@ -164,13 +164,10 @@ impl Flow {
                 .ok()
                 .filter(|v| state_of(fields_of(v)).is_some()),
             // No record, said so by the state API itself; any other 404 is an outage.
-            CalloutResult::Response {
-                status: 404,
-                headers,
-                ..
-            } if headers.iter().any(|(n, v)| {
-                n.eq_ignore_ascii_case(NO_RECORD_HEADER) && v.trim() == NO_RECORD_VALUE
-            }) =>
+            CalloutResult::Response { status: 404, .. }
+                if answer
+                    .header(NO_RECORD_HEADER)
+                    .is_some_and(|v| v.trim() == NO_RECORD_VALUE) =>
             {
                 Some(Value::Null)
             }
