@@ -160,7 +160,7 @@ async fn show(
 ) -> Result<Json<AdminRecord>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
     let (current, previous) = addresses_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
-    let (scope, row) = record_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
+    let (scope, row) = record_of(&state, current, previous).await?;
     let audit = audit_of(&state, &current, previous.as_ref()).await?;
     if row.is_none() && audit.is_empty() {
         return Err(ApiError::new(

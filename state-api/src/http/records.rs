@@ -10,7 +10,7 @@ use crate::store::{self, ms};
 use crate::AppState;
 
 use super::error::ApiError;
-use super::validate::{bad, record_of};
+use super::validate::{addresses_of, bad, record_of};
 
 #[derive(Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -41,7 +41,8 @@ pub(crate) async fn record(
     query: Result<Query<RecordQuery>, QueryRejection>,
 ) -> Result<Json<RecordView>, ApiError> {
     let Query(q) = query.map_err(|e| bad(format!("query: {}", e.body_text())))?;
-    let (_, row) = record_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint).await?;
+    let (current, previous) = addresses_of(&state, &q.namespace, &q.key, &q.subject, &q.endpoint)?;
+    let (_, row) = record_of(&state, current, previous).await?;
     let Some(r) = row else {
         return Err(ApiError::no_record());
     };

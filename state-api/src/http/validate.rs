@@ -90,17 +90,14 @@ addressed!(
     contract::wire::AbandonRequest
 );
 
-/// The record of a key, looked for at both of its addresses during a rotation of the key
-/// secret in one read ([`crate::store::Store::record`]), and the address it lives at; `None`,
-/// and the key's current address, when there is none.
+/// The record of a key at its addresses ([`addresses_of`]), looked for at both during a
+/// rotation of the key secret in one read ([`crate::store::Store::record`]), and the address it
+/// lives at; `None`, and the key's current address, when there is none.
 pub(crate) async fn record_of(
     state: &AppState,
-    namespace: &str,
-    key: &str,
-    subject: &str,
-    endpoint: &str,
+    current: ScopeHash,
+    previous: Option<ScopeHash>,
 ) -> Result<(ScopeHash, Option<crate::store::RecordRow>), ApiError> {
-    let (current, previous) = addresses_of(state, namespace, key, subject, endpoint)?;
     match state.store().record(&current, previous.as_ref()).await? {
         Some((at, row)) => {
             if at != current {
