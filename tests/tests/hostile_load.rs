@@ -171,6 +171,13 @@ static STACK: SharedStack = SharedStack::new(start_stack);
 // Envoy's memory
 
 /// The pid of the Envoy whose command line names `config`.
+/// The Envoy listener's address, for the attacks' raw connections.
+fn envoy_addr(stack: &Stack) -> SocketAddr {
+    format!("127.0.0.1:{}", stack.envoy.params.listen_port)
+        .parse()
+        .expect("addr")
+}
+
 fn envoy_pid(stack: &Stack) -> u32 {
     let config = stack.envoy.config_path.display().to_string();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
@@ -545,9 +552,7 @@ fn report(attack: &str, figures: &str) {
 /// what the client still sends is never read, let alone held (issue 49, item 2). The codec does
 /// it for any answer that comes before the request is whole (HTTP/1.1).
 async fn refusals_close_their_connection(stack: Arc<Stack>) {
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let before = stack
         .envoy
         .counter("http.edge.downstream_rq_response_before_rq_complete");
@@ -610,9 +615,7 @@ async fn refusals_close_their_connection(stack: Arc<Stack>) {
 async fn burst(stack: Arc<Stack>) {
     let n = sizes().burst;
     let pid = envoy_pid(&stack);
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     // Warm: the VM and the pools at their working size before the idle figure.
     let c = Client::new(&stack.envoy.url(""));
     for _ in 0..20 {
@@ -750,9 +753,7 @@ async fn burst(stack: Arc<Stack>) {
 async fn idle_connections(stack: Arc<Stack>) {
     let n = sizes().idle;
     let pid = envoy_pid(&stack);
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let rss_before = rss_mib(pid);
     let peak = RssPeak::start(pid);
     let legit = Legit::start(&stack);
@@ -814,9 +815,7 @@ async fn idle_connections(stack: Arc<Stack>) {
 async fn slow_clients(stack: Arc<Stack>) {
     let s = sizes();
     let pid = envoy_pid(&stack);
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let request_timeout = Duration::from_millis(edge::render::request_timeout_ms(
         &stack.envoy.params.edge_config().expect("config"),
     ));
@@ -934,9 +933,7 @@ async fn slow_clients(stack: Arc<Stack>) {
 /// it stops when the last byte comes from the client, and `edge render` relies on it
 /// (`edge::render::request_timeout_ms`).
 async fn request_timeout_while_the_filter_waits(stack: Arc<Stack>) {
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let request_timeout = Duration::from_millis(edge::render::request_timeout_ms(
         &stack.envoy.params.edge_config().expect("config"),
     ));
@@ -1014,9 +1011,7 @@ async fn request_timeout_while_the_filter_waits(stack: Arc<Stack>) {
 async fn header_flood(stack: Arc<Stack>) {
     let s = sizes();
     let pid = envoy_pid(&stack);
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let rss_before = rss_mib(pid);
     let peak = RssPeak::start(pid);
     let legit = Legit::start(&stack);
@@ -1112,9 +1107,7 @@ async fn header_flood(stack: Arc<Stack>) {
 /// `503 edge-buffers-full`). Now bob holds his share of the bound (a quarter by default): the
 /// rest of his requests are refused at once, and alice's new keys are all served meanwhile.
 async fn one_subject_s_slow_large_bodies(stack: Arc<Stack>) {
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let cfg = stack.envoy.params.edge_config().expect("config");
     let bound = edge::render::max_buffered_bytes(&cfg);
     let share = edge::render::max_buffered_bytes_per_subject(&cfg);
@@ -1216,6 +1209,14 @@ async fn one_subject_s_slow_large_bodies(stack: Arc<Stack>) {
 /// claims (how many of the streams reset after a whole body were claimed and given back).
 const RESET_COUNTERS: &str = "^http.edge.downstream_(rq_rx_reset|cx_http2_total|rq_too_many_premature_resets)$|^http2\\.rx_reset$|^wasmcustom.idempotency.(claimed|claimed_for_ended_stream|claims_abandoned|released|claim_batches)$";
 
+/// How far the filter's counter `idempotency.<name>` moved between two readings of Envoy's
+/// counters.
+fn filter_moved(now: &BTreeMap<String, u64>, before: &BTreeMap<String, u64>, name: &str) -> u64 {
+    let name = format!("wasmcustom.idempotency.{name}");
+    let at = |c: &BTreeMap<String, u64>| c.get(&name).copied().unwrap_or(0);
+    at(now).saturating_sub(at(before))
+}
+
 /// What one HTTP/2 connection of the reset attack did.
 #[derive(Default)]
 struct ResetFigures {
@@ -1232,9 +1233,7 @@ struct ResetFigures {
 async fn http2_rapid_reset(stack: Arc<Stack>) {
     let s = sizes();
     let pid = envoy_pid(&stack);
-    let target: SocketAddr = format!("127.0.0.1:{}", stack.envoy.params.listen_port)
-        .parse()
-        .expect("addr");
+    let target = envoy_addr(&stack);
     let rss_before = rss_mib(pid);
     let peak = RssPeak::start(pid);
     let counters_before = stack.envoy.counters(RESET_COUNTERS);
@@ -1333,11 +1332,10 @@ async fn http2_rapid_reset(stack: Arc<Stack>) {
         all.unfinished.len(),
         all.whole.len()
     );
-    let delta = |name: &str| {
-        let name = format!("wasmcustom.idempotency.{name}");
-        counters.get(&name).copied().unwrap_or(0) - counters_before.get(&name).copied().unwrap_or(0)
-    };
-    assert!(delta("claimed") > 0, "no claim at all: {moved:?}");
+    assert!(
+        filter_moved(&counters, &counters_before, "claimed") > 0,
+        "no claim at all: {moved:?}"
+    );
     legit.check("the HTTP/2 rapid reset", RESET_P99_BOUND);
     assert!(
         legit.p50 <= RESET_P50_BOUND,
@@ -1350,11 +1348,10 @@ async fn http2_rapid_reset(stack: Arc<Stack>) {
     );
     // A claim granted for a stream already reset is given back (stored as released).
     let given_back = |c: &BTreeMap<String, u64>| {
-        let at = |n: &str| {
-            let n = format!("wasmcustom.idempotency.{n}");
-            c.get(&n).copied().unwrap_or(0) - counters_before.get(&n).copied().unwrap_or(0)
-        };
-        (at("claimed_for_ended_stream"), at("released"))
+        (
+            filter_moved(c, &counters_before, "claimed_for_ended_stream"),
+            filter_moved(c, &counters_before, "released"),
+        )
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     let (mut granted, mut released) = given_back(&counters);
