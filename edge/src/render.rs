@@ -607,6 +607,19 @@ pub const CLIENT_STREAMS_PER_CONNECTION: u64 = 100;
 pub const CLIENT_STREAM_WINDOW_BYTES: u64 = 64 * 1024;
 /// ... and on the whole connection.
 pub const CLIENT_CONNECTION_WINDOW_BYTES: u64 = 1024 * 1024;
+/// A client's HTTP/2 flood limits, written out at Envoy 1.40's own defaults so that another
+/// Envoy's defaults cannot loosen them unnoticed: a connection is closed when more than this
+/// many frames wait in Envoy's output for a client that does not read them, ...
+pub const CLIENT_OUTBOUND_FRAMES: u64 = 10_000;
+/// ... or this many of them are control frames (the acknowledgements of a PING or SETTINGS
+/// flood: `hostile_load_8_http2_control_frame_flood`), ...
+pub const CLIENT_OUTBOUND_CONTROL_FRAMES: u64 = 1_000;
+/// ... or it sends more frames in a row without a payload than this (empty DATA, CONTINUATION),
+/// ...
+pub const CLIENT_EMPTY_FRAMES_IN_A_ROW: u64 = 1;
+/// ... or more WINDOW_UPDATEs than this for each DATA frame Envoy sent it (the flood's third
+/// kind).
+pub const CLIENT_WINDOW_UPDATES_PER_DATA_FRAME: u64 = 10;
 
 /// The connections the listener accepts in one turn of a worker's loop
 /// (`max_connections_to_accept_per_socket_event`; Envoy's default: all that wait). Hundreds of
@@ -817,7 +830,8 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
                 map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),
             ),
             // HTTP/2 clients bounded as HTTP/1.1 ones are by `CONNECTION_READ_BYTES`: streams
-            // at once, and what each may push before Envoy reads it.
+            // at once, what each may push before Envoy reads it, and the frames it may make
+            // Envoy queue or answer.
             (
                 "http2_protocol_options",
                 map(vec![
@@ -826,6 +840,19 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
                     (
                         "initial_connection_window_size",
                         n(CLIENT_CONNECTION_WINDOW_BYTES),
+                    ),
+                    ("max_outbound_frames", n(CLIENT_OUTBOUND_FRAMES)),
+                    (
+                        "max_outbound_control_frames",
+                        n(CLIENT_OUTBOUND_CONTROL_FRAMES),
+                    ),
+                    (
+                        "max_consecutive_inbound_frames_with_empty_payload",
+                        n(CLIENT_EMPTY_FRAMES_IN_A_ROW),
+                    ),
+                    (
+                        "max_inbound_window_update_frames_per_data_frame_sent",
+                        n(CLIENT_WINDOW_UPDATES_PER_DATA_FRAME),
                     ),
                 ]),
             ),

@@ -14,7 +14,9 @@
 //! `HOSTILE_LOAD_SIZE=full` (`make test-hostile-load SIZE=full`) the issue's: 500 x 1 MiB held
 //! bodies either way, 2,000 / 10,000 idle connections, 200 / 1,000 slow-body clients, 50 / 200
 //! slow-header clients, a header flood of 5 / 20 s from 32 / 64 connections, an HTTP/2 rapid
-//! reset of 5 / 20 s from 8 / 16 connections. The stack's client
+//! reset of 5 / 20 s from 8 / 16 connections, an HTTP/2 control-frame flood (PING, SETTINGS,
+//! WINDOW_UPDATE) of 5 / 20 s from 24 / 96 clients, and 200 / 1,000 HTTP/2 clients that never
+//! read their answer (a window of 0). The stack's client
 //! timeouts are shortened (`[limits]`: headers 2 s, whole request 5 s, idle 3 s) so that the
 //! slow clients are cut within the test's time; the memory limits are the defaults.
 
@@ -68,6 +70,8 @@ struct Sizes {
     flood_clients: usize,
     reset_secs: u64,
     reset_connections: usize,
+    control_flood_connections: usize,
+    zero_window_connections: usize,
 }
 
 fn sizes() -> Sizes {
@@ -81,6 +85,8 @@ fn sizes() -> Sizes {
             flood_clients: 64,
             reset_secs: 20,
             reset_connections: 16,
+            control_flood_connections: 96,
+            zero_window_connections: 1_000,
         }
     } else {
         Sizes {
@@ -92,6 +98,8 @@ fn sizes() -> Sizes {
             flood_clients: 32,
             reset_secs: 5,
             reset_connections: 8,
+            control_flood_connections: 24,
+            zero_window_connections: 200,
         }
     }
 }
@@ -1428,6 +1436,311 @@ async fn http2_rapid_reset(stack: Arc<Stack>) {
     assert_nothing_charged_twice(&stack).await;
 }
 
+// ---------------------------------------------------------------------------------------------
+// HTTP/2 control frames and readers that never read
+
+/// The HTTP/2 connection preface (RFC 9113, 3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// One HTTP/2 frame: its 9-byte header and payload.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The control frames a flood sends: those Envoy must answer (PING and SETTINGS, each
+/// acknowledged), and one it only counts (a connection's WINDOW_UPDATE).
+#[derive(Clone, Copy, Debug)]
+enum ControlFrame {
+    Ping,
+    Settings,
+    WindowUpdate,
+}
+
+impl ControlFrame {
+    const ALL: [ControlFrame; 3] = [Self::Ping, Self::Settings, Self::WindowUpdate];
+
+    fn frame(self) -> Vec<u8> {
+        match self {
+            Self::Ping => h2_frame(0x6, 0, 0, &[0; 8]),
+            Self::Settings => h2_frame(0x4, 0, 0, &[]),
+            Self::WindowUpdate => h2_frame(0x8, 0, 0, &1u32.to_be_bytes()),
+        }
+    }
+}
+
+/// What one flooding client did.
+#[derive(Debug, Default)]
+struct FloodEnd {
+    /// Connections opened: one closed by Envoy while written to is opened again.
+    connections: usize,
+    frames: u64,
+    /// Connections Envoy closed while they were being written to (its flood limits).
+    closed_while_flooding: usize,
+    /// Whether the connection open when the flood's time was up was closed by the end of the
+    /// drain that follows (by then an idle connection's timeout has passed).
+    last_closed: bool,
+}
+
+/// One client's flood of `kind` until `until`, never reading what Envoy answers, on a new
+/// connection whenever Envoy closes one; then what Envoy sent on the last is read until it
+/// closes it or `drain` has passed.
+async fn control_flood(
+    target: SocketAddr,
+    kind: ControlFrame,
+    until: Instant,
+    drain: Duration,
+) -> FloodEnd {
+    let mut end = FloodEnd::default();
+    let mut hello = H2_PREFACE.to_vec();
+    hello.extend(h2_frame(0x4, 0, 0, &[]));
+    let batch: Vec<u8> = kind.frame().repeat(1_024);
+    while Instant::now() < until {
+        let Ok(mut s) = TcpStream::connect(target).await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        end.connections += 1;
+        // A write that blocks (Envoy stopped reading) is left when the flood's time is up:
+        // the frame it cut is never finished, which Envoy can only wait for.
+        let mut frames = 0;
+        let flood = async {
+            if s.write_all(&hello).await.is_err() {
+                return true;
+            }
+            loop {
+                if Instant::now() >= until {
+                    return false;
+                }
+                if s.write_all(&batch).await.is_err() {
+                    return true;
+                }
+                frames += 1_024;
+                tokio::task::yield_now().await;
+            }
+        };
+        let closed = tokio::time::timeout_at(until.into(), flood)
+            .await
+            .unwrap_or(false);
+        end.frames += frames;
+        if closed {
+            end.closed_while_flooding += 1;
+            continue;
+        }
+        let mut sink = vec![0u8; 64 * 1024];
+        let drained = tokio::time::timeout(drain, async {
+            loop {
+                match s.read(&mut sink).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        end.last_closed = drained.unwrap_or(false);
+        return end;
+    }
+    end.last_closed = true;
+    end
+}
+
+/// Envoy's counters the control-frame flood reports: its HTTP/2 flood protections and the
+/// connections they and the idle timeout closed.
+const FLOOD_COUNTERS: &str = "^http2\\.(outbound_control_flood|outbound_flood|inbound_empty_frames_flood|inbound_priority_frames_flood|inbound_window_update_frames_flood|rx_messaging_error|rx_reset|tx_reset|keepalive_timeout)$|^http.edge.downstream_cx_(idle_timeout|http2_total|protocol_error)$";
+
+/// HTTP/2 control frames as fast as a connection can send them, and none of Envoy's answers
+/// read: PINGs and SETTINGS, which Envoy must acknowledge (the acknowledgements pile up in its
+/// output), and WINDOW_UPDATEs, which it only counts. No connection that sends nothing but
+/// control frames may stay open past the idle timeout, nor grow Envoy past its budget, nor
+/// slow the legitimate keys past [`P99_BOUND`].
+async fn http2_control_frame_flood(stack: Arc<Stack>) {
+    let s = sizes();
+    let pid = envoy_pid(&stack);
+    let target = envoy_addr(&stack);
+    let rss_before = rss_mib(pid);
+    let peak = RssPeak::start(pid);
+    let counters_before = stack.envoy.counters(FLOOD_COUNTERS);
+    let legit = Legit::start(&stack);
+    let until = Instant::now() + Duration::from_secs(s.flood_secs);
+    let drain = Duration::from_millis(IDLE_TIMEOUT_MS + 3_000);
+    let mut tasks = Vec::new();
+    for c in 0..s.control_flood_connections {
+        let kind = ControlFrame::ALL[c % ControlFrame::ALL.len()];
+        tasks.push((
+            kind,
+            tokio::spawn(control_flood(target, kind, until, drain)),
+        ));
+    }
+    let mut by_kind: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
+    let mut open = Vec::new();
+    for (kind, t) in tasks {
+        let end = t.await.expect("task");
+        let e = by_kind.entry(format!("{kind:?}")).or_default();
+        e.0 += end.connections;
+        e.1 += end.frames;
+        e.2 += end.closed_while_flooding;
+        if !end.last_closed {
+            open.push(kind);
+        }
+    }
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    let counters = stack.envoy.counters(FLOOD_COUNTERS);
+    let moved: BTreeMap<&String, u64> = counters
+        .iter()
+        .map(|(k, v)| (k, v - counters_before.get(k).copied().unwrap_or(0)))
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    report(
+        "control-frame-flood",
+        &format!(
+            "{} HTTP/2 clients for {} s, by frame (connections, frames sent, connections \
+             Envoy closed while flooding) {by_kind:?}; Envoy's counters {moved:?}; Envoy RSS \
+             {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
+            s.control_flood_connections, s.flood_secs
+        ),
+    );
+    let frames: u64 = by_kind.values().map(|e| e.1).sum();
+    assert!(frames >= 100_000, "too few frames to judge: {by_kind:?}");
+    assert!(
+        open.is_empty(),
+        "flooding connections still open {drain:?} after the flood: {open:?} ({by_kind:?})"
+    );
+    let closed: usize = by_kind.values().map(|e| e.2).sum();
+    assert!(
+        closed > 0,
+        "Envoy closed no flooding connection (its HTTP/2 flood limits): {by_kind:?}, {moved:?}"
+    );
+    legit.check("the HTTP/2 control-frame flood", P99_BOUND);
+    assert!(
+        peak - rss_before <= BUDGET_MIB,
+        "Envoy grew {:.1} MiB in the control-frame flood",
+        peak - rss_before
+    );
+}
+
+/// HTTP/2 clients that send a whole new key and never read its answer: their stream's window
+/// is 0 (SETTINGS_INITIAL_WINDOW_SIZE), so Envoy can send the answer's headers but none of its
+/// body. The checkout runs each key once and the filter stores its answer all the same: sent
+/// again by a client that reads, every key is replayed. Envoy's memory stays within the budget
+/// and the legitimate keys within [`P99_BOUND`] while the answers wait.
+async fn http2_readers_that_never_read(stack: Arc<Stack>) {
+    let s = sizes();
+    let pid = envoy_pid(&stack);
+    let target = envoy_addr(&stack);
+    let rss_before = rss_mib(pid);
+    let peak = RssPeak::start(pid);
+    let prefix = unique_key("stalled");
+    let bearer = token("alice");
+    let body = bytes::Bytes::from(serde_json::to_vec(&charge_body(1)).expect("body"));
+    let mut tasks = Vec::new();
+    for c in 0..s.zero_window_connections {
+        let (key, bearer, body) = (format!("{prefix}-{c}"), bearer.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let tcp = TcpStream::connect(target)
+                .await
+                .map_err(|e| e.to_string())?;
+            let (client, connection) = h2::client::Builder::new()
+                .initial_window_size(0)
+                .handshake::<_, bytes::Bytes>(tcp)
+                .await
+                .map_err(|e| e.to_string())?;
+            let driver = tokio::spawn(connection);
+            let mut client = client.ready().await.map_err(|e| e.to_string())?;
+            let request = http::Request::post("http://edge/checkout")
+                .header("authorization", format!("Bearer {bearer}"))
+                .header("content-type", "application/json")
+                .header("idempotency-key", &key)
+                .body(())
+                .map_err(|e| e.to_string())?;
+            let (answer, mut stream) = client
+                .send_request(request, false)
+                .map_err(|e| e.to_string())?;
+            stream.send_data(body, true).map_err(|e| e.to_string())?;
+            let answer = tokio::time::timeout(Duration::from_secs(30), answer)
+                .await
+                .map_err(|_| "no answer's headers in 30 s".to_string())?
+                .map_err(|e| e.to_string())?;
+            // Held, never read: its body stays in Envoy until the connection goes.
+            Ok::<_, String>((key, answer.status().as_u16(), answer.into_body(), driver))
+        }));
+    }
+    let mut held = Vec::new();
+    let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
+    for t in tasks {
+        match t.await.expect("task") {
+            Ok((key, status, body, driver)) => {
+                *statuses.entry(status.to_string()).or_default() += 1;
+                held.push((key, body, driver));
+            }
+            Err(e) => *statuses.entry(e).or_default() += 1,
+        }
+    }
+    let held_rss = rss_mib(pid);
+    // The legitimate keys while every answer waits on a client that does not read.
+    let legit = Legit::start(&stack);
+    tokio::time::sleep(Duration::from_secs(s.reset_secs)).await;
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    report(
+        "readers-that-never-read",
+        &format!(
+            "{} HTTP/2 connections with a window of 0, one new key each: answers' headers \
+             {statuses:?}; Envoy RSS {rss_before:.1} -> {held_rss:.1} with the answers held, \
+             peak {peak:.1} MiB; {legit}",
+            s.zero_window_connections
+        ),
+    );
+    assert_eq!(
+        statuses.get("201").copied().unwrap_or(0),
+        s.zero_window_connections,
+        "every stalled reader's key answered 201 (headers): {statuses:?}"
+    );
+    legit.check("answers held for readers that never read", P99_BOUND);
+    assert!(
+        peak - rss_before <= BUDGET_MIB,
+        "Envoy grew {:.1} MiB holding answers nobody reads",
+        peak - rss_before
+    );
+    // Each key ran once, and its answer was stored though its client never read it.
+    let keys: Vec<String> = held.iter().map(|(k, _, _)| k.clone()).collect();
+    let charges = charges_by_key(&stack).await;
+    let not_once: Vec<_> = keys
+        .iter()
+        .filter(|k| charges.get(*k).copied().unwrap_or(0) != 1)
+        .take(5)
+        .collect();
+    assert!(
+        not_once.is_empty(),
+        "stalled readers' keys not charged exactly once: {not_once:?}"
+    );
+    let c = Client::new(&stack.envoy.url(""));
+    let mut again: BTreeMap<String, usize> = BTreeMap::new();
+    for key in keys.iter().step_by((keys.len() / 50).max(1)) {
+        let a = c.send(checkout(key, "alice", &charge_body(1))).await;
+        let replayed = a.header("idempotent-replayed").unwrap_or_default();
+        *again
+            .entry(format!("{} replayed={replayed}", a.status))
+            .or_default() += 1;
+    }
+    report(
+        "readers-that-never-read",
+        &format!("their keys sent again by a client that reads: {again:?}"),
+    );
+    assert!(
+        again.len() == 1 && again.contains_key("201 replayed=true"),
+        "stalled readers' keys sent again: {again:?}"
+    );
+    for (_, body, driver) in held {
+        drop(body);
+        driver.abort();
+    }
+    assert_nothing_charged_twice(&stack).await;
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // One attack at a time: each measures Envoy alone.
@@ -1450,6 +1763,14 @@ fn main() {
             one_subject_s_slow_large_bodies,
         ),
         STACK.trial("hostile_load_7_http2_rapid_reset", http2_rapid_reset),
+        STACK.trial(
+            "hostile_load_8_http2_control_frame_flood",
+            http2_control_frame_flood,
+        ),
+        STACK.trial(
+            "hostile_load_9_http2_readers_that_never_read",
+            http2_readers_that_never_read,
+        ),
     ];
     STACK.run(&args, trials);
 }
