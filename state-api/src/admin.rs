@@ -110,7 +110,8 @@ fn hex(scope: &ScopeHash) -> String {
 }
 
 /// A key's audit trail at its current address and, during a rotation of the key secret, at
-/// its previous one (an action on a record not moved yet is recorded there), in order.
+/// its previous one (actions taken before the rotation are recorded there; those taken during
+/// it, at the current one), in order.
 async fn audit_of(
     state: &AppState,
     current: &ScopeHash,
@@ -400,6 +401,9 @@ async fn act(
     };
     let replaced = op == AdminOp::Resolve && before.0["state"] == "completed";
     let forced = a.force && (lease_live || replaced);
+    // Recorded at the current address whatever the record's was: a release or purge of a
+    // record still under the previous secret, recorded there, could not be found once that
+    // secret is dropped.
     let audit_id = sqlx::query_scalar!(
         "INSERT INTO idempotency_audit
         (actor, action, reason, forced, scope_hash, namespace, subject, endpoint, before, after)
@@ -409,7 +413,7 @@ async fn act(
         op.label(),
         a.reason.trim(),
         forced,
-        &scope[..],
+        &current[..],
         namespace,
         subject,
         endpoint,

@@ -431,6 +431,81 @@ async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() 
     after.shutdown().await;
 }
 
+/// An operator's purge during a rotation, of a record still under the previous secret, is
+/// recorded at the current address: recorded where the record was, its audit trail was gone
+/// with the previous secret (`show` answered 404 for a key an operator had purged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_s_purge_during_a_rotation_is_audited_where_it_outlives_the_previous_secret() {
+    const ADMIN: &str = "admin-token-0123456789";
+    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
+    let db = cluster.fresh_database("rotation_purge_audit").unwrap();
+    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
+    let owner = token_of(&before.claim("held", &fp(1), Some(60_000)).await);
+    let (status, body, _) = before
+        .post("/v1/unknown", &fenced_body("held", owner))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    before.shutdown().await;
+
+    let admin = ["--admin-token", ADMIN];
+    let rotating = Api::start_on(
+        &db,
+        &[
+            &["--key-secret", NEW, "--previous-key-secret", OLD][..],
+            &admin[..],
+        ]
+        .concat(),
+    )
+    .await;
+    let purge = serde_json::json!({
+        "key": "held", "subject": "alice", "endpoint": ENDPOINT,
+        "reason": "duplicate of an order refunded by hand", "actor": "oncall-ana", "force": true,
+    });
+    let answer = rotating
+        .client
+        .post(rotating.url(contract::admin::ADMIN_PURGE_PATH))
+        .bearer_auth(ADMIN)
+        .json(&purge)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        answer.status().as_u16(),
+        200,
+        "{}",
+        answer.text().await.unwrap()
+    );
+    rotating.shutdown().await;
+
+    let after = Api::start_on(&db, &[&["--key-secret", NEW][..], &admin[..]].concat()).await;
+    let shown = after
+        .client
+        .get(after.url(&format!(
+            "{}?key=held&subject=alice&endpoint={}",
+            contract::admin::ADMIN_RECORD_PATH,
+            enc(ENDPOINT)
+        )))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    let status = shown.status().as_u16();
+    let shown: serde_json::Value = shown.json().await.unwrap();
+    assert_eq!(
+        status, 200,
+        "the purge's audit trail after the drop: {shown}"
+    );
+    assert!(shown["record"].is_null(), "{shown}");
+    let actions: Vec<&str> = shown["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["action"].as_str())
+        .collect();
+    assert_eq!(actions, ["purge"], "{shown}");
+    after.shutdown().await;
+}
+
 /// The record read (the filter's key state path, `GET /v1/records`, and the operator's) finds a
 /// record at either address during a rotation in one statement: looked up first and read
 /// after, a record another write moved in between was reported absent, and a client told
