@@ -802,6 +802,66 @@ fn runtime(cfg: &Config) -> Yaml {
     map(vec![("layers", Yaml::Array(layers))])
 }
 
+/// The connection manager's limits on its clients (`[limits]`): how long a request may stay
+/// silent ([`stream_idle_timeout_ms`]), a slow client's headers, whole request and idle
+/// connection, and an HTTP/2 client bounded as an HTTP/1.1 one is by [`CONNECTION_READ_BYTES`]:
+/// streams at once, what each may push before Envoy reads it, and the frames it may make Envoy
+/// queue or answer. `edge render` writes them into its connection manager; `--target istio`
+/// merges them into the gateways'.
+pub fn client_connection_manager_limits(cfg: &Config) -> Vec<(&'static str, Yaml)> {
+    vec![
+        ("stream_idle_timeout", duration(stream_idle_timeout_ms(cfg))),
+        (
+            "request_headers_timeout",
+            duration(cfg.limits.request_headers_timeout_ms),
+        ),
+        ("request_timeout", duration(request_timeout_ms(cfg))),
+        (
+            "common_http_protocol_options",
+            map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),
+        ),
+        (
+            "http2_protocol_options",
+            map(vec![
+                ("max_concurrent_streams", n(CLIENT_STREAMS_PER_CONNECTION)),
+                ("initial_stream_window_size", n(CLIENT_STREAM_WINDOW_BYTES)),
+                (
+                    "initial_connection_window_size",
+                    n(CLIENT_CONNECTION_WINDOW_BYTES),
+                ),
+                ("max_outbound_frames", n(CLIENT_OUTBOUND_FRAMES)),
+                (
+                    "max_outbound_control_frames",
+                    n(CLIENT_OUTBOUND_CONTROL_FRAMES),
+                ),
+                (
+                    "max_consecutive_inbound_frames_with_empty_payload",
+                    n(CLIENT_EMPTY_FRAMES_IN_A_ROW),
+                ),
+                (
+                    "max_inbound_window_update_frames_per_data_frame_sent",
+                    n(CLIENT_WINDOW_UPDATES_PER_DATA_FRAME),
+                ),
+            ]),
+        ),
+    ]
+}
+
+/// The listener's limits on its clients: what it reads from a connection at a time, and how
+/// many new connections it accepts a turn of the loop.
+pub fn client_listener_limits() -> Vec<(&'static str, Yaml)> {
+    vec![
+        (
+            "per_connection_buffer_limit_bytes",
+            n(CONNECTION_READ_BYTES),
+        ),
+        (
+            "max_connections_to_accept_per_socket_event",
+            n(ACCEPTS_PER_EVENT),
+        ),
+    ]
+}
+
 /// The Envoy configuration (YAML).
 pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
     let largest_body = largest_request_body(cfg);
@@ -813,103 +873,61 @@ pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
         .saturating_mul(2)
         .saturating_add(1 << 20)
         .max(4 << 20);
+    // Slow clients and HTTP/2 clients (`[limits]`).
+    let mut hcm_fields = vec![("stat_prefix", s("edge")), ("codec_type", s("AUTO"))];
+    hcm_fields.extend(client_connection_manager_limits(cfg));
+    hcm_fields.extend(vec![
+        (
+            "route_config",
+            map(vec![
+                ("name", s("edge")),
+                (
+                    "virtual_hosts",
+                    Yaml::Array(vec![map(vec![
+                        ("name", s("upstream")),
+                        ("domains", Yaml::Array(vec![s("*")])),
+                        ("request_body_buffer_limit", n(buffer_limit)),
+                        (
+                            "routes",
+                            Yaml::Array(vec![map(vec![
+                                ("match", map(vec![("prefix", s("/"))])),
+                                (
+                                    "route",
+                                    map(vec![
+                                        ("cluster", s(UPSTREAM_CLUSTER)),
+                                        ("timeout", duration(cfg.upstream_timeout_ms)),
+                                        // Sent once (module documentation).
+                                        ("retry_policy", map(vec![("num_retries", n(0))])),
+                                    ]),
+                                ),
+                            ])]),
+                        ),
+                    ])]),
+                ),
+            ]),
+        ),
+        ("http_filters", Yaml::Array(http_filters(cfg, inputs))),
+    ]);
     let hcm = typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        vec![
-            ("stat_prefix", s("edge")),
-            ("codec_type", s("AUTO")),
-            ("stream_idle_timeout", duration(stream_idle_timeout_ms(cfg))),
-            // Slow clients (`[limits]`): headers, the whole request, idle connections.
-            (
-                "request_headers_timeout",
-                duration(cfg.limits.request_headers_timeout_ms),
-            ),
-            ("request_timeout", duration(request_timeout_ms(cfg))),
-            (
-                "common_http_protocol_options",
-                map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),
-            ),
-            // HTTP/2 clients bounded as HTTP/1.1 ones are by `CONNECTION_READ_BYTES`: streams
-            // at once, what each may push before Envoy reads it, and the frames it may make
-            // Envoy queue or answer.
-            (
-                "http2_protocol_options",
-                map(vec![
-                    ("max_concurrent_streams", n(CLIENT_STREAMS_PER_CONNECTION)),
-                    ("initial_stream_window_size", n(CLIENT_STREAM_WINDOW_BYTES)),
-                    (
-                        "initial_connection_window_size",
-                        n(CLIENT_CONNECTION_WINDOW_BYTES),
-                    ),
-                    ("max_outbound_frames", n(CLIENT_OUTBOUND_FRAMES)),
-                    (
-                        "max_outbound_control_frames",
-                        n(CLIENT_OUTBOUND_CONTROL_FRAMES),
-                    ),
-                    (
-                        "max_consecutive_inbound_frames_with_empty_payload",
-                        n(CLIENT_EMPTY_FRAMES_IN_A_ROW),
-                    ),
-                    (
-                        "max_inbound_window_update_frames_per_data_frame_sent",
-                        n(CLIENT_WINDOW_UPDATES_PER_DATA_FRAME),
-                    ),
-                ]),
-            ),
-            (
-                "route_config",
-                map(vec![
-                    ("name", s("edge")),
-                    (
-                        "virtual_hosts",
-                        Yaml::Array(vec![map(vec![
-                            ("name", s("upstream")),
-                            ("domains", Yaml::Array(vec![s("*")])),
-                            ("request_body_buffer_limit", n(buffer_limit)),
-                            (
-                                "routes",
-                                Yaml::Array(vec![map(vec![
-                                    ("match", map(vec![("prefix", s("/"))])),
-                                    (
-                                        "route",
-                                        map(vec![
-                                            ("cluster", s(UPSTREAM_CLUSTER)),
-                                            ("timeout", duration(cfg.upstream_timeout_ms)),
-                                            // Sent once (module documentation).
-                                            ("retry_policy", map(vec![("num_retries", n(0))])),
-                                        ]),
-                                    ),
-                                ])]),
-                            ),
-                        ])]),
-                    ),
-                ]),
-            ),
-            ("http_filters", Yaml::Array(http_filters(cfg, inputs))),
-        ],
+        hcm_fields,
     );
-    let listener = map(vec![
+    let mut listener_fields = vec![
         ("name", s(LISTENER_NAME)),
         ("address", socket_address(cfg.listen)),
-        (
-            "per_connection_buffer_limit_bytes",
-            n(CONNECTION_READ_BYTES),
-        ),
-        (
-            "max_connections_to_accept_per_socket_event",
-            n(ACCEPTS_PER_EVENT),
-        ),
-        (
-            "filter_chains",
-            Yaml::Array(vec![map(vec![(
-                "filters",
-                Yaml::Array(vec![map(vec![
-                    ("name", s("envoy.filters.network.http_connection_manager")),
-                    ("typed_config", hcm),
-                ])]),
-            )])]),
-        ),
-    ]);
+    ];
+    listener_fields.extend(client_listener_limits());
+    listener_fields.push((
+        "filter_chains",
+        Yaml::Array(vec![map(vec![(
+            "filters",
+            Yaml::Array(vec![map(vec![
+                ("name", s("envoy.filters.network.http_connection_manager")),
+                ("typed_config", hcm),
+            ])]),
+        )])]),
+    ));
+    let listener = map(listener_fields);
     let mut clusters = vec![
         cluster(UPSTREAM_CLUSTER, &cfg.upstream, 1_000, &inputs.ca_file),
         state_api_cluster(cfg, &inputs.ca_file, STATE_API_CLUSTER),

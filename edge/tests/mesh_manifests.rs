@@ -198,7 +198,12 @@ fn every_object_parses_into_its_kinds_known_fields() {
             (Target::Istio, &["EnvoyFilter", "DestinationRule"][..]),
             (
                 Target::EnvoyGateway,
-                &["EnvoyExtensionPolicy", "EnvoyPatchPolicy", "EnvoyProxy"][..],
+                &[
+                    "EnvoyExtensionPolicy",
+                    "EnvoyPatchPolicy",
+                    "EnvoyProxy",
+                    "ClientTrafficPolicy",
+                ][..],
             ),
         ] {
             let docs = render(&cfg, target);
@@ -476,6 +481,158 @@ fn envoy_takes_the_clusters_envoy_gateways_bootstrap_gets() {
         bootstrap.contains("name: reconcile_0")
             && bootstrap.contains("ledger.shop.svc.cluster.local")
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The fields of `edge render`'s own Envoy configuration at `pointer` (its connection manager,
+/// its listener), as JSON.
+fn rendered_fields(cfg: &Config, pointer: &str) -> serde_json::Map<String, Value> {
+    let inputs = edge::render::Inputs {
+        wasm: "/x/filter.wasm".into(),
+        state_token: "t".repeat(16),
+        ca_file: edge::render::DEFAULT_CA_FILE.into(),
+    };
+    let text = edge::render::envoy_yaml(cfg, &inputs);
+    let doc = json_of_yaml(&YamlLoader::load_from_str(&text).unwrap()[0]);
+    doc.pointer(pointer).unwrap().as_object().unwrap().clone()
+}
+
+/// A duration of Envoy Gateway's API (`300s`, `2500ms`), in ms.
+fn gateway_ms(v: &Value) -> u64 {
+    let t = v.as_str().unwrap();
+    match t.strip_suffix("ms") {
+        Some(ms) => ms.parse().unwrap(),
+        None => t.strip_suffix('s').unwrap().parse::<u64>().unwrap() * 1_000,
+    }
+}
+
+/// `[limits]` reach each mesh's Envoys as `edge render` writes them into its own: Istio's
+/// patches merge the very fields into the gateways' connection manager and listeners, and
+/// Envoy takes them (a listener with them validates); Envoy Gateway's `ClientTrafficPolicy`
+/// says the same values in its API, its timeouts never shorter.
+#[test]
+fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
+    let envoy = edge::envoy::envoy_binary().unwrap_or_else(|e| panic!("{e}"));
+    let dir = std::env::temp_dir().join(format!("mesh-limits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    const HCM: &str = "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config";
+    for (what, mut cfg) in configs() {
+        cfg.limits.request_headers_timeout_ms = 2_500;
+        let hcm = rendered_fields(&cfg, HCM);
+        let listener = rendered_fields(&cfg, "/static_resources/listeners/0");
+
+        let docs = render(&cfg, Target::Istio);
+        let patches = find(&docs, "EnvoyFilter")["spec"]["configPatches"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let merged = |apply_to: &str| {
+            let p = patches
+                .iter()
+                .find(|p| p["applyTo"] == apply_to)
+                .unwrap_or_else(|| panic!("{what}: no {apply_to} patch"));
+            assert_eq!(p["patch"]["operation"], "MERGE", "{what}");
+            assert_eq!(p["match"]["context"], "GATEWAY", "{what}");
+            p["patch"]["value"].clone()
+        };
+        let hcm_patch = merged("NETWORK_FILTER")["typed_config"].clone();
+        let listener_patch = merged("LISTENER");
+        for (name, value) in hcm_patch.as_object().unwrap() {
+            if name != "@type" {
+                assert_eq!(Some(value), hcm.get(name), "{what}: {name}");
+            }
+        }
+        for name in [
+            "stream_idle_timeout",
+            "request_headers_timeout",
+            "request_timeout",
+            "common_http_protocol_options",
+            "http2_protocol_options",
+        ] {
+            assert!(
+                hcm_patch.get(name).is_some(),
+                "{what}: Istio gets no {name}"
+            );
+        }
+        for (name, value) in listener_patch.as_object().unwrap() {
+            assert_eq!(Some(value), listener.get(name), "{what}: {name}");
+        }
+        // Envoy takes the fields as merged: a gateway-like listener with them validates.
+        let mut typed_config = json!({
+            "stat_prefix": "gateway",
+            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}]},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type":
+                "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        });
+        for (name, value) in hcm_patch.as_object().unwrap() {
+            typed_config[name] = value.clone();
+        }
+        let mut gateway_listener = json!({
+            "name": "gateway",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                "typed_config": typed_config}]}],
+        });
+        for (name, value) in listener_patch.as_object().unwrap() {
+            gateway_listener[name] = value.clone();
+        }
+        let path = dir.join("gateway.json");
+        let bootstrap = json!({"static_resources": {"listeners": [gateway_listener]}});
+        std::fs::write(&path, bootstrap.to_string()).unwrap();
+        let out = std::process::Command::new(&envoy)
+            .args(["--mode", "validate", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{what}: envoy --mode validate refused Istio's merged limits\n{bootstrap:#}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        let docs = render(&cfg, Target::EnvoyGateway);
+        let policy = &find(&docs, "ClientTrafficPolicy")["spec"];
+        assert_eq!(policy["targetRefs"][0]["name"], cfg.mesh.gateway.as_str());
+        let connection = &policy["connection"];
+        assert_eq!(
+            connection["connectionLimit"]["value"],
+            json!(cfg.limits.max_connections),
+            "{what}"
+        );
+        assert_eq!(connection["bufferLimit"], "32Ki", "{what}");
+        assert_eq!(
+            connection["maxAcceptPerSocketEvent"],
+            listener["max_connections_to_accept_per_socket_event"]
+        );
+        let http = &policy["timeout"]["http"];
+        let secs = |v: &Value| {
+            let t = v.as_str().unwrap();
+            (t.trim_end_matches('s').parse::<f64>().unwrap() * 1_000.0) as u64
+        };
+        for (ours, theirs) in [
+            ("request_headers_timeout", "requestHeadersReceivedTimeout"),
+            ("request_timeout", "requestReceivedTimeout"),
+            ("stream_idle_timeout", "streamIdleTimeout"),
+        ] {
+            let (ours, theirs) = (secs(&hcm[ours]), gateway_ms(&http[theirs]));
+            assert!(
+                theirs >= ours && theirs < ours + 1_000,
+                "{what}: {theirs} ms against edge render's {ours}"
+            );
+        }
+        assert_eq!(
+            gateway_ms(&http["idleTimeout"]),
+            secs(&hcm["common_http_protocol_options"]["idle_timeout"])
+        );
+        let h2 = &hcm["http2_protocol_options"];
+        assert_eq!(
+            policy["http2"]["maxConcurrentStreams"],
+            h2["max_concurrent_streams"]
+        );
+        assert_eq!(policy["http2"]["initialStreamWindowSize"], "64Ki");
+        assert_eq!(policy["http2"]["initialConnectionWindowSize"], "1Mi");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -1,6 +1,7 @@
 //! Envoy Gateway: an `EnvoyExtensionPolicy` with the Wasm image and its config, an
 //! `EnvoyPatchPolicy` (what the extension policy cannot say), an `EnvoyProxy` whose bootstrap adds
-//! the clusters the filter calls, a `SecurityPolicy` for the JWT.
+//! the clusters the filter calls, a `ClientTrafficPolicy` with `[limits]`, a `SecurityPolicy` for
+//! the JWT.
 
 use yaml_rust2::{Yaml, YamlEmitter};
 
@@ -11,6 +12,7 @@ pub(super) fn envoy_gateway(cfg: &Config, plugin: &serde_json::Value, pins: &Pin
         extension_policy(cfg, plugin, pins),
         patch_policy(cfg),
         proxy(cfg),
+        client_traffic_policy(cfg),
     ];
     docs.extend(security_policy(cfg));
     docs
@@ -130,6 +132,101 @@ fn proxy(cfg: &Config) -> Yaml {
             )]),
         )],
     )
+}
+
+/// `[limits]` on the Gateway's clients, as `edge render` writes them into its own Envoy: the
+/// listener's connection limit, what it reads from a connection at a time and the connections
+/// it accepts a turn of the loop; a slow client's headers, whole request and idle connection;
+/// how long a request may stay silent (never shorter than the filter's waits); the HTTP/2
+/// clients' streams and windows (their flood limits are Envoy's defaults, which Envoy Gateway
+/// keeps). Envoy Gateway takes one `ClientTrafficPolicy` per Gateway: where one is there
+/// already, merge these fields into it.
+fn client_traffic_policy(cfg: &Config) -> Yaml {
+    let l = &cfg.limits;
+    let count = |v: u64| Yaml::Integer(i64::try_from(v).unwrap_or(i64::MAX));
+    object(
+        "gateway.envoyproxy.io/v1alpha1",
+        "ClientTrafficPolicy",
+        NAME,
+        &cfg.mesh.gateway_namespace,
+        vec![(
+            "spec",
+            map(vec![
+                ("targetRefs", target_gateway(cfg)),
+                (
+                    "connection",
+                    map(vec![
+                        (
+                            "connectionLimit",
+                            map(vec![("value", count(l.max_connections))]),
+                        ),
+                        ("bufferLimit", s(size(render::CONNECTION_READ_BYTES))),
+                        ("maxAcceptPerSocketEvent", count(render::ACCEPTS_PER_EVENT)),
+                    ]),
+                ),
+                (
+                    "timeout",
+                    map(vec![(
+                        "http",
+                        map(vec![
+                            (
+                                "requestHeadersReceivedTimeout",
+                                s(gateway_duration(l.request_headers_timeout_ms)),
+                            ),
+                            (
+                                "requestReceivedTimeout",
+                                s(gateway_duration(render::request_timeout_ms(cfg))),
+                            ),
+                            ("idleTimeout", s(gateway_duration(l.idle_timeout_ms))),
+                            (
+                                "streamIdleTimeout",
+                                s(gateway_duration(render::stream_idle_timeout_ms(cfg))),
+                            ),
+                        ]),
+                    )]),
+                ),
+                (
+                    "http2",
+                    map(vec![
+                        (
+                            "maxConcurrentStreams",
+                            count(render::CLIENT_STREAMS_PER_CONNECTION),
+                        ),
+                        (
+                            "initialStreamWindowSize",
+                            s(size(render::CLIENT_STREAM_WINDOW_BYTES)),
+                        ),
+                        (
+                            "initialConnectionWindowSize",
+                            s(size(render::CLIENT_CONNECTION_WINDOW_BYTES)),
+                        ),
+                    ]),
+                ),
+            ]),
+        )],
+    )
+}
+
+/// A duration as Envoy Gateway's API takes it (at most five digits a unit): whole seconds
+/// where it is, milliseconds where they fit, else seconds rounded up (a timeout never shorter
+/// than asked).
+fn gateway_duration(ms: u64) -> String {
+    if ms.is_multiple_of(1_000) || ms > 99_999 {
+        format!("{}s", ms.div_ceil(1_000))
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// A size as Envoy Gateway's API takes it: `Mi` or `Ki` where exact, else bytes.
+fn size(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 20) {
+        format!("{}Mi", bytes >> 20)
+    } else if bytes.is_multiple_of(1 << 10) {
+        format!("{}Ki", bytes >> 10)
+    } else {
+        bytes.to_string()
+    }
 }
 
 /// The JWT's `SecurityPolicy` on the Gateway (none with a header subject).

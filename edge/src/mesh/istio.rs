@@ -29,7 +29,7 @@ fn envoy_filter(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
                 map(vec![(
                     "filter",
                     map(vec![
-                        ("name", s("envoy.filters.network.http_connection_manager")),
+                        ("name", s(HCM)),
                         (
                             "subFilter",
                             map(vec![("name", s("envoy.filters.http.router"))]),
@@ -81,11 +81,65 @@ fn envoy_filter(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
                                 ]),
                             ),
                         ]),
+                        client_limits_patch(cfg),
+                        listener_limits_patch(),
                     ]),
                 ),
             ]),
         )],
     )
+}
+
+const HCM: &str = "envoy.filters.network.http_connection_manager";
+
+/// `[limits]` as `edge render` writes them into its connection manager, merged into the
+/// gateways': a slow client's headers, whole request and idle connection, how long a request
+/// may stay silent (never shorter than the filter's waits), and the HTTP/2 clients' limits.
+fn client_limits_patch(cfg: &Config) -> Yaml {
+    let mut typed_config = vec![(
+        "@type",
+        s("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
+    )];
+    typed_config.extend(render::client_connection_manager_limits(cfg));
+    map(vec![
+        ("applyTo", s("NETWORK_FILTER")),
+        (
+            "match",
+            map(vec![
+                ("context", s("GATEWAY")),
+                (
+                    "listener",
+                    map(vec![(
+                        "filterChain",
+                        map(vec![("filter", map(vec![("name", s(HCM))]))]),
+                    )]),
+                ),
+            ]),
+        ),
+        (
+            "patch",
+            map(vec![
+                ("operation", s("MERGE")),
+                ("value", map(vec![("typed_config", map(typed_config))])),
+            ]),
+        ),
+    ])
+}
+
+/// The gateways' listeners read a client connection 32 KiB at a time and accept 16 new
+/// connections a turn of the loop, as `edge render`'s.
+fn listener_limits_patch() -> Yaml {
+    map(vec![
+        ("applyTo", s("LISTENER")),
+        ("match", map(vec![("context", s("GATEWAY"))])),
+        (
+            "patch",
+            map(vec![
+                ("operation", s("MERGE")),
+                ("value", map(render::client_listener_limits())),
+            ]),
+        ),
+    ])
 }
 
 /// The JWT's `RequestAuthentication` on the gateways (none with a header subject).

@@ -7,12 +7,12 @@
 //!   a `NetworkPolicy` that admits only the mesh's Envoys. Or, with `[mesh] state_api_url`, an
 //!   existing state API outside the cluster.
 //! - Istio: the filter as an `EnvoyFilter` (an ECDS extension pulled from the OCI image, pinned
-//!   by its digest, inserted before the router, after authentication), a `DestinationRule` for
-//!   the state API (and a `ServiceEntry` for one outside the cluster), a `RequestAuthentication`
-//!   for the JWT.
+//!   by its digest, inserted before the router, after authentication; `[limits]` merged into
+//!   the gateways' connection manager and listeners), a `DestinationRule` for the state API
+//!   (and a `ServiceEntry` for one outside the cluster), a `RequestAuthentication` for the JWT.
 //! - Envoy Gateway: an `EnvoyExtensionPolicy` with the Wasm image and its config, an
 //!   `EnvoyPatchPolicy`, an `EnvoyProxy` whose bootstrap adds the clusters the filter calls, a
-//!   `SecurityPolicy` for the JWT.
+//!   `ClientTrafficPolicy` with `[limits]`, a `SecurityPolicy` for the JWT.
 //!
 //! Why not Istio's `WasmPlugin` alone: neither it nor Envoy Gateway's Wasm API can set the
 //! filter's `allow_on_headers_stop_iteration: true` (Envoy >= 1.35), without which Envoy stops
