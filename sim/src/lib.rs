@@ -73,6 +73,9 @@ pub const REGIONS: &[&str] = &[
     "a write given up after complete_retry_ms",
     // Envoy's host.
     "a wake lost while replies waited for it",
+    // The filter's buffering bound (runs with tight buffers).
+    "a body refused by its subject's share of the buffering bound",
+    "a body refused by the worker's buffering bound",
     // Routes.
     "a key_from request without a key, with a client's fencing token",
     "a reconcile on a prefix or key_from route",

@@ -226,6 +226,7 @@ impl Protocol {
                 cache: true,
                 background: false,
                 max_waiters: if self.bounds.waits { 8 } else { 0 },
+                tight_buffers: false,
             }
             .config(),
             workers: 2,

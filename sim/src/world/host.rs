@@ -195,6 +195,15 @@ impl Host for Envoy<'_> {
 
     fn count(&mut self, m: Metric) {
         self.world.reach(m.name());
+        match m {
+            Metric::SubjectBuffersFull503 => self
+                .world
+                .reach("region: a body refused by its subject's share of the buffering bound"),
+            Metric::BuffersFull503 => self
+                .world
+                .reach("region: a body refused by the worker's buffering bound"),
+            _ => {}
+        }
     }
 
     fn log(&mut self, level: Level, msg: String) {

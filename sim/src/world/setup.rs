@@ -77,6 +77,10 @@ impl Setup {
             cache,
             background,
             max_waiters,
+            // (Derived, not drawn, so that every earlier seed keeps its schedule: a sixth of the
+            // runs.) Buffering bounds a few of these bodies fill, so that a subject's share and
+            // the worker's bound refuse some (503 edge-buffers-full).
+            tight_buffers: retention_s == Some(600),
         }
         .config();
         let route_timeout_ms = *c.pick(&[60_000, 3_600_000, 3_600_000, 10_000]);
@@ -161,7 +165,16 @@ pub struct FilterParams {
     pub cache: bool,
     pub background: bool,
     pub max_waiters: u32,
+    /// Requests of at most [`TIGHT_MAX_BODY`] bytes, a worker's buffering bound of
+    /// [`TIGHT_BOUND`] (a subject's share: the largest body): two of the schedules' bodies fill
+    /// a share, three the bound.
+    pub tight_buffers: bool,
 }
+
+/// The largest request body in a run with tight buffers (the schedules' bodies are at most
+/// about 50 bytes), and the worker's buffering bound there.
+pub const TIGHT_MAX_BODY: u64 = 64;
+pub const TIGHT_BOUND: u64 = 80;
 
 impl FilterParams {
     /// The filter's plugin configuration (JSON).
@@ -169,6 +182,14 @@ impl FilterParams {
         let retention = match self.retention_s {
             Some(r) => format!(r#", "retention_s": {r}"#),
             None => String::new(),
+        };
+        let (max_body, buffers) = if self.tight_buffers {
+            (
+                TIGHT_MAX_BODY,
+                format!(r#""max_buffered_bytes": {TIGHT_BOUND},"#),
+            )
+        } else {
+            (4096, String::new())
         };
         format!(
             r#"{{
@@ -184,7 +205,7 @@ impl FilterParams {
     {{"method": "POST", "path": "/donate", "key": "optional", "key_from": "/idempotency_key", "on_unknown": "reconcile"{retention},
       "reconcile": {{"cluster": "{UPSTREAM_CLUSTER}", "authority": "shop", "path": "/donate/attempts/{{key}}", "timeout_ms": {reconcile_timeout_ms}}}}}
   ],
-  "max_request_body_bytes": 4096,
+  "max_request_body_bytes": {max_body},{buffers}
   "max_stored_body_bytes": {max_stored},
   "lease_ms": {lease_ms},
   "heartbeat_ms": {heartbeat_ms},
