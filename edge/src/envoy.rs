@@ -36,6 +36,25 @@ pub fn envoy_binary() -> Result<PathBuf, String> {
     ))
 }
 
+/// `envoy --mode validate` of the configuration at `config`: what Envoy refused, if it did.
+pub fn validate(config: &Path) -> Result<(), String> {
+    let out = Command::new(envoy_binary()?)
+        .args(["--mode", "validate", "-c"])
+        .arg(config)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "envoy --mode validate refused {}:\n{}{}",
+            config.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 /// The filter module built by `make build-filter`, or `FILTER_WASM`.
 pub fn filter_wasm() -> Result<PathBuf, String> {
     let p = std::env::var("FILTER_WASM")

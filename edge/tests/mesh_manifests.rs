@@ -450,7 +450,6 @@ fn the_state_api_runs_as_asked() {
 
 #[test]
 fn envoy_takes_the_clusters_envoy_gateways_bootstrap_gets() {
-    let envoy = edge::envoy::envoy_binary().unwrap_or_else(|e| panic!("{e}"));
     let dir = std::env::temp_dir().join(format!("mesh-bootstrap-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (what, cfg) in configs() {
@@ -462,16 +461,7 @@ fn envoy_takes_the_clusters_envoy_gateways_bootstrap_gets() {
         assert!(bootstrap.contains("name: state_api"), "{what}: {bootstrap}");
         let path = dir.join("bootstrap.yaml");
         std::fs::write(&path, &bootstrap).unwrap();
-        let out = std::process::Command::new(&envoy)
-            .args(["--mode", "validate", "-c"])
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{what}: envoy --mode validate refused\n{bootstrap}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        edge::envoy::validate(&path).unwrap_or_else(|e| panic!("{what}\n{bootstrap}\n{e}"));
     }
     let reconciling = render(&parse(OWN).unwrap(), Target::EnvoyGateway);
     let bootstrap = find(&reconciling, "EnvoyProxy")["spec"]["bootstrap"]["value"]
@@ -512,7 +502,6 @@ fn gateway_ms(v: &Value) -> u64 {
 /// says the same values in its API, its timeouts never shorter.
 #[test]
 fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
-    let envoy = edge::envoy::envoy_binary().unwrap_or_else(|e| panic!("{e}"));
     let dir = std::env::temp_dir().join(format!("mesh-limits-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     const HCM: &str = "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config";
@@ -577,19 +566,11 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
         for (name, value) in listener_patch.as_object().unwrap() {
             gateway_listener[name] = value.clone();
         }
-        let path = dir.join("gateway.json");
         let bootstrap = json!({"static_resources": {"listeners": [gateway_listener]}});
+        let path = dir.join("gateway.json");
         std::fs::write(&path, bootstrap.to_string()).unwrap();
-        let out = std::process::Command::new(&envoy)
-            .args(["--mode", "validate", "-c"])
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{what}: envoy --mode validate refused Istio's merged limits\n{bootstrap:#}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        edge::envoy::validate(&path)
+            .unwrap_or_else(|e| panic!("{what}: Istio's merged limits\n{bootstrap:#}\n{e}"));
 
         let docs = render(&cfg, Target::EnvoyGateway);
         let policy = &find(&docs, "ClientTrafficPolicy")["spec"];

@@ -370,15 +370,13 @@ async fn a_complete_s_move_that_waits_for_another_write_s_move_finds_the_record_
     rotating.shutdown().await;
 }
 
-/// The same review: an operator's resolve of a record still under the previous secret moves it
-/// to the current one and seals its answer there, as every write does, so that the resolved
-/// answer outlives the previous secret (left behind, a retry after the drop would be a new key
-/// and run again).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() {
-    const ADMIN: &str = "admin-token-0123456789";
+const ADMIN: &str = "admin-token-0123456789";
+
+/// Key `held` claimed by alice under the old secret and marked unknown by its owner, then a
+/// state API rotating to the new secret, with the admin token: the database and that API.
+async fn unknown_then_rotated(database: &str) -> (String, Api) {
     let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
-    let db = cluster.fresh_database("rotation_resolve").unwrap();
+    let db = cluster.fresh_database(database).unwrap();
     let before = Api::start_on(&db, &["--key-secret", OLD]).await;
     let owner = token_of(&before.claim("held", &fp(1), Some(60_000)).await);
     let (status, body, _) = before
@@ -386,7 +384,6 @@ async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() 
         .await;
     assert_eq!(status, 200, "{body}");
     before.shutdown().await;
-
     let rotating = Api::start_on(
         &db,
         &[
@@ -399,6 +396,16 @@ async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() 
         ],
     )
     .await;
+    (db, rotating)
+}
+
+/// The same review: an operator's resolve of a record still under the previous secret moves it
+/// to the current one and seals its answer there, as every write does, so that the resolved
+/// answer outlives the previous secret (left behind, a retry after the drop would be a new key
+/// and run again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() {
+    let (db, rotating) = unknown_then_rotated("rotation_resolve").await;
     let resolve = serde_json::json!({
         "key": "held", "subject": "alice", "endpoint": ENDPOINT,
         "reason": "charged per PSP dashboard", "actor": "oncall-ana", "force": true,
@@ -436,27 +443,7 @@ async fn an_operator_s_resolve_during_a_rotation_outlives_the_previous_secret() 
 /// with the previous secret (`show` answered 404 for a key an operator had purged).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_s_purge_during_a_rotation_is_audited_where_it_outlives_the_previous_secret() {
-    const ADMIN: &str = "admin-token-0123456789";
-    let cluster = test_support::postgres::shared().unwrap_or_else(|e| panic!("{e}"));
-    let db = cluster.fresh_database("rotation_purge_audit").unwrap();
-    let before = Api::start_on(&db, &["--key-secret", OLD]).await;
-    let owner = token_of(&before.claim("held", &fp(1), Some(60_000)).await);
-    let (status, body, _) = before
-        .post("/v1/unknown", &fenced_body("held", owner))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    before.shutdown().await;
-
-    let admin = ["--admin-token", ADMIN];
-    let rotating = Api::start_on(
-        &db,
-        &[
-            &["--key-secret", NEW, "--previous-key-secret", OLD][..],
-            &admin[..],
-        ]
-        .concat(),
-    )
-    .await;
+    let (db, rotating) = unknown_then_rotated("rotation_purge_audit").await;
     let purge = serde_json::json!({
         "key": "held", "subject": "alice", "endpoint": ENDPOINT,
         "reason": "duplicate of an order refunded by hand", "actor": "oncall-ana", "force": true,
@@ -477,7 +464,7 @@ async fn an_operator_s_purge_during_a_rotation_is_audited_where_it_outlives_the_
     );
     rotating.shutdown().await;
 
-    let after = Api::start_on(&db, &[&["--key-secret", NEW][..], &admin[..]].concat()).await;
+    let after = Api::start_on(&db, &["--key-secret", NEW, "--admin-token", ADMIN]).await;
     let shown = after
         .client
         .get(after.url(&format!(

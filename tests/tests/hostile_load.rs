@@ -1217,6 +1217,17 @@ async fn one_subject_s_slow_large_bodies(stack: Arc<Stack>) {
 /// claims (how many of the streams reset after a whole body were claimed and given back).
 const RESET_COUNTERS: &str = "^http.edge.downstream_(rq_rx_reset|cx_http2_total|rq_too_many_premature_resets)$|^http2\\.rx_reset$|^wasmcustom.idempotency.(claimed|claimed_for_ended_stream|claims_abandoned|released|claim_batches)$";
 
+/// The counters that moved between two readings of Envoy's counters, and by how much.
+fn counters_moved(
+    now: &BTreeMap<String, u64>,
+    before: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    now.iter()
+        .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0)))
+        .filter(|(_, v)| *v > 0)
+        .collect()
+}
+
 /// How far the filter's counter `idempotency.<name>` moved between two readings of Envoy's
 /// counters.
 fn filter_moved(now: &BTreeMap<String, u64>, before: &BTreeMap<String, u64>, name: &str) -> u64 {
@@ -1316,11 +1327,7 @@ async fn http2_rapid_reset(stack: Arc<Stack>) {
     let legit = legit.finish().await;
     let peak = peak.stop().await;
     let counters = stack.envoy.counters(RESET_COUNTERS);
-    let moved: BTreeMap<&String, u64> = counters
-        .iter()
-        .map(|(k, v)| (k, v - counters_before.get(k).copied().unwrap_or(0)))
-        .filter(|(_, v)| *v > 0)
-        .collect();
+    let moved = counters_moved(&counters, &counters_before);
     report(
         "rapid-reset",
         &format!(
@@ -1589,11 +1596,7 @@ async fn http2_control_frame_flood(stack: Arc<Stack>) {
     let legit = legit.finish().await;
     let peak = peak.stop().await;
     let counters = stack.envoy.counters(FLOOD_COUNTERS);
-    let moved: BTreeMap<&String, u64> = counters
-        .iter()
-        .map(|(k, v)| (k, v - counters_before.get(k).copied().unwrap_or(0)))
-        .filter(|(_, v)| *v > 0)
-        .collect();
+    let moved = counters_moved(&counters, &counters_before);
     report(
         "control-frame-flood",
         &format!(

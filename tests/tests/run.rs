@@ -563,25 +563,6 @@ async fn existing_postgres() {
     edge.stop().unwrap_or_else(|e| panic!("{e}"));
 }
 
-fn validate(yaml_path: &Path) -> Result<(), String> {
-    let envoy = e2e::envoy::envoy_binary()?;
-    let out = Command::new(envoy)
-        .args(["--mode", "validate", "-c"])
-        .arg(yaml_path)
-        .output()
-        .map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "envoy --mode validate refused {}:\n{}{}",
-            yaml_path.display(),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
 fn rendered_configs_validate() -> Result<(), String> {
     let edge = workspace_binary("edge")?;
     let wasm = e2e::envoy::filter_wasm()?;
@@ -637,7 +618,7 @@ fn rendered_configs_validate() -> Result<(), String> {
                 .unwrap_or_default()
         ));
         std::fs::write(&path, &yaml).map_err(|e| e.to_string())?;
-        validate(&path)?;
+        edge::envoy::validate(&path)?;
     }
     Ok(())
 }
