@@ -575,6 +575,14 @@ pub const HCM_TIMEOUT_MARGIN_MS: u64 = 5_000;
 /// outcome. `max_stream_duration` stays unset (Envoy's default: none); `request_timeout` is
 /// [`request_timeout_ms`].
 pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
+    cfg.upstream_timeout_ms
+        .saturating_add(filter_waits_ms(cfg))
+        .max(ENVOY_STREAM_IDLE_TIMEOUT_MS)
+}
+
+/// The longest the filter may hold a request before it goes upstream, and a margin: a state
+/// API call before and after, the longest `Prefer: wait` and reconcile of any route.
+fn filter_waits_ms(cfg: &Config) -> u64 {
     let route_waits = cfg
         .routes
         .iter()
@@ -585,11 +593,9 @@ pub fn stream_idle_timeout_ms(cfg: &Config) -> u64 {
         })
         .max()
         .unwrap_or(0);
-    cfg.upstream_timeout_ms
-        .saturating_add(route_waits)
+    route_waits
         .saturating_add(cfg.state.timeout_ms.saturating_mul(2))
         .saturating_add(HCM_TIMEOUT_MARGIN_MS)
-        .max(ENVOY_STREAM_IDLE_TIMEOUT_MS)
 }
 
 /// What Envoy reads from a client connection at a time and holds for it before it stops
@@ -617,8 +623,10 @@ pub const CLIENT_OUTBOUND_CONTROL_FRAMES: u64 = 1_000;
 /// ... or it sends more frames in a row without a payload than this (empty DATA, CONTINUATION),
 /// ...
 pub const CLIENT_EMPTY_FRAMES_IN_A_ROW: u64 = 1;
-/// ... or more WINDOW_UPDATEs than this for each DATA frame Envoy sent it (the flood's third
-/// kind).
+/// ... or more PRIORITY frames than this x (1 + the streams it opened), ...
+pub const CLIENT_PRIORITY_FRAMES_PER_STREAM: u64 = 100;
+/// ... or more WINDOW_UPDATEs than 5 + 2 x (the streams it opened + this many x the DATA frames
+/// Envoy sent it) (the flood's third kind).
 pub const CLIENT_WINDOW_UPDATES_PER_DATA_FRAME: u64 = 10;
 
 /// The connections the listener accepts in one turn of a worker's loop
@@ -637,6 +645,15 @@ pub const ACCEPTS_PER_EVENT: u64 = 16;
 /// (408) and never claims.
 pub fn request_timeout_ms(cfg: &Config) -> u64 {
     cfg.limits.request_body_timeout_ms
+}
+
+/// `request_timeout` for a mesh's Envoys, whose version is the mesh's: the client's time and
+/// the filter's waits, as Envoy's documentation has it run (until the last byte goes upstream),
+/// so that an Envoy that does what its documentation says never answers 408 while the filter
+/// claims, waits or reconciles. What the pinned 1.40 measured ([`request_timeout_ms`]) is not
+/// assumed of another build.
+pub fn mesh_request_timeout_ms(cfg: &Config) -> u64 {
+    request_timeout_ms(cfg).saturating_add(filter_waits_ms(cfg))
 }
 
 /// The name of the listener `edge render` writes (its connection limit's runtime key).
@@ -806,16 +823,20 @@ fn runtime(cfg: &Config) -> Yaml {
 /// silent ([`stream_idle_timeout_ms`]), a slow client's headers, whole request and idle
 /// connection, and an HTTP/2 client bounded as an HTTP/1.1 one is by [`CONNECTION_READ_BYTES`]:
 /// streams at once, what each may push before Envoy reads it, and the frames it may make Envoy
-/// queue or answer. `edge render` writes them into its connection manager; `--target istio`
-/// merges them into the gateways'.
-pub fn client_connection_manager_limits(cfg: &Config) -> Vec<(&'static str, Yaml)> {
+/// queue or answer. `edge render` writes them into its connection manager (`request_timeout_ms`:
+/// [`request_timeout_ms`]); `--target istio` merges them into the gateways' (with
+/// [`mesh_request_timeout_ms`]).
+pub fn client_connection_manager_limits(
+    cfg: &Config,
+    request_timeout_ms: u64,
+) -> Vec<(&'static str, Yaml)> {
     vec![
         ("stream_idle_timeout", duration(stream_idle_timeout_ms(cfg))),
         (
             "request_headers_timeout",
             duration(cfg.limits.request_headers_timeout_ms),
         ),
-        ("request_timeout", duration(request_timeout_ms(cfg))),
+        ("request_timeout", duration(request_timeout_ms)),
         (
             "common_http_protocol_options",
             map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),
@@ -837,6 +858,10 @@ pub fn client_connection_manager_limits(cfg: &Config) -> Vec<(&'static str, Yaml
                 (
                     "max_consecutive_inbound_frames_with_empty_payload",
                     n(CLIENT_EMPTY_FRAMES_IN_A_ROW),
+                ),
+                (
+                    "max_inbound_priority_frames_per_stream",
+                    n(CLIENT_PRIORITY_FRAMES_PER_STREAM),
                 ),
                 (
                     "max_inbound_window_update_frames_per_data_frame_sent",
@@ -862,20 +887,29 @@ pub fn client_listener_limits() -> Vec<(&'static str, Yaml)> {
     ]
 }
 
-/// The Envoy configuration (YAML).
-pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
-    let largest_body = largest_request_body(cfg);
-    // What one stream may buffer (the request body the filter fingerprints, the response it
-    // captures): above the largest body the filter reads, so it answers 413 itself before Envoy
-    // would. Set on the virtual host (`request_body_buffer_limit`, which Envoy applies to the
-    // stream both ways), not on the listener: see `CONNECTION_READ_BYTES`.
-    let buffer_limit = largest_body
+/// What one stream may buffer (the request body the filter fingerprints, the response it
+/// captures): above the largest body the filter reads, so it answers 413 itself before Envoy
+/// would, and above a stored response and a read, so that Envoy does not answer 500 for a
+/// response the upstream gave. Set on the virtual host (`request_body_buffer_limit`, which Envoy
+/// applies to the stream both ways), not on the listener: see `CONNECTION_READ_BYTES`; the
+/// mesh targets set it on the gateways' virtual hosts too.
+pub fn stream_buffer_limit(cfg: &Config) -> u64 {
+    largest_request_body(cfg)
+        .max(cfg.filter.max_stored_body_bytes)
         .saturating_mul(2)
         .saturating_add(1 << 20)
-        .max(4 << 20);
+        .max(4 << 20)
+}
+
+/// The Envoy configuration (YAML).
+pub fn envoy_yaml(cfg: &Config, inputs: &Inputs) -> String {
+    let buffer_limit = stream_buffer_limit(cfg);
     // Slow clients and HTTP/2 clients (`[limits]`).
     let mut hcm_fields = vec![("stat_prefix", s("edge")), ("codec_type", s("AUTO"))];
-    hcm_fields.extend(client_connection_manager_limits(cfg));
+    hcm_fields.extend(client_connection_manager_limits(
+        cfg,
+        request_timeout_ms(cfg),
+    ));
     hcm_fields.extend(vec![
         (
             "route_config",

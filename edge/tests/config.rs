@@ -958,9 +958,10 @@ fn envoy_reads_a_connection_32_kib_at_a_time_and_a_stream_buffers_the_largest_bo
             h2["max_outbound_frames"].as_i64(),
             h2["max_outbound_control_frames"].as_i64(),
             h2["max_consecutive_inbound_frames_with_empty_payload"].as_i64(),
+            h2["max_inbound_priority_frames_per_stream"].as_i64(),
             h2["max_inbound_window_update_frames_per_data_frame_sent"].as_i64()
         ),
-        (Some(10_000), Some(1_000), Some(1), Some(10)),
+        (Some(10_000), Some(1_000), Some(1), Some(100), Some(10)),
         "a client's HTTP/2 flood limits"
     );
     let vhost = &listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]

@@ -487,6 +487,12 @@ fn rendered_fields(cfg: &Config, pointer: &str) -> serde_json::Map<String, Value
     doc.pointer(pointer).unwrap().as_object().unwrap().clone()
 }
 
+/// A duration as Envoy writes it in YAML (`2.5s`), in ms.
+fn secs(v: &Value) -> u64 {
+    let t = v.as_str().unwrap();
+    (t.trim_end_matches('s').parse::<f64>().unwrap() * 1_000.0).round() as u64
+}
+
 /// A duration of Envoy Gateway's API (`300s`, `2500ms`), in ms.
 fn gateway_ms(v: &Value) -> u64 {
     let t = v.as_str().unwrap();
@@ -497,9 +503,10 @@ fn gateway_ms(v: &Value) -> u64 {
 }
 
 /// `[limits]` reach each mesh's Envoys as `edge render` writes them into its own: Istio's
-/// patches merge the very fields into the gateways' connection manager and listeners, and
-/// Envoy takes them (a listener with them validates); Envoy Gateway's `ClientTrafficPolicy`
-/// says the same values in its API, its timeouts never shorter.
+/// patches merge the very fields into the gateways' connection manager, listeners and virtual
+/// hosts (the stream's buffer limit), and Envoy takes them (a listener with them validates);
+/// Envoy Gateway's `ClientTrafficPolicy` says the same values in its API, its timeouts never
+/// shorter, and its `EnvoyPatchPolicy` sets the stream's buffer limit.
 #[test]
 fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
     let dir = std::env::temp_dir().join(format!("mesh-limits-{}", std::process::id()));
@@ -526,9 +533,30 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
         };
         let hcm_patch = merged("NETWORK_FILTER")["typed_config"].clone();
         let listener_patch = merged("LISTENER");
+        // A stream buffers what it does in edge render's own Envoy: with the listener's 32 KiB
+        // alone, a larger request would get Envoy's 413 and a larger response its 500.
+        let vhost_patch = merged("VIRTUAL_HOST");
+        let buffer_limit =
+            hcm["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"].clone();
+        assert!(buffer_limit.as_u64().unwrap() >= 4 << 20, "{what}");
+        assert_eq!(
+            vhost_patch,
+            json!({"request_body_buffer_limit": buffer_limit}),
+            "{what}"
+        );
+        // A mesh's Envoy is not the pinned one: its whole-request timeout also covers the
+        // filter's waits, as Envoy's documentation has it run.
+        let mesh_request_ms = edge::render::mesh_request_timeout_ms(&cfg);
+        assert!(mesh_request_ms > edge::render::request_timeout_ms(&cfg) + 5_000);
         for (name, value) in hcm_patch.as_object().unwrap() {
-            if name != "@type" {
-                assert_eq!(Some(value), hcm.get(name), "{what}: {name}");
+            match name.as_str() {
+                "@type" => {}
+                "request_timeout" => assert_eq!(
+                    secs(value),
+                    mesh_request_ms,
+                    "{what}: the mesh's request_timeout"
+                ),
+                _ => assert_eq!(Some(value), hcm.get(name), "{what}: {name}"),
             }
         }
         for name in [
@@ -550,6 +578,7 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
         let mut typed_config = json!({
             "stat_prefix": "gateway",
             "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                "request_body_buffer_limit": vhost_patch["request_body_buffer_limit"],
                 "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}]}]},
             "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type":
                 "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
@@ -573,6 +602,16 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
             .unwrap_or_else(|e| panic!("{what}: Istio's merged limits\n{bootstrap:#}\n{e}"));
 
         let docs = render(&cfg, Target::EnvoyGateway);
+        let ops = find(&docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let vhosts = ops
+            .iter()
+            .find(|p| p["type"] == "type.googleapis.com/envoy.config.route.v3.RouteConfiguration")
+            .unwrap_or_else(|| panic!("{what}: no route configuration patch"));
+        assert_eq!(vhosts["operation"]["path"], "request_body_buffer_limit");
+        assert_eq!(vhosts["operation"]["value"], buffer_limit, "{what}");
         let policy = &find(&docs, "ClientTrafficPolicy")["spec"];
         assert_eq!(policy["targetRefs"][0]["name"], cfg.mesh.gateway.as_str());
         let connection = &policy["connection"];
@@ -587,19 +626,18 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
             listener["max_connections_to_accept_per_socket_event"]
         );
         let http = &policy["timeout"]["http"];
-        let secs = |v: &Value| {
-            let t = v.as_str().unwrap();
-            (t.trim_end_matches('s').parse::<f64>().unwrap() * 1_000.0) as u64
-        };
         for (ours, theirs) in [
-            ("request_headers_timeout", "requestHeadersReceivedTimeout"),
-            ("request_timeout", "requestReceivedTimeout"),
-            ("stream_idle_timeout", "streamIdleTimeout"),
+            (
+                secs(&hcm["request_headers_timeout"]),
+                "requestHeadersReceivedTimeout",
+            ),
+            (mesh_request_ms, "requestReceivedTimeout"),
+            (secs(&hcm["stream_idle_timeout"]), "streamIdleTimeout"),
         ] {
-            let (ours, theirs) = (secs(&hcm[ours]), gateway_ms(&http[theirs]));
+            let theirs_ms = gateway_ms(&http[theirs]);
             assert!(
-                theirs >= ours && theirs < ours + 1_000,
-                "{what}: {theirs} ms against edge render's {ours}"
+                theirs_ms >= ours && theirs_ms < ours + 1_000,
+                "{what}: {theirs} {theirs_ms} ms against {ours}"
             );
         }
         assert_eq!(

@@ -68,6 +68,36 @@ struct Wiring {
     claim_header: (String, String),
     /// The clusters the plugin configuration names.
     clusters: Vec<Value>,
+    /// What the manifests set on the gateway's listener, connection manager and virtual hosts
+    /// (Istio: its patches' values, merged; Envoy Gateway: the buffers its ClientTrafficPolicy
+    /// and EnvoyPatchPolicy give), in place of `edge render`'s own.
+    listener: serde_json::Map<String, Value>,
+    hcm: serde_json::Map<String, Value>,
+    vhost: serde_json::Map<String, Value>,
+}
+
+/// The value of the patch of the rendered EnvoyFilter that applies to `apply_to`.
+fn istio_patch(filter: &Value, apply_to: &str) -> Result<serde_json::Map<String, Value>, String> {
+    filter["spec"]["configPatches"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["applyTo"] == apply_to)
+        .and_then(|p| p["patch"]["value"].as_object().cloned())
+        .ok_or_else(|| format!("no {apply_to} patch in the EnvoyFilter"))
+}
+
+/// Envoy Gateway's size (`32Ki`, `1Mi`, bytes), in bytes.
+fn gateway_size(v: &Value) -> Option<u64> {
+    let t = v.as_str()?;
+    let (n, unit) = match t.strip_suffix("Ki") {
+        Some(n) => (n, 1 << 10),
+        None => match t.strip_suffix("Mi") {
+            Some(n) => (n, 1 << 20),
+            None => (t, 1),
+        },
+    };
+    n.parse::<u64>().ok().map(|n| n * unit)
 }
 
 fn wiring(cfg: &Config, target: Target) -> Result<Wiring, String> {
@@ -110,6 +140,12 @@ fn wiring(cfg: &Config, target: Target) -> Result<Wiring, String> {
                 ),
                 clusters: vec![upstream_cluster(&cluster, &state_api)],
                 plugin,
+                listener: istio_patch(filter, "LISTENER")?,
+                hcm: istio_patch(filter, "NETWORK_FILTER")?["typed_config"]
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default(),
+                vhost: istio_patch(filter, "VIRTUAL_HOST")?,
             })
         }
         Target::EnvoyGateway => {
@@ -138,6 +174,28 @@ fn wiring(cfg: &Config, target: Target) -> Result<Wiring, String> {
                     .as_array()
                     .cloned()
                     .unwrap_or_default(),
+                listener: [(
+                    "per_connection_buffer_limit_bytes".to_owned(),
+                    json!(gateway_size(
+                        &find(&docs, "ClientTrafficPolicy")?["spec"]["connection"]["bufferLimit"]
+                    )
+                    .ok_or("no bufferLimit in the ClientTrafficPolicy")?),
+                )]
+                .into_iter()
+                .collect(),
+                hcm: serde_json::Map::new(),
+                vhost: find(&docs, "EnvoyPatchPolicy")?["spec"]["jsonPatches"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|p| p["operation"]["jsonPath"] == "..virtual_hosts[*]")
+                    .filter_map(|p| {
+                        Some((
+                            p["operation"]["path"].as_str()?.to_owned(),
+                            p["operation"]["value"].clone(),
+                        ))
+                    })
+                    .collect(),
             })
         }
     }
@@ -148,9 +206,28 @@ fn wiring(cfg: &Config, target: Target) -> Result<Wiring, String> {
 fn mesh_envoy_config(stack: &Stack, w: &Wiring, stop_iteration: bool) -> Result<Value, String> {
     let text = std::fs::read_to_string(&stack.envoy.config_path).map_err(|e| e.to_string())?;
     let mut c = yaml_to_json(&text)?;
+    // The buffers and client limits as the manifests set them, not as `edge render` does: its
+    // own stream buffer limit taken out, the mesh's put in.
+    let listener = c
+        .pointer_mut("/static_resources/listeners/0")
+        .and_then(Value::as_object_mut)
+        .ok_or("no listener")?;
+    listener.remove("per_connection_buffer_limit_bytes");
+    listener.extend(w.listener.clone());
+    let vhost = c
+        .pointer_mut("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0")
+        .and_then(Value::as_object_mut)
+        .ok_or("no virtual host")?;
+    vhost.remove("request_body_buffer_limit");
+    vhost.extend(w.vhost.clone());
     let hcm = c
         .pointer_mut("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config")
         .ok_or("no connection manager")?;
+    for (name, value) in &w.hcm {
+        if name != "@type" {
+            hcm[name] = value.clone();
+        }
+    }
     let filters = hcm["http_filters"]
         .as_array_mut()
         .ok_or("no http_filters")?;
@@ -247,6 +324,18 @@ async fn smoke(c: Client) {
         bobs.status == 201 && !replayed(&bobs),
         "{}",
         bobs.describe()
+    );
+    // A body larger than a connection's buffer (32 KiB): the stream's own limit, from the
+    // manifests, lets the filter read it whole (with the connection's alone, Envoy's 413).
+    let large = json!({"amount": 7, "currency": "BRL", "note": "n".repeat(200_000)});
+    let key = unique_key("mesh-large");
+    let first = c.send(checkout(&key, "alice", &large)).await;
+    assert_eq!(first.status, 201, "{}", first.describe());
+    let again = c.send(checkout(&key, "alice", &large)).await;
+    assert!(
+        again.status == 201 && replayed(&again),
+        "{}",
+        again.describe()
     );
     // No token: jwt_authn lets it through, the filter finds no subject.
     let anonymous = e2e::client::Request::post("/checkout")

@@ -6,6 +6,7 @@
 use yaml_rust2::{Yaml, YamlEmitter};
 
 use super::*;
+use crate::yaml::n;
 
 pub(super) fn envoy_gateway(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Vec<Yaml> {
     let mut docs = vec![
@@ -57,13 +58,15 @@ fn extension_policy(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Ya
 }
 
 /// What the extension policy cannot say: `allow_on_headers_stop_iteration` on the filter it
-/// made.
+/// made, and the stream buffer limit on the listener's virtual hosts.
 fn patch_policy(cfg: &Config) -> Yaml {
     let m = &cfg.mesh;
     let ns = &m.gateway_namespace;
     // Envoy Gateway names the filter `envoy.filters.http.wasm/<policy kind>/<ns>/<name>/wasm/<i>`
     // and the listener `<ns>/<gateway>/<listener>`.
     let filter = format!("envoy.filters.http.wasm/envoyextensionpolicy/{ns}/{NAME}/wasm/0");
+    // Its route configuration has the listener's name.
+    let listener = format!("{ns}/{}/{}", m.gateway, m.gateway_listener);
     object(
         "gateway.envoyproxy.io/v1alpha1",
         "EnvoyPatchPolicy",
@@ -83,30 +86,49 @@ fn patch_policy(cfg: &Config) -> Yaml {
                 ("type", s("JSONPatch")),
                 (
                     "jsonPatches",
-                    Yaml::Array(vec![map(vec![
-                        (
-                            "type",
-                            s("type.googleapis.com/envoy.config.listener.v3.Listener"),
-                        ),
-                        (
-                            "name",
-                            s(format!("{ns}/{}/{}", m.gateway, m.gateway_listener)),
-                        ),
-                        (
-                            "operation",
-                            map(vec![
-                                ("op", s("add")),
-                                (
-                                    "jsonPath",
-                                    s(format!(
-                                        "..http_filters[?(@.name=='{filter}')].typed_config.config"
-                                    )),
-                                ),
-                                ("path", s("allow_on_headers_stop_iteration")),
-                                ("value", Yaml::Boolean(true)),
-                            ]),
-                        ),
-                    ])]),
+                    Yaml::Array(vec![
+                        map(vec![
+                            (
+                                "type",
+                                s("type.googleapis.com/envoy.config.listener.v3.Listener"),
+                            ),
+                            ("name", s(listener.clone())),
+                            (
+                                "operation",
+                                map(vec![
+                                    ("op", s("add")),
+                                    (
+                                        "jsonPath",
+                                        s(format!(
+                                            "..http_filters[?(@.name=='{filter}')].typed_config.config"
+                                        )),
+                                    ),
+                                    ("path", s("allow_on_headers_stop_iteration")),
+                                    ("value", Yaml::Boolean(true)),
+                                ]),
+                            ),
+                        ]),
+                        // What a stream may buffer, as `edge render` sets it: Envoy Gateway's
+                        // connections buffer 32 KiB (its default, and the ClientTrafficPolicy's),
+                        // which would make Envoy answer 413 to a larger request and 500 to a
+                        // larger response the upstream gave.
+                        map(vec![
+                            (
+                                "type",
+                                s("type.googleapis.com/envoy.config.route.v3.RouteConfiguration"),
+                            ),
+                            ("name", s(listener)),
+                            (
+                                "operation",
+                                map(vec![
+                                    ("op", s("add")),
+                                    ("jsonPath", s("..virtual_hosts[*]")),
+                                    ("path", s("request_body_buffer_limit")),
+                                    ("value", n(render::stream_buffer_limit(cfg))),
+                                ]),
+                            ),
+                        ]),
+                    ]),
                 ),
             ]),
         )],
@@ -136,7 +158,8 @@ fn proxy(cfg: &Config) -> Yaml {
 
 /// `[limits]` on the Gateway's clients, as `edge render` writes them into its own Envoy: the
 /// listener's connection limit, what it reads from a connection at a time and the connections
-/// it accepts a turn of the loop; a slow client's headers, whole request and idle connection;
+/// it accepts a turn of the loop; a slow client's headers, whole request (with the filter's
+/// waits: [`render::mesh_request_timeout_ms`]) and idle connection;
 /// how long a request may stay silent (never shorter than the filter's waits); the HTTP/2
 /// clients' streams and windows (their flood limits are Envoy's defaults, which Envoy Gateway
 /// keeps). Envoy Gateway takes one `ClientTrafficPolicy` per Gateway: where one is there
@@ -175,7 +198,7 @@ fn client_traffic_policy(cfg: &Config) -> Yaml {
                             ),
                             (
                                 "requestReceivedTimeout",
-                                s(gateway_duration(render::request_timeout_ms(cfg))),
+                                s(gateway_duration(render::mesh_request_timeout_ms(cfg))),
                             ),
                             ("idleTimeout", s(gateway_duration(l.idle_timeout_ms))),
                             (
@@ -207,15 +230,21 @@ fn client_traffic_policy(cfg: &Config) -> Yaml {
     )
 }
 
-/// A duration as Envoy Gateway's API takes it (at most five digits a unit): whole seconds
-/// where it is, milliseconds where they fit, else seconds rounded up (a timeout never shorter
-/// than asked).
+/// A duration as Envoy Gateway's API takes it (at most five digits a unit): milliseconds
+/// where they fit, else the smallest of seconds, minutes and hours that holds it, rounded up (a
+/// timeout never shorter than asked).
 fn gateway_duration(ms: u64) -> String {
-    if ms.is_multiple_of(1_000) || ms > 99_999 {
-        format!("{}s", ms.div_ceil(1_000))
-    } else {
-        format!("{ms}ms")
+    if ms <= 99_999 && !ms.is_multiple_of(1_000) {
+        return format!("{ms}ms");
     }
+    let mut value = ms.div_ceil(1_000);
+    for (unit, next) in [("s", 60), ("m", 60)] {
+        if value <= 99_999 {
+            return format!("{value}{unit}");
+        }
+        value = value.div_ceil(next);
+    }
+    format!("{}h", value.min(99_999))
 }
 
 /// A size as Envoy Gateway's API takes it: `Mi` or `Ki` where exact, else bytes.
@@ -310,4 +339,31 @@ pub fn gateway_bootstrap_clusters(cfg: &Config) -> String {
         return String::new();
     }
     text.trim_start_matches("---\n").to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_fit_envoy_gateway_s_five_digits_and_never_round_down() {
+        for (ms, text) in [
+            (2_500, "2500ms"),
+            (60_000, "60s"),
+            (300_000, "300s"),
+            (150_500, "151s"),
+            (99_999_000, "99999s"),
+            (100_000_000, "1667m"),
+            (10_000_000_000, "2778h"),
+        ] {
+            assert_eq!(gateway_duration(ms), text, "{ms}");
+        }
+    }
+
+    #[test]
+    fn sizes_in_envoy_gateway_s_units() {
+        assert_eq!(size(32 * 1024), "32Ki");
+        assert_eq!(size(1 << 20), "1Mi");
+        assert_eq!(size(1_000), "1000");
+    }
 }

@@ -83,6 +83,7 @@ fn envoy_filter(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
                         ]),
                         client_limits_patch(cfg),
                         listener_limits_patch(),
+                        stream_buffer_patch(cfg),
                     ]),
                 ),
             ]),
@@ -93,14 +94,18 @@ fn envoy_filter(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
 const HCM: &str = "envoy.filters.network.http_connection_manager";
 
 /// `[limits]` as `edge render` writes them into its connection manager, merged into the
-/// gateways': a slow client's headers, whole request and idle connection, how long a request
-/// may stay silent (never shorter than the filter's waits), and the HTTP/2 clients' limits.
+/// gateways': a slow client's headers, whole request (with the filter's waits: the mesh's
+/// Envoy is not the pinned one) and idle connection, how long a request may stay silent (never
+/// shorter than the filter's waits), and the HTTP/2 clients' limits.
 fn client_limits_patch(cfg: &Config) -> Yaml {
     let mut typed_config = vec![(
         "@type",
         s("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"),
     )];
-    typed_config.extend(render::client_connection_manager_limits(cfg));
+    typed_config.extend(render::client_connection_manager_limits(
+        cfg,
+        render::mesh_request_timeout_ms(cfg),
+    ));
     map(vec![
         ("applyTo", s("NETWORK_FILTER")),
         (
@@ -121,6 +126,29 @@ fn client_limits_patch(cfg: &Config) -> Yaml {
             map(vec![
                 ("operation", s("MERGE")),
                 ("value", map(vec![("typed_config", map(typed_config))])),
+            ]),
+        ),
+    ])
+}
+
+/// What a stream of the gateways may buffer, as `edge render` sets it on its virtual host:
+/// above the largest body the filter reads and a stored response (with the listener's 32 KiB,
+/// Envoy would answer 413 to a larger request and 500 to a larger response the upstream gave).
+fn stream_buffer_patch(cfg: &Config) -> Yaml {
+    map(vec![
+        ("applyTo", s("VIRTUAL_HOST")),
+        ("match", map(vec![("context", s("GATEWAY"))])),
+        (
+            "patch",
+            map(vec![
+                ("operation", s("MERGE")),
+                (
+                    "value",
+                    map(vec![(
+                        "request_body_buffer_limit",
+                        n(render::stream_buffer_limit(cfg)),
+                    )]),
+                ),
             ]),
         ),
     ])
