@@ -77,10 +77,11 @@ impl Setup {
             cache,
             background,
             max_waiters,
-            // (Derived, not drawn, so that every earlier seed keeps its schedule: a sixth of the
-            // runs.) Buffering bounds a few of these bodies fill, so that a subject's share and
-            // the worker's bound refuse some (503 edge-buffers-full).
-            tight_buffers: retention_s == Some(600),
+            // (Derived, not drawn, so that every earlier seed keeps its schedule: a twelfth of
+            // the runs, none of the regression seeds', which keep running what they found.)
+            // Buffering bounds a few of these bodies fill, so that a subject's share and the
+            // worker's bound refuse some (503 edge-buffers-full).
+            tight_buffers: retention_s == Some(5) && complete_retry_ms == 30_000,
         }
         .config();
         let route_timeout_ms = *c.pick(&[60_000, 3_600_000, 3_600_000, 10_000]);
