@@ -425,7 +425,7 @@ async fn act(
     tx.commit().await?;
     state.metrics().admin(op);
     state.waiters().settled(&current);
-    tracing::warn!(scope = %log_label(&scope), action = op.label(), audit_id, forced, actor = %a.actor.trim(), "operator action");
+    tracing::warn!(scope = %log_label(&scope), audit_scope = %log_label(&current), action = op.label(), audit_id, forced, actor = %a.actor.trim(), "operator action");
     Ok(Json(AdminActionResult {
         action: op.label().to_owned(),
         audit_id,
