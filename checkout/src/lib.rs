@@ -634,18 +634,33 @@ fn execute(
     (entry, produced)
 }
 
+/// The most padding `x-demo-response-bytes` adds.
+const MAX_PADDING_BYTES: usize = 4 << 20;
+
 /// The longest Location `x-demo-location-bytes` makes.
 const MAX_LOCATION_BYTES: usize = 65_536;
 
 /// The response as produced, for tests of what is stored and replayed:
 /// * `x-demo-status: N` answers with status N (any three digits) instead;
-/// * `x-demo-gzip: 1` sends the body gzip-compressed (`content-encoding: gzip`, `vary`).
+/// * `x-demo-gzip: 1` sends the body gzip-compressed (`content-encoding: gzip`, `vary`);
+/// * `x-demo-response-bytes: N` pads a JSON body with a member `padding` of N bytes (at most
+///   [`MAX_PADDING_BYTES`]): a response larger than a proxy's connection buffer.
 fn finish(headers: &HeaderMap, mut p: Produced) -> Produced {
     if let Some(code) = header(headers, "x-demo-status")
         .and_then(|v| v.parse::<u16>().ok())
         .filter(|c| StatusCode::from_u16(*c).is_ok())
     {
         p.status = code;
+    }
+    let padding = header(headers, "x-demo-response-bytes").and_then(|v| v.parse::<usize>().ok());
+    if let Some(n) = padding {
+        if let Ok(serde_json::Value::Object(mut m)) = serde_json::from_slice(&p.body) {
+            m.insert(
+                "padding".into(),
+                "p".repeat(n.min(MAX_PADDING_BYTES)).into(),
+            );
+            p.body = serde_json::to_vec(&m).unwrap_or_default();
+        }
     }
     if header(headers, "x-demo-gzip").as_deref() == Some("1") {
         use flate2::write::GzEncoder;

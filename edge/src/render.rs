@@ -888,9 +888,10 @@ pub fn client_listener_limits() -> Vec<(&'static str, Yaml)> {
 }
 
 /// What one stream may buffer (the request body the filter fingerprints, the response it
-/// captures): above the largest body the filter reads, so it answers 413 itself before Envoy
-/// would, and above a stored response and a read, so that Envoy does not answer 500 for a
-/// response the upstream gave. Set on the virtual host (`request_body_buffer_limit`, which Envoy
+/// captures): twice the largest body the filter reads or stores, so that it answers 413 itself
+/// before Envoy would, and a response it captures to store fits with a read to spare (a larger
+/// one, which the filter does not store, is still buffered while the filter writes its
+/// outcome: docs/filter.md). Set on the virtual host (`request_body_buffer_limit`, which Envoy
 /// applies to the stream both ways), not on the listener: see `CONNECTION_READ_BYTES`; the
 /// mesh targets set it on the gateways' virtual hosts too.
 pub fn stream_buffer_limit(cfg: &Config) -> u64 {

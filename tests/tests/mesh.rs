@@ -325,18 +325,30 @@ async fn smoke(c: Client) {
         "{}",
         bobs.describe()
     );
-    // A body larger than a connection's buffer (32 KiB): the stream's own limit, from the
-    // manifests, lets the filter read it whole (with the connection's alone, Envoy's 413).
+    // A body larger than a connection's buffer (32 KiB), and an answer as large, over
+    // HTTP/1.1 and HTTP/2: the stream's own limit, from the manifests, lets the filter read the
+    // one whole and capture the other (with the connection's limit alone: Envoy's 413 to the
+    // request, and its 500 to the answer after the charge ran).
     let large = json!({"amount": 7, "currency": "BRL", "note": "n".repeat(200_000)});
-    let key = unique_key("mesh-large");
-    let first = c.send(checkout(&key, "alice", &large)).await;
-    assert_eq!(first.status, 201, "{}", first.describe());
-    let again = c.send(checkout(&key, "alice", &large)).await;
-    assert!(
-        again.status == 201 && replayed(&again),
-        "{}",
-        again.describe()
-    );
+    for (protocol, client) in [("HTTP/1.1", c.clone()), ("HTTP/2", Client::http2(&c.base))] {
+        let key = unique_key("mesh-large");
+        let send = || {
+            client.send(checkout(&key, "alice", &large).header("x-demo-response-bytes", "200000"))
+        };
+        let first = send().await;
+        assert_eq!(first.status, 201, "{protocol}: {}", first.describe());
+        assert!(
+            first.body.len() > 200_000,
+            "{protocol}: {}",
+            first.body.len()
+        );
+        let again = send().await;
+        assert!(
+            again.status == 201 && replayed(&again) && again.body == first.body,
+            "{protocol}: {}",
+            again.describe()
+        );
+    }
     // No token: jwt_authn lets it through, the filter finds no subject.
     let anonymous = e2e::client::Request::post("/checkout")
         .key(&unique_key("mesh-anon"))
