@@ -207,27 +207,34 @@ fn mesh_envoy_config(stack: &Stack, w: &Wiring, stop_iteration: bool) -> Result<
     let text = std::fs::read_to_string(&stack.envoy.config_path).map_err(|e| e.to_string())?;
     let mut c = yaml_to_json(&text)?;
     // The buffers and client limits as the manifests set them, not as `edge render` does: its
-    // own stream buffer limit taken out, the mesh's put in.
-    let listener = c
-        .pointer_mut("/static_resources/listeners/0")
-        .and_then(Value::as_object_mut)
-        .ok_or("no listener")?;
-    listener.remove("per_connection_buffer_limit_bytes");
-    listener.extend(w.listener.clone());
-    let vhost = c
-        .pointer_mut("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config/route_config/virtual_hosts/0")
-        .and_then(Value::as_object_mut)
-        .ok_or("no virtual host")?;
-    vhost.remove("request_body_buffer_limit");
-    vhost.extend(w.vhost.clone());
-    let hcm = c
-        .pointer_mut("/static_resources/listeners/0/filter_chains/0/filters/0/typed_config")
-        .ok_or("no connection manager")?;
-    for (name, value) in &w.hcm {
-        if name != "@type" {
-            hcm[name] = value.clone();
-        }
+    // own buffer limits taken out, the mesh's put in.
+    const LISTENER: &str = "/static_resources/listeners/0";
+    const HCM: &str = "/static_resources/listeners/0/filter_chains/0/filters/0/typed_config";
+    for (pointer, edge_own, mesh) in [
+        (
+            LISTENER.to_owned(),
+            "per_connection_buffer_limit_bytes",
+            &w.listener,
+        ),
+        (
+            format!("{HCM}/route_config/virtual_hosts/0"),
+            "request_body_buffer_limit",
+            &w.vhost,
+        ),
+        (HCM.to_owned(), "", &w.hcm),
+    ] {
+        let fields = c
+            .pointer_mut(&pointer)
+            .and_then(Value::as_object_mut)
+            .ok_or_else(|| format!("nothing at {pointer}"))?;
+        fields.remove(edge_own);
+        fields.extend(
+            mesh.iter()
+                .filter(|(name, _)| *name != "@type")
+                .map(|(name, value)| (name.clone(), value.clone())),
+        );
     }
+    let hcm = c.pointer_mut(HCM).ok_or("no connection manager")?;
     let filters = hcm["http_filters"]
         .as_array_mut()
         .ok_or("no http_filters")?;

@@ -166,7 +166,6 @@ fn proxy(cfg: &Config) -> Yaml {
 /// already, merge these fields into it.
 fn client_traffic_policy(cfg: &Config) -> Yaml {
     let l = &cfg.limits;
-    let count = |v: u64| Yaml::Integer(i64::try_from(v).unwrap_or(i64::MAX));
     object(
         "gateway.envoyproxy.io/v1alpha1",
         "ClientTrafficPolicy",
@@ -181,10 +180,10 @@ fn client_traffic_policy(cfg: &Config) -> Yaml {
                     map(vec![
                         (
                             "connectionLimit",
-                            map(vec![("value", count(l.max_connections))]),
+                            map(vec![("value", n(l.max_connections))]),
                         ),
                         ("bufferLimit", s(size(render::CONNECTION_READ_BYTES))),
-                        ("maxAcceptPerSocketEvent", count(render::ACCEPTS_PER_EVENT)),
+                        ("maxAcceptPerSocketEvent", n(render::ACCEPTS_PER_EVENT)),
                     ]),
                 ),
                 (
@@ -213,7 +212,7 @@ fn client_traffic_policy(cfg: &Config) -> Yaml {
                     map(vec![
                         (
                             "maxConcurrentStreams",
-                            count(render::CLIENT_STREAMS_PER_CONNECTION),
+                            n(render::CLIENT_STREAMS_PER_CONNECTION),
                         ),
                         (
                             "initialStreamWindowSize",

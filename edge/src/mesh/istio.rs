@@ -1,6 +1,7 @@
-//! Istio: the filter as an `EnvoyFilter` (an ECDS extension pulled from the OCI image), a
-//! `RequestAuthentication` for the JWT, and how the gateways reach the state API
-//! (`DestinationRule`, and a `ServiceEntry` for one outside the cluster).
+//! Istio: the filter as an `EnvoyFilter` (an ECDS extension pulled from the OCI image, and
+//! `[limits]` merged into the gateways), a `RequestAuthentication` for the JWT, and how the
+//! gateways reach the state API (`DestinationRule`, and a `ServiceEntry` for one outside the
+//! cluster).
 
 use yaml_rust2::Yaml;
 
@@ -93,6 +94,21 @@ fn envoy_filter(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Yaml {
 
 const HCM: &str = "envoy.filters.network.http_connection_manager";
 
+/// A patch that merges `value` into what `apply_to` names on the gateways (`matching`: what
+/// narrows it beside the gateway context).
+fn gateway_merge(apply_to: &str, matching: Vec<(&str, Yaml)>, value: Yaml) -> Yaml {
+    let mut matched = vec![("context", s("GATEWAY"))];
+    matched.extend(matching);
+    map(vec![
+        ("applyTo", s(apply_to)),
+        ("match", map(matched)),
+        (
+            "patch",
+            map(vec![("operation", s("MERGE")), ("value", value)]),
+        ),
+    ])
+}
+
 /// `[limits]` as `edge render` writes them into its connection manager, merged into the
 /// gateways': a slow client's headers, whole request (with the filter's waits: the mesh's
 /// Envoy is not the pinned one) and idle connection, how long a request may stay silent (never
@@ -106,68 +122,37 @@ fn client_limits_patch(cfg: &Config) -> Yaml {
         cfg,
         render::mesh_request_timeout_ms(cfg),
     ));
-    map(vec![
-        ("applyTo", s("NETWORK_FILTER")),
-        (
-            "match",
-            map(vec![
-                ("context", s("GATEWAY")),
-                (
-                    "listener",
-                    map(vec![(
-                        "filterChain",
-                        map(vec![("filter", map(vec![("name", s(HCM))]))]),
-                    )]),
-                ),
-            ]),
-        ),
-        (
-            "patch",
-            map(vec![
-                ("operation", s("MERGE")),
-                ("value", map(vec![("typed_config", map(typed_config))])),
-            ]),
-        ),
-    ])
+    gateway_merge(
+        "NETWORK_FILTER",
+        vec![(
+            "listener",
+            map(vec![(
+                "filterChain",
+                map(vec![("filter", map(vec![("name", s(HCM))]))]),
+            )]),
+        )],
+        map(vec![("typed_config", map(typed_config))]),
+    )
 }
 
 /// What a stream of the gateways may buffer, as `edge render` sets it on its virtual host:
 /// above the largest body the filter reads and a stored response (with the listener's 32 KiB,
 /// Envoy would answer 413 to a larger request and 500 to a larger response the upstream gave).
 fn stream_buffer_patch(cfg: &Config) -> Yaml {
-    map(vec![
-        ("applyTo", s("VIRTUAL_HOST")),
-        ("match", map(vec![("context", s("GATEWAY"))])),
-        (
-            "patch",
-            map(vec![
-                ("operation", s("MERGE")),
-                (
-                    "value",
-                    map(vec![(
-                        "request_body_buffer_limit",
-                        n(render::stream_buffer_limit(cfg)),
-                    )]),
-                ),
-            ]),
-        ),
-    ])
+    gateway_merge(
+        "VIRTUAL_HOST",
+        vec![],
+        map(vec![(
+            "request_body_buffer_limit",
+            n(render::stream_buffer_limit(cfg)),
+        )]),
+    )
 }
 
 /// The gateways' listeners read a client connection 32 KiB at a time and accept 16 new
 /// connections a turn of the loop, as `edge render`'s.
 fn listener_limits_patch() -> Yaml {
-    map(vec![
-        ("applyTo", s("LISTENER")),
-        ("match", map(vec![("context", s("GATEWAY"))])),
-        (
-            "patch",
-            map(vec![
-                ("operation", s("MERGE")),
-                ("value", map(render::client_listener_limits())),
-            ]),
-        ),
-    ])
+    gateway_merge("LISTENER", vec![], map(render::client_listener_limits()))
 }
 
 /// The JWT's `RequestAuthentication` on the gateways (none with a header subject).
