@@ -284,8 +284,8 @@ enum RenderTarget {
     Envoy,
     /// Istio: EnvoyFilter, RequestAuthentication, DestinationRule, and the state API's objects.
     Istio,
-    /// Envoy Gateway: EnvoyExtensionPolicy, EnvoyPatchPolicy, EnvoyProxy, SecurityPolicy, and
-    /// the state API's objects.
+    /// Envoy Gateway: EnvoyExtensionPolicy, EnvoyPatchPolicy, EnvoyProxy, ClientTrafficPolicy,
+    /// SecurityPolicy, and the state API's objects.
     EnvoyGateway,
 }
 
