@@ -383,8 +383,9 @@ async fn attempt(
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
+    let read = BodyRead::of(op, body);
     let run = || {
-        let (entry, produced) = execute(&ledger, op, headers, body, reset);
+        let (entry, produced) = execute(&ledger, op, headers, &read, reset);
         (entry.id, finish(headers, produced))
     };
     let produced = match &guard {
@@ -548,27 +549,55 @@ async fn list_attempts(State(ledger): State<Arc<Ledger>>) -> Json<Vec<attempts::
     Json(ledger.attempts(|a| a.list()).unwrap_or_default())
 }
 
+/// What an execution reads of its request's body, worked out before the attempt's decision is
+/// taken under the record's lock, which every request of the checkout takes: parsing and
+/// hashing a large body there would hold up the small requests behind it.
+struct BodyRead {
+    /// The charge as the execution judges it; `None`: invalid.
+    parsed: Option<serde_json::Value>,
+    /// A Stripe-shaped request's parameters (`Null` for the demo's JSON).
+    params: serde_json::Value,
+    sha256: String,
+    len: usize,
+}
+
+impl BodyRead {
+    fn of(op: &Operation, body: &[u8]) -> Self {
+        let params = match op.shape {
+            Shape::Stripe => stripe::params(body),
+            Shape::Demo => serde_json::Value::Null,
+        };
+        let parsed = match op.shape {
+            Shape::Stripe => Some(params.clone()).filter(|p| stripe::judge(op.kind, p).0),
+            Shape::Demo if body.is_empty() && op.body_optional => Some(serde_json::json!({})),
+            Shape::Demo => serde_json::from_slice(body).ok(),
+        };
+        Self {
+            parsed,
+            params,
+            sha256: sha256_hex(body),
+            len: body.len(),
+        }
+    }
+}
+
 /// Executes the charge (refund, subscription change): the ledger entry and the response it
 /// produced.
 fn execute(
     ledger: &Ledger,
     op: &Operation,
     headers: &HeaderMap,
-    body: &[u8],
+    read: &BodyRead,
     reset: bool,
 ) -> (LedgerEntry, Produced) {
     let kind = op.kind;
-    let parsed: Option<serde_json::Value> = match op.shape {
-        Shape::Stripe => Some(stripe::params(body)).filter(|p| stripe::judge(kind, p).0),
-        Shape::Demo if body.is_empty() && op.body_optional => Some(serde_json::json!({})),
-        Shape::Demo => serde_json::from_slice(body).ok(),
-    };
+    let parsed = &read.parsed;
     let declined = |v: &serde_json::Value| match op.shape {
         Shape::Stripe => stripe::judge(kind, v).1,
         Shape::Demo => card_number(v) == Some(DECLINED_CARD),
     };
     let forced_failure = header(headers, "x-demo-fail").and_then(|v| v.parse::<u16>().ok());
-    let (status, outcome) = match (&parsed, forced_failure) {
+    let (status, outcome) = match (parsed, forced_failure) {
         (_, Some(code)) if (500..600).contains(&code) => (code, "failed"),
         (None, _) => (400, "invalid"),
         (Some(v), _) if declined(v) => (402, "declined"),
@@ -587,13 +616,13 @@ fn execute(
         subject: header(headers, "x-jwt-sub"),
         idempotency_key: header(headers, "idempotency-key"),
         fencing_token: header(headers, "idempotency-fencing-token"),
-        body_sha256: sha256_hex(body),
-        body_len: body.len(),
+        body_sha256: read.sha256.clone(),
+        body_len: read.len,
     });
     tracing::info!(id = entry.id, kind, outcome, status, reset, "executed");
 
     let body = match (op.shape, outcome) {
-        (Shape::Stripe, _) => stripe::body(kind, outcome, entry.id, &stripe::params(body)),
+        (Shape::Stripe, _) => stripe::body(kind, outcome, entry.id, &read.params),
         (_, "succeeded") => {
             serde_json::json!({ "id": entry.id, "kind": kind, "status": "succeeded", "amount": entry.amount })
         }
