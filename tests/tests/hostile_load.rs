@@ -15,8 +15,9 @@
 //! bodies either way, 2,000 / 10,000 idle connections, 200 / 1,000 slow-body clients, 50 / 200
 //! slow-header clients, a header flood of 5 / 20 s from 32 / 64 connections, an HTTP/2 rapid
 //! reset of 5 / 20 s from 8 / 16 connections, an HTTP/2 control-frame flood (PING, SETTINGS,
-//! WINDOW_UPDATE) of 5 / 20 s from 24 / 96 clients, and 200 / 1,000 HTTP/2 clients that never
-//! read their answer (a window of 0). The stack's client
+//! WINDOW_UPDATE) of 5 / 20 s from 24 / 96 clients, 200 / 1,000 HTTP/2 clients that never
+//! read their answer (a window of 0), and a flood of empty DATA, PRIORITY and CONTINUATION
+//! frames on an open request of 5 / 20 s from 24 / 96 clients. The stack's client
 //! timeouts are shortened (`[limits]`: headers 2 s, whole request 5 s, idle 3 s) so that the
 //! slow clients are cut within the test's time; the memory limits are the defaults.
 
@@ -1492,47 +1493,71 @@ struct FloodEnd {
     last_closed: bool,
 }
 
-/// One client's flood of `kind` until `until`, never reading what Envoy answers, on a new
+/// What a flood writes on each of its connections: an opening (given the connection's number,
+/// counted from 0 for each client) and then `batch`, `frames_per_batch` frames, again and again.
+struct FloodFrames {
+    opening: Box<dyn Fn(usize) -> Vec<u8> + Send + Sync>,
+    batch: Vec<u8>,
+    frames_per_batch: u64,
+}
+
+impl FloodFrames {
+    /// `kind`'s control frames, 1,024 a batch, after the connection preface.
+    fn control(kind: ControlFrame) -> Self {
+        Self {
+            opening: Box::new(|_| h2_hello()),
+            batch: kind.frame().repeat(1_024),
+            frames_per_batch: 1_024,
+        }
+    }
+}
+
+/// The client's connection preface and its (empty) SETTINGS.
+fn h2_hello() -> Vec<u8> {
+    let mut hello = H2_PREFACE.to_vec();
+    hello.extend(h2_frame(0x4, 0, 0, &[]));
+    hello
+}
+
+/// One client's flood of `frames` until `until`, never reading what Envoy answers, on a new
 /// connection whenever Envoy closes one; then what Envoy sent on the last is read until it
 /// closes it or `drain` has passed.
-async fn control_flood(
+async fn flood(
     target: SocketAddr,
-    kind: ControlFrame,
+    frames: Arc<FloodFrames>,
     until: Instant,
     drain: Duration,
 ) -> FloodEnd {
     let mut end = FloodEnd::default();
-    let mut hello = H2_PREFACE.to_vec();
-    hello.extend(h2_frame(0x4, 0, 0, &[]));
-    let batch: Vec<u8> = kind.frame().repeat(1_024);
     while Instant::now() < until {
         let Ok(mut s) = TcpStream::connect(target).await else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
+        let opening = (frames.opening)(end.connections);
         end.connections += 1;
         // A write that blocks (Envoy stopped reading) is left when the flood's time is up:
         // the frame it cut is never finished, which Envoy can only wait for.
-        let mut frames = 0;
-        let flood = async {
-            if s.write_all(&hello).await.is_err() {
+        let mut sent = 0;
+        let writes = async {
+            if s.write_all(&opening).await.is_err() {
                 return true;
             }
             loop {
                 if Instant::now() >= until {
                     return false;
                 }
-                if s.write_all(&batch).await.is_err() {
+                if s.write_all(&frames.batch).await.is_err() {
                     return true;
                 }
-                frames += 1_024;
+                sent += frames.frames_per_batch;
                 tokio::task::yield_now().await;
             }
         };
-        let closed = tokio::time::timeout_at(until.into(), flood)
+        let closed = tokio::time::timeout_at(until.into(), writes)
             .await
             .unwrap_or(false);
-        end.frames += frames;
+        end.frames += sent;
         if closed {
             end.closed_while_flooding += 1;
             continue;
@@ -1579,10 +1604,8 @@ async fn http2_control_frame_flood(stack: Arc<Stack>) {
     let mut tasks = Vec::new();
     for c in 0..s.control_flood_connections {
         let kind = ControlFrame::ALL[c % ControlFrame::ALL.len()];
-        tasks.push((
-            kind,
-            tokio::spawn(control_flood(target, kind, until, drain)),
-        ));
+        let frames = Arc::new(FloodFrames::control(kind));
+        tasks.push((kind, tokio::spawn(flood(target, frames, until, drain))));
     }
     let mut by_kind: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
     let mut open = Vec::new();
@@ -1632,6 +1655,193 @@ async fn http2_control_frame_flood(stack: Arc<Stack>) {
         "Envoy grew {:.1} MiB in the control-frame flood",
         peak - rss_before
     );
+}
+
+/// An HPACK integer with an `n`-bit prefix (RFC 7541, 5.1), the prefix's other bits 0.
+fn hpack_integer(value: usize, n: u32, out: &mut Vec<u8>) {
+    let max = (1usize << n) - 1;
+    if value < max {
+        out.push(value as u8);
+        return;
+    }
+    out.push(max as u8);
+    let mut rest = value - max;
+    while rest >= 128 {
+        out.push((rest % 128 + 128) as u8);
+        rest /= 128;
+    }
+    out.push(rest as u8);
+}
+
+/// A header field as an HPACK literal without indexing, its name new, neither string Huffman
+/// coded (RFC 7541, 6.2.2): a block that changes no decoder state, so any number of them may
+/// follow one another.
+fn hpack_literal(name: &str, value: &str) -> Vec<u8> {
+    let mut out = vec![0x00];
+    for text in [name, value] {
+        hpack_integer(text.len(), 7, &mut out);
+        out.extend_from_slice(text.as_bytes());
+    }
+    out
+}
+
+/// The header block of a new key's request that announces a body of `content_length` bytes.
+fn h2_request_block(key: &str, bearer: &str, content_length: usize) -> Vec<u8> {
+    let authorization = format!("Bearer {bearer}");
+    let length = content_length.to_string();
+    [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/checkout"),
+        (":authority", "edge"),
+        ("authorization", authorization.as_str()),
+        ("content-type", "application/json"),
+        ("idempotency-key", key),
+        ("content-length", length.as_str()),
+    ]
+    .iter()
+    .flat_map(|(n, v)| hpack_literal(n, v))
+    .collect()
+}
+
+/// The HTTP/2 floods that ride on a stream: a new key's request opened on stream 1 (its body
+/// announced, never sent), then frames that carry nothing forward.
+#[derive(Clone, Copy, Debug)]
+enum StreamFlood {
+    /// DATA frames of no bytes (Envoy's `max_consecutive_inbound_frames_with_empty_payload`).
+    EmptyData,
+    /// PRIORITY frames for the stream (`max_inbound_priority_frames_per_stream`).
+    Priority,
+    /// A header block never ended: HEADERS without END_HEADERS, then CONTINUATION frames each
+    /// carrying one more header field (the header list's limits).
+    Continuation,
+}
+
+impl StreamFlood {
+    const ALL: [StreamFlood; 3] = [Self::EmptyData, Self::Priority, Self::Continuation];
+
+    /// The body the request announces: never sent.
+    const BODY_BYTES: usize = 200;
+
+    /// The flood on connection after connection, each with a key `<prefix>-<n>`.
+    fn frames(self, prefix: String, bearer: String) -> FloodFrames {
+        const END_HEADERS: u8 = 0x4;
+        let headers_flags = match self {
+            Self::Continuation => 0,
+            Self::EmptyData | Self::Priority => END_HEADERS,
+        };
+        let opening = move |n: usize| {
+            let mut out = h2_hello();
+            let block = h2_request_block(&format!("{prefix}-{n}"), &bearer, Self::BODY_BYTES);
+            out.extend(h2_frame(0x1, headers_flags, 1, &block));
+            out
+        };
+        let frame = match self {
+            Self::EmptyData => h2_frame(0x0, 0, 1, &[]),
+            // Stream 1 depends on stream 0, weight 16, not exclusive.
+            Self::Priority => h2_frame(0x2, 0, 1, &[0, 0, 0, 0, 15]),
+            Self::Continuation => h2_frame(0x9, 0, 1, &hpack_literal("x-pad", &"p".repeat(100))),
+        };
+        FloodFrames {
+            opening: Box::new(opening),
+            batch: frame.repeat(256),
+            frames_per_batch: 256,
+        }
+    }
+}
+
+/// HTTP/2 frames that ride on an open request and carry nothing forward, as fast as a
+/// connection can send them, none of Envoy's answers read: DATA frames of no bytes, PRIORITY
+/// frames, and CONTINUATION frames of a header block that never ends. Envoy's limits close each
+/// connection; no key whose body never came runs, and each is usable after; Envoy stays within
+/// its budget and the legitimate keys within [`P99_BOUND`].
+async fn http2_stream_frame_flood(stack: Arc<Stack>) {
+    let s = sizes();
+    let pid = envoy_pid(&stack);
+    let target = envoy_addr(&stack);
+    let rss_before = rss_mib(pid);
+    let peak = RssPeak::start(pid);
+    let counters_before = stack
+        .envoy
+        .counters("^http2\\.|^http.edge.downstream_(cx|rq)_");
+    let legit = Legit::start(&stack);
+    let until = Instant::now() + Duration::from_secs(s.flood_secs);
+    let drain = Duration::from_millis(IDLE_TIMEOUT_MS + 5_000 + 1_000 + 3_000);
+    let bearer = token("alice");
+    let mut tasks = Vec::new();
+    for c in 0..s.control_flood_connections {
+        let kind = StreamFlood::ALL[c % StreamFlood::ALL.len()];
+        let prefix = unique_key(&format!("stream-flood-{c}"));
+        let frames = Arc::new(kind.frames(prefix.clone(), bearer.clone()));
+        tasks.push((
+            kind,
+            prefix,
+            tokio::spawn(flood(target, frames, until, drain)),
+        ));
+    }
+    let mut by_kind: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
+    let mut open = Vec::new();
+    let mut keys = Vec::new();
+    for (kind, prefix, t) in tasks {
+        let end = t.await.expect("task");
+        let e = by_kind.entry(format!("{kind:?}")).or_default();
+        e.0 += end.connections;
+        e.1 += end.frames;
+        e.2 += end.closed_while_flooding;
+        if !end.last_closed {
+            open.push(kind);
+        }
+        keys.extend((0..end.connections).map(|n| format!("{prefix}-{n}")));
+    }
+    let legit = legit.finish().await;
+    let peak = peak.stop().await;
+    let counters = stack
+        .envoy
+        .counters("^http2\\.|^http.edge.downstream_(cx|rq)_");
+    let moved = counters_moved(&counters, &counters_before);
+    report(
+        "stream-frame-flood",
+        &format!(
+            "{} HTTP/2 clients for {} s, by frame (connections, frames sent, connections \
+             Envoy closed while flooding) {by_kind:?}; Envoy's counters {moved:?}; Envoy RSS \
+             {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
+            s.control_flood_connections, s.flood_secs
+        ),
+    );
+    assert!(
+        open.is_empty(),
+        "flooding connections still open {drain:?} after the flood: {open:?} ({by_kind:?})"
+    );
+    // Each flood was ended by its own limit: empty frames, PRIORITY frames, the header list.
+    for counter in [
+        "http2.inbound_empty_frames_flood",
+        "http2.inbound_priority_frames_flood",
+        "http2.header_overflow",
+    ] {
+        assert!(
+            moved.get(counter).copied().unwrap_or(0) > 0,
+            "{counter} did not move: {moved:?}"
+        );
+    }
+    let charges = charges_by_key(&stack).await;
+    let ran: Vec<_> = keys
+        .iter()
+        .filter(|k| charges.contains_key(*k))
+        .take(5)
+        .collect();
+    assert!(ran.is_empty(), "keys whose body never came ran: {ran:?}");
+    legit.check("the HTTP/2 stream-frame flood", P99_BOUND);
+    assert!(
+        peak - rss_before <= BUDGET_MIB,
+        "Envoy grew {:.1} MiB in the stream-frame flood",
+        peak - rss_before
+    );
+    let sample: Vec<String> = keys
+        .iter()
+        .step_by((keys.len() / 20).max(1))
+        .cloned()
+        .collect();
+    assert_keys_usable(&stack, &sample, StreamFlood::BODY_BYTES).await;
 }
 
 /// HTTP/2 clients that send a whole new key and never read its answer: their stream's window
@@ -1782,6 +1992,10 @@ fn main() {
         STACK.trial(
             "hostile_load_9_http2_readers_that_never_read",
             http2_readers_that_never_read,
+        ),
+        STACK.trial(
+            "hostile_load_10_http2_stream_frame_flood",
+            http2_stream_frame_flood,
         ),
     ];
     STACK.run(&args, trials);
