@@ -749,16 +749,31 @@ pub fn overload_manager(cfg: &Config) -> Yaml {
                             "envoy.config.overload.v3.ScaleTimersOverloadActionConfig",
                             vec![(
                                 "timer_scale_factors",
-                                // Only idle connections' timer: a stream's idle timeout that
-                                // fired while its request legitimately waits would answer for
-                                // an upstream that may still execute (`stream_idle_timeout_ms`).
-                                Yaml::Array(vec![map(vec![
-                                    ("timer", s("HTTP_DOWNSTREAM_CONNECTION_IDLE")),
-                                    (
-                                        "min_scale",
-                                        map(vec![("value", Yaml::Real("10.0".into()))]),
-                                    ),
-                                ])]),
+                                // Idle connections' timer, and that of answers whole in Envoy
+                                // that their client does not read (stored by then); not a
+                                // stream's idle timeout: fired while its request legitimately
+                                // waits, it would answer for an upstream that may still
+                                // execute (`stream_idle_timeout_ms`).
+                                Yaml::Array(
+                                    [
+                                        "HTTP_DOWNSTREAM_CONNECTION_IDLE",
+                                        "HTTP_DOWNSTREAM_STREAM_FLUSH",
+                                    ]
+                                    .into_iter()
+                                    .map(|timer| {
+                                        map(vec![
+                                            ("timer", s(timer)),
+                                            (
+                                                "min_scale",
+                                                map(vec![(
+                                                    "value",
+                                                    Yaml::Real("10.0".into()),
+                                                )]),
+                                            ),
+                                        ])
+                                    })
+                                    .collect(),
+                                ),
                             )],
                         ),
                     )),
@@ -837,6 +852,10 @@ pub fn client_connection_manager_limits(
             duration(cfg.limits.request_headers_timeout_ms),
         ),
         ("request_timeout", duration(request_timeout_ms)),
+        (
+            "stream_flush_timeout",
+            duration(cfg.limits.response_flush_timeout_ms),
+        ),
         (
             "common_http_protocol_options",
             map(vec![("idle_timeout", duration(cfg.limits.idle_timeout_ms))]),

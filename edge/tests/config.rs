@@ -695,12 +695,20 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
             "envoy.overload_actions.stop_accepting_requests"
         ]
     );
-    // Only idle connections' timer is ever shortened, never a stream's.
-    let scaled = &om["actions"][0]["typed_config"]["timer_scale_factors"];
-    assert_eq!(scaled.as_vec().unwrap().len(), 1);
+    // Only idle connections' timer and that of answers their client does not read are ever
+    // shortened, never a stream's idle timeout (its request may be waiting on the filter).
+    let scaled: Vec<&str> = om["actions"][0]["typed_config"]["timer_scale_factors"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|t| t["timer"].as_str().unwrap())
+        .collect();
     assert_eq!(
-        scaled[0]["timer"].as_str(),
-        Some("HTTP_DOWNSTREAM_CONNECTION_IDLE")
+        scaled,
+        [
+            "HTTP_DOWNSTREAM_CONNECTION_IDLE",
+            "HTTP_DOWNSTREAM_STREAM_FLUSH"
+        ]
     );
     // No buffer accounting: its cost per replay failed the bench guard (docs/RELIABILITY.md).
     assert!(om["buffer_factory_config"].is_badvalue());
@@ -716,6 +724,7 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
         Some("60s")
     );
     assert_eq!(hcm["request_headers_timeout"].as_str(), Some("10s"));
+    assert_eq!(hcm["stream_flush_timeout"].as_str(), Some("60s"));
     // The filter holds half the budget's worth of bodies (one worker).
     let plugin: serde_json::Value =
         serde_json::from_str(&edge::render::filter_json(&c, "t")).unwrap();
@@ -723,7 +732,7 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
 
     // Set: the budget, the connections, the timeouts; two workers share the bodies.
     let mut text = GOOD.to_owned();
-    text += "\n[limits]\nmemory_budget_mib = 200\nmax_connections = 1000\nrequest_headers_timeout_ms = 3000\nrequest_body_timeout_ms = 20000\nidle_timeout_ms = 15000\n";
+    text += "\n[limits]\nmemory_budget_mib = 200\nmax_connections = 1000\nrequest_headers_timeout_ms = 3000\nrequest_body_timeout_ms = 20000\nidle_timeout_ms = 15000\nresponse_flush_timeout_ms = 7000\n";
     let mut c = parse(&text).unwrap();
     c.envoy_workers = 2;
     let plugin: serde_json::Value =
@@ -738,6 +747,7 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
     let hcm =
         &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
     assert_eq!(hcm["request_headers_timeout"].as_str(), Some("3s"));
+    assert_eq!(hcm["stream_flush_timeout"].as_str(), Some("7s"));
     assert_eq!(
         hcm["common_http_protocol_options"]["idle_timeout"].as_str(),
         Some("15s")
@@ -770,6 +780,7 @@ fn limits_render_the_overload_manager_connection_limits_and_client_timeouts() {
         ("request_headers_timeout_ms", "10"),
         ("request_body_timeout_ms", "100"),
         ("idle_timeout_ms", "0"),
+        ("response_flush_timeout_ms", "999"),
     ] {
         let text = format!("{GOOD}\n[limits]\n{field} = {value}\n");
         let (line, message) = error(&text);

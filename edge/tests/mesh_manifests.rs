@@ -561,6 +561,7 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
         }
         for name in [
             "stream_idle_timeout",
+            "stream_flush_timeout",
             "request_headers_timeout",
             "request_timeout",
             "common_http_protocol_options",
@@ -612,6 +613,18 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
             .unwrap_or_else(|| panic!("{what}: no route configuration patch"));
         assert_eq!(vhosts["operation"]["path"], "request_body_buffer_limit");
         assert_eq!(vhosts["operation"]["value"], buffer_limit, "{what}");
+        let flush = ops
+            .iter()
+            .find(|p| p["operation"]["path"] == "stream_flush_timeout")
+            .unwrap_or_else(|| panic!("{what}: no stream flush timeout patch"));
+        assert_eq!(
+            flush["type"],
+            "type.googleapis.com/envoy.config.listener.v3.Listener"
+        );
+        assert_eq!(
+            flush["operation"]["value"], hcm["stream_flush_timeout"],
+            "{what}"
+        );
         let policy = &find(&docs, "ClientTrafficPolicy")["spec"];
         assert_eq!(policy["targetRefs"][0]["name"], cfg.mesh.gateway.as_str());
         let connection = &policy["connection"];

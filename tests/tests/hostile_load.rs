@@ -109,6 +109,9 @@ fn sizes() -> Sizes {
 const HEADERS_TIMEOUT_MS: u64 = 2_000;
 const BODY_TIMEOUT_MS: u64 = 5_000;
 const IDLE_TIMEOUT_MS: u64 = 3_000;
+/// How long a whole answer waits for a client that does not read it (`[limits]
+/// response_flush_timeout_ms`).
+const FLUSH_TIMEOUT_MS: u64 = 3_000;
 
 /// `HOSTILE_LOAD_BUDGET_MIB`: another `[limits] memory_budget_mib` than the default, to see the
 /// overload manager act (the figures in docs/RELIABILITY.md); the goals assume the default.
@@ -137,6 +140,7 @@ fn start_stack() -> Result<Stack, String> {
             cfg.limits.request_headers_timeout_ms = HEADERS_TIMEOUT_MS;
             cfg.limits.request_body_timeout_ms = BODY_TIMEOUT_MS;
             cfg.limits.idle_timeout_ms = IDLE_TIMEOUT_MS;
+            cfg.limits.response_flush_timeout_ms = FLUSH_TIMEOUT_MS;
             if let Some(b) = budget {
                 cfg.limits.memory_budget_bytes = b << 20;
             }
@@ -1844,17 +1848,23 @@ async fn http2_stream_frame_flood(stack: Arc<Stack>) {
     assert_keys_usable(&stack, &sample, StreamFlood::BODY_BYTES).await;
 }
 
+/// The counter of streams reset because their answer waited past the flush timeout.
+const FLUSH_COUNTER: &str = "^http2\\.tx_flush_timeout$";
+
 /// HTTP/2 clients that send a whole new key and never read its answer: their stream's window
 /// is 0 (SETTINGS_INITIAL_WINDOW_SIZE), so Envoy can send the answer's headers but none of its
 /// body. The checkout runs each key once and the filter stores its answer all the same: sent
 /// again by a client that reads, every key is replayed. Envoy's memory stays within the budget
-/// and the legitimate keys within [`P99_BOUND`] while the answers wait.
+/// and the legitimate keys within [`P99_BOUND`] while the answers wait, and each waits at most
+/// `response_flush_timeout_ms` ([`FLUSH_TIMEOUT_MS`] here): then Envoy resets its stream.
 async fn http2_readers_that_never_read(stack: Arc<Stack>) {
     let s = sizes();
     let pid = envoy_pid(&stack);
     let target = envoy_addr(&stack);
     let rss_before = rss_mib(pid);
     let peak = RssPeak::start(pid);
+    let flush_before = stack.envoy.counters(FLUSH_COUNTER);
+    let heap_before = heap_mib(&stack);
     let prefix = unique_key("stalled");
     let bearer = token("alice");
     let body = bytes::Bytes::from(serde_json::to_vec(&charge_body(1)).expect("body"));
@@ -1890,7 +1900,7 @@ async fn http2_readers_that_never_read(stack: Arc<Stack>) {
             Ok::<_, String>((key, answer.status().as_u16(), answer.into_body(), driver))
         }));
     }
-    let mut held = Vec::new();
+    let mut held: Vec<(String, h2::RecvStream, tokio::task::JoinHandle<_>)> = Vec::new();
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();
     for t in tasks {
         match t.await.expect("task") {
@@ -1901,20 +1911,62 @@ async fn http2_readers_that_never_read(stack: Arc<Stack>) {
             Err(e) => *statuses.entry(e).or_default() += 1,
         }
     }
-    let held_rss = rss_mib(pid);
+    let (held_rss, held_heap) = (rss_mib(pid), heap_mib(&stack));
     // The legitimate keys while every answer waits on a client that does not read.
     let legit = Legit::start(&stack);
     tokio::time::sleep(Duration::from_secs(s.reset_secs)).await;
     let legit = legit.finish().await;
     let peak = peak.stop().await;
+    // Each answer waits at most `response_flush_timeout_ms` once it is whole in Envoy: then its
+    // stream is reset (Envoy's `stream_flush_timeout`), not at the stream's idle timeout.
+    let flushed = |c: &BTreeMap<String, u64>| c.get("http2.tx_flush_timeout").copied().unwrap_or(0);
+    let waited = Instant::now();
+    let mut timed_out = 0;
+    while waited.elapsed() < Duration::from_millis(FLUSH_TIMEOUT_MS + 10_000) {
+        timed_out = flushed(&stack.envoy.counters(FLUSH_COUNTER)) - flushed(&flush_before);
+        if timed_out >= held.len() as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // How each answer's stream ended, all read at once (a second each at most).
+    let ends = futures::future::join_all(held.iter_mut().map(|(_, body, _)| async move {
+        match tokio::time::timeout(Duration::from_secs(1), body.data()).await {
+            Ok(Some(Err(e))) if e.is_reset() => "reset".to_owned(),
+            Ok(Some(Err(e))) => format!("error {e}"),
+            Ok(Some(Ok(_))) => "data".to_owned(),
+            Ok(None) => "ended".to_owned(),
+            Err(_) => "still waiting".to_owned(),
+        }
+    }))
+    .await
+    .into_iter()
+    .fold(BTreeMap::<String, usize>::new(), |mut by, end| {
+        *by.entry(end).or_default() += 1;
+        by
+    });
+    let (after_rss, after_heap) = (rss_mib(pid), heap_mib(&stack));
     report(
         "readers-that-never-read",
         &format!(
             "{} HTTP/2 connections with a window of 0, one new key each: answers' headers \
              {statuses:?}; Envoy RSS {rss_before:.1} -> {held_rss:.1} with the answers held, \
-             peak {peak:.1} MiB; {legit}",
-            s.zero_window_connections
+             peak {peak:.1} MiB, {after_rss:.1} after the flush timeout (Envoy's heap \
+             {heap_before:.1} -> {held_heap:.1} -> {after_heap:.1} MiB); {legit}; the answers \
+             after {:.1} s: {ends:?}, http2.tx_flush_timeout +{timed_out}",
+            s.zero_window_connections,
+            waited.elapsed().as_secs_f64() + s.reset_secs as f64,
         ),
+    );
+    assert_eq!(
+        timed_out,
+        held.len() as u64,
+        "answers that waited past the flush timeout for a client that does not read: {ends:?}"
+    );
+    assert_eq!(
+        ends.get("reset").copied().unwrap_or(0),
+        held.len(),
+        "the answers nobody read, at the flush timeout: {ends:?}"
     );
     assert_eq!(
         statuses.get("201").copied().unwrap_or(0),

@@ -1,7 +1,7 @@
 //! `[limits]`: what the edge lets hostile traffic hold in Envoy (issue 49): a memory budget
 //! (the filter's buffering bound and the heap bound the overload manager acts on come from it),
 //! the connections a listener accepts, and how long a client may take over its headers, its
-//! body and an idle connection.
+//! body, an idle connection and reading its answer.
 
 use toml::Spanned;
 
@@ -27,6 +27,9 @@ pub struct Limits {
     pub request_body_timeout_ms: u64,
     /// A connection with no request in progress is closed after this.
     pub idle_timeout_ms: u64,
+    /// How long an answer Envoy holds whole may wait for a client that does not read it
+    /// (Envoy's `stream_flush_timeout`).
+    pub response_flush_timeout_ms: u64,
 }
 
 pub const DEFAULT_MEMORY_BUDGET_BYTES: u64 = 80 * MIB;
@@ -36,6 +39,7 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 12_288;
 pub const DEFAULT_REQUEST_HEADERS_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_REQUEST_BODY_TIMEOUT_MS: u64 = 60_000;
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 60_000;
+pub const DEFAULT_RESPONSE_FLUSH_TIMEOUT_MS: u64 = 60_000;
 /// Envoy's heap at rest with the filter loaded (12 MiB allocated, measured), what the overload
 /// manager counts besides (the allocator's fragments), and a margin: the heap bound is this and
 /// the budget, so that the budget's worth of held bodies stays below the first action's 80 %
@@ -56,6 +60,7 @@ impl Default for Limits {
             request_headers_timeout_ms: DEFAULT_REQUEST_HEADERS_TIMEOUT_MS,
             request_body_timeout_ms: DEFAULT_REQUEST_BODY_TIMEOUT_MS,
             idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
+            response_flush_timeout_ms: DEFAULT_RESPONSE_FLUSH_TIMEOUT_MS,
         }
     }
 }
@@ -138,6 +143,13 @@ pub(super) fn limits(src: &Source<'_>, raw: &RawLimits) -> Result<Limits, Config
             "idle_timeout_ms",
             (1_000, 86_400_000),
             DEFAULT_IDLE_TIMEOUT_MS,
+        )?,
+        response_flush_timeout_ms: ms(
+            src,
+            raw.response_flush_timeout_ms.as_ref(),
+            "response_flush_timeout_ms",
+            (1_000, 86_400_000),
+            DEFAULT_RESPONSE_FLUSH_TIMEOUT_MS,
         )?,
     })
 }

@@ -6,7 +6,7 @@
 use yaml_rust2::{Yaml, YamlEmitter};
 
 use super::*;
-use crate::yaml::n;
+use crate::yaml::{duration, n};
 
 pub(super) fn envoy_gateway(cfg: &Config, plugin: &serde_json::Value, pins: &Pins) -> Vec<Yaml> {
     let mut docs = vec![
@@ -117,7 +117,7 @@ fn patch_policy(cfg: &Config) -> Yaml {
                                 "type",
                                 s("type.googleapis.com/envoy.config.route.v3.RouteConfiguration"),
                             ),
-                            ("name", s(listener)),
+                            ("name", s(listener.clone())),
                             (
                                 "operation",
                                 map(vec![
@@ -125,6 +125,30 @@ fn patch_policy(cfg: &Config) -> Yaml {
                                     ("jsonPath", s("..virtual_hosts[*]")),
                                     ("path", s("request_body_buffer_limit")),
                                     ("value", n(render::stream_buffer_limit(cfg))),
+                                ]),
+                            ),
+                        ]),
+                        // How long an answer may wait for a client that does not read it: the
+                        // ClientTrafficPolicy has no field for it.
+                        map(vec![
+                            (
+                                "type",
+                                s("type.googleapis.com/envoy.config.listener.v3.Listener"),
+                            ),
+                            ("name", s(listener.clone())),
+                            (
+                                "operation",
+                                map(vec![
+                                    ("op", s("add")),
+                                    (
+                                        "jsonPath",
+                                        s("..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config"),
+                                    ),
+                                    ("path", s("stream_flush_timeout")),
+                                    (
+                                        "value",
+                                        duration(cfg.limits.response_flush_timeout_ms),
+                                    ),
                                 ]),
                             ),
                         ]),
