@@ -487,6 +487,37 @@ fn rendered_fields(cfg: &Config, pointer: &str) -> serde_json::Map<String, Value
     doc.pointer(pointer).unwrap().as_object().unwrap().clone()
 }
 
+/// The objects an Envoy Gateway `jsonPath` of the form our operations use selects in `doc`:
+/// `..key[?(@.name=='value')]`, then `.field` steps (only that form; anything else panics).
+fn gateway_json_path<'a>(doc: &'a Value, path: &str) -> Vec<&'a Value> {
+    let rest = path.strip_prefix("..").expect("a recursive descent");
+    let (key, rest) = rest.split_once("[?(@.name=='").expect("a name filter");
+    let (name, rest) = rest.split_once("')]").expect("a closed filter");
+    let mut found = Vec::new();
+    fn descend<'a>(v: &'a Value, key: &str, name: &str, found: &mut Vec<&'a Value>) {
+        match v {
+            Value::Object(m) => {
+                for (k, child) in m {
+                    if k == key {
+                        if let Some(items) = child.as_array() {
+                            found.extend(items.iter().filter(|i| i["name"] == name));
+                        }
+                    }
+                    descend(child, key, name, found);
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|i| descend(i, key, name, found)),
+            _ => {}
+        }
+    }
+    descend(doc, key, name, &mut found);
+    rest.split('.')
+        .filter(|f| !f.is_empty())
+        .fold(found, |at, field| {
+            at.into_iter().filter_map(|v| v.get(field)).collect()
+        })
+}
+
 /// A duration as Envoy writes it in YAML (`2.5s`), in ms.
 fn secs(v: &Value) -> u64 {
     let t = v.as_str().unwrap();
@@ -623,6 +654,17 @@ fn the_client_limits_reach_each_mesh_as_edge_render_writes_them() {
         );
         assert_eq!(
             flush["operation"]["value"], hcm["stream_flush_timeout"],
+            "{what}"
+        );
+        // The operation finds the connection manager, once, in a listener of the shape Envoy
+        // Gateway generates (`edge render`'s own stands in).
+        let json_path = flush["operation"]["jsonPath"].as_str().unwrap();
+        let shaped = Value::Object(listener.clone());
+        let at = gateway_json_path(&shaped, json_path);
+        assert_eq!(at.len(), 1, "{what}: {json_path} selects {}", at.len());
+        assert_eq!(
+            at[0]["@type"],
+            "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "{what}"
         );
         let policy = &find(&docs, "ClientTrafficPolicy")["spec"];

@@ -135,9 +135,11 @@ pub(super) struct RawLimits {
     /// How long an answer, whole in Envoy, may wait for a client that does not read it (an
     /// HTTP/2 client that keeps its window shut; Envoy's `stream_flush_timeout`, 1000 to
     /// 86400000): past it the stream is reset and its memory freed. The filter has stored the
-    /// answer by then, so the key's retry gets it replayed. Without it, such an answer waited
-    /// for the stream's idle timeout, which the filter's waits set at 5 minutes or more. From
-    /// 80 % of the heap bound it is shortened, down to a tenth at 95 %.
+    /// answer by then (or handed it to its worker to store, with `complete_in_background`), so
+    /// the key's retry gets it replayed. Without it, such an answer waited for the stream's idle
+    /// timeout, which the filter's waits set at 5 minutes or more. HTTP/1.1 clients are bounded
+    /// by `idle_timeout_ms` instead. In `edge render`'s Envoy, from 80 % of the heap bound it is
+    /// shortened, down to a tenth at 95 %.
     ///
     /// Default: 60000.
     #[schemars(with = "Option<u64>")]
