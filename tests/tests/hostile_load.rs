@@ -538,6 +538,17 @@ async fn assert_nothing_charged_twice(stack: &Stack) {
     assert!(twice.is_empty(), "charged more than once: {twice:?}");
 }
 
+/// None of `keys` ran (`what` names them in the failure).
+async fn assert_none_ran(stack: &Stack, keys: &[String], what: &str) {
+    let charges = charges_by_key(stack).await;
+    let ran: Vec<_> = keys
+        .iter()
+        .filter(|k| charges.contains_key(*k))
+        .take(5)
+        .collect();
+    assert!(ran.is_empty(), "{what} ran: {ran:?}");
+}
+
 /// Each of `keys` (none of which ran) sent again whole, as a client would (again after a second
 /// while the edge answers 503 + Retry-After): 201, and one charge.
 async fn assert_keys_usable(stack: &Stack, keys: &[String], body_size: usize) {
@@ -1142,13 +1153,7 @@ async fn header_flood(stack: Arc<Stack>) {
         "Envoy grew {:.1} MiB in the header flood",
         peak - rss_before
     );
-    let charges = charges_by_key(&stack).await;
-    let ran: Vec<_> = keys
-        .iter()
-        .filter(|k| charges.contains_key(*k))
-        .take(5)
-        .collect();
-    assert!(ran.is_empty(), "flood keys that ran: {ran:?}");
+    assert_none_ran(&stack, &keys, "flood keys").await;
     assert_nothing_charged_twice(&stack).await;
 }
 
@@ -1621,6 +1626,110 @@ async fn flood(
     end
 }
 
+/// What the floods share: Envoy measured around them, a legitimate client beside them, and
+/// the checks every flood makes.
+struct FloodAttack {
+    stack: Arc<Stack>,
+    rss_before: f64,
+    peak: RssPeak,
+    counters: &'static str,
+    counters_before: BTreeMap<String, u64>,
+    legit: Legit,
+}
+
+/// What a flood's clients did, by the kind of frame each sent, and Envoy's counters that moved.
+struct FloodTally {
+    /// (connections, frames sent, connections Envoy closed while flooding) by kind.
+    by_kind: BTreeMap<String, (usize, u64, usize)>,
+    /// Each client's end, in the order the clients were given.
+    ends: Vec<FloodEnd>,
+    moved: BTreeMap<String, u64>,
+}
+
+impl FloodAttack {
+    /// Envoy's memory and its counters matching `counters` read, and the legitimate client
+    /// started.
+    fn start(stack: &Arc<Stack>, counters: &'static str) -> Self {
+        let pid = envoy_pid(stack);
+        Self {
+            stack: Arc::clone(stack),
+            rss_before: rss_mib(pid),
+            peak: RssPeak::start(pid),
+            counters,
+            counters_before: stack.envoy.counters(counters),
+            legit: Legit::start(stack),
+        }
+    }
+
+    /// Runs `clients` (each its kind's name and its frames) for the size's `flood_secs`,
+    /// reports them as `name`, and checks what every flood must leave: no flooding connection
+    /// open after the drain, the legitimate keys served within [`P99_BOUND`], Envoy within its
+    /// budget.
+    async fn run(self, name: &str, clients: Vec<(String, FloodFrames)>) -> FloodTally {
+        let s = sizes();
+        let target = envoy_addr(&self.stack);
+        let until = Instant::now() + Duration::from_secs(s.flood_secs);
+        // An idle HTTP/2 connection is closed after the idle timeout, Envoy's drain (a first
+        // GOAWAY, `drain_timeout` 5 s, the last) and its delayed close (1 s): 9 s from its last
+        // stream, and a margin.
+        let drain = Duration::from_millis(IDLE_TIMEOUT_MS + 5_000 + 1_000 + 3_000);
+        let count = clients.len();
+        let tasks: Vec<_> = clients
+            .into_iter()
+            .map(|(kind, frames)| {
+                let flooding = flood(target, Arc::new(frames), until, drain);
+                (kind, tokio::spawn(flooding))
+            })
+            .collect();
+        let mut by_kind: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
+        let mut open = Vec::new();
+        let mut ends = Vec::new();
+        for (kind, t) in tasks {
+            let end = t.await.expect("task");
+            let e = by_kind.entry(kind.clone()).or_default();
+            e.0 += end.connections;
+            e.1 += end.frames;
+            e.2 += end.closed_while_flooding;
+            if !end.last_closed {
+                open.push(kind);
+            }
+            ends.push(end);
+        }
+        let legit = self.legit.finish().await;
+        let peak = self.peak.stop().await;
+        let moved = counters_moved(
+            &self.stack.envoy.counters(self.counters),
+            &self.counters_before,
+        );
+        let rss_before = self.rss_before;
+        report(
+            name,
+            &format!(
+                "{count} HTTP/2 clients for {} s, by frame (connections, frames sent, \
+                 connections Envoy closed while flooding) {by_kind:?}; Envoy's counters \
+                 {moved:?}; Envoy RSS {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
+                s.flood_secs
+            ),
+        );
+        assert!(
+            open.is_empty(),
+            "{name}: flooding connections still open {drain:?} after the flood: {open:?} \
+             ({by_kind:?})"
+        );
+        legit.check(name, P99_BOUND);
+        assert!(
+            peak - rss_before <= BUDGET_MIB,
+            "Envoy grew {:.1} MiB in the {name}",
+            peak - rss_before
+        );
+        FloodTally {
+            by_kind,
+            ends,
+            moved,
+        }
+    }
+}
+
 /// Envoy's counters the control-frame flood reports: its HTTP/2 flood protections and the
 /// connections they and the idle timeout closed.
 const FLOOD_COUNTERS: &str = "^http2\\.(outbound_control_flood|outbound_flood|inbound_empty_frames_flood|inbound_priority_frames_flood|inbound_window_update_frames_flood|rx_messaging_error|rx_reset|tx_reset|keepalive_timeout)$|^http.edge.downstream_cx_(idle_timeout|http2_total|protocol_error)$";
@@ -1632,54 +1741,16 @@ const FLOOD_COUNTERS: &str = "^http2\\.(outbound_control_flood|outbound_flood|in
 /// slow the legitimate keys past [`P99_BOUND`].
 async fn http2_control_frame_flood(stack: Arc<Stack>) {
     let s = sizes();
-    let pid = envoy_pid(&stack);
-    let target = envoy_addr(&stack);
-    let rss_before = rss_mib(pid);
-    let peak = RssPeak::start(pid);
-    let counters_before = stack.envoy.counters(FLOOD_COUNTERS);
-    let legit = Legit::start(&stack);
-    let until = Instant::now() + Duration::from_secs(s.flood_secs);
-    // An idle HTTP/2 connection is closed after the idle timeout, Envoy's drain (a first
-    // GOAWAY, `drain_timeout` 5 s, the last) and its delayed close (1 s): 9 s from its last
-    // stream, and a margin.
-    let drain = Duration::from_millis(IDLE_TIMEOUT_MS + 5_000 + 1_000 + 3_000);
-    let mut tasks = Vec::new();
-    for c in 0..s.control_flood_connections {
-        let kind = ControlFrame::ALL[c % ControlFrame::ALL.len()];
-        let frames = Arc::new(FloodFrames::control(kind));
-        tasks.push((kind, tokio::spawn(flood(target, frames, until, drain))));
-    }
-    let mut by_kind: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
-    let mut open = Vec::new();
-    for (kind, t) in tasks {
-        let end = t.await.expect("task");
-        let e = by_kind.entry(format!("{kind:?}")).or_default();
-        e.0 += end.connections;
-        e.1 += end.frames;
-        e.2 += end.closed_while_flooding;
-        if !end.last_closed {
-            open.push(kind);
-        }
-    }
-    let legit = legit.finish().await;
-    let peak = peak.stop().await;
-    let counters = stack.envoy.counters(FLOOD_COUNTERS);
-    let moved = counters_moved(&counters, &counters_before);
-    report(
-        "control-frame-flood",
-        &format!(
-            "{} HTTP/2 clients for {} s, by frame (connections, frames sent, connections \
-             Envoy closed while flooding) {by_kind:?}; Envoy's counters {moved:?}; Envoy RSS \
-             {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
-            s.control_flood_connections, s.flood_secs
-        ),
-    );
+    let attack = FloodAttack::start(&stack, FLOOD_COUNTERS);
+    let clients = (0..s.control_flood_connections)
+        .map(|c| {
+            let kind = ControlFrame::ALL[c % ControlFrame::ALL.len()];
+            (format!("{kind:?}"), FloodFrames::control(kind))
+        })
+        .collect();
+    let FloodTally { by_kind, moved, .. } = attack.run("control-frame-flood", clients).await;
     let frames: u64 = by_kind.values().map(|e| e.1).sum();
     assert!(frames >= 100_000, "too few frames to judge: {by_kind:?}");
-    assert!(
-        open.is_empty(),
-        "flooding connections still open {drain:?} after the flood: {open:?} ({by_kind:?})"
-    );
     // Envoy's flood limits closed them, not the idle timeout alone: the limits' counters
     // moved (a close while flooding may also be the idle timeout's, on a slow machine).
     for counter in [
@@ -1691,12 +1762,6 @@ async fn http2_control_frame_flood(stack: Arc<Stack>) {
             "{counter} did not move: {moved:?}"
         );
     }
-    legit.check("the HTTP/2 control-frame flood", P99_BOUND);
-    assert!(
-        peak - rss_before <= BUDGET_MIB,
-        "Envoy grew {:.1} MiB in the control-frame flood",
-        peak - rss_before
-    );
 }
 
 /// An HPACK integer with an `n`-bit prefix (RFC 7541, 5.1), the prefix's other bits 0.
@@ -1799,61 +1864,31 @@ impl StreamFlood {
 /// its budget and the legitimate keys within [`P99_BOUND`].
 async fn http2_stream_frame_flood(stack: Arc<Stack>) {
     let s = sizes();
-    let pid = envoy_pid(&stack);
-    let target = envoy_addr(&stack);
-    let rss_before = rss_mib(pid);
-    let peak = RssPeak::start(pid);
-    let counters_before = stack
-        .envoy
-        .counters("^http2\\.|^http.edge.downstream_(cx|rq)_");
-    let legit = Legit::start(&stack);
-    let until = Instant::now() + Duration::from_secs(s.flood_secs);
-    let drain = Duration::from_millis(IDLE_TIMEOUT_MS + 5_000 + 1_000 + 3_000);
+    let attack = FloodAttack::start(&stack, "^http2\\.|^http.edge.downstream_(cx|rq)_");
     let bearer = token("alice");
-    let mut tasks = Vec::new();
-    for c in 0..s.control_flood_connections {
-        let kind = StreamFlood::ALL[c % StreamFlood::ALL.len()];
-        let prefix = unique_key(&format!("stream-flood-{c}"));
-        let frames = Arc::new(kind.frames(prefix.clone(), bearer.clone()));
-        tasks.push((
-            kind,
-            prefix,
-            tokio::spawn(flood(target, frames, until, drain)),
-        ));
-    }
-    let mut by_kind: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
-    let mut open = Vec::new();
-    let mut keys = Vec::new();
-    for (kind, prefix, t) in tasks {
-        let end = t.await.expect("task");
-        let e = by_kind.entry(format!("{kind:?}")).or_default();
-        e.0 += end.connections;
-        e.1 += end.frames;
-        e.2 += end.closed_while_flooding;
-        if !end.last_closed {
-            open.push(kind);
-        }
-        keys.extend((0..end.connections).map(|n| format!("{prefix}-{n}")));
-    }
-    let legit = legit.finish().await;
-    let peak = peak.stop().await;
-    let counters = stack
-        .envoy
-        .counters("^http2\\.|^http.edge.downstream_(cx|rq)_");
-    let moved = counters_moved(&counters, &counters_before);
-    report(
-        "stream-frame-flood",
-        &format!(
-            "{} HTTP/2 clients for {} s, by frame (connections, frames sent, connections \
-             Envoy closed while flooding) {by_kind:?}; Envoy's counters {moved:?}; Envoy RSS \
-             {rss_before:.1} -> peak {peak:.1} MiB; {legit}",
-            s.control_flood_connections, s.flood_secs
-        ),
-    );
-    assert!(
-        open.is_empty(),
-        "flooding connections still open {drain:?} after the flood: {open:?} ({by_kind:?})"
-    );
+    let prefixes: Vec<(StreamFlood, String)> = (0..s.control_flood_connections)
+        .map(|c| {
+            let kind = StreamFlood::ALL[c % StreamFlood::ALL.len()];
+            (kind, unique_key(&format!("stream-flood-{c}")))
+        })
+        .collect();
+    let clients = prefixes
+        .iter()
+        .map(|(kind, prefix)| {
+            let frames = kind.frames(prefix.clone(), bearer.clone());
+            (format!("{kind:?}"), frames)
+        })
+        .collect();
+    let FloodTally {
+        by_kind,
+        ends,
+        moved,
+    } = attack.run("stream-frame-flood", clients).await;
+    let keys: Vec<String> = prefixes
+        .iter()
+        .zip(&ends)
+        .flat_map(|((_, prefix), end)| (0..end.connections).map(move |n| format!("{prefix}-{n}")))
+        .collect();
     // Each connection closed while it flooded was closed by its flood's own limit: empty
     // frames, PRIORITY frames, the header list.
     for (kind, counter) in [
@@ -1868,19 +1903,7 @@ async fn http2_stream_frame_flood(stack: Arc<Stack>) {
             "{kind:?}: {closed} connections closed while flooding, {counter} +{by_limit}: {moved:?}"
         );
     }
-    let charges = charges_by_key(&stack).await;
-    let ran: Vec<_> = keys
-        .iter()
-        .filter(|k| charges.contains_key(*k))
-        .take(5)
-        .collect();
-    assert!(ran.is_empty(), "keys whose body never came ran: {ran:?}");
-    legit.check("the HTTP/2 stream-frame flood", P99_BOUND);
-    assert!(
-        peak - rss_before <= BUDGET_MIB,
-        "Envoy grew {:.1} MiB in the stream-frame flood",
-        peak - rss_before
-    );
+    assert_none_ran(&stack, &keys, "keys whose body never came").await;
     let sample: Vec<String> = keys
         .iter()
         .step_by((keys.len() / 20).max(1))

@@ -87,76 +87,58 @@ fn patch_policy(cfg: &Config) -> Yaml {
                 (
                     "jsonPatches",
                     Yaml::Array(vec![
-                        map(vec![
-                            (
-                                "type",
-                                s("type.googleapis.com/envoy.config.listener.v3.Listener"),
-                            ),
-                            ("name", s(listener.clone())),
-                            (
-                                "operation",
-                                map(vec![
-                                    ("op", s("add")),
-                                    (
-                                        "jsonPath",
-                                        s(format!(
-                                            "..http_filters[?(@.name=='{filter}')].typed_config.config"
-                                        )),
-                                    ),
-                                    ("path", s("allow_on_headers_stop_iteration")),
-                                    ("value", Yaml::Boolean(true)),
-                                ]),
-                            ),
-                        ]),
+                        add_at(
+                            LISTENER,
+                            &listener,
+                            &format!("..http_filters[?(@.name=='{filter}')].typed_config.config"),
+                            "allow_on_headers_stop_iteration",
+                            Yaml::Boolean(true),
+                        ),
                         // What a stream may buffer, as `edge render` sets it: Envoy Gateway's
                         // connections buffer 32 KiB (its default, and the ClientTrafficPolicy's),
                         // which would make Envoy answer 413 to a larger request and 500 to a
                         // larger response the upstream gave.
-                        map(vec![
-                            (
-                                "type",
-                                s("type.googleapis.com/envoy.config.route.v3.RouteConfiguration"),
-                            ),
-                            ("name", s(listener.clone())),
-                            (
-                                "operation",
-                                map(vec![
-                                    ("op", s("add")),
-                                    ("jsonPath", s("..virtual_hosts[*]")),
-                                    ("path", s("request_body_buffer_limit")),
-                                    ("value", n(render::stream_buffer_limit(cfg))),
-                                ]),
-                            ),
-                        ]),
+                        add_at(
+                            "type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+                            &listener,
+                            "..virtual_hosts[*]",
+                            "request_body_buffer_limit",
+                            n(render::stream_buffer_limit(cfg)),
+                        ),
                         // How long an answer may wait for a client that does not read it: the
                         // ClientTrafficPolicy has no field for it.
-                        map(vec![
-                            (
-                                "type",
-                                s("type.googleapis.com/envoy.config.listener.v3.Listener"),
-                            ),
-                            ("name", s(listener.clone())),
-                            (
-                                "operation",
-                                map(vec![
-                                    ("op", s("add")),
-                                    (
-                                        "jsonPath",
-                                        s("..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config"),
-                                    ),
-                                    ("path", s("stream_flush_timeout")),
-                                    (
-                                        "value",
-                                        duration(cfg.limits.response_flush_timeout_ms),
-                                    ),
-                                ]),
-                            ),
-                        ]),
+                        add_at(
+                            LISTENER,
+                            &listener,
+                            "..filters[?(@.name=='envoy.filters.network.http_connection_manager')].typed_config",
+                            "stream_flush_timeout",
+                            duration(cfg.limits.response_flush_timeout_ms),
+                        ),
                     ]),
                 ),
             ]),
         )],
     )
+}
+
+const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+
+/// An `EnvoyPatchPolicy` operation: `value` added as `path` in each object `json_path` selects in
+/// the xDS resource of `kind` named `name`.
+fn add_at(kind: &str, name: &str, json_path: &str, path: &str, value: Yaml) -> Yaml {
+    map(vec![
+        ("type", s(kind)),
+        ("name", s(name)),
+        (
+            "operation",
+            map(vec![
+                ("op", s("add")),
+                ("jsonPath", s(json_path)),
+                ("path", s(path)),
+                ("value", value),
+            ]),
+        ),
+    ])
 }
 
 /// The `EnvoyProxy` whose bootstrap adds the clusters the filter calls.
