@@ -19,7 +19,7 @@
 //! read their answer (a window of 0), and a flood of empty DATA, PRIORITY and CONTINUATION
 //! frames on an open request of 5 / 20 s from 24 / 96 clients. The stack's client
 //! timeouts are shortened (`[limits]`: headers 2 s, whole request 5 s, idle 3 s, an unread
-//! answer 10 / 30 s) so that the slow clients are cut within the test's time; the memory limits
+//! answer 15 / 40 s) so that the slow clients are cut within the test's time; the memory limits
 //! are the defaults.
 
 use std::collections::BTreeMap;
@@ -96,7 +96,7 @@ fn sizes() -> Sizes {
             reset_connections: 16,
             control_flood_connections: 96,
             zero_window_connections: 1_000,
-            flush_timeout_ms: 30_000,
+            flush_timeout_ms: 40_000,
         }
     } else {
         Sizes {
@@ -110,7 +110,7 @@ fn sizes() -> Sizes {
             reset_connections: 8,
             control_flood_connections: 24,
             zero_window_connections: 200,
-            flush_timeout_ms: 10_000,
+            flush_timeout_ms: 15_000,
         }
     }
 }
@@ -1920,7 +1920,7 @@ const FLUSH_COUNTER: &str = "^http2\\.tx_flush_timeout$";
 /// body. The checkout runs each key once and the filter stores its answer all the same: sent
 /// again by a client that reads, every key is replayed. Envoy's memory stays within the budget
 /// and the legitimate keys within [`P99_BOUND`] while the answers wait, and each waits at most
-/// `response_flush_timeout_ms` (10 s here, 30 s at the full size): then Envoy resets its
+/// `response_flush_timeout_ms` (15 s here, 40 s at the full size): then Envoy resets its
 /// stream. (HTTP/2 only: an HTTP/1.1 client that does not read is bounded by the idle timeout.)
 async fn http2_readers_that_never_read(stack: Arc<Stack>) {
     let s = sizes();
