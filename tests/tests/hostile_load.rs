@@ -1549,13 +1549,22 @@ struct FloodFrames {
 }
 
 impl FloodFrames {
+    /// `frame` repeated, `per_batch` of them a write, after `opening`.
+    fn repeating(
+        opening: impl Fn(usize) -> Vec<u8> + Send + Sync + 'static,
+        frame: &[u8],
+        per_batch: usize,
+    ) -> Self {
+        Self {
+            opening: Box::new(opening),
+            batch: frame.repeat(per_batch),
+            frames_per_batch: per_batch as u64,
+        }
+    }
+
     /// `kind`'s control frames, 1,024 a batch, after the connection preface.
     fn control(kind: ControlFrame) -> Self {
-        Self {
-            opening: Box::new(|_| h2_hello()),
-            batch: kind.frame().repeat(1_024),
-            frames_per_batch: 1_024,
-        }
+        Self::repeating(|_| h2_hello(), &kind.frame(), 1_024)
     }
 }
 
@@ -1849,11 +1858,7 @@ impl StreamFlood {
             Self::Priority => h2_frame(0x2, 0, 1, &[0, 0, 0, 0, 15]),
             Self::Continuation => h2_frame(0x9, 0, 1, &hpack_literal("x-pad", &"p".repeat(100))),
         };
-        FloodFrames {
-            opening: Box::new(opening),
-            batch: frame.repeat(256),
-            frames_per_batch: 256,
-        }
+        FloodFrames::repeating(opening, &frame, 256)
     }
 }
 
@@ -1961,7 +1966,7 @@ async fn http2_readers_that_never_read(stack: Arc<Stack>) {
                 .await
                 .map_err(|_| "no answer's headers in 30 s".to_string())?
                 .map_err(|e| e.to_string())?;
-            // Held, never read: its body stays in Envoy until the connection goes.
+            // Held, never read: its body stays in Envoy until the flush timeout resets the stream.
             Ok::<_, String>((key, answer.status().as_u16(), answer.into_body(), driver))
         }));
     }

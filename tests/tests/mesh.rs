@@ -213,21 +213,23 @@ fn mesh_envoy_config(stack: &Stack, w: &Wiring, stop_iteration: bool) -> Result<
     for (pointer, edge_own, mesh) in [
         (
             LISTENER.to_owned(),
-            "per_connection_buffer_limit_bytes",
+            Some("per_connection_buffer_limit_bytes"),
             &w.listener,
         ),
         (
             format!("{HCM}/route_config/virtual_hosts/0"),
-            "request_body_buffer_limit",
+            Some("request_body_buffer_limit"),
             &w.vhost,
         ),
-        (HCM.to_owned(), "", &w.hcm),
+        (HCM.to_owned(), None, &w.hcm),
     ] {
         let fields = c
             .pointer_mut(&pointer)
             .and_then(Value::as_object_mut)
             .ok_or_else(|| format!("nothing at {pointer}"))?;
-        fields.remove(edge_own);
+        if let Some(name) = edge_own {
+            fields.remove(name);
+        }
         fields.extend(
             mesh.iter()
                 .filter(|(name, _)| *name != "@type")
